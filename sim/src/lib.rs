@@ -1,0 +1,17 @@
+//! `vllm-sim`: a server that a client, a router or a load balancer cannot tell apart from
+//! `vllm serve` except by its speed knobs.
+//!
+//! It serves vLLM's OpenAI-compatible API (completions and chat, unary and SSE), runs an engine
+//! shaped like vLLM v1 (continuous batching, token budget, chunked prefill, a paged KV cache with
+//! prefix caching and preemption), publishes KV-cache events on ZeroMQ byte-identical to vLLM's,
+//! and exposes vLLM's `vllm:*` Prometheus metrics. Step times come from a [`timing`] model of a
+//! mid-size model on one GPU, scaled by `time_scale` for tests.
+//!
+//! Use it as a binary (`vllm-sim --help`) or in-process with [`SimServer::start`].
+
+pub mod block_hash;
+pub mod events;
+pub mod kv_cache;
+pub mod sampler;
+pub mod scheduler;
+pub mod timing;

@@ -1,0 +1,443 @@
+//! The engine core: vLLM v1's scheduler over the paged KV cache, without the GPU.
+//!
+//! One call to [`Scheduler::schedule`] plans a step exactly as vLLM's `Scheduler.schedule` does:
+//! - a token budget of `max_num_batched_tokens` per step;
+//! - running requests first, in order, each taking the tokens it has not computed yet (one for a
+//!   decode, the next chunk of a long prompt: chunked prefill), capped by the remaining budget;
+//! - when a running request cannot get its blocks, the *last* running request is preempted
+//!   (recompute: its blocks are freed and it goes back to the front of the waiting queue);
+//! - if nothing was preempted, waiting requests are admitted in order while there are seats
+//!   (`max_num_seqs`) and budget, after looking up their prompt's full blocks in the prefix
+//!   cache (at most `num_tokens - 1` tokens can hit, so the last token is always computed).
+//!
+//! [`Scheduler::update`] then applies the step's outcome: computed tokens advance, requests
+//! whose whole context is computed get a new token from the [`Sampler`], finished ones free
+//! their blocks last-block-first. KV events accumulate in the block pool for the caller to
+//! publish once per step, as vLLM publishes one batch per step.
+//!
+//! Time, channels and HTTP are not this module's business (see `engine`).
+
+use crate::block_hash::{BlockHash, hash_block};
+use crate::kv_cache::{BlockId, BlockPool};
+use crate::events::KvEvent;
+use crate::sampler::{ContextHash, Sampler};
+use crate::timing::StepShape;
+use std::collections::{HashMap, VecDeque};
+
+/// Engine-internal request id.
+pub type ReqId = u64;
+
+/// Limits of one engine, as vLLM's scheduler and cache configs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Blocks in the pool, including the reserved null block.
+    pub num_gpu_blocks: usize,
+    /// Maximum running sequences.
+    pub max_num_seqs: usize,
+    /// Token budget per step.
+    pub max_num_batched_tokens: usize,
+    /// Longest context a request may reach.
+    pub max_model_len: usize,
+    /// Prefix caching on/off.
+    pub enable_prefix_caching: bool,
+}
+
+/// A request as handed to the engine.
+#[derive(Debug, Clone)]
+pub struct NewRequest {
+    /// Id chosen by the caller, unique per engine.
+    pub id: ReqId,
+    /// Prompt token ids (non-empty).
+    pub prompt: Vec<u32>,
+    /// Maximum tokens to generate (≥ 1).
+    pub max_tokens: usize,
+    /// EOS is suppressed until this many tokens were generated.
+    pub min_tokens: usize,
+    /// Never stop on EOS.
+    pub ignore_eos: bool,
+    /// Seed of the context hash (the simulator seed).
+    pub seed: u64,
+}
+
+/// Why a request finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS was sampled.
+    Stop,
+    /// `max_tokens` or `max_model_len` was reached.
+    Length,
+}
+
+impl FinishReason {
+    /// The OpenAI `finish_reason` string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// One generated token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenOutput {
+    /// The request it belongs to.
+    pub id: ReqId,
+    /// The token id (EOS included when the request stopped on it).
+    pub token: u32,
+    /// Set on the request's last token.
+    pub finish: Option<FinishReason>,
+    /// True for the request's first generated token.
+    pub first: bool,
+    /// Prompt tokens served from the prefix cache at first scheduling.
+    pub num_cached_tokens: usize,
+    /// Prompt length.
+    pub num_prompt_tokens: usize,
+}
+
+/// A planned step.
+#[derive(Debug, Default)]
+pub struct Step {
+    /// (request, tokens computed for it in this step).
+    pub scheduled: Vec<(ReqId, usize)>,
+    /// What the step contains, for the timing model.
+    pub shape: StepShape,
+    /// Requests preempted while planning.
+    pub preempted: Vec<ReqId>,
+}
+
+/// Counters the caller turns into `vllm:*` metrics.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulerCounters {
+    /// `vllm:prefix_cache_queries` (tokens looked up).
+    pub prefix_cache_queries: u64,
+    /// `vllm:prefix_cache_hits` (tokens found).
+    pub prefix_cache_hits: u64,
+    /// `vllm:num_preemptions`.
+    pub preemptions: u64,
+}
+
+#[derive(Debug)]
+struct Request {
+    tokens: Vec<u32>,
+    num_prompt: usize,
+    max_tokens: usize,
+    min_tokens: usize,
+    ignore_eos: bool,
+    ctx: ContextHash,
+    num_computed: usize,
+    blocks: Vec<BlockId>,
+    block_hashes: Vec<BlockHash>,
+    /// How many of `blocks` are registered in the prefix cache.
+    num_cached_blocks: usize,
+    num_cached_tokens: Option<usize>,
+}
+
+impl Request {
+    fn num_output(&self) -> usize {
+        self.tokens.len() - self.num_prompt
+    }
+
+    /// Extends `block_hashes` to cover the first `n` full blocks.
+    fn ensure_hashes(&mut self, n: usize, bs: usize) {
+        while self.block_hashes.len() < n {
+            let i = self.block_hashes.len();
+            let h = hash_block(self.block_hashes.last(), &self.tokens[i * bs..(i + 1) * bs]);
+            self.block_hashes.push(h);
+        }
+    }
+}
+
+/// The scheduler and its block pool.
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    pool: BlockPool,
+    sampler: Sampler,
+    requests: HashMap<ReqId, Request>,
+    waiting: VecDeque<ReqId>,
+    running: Vec<ReqId>,
+    counters: SchedulerCounters,
+}
+
+fn ceil_div(a: usize, b: usize) -> usize {
+    a.div_ceil(b)
+}
+
+impl Scheduler {
+    /// An idle engine with an empty cache.
+    pub fn new(cfg: SchedulerConfig, sampler: Sampler) -> Self {
+        Self {
+            pool: BlockPool::new(cfg.num_gpu_blocks, cfg.block_size, cfg.enable_prefix_caching),
+            cfg,
+            sampler,
+            requests: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            counters: SchedulerCounters::default(),
+        }
+    }
+
+    /// Queues a request at the back of the waiting queue.
+    pub fn add(&mut self, r: NewRequest) {
+        debug_assert!(!r.prompt.is_empty() && r.max_tokens >= 1);
+        let bs = self.cfg.block_size;
+        let ctx = ContextHash::new(r.seed).extend(&r.prompt);
+        let mut req = Request {
+            num_prompt: r.prompt.len(),
+            tokens: r.prompt,
+            max_tokens: r.max_tokens,
+            min_tokens: r.min_tokens,
+            ignore_eos: r.ignore_eos,
+            ctx,
+            num_computed: 0,
+            blocks: Vec::new(),
+            block_hashes: Vec::new(),
+            num_cached_blocks: 0,
+            num_cached_tokens: None,
+        };
+        if self.cfg.enable_prefix_caching {
+            req.ensure_hashes(req.tokens.len() / bs, bs);
+        }
+        self.requests.insert(r.id, req);
+        self.waiting.push_back(r.id);
+    }
+
+    /// Removes a request wherever it is, freeing its blocks. Returns false if unknown.
+    pub fn abort(&mut self, id: ReqId) -> bool {
+        let Some(req) = self.requests.remove(&id) else { return false };
+        self.pool.free(req.blocks.iter().rev());
+        if let Some(pos) = self.running.iter().position(|&r| r == id) {
+            self.running.remove(pos);
+        } else if let Some(pos) = self.waiting.iter().position(|&r| r == id) {
+            self.waiting.remove(pos);
+        }
+        true
+    }
+
+    /// Plans one step.
+    pub fn schedule(&mut self) -> Step {
+        let bs = self.cfg.block_size;
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut step = Step::default();
+
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let req = &self.requests[&id];
+            let n = (req.tokens.len() - req.num_computed).min(budget);
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            let mut ok = false;
+            loop {
+                if self.allocate(id, n, &[]) {
+                    ok = true;
+                    break;
+                }
+                let Some(victim) = self.running.pop() else { break };
+                self.preempt(victim);
+                step.preempted.push(victim);
+                if victim == id {
+                    break;
+                }
+            }
+            if !ok {
+                break;
+            }
+            self.record(&mut step, id, n);
+            budget -= n;
+            i += 1;
+        }
+
+        if step.preempted.is_empty() {
+            while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+                let Some(&id) = self.waiting.front() else { break };
+                let hits = self.cached_prefix(id);
+                let req = &self.requests[&id];
+                let num_tokens = req.tokens.len();
+                let n = (num_tokens - hits.len() * bs).min(budget);
+                if !self.allocate(id, n, &hits) {
+                    break;
+                }
+                self.counters.prefix_cache_queries += num_tokens as u64;
+                self.counters.prefix_cache_hits += (hits.len() * bs) as u64;
+                let req = self.requests.get_mut(&id).expect("waiting ids are live");
+                req.num_cached_tokens.get_or_insert(hits.len() * bs);
+                self.waiting.pop_front();
+                self.running.push(id);
+                self.record(&mut step, id, n);
+                budget -= n;
+            }
+        }
+        step
+    }
+
+    /// Applies a finished step: advances computed tokens, samples, finishes requests.
+    pub fn update(&mut self, step: &Step) -> Vec<TokenOutput> {
+        let mut out = Vec::new();
+        let mut finished = Vec::new();
+        for &(id, n) in &step.scheduled {
+            let Some(req) = self.requests.get_mut(&id) else { continue };
+            req.num_computed += n;
+            if req.num_computed < req.tokens.len() {
+                continue; // a prefill chunk that did not reach the end of the context
+            }
+            let num_out = req.num_output();
+            let allow_eos = !req.ignore_eos && num_out >= req.min_tokens;
+            let tok = self.sampler.next(req.ctx, allow_eos);
+            req.tokens.push(tok);
+            req.ctx = req.ctx.push(tok);
+            let finish = if allow_eos && Some(tok) == self.sampler.eos() {
+                Some(FinishReason::Stop)
+            } else if num_out + 1 >= req.max_tokens || req.tokens.len() >= self.cfg.max_model_len {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            out.push(TokenOutput {
+                id,
+                token: tok,
+                finish,
+                first: num_out == 0,
+                num_cached_tokens: req.num_cached_tokens.unwrap_or(0),
+                num_prompt_tokens: req.num_prompt,
+            });
+            if finish.is_some() {
+                finished.push(id);
+            }
+        }
+        for id in finished {
+            self.abort(id);
+        }
+        out
+    }
+
+    /// Drops the prefix cache if no block is in use (vLLM semantics).
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.pool.reset_prefix_cache()
+    }
+
+    /// KV events produced since the last call.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.pool.take_events()
+    }
+
+    /// Requests in the running batch.
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Requests waiting (new or preempted).
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Whether there is anything to do.
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// KV cache usage in [0, 1].
+    pub fn kv_usage(&self) -> f64 {
+        self.pool.usage()
+    }
+
+    /// Cumulative counters.
+    pub fn counters(&self) -> SchedulerCounters {
+        self.counters
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    /// Read access to the pool (tests and invariants).
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// The blocks a request currently holds (tests).
+    pub fn blocks_of(&self, id: ReqId) -> Option<&[BlockId]> {
+        self.requests.get(&id).map(|r| r.blocks.as_slice())
+    }
+
+    fn record(&self, step: &mut Step, id: ReqId, n: usize) {
+        let req = &self.requests[&id];
+        let is_decode = n == 1 && req.num_output() > 0 && req.num_computed + 1 == req.tokens.len();
+        if is_decode {
+            step.shape.add_decode(req.tokens.len());
+        } else {
+            step.shape.add_prefill(req.num_computed, n);
+        }
+        step.scheduled.push((id, n));
+    }
+
+    /// The longest run of the request's leading full blocks present in the cache.
+    fn cached_prefix(&self, id: ReqId) -> Vec<BlockId> {
+        let req = &self.requests[&id];
+        if !self.cfg.enable_prefix_caching || req.num_computed > 0 {
+            return Vec::new();
+        }
+        let max_blocks = (req.tokens.len() - 1) / self.cfg.block_size;
+        req.block_hashes
+            .iter()
+            .take(max_blocks)
+            .map_while(|h| self.pool.lookup(h))
+            .collect()
+    }
+
+    /// Gives the request blocks for `n` more tokens (after taking `hits` from the cache) and
+    /// registers its newly full blocks. All or nothing.
+    fn allocate(&mut self, id: ReqId, n: usize, hits: &[BlockId]) -> bool {
+        let bs = self.cfg.block_size;
+        let req = self.requests.get_mut(&id).expect("scheduled ids are live");
+        let computed = req.num_computed + hits.len() * bs;
+        let need = ceil_div(computed + n, bs);
+        let new_blocks = need.saturating_sub(req.blocks.len() + hits.len());
+        let revived = hits.iter().filter(|&&b| self.pool.ref_cnt(b) == 0).count();
+        if new_blocks + revived > self.pool.num_free() {
+            return false;
+        }
+        self.pool.touch(hits);
+        req.blocks.extend_from_slice(hits);
+        req.num_cached_blocks += hits.len();
+        req.num_computed = computed;
+        let fresh = self.pool.allocate(new_blocks).expect("checked above");
+        req.blocks.extend(fresh);
+
+        let full = (computed + n).min(req.tokens.len()) / bs;
+        let from = req.num_cached_blocks;
+        if full > from {
+            if self.cfg.enable_prefix_caching {
+                req.ensure_hashes(full, bs);
+                let parent = from.checked_sub(1).map(|p| req.block_hashes[p]);
+                self.pool.cache_full_blocks(
+                    &req.blocks[from..full],
+                    &req.block_hashes[from..full],
+                    parent.as_ref(),
+                    &req.tokens[from * bs..full * bs],
+                );
+            }
+            req.num_cached_blocks = full;
+        }
+        true
+    }
+
+    fn preempt(&mut self, id: ReqId) {
+        let req = self.requests.get_mut(&id).expect("running ids are live");
+        self.pool.free(req.blocks.iter().rev());
+        req.blocks.clear();
+        req.num_computed = 0;
+        req.num_cached_blocks = 0;
+        self.waiting.push_front(id);
+        self.counters.preemptions += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests;

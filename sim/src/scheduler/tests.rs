@@ -1,0 +1,231 @@
+use super::*;
+use crate::block_hash::hash_block;
+
+fn cfg(blocks: usize, budget: usize, seqs: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        block_size: 4,
+        num_gpu_blocks: blocks,
+        max_num_seqs: seqs,
+        max_num_batched_tokens: budget,
+        max_model_len: 1024,
+        enable_prefix_caching: true,
+    }
+}
+
+fn sched(c: SchedulerConfig) -> Scheduler {
+    Scheduler::new(c, Sampler::new((100..200).collect::<Vec<u32>>().into(), Some(2), 0.0))
+}
+
+fn req(id: ReqId, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
+    NewRequest { id, prompt, max_tokens, min_tokens: 0, ignore_eos: true, seed: 0 }
+}
+
+/// Runs steps until idle; returns tokens per request in order.
+fn run(s: &mut Scheduler) -> HashMap<ReqId, Vec<u32>> {
+    let mut out: HashMap<ReqId, Vec<u32>> = HashMap::new();
+    for _ in 0..10_000 {
+        if !s.has_work() {
+            return out;
+        }
+        let step = s.schedule();
+        for t in s.update(&step) {
+            out.entry(t.id).or_default().push(t.token);
+        }
+    }
+    panic!("scheduler did not drain");
+}
+
+fn stored(events: &[KvEvent]) -> Vec<(Vec<u64>, Option<u64>, Vec<u32>)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, .. } => {
+                Some((block_hashes.clone(), *parent_block_hash, token_ids.clone()))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn prefix_reuse_hits_all_but_the_last_token() {
+    let mut s = sched(cfg(64, 1024, 8));
+    let prompt: Vec<u32> = (1..=16).collect(); // 4 full blocks
+    s.add(req(1, prompt.clone(), 2));
+    run(&mut s);
+    s.add(req(2, prompt.clone(), 2));
+    let step = s.schedule();
+    // 16 tokens → at most 15 may hit → 3 blocks (12 tokens); the 4 remaining are computed.
+    assert_eq!(step.scheduled, vec![(2, 4)]);
+    assert_eq!(step.shape.prefill_tokens, 4);
+    let c = s.counters();
+    assert_eq!((c.prefix_cache_queries, c.prefix_cache_hits), (32, 12));
+}
+
+#[test]
+fn chunked_prefill_respects_the_token_budget() {
+    let mut s = sched(cfg(128, 32, 8));
+    s.add(req(1, (0..100).collect(), 3));
+    s.add(req(2, (500..510).collect(), 3));
+    let mut firsts = Vec::new();
+    let mut sizes = Vec::new();
+    for _ in 0..6 {
+        let step = s.schedule();
+        let total: usize = step.scheduled.iter().map(|&(_, n)| n).sum();
+        assert!(total <= 32, "budget exceeded: {total}");
+        sizes.push(step.scheduled.clone());
+        for t in s.update(&step) {
+            if t.first {
+                firsts.push(t.id);
+            }
+        }
+    }
+    // Request 1 takes the whole budget for 3 steps, then its 4-token tail shares with request 2.
+    assert_eq!(sizes[0], vec![(1, 32)]);
+    assert_eq!(sizes[1], vec![(1, 32)]);
+    assert_eq!(sizes[2], vec![(1, 32)]);
+    assert_eq!(sizes[3], vec![(1, 4), (2, 10)]);
+    assert_eq!(firsts, vec![1, 2]);
+    assert_eq!(sizes[4], vec![(1, 1), (2, 1)], "then both decode");
+}
+
+#[test]
+fn max_num_seqs_caps_the_running_batch() {
+    let mut s = sched(cfg(128, 1024, 2));
+    for id in 0..5 {
+        s.add(req(id, vec![id as u32 + 1; 5], 4));
+    }
+    let _ = s.schedule();
+    assert_eq!(s.num_running(), 2);
+    assert_eq!(s.num_waiting(), 3);
+}
+
+#[test]
+fn preemption_recomputes_and_output_is_unchanged() {
+    // Reference: plenty of blocks, no preemption.
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| (i * 50..i * 50 + 8).collect()).collect();
+    let mut big = sched(cfg(256, 1024, 8));
+    for (i, p) in prompts.iter().enumerate() {
+        big.add(req(i as ReqId, p.clone(), 24));
+    }
+    let want = run(&mut big);
+    assert_eq!(big.counters().preemptions, 0);
+
+    // 3 requests of 8 + 24 tokens need 8 blocks each; 16 usable blocks force preemption.
+    let mut small = sched(cfg(17, 1024, 8));
+    for (i, p) in prompts.iter().enumerate() {
+        small.add(req(i as ReqId, p.clone(), 24));
+    }
+    let got = run(&mut small);
+    assert!(small.counters().preemptions > 0, "expected preemption");
+    assert_eq!(got, want, "recompute must not change any token");
+    assert_eq!(small.pool().num_free(), 16, "every block is back");
+}
+
+#[test]
+fn preemption_takes_the_last_running_request() {
+    let mut s = sched(cfg(9, 1024, 8)); // 8 usable blocks
+    s.add(req(1, (0..12).collect(), 100)); // 3 blocks
+    s.add(req(2, (100..112).collect(), 100)); // 3 blocks
+    let st = s.schedule();
+    let _ = s.update(&st);
+    // Decode until a block is needed that is not there.
+    let mut preempted = Vec::new();
+    for _ in 0..40 {
+        let step = s.schedule();
+        preempted.extend(step.preempted.iter().copied());
+        let _ = s.update(&step);
+        if !preempted.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(preempted, vec![2], "LIFO: the newest running request is preempted");
+    assert_eq!(s.num_waiting(), 1);
+}
+
+#[test]
+fn events_cover_prompt_and_decode_blocks_with_chained_parents() {
+    let mut s = sched(cfg(64, 1024, 8));
+    let prompt: Vec<u32> = (1..=10).collect(); // 2 full blocks + 2 tokens
+    s.add(req(1, prompt.clone(), 7)); // 17 tokens total → block 3 fills during decode
+    let step = s.schedule();
+    let _ = s.update(&step);
+    let ev = s.take_events();
+    let st = stored(&ev);
+    let b0 = hash_block(None, &prompt[0..4]);
+    let b1 = hash_block(Some(&b0), &prompt[4..8]);
+    assert_eq!(st, vec![(vec![b0.wire_id(), b1.wire_id()], None, prompt[..8].to_vec())]);
+
+    let mut all = Vec::new();
+    while s.has_work() {
+        let step = s.schedule();
+        let _ = s.update(&step);
+        all.extend(s.take_events());
+    }
+    // The third block (tokens 9..12: two prompt tokens + two generated) was stored with
+    // parent b1; the fourth (12..16) with parent b2. Finishing emits no BlockRemoved.
+    let st = stored(&all);
+    assert_eq!(st.len(), 2, "{all:?}");
+    assert_eq!(st[0].1, Some(b1.wire_id()));
+    assert_eq!(&st[0].2[..2], &prompt[8..10]);
+    assert!(all.iter().all(|e| matches!(e, KvEvent::BlockStored { .. })));
+}
+
+#[test]
+fn eviction_emits_one_removed_per_hash_tail_blocks_first() {
+    let mut s = sched(cfg(5, 1024, 8)); // 4 usable blocks
+    s.add(req(1, (1..=13).collect(), 1)); // 3 full + 1 partial block, then done
+    run(&mut s);
+    let first = s.take_events();
+    let hashes = match &stored(&first)[..] {
+        [(h, None, _)] => h.clone(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(hashes.len(), 3);
+    // A new 8-token prompt needs 2 fresh blocks: the free block, then request 1's last cached one.
+    s.add(req(2, (500..508).collect(), 1));
+    run(&mut s);
+    let ev = s.take_events();
+    let removed: Vec<u64> = ev
+        .iter()
+        .filter_map(|e| match e {
+            KvEvent::BlockRemoved { block_hashes } => Some(block_hashes.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert_eq!(removed, vec![hashes[2]], "the deepest block goes first");
+}
+
+#[test]
+fn abort_frees_blocks_and_leaves_cache_entries() {
+    let mut s = sched(cfg(32, 1024, 8));
+    s.add(req(7, (0..20).collect(), 100));
+    let step = s.schedule();
+    let _ = s.update(&step);
+    assert!(s.blocks_of(7).is_some());
+    assert!(s.abort(7));
+    assert!(!s.abort(7));
+    assert_eq!(s.pool().num_free(), 31);
+    assert_eq!(s.pool().num_cached_hashes(), 5);
+    assert!(!s.has_work());
+}
+
+#[test]
+fn stop_on_eos_only_after_min_tokens() {
+    let c = cfg(64, 1024, 8);
+    // Vocabulary of only EOS-free tokens, EOS probability 1: stops as soon as allowed.
+    let mut s = Scheduler::new(c, Sampler::new(vec![50u32].into(), Some(2), 1.0));
+    s.add(NewRequest { id: 1, prompt: vec![1, 2, 3], max_tokens: 10, min_tokens: 3, ignore_eos: false, seed: 0 });
+    let mut toks = Vec::new();
+    let mut fin = None;
+    while s.has_work() {
+        let step = s.schedule();
+        for t in s.update(&step) {
+            toks.push(t.token);
+            fin = t.finish;
+        }
+    }
+    assert_eq!(toks, vec![50, 50, 50, 2]);
+    assert_eq!(fin, Some(FinishReason::Stop));
+}
