@@ -1,0 +1,144 @@
+//! Turns validated prompts into engine requests and hands back a [`Generation`]: the stream of
+//! tokens for all choices of one HTTP request.
+//!
+//! The [`Generation`] owns an abort guard: when it is dropped before every choice finished
+//! (the client disconnected, so hyper dropped the handler future or the SSE body), the engine
+//! is told to abort the unfinished requests, which frees their blocks at the next step, the
+//! way vLLM aborts a request whose HTTP connection closed.
+
+use super::AppState;
+use super::error::ApiError;
+use super::protocol::GenParams;
+use crate::engine::{Delivery, EngineHandle};
+use crate::faults::RequestFault;
+use crate::scheduler::{NewRequest, ReqId};
+use axum::http::HeaderMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// One prompt ready for the engine.
+#[derive(Debug, Clone)]
+pub struct PreparedPrompt {
+    /// Token ids.
+    pub tokens: Vec<u32>,
+    /// Resolved max_tokens.
+    pub max_tokens: usize,
+}
+
+/// The tokens of one HTTP request's choices, as they are generated.
+pub struct Generation {
+    rx: mpsc::UnboundedReceiver<Delivery>,
+    guard: AbortGuard,
+    first_delay: Duration,
+    delayed: bool,
+    /// Number of choices.
+    pub choices: usize,
+    /// The engine serving it.
+    pub rank: u32,
+}
+
+impl Generation {
+    /// The next token of any choice; `None` when the engine stopped.
+    pub async fn recv(&mut self) -> Option<Delivery> {
+        let d = self.rx.recv().await?;
+        if !self.delayed {
+            self.delayed = true;
+            if !self.first_delay.is_zero() {
+                tokio::time::sleep(self.first_delay).await;
+            }
+        }
+        if d.out.finish.is_some()
+            && let Some(f) = self.guard.finished.get_mut(d.choice)
+        {
+            *f = true;
+        }
+        Some(d)
+    }
+}
+
+struct AbortGuard {
+    engine: Arc<EngineHandle>,
+    ids: Vec<ReqId>,
+    finished: Vec<bool>,
+}
+
+impl Drop for AbortGuard {
+    fn drop(&mut self) {
+        for (id, done) in self.ids.iter().zip(&self.finished) {
+            if !done {
+                self.engine.abort(*id);
+            }
+        }
+    }
+}
+
+/// A 64-bit mix used to derive per-choice seeds.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+impl AppState {
+    /// Applies failure injection and admission control, picks an engine (DP rank) and submits
+    /// `n` choices per prompt. Choice index = prompt index × n + sample index.
+    pub async fn generate(&self, headers: &HeaderMap, prompts: Vec<PreparedPrompt>, p: &GenParams) -> Result<Generation, ApiError> {
+        match self.faults.roll_request() {
+            RequestFault::None => {}
+            RequestFault::Error => return Err(ApiError::internal("Simulated internal server error (vllm-sim failure injection)")),
+            RequestFault::Hang => std::future::pending::<()>().await,
+        }
+        let engine = self.pick_engine(headers)?;
+        if let Some(limit) = self.cfg.max_num_queued_reqs
+            && engine.metrics.waiting.get() >= limit as f64
+        {
+            engine.metrics.admission_rejections.add(1);
+            return Err(ApiError::busy());
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let choices = prompts.len() * p.n;
+        let mut ids = Vec::with_capacity(choices);
+        for (i, prompt) in prompts.into_iter().enumerate() {
+            for s in 0..p.n {
+                let id = engine.next_id();
+                let seed = if s == 0 { self.cfg.seed } else { self.cfg.seed ^ mix(s as u64) };
+                let req = NewRequest {
+                    id,
+                    prompt: prompt.tokens.clone(),
+                    max_tokens: prompt.max_tokens,
+                    min_tokens: p.min_tokens.min(prompt.max_tokens),
+                    ignore_eos: p.ignore_eos,
+                    seed,
+                };
+                if !engine.submit(req, i * p.n + s, tx.clone()) {
+                    return Err(ApiError::internal("engine is not running"));
+                }
+                ids.push(id);
+            }
+        }
+        Ok(Generation {
+            rx,
+            guard: AbortGuard { engine: engine.clone(), finished: vec![false; ids.len()], ids },
+            first_delay: self.faults.first_token_delay(),
+            delayed: false,
+            choices,
+            rank: engine.rank(),
+        })
+    }
+
+    /// `X-data-parallel-rank` pins the rank; otherwise the least-loaded engine.
+    fn pick_engine(&self, headers: &HeaderMap) -> Result<&Arc<EngineHandle>, ApiError> {
+        if let Some(v) = headers.get("x-data-parallel-rank") {
+            let rank = v.to_str().ok().and_then(|s| s.trim().parse::<usize>().ok());
+            return match rank {
+                Some(r) if r < self.engines.len() => Ok(&self.engines[r]),
+                _ => Err(ApiError::bad_request(
+                    format!("X-data-parallel-rank must be an integer in [0, {})", self.engines.len()),
+                    None,
+                )),
+            };
+        }
+        Ok(self.engines.iter().min_by_key(|e| e.in_flight()).expect("at least one engine"))
+    }
+}

@@ -1,0 +1,110 @@
+//! The HTTP API, shaped like vLLM's OpenAI-compatible server: routes, shared state, and
+//! helpers used by more than one endpoint. One file per endpoint family.
+
+pub mod chat;
+pub mod completions;
+pub mod error;
+pub mod generate;
+pub mod misc;
+pub mod protocol;
+pub mod response;
+
+use crate::config::SimConfig;
+use crate::engine::EngineHandle;
+use crate::faults::Faults;
+use crate::metrics::CacheInfo;
+use crate::tokenizer::ModelTokenizer;
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use error::ApiError;
+use serde_json::{Value, json};
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+/// Texts longer than this are tokenized on the blocking pool.
+const INLINE_TOKENIZE_BYTES: usize = 16 * 1024;
+/// vLLM (uvicorn) sets no body limit; this one only protects the simulator's memory.
+const MAX_BODY_BYTES: usize = 256 * 1024 * 1024;
+
+/// State shared by all handlers.
+pub struct AppState {
+    /// The configuration the server runs with.
+    pub cfg: SimConfig,
+    /// The tokenizer.
+    pub tokenizer: ModelTokenizer,
+    /// One handle per DP rank.
+    pub engines: Vec<Arc<EngineHandle>>,
+    /// Failure injection.
+    pub faults: Arc<Faults>,
+    /// Unix seconds at start (for `/v1/models`).
+    pub created: u64,
+    /// Facts for `vllm:cache_config_info`.
+    pub cache_info: CacheInfo,
+    /// The bound HTTP address.
+    pub listen: SocketAddr,
+}
+
+impl AppState {
+    /// 404 unless `model` is absent or one of the served names.
+    pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        let Some(m) = model else { return Ok(()) };
+        let names = self.served_names();
+        if names.iter().any(|n| n == m) { Ok(()) } else { Err(ApiError::model_not_found(m, &names)) }
+    }
+
+    /// Names accepted in `model`.
+    pub fn served_names(&self) -> Vec<String> {
+        if self.cfg.served_model_names.is_empty() { vec![self.cfg.model.clone()] } else { self.cfg.served_model_names.clone() }
+    }
+
+    /// The `kv_transfer_params` of a response: absent input → null; a prefill request
+    /// (`do_remote_decode: true`) gets the P-side reply a decode worker would need; anything
+    /// else is echoed.
+    pub fn kv_transfer_reply(&self, input: Option<&Value>, request_id: &str) -> Value {
+        match input {
+            None | Some(Value::Null) => Value::Null,
+            Some(v) if v.get("do_remote_decode").and_then(Value::as_bool) == Some(true) => json!({
+                "do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": [],
+                "remote_engine_id": format!("vllm-sim-{}", self.listen), "remote_request_id": request_id,
+                "remote_host": self.listen.ip().to_string(), "remote_port": self.listen.port(), "tp_size": 1,
+            }),
+            Some(v) => v.clone(),
+        }
+    }
+}
+
+/// Tokenizes `text`, off the async threads when it is long.
+pub async fn encode(tok: &ModelTokenizer, text: String, add_special: bool) -> Result<Vec<u32>, ApiError> {
+    let r = if text.len() <= INLINE_TOKENIZE_BYTES {
+        tok.encode(&text, add_special)
+    } else {
+        let tok = tok.clone();
+        tokio::task::spawn_blocking(move || tok.encode(&text, add_special))
+            .await
+            .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
+    };
+    r.map_err(|m| ApiError::bad_request(m, Some("prompt")))
+}
+
+/// All routes.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions::handle))
+        .route("/v1/chat/completions", post(chat::handle))
+        .route("/v1/models", get(misc::models))
+        .route("/health", get(misc::health))
+        .route("/ping", get(misc::health).post(misc::health))
+        .route("/version", get(misc::version))
+        .route("/load", get(misc::load))
+        .route("/metrics", get(misc::metrics))
+        .route("/tokenize", post(misc::tokenize))
+        .route("/detokenize", post(misc::detokenize))
+        .route("/reset_prefix_cache", post(misc::reset_prefix_cache))
+        .route("/kv_event_sources", get(misc::kv_event_sources))
+        .route("/sim/faults", get(misc::get_faults).post(misc::set_faults))
+        .fallback(misc::not_found)
+        .method_not_allowed_fallback(misc::method_not_allowed)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}

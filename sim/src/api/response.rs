@@ -1,0 +1,201 @@
+//! What both inference endpoints share once tokens flow: response ids, the SSE driver (one
+//! `data: {...}\n\n` chunk per token, an optional usage chunk, then `data: [DONE]\n\n`), and
+//! collection of all choices for unary responses.
+
+use super::generate::Generation;
+use crate::engine::Delivery;
+use crate::scheduler::FinishReason;
+use axum::body::Body;
+use axum::http::{HeaderMap, HeaderValue, header};
+use axum::response::Response;
+use bytes::Bytes;
+use std::convert::Infallible;
+
+/// Identity of a response.
+#[derive(Debug, Clone)]
+pub struct Meta {
+    /// `cmpl-…` / `chatcmpl-…`.
+    pub id: String,
+    /// `id` as a JSON string literal.
+    pub id_json: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// Model name as a JSON string literal (already escaped).
+    pub model_json: String,
+    /// X-Request-Id to echo, if enabled.
+    pub echo_request_id: Option<String>,
+}
+
+impl Meta {
+    /// Builds the id from X-Request-Id (or the body's `request_id`), else a random one.
+    pub fn new(prefix: &str, headers: &HeaderMap, body_request_id: Option<&str>, model: &str, echo: bool) -> Self {
+        let base = headers
+            .get("x-request-id")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+            .or_else(|| body_request_id.map(str::to_owned))
+            .unwrap_or_else(random_id);
+        let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let id = format!("{prefix}-{base}");
+        Self {
+            id_json: json_str(&id),
+            id,
+            created,
+            model_json: json_str(model),
+            echo_request_id: if echo { Some(base) } else { None },
+        }
+    }
+}
+
+/// A JSON string literal for `s`.
+pub fn json_str(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
+}
+
+fn random_id() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    let mut z = t ^ COUNTER.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    format!("{:016x}", z ^ (z >> 31))
+}
+
+/// Per-choice state while streaming.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ChoiceState {
+    /// Tokens generated so far.
+    pub generated: usize,
+    /// Prompt length.
+    pub prompt: usize,
+    /// Finished.
+    pub done: bool,
+}
+
+/// Formats the chunks of one endpoint.
+pub trait ChunkFormat: Send + 'static {
+    /// The chunk(s) for one token. `state` already counts this token.
+    fn token_chunk(&mut self, meta: &Meta, d: &Delivery, state: &ChoiceState, out: &mut String);
+    /// The final usage chunk.
+    fn usage_chunk(&self, meta: &Meta, prompt: usize, completion: usize, out: &mut String);
+}
+
+/// Streams a generation as SSE.
+pub fn sse(meta: Meta, generation: Generation, prompt_lens: Vec<usize>, include_usage: bool, fmt: impl ChunkFormat) -> Response {
+    let choices = vec![ChoiceState::default(); generation.choices];
+    let mut state = SseState { meta: meta.clone(), generation, choices, prompt_lens, include_usage, fmt, phase: Phase::Tokens };
+    for (i, c) in state.choices.iter_mut().enumerate() {
+        c.prompt = state.prompt_lens.get(i).copied().unwrap_or(0);
+    }
+    let stream = futures_util::stream::unfold(state, |mut s| async move {
+        let bytes = s.next().await?;
+        Some((Ok::<_, Infallible>(bytes), s))
+    });
+    let mut r = Response::new(Body::from_stream(stream));
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream; charset=utf-8"));
+    echo_header(&mut r, &meta);
+    r
+}
+
+/// Adds X-Request-Id to a response when echoing is on.
+pub fn echo_header(r: &mut Response, meta: &Meta) {
+    if let Some(id) = &meta.echo_request_id
+        && let Ok(v) = HeaderValue::from_str(id)
+    {
+        r.headers_mut().insert("x-request-id", v);
+    }
+}
+
+enum Phase {
+    Tokens,
+    Usage,
+    Done,
+    End,
+}
+
+struct SseState<F> {
+    meta: Meta,
+    generation: Generation,
+    choices: Vec<ChoiceState>,
+    prompt_lens: Vec<usize>,
+    include_usage: bool,
+    fmt: F,
+    phase: Phase,
+}
+
+impl<F: ChunkFormat> SseState<F> {
+    async fn next(&mut self) -> Option<Bytes> {
+        loop {
+            match self.phase {
+                Phase::Tokens => {
+                    let Some(d) = self.generation.recv().await else {
+                        // The engine stopped (crash): end the body without [DONE], like a dying server.
+                        self.phase = Phase::End;
+                        return None;
+                    };
+                    let mut out = String::with_capacity(256);
+                    let c = &mut self.choices[d.choice];
+                    c.generated += 1;
+                    c.done = d.out.finish.is_some();
+                    let snapshot = *c;
+                    self.fmt.token_chunk(&self.meta, &d, &snapshot, &mut out);
+                    if self.choices.iter().all(|c| c.done) {
+                        self.phase = if self.include_usage { Phase::Usage } else { Phase::Done };
+                    }
+                    return Some(Bytes::from(out));
+                }
+                Phase::Usage => {
+                    self.phase = Phase::Done;
+                    let prompt: usize = self.prompt_lens.iter().sum::<usize>();
+                    let completion: usize = self.choices.iter().map(|c| c.generated).sum();
+                    let mut out = String::new();
+                    self.fmt.usage_chunk(&self.meta, prompt, completion, &mut out);
+                    return Some(Bytes::from(out));
+                }
+                Phase::Done => {
+                    self.phase = Phase::End;
+                    return Some(Bytes::from_static(b"data: [DONE]\n\n"));
+                }
+                Phase::End => return None,
+            }
+        }
+    }
+}
+
+/// The outcome of one choice of a unary request.
+#[derive(Debug, Clone, Default)]
+pub struct ChoiceResult {
+    /// Generated token ids (EOS included if the request stopped on it).
+    pub tokens: Vec<u32>,
+    /// Why it finished.
+    pub finish: Option<FinishReason>,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: usize,
+}
+
+/// Waits for every choice to finish. `None` if the engine stopped first.
+pub async fn collect(mut generation: Generation) -> Option<Vec<ChoiceResult>> {
+    let mut res = vec![ChoiceResult::default(); generation.choices];
+    let mut left = generation.choices;
+    while left > 0 {
+        let d = generation.recv().await?;
+        let r = &mut res[d.choice];
+        r.tokens.push(d.out.token);
+        r.cached_tokens = d.out.num_cached_tokens;
+        if d.out.finish.is_some() {
+            r.finish = d.out.finish;
+            left -= 1;
+        }
+    }
+    Some(res)
+}
+
+/// `"stop"`/`"length"` as a JSON literal, or `null`.
+pub fn finish_json(f: Option<FinishReason>) -> &'static str {
+    match f {
+        Some(FinishReason::Stop) => "\"stop\"",
+        Some(FinishReason::Length) => "\"length\"",
+        None => "null",
+    }
+}

@@ -1,0 +1,374 @@
+//! Simulator configuration: the `vllm serve`-like command line, the `--kv-events-config` JSON
+//! (same keys as vLLM's `KVEventsConfig`), simulator knobs, and their validation.
+//!
+//! [`SimConfig`] is what the library takes; [`SimArgs`] is the CLI that produces one.
+
+use crate::faults::FaultConfig;
+use crate::timing::TimingModel;
+use clap::Parser;
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// vLLM's `KVEventsConfig`, parsed from `--kv-events-config '<JSON>'`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvEventsConfig {
+    /// Master switch.
+    pub enable_kv_cache_events: bool,
+    /// `"zmq"` or `"null"`; derived from the switch when absent.
+    pub publisher: Option<String>,
+    /// PUB endpoint; binds when it contains `*` or `::` (or is `ipc://`/`inproc://`), else connects.
+    pub endpoint: String,
+    /// ROUTER endpoint for replay (always bound); `None` disables replay.
+    pub replay_endpoint: Option<String>,
+    /// Past batches kept for replay.
+    pub buffer_steps: usize,
+    /// PUB high-water mark (accepted for compatibility; the PUB socket drops for slow peers).
+    pub hwm: usize,
+    /// Queue in front of the publisher (batches beyond it are dropped and counted).
+    pub max_queue_size: usize,
+    /// First frame of every message.
+    pub topic: String,
+}
+
+impl Default for KvEventsConfig {
+    fn default() -> Self {
+        Self {
+            enable_kv_cache_events: false,
+            publisher: None,
+            endpoint: "tcp://*:5557".into(),
+            replay_endpoint: None,
+            buffer_steps: 10_000,
+            hwm: 100_000,
+            max_queue_size: 100_000,
+            topic: String::new(),
+        }
+    }
+}
+
+impl KvEventsConfig {
+    /// Whether a ZMQ publisher should run.
+    pub fn publishes(&self) -> bool {
+        self.enable_kv_cache_events && self.publisher.as_deref().unwrap_or("zmq") == "zmq"
+    }
+}
+
+/// Everything needed to run one simulated vLLM server.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    /// HTTP listen address (port 0 = ephemeral).
+    pub listen: SocketAddr,
+    /// `--model`: the model path/name; also the first served name when none is given.
+    pub model: String,
+    /// Names accepted in the `model` field (first = reported).
+    pub served_model_names: Vec<String>,
+    /// Tokenizer directory or file; `None` = the built-in tokenizer.
+    pub tokenizer: Option<PathBuf>,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV blocks per engine (including vLLM's reserved null block).
+    pub num_gpu_blocks: usize,
+    /// Running-batch cap.
+    pub max_num_seqs: usize,
+    /// Token budget per step.
+    pub max_num_batched_tokens: usize,
+    /// Context limit.
+    pub max_model_len: usize,
+    /// Prefix caching.
+    pub enable_prefix_caching: bool,
+    /// KV event publishing.
+    pub kv_events: KvEventsConfig,
+    /// Events as tagged maps (vLLM ≥ 0.26) or positional arrays (older vLLM).
+    pub kv_events_format: crate::events::EventFormat,
+    /// Number of engines behind the one HTTP server (DP ranks).
+    pub data_parallel_size: usize,
+    /// Seed of token generation.
+    pub seed: u64,
+    /// Step-time model.
+    pub timing: TimingModel,
+    /// Simulated time runs this many times faster than wall time.
+    pub time_scale: f64,
+    /// Probability that a generated token is EOS (when EOS is allowed).
+    pub eos_probability: f64,
+    /// vLLM's `--max-num-queued-reqs`: waiting requests beyond this get HTTP 503.
+    pub max_num_queued_reqs: Option<usize>,
+    /// Echo `X-Request-Id` in responses (vLLM's `--enable-request-id-headers`).
+    pub enable_request_id_headers: bool,
+    /// Failure injection.
+    pub faults: FaultConfig,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            model: "sim-model".into(),
+            served_model_names: Vec::new(),
+            tokenizer: None,
+            block_size: 16,
+            num_gpu_blocks: 16_384,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            max_model_len: 32_768,
+            enable_prefix_caching: true,
+            kv_events: KvEventsConfig::default(),
+            kv_events_format: crate::events::EventFormat::Map,
+            data_parallel_size: 1,
+            seed: 0,
+            timing: TimingModel::default(),
+            time_scale: 1.0,
+            eos_probability: 0.0,
+            max_num_queued_reqs: None,
+            enable_request_id_headers: false,
+            faults: FaultConfig::default(),
+        }
+    }
+}
+
+impl SimConfig {
+    /// The model name reported in responses and metrics.
+    pub fn model_name(&self) -> &str {
+        self.served_model_names.first().map(String::as_str).unwrap_or(&self.model)
+    }
+
+    /// Checks the limits are consistent, as vLLM does at start-up.
+    pub fn validate(&self) -> Result<(), String> {
+        let pos = |name: &str, v: usize| if v == 0 { Err(format!("{name} must be at least 1")) } else { Ok(()) };
+        pos("--block-size", self.block_size)?;
+        pos("--max-num-seqs", self.max_num_seqs)?;
+        pos("--max-num-batched-tokens", self.max_num_batched_tokens)?;
+        pos("--max-model-len", self.max_model_len)?;
+        pos("--data-parallel-size", self.data_parallel_size)?;
+        if self.num_gpu_blocks < 2 {
+            return Err("--num-gpu-blocks-override must be at least 2 (block 0 is reserved)".into());
+        }
+        let capacity = (self.num_gpu_blocks - 1) * self.block_size;
+        if self.max_model_len > capacity {
+            return Err(format!(
+                "The model's max seq len ({}) is larger than the maximum number of tokens that can be stored in KV cache ({capacity}). Increase --num-gpu-blocks-override or decrease --max-model-len.",
+                self.max_model_len
+            ));
+        }
+        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
+            return Err(format!("--time-scale must be a positive number, got {}", self.time_scale));
+        }
+        if !(0.0..=1.0).contains(&self.eos_probability) {
+            return Err(format!("--eos-probability must be within [0, 1], got {}", self.eos_probability));
+        }
+        self.timing.validate()?;
+        self.faults.validate()?;
+        if let Some(p) = self.kv_events.publisher.as_deref()
+            && p != "zmq"
+            && p != "null"
+        {
+            return Err(format!("kv-events-config: publisher must be \"zmq\" or \"null\", got {p:?}"));
+        }
+        Ok(())
+    }
+}
+
+/// `vllm-sim` command line. Flags named like `vllm serve`'s keep their meaning.
+#[derive(Debug, Parser)]
+#[command(name = "vllm-sim", version, about = "A vLLM-faithful OpenAI server simulator")]
+pub struct SimArgs {
+    /// Model name or path (as `vllm serve MODEL`).
+    #[arg(value_name = "MODEL")]
+    pub model_pos: Option<String>,
+    /// Model name or path.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Names the API accepts for the model (default: the model).
+    #[arg(long, num_args = 1..)]
+    pub served_model_name: Vec<String>,
+    /// Host to bind.
+    #[arg(long, default_value = "0.0.0.0")]
+    pub host: String,
+    /// HTTP port (0 = ephemeral).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// HF tokenizer directory (tokenizer.json + tokenizer_config.json) or tokenizer.json file.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// KV blocks per engine.
+    #[arg(long, default_value_t = 16_384)]
+    pub num_gpu_blocks_override: usize,
+    /// Maximum running sequences per engine.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Token budget per engine step.
+    #[arg(long, default_value_t = 8192)]
+    pub max_num_batched_tokens: usize,
+    /// Maximum context length.
+    #[arg(long, default_value_t = 32_768)]
+    pub max_model_len: usize,
+    /// Enable prefix caching (the default).
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
+    /// Disable prefix caching.
+    #[arg(long)]
+    pub no_enable_prefix_caching: bool,
+    /// KV events config as JSON, with vLLM's keys.
+    #[arg(long)]
+    pub kv_events_config: Option<String>,
+    /// Engines (DP ranks) behind this server; rank r publishes on port + r.
+    #[arg(long, default_value_t = 1)]
+    pub data_parallel_size: usize,
+    /// Seed of token generation.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Waiting requests beyond this are refused with HTTP 503, as vLLM's admission control.
+    #[arg(long)]
+    pub max_num_queued_reqs: Option<usize>,
+    /// Echo X-Request-Id in responses.
+    #[arg(long)]
+    pub enable_request_id_headers: bool,
+
+    /// [sim] Run simulated time this many times faster than wall time.
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// [sim] Event encoding: `map` (vLLM ≥ 0.26) or `array` (older vLLM).
+    #[arg(long, default_value = "map", value_parser = ["map", "array"])]
+    pub kv_events_format: String,
+    /// [sim] Probability that a generated token is EOS, when EOS is allowed.
+    #[arg(long, default_value_t = 0.0)]
+    pub eos_probability: f64,
+    /// [sim] Fixed cost of a step, ms.
+    #[arg(long)]
+    pub step_overhead_ms: Option<f64>,
+    /// [sim] Cost per prefill token, ms.
+    #[arg(long)]
+    pub prefill_ms_per_token: Option<f64>,
+    /// [sim] Cost per (prefill token × attended token), ms.
+    #[arg(long)]
+    pub prefill_attn_ms_per_pair: Option<f64>,
+    /// [sim] Cost per decoding sequence, ms.
+    #[arg(long)]
+    pub decode_ms_per_seq: Option<f64>,
+    /// [sim] Cost per context token read while decoding, ms.
+    #[arg(long)]
+    pub decode_ms_per_ctx_token: Option<f64>,
+
+    /// [fault] Crash (close all connections, exit 1) after this many generated tokens.
+    #[arg(long)]
+    pub fail_crash_after_tokens: Option<u64>,
+    /// [fault] Crash this many seconds after start.
+    #[arg(long)]
+    pub fail_crash_after_secs: Option<f64>,
+    /// [fault] Fraction of inference requests answered with HTTP 500.
+    #[arg(long, default_value_t = 0.0)]
+    pub fail_error_rate: f64,
+    /// [fault] Extra delay before each request's first token, ms.
+    #[arg(long, default_value_t = 0.0)]
+    pub fail_first_token_delay_ms: f64,
+    /// [fault] Fraction of inference requests that hang (never answered).
+    #[arg(long, default_value_t = 0.0)]
+    pub fail_hang_rate: f64,
+    /// Log filter (tracing EnvFilter syntax), e.g. `info` or `vllm_sim=debug`.
+    #[arg(long, default_value = "info", env = "VLLM_SIM_LOG")]
+    pub log: String,
+}
+
+impl SimArgs {
+    /// Builds and validates the configuration.
+    pub fn into_config(self) -> Result<SimConfig, String> {
+        let host: std::net::IpAddr = self.host.parse().map_err(|_| format!("--host: not an IP address: {}", self.host))?;
+        let model = self.model.or(self.model_pos).unwrap_or_else(|| "sim-model".into());
+        let kv_events = match &self.kv_events_config {
+            None => KvEventsConfig::default(),
+            Some(s) => serde_json::from_str(s).map_err(|e| format!("--kv-events-config: {e}"))?,
+        };
+        let mut timing = TimingModel::default();
+        let overrides = [
+            (&mut timing.step_overhead_ms, self.step_overhead_ms),
+            (&mut timing.prefill_ms_per_token, self.prefill_ms_per_token),
+            (&mut timing.prefill_attn_ms_per_pair, self.prefill_attn_ms_per_pair),
+            (&mut timing.decode_ms_per_seq, self.decode_ms_per_seq),
+            (&mut timing.decode_ms_per_ctx_token, self.decode_ms_per_ctx_token),
+        ];
+        for (slot, v) in overrides {
+            if let Some(v) = v {
+                *slot = v;
+            }
+        }
+        let cfg = SimConfig {
+            listen: SocketAddr::new(host, self.port),
+            model,
+            served_model_names: self.served_model_name,
+            tokenizer: self.tokenizer,
+            block_size: self.block_size,
+            num_gpu_blocks: self.num_gpu_blocks_override,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_model_len: self.max_model_len,
+            enable_prefix_caching: !self.no_enable_prefix_caching || self.enable_prefix_caching,
+            kv_events,
+            kv_events_format: if self.kv_events_format == "array" {
+                crate::events::EventFormat::Array
+            } else {
+                crate::events::EventFormat::Map
+            },
+            data_parallel_size: self.data_parallel_size,
+            seed: self.seed,
+            timing,
+            time_scale: self.time_scale,
+            eos_probability: self.eos_probability,
+            max_num_queued_reqs: self.max_num_queued_reqs,
+            enable_request_id_headers: self.enable_request_id_headers,
+            faults: FaultConfig {
+                crash_after_tokens: self.fail_crash_after_tokens,
+                crash_after_secs: self.fail_crash_after_secs,
+                error_rate: self.fail_error_rate,
+                first_token_delay_ms: self.fail_first_token_delay_ms,
+                hang_rate: self.fail_hang_rate,
+            },
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<SimConfig, String> {
+        let mut v = vec!["vllm-sim"];
+        v.extend_from_slice(args);
+        SimArgs::try_parse_from(v).map_err(|e| e.to_string())?.into_config()
+    }
+
+    #[test]
+    fn parses_vllm_style_flags() {
+        let c = parse(&[
+            "my/model",
+            "--served-model-name",
+            "a",
+            "b",
+            "--block-size",
+            "32",
+            "--no-enable-prefix-caching",
+            "--kv-events-config",
+            r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","topic":"kv"}"#,
+        ])
+        .unwrap();
+        assert_eq!(c.model, "my/model");
+        assert_eq!(c.model_name(), "a");
+        assert_eq!(c.block_size, 32);
+        assert!(!c.enable_prefix_caching);
+        assert!(c.kv_events.publishes());
+        assert_eq!(c.kv_events.topic, "kv");
+        assert_eq!(c.kv_events.buffer_steps, 10_000);
+    }
+
+    #[test]
+    fn rejects_inconsistent_limits_and_bad_json() {
+        assert!(parse(&["--max-model-len", "100000", "--num-gpu-blocks-override", "10"]).unwrap_err().contains("KV cache"));
+        assert!(parse(&["--kv-events-config", "{\"nope\":1}"]).unwrap_err().contains("unknown field"));
+        assert!(parse(&["--time-scale", "0"]).is_err());
+        assert!(parse(&["--fail-error-rate", "2"]).is_err());
+    }
+}

@@ -1,0 +1,286 @@
+//! One engine (DP rank) as a tokio task: it owns a [`Scheduler`], runs steps back to back while
+//! there is work, sleeps each step's simulated duration (divided by `time_scale`), then delivers
+//! the step's tokens to the requests' channels, publishes the step's KV events as one batch, and
+//! updates its metrics.
+//!
+//! Commands (add, abort, reset prefix cache) are applied between steps, as vLLM's engine core
+//! does. A request whose receiver is gone is aborted at the next delivery, so a client that
+//! disconnects frees its blocks within one step even if nobody sent an abort.
+//!
+//! Steps are paced against a virtual clock: each step starts when the previous one was due to
+//! end, so the 1 ms timer resolution does not accumulate error, and at most 2 ms of lag is
+//! caught up after the engine falls behind wall time.
+
+use crate::faults::Faults;
+use crate::metrics::EngineMetrics;
+use crate::publisher::PublisherHandle;
+use crate::scheduler::{FinishReason, NewRequest, ReqId, Scheduler, TokenOutput};
+use crate::timing::TimingModel;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+/// A token delivered to the HTTP layer, tagged with the choice it belongs to.
+#[derive(Debug, Clone, Copy)]
+pub struct Delivery {
+    /// Choice index within the HTTP request.
+    pub choice: usize,
+    /// The engine's output.
+    pub out: TokenOutput,
+}
+
+enum Cmd {
+    Add { req: NewRequest, choice: usize, tx: mpsc::UnboundedSender<Delivery>, arrival: Instant },
+    Abort(ReqId),
+    Reset(oneshot::Sender<bool>),
+}
+
+/// The HTTP layer's handle on one engine.
+#[derive(Debug)]
+pub struct EngineHandle {
+    tx: mpsc::UnboundedSender<Cmd>,
+    rank: u32,
+    next_id: AtomicU64,
+    in_flight: AtomicI64,
+    /// The engine's metrics.
+    pub metrics: Arc<EngineMetrics>,
+    /// Its KV event publisher, if events are on.
+    pub publisher: Option<PublisherHandle>,
+}
+
+impl EngineHandle {
+    /// DP rank.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// A fresh request id for this engine.
+    pub fn next_id(&self) -> ReqId {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Requests submitted and not yet finished or aborted (for DP load balancing).
+    pub fn in_flight(&self) -> i64 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Queues a request; tokens arrive on `tx`. Returns false if the engine has stopped.
+    pub fn submit(&self, req: NewRequest, choice: usize, tx: mpsc::UnboundedSender<Delivery>) -> bool {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        let ok = self.tx.send(Cmd::Add { req, choice, tx, arrival: Instant::now() }).is_ok();
+        if !ok {
+            self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        }
+        ok
+    }
+
+    /// Aborts a request (a no-op if it already finished).
+    pub fn abort(&self, id: ReqId) {
+        let _ = self.tx.send(Cmd::Abort(id));
+    }
+
+    /// Drops the prefix cache; false if blocks are in use (as vLLM) or the engine stopped.
+    pub async fn reset_prefix_cache(&self) -> bool {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Cmd::Reset(tx)).is_err() {
+            return false;
+        }
+        rx.await.unwrap_or(false)
+    }
+}
+
+/// Pacing and accounting parameters of an engine task.
+pub struct EngineParams {
+    /// Step-time model.
+    pub timing: TimingModel,
+    /// Wall time = simulated time / time_scale.
+    pub time_scale: f64,
+    /// Shared fault state (token counter for crash-after-tokens).
+    pub faults: Arc<Faults>,
+    /// Cancelled when the server stops.
+    pub stop: CancellationToken,
+}
+
+/// Spawns the engine task and returns its handle.
+pub fn spawn(sched: Scheduler, rank: u32, publisher: Option<PublisherHandle>, params: EngineParams) -> Arc<EngineHandle> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let handle = Arc::new(EngineHandle {
+        tx,
+        rank,
+        next_id: AtomicU64::new(1),
+        in_flight: AtomicI64::new(0),
+        metrics: Arc::new(EngineMetrics::default()),
+        publisher,
+    });
+    let task = EngineTask { sched, live: HashMap::new(), handle: handle.clone(), params };
+    tokio::spawn(task.run(rx));
+    handle
+}
+
+struct Live {
+    tx: mpsc::UnboundedSender<Delivery>,
+    choice: usize,
+    arrival: Instant,
+    scheduled: bool,
+    last: Instant,
+}
+
+struct EngineTask {
+    sched: Scheduler,
+    live: HashMap<ReqId, Live>,
+    handle: Arc<EngineHandle>,
+    params: EngineParams,
+}
+
+impl EngineTask {
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Cmd>) {
+        let stop = self.params.stop.clone();
+        let mut clock = Instant::now();
+        loop {
+            if !self.sched.has_work() {
+                self.refresh_gauges();
+                tokio::select! {
+                    cmd = rx.recv() => match cmd {
+                        Some(c) => self.apply(c),
+                        None => return,
+                    },
+                    _ = stop.cancelled() => return,
+                }
+                clock = Instant::now();
+            }
+            while let Ok(c) = rx.try_recv() {
+                self.apply(c);
+            }
+            if stop.is_cancelled() {
+                return;
+            }
+            let step = self.sched.schedule();
+            if step.scheduled.is_empty() {
+                // Nothing fits right now (cannot happen with validated limits): wait for news.
+                self.flush_events();
+                self.refresh_gauges();
+                tokio::select! {
+                    cmd = rx.recv() => match cmd { Some(c) => self.apply(c), None => return },
+                    _ = stop.cancelled() => return,
+                }
+                clock = Instant::now();
+                continue;
+            }
+            let now = Instant::now();
+            for &(id, _) in &step.scheduled {
+                if let Some(l) = self.live.get_mut(&id)
+                    && !l.scheduled
+                {
+                    l.scheduled = true;
+                    self.handle.metrics.queue_time.observe(now.duration_since(l.arrival).as_secs_f64());
+                }
+            }
+            let sim_ms = self.params.timing.step_ms(&step.shape);
+            let end = clock + Duration::from_secs_f64(sim_ms / 1000.0 / self.params.time_scale);
+            if end > now + Duration::from_millis(1) {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(end.into()) => {},
+                    _ = stop.cancelled() => return,
+                }
+            } else {
+                tokio::task::yield_now().await;
+            }
+            let outs = self.sched.update(&step);
+            self.deliver(outs);
+            self.flush_events();
+            self.refresh_gauges();
+            self.handle.metrics.steps.add(1);
+            let now = Instant::now();
+            clock = end.max(now.checked_sub(Duration::from_millis(2)).unwrap_or(now));
+        }
+    }
+
+    fn apply(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Add { req, choice, tx, arrival } => {
+                let id = req.id;
+                self.sched.add(req);
+                self.live.insert(id, Live { tx, choice, arrival, scheduled: false, last: arrival });
+            }
+            Cmd::Abort(id) => self.abort(id),
+            Cmd::Reset(reply) => {
+                let ok = self.sched.reset_prefix_cache();
+                self.flush_events();
+                let _ = reply.send(ok);
+            }
+        }
+    }
+
+    fn abort(&mut self, id: ReqId) {
+        if self.sched.abort(id) {
+            self.live.remove(&id);
+            self.handle.in_flight.fetch_sub(1, Ordering::Relaxed);
+            self.handle.metrics.aborted.add(1);
+            self.handle.metrics.success_abort.add(1);
+        }
+    }
+
+    fn deliver(&mut self, outs: Vec<TokenOutput>) {
+        let now = Instant::now();
+        let m = &self.handle.metrics;
+        let n = outs.len() as u64;
+        let mut gone = Vec::new();
+        for out in outs {
+            let Some(l) = self.live.get_mut(&out.id) else { continue };
+            m.generation_tokens.add(1);
+            if out.first {
+                m.ttft.observe(now.duration_since(l.arrival).as_secs_f64());
+                m.prompt_tokens.add(out.num_prompt_tokens as u64);
+            } else {
+                m.itl.observe(now.duration_since(l.last).as_secs_f64());
+            }
+            l.last = now;
+            if let Some(reason) = out.finish {
+                m.e2e.observe(now.duration_since(l.arrival).as_secs_f64());
+                match reason {
+                    FinishReason::Stop => m.success_stop.add(1),
+                    FinishReason::Length => m.success_length.add(1),
+                }
+            }
+            let sent = l.tx.send(Delivery { choice: l.choice, out }).is_ok();
+            if out.finish.is_some() {
+                self.live.remove(&out.id);
+                self.handle.in_flight.fetch_sub(1, Ordering::Relaxed);
+            } else if !sent {
+                gone.push(out.id);
+            }
+        }
+        for id in gone {
+            self.abort(id);
+        }
+        self.params.faults.on_tokens(n);
+    }
+
+    fn flush_events(&mut self) {
+        let events = self.sched.take_events();
+        if events.is_empty() {
+            return;
+        }
+        let Some(p) = &self.handle.publisher else { return };
+        let ts = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+        if p.publish((ts, events)) {
+            self.handle.metrics.event_batches.add(1);
+        } else {
+            self.handle.metrics.event_batches_dropped.add(1);
+        }
+    }
+
+    fn refresh_gauges(&self) {
+        let m = &self.handle.metrics;
+        m.running.set(self.sched.num_running() as f64);
+        m.waiting.set(self.sched.num_waiting() as f64);
+        m.kv_usage.set(self.sched.kv_usage());
+        let c = self.sched.counters();
+        m.prefix_queries.store(c.prefix_cache_queries);
+        m.prefix_hits.store(c.prefix_cache_hits);
+        m.preemptions.store(c.preemptions);
+    }
+}
