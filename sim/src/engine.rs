@@ -4,7 +4,7 @@
 //! updates its metrics.
 //!
 //! Commands (add, abort, reset prefix cache) are applied between steps, as vLLM's engine core
-//! does. A request whose receiver is gone is aborted at the next delivery, so a client that
+//! does; the events a command causes (AllBlocksCleared) go out with the next step's batch. A request whose receiver is gone is aborted at the next delivery, so a client that
 //! disconnects frees its blocks within one step even if nobody sent an abort.
 //!
 //! Steps are paced against a virtual clock: each step starts when the previous one was due to
@@ -207,9 +207,8 @@ impl EngineTask {
             }
             Cmd::Abort(id) => self.abort(id),
             Cmd::Reset(reply) => {
-                let ok = self.sched.reset_prefix_cache();
-                self.flush_events();
-                let _ = reply.send(ok);
+                // Like vLLM, AllBlocksCleared goes out with the next step's batch, not now.
+                let _ = reply.send(self.sched.reset_prefix_cache());
             }
         }
     }
@@ -218,8 +217,8 @@ impl EngineTask {
         if self.sched.abort(id) {
             self.live.remove(&id);
             self.handle.in_flight.fetch_sub(1, Ordering::Relaxed);
+            // vLLM does not count client aborts in request_success; the sim's own counter does.
             self.handle.metrics.aborted.add(1);
-            self.handle.metrics.success_abort.add(1);
         }
     }
 

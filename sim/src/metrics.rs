@@ -101,8 +101,6 @@ pub struct EngineMetrics {
     pub success_stop: Counter,
     /// `...{finished_reason="length"}`.
     pub success_length: Counter,
-    /// `...{finished_reason="abort"}`.
-    pub success_abort: Counter,
     /// `vllm_sim:aborted_requests_total`: requests aborted because the client went away.
     pub aborted: Counter,
     /// `vllm:admission_rejections_total`.
@@ -136,7 +134,6 @@ impl Default for EngineMetrics {
             generation_tokens: Counter::default(),
             success_stop: Counter::default(),
             success_length: Counter::default(),
-            success_abort: Counter::default(),
             aborted: Counter::default(),
             admission_rejections: Counter::default(),
             event_batches: Counter::default(),
@@ -204,7 +201,7 @@ pub fn render(model: &str, engines: &[&EngineMetrics], cache: &CacheInfo) -> Str
 
     let _ = writeln!(out, "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter");
     for (i, e) in engines.iter().enumerate() {
-        for (reason, v) in [("stop", e.success_stop.get()), ("length", e.success_length.get()), ("abort", e.success_abort.get()), ("error", 0)] {
+        for (reason, v) in [("stop", e.success_stop.get()), ("length", e.success_length.get()), ("abort", 0), ("error", 0)] {
             let _ = writeln!(out, "vllm:request_success_total{{engine=\"{i}\",finished_reason=\"{reason}\",model_name=\"{model}\"}} {v}.0");
         }
     }
