@@ -34,6 +34,8 @@ pub struct Batch {
     pub events: Vec<Event>,
     /// DP rank field.
     pub rank: Option<u64>,
+    /// The raw msgpack payload.
+    pub payload: Vec<u8>,
 }
 
 fn hash(v: &Mp) -> u64 {
@@ -98,6 +100,7 @@ pub fn decode_batch(topic: &[u8], seq: &[u8], payload: &[u8]) -> Batch {
         ts: a[0].as_f64().expect("ts is a float"),
         events: a[1].as_array().expect("events array").iter().map(decode_event).collect(),
         rank: a.get(2).and_then(Mp::as_u64),
+        payload: payload.to_vec(),
     }
 }
 

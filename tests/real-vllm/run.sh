@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Serves the tiny model with real vLLM (CPU): prefix caching on, KV events on ZMQ (PUB on
+# ZMQ_PORT, replay ROUTER on ZMQ_PORT+1, topic "kv"), dev endpoints (/reset_prefix_cache) on.
+#   tests/real-vllm/run.sh PORT ZMQ_PORT [extra vllm args...]
+# Model name "tiny"; block size 32 (the CPU attention backend needs a multiple of 32).
+# Start-up takes 60-90 s on 2 cores; poll GET /health.
+set -euo pipefail
+home=${KVGATE_VLLM_HOME:-$HOME/.cache/kvgate-real-vllm}
+port=$1; zport=$2; shift 2
+export HF_HUB_OFFLINE=1 VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+exec "$home/venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$home/tiny-llama" \
+  --host 127.0.0.1 --port "$port" --served-model-name tiny --max-model-len 2048 --block-size 32 \
+  --kv-events-config "{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:$zport\",\"replay_endpoint\":\"tcp://*:$((zport+1))\",\"topic\":\"kv\"}" \
+  "$@"
