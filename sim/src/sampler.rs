@@ -60,10 +60,12 @@ impl Sampler {
     /// The next token after context `h`. EOS is only produced when `allow_eos`.
     pub fn next(&self, h: ContextHash, allow_eos: bool) -> u32 {
         let r = mix(h.0 ^ 0x5851_f42d_4c95_7f2d);
-        if allow_eos && self.eos_ppm > 0 && (r % 1_000_000) < self.eos_ppm {
-            if let Some(eos) = self.eos {
-                return eos;
-            }
+        if allow_eos
+            && self.eos_ppm > 0
+            && (r % 1_000_000) < self.eos_ppm
+            && let Some(eos) = self.eos
+        {
+            return eos;
         }
         self.vocab[((r >> 20) % self.vocab.len() as u64) as usize]
     }

@@ -143,10 +143,9 @@ mod tests {
 
     #[test]
     fn rejects_negative_or_nan() {
-        let mut m = TimingModel::default();
-        m.decode_ms_per_seq = -1.0;
-        assert!(m.validate().is_err());
-        m.decode_ms_per_seq = f64::NAN;
-        assert!(m.validate().is_err());
+        let neg = TimingModel { decode_ms_per_seq: -1.0, ..TimingModel::default() };
+        assert!(neg.validate().is_err());
+        let nan = TimingModel { step_overhead_ms: f64::NAN, ..TimingModel::default() };
+        assert!(nan.validate().is_err());
     }
 }

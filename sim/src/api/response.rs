@@ -126,39 +126,37 @@ struct SseState<F> {
 
 impl<F: ChunkFormat> SseState<F> {
     async fn next(&mut self) -> Option<Bytes> {
-        loop {
-            match self.phase {
-                Phase::Tokens => {
-                    let Some(d) = self.generation.recv().await else {
-                        // The engine stopped (crash): end the body without [DONE], like a dying server.
-                        self.phase = Phase::End;
-                        return None;
-                    };
-                    let mut out = String::with_capacity(256);
-                    let c = &mut self.choices[d.choice];
-                    c.generated += 1;
-                    c.done = d.out.finish.is_some();
-                    let snapshot = *c;
-                    self.fmt.token_chunk(&self.meta, &d, &snapshot, &mut out);
-                    if self.choices.iter().all(|c| c.done) {
-                        self.phase = if self.include_usage { Phase::Usage } else { Phase::Done };
-                    }
-                    return Some(Bytes::from(out));
-                }
-                Phase::Usage => {
-                    self.phase = Phase::Done;
-                    let prompt: usize = self.prompt_lens.iter().sum::<usize>();
-                    let completion: usize = self.choices.iter().map(|c| c.generated).sum();
-                    let mut out = String::new();
-                    self.fmt.usage_chunk(&self.meta, prompt, completion, &mut out);
-                    return Some(Bytes::from(out));
-                }
-                Phase::Done => {
+        match self.phase {
+            Phase::Tokens => {
+                let Some(d) = self.generation.recv().await else {
+                    // The engine stopped (crash): end the body without [DONE], like a dying server.
                     self.phase = Phase::End;
-                    return Some(Bytes::from_static(b"data: [DONE]\n\n"));
+                    return None;
+                };
+                let mut out = String::with_capacity(256);
+                let c = &mut self.choices[d.choice];
+                c.generated += 1;
+                c.done = d.out.finish.is_some();
+                let snapshot = *c;
+                self.fmt.token_chunk(&self.meta, &d, &snapshot, &mut out);
+                if self.choices.iter().all(|c| c.done) {
+                    self.phase = if self.include_usage { Phase::Usage } else { Phase::Done };
                 }
-                Phase::End => return None,
+                Some(Bytes::from(out))
             }
+            Phase::Usage => {
+                self.phase = Phase::Done;
+                let prompt: usize = self.prompt_lens.iter().sum::<usize>();
+                let completion: usize = self.choices.iter().map(|c| c.generated).sum();
+                let mut out = String::new();
+                self.fmt.usage_chunk(&self.meta, prompt, completion, &mut out);
+                Some(Bytes::from(out))
+            }
+            Phase::Done => {
+                self.phase = Phase::End;
+                Some(Bytes::from_static(b"data: [DONE]\n\n"))
+            }
+            Phase::End => None,
         }
     }
 }
