@@ -1,0 +1,59 @@
+//! The selection interface: what a routing decision sees and what it may answer.
+
+/// What routing knows about the request.
+#[derive(Debug, Clone, Default)]
+pub struct RequestSummary<'a> {
+    /// Model name from the request.
+    pub model: &'a str,
+    /// `chat_completions` or `completions`.
+    pub endpoint: &'a str,
+    /// Request id.
+    pub request_id: &'a str,
+    /// Prompt length in tokens (0 when not tokenized).
+    pub prompt_tokens: u32,
+    /// Prompt length in full KV blocks.
+    pub prompt_blocks: u32,
+}
+
+/// One eligible worker and its load, as the gateway sees it at decision time.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Candidate {
+    /// Stable worker id within the model (its position in the config's worker list).
+    pub id: u32,
+    /// Requests the gateway has in flight to it.
+    pub in_flight: u32,
+    /// Leading prompt blocks already in its KV cache.
+    pub overlap_blocks: u32,
+    /// Prefill tokens booked on it and not yet started decoding.
+    pub active_prefill_tokens: u64,
+    /// KV blocks booked on it.
+    pub active_blocks: u64,
+    /// Its KV capacity in blocks (0 = unknown).
+    pub total_blocks: u64,
+    /// Its reported KV usage in [0, 1].
+    pub kv_usage: f64,
+    /// Its reported waiting requests.
+    pub waiting: u32,
+}
+
+/// A routing answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Send to `candidates[index]`.
+    Worker(usize),
+    /// Refuse the request with this HTTP status and message.
+    Reject {
+        /// HTTP status.
+        status: u16,
+        /// Client-facing message.
+        message: String,
+    },
+}
+
+/// A routing mode.
+pub trait Policy: Send + Sync {
+    /// Mode name for logs and metrics.
+    fn name(&self) -> &'static str;
+    /// Picks among `candidates` (never empty when called).
+    fn choose(&self, req: &RequestSummary<'_>, candidates: &[Candidate]) -> Decision;
+}

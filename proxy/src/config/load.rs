@@ -1,0 +1,191 @@
+//! Loading a configuration: YAML → [`Config`], with errors that name the file, line and
+//! column; then `KVGATE_…` environment overrides; then cross-field validation.
+//!
+//! Environment overrides address a key by its path, upper-cased, segments joined by `__`, list
+//! items by index: `KVGATE_LISTEN=0.0.0.0:8000`, `KVGATE_TIMEOUTS__CONNECT_MS=500`,
+//! `KVGATE_MODELS__0__ROUTING__MODE=random`. Values are read as YAML scalars. Variables whose
+//! first segment is not a top-level key (e.g. `KVGATE_LOG`) are not overrides.
+
+use super::Config;
+use serde_yaml::Value;
+use std::fmt;
+use std::path::Path;
+
+/// Top-level keys an environment variable may override.
+const TOP_LEVEL_KEYS: &[&str] =
+    &["listen", "admin_listen", "threads", "max_body_bytes", "timeouts", "retries", "health", "shutdown", "models"];
+
+/// A configuration that cannot be used, with where the problem is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// File name (or `<env>` for an override).
+    pub origin: String,
+    /// 1-based line, when known.
+    pub line: Option<usize>,
+    /// 1-based column, when known.
+    pub column: Option<usize>,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.line, self.column) {
+            (Some(l), Some(c)) => write!(f, "{}:{l}:{c}: {}", self.origin, self.message),
+            (Some(l), None) => write!(f, "{}:{l}: {}", self.origin, self.message),
+            _ => write!(f, "{}: {}", self.origin, self.message),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// Reads and validates a configuration file, applying the process's `KVGATE_…` overrides.
+pub fn load_file(path: &Path) -> Result<Config, ConfigError> {
+    let origin = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError { origin: origin.clone(), line: None, column: None, message: e.to_string() })?;
+    load_str(&text, &origin, std::env::vars())
+}
+
+/// Parses and validates `text`; `env` supplies the override variables.
+pub fn load_str(text: &str, origin: &str, env: impl IntoIterator<Item = (String, String)>) -> Result<Config, ConfigError> {
+    let err = |line: Option<usize>, column: Option<usize>, message: String| ConfigError { origin: origin.to_string(), line, column, message };
+    let mut cfg: Config = serde_yaml::from_str(text).map_err(|e| {
+        let loc = e.location();
+        err(loc.as_ref().map(|l| l.line()), loc.as_ref().map(|l| l.column()), strip_location(&e.to_string()))
+    })?;
+
+    let overrides: Vec<(String, Vec<String>, String)> = env
+        .into_iter()
+        .filter_map(|(k, v)| {
+            let path = k.strip_prefix("KVGATE_")?;
+            let segs: Vec<String> = path.split("__").map(|s| s.to_ascii_lowercase()).collect();
+            TOP_LEVEL_KEYS.contains(&segs[0].as_str()).then_some((k, segs, v))
+        })
+        .collect();
+    if !overrides.is_empty() {
+        let mut tree: Value = serde_yaml::from_str(text).map_err(|e| err(None, None, e.to_string()))?;
+        for (var, segs, val) in &overrides {
+            let scalar: Value = serde_yaml::from_str(val).unwrap_or_else(|_| Value::String(val.clone()));
+            set_path(&mut tree, segs, scalar).map_err(|m| ConfigError { origin: format!("environment variable {var}"), line: None, column: None, message: m })?;
+        }
+        cfg = serde_yaml::from_value(tree).map_err(|e| {
+            let names: Vec<&str> = overrides.iter().map(|(k, _, _)| k.as_str()).collect();
+            ConfigError { origin: format!("environment overrides ({})", names.join(", ")), line: None, column: None, message: strip_location(&e.to_string()) }
+        })?;
+    }
+    validate(&cfg).map_err(|(msg, needle)| {
+        let (line, column) = needle.and_then(|n| locate(text, &n)).map(|(l, c)| (Some(l), Some(c))).unwrap_or((None, None));
+        err(line, column, msg)
+    })?;
+    Ok(cfg)
+}
+
+/// serde_yaml appends " at line L column C"; the location is reported separately.
+fn strip_location(msg: &str) -> String {
+    match msg.rfind(" at line ") {
+        Some(i) => msg[..i].to_string(),
+        None => msg.to_string(),
+    }
+}
+
+fn set_path(node: &mut Value, segs: &[String], val: Value) -> Result<(), String> {
+    let Some((head, rest)) = segs.split_first() else {
+        *node = val;
+        return Ok(());
+    };
+    if node.is_null() {
+        *node = Value::Mapping(Default::default());
+    }
+    match node {
+        Value::Mapping(m) => {
+            let child = m.entry(Value::String(head.clone())).or_insert(Value::Null);
+            set_path(child, rest, val)
+        }
+        Value::Sequence(s) => {
+            let i: usize = head.parse().map_err(|_| format!("{head:?} is not a list index"))?;
+            let len = s.len();
+            let child = s.get_mut(i).ok_or_else(|| format!("index {i} is out of range (the list has {len} items)"))?;
+            set_path(child, rest, val)
+        }
+        _ => Err(format!("cannot set {head:?} inside a scalar value")),
+    }
+}
+
+/// Finds the n-th occurrence (1-based in `needle.1`) of a text in the YAML, as line/column.
+fn locate(text: &str, needle: &(String, usize)) -> Option<(usize, usize)> {
+    let (pat, nth) = needle;
+    let mut seen = 0;
+    for (i, line) in text.lines().enumerate() {
+        if let Some(col) = line.find(pat.as_str()) {
+            seen += 1;
+            if seen == *nth {
+                return Some((i + 1, col + 1));
+            }
+        }
+    }
+    None
+}
+
+type Invalid = (String, Option<(String, usize)>);
+
+/// Cross-field checks. On failure: the message and, when possible, a text to locate it by.
+fn validate(cfg: &Config) -> Result<(), Invalid> {
+    let at = |pat: String, nth: usize| Some((pat, nth));
+    if cfg.models.is_empty() {
+        return Err(("models: at least one model is required".into(), at("models".into(), 1)));
+    }
+    if cfg.listen == cfg.admin_listen {
+        return Err((format!("admin_listen must differ from listen ({})", cfg.listen), at("admin_listen".into(), 1)));
+    }
+    if cfg.threads == 0 {
+        return Err(("threads must be at least 1".into(), at("threads".into(), 1)));
+    }
+    if cfg.max_body_bytes.0 < 1024 {
+        return Err(("max_body_bytes must be at least 1KiB".into(), at("max_body_bytes".into(), 1)));
+    }
+    if cfg.timeouts.connect_ms == 0 {
+        return Err(("timeouts.connect_ms must be at least 1".into(), at("connect_ms".into(), 1)));
+    }
+    if cfg.retries.max_attempts == 0 {
+        return Err(("retries.max_attempts must be at least 1 (1 = no retry)".into(), at("max_attempts".into(), 1)));
+    }
+    let h = &cfg.health;
+    if h.interval_ms == 0 || h.timeout_ms == 0 || h.unhealthy_threshold == 0 || h.healthy_threshold == 0 {
+        return Err(("health: interval_ms, timeout_ms and both thresholds must be at least 1".into(), at("health".into(), 1)));
+    }
+    if !h.path.starts_with('/') {
+        return Err((format!("health.path must start with '/', got {:?}", h.path), at("path".into(), 1)));
+    }
+    let mut names = std::collections::HashSet::new();
+    for m in &cfg.models {
+        if m.name.trim().is_empty() {
+            return Err(("models: a model name must not be empty".into(), at("name:".into(), 1)));
+        }
+        if !names.insert(m.name.as_str()) {
+            return Err((format!("models: duplicate model name {:?}", m.name), at(m.name.clone(), 2)));
+        }
+        if !(1..=1024).contains(&m.block_size) {
+            return Err((format!("model {:?}: block_size must be within 1..=1024", m.name), at("block_size".into(), 1)));
+        }
+        if m.workers.is_empty() {
+            return Err((format!("model {:?}: at least one worker is required", m.name), at(m.name.clone(), 1)));
+        }
+        let mut urls = std::collections::HashSet::new();
+        for w in &m.workers {
+            if !urls.insert(&w.url) {
+                return Err((format!("model {:?}: duplicate worker {}", m.name, w.url), at(w.url.authority.clone(), 2)));
+            }
+            if !(1..=64).contains(&w.dp_size) {
+                return Err((format!("worker {}: dp_size must be within 1..=64", w.url), at("dp_size".into(), 1)));
+            }
+            if w.replay.is_some() && w.kv_events.is_none() {
+                return Err((format!("worker {}: replay needs kv_events", w.url), at("replay".into(), 1)));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,86 @@
+use super::*;
+
+const GOOD: &str = "\
+listen: 127.0.0.1:8080
+admin_listen: 127.0.0.1:9090
+models:
+  - name: llama
+    workers:
+      - url: http://10.0.0.1:8000
+        kv_events: tcp://10.0.0.1:5557
+      - url: http://10.0.0.2:8000
+";
+
+fn load(text: &str) -> Result<Config, ConfigError> {
+    load_str(text, "kvgate.yaml", Vec::<(String, String)>::new())
+}
+
+#[test]
+fn defaults_fill_in() {
+    let c = load(GOOD).unwrap();
+    assert_eq!(c.models[0].block_size, 16);
+    assert_eq!(c.timeouts.connect_ms, 2_000);
+    assert_eq!(c.retries.max_attempts, 3);
+    assert_eq!(c.models[0].workers[1].dp_size, 1);
+    assert_eq!(c.max_body_bytes.0, 32 << 20);
+}
+
+#[test]
+fn unknown_keys_are_errors_with_line_and_column() {
+    let bad = GOOD.replace("        kv_events:", "        kv_event:");
+    let e = load(&bad).unwrap_err();
+    assert_eq!((e.line, e.column), (Some(7), Some(9)), "{e}");
+    assert!(e.message.contains("unknown field `kv_event`"), "{e}");
+    assert!(e.to_string().starts_with("kvgate.yaml:7:9: "), "{e}");
+}
+
+#[test]
+fn bad_values_point_at_the_value() {
+    let e = load(&GOOD.replace("http://10.0.0.2:8000", "https://10.0.0.2:8000")).unwrap_err();
+    assert_eq!(e.line, Some(8), "{e}");
+    assert!(e.message.contains("https"), "{e}");
+    let e = load(&GOOD.replace("listen: 127.0.0.1:8080", "listen: nowhere")).unwrap_err();
+    assert_eq!(e.line, Some(1), "{e}");
+    let e = load("models: [").unwrap_err();
+    assert!(e.line.is_some(), "syntax errors have a location: {e}");
+}
+
+#[test]
+fn cross_field_errors_are_located() {
+    let dup = format!("{GOOD}  - name: llama\n    workers:\n      - url: http://h:1\n");
+    let e = load(&dup).unwrap_err();
+    assert!(e.message.contains("duplicate model name"), "{e}");
+    assert_eq!(e.line, Some(9), "{e}");
+    let e = load(&GOOD.replace("10.0.0.2", "10.0.0.1")).unwrap_err();
+    assert!(e.message.contains("duplicate worker"), "{e}");
+    assert_eq!(e.line, Some(8), "{e}");
+    let e = load("models: []\n").unwrap_err();
+    assert!(e.message.contains("at least one model"), "{e}");
+    let e = load(&GOOD.replace("admin_listen: 127.0.0.1:9090", "admin_listen: 127.0.0.1:8080")).unwrap_err();
+    assert!(e.message.contains("admin_listen"), "{e}");
+}
+
+#[test]
+fn environment_overrides_keys_by_path() {
+    let env = vec![
+        ("KVGATE_TIMEOUTS__CONNECT_MS".to_string(), "250".to_string()),
+        ("KVGATE_MODELS__0__ROUTING__MODE".to_string(), "random".to_string()),
+        ("KVGATE_LISTEN".to_string(), "127.0.0.1:7000".to_string()),
+        ("KVGATE_LOG".to_string(), "debug".to_string()),
+        ("PATH".to_string(), "/bin".to_string()),
+    ];
+    let c = load_str(GOOD, "kvgate.yaml", env).unwrap();
+    assert_eq!(c.timeouts.connect_ms, 250);
+    assert_eq!(c.models[0].routing.mode, kvgate_filters::route::Mode::Random);
+    assert_eq!(c.listen.port(), 7000);
+}
+
+#[test]
+fn bad_overrides_name_the_variable() {
+    let env = vec![("KVGATE_TIMEOUTS__CONNECT_MS".to_string(), "soon".to_string())];
+    let e = load_str(GOOD, "kvgate.yaml", env).unwrap_err();
+    assert!(e.to_string().contains("KVGATE_TIMEOUTS__CONNECT_MS"), "{e}");
+    let env = vec![("KVGATE_MODELS__5__NAME".to_string(), "x".to_string())];
+    let e = load_str(GOOD, "kvgate.yaml", env).unwrap_err();
+    assert!(e.to_string().contains("out of range"), "{e}");
+}

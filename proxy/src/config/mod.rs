@@ -1,0 +1,197 @@
+//! The gateway's YAML configuration: types with their defaults (this file), validating value
+//! types (`values`), and loading with line/column errors and `KVGATE_…` overrides (`load`).
+//!
+//! Every key is documented in conf/kvgate.yaml. Unknown keys are errors.
+
+mod load;
+mod values;
+
+pub use load::{ConfigError, load_file, load_str};
+pub use values::{ByteSize, UpstreamUrl, ZmqEndpoint};
+
+use kvgate_filters::route::Mode;
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// The whole configuration.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Where clients connect (OpenAI API).
+    #[serde(default = "default_listen")]
+    pub listen: SocketAddr,
+    /// Admin endpoints (`/metrics`, `/workers`, `/reload`, …); loopback by default.
+    #[serde(default = "default_admin_listen")]
+    pub admin_listen: SocketAddr,
+    /// Worker threads of the proxy service.
+    #[serde(default = "default_threads")]
+    pub threads: usize,
+    /// Largest request body accepted (413 above).
+    #[serde(default = "default_max_body")]
+    pub max_body_bytes: ByteSize,
+    /// Timeouts.
+    #[serde(default)]
+    pub timeouts: Timeouts,
+    /// Retries before the first response byte.
+    #[serde(default)]
+    pub retries: Retries,
+    /// Active health checks.
+    #[serde(default)]
+    pub health: HealthCheck,
+    /// Graceful shutdown.
+    #[serde(default)]
+    pub shutdown: Shutdown,
+    /// Served models and their workers.
+    pub models: Vec<ModelConfig>,
+}
+
+/// Timeouts, in milliseconds.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Timeouts {
+    /// TCP connect to a worker.
+    pub connect_ms: u64,
+    /// How long an idle pooled upstream connection is kept. Keep it below the workers'
+    /// keep-alive (uvicorn: 5 s) so a reused connection is never already closed.
+    pub upstream_idle_ms: u64,
+    /// How long a client may take to send its request body.
+    pub request_body_ms: u64,
+    /// Upper bound on the wait for a worker's response header (0 = none: long prefills are
+    /// legitimate).
+    pub first_byte_ms: u64,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self { connect_ms: 2_000, upstream_idle_ms: 4_000, request_body_ms: 30_000, first_byte_ms: 0 }
+    }
+}
+
+/// Retries on another worker, only before anything was sent to the client.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Retries {
+    /// Total attempts per request (1 = no retry).
+    pub max_attempts: u32,
+    /// Retry when a worker answers 5xx before any byte reached the client.
+    pub on_5xx: bool,
+}
+
+impl Default for Retries {
+    fn default() -> Self {
+        Self { max_attempts: 3, on_5xx: true }
+    }
+}
+
+/// Active health checking of every worker.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HealthCheck {
+    /// Path polled with GET.
+    pub path: String,
+    /// Poll period.
+    pub interval_ms: u64,
+    /// Per-poll timeout.
+    pub timeout_ms: u64,
+    /// Consecutive failures that mark a worker unhealthy.
+    pub unhealthy_threshold: u32,
+    /// Consecutive successes that mark it healthy again.
+    pub healthy_threshold: u32,
+}
+
+impl Default for HealthCheck {
+    fn default() -> Self {
+        Self { path: "/health".into(), interval_ms: 1_000, timeout_ms: 1_000, unhealthy_threshold: 2, healthy_threshold: 1 }
+    }
+}
+
+/// SIGTERM behaviour.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Shutdown {
+    /// How long in-flight requests (streams) may run after SIGTERM before the process exits.
+    pub drain_timeout_s: u64,
+}
+
+impl Default for Shutdown {
+    fn default() -> Self {
+        Self { drain_timeout_s: 300 }
+    }
+}
+
+/// One served model.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// The name clients put in `model`.
+    pub name: String,
+    /// HF tokenizer directory (tokenizer.json + tokenizer_config.json), for KV routing.
+    #[serde(default)]
+    pub tokenizer: Option<PathBuf>,
+    /// Tokens per KV block; must equal the workers' `--block-size`.
+    #[serde(default = "default_block_size")]
+    pub block_size: u32,
+    /// How a worker is chosen.
+    #[serde(default)]
+    pub routing: Routing,
+    /// The vLLM servers serving it.
+    pub workers: Vec<WorkerConfig>,
+}
+
+/// Routing section of a model.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Routing {
+    /// `round_robin` or `random`.
+    pub mode: Mode,
+}
+
+impl Default for Routing {
+    fn default() -> Self {
+        Self { mode: Mode::RoundRobin }
+    }
+}
+
+/// One vLLM server.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerConfig {
+    /// Base URL, `http://host:port`.
+    pub url: UpstreamUrl,
+    /// Its KV events PUB endpoint (`tcp://host:port`), if it publishes events.
+    #[serde(default)]
+    pub kv_events: Option<ZmqEndpoint>,
+    /// Its KV events replay ROUTER endpoint.
+    #[serde(default)]
+    pub replay: Option<ZmqEndpoint>,
+    /// Data-parallel ranks behind this URL (rank r publishes on port + r).
+    #[serde(default = "default_dp_size")]
+    pub dp_size: u32,
+}
+
+fn default_listen() -> SocketAddr {
+    SocketAddr::from(([0, 0, 0, 0], 8080))
+}
+fn default_admin_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 9090))
+}
+fn default_threads() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2)
+}
+fn default_max_body() -> ByteSize {
+    ByteSize(32 * 1024 * 1024)
+}
+fn default_block_size() -> u32 {
+    16
+}
+fn default_dp_size() -> u32 {
+    1
+}
+
+impl Config {
+    /// The model named `name`.
+    pub fn model(&self, name: &str) -> Option<&ModelConfig> {
+        self.models.iter().find(|m| m.name == name)
+    }
+}

@@ -1,0 +1,133 @@
+//! Value types that validate while they are deserialized, so a bad value is reported with the
+//! line and column where it appears in the YAML.
+
+use serde::{Deserialize, Deserializer, de};
+use std::fmt;
+
+/// A worker base URL: `http://host:port` (no path, no TLS: kvgate talks plain HTTP/1.1 to vLLM).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct UpstreamUrl {
+    /// `host:port`, as given.
+    pub authority: String,
+    /// Host part.
+    pub host: String,
+    /// Port.
+    pub port: u16,
+}
+
+impl UpstreamUrl {
+    /// Parses `http://host:port[/]`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let rest = s.strip_prefix("http://").ok_or_else(|| {
+            if s.starts_with("https://") {
+                format!("{s:?}: https upstreams are not supported; vLLM workers are reached over plain http://")
+            } else {
+                format!("{s:?}: expected http://host:port")
+            }
+        })?;
+        let authority = rest.trim_end_matches('/');
+        if authority.contains('/') || authority.contains('?') {
+            return Err(format!("{s:?}: a worker URL is http://host:port, without a path"));
+        }
+        let (host, port) = authority.rsplit_once(':').ok_or_else(|| format!("{s:?}: missing :port"))?;
+        let port: u16 = port.parse().map_err(|_| format!("{s:?}: port must be a number between 1 and 65535"))?;
+        if host.is_empty() || port == 0 {
+            return Err(format!("{s:?}: expected http://host:port with a host and a non-zero port"));
+        }
+        Ok(Self { authority: authority.to_string(), host: host.trim_start_matches('[').trim_end_matches(']').to_string(), port })
+    }
+}
+
+impl fmt::Display for UpstreamUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "http://{}", self.authority)
+    }
+}
+
+impl<'de> Deserialize<'de> for UpstreamUrl {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        Self::parse(&s).map_err(de::Error::custom)
+    }
+}
+
+/// A ZeroMQ TCP endpoint, `tcp://host:port` (`*` as host means bind).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ZmqEndpoint(pub String);
+
+impl<'de> Deserialize<'de> for ZmqEndpoint {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let rest = s.strip_prefix("tcp://").ok_or_else(|| de::Error::custom(format!("{s:?}: expected tcp://host:port")))?;
+        let ok = rest.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok());
+        if !ok {
+            return Err(de::Error::custom(format!("{s:?}: expected tcp://host:port")));
+        }
+        Ok(Self(s))
+    }
+}
+
+/// A byte count: an integer, or a string with a unit (`512KiB`, `32MiB`, `1GiB`, `10MB`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteSize(pub u64);
+
+impl ByteSize {
+    /// Parses `123`, `64KiB`, `32MiB`, `1GiB`, `10kB`, `5MB`, `1GB`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+        let (num, unit) = s.split_at(split);
+        let n: u64 = num.parse().map_err(|_| format!("{s:?}: expected a number of bytes like 32MiB"))?;
+        let mult = match unit.trim() {
+            "" | "B" => 1,
+            "KiB" => 1 << 10,
+            "MiB" => 1 << 20,
+            "GiB" => 1 << 30,
+            "kB" | "KB" => 1_000,
+            "MB" => 1_000_000,
+            "GB" => 1_000_000_000,
+            u => return Err(format!("{s:?}: unknown unit {u:?} (use B, KiB, MiB, GiB, kB, MB, GB)")),
+        };
+        n.checked_mul(mult).map(ByteSize).ok_or_else(|| format!("{s:?}: too large"))
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(u64),
+            S(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::N(n) => Ok(ByteSize(n)),
+            Raw::S(s) => ByteSize::parse(&s).map_err(de::Error::custom),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls() {
+        let u = UpstreamUrl::parse("http://10.0.0.1:8000/").unwrap();
+        assert_eq!((u.host.as_str(), u.port, u.authority.as_str()), ("10.0.0.1", 8000, "10.0.0.1:8000"));
+        assert_eq!(u.to_string(), "http://10.0.0.1:8000");
+        assert!(UpstreamUrl::parse("https://x:1").unwrap_err().contains("https"));
+        assert!(UpstreamUrl::parse("http://x").is_err());
+        assert!(UpstreamUrl::parse("http://x:0").is_err());
+        assert!(UpstreamUrl::parse("http://x:8000/v1").is_err());
+        assert_eq!(UpstreamUrl::parse("http://[::1]:80").unwrap().host, "::1");
+    }
+
+    #[test]
+    fn byte_sizes() {
+        assert_eq!(ByteSize::parse("32MiB").unwrap(), ByteSize(32 << 20));
+        assert_eq!(ByteSize::parse("10kB").unwrap(), ByteSize(10_000));
+        assert_eq!(ByteSize::parse("77").unwrap(), ByteSize(77));
+        assert!(ByteSize::parse("12 parsecs").is_err());
+    }
+}

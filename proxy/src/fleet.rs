@@ -1,0 +1,204 @@
+//! The live set of models and their workers, built from a validated [`Config`] and swapped as a
+//! whole on reload.
+//!
+//! Workers are kept in a registry by URL, so one that survives a reload keeps its health state
+//! and in-flight count; a request holds `Arc`s to the model and worker it started with, so a
+//! reload that removes them never disturbs it.
+
+use crate::config::{Config, ModelConfig, UpstreamUrl};
+use kvgate_filters::route::Policy;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+
+/// One vLLM server as the gateway tracks it.
+#[derive(Debug)]
+pub struct Worker {
+    /// Base URL.
+    pub url: UpstreamUrl,
+    /// `Host` header value.
+    pub host_header: String,
+    healthy: AtomicBool,
+    consecutive_failures: AtomicU32,
+    consecutive_successes: AtomicU32,
+    in_flight: AtomicU32,
+}
+
+impl Worker {
+    fn new(url: UpstreamUrl) -> Self {
+        Self {
+            host_header: url.authority.clone(),
+            url,
+            // Optimistic until the first check: a fresh gateway serves at once.
+            healthy: AtomicBool::new(true),
+            consecutive_failures: AtomicU32::new(0),
+            consecutive_successes: AtomicU32::new(0),
+            in_flight: AtomicU32::new(0),
+        }
+    }
+
+    /// Resolves the worker's address now (DNS may change between calls).
+    pub fn resolve(&self) -> std::io::Result<SocketAddr> {
+        (self.url.host.as_str(), self.url.port)
+            .to_socket_addrs()?
+            .next()
+            .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, format!("{} does not resolve", self.url)))
+    }
+
+    /// Passes health checks.
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    /// Records a health observation; returns `Some(new_state)` when the state flips.
+    pub fn observe_health(&self, ok: bool, unhealthy_after: u32, healthy_after: u32) -> Option<bool> {
+        if ok {
+            self.consecutive_failures.store(0, Ordering::Relaxed);
+            let n = self.consecutive_successes.fetch_add(1, Ordering::Relaxed) + 1;
+            if n >= healthy_after && !self.healthy.swap(true, Ordering::Relaxed) {
+                return Some(true);
+            }
+        } else {
+            self.consecutive_successes.store(0, Ordering::Relaxed);
+            let n = self.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
+            if n >= unhealthy_after && self.healthy.swap(false, Ordering::Relaxed) {
+                return Some(false);
+            }
+        }
+        None
+    }
+
+    /// Requests in flight to this worker.
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Books one request on the worker until the guard drops.
+    pub fn book(self: &Arc<Self>) -> InFlight {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight(self.clone())
+    }
+}
+
+/// An in-flight booking on a worker, released on drop (completion, error, cancel or panic).
+#[derive(Debug)]
+pub struct InFlight(Arc<Worker>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A served model: its config, its workers (in config order) and its routing policy.
+pub struct Model {
+    /// The model's config section.
+    pub cfg: ModelConfig,
+    /// Workers; a worker's id is its index here.
+    pub workers: Vec<Arc<Worker>>,
+    /// Selection policy.
+    pub policy: Box<dyn Policy>,
+}
+
+/// Every served model.
+pub struct Fleet {
+    /// By name.
+    pub models: HashMap<String, Arc<Model>>,
+    /// Names in config order.
+    pub order: Vec<String>,
+}
+
+impl Fleet {
+    /// All distinct workers across models.
+    pub fn all_workers(&self) -> Vec<(String, Arc<Worker>)> {
+        let mut out = Vec::new();
+        for name in &self.order {
+            for w in &self.models[name].workers {
+                out.push((name.clone(), w.clone()));
+            }
+        }
+        out
+    }
+
+    /// The model clients address as `name`.
+    pub fn model(&self, name: &str) -> Option<&Arc<Model>> {
+        self.models.get(name)
+    }
+}
+
+/// Keeps `Worker`s alive across reloads, keyed by URL.
+#[derive(Default)]
+pub struct WorkerRegistry {
+    by_url: Mutex<HashMap<UpstreamUrl, Arc<Worker>>>,
+}
+
+impl WorkerRegistry {
+    /// Builds the fleet for `cfg`, reusing workers already known by URL and forgetting the rest.
+    pub fn build(&self, cfg: &Config) -> Fleet {
+        let mut known = self.by_url.lock();
+        let mut next: HashMap<UpstreamUrl, Arc<Worker>> = HashMap::new();
+        let mut models = HashMap::new();
+        let mut order = Vec::new();
+        for m in &cfg.models {
+            let workers = m
+                .workers
+                .iter()
+                .map(|w| {
+                    let worker = known.get(&w.url).cloned().unwrap_or_else(|| Arc::new(Worker::new(w.url.clone())));
+                    next.insert(w.url.clone(), worker.clone());
+                    worker
+                })
+                .collect();
+            order.push(m.name.clone());
+            models.insert(m.name.clone(), Arc::new(Model { cfg: m.clone(), workers, policy: m.routing.mode.policy() }));
+        }
+        *known = next;
+        Fleet { models, order }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn health_flips_after_thresholds() {
+        let w = Worker::new(UpstreamUrl::parse("http://127.0.0.1:1").unwrap());
+        assert!(w.is_healthy());
+        assert_eq!(w.observe_health(false, 2, 2), None);
+        assert_eq!(w.observe_health(false, 2, 2), Some(false));
+        assert_eq!(w.observe_health(false, 2, 2), None);
+        assert_eq!(w.observe_health(true, 2, 2), None);
+        assert_eq!(w.observe_health(true, 2, 2), Some(true));
+    }
+
+    #[test]
+    fn bookings_release_on_drop() {
+        let w = Arc::new(Worker::new(UpstreamUrl::parse("http://127.0.0.1:1").unwrap()));
+        let a = w.book();
+        let b = w.book();
+        assert_eq!(w.in_flight(), 2);
+        drop(a);
+        drop(b);
+        assert_eq!(w.in_flight(), 0);
+    }
+
+    #[test]
+    fn registry_keeps_worker_state_across_rebuilds() {
+        let cfg = |urls: &[&str]| {
+            let workers: String = urls.iter().map(|u| format!("      - url: {u}\n")).collect();
+            crate::config::load_str(&format!("models:\n  - name: m\n    workers:\n{workers}"), "t", Vec::new()).unwrap()
+        };
+        let reg = WorkerRegistry::default();
+        let f1 = reg.build(&cfg(&["http://a:1", "http://b:1"]));
+        let a1 = f1.models["m"].workers[0].clone();
+        a1.observe_health(false, 1, 1);
+        let f2 = reg.build(&cfg(&["http://b:1", "http://a:1", "http://c:1"]));
+        let a2 = &f2.models["m"].workers[1];
+        assert!(Arc::ptr_eq(&a1, a2));
+        assert!(!a2.is_healthy(), "state survives the reload");
+        assert_eq!(f2.models["m"].workers.len(), 3);
+    }
+}

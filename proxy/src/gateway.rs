@@ -1,0 +1,135 @@
+//! The gateway's shared state: the live configuration and fleet (swapped atomically on reload),
+//! the upstream connector (keep-alive pools), metrics, and the drain switch.
+
+use crate::config::{Config, ConfigError};
+use crate::fleet::{Fleet, WorkerRegistry};
+use crate::metrics::Metrics;
+use arc_swap::ArcSwap;
+use pingora::connectors::http::Connector;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+/// Everything request handlers and background tasks share.
+pub struct Gateway {
+    config: ArcSwap<Config>,
+    fleet: ArcSwap<Fleet>,
+    registry: WorkerRegistry,
+    config_path: Option<PathBuf>,
+    draining: AtomicBool,
+    in_flight: AtomicUsize,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// Upstream HTTP/1.1 connector with keep-alive pools.
+    pub connector: Connector,
+}
+
+impl Gateway {
+    /// State for a validated config; `path` is where reloads read from.
+    pub fn new(cfg: Config, path: Option<PathBuf>) -> Arc<Self> {
+        let registry = WorkerRegistry::default();
+        let fleet = registry.build(&cfg);
+        Arc::new(Self {
+            config: ArcSwap::from_pointee(cfg),
+            fleet: ArcSwap::from_pointee(fleet),
+            registry,
+            config_path: path,
+            draining: AtomicBool::new(false),
+            in_flight: AtomicUsize::new(0),
+            metrics: Metrics::new(),
+            connector: Connector::new(None),
+        })
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> Arc<Config> {
+        self.config.load_full()
+    }
+
+    /// The fleet in force.
+    pub fn fleet(&self) -> Arc<Fleet> {
+        self.fleet.load_full()
+    }
+
+    /// Applies a validated configuration. Listener addresses and thread counts only change on
+    /// restart; everything else (models, workers, timeouts, retries, health) takes effect now.
+    /// Requests in flight keep the model and worker they started with.
+    pub fn apply(&self, cfg: Config) {
+        let old = self.config();
+        if old.listen != cfg.listen || old.admin_listen != cfg.admin_listen || old.threads != cfg.threads {
+            tracing::warn!("listen, admin_listen and threads take effect at the next restart");
+        }
+        let before: std::collections::HashSet<String> = self.fleet().all_workers().iter().map(|(m, w)| format!("{m}@{}", w.url)).collect();
+        let fleet = self.registry.build(&cfg);
+        let after: std::collections::HashSet<String> = fleet.all_workers().iter().map(|(m, w)| format!("{m}@{}", w.url)).collect();
+        for added in after.difference(&before) {
+            tracing::info!(worker = %added, "worker added");
+        }
+        for removed in before.difference(&after) {
+            tracing::info!(worker = %removed, "worker removed (its in-flight requests finish)");
+            if let Some((model, url)) = removed.split_once('@') {
+                let _ = self.metrics.worker_healthy.remove_label_values(&[model, url]);
+                let _ = self.metrics.worker_in_flight.remove_label_values(&[model, url]);
+            }
+        }
+        self.fleet.store(Arc::new(fleet));
+        self.config.store(Arc::new(cfg));
+    }
+
+    /// Re-reads the config file; on error the running config stays and the error is returned.
+    pub fn reload(&self) -> Result<(), ConfigError> {
+        let Some(path) = &self.config_path else {
+            return Err(ConfigError { origin: "reload".into(), line: None, column: None, message: "no config file to reload".into() });
+        };
+        match crate::config::load_file(path) {
+            Ok(cfg) => {
+                if *self.config() != cfg {
+                    self.apply(cfg);
+                    tracing::info!(path = %path.display(), "configuration reloaded");
+                }
+                self.metrics.reloads.with_label_values(&["ok"]).inc();
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "configuration rejected; the previous configuration stays in force");
+                self.metrics.reloads.with_label_values(&["rejected"]).inc();
+                Err(e)
+            }
+        }
+    }
+
+    /// The config file, if any.
+    pub fn config_path(&self) -> Option<&PathBuf> {
+        self.config_path.as_ref()
+    }
+
+    /// Starts draining: new inference requests are refused with 503.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the gateway is draining.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Inference requests being served.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Counts a request in flight until the guard drops.
+    pub fn track(self: &Arc<Self>) -> RequestGuard {
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        RequestGuard(self.clone())
+    }
+}
+
+/// Keeps a request counted in [`Gateway::in_flight`].
+pub struct RequestGuard(Arc<Gateway>);
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}

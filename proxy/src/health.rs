@@ -1,0 +1,66 @@
+//! Active health checking: every `health.interval_ms`, each worker's health path is fetched
+//! (GET, `health.timeout_ms`); `unhealthy_threshold` consecutive failures take it out of
+//! routing, `healthy_threshold` consecutive successes bring it back. A 200 is healthy; anything
+//! else, a timeout or a refused connection is not (vLLM answers 503 when its engine is dead).
+
+use crate::gateway::Gateway;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Runs forever (until the task is dropped).
+pub async fn run(gw: Arc<Gateway>) {
+    loop {
+        let cfg = gw.config();
+        let h = cfg.health.clone();
+        let fleet = gw.fleet();
+        let checks = fleet.all_workers().into_iter().map(|(model, w)| {
+            let h = h.clone();
+            let gw = gw.clone();
+            async move {
+                let ok = probe(&w.url.host, w.url.port, &w.host_header, &h.path, Duration::from_millis(h.timeout_ms)).await;
+                if let Some(now) = w.observe_health(ok, h.unhealthy_threshold, h.healthy_threshold) {
+                    if now {
+                        tracing::info!(worker = %w.url, model, "worker healthy again");
+                    } else {
+                        tracing::warn!(worker = %w.url, model, "worker unhealthy; removed from routing");
+                    }
+                }
+                let url = w.url.to_string();
+                gw.metrics.worker_healthy.with_label_values(&[model.as_str(), url.as_str()]).set(i64::from(w.is_healthy()));
+                gw.metrics.worker_in_flight.with_label_values(&[model.as_str(), url.as_str()]).set(i64::from(w.in_flight()));
+            }
+        });
+        futures_join_all(checks).await;
+        tokio::time::sleep(Duration::from_millis(h.interval_ms)).await;
+    }
+}
+
+async fn futures_join_all<F: std::future::Future<Output = ()> + Send + 'static>(futs: impl Iterator<Item = F>) {
+    let handles: Vec<_> = futs.map(tokio::spawn).collect();
+    for h in handles {
+        let _ = h.await;
+    }
+}
+
+/// One GET over a fresh connection; true on HTTP 200.
+pub async fn probe(host: &str, port: u16, host_header: &str, path: &str, timeout: Duration) -> bool {
+    let attempt = async {
+        let mut s = TcpStream::connect((host, port)).await.ok()?;
+        let req = format!("GET {path} HTTP/1.1\r\nHost: {host_header}\r\nConnection: close\r\nUser-Agent: kvgate-health\r\n\r\n");
+        s.write_all(req.as_bytes()).await.ok()?;
+        let mut buf = [0u8; 32];
+        let mut n = 0;
+        while n < 12 {
+            let r = s.read(&mut buf[n..]).await.ok()?;
+            if r == 0 {
+                break;
+            }
+            n += r;
+        }
+        let head = std::str::from_utf8(&buf[..n]).ok()?;
+        Some(head.starts_with("HTTP/1.1 200") || head.starts_with("HTTP/1.0 200"))
+    };
+    matches!(tokio::time::timeout(timeout, attempt).await, Ok(Some(true)))
+}

@@ -1,0 +1,318 @@
+//! `/v1/chat/completions` and `/v1/completions`: read the body (capped), parse just what routing
+//! needs, pick a worker, run the upstream leg with bounded retries, then stream the response to
+//! the client chunk by chunk while watching for a disconnect.
+//!
+//! Cancellation (seed 003): each request gets a [`RequestContext`]; a client that disconnects
+//! before the response starts or mid-stream stops it, the upstream connection is dropped (not
+//! pooled) so vLLM aborts the request, and the cancellation metric counts the request once.
+
+use super::client::client_closed;
+use super::errors::ClientError;
+use super::io::{read_body, respond_error};
+use super::upstream::{Attempt, Outgoing, attempt, client_response_header, release};
+use crate::fleet::Model;
+use crate::gateway::Gateway;
+use bytes::Bytes;
+use kvgate_filters::cancel::RequestContext;
+use kvgate_filters::route::{Candidate, Decision, RequestSummary};
+use pingora::proxy::Session;
+use serde::Deserialize;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Which model-scoped endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completions,
+    /// `/tokenize`, passed through to a healthy worker of the model.
+    Tokenize,
+    /// `/detokenize`, passed through to a healthy worker of the model.
+    Detokenize,
+}
+
+impl Endpoint {
+    /// Metric label (seed 003's values for the inference endpoints).
+    pub fn label(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "chat_completions",
+            Endpoint::Completions => "completions",
+            Endpoint::Tokenize => "tokenize",
+            Endpoint::Detokenize => "detokenize",
+        }
+    }
+
+    /// The worker path.
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Tokenize => "/tokenize",
+            Endpoint::Detokenize => "/detokenize",
+        }
+    }
+}
+
+/// The fields routing reads; everything else is forwarded untouched.
+#[derive(Deserialize)]
+struct RequestView {
+    model: Option<String>,
+    #[serde(default)]
+    stream: Option<bool>,
+}
+
+/// How a request ended, for metrics and logs.
+enum Outcome {
+    /// A complete response went out with this status.
+    Served(u16),
+    /// The worker died mid-response; the client connection must be closed abruptly so the
+    /// client sees an error, not a clean end of a truncated body.
+    Truncated(u16),
+    /// The gateway answered with an error.
+    Refused(u16),
+    /// The client went away.
+    Cancelled,
+}
+
+/// A request id: the client's X-Request-Id when it is sane, else a fresh one.
+pub fn request_id(session: &Session) -> String {
+    session
+        .req_header()
+        .headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|s| !s.is_empty() && s.len() <= 256 && s.bytes().all(|b| b.is_ascii_graphic()))
+        .map(str::to_owned)
+        .unwrap_or_else(new_id)
+}
+
+fn new_id() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    let mut z = t ^ N.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    format!("kvg-{:016x}", z ^ (z >> 31))
+}
+
+/// Serves one request end to end. Returns true when the client connection must be aborted
+/// (the response was cut by a failing worker).
+pub async fn serve(gw: &Arc<Gateway>, session: &mut Session, endpoint: Endpoint) -> bool {
+    let start = Instant::now();
+    let rid = request_id(session);
+    let rid_header = [("x-request-id", rid.clone())];
+    if gw.is_draining() {
+        respond_error(session, &ClientError::draining(), &[("connection", "close".into()), rid_header[0].clone()]).await;
+        return false;
+    }
+    let _tracked = gw.track();
+    let cfg = gw.config();
+    let body = match read_body(session, cfg.max_body_bytes.0, Duration::from_millis(cfg.timeouts.request_body_ms)).await {
+        Ok(b) => b,
+        Err(e) => {
+            if let Some(ce) = e.client_error() {
+                respond_error(session, &ce, &rid_header).await;
+            }
+            return false;
+        }
+    };
+    let view: RequestView = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => {
+            let ce = ClientError::bad_request(format!("Invalid request body: {e}"), None);
+            respond_error(session, &ce, &rid_header).await;
+            gw.metrics.requests.with_label_values(&["", endpoint.label(), "400"]).inc();
+            return false;
+        }
+    };
+    let fleet = gw.fleet();
+    let model = match view.model.as_deref() {
+        Some(name) => fleet.model(name).cloned(),
+        // As vLLM, a request without `model` goes to the only model when there is one.
+        None if fleet.order.len() == 1 => fleet.model(&fleet.order[0]).cloned(),
+        None => {
+            let ce = ClientError::bad_request("`model` is required when the gateway serves several models", Some("model"));
+            respond_error(session, &ce, &rid_header).await;
+            return false;
+        }
+    };
+    let Some(model) = model else {
+        let name = view.model.unwrap_or_default();
+        respond_error(session, &ClientError::unknown_model(&name, &fleet.order), &rid_header).await;
+        gw.metrics.requests.with_label_values(&["", endpoint.label(), "404"]).inc();
+        return false;
+    };
+    let name = model.cfg.name.clone();
+    let stream = view.stream.unwrap_or(false);
+    let ctx = RequestContext::new(rid.clone());
+    let in_flight = gw.metrics.in_flight.with_label_values(&[name.as_str()]);
+    in_flight.inc();
+    let outcome = proxy(gw, session, &model, endpoint, &body, &ctx, stream, start).await;
+    in_flight.dec();
+    let (status, label) = match &outcome {
+        Outcome::Served(s) | Outcome::Refused(s) | Outcome::Truncated(s) => (*s, s.to_string()),
+        Outcome::Cancelled => (499, "499".to_string()),
+    };
+    gw.metrics.requests.with_label_values(&[name.as_str(), endpoint.label(), label.as_str()]).inc();
+    gw.metrics.duration.with_label_values(&[name.as_str(), endpoint.label()]).observe(start.elapsed().as_secs_f64());
+    tracing::debug!(request_id = %rid, model = %name, endpoint = endpoint.label(), status, stream, elapsed_ms = start.elapsed().as_millis() as u64, "request done");
+    matches!(outcome, Outcome::Truncated(_))
+}
+
+/// Counts a cancellation once per request, however many signals arrive.
+fn cancel(gw: &Gateway, ctx: &RequestContext, model: &str, endpoint: Endpoint, stream: bool) {
+    if ctx.kill() {
+        let kind = if stream { "stream" } else { "unary" };
+        gw.metrics.cancellations.with_label_values(&[model, endpoint.label(), kind]).inc();
+        tracing::info!(request_id = ctx.id(), model, endpoint = endpoint.label(), "client disconnected; upstream request cancelled");
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn proxy(
+    gw: &Arc<Gateway>,
+    session: &mut Session,
+    model: &Arc<Model>,
+    endpoint: Endpoint,
+    body: &Bytes,
+    ctx: &Arc<RequestContext>,
+    stream: bool,
+    start: Instant,
+) -> Outcome {
+    let cfg = gw.config();
+    let name = model.cfg.name.as_str();
+    let rid = ctx.id().to_string();
+    let rid_header = [("x-request-id", rid.clone())];
+    let out = Outgoing { path: endpoint.path(), body, request_id: &rid };
+    let summary = RequestSummary { model: name, endpoint: endpoint.label(), request_id: &rid, ..Default::default() };
+    let mut tried: Vec<usize> = Vec::new();
+    let mut last_error = String::from("no healthy worker");
+    let attempts = cfg.retries.max_attempts as usize;
+    for n in 0..attempts {
+        let eligible: Vec<usize> = (0..model.workers.len()).filter(|i| model.workers[*i].is_healthy() && !tried.contains(i)).collect();
+        if eligible.is_empty() {
+            break;
+        }
+        let candidates: Vec<Candidate> =
+            eligible.iter().map(|&i| Candidate { id: i as u32, in_flight: model.workers[i].in_flight(), ..Default::default() }).collect();
+        let idx = match model.policy.choose(&summary, &candidates) {
+            Decision::Worker(k) if k < eligible.len() => eligible[k],
+            Decision::Worker(_) => eligible[0],
+            Decision::Reject { status, message } => {
+                let ce = ClientError { status, kind: "invalid_request_error", message, param: None };
+                respond_error(session, &ce, &rid_header).await;
+                return Outcome::Refused(status);
+            }
+        };
+        tried.push(idx);
+        if n > 0 {
+            gw.metrics.retries.with_label_values(&[name]).inc();
+        }
+        let worker = model.workers[idx].clone();
+        let _booking = worker.book();
+        let wurl = worker.url.to_string();
+        match attempt(gw, session, &worker, &out).await {
+            Attempt::ClientGone => {
+                cancel(gw, ctx, name, endpoint, stream);
+                return Outcome::Cancelled;
+            }
+            Attempt::TimedOut => {
+                gw.metrics.upstream_errors.with_label_values(&[name, wurl.as_str(), "first_byte_timeout"]).inc();
+                respond_error(session, &ClientError::upstream_timeout(name), &rid_header).await;
+                return Outcome::Refused(504);
+            }
+            Attempt::Retry { kind, detail } => {
+                gw.metrics.upstream_errors.with_label_values(&[name, wurl.as_str(), kind]).inc();
+                if kind == "connect" {
+                    // A refused connection is a health signal; don't wait for the next probe.
+                    worker.observe_health(false, cfg.health.unhealthy_threshold, cfg.health.healthy_threshold);
+                }
+                tracing::warn!(request_id = %rid, worker = %wurl, kind, detail, "upstream attempt failed");
+                last_error = detail;
+            }
+            Attempt::Responded(up) => {
+                let status = up.header.status.as_u16();
+                let retry_5xx = cfg.retries.on_5xx && status >= 500 && n + 1 < attempts;
+                if retry_5xx && tried.len() < model.workers.len() {
+                    gw.metrics.upstream_errors.with_label_values(&[name, wurl.as_str(), "status_5xx"]).inc();
+                    tracing::warn!(request_id = %rid, worker = %wurl, status, "worker answered 5xx before any byte was sent; retrying elsewhere");
+                    last_error = format!("{wurl} answered {status}");
+                    continue; // dropping `up` closes that connection
+                }
+                return stream_response(gw, session, up, ctx, name, endpoint, stream, start).await;
+            }
+        }
+    }
+    let ce = if tried.is_empty() { ClientError::no_healthy_worker(name) } else { ClientError::upstream_failed(name, &last_error) };
+    respond_error(session, &ce, &rid_header).await;
+    Outcome::Refused(ce.status)
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn stream_response(
+    gw: &Arc<Gateway>,
+    session: &mut Session,
+    mut up: super::upstream::Upstream,
+    ctx: &Arc<RequestContext>,
+    name: &str,
+    endpoint: Endpoint,
+    stream: bool,
+    start: Instant,
+) -> Outcome {
+    let status = up.header.status.as_u16();
+    let header = match client_response_header(&up.header, ctx.id()) {
+        Ok(h) => h,
+        Err(_) => return Outcome::Refused(502),
+    };
+    if session.write_response_header(Box::new(header), false).await.is_err() {
+        cancel(gw, ctx, name, endpoint, stream);
+        return Outcome::Cancelled;
+    }
+    let ttft = gw.metrics.ttft.with_label_values(&[name, endpoint.label()]);
+    let itl = gw.metrics.itl.with_label_values(&[name, endpoint.label()]);
+    let mut last: Option<Instant> = None;
+    loop {
+        let chunk = tokio::select! {
+            biased;
+            r = up.session.read_response_body() => r,
+            _ = client_closed(session) => {
+                cancel(gw, ctx, name, endpoint, stream);
+                return Outcome::Cancelled; // `up` is dropped, not pooled: vLLM sees the close and aborts
+            }
+        };
+        match chunk {
+            Ok(Some(bytes)) => {
+                let now = Instant::now();
+                if stream && status == 200 {
+                    match last {
+                        None => ttft.observe(now.duration_since(start).as_secs_f64()),
+                        Some(prev) => itl.observe(now.duration_since(prev).as_secs_f64()),
+                    }
+                }
+                last = Some(now);
+                if session.write_response_body(Some(bytes), false).await.is_err() {
+                    cancel(gw, ctx, name, endpoint, stream);
+                    return Outcome::Cancelled;
+                }
+            }
+            Ok(None) => break,
+            Err(e) => {
+                // The worker died mid-response: the client gets a truncated body (the chunked
+                // stream is not terminated, so clients see an error rather than a clean end).
+                let wurl = format!("{}", up.peer);
+                gw.metrics.upstream_errors.with_label_values(&[name, wurl.as_str(), "midstream"]).inc();
+                tracing::warn!(request_id = ctx.id(), error = %e, "worker failed mid-response");
+                return Outcome::Truncated(status);
+            }
+        }
+    }
+    if session.write_response_body(None, true).await.is_err() {
+        cancel(gw, ctx, name, endpoint, stream);
+        return Outcome::Cancelled;
+    }
+    release(gw, up).await;
+    Outcome::Served(status)
+}

@@ -1,0 +1,79 @@
+//! Small pieces of HTTP plumbing on Pingora sessions: reading a body with a cap and a
+//! deadline, and writing a complete local response.
+
+use super::errors::ClientError;
+use bytes::{Bytes, BytesMut};
+use pingora::http::ResponseHeader;
+use pingora::proxy::Session;
+use std::time::Duration;
+
+/// Why a request body could not be read.
+#[derive(Debug)]
+pub enum BodyError {
+    /// Over the limit: answer 413.
+    TooLarge(u64),
+    /// Not received in time: answer 408.
+    Timeout,
+    /// The client went away or sent garbage: nothing to answer.
+    Gone,
+}
+
+impl BodyError {
+    /// The error to send, if any.
+    pub fn client_error(&self) -> Option<ClientError> {
+        match self {
+            BodyError::TooLarge(l) => Some(ClientError::too_large(*l)),
+            BodyError::Timeout => Some(ClientError::body_timeout()),
+            BodyError::Gone => None,
+        }
+    }
+}
+
+/// Reads the whole request body, refusing more than `limit` bytes or a body slower than
+/// `deadline`. Pingora enforces neither.
+pub async fn read_body(session: &mut Session, limit: u64, deadline: Duration) -> Result<Bytes, BodyError> {
+    if let Some(len) = session.req_header().headers.get("content-length").and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+        && len > limit
+    {
+        return Err(BodyError::TooLarge(limit));
+    }
+    let read = async {
+        let mut buf = BytesMut::new();
+        loop {
+            match session.read_request_body().await {
+                Ok(Some(chunk)) => {
+                    if buf.len() as u64 + chunk.len() as u64 > limit {
+                        return Err(BodyError::TooLarge(limit));
+                    }
+                    buf.extend_from_slice(&chunk);
+                }
+                Ok(None) => return Ok(buf.freeze()),
+                Err(_) => return Err(BodyError::Gone),
+            }
+        }
+    };
+    tokio::time::timeout(deadline, read).await.unwrap_or(Err(BodyError::Timeout))
+}
+
+/// Writes a complete response with a body. Errors mean the client is gone; they are ignored.
+pub async fn respond(session: &mut Session, status: u16, content_type: &str, body: Bytes, extra: &[(&str, String)]) {
+    let Ok(mut h) = ResponseHeader::build(status, Some(4 + extra.len())) else { return };
+    let _ = h.insert_header("content-type", content_type);
+    let _ = h.insert_header("content-length", body.len().to_string());
+    for (k, v) in extra {
+        let _ = h.insert_header(k.to_string(), v.as_str());
+    }
+    if session.write_response_header(Box::new(h), false).await.is_ok() {
+        let _ = session.write_response_body(Some(body), true).await;
+    }
+}
+
+/// Sends an OpenAI-shaped error.
+pub async fn respond_error(session: &mut Session, e: &ClientError, extra: &[(&str, String)]) {
+    respond(session, e.status, "application/json", Bytes::from(e.body()), extra).await;
+}
+
+/// Sends JSON.
+pub async fn respond_json(session: &mut Session, status: u16, v: &serde_json::Value) {
+    respond(session, status, "application/json", Bytes::from(v.to_string()), &[]).await;
+}

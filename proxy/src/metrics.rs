@@ -1,0 +1,89 @@
+//! The gateway's Prometheus metrics (`kvgate_*`), in one registry served on `/metrics` of both
+//! listeners. Where seed 003 names a metric (`dynamo_frontend_model_cancellation_total`), the
+//! kvgate equivalent keeps its labels.
+
+use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
+
+const LATENCY_BUCKETS: &[f64] =
+    &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0];
+const ITL_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0];
+
+/// All gateway metrics.
+pub struct Metrics {
+    registry: Registry,
+    /// `kvgate_requests_total{model,endpoint,status}`.
+    pub requests: IntCounterVec,
+    /// `kvgate_request_duration_seconds{model,endpoint}`.
+    pub duration: HistogramVec,
+    /// `kvgate_time_to_first_token_seconds{model,endpoint}` (streams).
+    pub ttft: HistogramVec,
+    /// `kvgate_inter_token_latency_seconds{model,endpoint}` (streams).
+    pub itl: HistogramVec,
+    /// `kvgate_requests_in_flight{model}`.
+    pub in_flight: IntGaugeVec,
+    /// `kvgate_upstream_errors_total{model,worker,kind}`.
+    pub upstream_errors: IntCounterVec,
+    /// `kvgate_retries_total{model}`.
+    pub retries: IntCounterVec,
+    /// `kvgate_frontend_model_cancellation_total{model,endpoint,request_type}`.
+    pub cancellations: IntCounterVec,
+    /// `kvgate_worker_healthy{model,worker}` (1/0).
+    pub worker_healthy: IntGaugeVec,
+    /// `kvgate_worker_requests_in_flight{model,worker}`.
+    pub worker_in_flight: IntGaugeVec,
+    /// `kvgate_config_reloads_total{result}`.
+    pub reloads: IntCounterVec,
+}
+
+impl Metrics {
+    /// Creates and registers everything.
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+            registry.register(Box::new(c.clone())).expect("unique metric");
+            c
+        };
+        let gauge = |name: &str, help: &str, labels: &[&str]| {
+            let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+            registry.register(Box::new(g.clone())).expect("unique metric");
+            g
+        };
+        let hist = |name: &str, help: &str, buckets: &[f64]| {
+            let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets.to_vec()), &["model", "endpoint"]).expect("valid metric");
+            registry.register(Box::new(h.clone())).expect("unique metric");
+            h
+        };
+        Self {
+            requests: counter("kvgate_requests_total", "Inference requests by final HTTP status.", &["model", "endpoint", "status"]),
+            duration: hist("kvgate_request_duration_seconds", "Time from request start to the last response byte.", LATENCY_BUCKETS),
+            ttft: hist("kvgate_time_to_first_token_seconds", "Time to the first streamed response chunk, measured at the gateway.", LATENCY_BUCKETS),
+            itl: hist("kvgate_inter_token_latency_seconds", "Time between streamed response chunks, measured at the gateway.", ITL_BUCKETS),
+            in_flight: gauge("kvgate_requests_in_flight", "Inference requests being served.", &["model"]),
+            upstream_errors: counter("kvgate_upstream_errors_total", "Failures talking to workers.", &["model", "worker", "kind"]),
+            retries: counter("kvgate_retries_total", "Requests retried on another worker before any byte reached the client.", &["model"]),
+            cancellations: counter(
+                "kvgate_frontend_model_cancellation_total",
+                "Requests cancelled because the client disconnected (counted once per request).",
+                &["model", "endpoint", "request_type"],
+            ),
+            worker_healthy: gauge("kvgate_worker_healthy", "1 if the worker passes health checks.", &["model", "worker"]),
+            worker_in_flight: gauge("kvgate_worker_requests_in_flight", "Requests the gateway has in flight to the worker.", &["model", "worker"]),
+            reloads: counter("kvgate_config_reloads_total", "Configuration reload attempts.", &["result"]),
+            registry,
+        }
+    }
+
+    /// Text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
