@@ -3,6 +3,7 @@
 //! subscriber, and a Prometheus text parser. Tests written against these run unchanged on the
 //! simulator and on real vLLM.
 
+pub mod cluster;
 pub mod events;
 pub mod prom;
 pub mod sse;

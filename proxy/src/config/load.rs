@@ -135,7 +135,7 @@ fn validate(cfg: &Config) -> Result<(), Invalid> {
     if cfg.models.is_empty() {
         return Err(("models: at least one model is required".into(), at("models".into(), 1)));
     }
-    if cfg.listen == cfg.admin_listen {
+    if cfg.listen == cfg.admin_listen && cfg.listen.port() != 0 {
         return Err((format!("admin_listen must differ from listen ({})", cfg.listen), at("admin_listen".into(), 1)));
     }
     if cfg.threads == 0 {

@@ -233,16 +233,34 @@ async fn proxy(
                 tracing::warn!(request_id = %rid, worker = %wurl, kind, detail, "upstream attempt failed");
                 last_error = detail;
             }
-            Attempt::Responded(up) => {
+            Attempt::Responded(mut up) => {
                 let status = up.header.status.as_u16();
-                let retry_5xx = cfg.retries.on_5xx && status >= 500 && n + 1 < attempts;
-                if retry_5xx && tried.len() < model.workers.len() {
+                let more = n + 1 < attempts && tried.len() < model.workers.len();
+                if cfg.retries.on_5xx && status >= 500 && more {
                     gw.metrics.upstream_errors.with_label_values(&[name, wurl.as_str(), "status_5xx"]).inc();
                     tracing::warn!(request_id = %rid, worker = %wurl, status, "worker answered 5xx before any byte was sent; retrying elsewhere");
                     last_error = format!("{wurl} answered {status}");
                     continue; // dropping `up` closes that connection
                 }
-                return stream_response(gw, session, up, ctx, name, endpoint, stream, start).await;
+                // The client's header waits for the worker's first body bytes: vLLM sends a
+                // stream's 200 at once, and a worker that dies before its first token can still
+                // be replaced without the client noticing.
+                let first = tokio::select! {
+                    biased;
+                    r = up.session.read_response_body() => r,
+                    _ = client_closed(session) => {
+                        cancel(gw, ctx, name, endpoint, stream);
+                        return Outcome::Cancelled;
+                    }
+                };
+                match first {
+                    Ok(first) => return stream_response(gw, session, up, first, ctx, name, endpoint, stream, start).await,
+                    Err(e) => {
+                        gw.metrics.upstream_errors.with_label_values(&[name, wurl.as_str(), "before_first_byte"]).inc();
+                        tracing::warn!(request_id = %rid, worker = %wurl, error = %e, "worker failed before its first byte; retrying elsewhere");
+                        last_error = format!("{wurl}: {e}");
+                    }
+                }
             }
         }
     }
@@ -256,6 +274,7 @@ async fn stream_response(
     gw: &Arc<Gateway>,
     session: &mut Session,
     mut up: super::upstream::Upstream,
+    first: Option<bytes::Bytes>,
     ctx: &Arc<RequestContext>,
     name: &str,
     endpoint: Endpoint,
@@ -274,14 +293,18 @@ async fn stream_response(
     let ttft = gw.metrics.ttft.with_label_values(&[name, endpoint.label()]);
     let itl = gw.metrics.itl.with_label_values(&[name, endpoint.label()]);
     let mut last: Option<Instant> = None;
+    let mut pending = Some(Ok(first));
     loop {
-        let chunk = tokio::select! {
-            biased;
-            r = up.session.read_response_body() => r,
-            _ = client_closed(session) => {
-                cancel(gw, ctx, name, endpoint, stream);
-                return Outcome::Cancelled; // `up` is dropped, not pooled: vLLM sees the close and aborts
-            }
+        let chunk = match pending.take() {
+            Some(c) => c,
+            None => tokio::select! {
+                biased;
+                r = up.session.read_response_body() => r,
+                _ = client_closed(session) => {
+                    cancel(gw, ctx, name, endpoint, stream);
+                    return Outcome::Cancelled; // `up` is dropped, not pooled: vLLM sees the close and aborts
+                }
+            },
         };
         match chunk {
             Ok(Some(bytes)) => {

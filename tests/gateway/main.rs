@@ -1,0 +1,379 @@
+//! kvgate end to end (issue #3): a real gateway in front of real sockets. Tests that take their
+//! worker from `Target::start()` run on vllm-sim by default and on real vLLM under
+//! tests/real-vllm/run-suite.sh; the others need several or fault-injected workers and always
+//! use in-process simulators.
+
+use futures_util::StreamExt;
+use kvgate::Stop;
+use kvgate_tests::Target;
+use kvgate_tests::cluster::{Cluster, GatewayOpts, wait_until};
+use kvgate_tests::sse;
+use kvgate_tests::target::{test_sim_config, unique_text};
+use serde_json::{Value, json};
+use std::time::{Duration, Instant};
+use vllm_sim::SimConfig;
+
+fn sim(time_scale: f64) -> SimConfig {
+    SimConfig { time_scale, ..test_sim_config() }
+}
+
+fn error_shape(status: u16, want: u16, v: &Value) {
+    assert_eq!(status, want, "{v}");
+    let e = &v["error"];
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    assert!(e["type"].is_string(), "{v}");
+    assert!(e.get("param").is_some(), "{v}");
+    assert_eq!(e["code"].as_u64(), Some(u64::from(want)), "{v}");
+}
+
+async fn post(http: &reqwest::Client, url: &str, body: &Value) -> (u16, Value) {
+    let r = http.post(url).json(body).send().await.expect("sent");
+    let s = r.status().as_u16();
+    let t = r.text().await.expect("body");
+    (s, serde_json::from_str(&t).unwrap_or(Value::String(t)))
+}
+
+/// What must be identical between a direct and a proxied response.
+fn essence(v: &Value) -> Value {
+    let c = &v["choices"][0];
+    json!({"text": c["text"], "message": c["message"]["content"], "token_ids": c["token_ids"],
+           "finish": c["finish_reason"], "usage": v["usage"]})
+}
+
+fn stream_essence(b: &sse::SseBody) -> Value {
+    let mut text = String::new();
+    let mut ids = Vec::new();
+    let mut finish = Value::Null;
+    let mut usage = Value::Null;
+    for e in &b.events {
+        if let Some(c) = e["choices"].as_array().and_then(|c| c.first()) {
+            text.push_str(c["text"].as_str().or(c["delta"]["content"].as_str()).unwrap_or(""));
+            ids.extend(c["token_ids"].as_array().cloned().unwrap_or_default());
+            if !c["finish_reason"].is_null() {
+                finish = c["finish_reason"].clone();
+            }
+        }
+        if !e["usage"].is_null() {
+            usage = e["usage"].clone();
+        }
+    }
+    json!({"text": text, "ids": ids, "finish": finish, "usage": usage, "done": b.done, "n": b.events.len()})
+}
+
+#[tokio::test]
+async fn responses_are_identical_direct_and_through_the_gateway() {
+    let t = Target::start().await;
+    let c = Cluster::front(std::slice::from_ref(&t.url), GatewayOpts { model: t.model.clone(), ..Default::default() }).await;
+    let prompt = unique_text(20);
+    let msgs = json!([{"role": "user", "content": unique_text(12)}]);
+    let cases = [
+        ("/v1/completions", json!({"model": t.model, "prompt": prompt, "max_tokens": 8, "ignore_eos": true, "temperature": 0, "return_token_ids": true})),
+        ("/v1/chat/completions", json!({"model": t.model, "messages": msgs, "max_tokens": 8, "ignore_eos": true, "temperature": 0, "return_token_ids": true})),
+    ];
+    for (path, body) in &cases {
+        let (s1, direct) = post(&t.http, &format!("{}{path}", t.url), body).await;
+        let (s2, via) = post(&c.http, &c.url(path), body).await;
+        assert_eq!((s1, s2), (200, 200), "{direct} / {via}");
+        assert_eq!(essence(&direct), essence(&via), "unary {path}");
+        let mut sbody = body.clone();
+        sbody["stream"] = json!(true);
+        sbody["stream_options"] = json!({"include_usage": true});
+        let (_, _, d) = sse::stream(&t.http, &format!("{}{path}", t.url), &sbody).await;
+        let (s, ctype, v) = sse::stream(&c.http, &c.url(path), &sbody).await;
+        assert_eq!(s, 200);
+        assert!(ctype.starts_with("text/event-stream"), "{ctype}");
+        assert_eq!(stream_essence(&d), stream_essence(&v), "stream {path}");
+        assert!(v.done);
+    }
+    // curl, an independent client, sees the same stream.
+    let mut sbody = cases[0].1.clone();
+    sbody["stream"] = json!(true);
+    let out = tokio::process::Command::new("curl")
+        .args(["-sN", "-H", "content-type: application/json", "-d", &sbody.to_string(), &c.url("/v1/completions")])
+        .output()
+        .await
+        .expect("curl runs");
+    let via_curl = sse::parse(&String::from_utf8(out.stdout).expect("utf-8"));
+    let (_, _, direct) = sse::stream(&t.http, &format!("{}/v1/completions", t.url), &sbody).await;
+    assert_eq!(stream_essence(&via_curl), stream_essence(&direct));
+}
+
+#[tokio::test]
+async fn streams_are_forwarded_chunk_by_chunk() {
+    // 40 tokens at ~6.7 ms per step: a buffering proxy would deliver them in one burst at the end.
+    let c = Cluster::sims(1, sim(1.0), GatewayOpts::default()).await;
+    let r = c
+        .http
+        .post(c.url("/v1/completions"))
+        .json(&json!({"prompt": "the cache", "max_tokens": 40, "ignore_eos": true, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    let mut s = r.bytes_stream();
+    let mut arrivals = Vec::new();
+    while let Some(chunk) = s.next().await {
+        let chunk = chunk.unwrap();
+        let n = chunk.windows(6).filter(|w| w == b"data: ").count();
+        arrivals.extend(std::iter::repeat_n(Instant::now(), n));
+    }
+    assert!(arrivals.len() >= 41);
+    let spread = arrivals[arrivals.len() - 2].duration_since(arrivals[0]);
+    assert!(spread > Duration::from_millis(150), "tokens arrived in a burst ({spread:?}): the stream was buffered");
+}
+
+#[tokio::test]
+async fn a_one_mib_prompt_works() {
+    let big = SimConfig { max_model_len: 1_000_000, num_gpu_blocks: 70_000, time_scale: 100_000.0, ..test_sim_config() };
+    let c = Cluster::sims(1, big, GatewayOpts::default()).await;
+    let mut text = unique_text(200_000);
+    text.truncate(1 << 20);
+    let text = text.trim_end().to_string();
+    assert!(text.len() > 1_000_000);
+    let (s, v) = post(&c.http, &c.url("/v1/chat/completions"), &json!({"messages": [{"role": "user", "content": text}], "max_tokens": 3})).await;
+    assert_eq!(s, 200, "{v}");
+    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 100_000);
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+}
+
+async fn cancellations(c: &Cluster, endpoint: &str, kind: &str) -> f64 {
+    c.gateway_metrics()
+        .await
+        .sum("kvgate_frontend_model_cancellation_total", &[("model", "sim-model"), ("endpoint", endpoint), ("request_type", kind)])
+}
+
+#[tokio::test]
+async fn a_disconnect_mid_stream_aborts_the_worker_request_within_100ms() {
+    let c = Cluster::sims(1, sim(1.0), GatewayOpts::default()).await;
+    let r = c
+        .http
+        .post(c.url("/v1/completions"))
+        .json(&json!({"prompt": unique_text(30), "max_tokens": 2000, "ignore_eos": true, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    let mut s = r.bytes_stream();
+    let mut seen = 0;
+    while seen < 3 {
+        s.next().await.unwrap().unwrap();
+        seen += 1;
+    }
+    drop(s);
+    let took = wait_until(Duration::from_secs(2), || async { c.sim_metrics(0).await.sum("vllm_sim:aborted_requests_total", &[]) == 1.0 }).await;
+    let took = took.expect("worker never aborted the request");
+    assert!(took < Duration::from_millis(100), "worker aborted {took:?} after the disconnect");
+    wait_until(Duration::from_secs(1), || async { cancellations(&c, "completions", "stream").await == 1.0 }).await.expect("metric");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(cancellations(&c, "completions", "stream").await, 1.0, "counted exactly once");
+    assert_eq!(c.sim_metrics(0).await.sum("vllm:num_requests_running", &[]), 0.0);
+}
+
+#[tokio::test]
+async fn a_disconnect_during_a_long_prefill_aborts_the_worker_request_within_100ms() {
+    // A long prefill is many short chunked steps (64-token budget, ~17 ms each, ~50 steps);
+    // like vLLM, the engine drops an aborted request at the next step boundary.
+    let slow_prefill = SimConfig { time_scale: 0.5, max_num_batched_tokens: 64, ..test_sim_config() };
+    let c = Cluster::sims(1, slow_prefill, GatewayOpts::default()).await;
+    let prompt = unique_text(1200);
+    let (http, url) = (c.http.clone(), c.url("/v1/chat/completions"));
+    let req = tokio::spawn(async move {
+        http.post(url).json(&json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 5})).send().await
+    });
+    wait_until(Duration::from_secs(5), || async { c.sim_metrics(0).await.sum("vllm:num_requests_running", &[]) == 1.0 })
+        .await
+        .expect("request reached the worker");
+    req.abort(); // the client goes away before any byte of the response
+    let took = wait_until(Duration::from_secs(2), || async { c.sim_metrics(0).await.sum("vllm_sim:aborted_requests_total", &[]) == 1.0 })
+        .await
+        .expect("worker never aborted the request");
+    assert!(took < Duration::from_millis(100), "worker aborted {took:?} after the disconnect");
+    wait_until(Duration::from_secs(1), || async { cancellations(&c, "chat_completions", "unary").await == 1.0 }).await.expect("metric");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(cancellations(&c, "chat_completions", "unary").await, 1.0, "counted exactly once");
+}
+
+#[tokio::test]
+async fn bad_requests_get_openai_shaped_errors() {
+    let c = Cluster::sims(1, sim(10.0), GatewayOpts { extra: "max_body_bytes: 64KiB".into(), ..Default::default() }).await;
+    let raw = |body: &'static str| {
+        let http = c.http.clone();
+        let url = c.url("/v1/completions");
+        async move {
+            let r = http.post(url).header("content-type", "application/json").body(body).send().await.unwrap();
+            let s = r.status().as_u16();
+            (s, r.json::<Value>().await.unwrap())
+        }
+    };
+    let (s, v) = raw("{\"model\": \"sim-model\", \"prompt\": ").await;
+    error_shape(s, 400, &v);
+    let (s, v) = raw("[1, 2]").await;
+    error_shape(s, 400, &v);
+    let (s, v) = post(&c.http, &c.url("/v1/completions"), &json!({"model": 5, "prompt": "x"})).await;
+    error_shape(s, 400, &v);
+    let (s, v) = post(&c.http, &c.url("/v1/chat/completions"), &json!({"model": "sim-model", "stream": "yes", "messages": []})).await;
+    error_shape(s, 400, &v);
+    let (s, v) = post(&c.http, &c.url("/v1/completions"), &json!({"model": "gpt-17", "prompt": "x"})).await;
+    error_shape(s, 404, &v);
+    assert_eq!(v["error"]["param"], "model");
+    let (s, v) = post(&c.http, &c.url("/v1/completions"), &json!({"model": "sim-model", "prompt": "x".repeat(100_000)})).await;
+    error_shape(s, 413, &v);
+    let r = c.http.get(c.url("/v1/completions")).send().await.unwrap();
+    assert_eq!(r.status(), 405);
+    let r = c.http.get(c.url("/v2/nothing")).send().await.unwrap();
+    assert_eq!(r.status(), 404);
+    let v: Value = r.json().await.unwrap();
+    assert!(v["error"]["message"].is_string());
+    // Worker errors pass through untouched (vLLM's own 400 for max_tokens: 0).
+    let (s, v) = post(&c.http, &c.url("/v1/completions"), &json!({"model": "sim-model", "prompt": "x", "max_tokens": 0})).await;
+    error_shape(s, 400, &v);
+    // After all that, the gateway still serves.
+    let (s, _) = post(&c.http, &c.url("/v1/completions"), &json!({"prompt": "x", "max_tokens": 1})).await;
+    assert_eq!(s, 200);
+}
+
+#[tokio::test]
+async fn no_healthy_worker_is_a_clear_503() {
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let c = Cluster::front(&[format!("http://{dead}")], GatewayOpts::default()).await;
+    wait_until(Duration::from_secs(3), || async {
+        let v: Value = c.http.get(c.admin("/workers")).send().await.unwrap().json().await.unwrap();
+        v["models"][0]["workers"][0]["healthy"] == json!(false)
+    })
+    .await
+    .expect("health check marks the worker down");
+    let (s, v) = post(&c.http, &c.url("/v1/completions"), &json!({"prompt": "x"})).await;
+    error_shape(s, 503, &v);
+    assert!(v["error"]["message"].as_str().unwrap().contains("No healthy worker"), "{v}");
+    let r = c.http.get(c.url("/health")).send().await.unwrap();
+    assert_eq!(r.status(), 503, "gateway health reflects the fleet");
+}
+
+#[tokio::test]
+async fn a_broken_reload_keeps_the_old_config_serving() {
+    let c = Cluster::sims(1, sim(10.0), GatewayOpts::default()).await;
+    let good = std::fs::read_to_string(&c.config_path).unwrap();
+    std::fs::write(&c.config_path, good.replace("mode: round_robin", "mode: cleverest")).unwrap();
+    let r = c.http.post(c.admin("/reload")).send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("kvgate.yaml:") && msg.contains("cleverest"), "error names file, line and value: {msg}");
+    // The file watcher sees the same bad file; both are rejected.
+    wait_until(Duration::from_secs(3), || async { c.gateway_metrics().await.sum("kvgate_config_reloads_total", &[("result", "rejected")]) >= 2.0 })
+        .await
+        .expect("file watch reload attempted and rejected");
+    let (s, _) = post(&c.http, &c.url("/v1/completions"), &json!({"prompt": "x", "max_tokens": 2})).await;
+    assert_eq!(s, 200, "still serving with the old config");
+    let v: Value = c.http.get(c.admin("/workers")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["models"][0]["routing"], "round_robin");
+}
+
+#[tokio::test]
+async fn a_reload_that_removes_a_worker_lets_its_streams_finish() {
+    let c = Cluster::sims(2, sim(1.0), GatewayOpts::default()).await;
+    let r = c
+        .http
+        .post(c.url("/v1/completions"))
+        .json(&json!({"prompt": unique_text(10), "max_tokens": 150, "ignore_eos": true, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    let mut s = r.bytes_stream();
+    let mut raw = Vec::from(s.next().await.unwrap().unwrap().as_ref());
+    let busy = if c.sim_metrics(0).await.sum("vllm:num_requests_running", &[]) == 1.0 { 0 } else { 1 };
+    let keep = 1 - busy;
+    // Rewrite the config without the busy worker; the file watcher applies it.
+    let yaml = kvgate_tests::cluster::gateway_yaml(&[c.sims[keep].url()], &GatewayOpts::default());
+    std::fs::write(&c.config_path, yaml).unwrap();
+    wait_until(Duration::from_secs(3), || async {
+        let v: Value = c.http.get(c.admin("/workers")).send().await.unwrap().json().await.unwrap();
+        v["models"][0]["workers"].as_array().unwrap().len() == 1
+    })
+    .await
+    .expect("reload applied");
+    while let Some(chunk) = s.next().await {
+        raw.extend_from_slice(&chunk.expect("stream continues after the reload"));
+    }
+    let body = sse::parse(&String::from_utf8(raw).unwrap());
+    assert!(body.done, "the in-flight stream on the removed worker completed");
+    assert_eq!(body.events.len(), 150);
+    for _ in 0..4 {
+        let (s, _) = post(&c.http, &c.url("/v1/completions"), &json!({"prompt": "x", "max_tokens": 1})).await;
+        assert_eq!(s, 200);
+    }
+    let removed = c.sim_metrics(busy).await.sum("vllm:request_success_total", &[]);
+    let kept = c.sim_metrics(keep).await.sum("vllm:request_success_total", &[]);
+    assert_eq!(removed, 1.0, "only the old stream ran on the removed worker");
+    assert_eq!(kept, 4.0, "new requests go to the remaining worker");
+}
+
+#[tokio::test]
+async fn a_killed_worker_is_routed_around_and_unstarted_requests_are_retried() {
+    // ~200 ms prefills, so requests are still waiting for their first byte when worker 0 dies.
+    let c = Cluster::sims(2, sim(0.05), GatewayOpts::default()).await;
+    let mut reqs = Vec::new();
+    for _ in 0..4 {
+        let (http, url) = (c.http.clone(), c.url("/v1/completions"));
+        let prompt = unique_text(150);
+        reqs.push(tokio::spawn(async move { post(&http, &url, &json!({"prompt": prompt, "max_tokens": 3, "ignore_eos": true})).await }));
+    }
+    wait_until(Duration::from_secs(3), || async { c.sim_metrics(0).await.sum("vllm:num_requests_running", &[]) >= 1.0 })
+        .await
+        .expect("worker 0 got requests");
+    let killed_at = Instant::now();
+    c.sims[0].crash();
+    for r in reqs {
+        let (s, v) = r.await.unwrap();
+        assert_eq!(s, 200, "retried on the surviving worker: {v}");
+        assert_eq!(v["usage"]["completion_tokens"], 3);
+    }
+    let down = wait_until(Duration::from_secs(2), || async {
+        let v: Value = c.http.get(c.admin("/workers")).send().await.unwrap().json().await.unwrap();
+        v["models"][0]["workers"][0]["healthy"] == json!(false)
+    })
+    .await
+    .expect("marked unhealthy");
+    assert!(killed_at.elapsed() < Duration::from_millis(100) + Duration::from_secs(2), "{down:?}");
+    for _ in 0..6 {
+        let (s, _) = post(&c.http, &c.url("/v1/completions"), &json!({"prompt": "x", "max_tokens": 1})).await;
+        assert_eq!(s, 200);
+    }
+    let m = c.gateway_metrics().await;
+    assert!(m.sum("kvgate_retries_total", &[]) >= 1.0);
+}
+
+#[tokio::test]
+async fn a_worker_5xx_before_the_first_byte_is_retried_elsewhere() {
+    let c = Cluster::sims(2, sim(10.0), GatewayOpts::default()).await;
+    c.sims[0].faults().set(vllm_sim::faults::FaultConfig { error_rate: 1.0, ..Default::default() }).unwrap();
+    for _ in 0..6 {
+        let (s, v) = post(&c.http, &c.url("/v1/completions"), &json!({"prompt": "x", "max_tokens": 2})).await;
+        assert_eq!(s, 200, "{v}");
+    }
+    assert!(c.gateway_metrics().await.sum("kvgate_upstream_errors_total", &[("kind", "status_5xx")]) >= 3.0);
+}
+
+#[tokio::test]
+async fn sigterm_drains_in_flight_streams_and_refuses_new_requests() {
+    let mut c = Cluster::sims(1, sim(1.0), GatewayOpts::default()).await;
+    let r = c
+        .http
+        .post(c.url("/v1/completions"))
+        .json(&json!({"prompt": "x", "max_tokens": 100, "ignore_eos": true, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    let mut s = r.bytes_stream();
+    let mut raw = Vec::from(s.next().await.unwrap().unwrap().as_ref());
+    c.gw().request_stop(Stop::Drain);
+    wait_until(Duration::from_secs(2), || async { c.http.get(c.url("/health")).send().await.map(|r| r.status() == 503).unwrap_or(false) })
+        .await
+        .expect("draining is visible");
+    let (s503, v) = post(&c.http, &c.url("/v1/completions"), &json!({"prompt": "x", "max_tokens": 1})).await;
+    error_shape(s503, 503, &v);
+    while let Some(chunk) = s.next().await {
+        raw.extend_from_slice(&chunk.expect("stream survives the drain"));
+    }
+    let body = sse::parse(&String::from_utf8(raw).unwrap());
+    assert!(body.done && body.events.len() == 100, "the in-flight stream finished");
+    c.stop_gateway(Stop::Drain).await;
+}

@@ -1,0 +1,153 @@
+//! A gateway in front of workers, for end-to-end tests: in-process vllm-sim workers (or any
+//! URLs) on ephemeral ports, a kvgate started from a YAML file in a fresh temp directory (so
+//! reload tests can rewrite it), and helpers to read both sides' metrics.
+
+use crate::prom::Metrics;
+use kvgate::{GatewayHandle, Stop};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use vllm_sim::{SimConfig, SimServer};
+
+/// Knobs of the generated gateway config.
+#[derive(Debug, Clone)]
+pub struct GatewayOpts {
+    /// Model name.
+    pub model: String,
+    /// `routing.mode`.
+    pub mode: String,
+    /// Extra top-level YAML (e.g. `max_body_bytes: 64KiB`).
+    pub extra: String,
+    /// `health.interval_ms`.
+    pub health_interval_ms: u64,
+}
+
+impl Default for GatewayOpts {
+    fn default() -> Self {
+        Self { model: "sim-model".into(), mode: "round_robin".into(), extra: String::new(), health_interval_ms: 100 }
+    }
+}
+
+/// The YAML of a gateway serving `urls`.
+pub fn gateway_yaml(urls: &[String], o: &GatewayOpts) -> String {
+    let workers: String = urls.iter().map(|u| format!("      - url: {u}\n")).collect();
+    format!(
+        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nthreads: 2\n{extra}\nhealth:\n  interval_ms: {hi}\n  timeout_ms: 500\n  unhealthy_threshold: 1\n  healthy_threshold: 1\nshutdown:\n  drain_timeout_s: 30\nmodels:\n  - name: {model}\n    routing:\n      mode: {mode}\n    workers:\n{workers}",
+        extra = o.extra,
+        hi = o.health_interval_ms,
+        model = o.model,
+        mode = o.mode,
+    )
+}
+
+/// A temp directory removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    /// A fresh directory.
+    pub fn new() -> Self {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static N: AtomicU64 = AtomicU64::new(0);
+        let p = std::env::temp_dir().join(format!("kvgate-test-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
+        std::fs::create_dir_all(&p).expect("temp dir");
+        Self(p)
+    }
+}
+
+impl Default for TempDir {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Workers + gateway.
+pub struct Cluster {
+    /// In-process simulated workers (empty when fronting external URLs only).
+    pub sims: Vec<SimServer>,
+    /// The gateway (None after a shutdown test took it).
+    pub gw: Option<GatewayHandle>,
+    /// The config file the gateway reloads from.
+    pub config_path: PathBuf,
+    /// HTTP client.
+    pub http: reqwest::Client,
+    _dir: TempDir,
+}
+
+impl Cluster {
+    /// `n` simulators made from `sim`, behind a gateway.
+    pub async fn sims(n: usize, sim: SimConfig, opts: GatewayOpts) -> Cluster {
+        let mut sims = Vec::new();
+        for _ in 0..n {
+            sims.push(SimServer::start(sim.clone()).await.expect("sim starts"));
+        }
+        let urls: Vec<String> = sims.iter().map(|s| s.url()).collect();
+        let mut c = Cluster::front(&urls, opts).await;
+        c.sims = sims;
+        c
+    }
+
+    /// A gateway in front of existing worker URLs.
+    pub async fn front(urls: &[String], opts: GatewayOpts) -> Cluster {
+        let dir = TempDir::new();
+        let path = dir.0.join("kvgate.yaml");
+        std::fs::write(&path, gateway_yaml(urls, &opts)).expect("write config");
+        let cfg = kvgate::config::load_file(&path).expect("valid test config");
+        let p = path.clone();
+        let gw = tokio::task::spawn_blocking(move || GatewayHandle::spawn(cfg, Some(p))).await.expect("join").expect("gateway starts");
+        Cluster { sims: Vec::new(), gw: Some(gw), config_path: path, http: reqwest::Client::new(), _dir: dir }
+    }
+
+    /// The gateway handle.
+    pub fn gw(&self) -> &GatewayHandle {
+        self.gw.as_ref().expect("gateway running")
+    }
+
+    /// Public URL + path.
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.gw().url())
+    }
+
+    /// Admin URL + path.
+    pub fn admin(&self, path: &str) -> String {
+        format!("{}{path}", self.gw().admin_url())
+    }
+
+    /// The gateway's metrics.
+    pub async fn gateway_metrics(&self) -> Metrics {
+        Metrics::parse(&self.http.get(self.admin("/metrics")).send().await.expect("admin up").text().await.expect("text"))
+    }
+
+    /// Worker `i`'s metrics.
+    pub async fn sim_metrics(&self, i: usize) -> Metrics {
+        let url = format!("{}/metrics", self.sims[i].url());
+        Metrics::parse(&self.http.get(url).send().await.expect("sim up").text().await.expect("text"))
+    }
+
+    /// Stops the gateway (drain or fast) on a blocking thread and waits.
+    pub async fn stop_gateway(&mut self, how: Stop) {
+        if let Some(gw) = self.gw.take() {
+            tokio::task::spawn_blocking(move || gw.shutdown(how)).await.expect("join");
+        }
+    }
+}
+
+/// Polls `f` every 5 ms until it returns true or `limit` passes; returns the time it took.
+pub async fn wait_until<F, Fut>(limit: Duration, mut f: F) -> Option<Duration>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if f().await {
+            return Some(start.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    None
+}
