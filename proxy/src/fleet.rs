@@ -7,9 +7,9 @@
 
 use crate::config::{Config, ModelConfig, UpstreamUrl};
 use kvgate_filters::route::Policy;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
@@ -24,6 +24,9 @@ pub struct Worker {
     consecutive_failures: AtomicU32,
     consecutive_successes: AtomicU32,
     in_flight: AtomicU32,
+    /// Last resolved address; refreshed by the health loop so DNS changes are followed without
+    /// a lookup (a blocking-pool hop) on the request path.
+    addr: RwLock<Option<SocketAddr>>,
 }
 
 impl Worker {
@@ -36,15 +39,29 @@ impl Worker {
             consecutive_failures: AtomicU32::new(0),
             consecutive_successes: AtomicU32::new(0),
             in_flight: AtomicU32::new(0),
+            addr: RwLock::new(None),
         }
     }
 
-    /// Resolves the worker's address now (DNS may change between calls).
-    pub fn resolve(&self) -> std::io::Result<SocketAddr> {
-        (self.url.host.as_str(), self.url.port)
-            .to_socket_addrs()?
-            .next()
-            .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, format!("{} does not resolve", self.url)))
+    /// The worker's address: the cached one, or a fresh lookup (then cached).
+    pub async fn addr(&self) -> std::io::Result<SocketAddr> {
+        if let Some(a) = *self.addr.read() {
+            return Ok(a);
+        }
+        self.resolve().await
+    }
+
+    /// Looks the address up now and caches it.
+    pub async fn resolve(&self) -> std::io::Result<SocketAddr> {
+        let a = match self.url.host.parse::<std::net::IpAddr>() {
+            Ok(ip) => SocketAddr::new(ip, self.url.port),
+            Err(_) => tokio::net::lookup_host((self.url.host.as_str(), self.url.port))
+                .await?
+                .next()
+                .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, format!("{} does not resolve", self.url)))?,
+        };
+        *self.addr.write() = Some(a);
+        Ok(a)
     }
 
     /// Passes health checks.

@@ -19,7 +19,10 @@ pub async fn run(gw: Arc<Gateway>) {
             let h = h.clone();
             let gw = gw.clone();
             async move {
-                let ok = probe(&w.url.host, w.url.port, &w.host_header, &h.path, Duration::from_millis(h.timeout_ms)).await;
+                let ok = match w.resolve().await {
+                    Ok(addr) => probe(addr, &w.host_header, &h.path, Duration::from_millis(h.timeout_ms)).await,
+                    Err(_) => false,
+                };
                 if let Some(now) = w.observe_health(ok, h.unhealthy_threshold, h.healthy_threshold) {
                     if now {
                         tracing::info!(worker = %w.url, model, "worker healthy again");
@@ -45,9 +48,9 @@ async fn futures_join_all<F: std::future::Future<Output = ()> + Send + 'static>(
 }
 
 /// One GET over a fresh connection; true on HTTP 200.
-pub async fn probe(host: &str, port: u16, host_header: &str, path: &str, timeout: Duration) -> bool {
+pub async fn probe(addr: std::net::SocketAddr, host_header: &str, path: &str, timeout: Duration) -> bool {
     let attempt = async {
-        let mut s = TcpStream::connect((host, port)).await.ok()?;
+        let mut s = TcpStream::connect(addr).await.ok()?;
         let req = format!("GET {path} HTTP/1.1\r\nHost: {host_header}\r\nConnection: close\r\nUser-Agent: kvgate-health\r\n\r\n");
         s.write_all(req.as_bytes()).await.ok()?;
         let mut buf = [0u8; 32];

@@ -377,3 +377,56 @@ async fn sigterm_drains_in_flight_streams_and_refuses_new_requests() {
     assert!(body.done && body.events.len() == 100, "the in-flight stream finished");
     c.stop_gateway(Stop::Drain).await;
 }
+
+#[tokio::test]
+async fn a_disconnect_through_the_gateway_frees_the_worker() {
+    // Runs on real vLLM too: its num_requests_running drops once the gateway closes the leg.
+    let t = Target::start().await;
+    let c = Cluster::front(std::slice::from_ref(&t.url), GatewayOpts { model: t.model.clone(), ..Default::default() }).await;
+    let ids = t.tokenize(&unique_text(8)).await;
+    let r = c
+        .http
+        .post(c.url("/v1/completions"))
+        .json(&json!({"model": t.model, "prompt": ids, "max_tokens": 1500, "ignore_eos": true, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    let mut s = r.bytes_stream();
+    for _ in 0..3 {
+        s.next().await.unwrap().unwrap();
+    }
+    assert_eq!(t.metrics().await.sum("vllm:num_requests_running", &[]), 1.0);
+    drop(s);
+    let took = wait_until(Duration::from_secs(2), || async { t.metrics().await.sum("vllm:num_requests_running", &[]) == 0.0 })
+        .await
+        .expect("the worker still runs the request 2 s after the client left");
+    eprintln!("worker freed {took:?} after the disconnect");
+    assert!(took < Duration::from_millis(100), "worker freed {took:?} after the disconnect");
+    let m = c.gateway_metrics().await;
+    assert_eq!(m.sum("kvgate_frontend_model_cancellation_total", &[("endpoint", "completions"), ("request_type", "stream")]), 1.0);
+}
+
+#[tokio::test]
+async fn x_request_id_is_honoured_and_propagated() {
+    let c = Cluster::sims(1, sim(10.0), GatewayOpts::default()).await;
+    let r = c
+        .http
+        .post(c.url("/v1/completions"))
+        .header("X-Request-Id", "trace-abc-123")
+        .json(&json!({"prompt": "x", "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers().get("x-request-id").unwrap(), "trace-abc-123");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["id"], "cmpl-trace-abc-123", "the worker saw the same id");
+    // Without one, the gateway makes one and the worker uses it too.
+    let r = c.http.post(c.url("/v1/completions")).json(&json!({"prompt": "x", "max_tokens": 1})).send().await.unwrap();
+    let rid = r.headers().get("x-request-id").unwrap().to_str().unwrap().to_string();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["id"], format!("cmpl-{rid}"));
+    let m = c.gateway_metrics().await;
+    assert_eq!(m.sum("kvgate_requests_total", &[("model", "sim-model"), ("endpoint", "completions"), ("status", "200")]), 2.0);
+    assert!(m.has("kvgate_request_duration_seconds_bucket"));
+    assert!(m.has("kvgate_requests_in_flight"));
+}

@@ -273,7 +273,7 @@ async fn proxy(
 async fn stream_response(
     gw: &Arc<Gateway>,
     session: &mut Session,
-    mut up: super::upstream::Upstream,
+    mut up: Box<super::upstream::Upstream>,
     first: Option<bytes::Bytes>,
     ctx: &Arc<RequestContext>,
     name: &str,
@@ -316,9 +316,15 @@ async fn stream_response(
                     }
                 }
                 last = Some(now);
-                if session.write_response_body(Some(bytes), false).await.is_err() {
+                // When the worker's body is complete, end the client's in the same write.
+                let end = up.session.response_done();
+                if session.write_response_body(Some(bytes), end).await.is_err() {
                     cancel(gw, ctx, name, endpoint, stream);
                     return Outcome::Cancelled;
+                }
+                if end {
+                    release(gw, up).await;
+                    return Outcome::Served(status);
                 }
             }
             Ok(None) => break,

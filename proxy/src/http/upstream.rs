@@ -31,7 +31,7 @@ pub struct Upstream {
 /// How an attempt ended.
 pub enum Attempt {
     /// The worker answered; the response can be streamed.
-    Responded(Upstream),
+    Responded(Box<Upstream>),
     /// Nothing reached the client and another worker may be tried.
     Retry { kind: &'static str, detail: String },
     /// The worker did not start responding within `first_byte_ms`.
@@ -70,9 +70,9 @@ fn request_header(client: &RequestHeader, worker: &Worker, out: &Outgoing<'_>) -
 /// Runs one attempt against `worker`.
 pub async fn attempt(gw: &Gateway, session: &mut Session, worker: &Worker, out: &Outgoing<'_>) -> Attempt {
     let cfg = gw.config();
-    let addr = match tokio::net::lookup_host((worker.url.host.as_str(), worker.url.port)).await.map(|mut a| a.next()) {
-        Ok(Some(a)) => a,
-        Ok(None) | Err(_) => return Attempt::Retry { kind: "resolve", detail: format!("{} does not resolve", worker.url) },
+    let addr = match worker.addr().await {
+        Ok(a) => a,
+        Err(e) => return Attempt::Retry { kind: "resolve", detail: format!("{}: {e}", worker.url) },
     };
     let mut peer = HttpPeer::new(addr, false, String::new());
     let connect = Duration::from_millis(cfg.timeouts.connect_ms);
@@ -124,7 +124,7 @@ pub async fn attempt(gw: &Gateway, session: &mut Session, worker: &Worker, out: 
         let Some(header) = up.response_header().cloned() else {
             return Attempt::Retry { kind: "response", detail: format!("{}: no response header", worker.url) };
         };
-        return Attempt::Responded(Upstream { session: up, header, peer });
+        return Attempt::Responded(Box::new(Upstream { session: up, header, peer }));
     }
     Attempt::Retry { kind: "send", detail: format!("{}: connection closed", worker.url) }
 }
@@ -147,7 +147,8 @@ pub fn client_response_header(up: &ResponseHeader, request_id: &str) -> pingora:
 }
 
 /// Returns a finished connection to the keep-alive pool.
-pub async fn release(gw: &Gateway, up: Upstream) {
+pub async fn release(gw: &Gateway, up: Box<Upstream>) {
+    let up = *up;
     let idle = Duration::from_millis(gw.config().timeouts.upstream_idle_ms);
     gw.connector.release_http_session(up.session, &up.peer, Some(idle)).await;
 }
