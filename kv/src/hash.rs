@@ -1,0 +1,128 @@
+//! kvgate's block hash: 64-bit, chained, over full blocks of u32 token ids.
+//!
+//! `h_0 = xxh3_64(LE(tokens[0..bs]), seed')`, `h_i = xxh3_64(LE(h_{i-1}) ‖ LE(tokens[i·bs..]), seed')`
+//! with `seed' = seed ^ xxh3_64(lora_name)` for an adapter (the base model uses `seed`). A
+//! partial tail block is ignored. Because each hash covers its whole prefix, one lookup per
+//! block answers "does this worker hold the prefix up to here".
+//!
+//! Requests and event `token_ids` go through this same function, so kvgate never depends on
+//! vLLM's hash algorithm or `PYTHONHASHSEED`: engine hashes are only ids for parent links and
+//! removals.
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// A chained block hash (never 0: 0 marks empty slots in the flat index).
+pub type BlockHash = u64;
+
+/// Default seed.
+pub const DEFAULT_SEED: u64 = 0x6b76_6761_7465_0001;
+
+/// How to hash blocks for one model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hasher {
+    seed: u64,
+    block_size: usize,
+}
+
+impl Hasher {
+    /// A hasher for `block_size`-token blocks (≥ 1), base model.
+    pub fn new(block_size: usize, seed: u64) -> Self {
+        assert!(block_size >= 1, "validated by the config");
+        Self { seed, block_size }
+    }
+
+    /// The same hasher for a LoRA adapter: its identity is mixed into the seed.
+    pub fn with_lora(self, lora_name: Option<&str>) -> Self {
+        match lora_name {
+            Some(name) if !name.is_empty() => Self { seed: self.seed ^ xxh3_64_with_seed(name.as_bytes(), 0x4c6f_5241), ..self },
+            _ => self,
+        }
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Hash of one full block given its parent's hash (`None` for the first block).
+    pub fn block(&self, parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
+        debug_assert_eq!(tokens.len(), self.block_size);
+        let mut buf = [0u8; 8 + 4 * 64];
+        let h = if tokens.len() <= 64 {
+            let mut n = 0;
+            if let Some(p) = parent {
+                buf[..8].copy_from_slice(&p.to_le_bytes());
+                n = 8;
+            }
+            for t in tokens {
+                buf[n..n + 4].copy_from_slice(&t.to_le_bytes());
+                n += 4;
+            }
+            xxh3_64_with_seed(&buf[..n], self.seed)
+        } else {
+            let mut v = Vec::with_capacity(8 + 4 * tokens.len());
+            if let Some(p) = parent {
+                v.extend_from_slice(&p.to_le_bytes());
+            }
+            for t in tokens {
+                v.extend_from_slice(&t.to_le_bytes());
+            }
+            xxh3_64_with_seed(&v, self.seed)
+        };
+        // 0 is reserved for "empty"; the remap costs nothing measurable.
+        if h == 0 { 1 } else { h }
+    }
+
+    /// Chained hashes of every full block of `tokens`, continuing from `parent`.
+    pub fn chain(&self, parent: Option<BlockHash>, tokens: &[u32]) -> Vec<BlockHash> {
+        let mut out = Vec::with_capacity(tokens.len() / self.block_size);
+        let mut prev = parent;
+        for block in tokens.chunks_exact(self.block_size) {
+            let h = self.block(prev, block);
+            out.push(h);
+            prev = Some(h);
+        }
+        out
+    }
+
+    /// Hashes of at most `max_blocks` leading full blocks (routing rarely needs more).
+    pub fn chain_prefix(&self, tokens: &[u32], max_blocks: usize) -> Vec<BlockHash> {
+        let n = (tokens.len() / self.block_size).min(max_blocks);
+        self.chain(None, &tokens[..n * self.block_size])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chained_partial_tail_ignored_and_deterministic() {
+        let h = Hasher::new(4, DEFAULT_SEED);
+        let t: Vec<u32> = (0..11).collect();
+        let c = h.chain(None, &t);
+        assert_eq!(c.len(), 2, "11 tokens = 2 full blocks");
+        assert_eq!(c, h.chain(None, &t[..8]));
+        assert_eq!(c[1], h.block(Some(c[0]), &t[4..8]));
+        // Same block content under a different prefix hashes differently.
+        let other: Vec<u32> = [9, 9, 9, 9].into_iter().chain(4..8).collect();
+        assert_ne!(h.chain(None, &other)[1], c[1]);
+        // Continuing a chain equals hashing the whole sequence.
+        assert_eq!(h.chain(Some(c[0]), &t[4..8]), vec![c[1]]);
+        assert!(c.iter().all(|&x| x != 0));
+    }
+
+    #[test]
+    fn seed_and_lora_separate_hash_spaces() {
+        let t: Vec<u32> = (0..16).collect();
+        let base = Hasher::new(16, 1);
+        assert_ne!(base.chain(None, &t), Hasher::new(16, 2).chain(None, &t));
+        let lora = base.with_lora(Some("sql-adapter"));
+        assert_ne!(base.chain(None, &t), lora.chain(None, &t));
+        assert_eq!(base.with_lora(None), base);
+        assert_eq!(base.with_lora(Some("")), base);
+        let big = Hasher::new(128, 1);
+        let t2: Vec<u32> = (0..256).collect();
+        assert_eq!(big.chain(None, &t2).len(), 2);
+    }
+}
