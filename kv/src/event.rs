@@ -1,1 +1,342 @@
-//! placeholder
+//! Decoding vLLM's KV event batches (notes/vllm.md §1.3–1.4), robustly:
+//! - a batch is `[ts, events]` or `[ts, events, dp_rank]` (or, defensively, a map with those
+//!   keys); `dp_rank` may be nil;
+//! - an event is a tagged map (`"type"`, vLLM ≥ 0.26) or a positional array with the tag first
+//!   (older vLLM); unknown keys and extra trailing elements are ignored;
+//! - block hashes are msgpack ints (any width; negative i64 from old Python `hash()` kept as
+//!   their bits) or byte strings (the last 8 bytes, big-endian, as vLLM converts them);
+//! - anything else is a [`DecodeError`]: the caller counts it and skips the batch, never panics.
+
+use rmpv::Value;
+
+/// A decoded batch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Batch {
+    /// Publish time (seconds since the epoch).
+    pub ts: f64,
+    /// Events in order.
+    pub events: Vec<Event>,
+    /// DP rank that published it.
+    pub dp_rank: Option<u64>,
+}
+
+/// One event.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// Full blocks were cached.
+    Stored(Stored),
+    /// Blocks were evicted.
+    Removed {
+        /// Engine hashes.
+        hashes: Vec<u64>,
+        /// `"GPU"`, `"CPU"`, … (None = GPU in old versions).
+        medium: Option<String>,
+        /// KV cache group (None = 0).
+        group_idx: Option<u64>,
+    },
+    /// The whole cache was dropped.
+    AllCleared,
+}
+
+/// A `BlockStored` event.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Stored {
+    /// Engine hashes of the stored blocks.
+    pub hashes: Vec<u64>,
+    /// Engine hash of the block before the first one.
+    pub parent: Option<u64>,
+    /// Tokens of all stored blocks, concatenated.
+    pub token_ids: Vec<u32>,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// LoRA adapter name (None = base model).
+    pub lora_name: Option<String>,
+    /// Storage medium.
+    pub medium: Option<String>,
+    /// KV cache group.
+    pub group_idx: Option<u64>,
+    /// Attention kind of the group (`full_attention`, `sliding_window`, …).
+    pub spec_kind: Option<String>,
+}
+
+impl Event {
+    /// Whether the event is about the GPU prefix cache of the main (full-attention) group, the
+    /// only one kvgate indexes. CPU/disk offload tiers and sliding-window groups are ignored:
+    /// their blocks do not form prefixes a request can hit on the GPU.
+    pub fn is_main_gpu(&self) -> bool {
+        let gpu = |m: &Option<String>| m.as_deref().is_none_or(|m| m.eq_ignore_ascii_case("gpu"));
+        let main = |g: &Option<u64>| g.is_none_or(|g| g == 0);
+        match self {
+            Event::Stored(s) => {
+                gpu(&s.medium)
+                    && main(&s.group_idx)
+                    && s.spec_kind.as_deref().is_none_or(|k| matches!(k, "full_attention" | "mla_attention"))
+            }
+            Event::Removed { medium, group_idx, .. } => gpu(medium) && main(group_idx),
+            Event::AllCleared => true,
+        }
+    }
+
+    /// Event type label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Event::Stored(_) => "stored",
+            Event::Removed { .. } => "removed",
+            Event::AllCleared => "cleared",
+        }
+    }
+}
+
+/// Why a batch could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("malformed KV event batch: {0}")]
+pub struct DecodeError(pub String);
+
+fn err<T>(m: impl Into<String>) -> Result<T, DecodeError> {
+    Err(DecodeError(m.into()))
+}
+
+/// Decodes one batch payload.
+pub fn decode_batch(payload: &[u8]) -> Result<Batch, DecodeError> {
+    let mut cur = payload;
+    let v = rmpv::decode::read_value(&mut cur).map_err(|e| DecodeError(format!("not msgpack: {e}")))?;
+    let (ts, events, rank) = match &v {
+        Value::Array(a) if a.len() >= 2 => (&a[0], &a[1], a.get(2)),
+        Value::Map(m) => (
+            get(m, "ts").ok_or_else(|| DecodeError("batch map without ts".into()))?,
+            get(m, "events").ok_or_else(|| DecodeError("batch map without events".into()))?,
+            get(m, "data_parallel_rank"),
+        ),
+        _ => return err("a batch must be [ts, events, dp_rank]"),
+    };
+    let ts = ts.as_f64().or_else(|| ts.as_i64().map(|i| i as f64)).ok_or_else(|| DecodeError("ts is not a number".into()))?;
+    let events = events.as_array().ok_or_else(|| DecodeError("events is not an array".into()))?;
+    Ok(Batch {
+        ts,
+        events: events.iter().map(decode_event).collect::<Result<_, _>>()?,
+        dp_rank: rank.and_then(Value::as_u64),
+    })
+}
+
+fn get<'a>(m: &'a [(Value, Value)], key: &str) -> Option<&'a Value> {
+    m.iter().find(|(k, _)| k.as_str() == Some(key)).map(|(_, v)| v)
+}
+
+fn hash(v: &Value) -> Result<u64, DecodeError> {
+    match v {
+        Value::Integer(i) => i.as_u64().or_else(|| i.as_i64().map(|x| x as u64)).ok_or_else(|| DecodeError("hash out of range".into())),
+        Value::Binary(b) if b.len() >= 8 => Ok(u64::from_be_bytes(b[b.len() - 8..].try_into().expect("8 bytes"))),
+        other => err(format!("a block hash must be an int or ≥ 8 bytes, got {other}")),
+    }
+}
+
+fn hashes(v: &Value) -> Result<Vec<u64>, DecodeError> {
+    v.as_array().ok_or_else(|| DecodeError("block_hashes is not an array".into()))?.iter().map(hash).collect()
+}
+
+fn opt_hash(v: Option<&Value>) -> Result<Option<u64>, DecodeError> {
+    match v {
+        None | Some(Value::Nil) => Ok(None),
+        Some(v) => hash(v).map(Some),
+    }
+}
+
+fn tokens(v: &Value) -> Result<Vec<u32>, DecodeError> {
+    v.as_array()
+        .ok_or_else(|| DecodeError("token_ids is not an array".into()))?
+        .iter()
+        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or_else(|| DecodeError("token id is not a u32".into())))
+        .collect()
+}
+
+fn opt_str(v: Option<&Value>) -> Option<String> {
+    v.and_then(Value::as_str).map(str::to_owned)
+}
+
+fn opt_u64(v: Option<&Value>) -> Option<u64> {
+    v.and_then(Value::as_u64)
+}
+
+fn block_size(v: Option<&Value>) -> Result<usize, DecodeError> {
+    match v.and_then(Value::as_u64) {
+        Some(n) if n > 0 => Ok(n as usize),
+        _ => err("block_size must be a positive int"),
+    }
+}
+
+fn check_stored(s: Stored) -> Result<Event, DecodeError> {
+    if s.token_ids.len() != s.hashes.len() * s.block_size {
+        return err(format!("{} token ids for {} blocks of {}", s.token_ids.len(), s.hashes.len(), s.block_size));
+    }
+    Ok(Event::Stored(s))
+}
+
+fn decode_event(v: &Value) -> Result<Event, DecodeError> {
+    match v {
+        Value::Map(m) => match get(m, "type").and_then(Value::as_str) {
+            Some("BlockStored") => check_stored(Stored {
+                hashes: hashes(get(m, "block_hashes").ok_or_else(|| DecodeError("BlockStored without block_hashes".into()))?)?,
+                parent: opt_hash(get(m, "parent_block_hash"))?,
+                token_ids: tokens(get(m, "token_ids").ok_or_else(|| DecodeError("BlockStored without token_ids".into()))?)?,
+                block_size: block_size(get(m, "block_size"))?,
+                lora_name: opt_str(get(m, "lora_name")),
+                medium: opt_str(get(m, "medium")),
+                group_idx: opt_u64(get(m, "group_idx")),
+                spec_kind: opt_str(get(m, "kv_cache_spec_kind")),
+            }),
+            Some("BlockRemoved") => Ok(Event::Removed {
+                hashes: hashes(get(m, "block_hashes").ok_or_else(|| DecodeError("BlockRemoved without block_hashes".into()))?)?,
+                medium: opt_str(get(m, "medium")),
+                group_idx: opt_u64(get(m, "group_idx")),
+            }),
+            Some("AllBlocksCleared") => Ok(Event::AllCleared),
+            Some(t) => err(format!("unknown event type {t:?}")),
+            None => err("event map without a \"type\""),
+        },
+        // ["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, lora_name,
+        //  extra_keys, group_idx, kv_cache_spec_kind, ...]
+        Value::Array(a) => match a.first().and_then(Value::as_str) {
+            Some("BlockStored") => {
+                if a.len() < 5 {
+                    return err("BlockStored array too short");
+                }
+                check_stored(Stored {
+                    hashes: hashes(&a[1])?,
+                    parent: opt_hash(Some(&a[2]))?,
+                    token_ids: tokens(&a[3])?,
+                    block_size: block_size(Some(&a[4]))?,
+                    medium: opt_str(a.get(6)),
+                    lora_name: opt_str(a.get(7)),
+                    group_idx: opt_u64(a.get(9)),
+                    spec_kind: opt_str(a.get(10)),
+                })
+            }
+            // ["BlockRemoved", hashes, medium, group_idx, ...]
+            Some("BlockRemoved") if a.len() >= 2 => {
+                Ok(Event::Removed { hashes: hashes(&a[1])?, medium: opt_str(a.get(2)), group_idx: opt_u64(a.get(3)) })
+            }
+            Some("AllBlocksCleared") => Ok(Event::AllCleared),
+            Some(t) => err(format!("unknown or short event {t:?}")),
+            None => err("event array without a tag"),
+        },
+        other => err(format!("an event must be a map or an array, got {other}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unhex(s: &str) -> Vec<u8> {
+        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+    }
+
+    fn vector_batch() -> Batch {
+        Batch {
+            ts: 1700000000.25,
+            events: vec![
+                Event::Stored(Stored {
+                    hashes: vec![9561501211280363793],
+                    parent: None,
+                    token_ids: vec![1, 2, 3, 4],
+                    block_size: 4,
+                    lora_name: None,
+                    medium: Some("GPU".into()),
+                    group_idx: Some(0),
+                    spec_kind: Some("full_attention".into()),
+                }),
+                Event::Removed { hashes: vec![9561501211280363793], medium: Some("GPU".into()), group_idx: Some(0) },
+                Event::AllCleared,
+            ],
+            dp_rank: Some(0),
+        }
+    }
+
+    // notes/vllm.md §1.4: msgspec's encoding of the same batch, map and array forms.
+    #[test]
+    fn decodes_the_vllm_test_vectors() {
+        let map = "93cb41d954fc4010000093de000ba474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657391cf84b146b151d55111b1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f6964739401020304aa626c6f636b5f73697a6504a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c0aa65787472615f6b65797391c0a967726f75705f69647800b26b765f63616368655f737065635f6b696e64ae66756c6c5f617474656e74696f6e84a474797065ac426c6f636b52656d6f766564ac626c6f636b5f68617368657391cf84b146b151d55111a66d656469756da3475055a967726f75705f6964780081a474797065b0416c6c426c6f636b73436c656172656400";
+        let arr = "93cb41d954fc4010000093dc0010ab426c6f636b53746f72656491cf84b146b151d55111c0940102030404c0a3475055c091c000ae66756c6c5f617474656e74696f6ec0c0c0c0c096ac426c6f636b52656d6f76656491cf84b146b151d55111a347505500c0c091b0416c6c426c6f636b73436c656172656400";
+        assert_eq!(decode_batch(&unhex(map)).unwrap(), vector_batch());
+        assert_eq!(decode_batch(&unhex(arr)).unwrap(), vector_batch());
+    }
+
+    #[test]
+    fn accepts_bin_and_negative_hashes_short_batches_and_unknown_fields() {
+        // [ts, [{"type":"BlockStored","block_hashes":[bin32],"parent_block_hash":-5,"token_ids":[7],"block_size":1,"future":1}]]
+        let mut b = Vec::new();
+        rmp::encode::write_array_len(&mut b, 2).unwrap();
+        rmp::encode::write_f64(&mut b, 1.5).unwrap();
+        rmp::encode::write_array_len(&mut b, 1).unwrap();
+        rmp::encode::write_map_len(&mut b, 6).unwrap();
+        for (k, v) in [("type", "BlockStored")] {
+            rmp::encode::write_str(&mut b, k).unwrap();
+            rmp::encode::write_str(&mut b, v).unwrap();
+        }
+        rmp::encode::write_str(&mut b, "block_hashes").unwrap();
+        rmp::encode::write_array_len(&mut b, 1).unwrap();
+        let mut digest = [0u8; 32];
+        digest[24..].copy_from_slice(&0x0102_0304_0506_0708u64.to_be_bytes());
+        rmp::encode::write_bin(&mut b, &digest).unwrap();
+        rmp::encode::write_str(&mut b, "parent_block_hash").unwrap();
+        rmp::encode::write_sint(&mut b, -5).unwrap();
+        rmp::encode::write_str(&mut b, "token_ids").unwrap();
+        rmp::encode::write_array_len(&mut b, 1).unwrap();
+        rmp::encode::write_uint(&mut b, 7).unwrap();
+        rmp::encode::write_str(&mut b, "block_size").unwrap();
+        rmp::encode::write_uint(&mut b, 1).unwrap();
+        rmp::encode::write_str(&mut b, "future").unwrap();
+        rmp::encode::write_uint(&mut b, 1).unwrap();
+        let batch = decode_batch(&b).unwrap();
+        assert_eq!(batch.dp_rank, None);
+        let Event::Stored(s) = &batch.events[0] else { panic!() };
+        assert_eq!(s.hashes, vec![0x0102_0304_0506_0708]);
+        assert_eq!(s.parent, Some((-5i64) as u64));
+        assert!(batch.events[0].is_main_gpu());
+    }
+
+    #[test]
+    fn garbage_is_an_error_never_a_panic() {
+        let cases: Vec<Vec<u8>> = vec![
+            vec![],
+            vec![0xc1],
+            vec![0x93, 0xcb],
+            unhex("92a17801"),                       // ["x", 1]
+            unhex("92cb41d954fc4010000091a3666f6f"),   // [ts, ["foo"]]
+            unhex("92cb41d954fc401000009181a474797065a3426164"), // unknown type
+        ];
+        for c in cases {
+            assert!(decode_batch(&c).is_err(), "{c:?}");
+        }
+        // token_ids not matching block count
+        let mut b = Vec::new();
+        rmp::encode::write_array_len(&mut b, 2).unwrap();
+        rmp::encode::write_f64(&mut b, 1.0).unwrap();
+        rmp::encode::write_array_len(&mut b, 1).unwrap();
+        rmp::encode::write_array_len(&mut b, 5).unwrap();
+        rmp::encode::write_str(&mut b, "BlockStored").unwrap();
+        rmp::encode::write_array_len(&mut b, 1).unwrap();
+        rmp::encode::write_uint(&mut b, 1).unwrap();
+        rmp::encode::write_nil(&mut b).unwrap();
+        rmp::encode::write_array_len(&mut b, 1).unwrap();
+        rmp::encode::write_uint(&mut b, 1).unwrap();
+        rmp::encode::write_uint(&mut b, 16).unwrap();
+        assert!(decode_batch(&b).unwrap_err().0.contains("token ids"));
+    }
+
+    #[test]
+    fn non_gpu_and_non_main_groups_are_not_indexed() {
+        let mut s = match &vector_batch().events[0] {
+            Event::Stored(s) => s.clone(),
+            _ => unreachable!(),
+        };
+        s.medium = Some("CPU".into());
+        assert!(!Event::Stored(s.clone()).is_main_gpu());
+        s.medium = None;
+        s.group_idx = Some(1);
+        assert!(!Event::Stored(s.clone()).is_main_gpu());
+        s.group_idx = None;
+        s.spec_kind = Some("sliding_window".into());
+        assert!(!Event::Stored(s).is_main_gpu());
+    }
+}
