@@ -23,6 +23,9 @@ pub struct FaultConfig {
     pub first_token_delay_ms: f64,
     /// Fraction of inference requests that are never answered.
     pub hang_rate: f64,
+    /// The next N KV event batches are not sent on PUB (they keep their sequence numbers and
+    /// stay in the replay buffer), as when a PUB socket over its high-water mark drops them.
+    pub drop_kv_batches: u64,
 }
 
 impl FaultConfig {
@@ -61,6 +64,7 @@ pub struct Faults {
     rng: AtomicU64,
     tokens: AtomicU64,
     crashed: AtomicBool,
+    kv_drops: AtomicU64,
     stop: CancellationToken,
 }
 
@@ -69,6 +73,7 @@ impl Faults {
     /// which every connection and engine of the server watches.
     pub fn new(cfg: FaultConfig, seed: u64, stop: CancellationToken) -> Self {
         Self {
+            kv_drops: AtomicU64::new(cfg.drop_kv_batches),
             cfg: RwLock::new(cfg),
             rng: AtomicU64::new(seed ^ 0xdead_beef_cafe_f00d),
             tokens: AtomicU64::new(0),
@@ -80,6 +85,7 @@ impl Faults {
     /// Replaces the knobs (validated).
     pub fn set(&self, cfg: FaultConfig) -> Result<(), String> {
         cfg.validate()?;
+        self.kv_drops.store(cfg.drop_kv_batches, Ordering::SeqCst);
         *self.cfg.write() = cfg;
         Ok(())
     }
@@ -127,6 +133,11 @@ impl Faults {
             tracing::warn!("fault injection: crashing now (closing every connection)");
         }
         self.stop.cancel();
+    }
+
+    /// True if the next KV event batch must not be sent on PUB (consumes one drop).
+    pub fn drop_kv_batch(&self) -> bool {
+        self.kv_drops.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok()
     }
 
     /// Whether the server crashed (as opposed to a clean shutdown).

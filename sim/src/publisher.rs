@@ -65,6 +65,7 @@ pub async fn start(
     cfg: &KvEventsConfig,
     rank: u32,
     format: EventFormat,
+    faults: std::sync::Arc<crate::faults::Faults>,
     stop: CancellationToken,
 ) -> Result<PublisherHandle, String> {
     let (ep, bind, _) = rank_endpoint(&cfg.endpoint, rank)?;
@@ -94,6 +95,7 @@ pub async fn start(
         buffer: VecDeque::new(),
         buffer_steps: cfg.buffer_steps.max(1),
         seq: 0,
+        faults,
     };
     tokio::spawn(task.run(pub_sock, if bind { None } else { Some(ep) }, router, rx, stop));
     Ok(PublisherHandle { tx, endpoint, replay_endpoint })
@@ -106,6 +108,7 @@ struct PublisherTask {
     buffer: VecDeque<(u64, Bytes)>,
     buffer_steps: usize,
     seq: u64,
+    faults: std::sync::Arc<crate::faults::Faults>,
 }
 
 impl PublisherTask {
@@ -135,14 +138,15 @@ impl PublisherTask {
         };
         loop {
             tokio::select! {
-                _ = stop.cancelled() => return,
+                _ = stop.cancelled() => break,
                 batch = rx.recv() => {
-                    let Some((ts, events)) = batch else { return };
+                    let Some((ts, events)) = batch else { break };
                     let payload = Bytes::from(encode_batch(ts, &events, self.rank, self.format));
                     let seq = self.seq;
                     self.seq += 1;
                     let frames = vec![self.topic.clone(), Bytes::copy_from_slice(&seq.to_be_bytes()), payload.clone()];
-                    if let Ok(msg) = ZmqMessage::try_from(frames)
+                    if !self.faults.drop_kv_batch()
+                        && let Ok(msg) = ZmqMessage::try_from(frames)
                         && let Err(e) = pub_sock.send(msg).await
                     {
                         tracing::debug!(error = %e, "kv events PUB send failed");
@@ -166,6 +170,10 @@ impl PublisherTask {
                 }
             }
         }
+        // Like a dying process, close every connection so subscribers notice at once.
+        drop(router_tx);
+        drop(router_rx);
+        let _ = pub_sock.close().await;
     }
 
     async fn replay(&self, tx: &mut zeromq::RouterSendHalf, msg: ZmqMessage) {

@@ -66,7 +66,7 @@ impl SimServer {
         let mut engines: Vec<Arc<EngineHandle>> = Vec::with_capacity(cfg.data_parallel_size);
         for rank in 0..cfg.data_parallel_size as u32 {
             let publisher = if cfg.kv_events.publishes() {
-                Some(crate::publisher::start(&cfg.kv_events, rank, cfg.kv_events_format, stop.clone()).await.map_err(SimError::Bind)?)
+                Some(crate::publisher::start(&cfg.kv_events, rank, cfg.kv_events_format, faults.clone(), stop.clone()).await.map_err(SimError::Bind)?)
             } else {
                 None
             };
