@@ -42,4 +42,4 @@ echo "real vLLM is up after ${i}s"
 export KVGATE_TARGET_URL="http://127.0.0.1:$port" KVGATE_TARGET_MODEL=tiny KVGATE_TARGET_TOPIC=kv \
        KVGATE_TARGET_ZMQ="tcp://127.0.0.1:$zport" KVGATE_TARGET_REPLAY="tcp://127.0.0.1:$((zport+1))"
 cd "$root"
-cargo test -p kvgate-tests --test conformance --test gateway -- --test-threads=1
+cargo test -p kvgate-tests --test conformance --test gateway --test kv_index -- --test-threads=1

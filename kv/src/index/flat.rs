@@ -42,13 +42,14 @@ impl Hasher for IdHasher {
 
 type IdMap<V> = HashMap<BlockHash, V, BuildHasherDefault<IdHasher>>;
 
-/// Per held block: links for cascading removal (0 = none).
+/// Per held block: 16 bytes. Removal cascades through `children` counts: a block with held
+/// children is rare to evict (vLLM frees a request's blocks last-first, so leaves go first), so
+/// its descendants are found by scanning the worker's blocks instead of keeping child lists.
 #[derive(Debug, Clone, Copy)]
 struct Meta {
     refs: u32,
+    children: u32,
     parent: BlockHash,
-    first_child: BlockHash,
-    next_sibling: BlockHash,
 }
 
 #[derive(Default)]
@@ -58,6 +59,8 @@ struct Writer {
     used: usize,
     /// Slots with a non-empty set.
     live: usize,
+    /// Scratch space for cascades.
+    doomed: std::collections::HashSet<BlockHash, BuildHasherDefault<IdHasher>>,
 }
 
 /// The concurrent index.
@@ -79,7 +82,7 @@ impl FlatIndex {
         let cap = ((expected_blocks as f64 / MAX_LOAD) as usize + 1).next_power_of_two();
         Self {
             table: ArcSwap::from_pointee(Table::new(cap, words)),
-            writer: Mutex::new(Writer { workers: (0..max_workers).map(|_| IdMap::default()).collect(), used: 0, live: 0 }),
+            writer: Mutex::new(Writer { workers: (0..max_workers).map(|_| IdMap::default()).collect(), used: 0, live: 0, doomed: Default::default() }),
             counts: (0..max_workers).map(|_| AtomicUsize::new(0)).collect(),
             max_workers,
         }
@@ -121,9 +124,7 @@ impl FlatIndex {
             if fresh {
                 wr.used += 1;
             }
-            let was_empty = t.get(block).iter().all(|&x| x == 0);
-            t.set_bit(slot, w);
-            if was_empty {
+            if t.set_bit(slot, w) {
                 wr.live += 1;
             }
             return;
@@ -155,40 +156,34 @@ impl FlatIndex {
     }
 
     fn drop_subtree(&self, wr: &mut Writer, w: usize, root: BlockHash) -> usize {
-        // Unlink the root from its parent's child list.
-        let root_meta = wr.workers[w][&root];
-        if root_meta.parent != 0 {
-            let map = &mut wr.workers[w];
-            let first = map.get(&root_meta.parent).map(|m| m.first_child);
-            if first == Some(root) {
-                if let Some(p) = map.get_mut(&root_meta.parent) {
-                    p.first_child = root_meta.next_sibling;
-                }
-            } else if let Some(mut cur) = first {
-                while cur != 0 {
-                    let next = map[&cur].next_sibling;
-                    if next == root {
-                        if let Some(m) = map.get_mut(&cur) {
-                            m.next_sibling = root_meta.next_sibling;
-                        }
-                        break;
-                    }
-                    cur = next;
-                }
-            }
+        let meta = wr.workers[w].remove(&root).expect("caller checked");
+        if meta.parent != 0
+            && let Some(p) = wr.workers[w].get_mut(&meta.parent)
+        {
+            p.children = p.children.saturating_sub(1);
         }
-        let mut removed = 0;
-        let mut stack = vec![root];
-        while let Some(b) = stack.pop() {
-            let Some(m) = wr.workers[w].remove(&b) else { continue };
-            removed += 1;
-            let mut c = m.first_child;
-            while c != 0 {
-                stack.push(c);
-                c = wr.workers[w].get(&c).map_or(0, |cm| cm.next_sibling);
-            }
-            self.table_remove(wr, b, w);
+        self.table_remove(wr, root, w);
+        if meta.children == 0 {
+            return 1;
         }
+        // Rare: the block still has held descendants. Find them level by level.
+        let mut doomed = std::mem::take(&mut wr.doomed);
+        doomed.clear();
+        doomed.insert(root);
+        let mut found = vec![root];
+        while !found.is_empty() {
+            let level: Vec<BlockHash> = wr.workers[w].iter().filter(|(_, m)| doomed.contains(&m.parent)).map(|(&b, _)| b).collect();
+            for &b in &level {
+                doomed.insert(b);
+            }
+            for &b in &level {
+                wr.workers[w].remove(&b);
+                self.table_remove(wr, b, w);
+            }
+            found = level;
+        }
+        let removed = doomed.len();
+        wr.doomed = doomed;
         removed
     }
 
@@ -232,17 +227,15 @@ impl KvIndex for FlatIndex {
         let mut prev = parent.unwrap_or(0);
         let mut added = 0;
         for &b in blocks {
-            let existing = wr.workers[w].get_mut(&b);
-            match existing {
+            match wr.workers[w].get_mut(&b) {
                 Some(m) => m.refs += 1,
                 None => {
-                    let next_sibling = if prev != 0 {
-                        let p = wr.workers[w].get_mut(&prev).expect("parent held");
-                        std::mem::replace(&mut p.first_child, b)
-                    } else {
-                        0
-                    };
-                    wr.workers[w].insert(b, Meta { refs: 1, parent: prev, first_child: 0, next_sibling });
+                    if prev != 0
+                        && let Some(p) = wr.workers[w].get_mut(&prev)
+                    {
+                        p.children += 1;
+                    }
+                    wr.workers[w].insert(b, Meta { refs: 1, children: 0, parent: prev });
                     self.table_add(&mut wr, b, w);
                     added += 1;
                 }

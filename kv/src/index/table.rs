@@ -106,10 +106,12 @@ impl Table {
         None
     }
 
-    /// Writer only: adds `worker` to the slot's set.
+    /// Writer only: adds `worker` to the slot's set; returns true if the set was empty.
     #[inline]
-    pub fn set_bit(&self, slot: usize, worker: usize) {
+    pub fn set_bit(&self, slot: usize, worker: usize) -> bool {
+        let was_empty = (0..self.words).all(|w| self.bits[slot * self.words + w].load(Ordering::Relaxed) == 0);
         self.bits[slot * self.words + worker / 64].fetch_or(1 << (worker % 64), Ordering::Release);
+        was_empty
     }
 
     /// Writer only: removes `worker`; returns true if the set is now empty.
