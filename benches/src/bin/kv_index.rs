@@ -55,7 +55,6 @@ fn fill(idx: &dyn KvIndex, workers: usize, total_blocks: usize, query: &[u64], r
 }
 
 fn main() {
-    let mut rng = Rng(0x1234_5678);
     let h = Hasher::new(16, DEFAULT_SEED);
     let prompt: Vec<u32> = (0..8192u32).map(|i| i.wrapping_mul(2_654_435_761) % 100_000).collect();
     let query = h.chain(None, &prompt);

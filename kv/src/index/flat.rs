@@ -12,7 +12,7 @@
 //! held block) behind the writer mutex; readers never touch it. The table grows by rebuilding
 //! into a fresh one and swapping it in (`ArcSwap`), so readers always see a complete table.
 
-use super::table::{Bits, MAX_WORDS, Table};
+use super::table::{MAX_WORDS, Table};
 use super::{IndexError, KvIndex, Matches, WorkerId};
 use crate::hash::BlockHash;
 use arc_swap::ArcSwap;
@@ -187,7 +187,9 @@ impl FlatIndex {
         removed
     }
 
-    fn search(t: &Table, chain: &[BlockHash], lo: usize, hi: usize, set: Bits, out: &mut Vec<(WorkerId, u32)>) {
+    /// Workers in `set` hold `chain[lo]`; find each one's match length in `lo+1..=hi`.
+    /// Monomorphized per bitset width so 64-worker indexes work on single words.
+    fn search<const N: usize>(t: &Table, chain: &[BlockHash], lo: usize, hi: usize, set: [u64; N], out: &mut Vec<(WorkerId, u32)>) {
         if set.iter().all(|&x| x == 0) {
             return;
         }
@@ -203,15 +205,20 @@ impl FlatIndex {
             return;
         }
         let mid = lo + (hi - lo) / 2;
-        let at = t.get(chain[mid]);
-        let mut holds = [0u64; MAX_WORDS];
-        let mut lacks = [0u64; MAX_WORDS];
-        for i in 0..MAX_WORDS {
+        let at = t.get_n::<N>(chain[mid]);
+        let mut holds = [0u64; N];
+        let mut lacks = [0u64; N];
+        for i in 0..N {
             holds[i] = set[i] & at[i];
             lacks[i] = set[i] & !at[i];
         }
         Self::search(t, chain, mid, hi, holds, out);
         Self::search(t, chain, lo, mid, lacks, out);
+    }
+
+    fn search_from<const N: usize>(t: &Table, chain: &[BlockHash], out: &mut Vec<(WorkerId, u32)>) {
+        let s0 = t.get_n::<N>(chain[0]);
+        Self::search(t, chain, 0, chain.len(), s0, out);
     }
 }
 
@@ -277,9 +284,13 @@ impl KvIndex for FlatIndex {
     fn find_matches(&self, chain: &[BlockHash]) -> Matches {
         let mut scores = Vec::new();
         if let Some(&first) = chain.first() {
+            let _ = first;
             let t = self.table.load();
-            let s0 = t.get(first);
-            Self::search(&t, chain, 0, chain.len(), s0, &mut scores);
+            match t.words() {
+                1 => Self::search_from::<1>(&t, chain, &mut scores),
+                2 => Self::search_from::<2>(&t, chain, &mut scores),
+                _ => Self::search_from::<MAX_WORDS>(&t, chain, &mut scores),
+            }
             scores.sort_unstable();
         }
         Matches { scores }

@@ -75,10 +75,10 @@ impl Table {
         }
     }
 
-    /// The workers holding `key` (all zero if none; lock-free).
+    /// The workers holding `key` as `N` words (`N` ≥ the table's word count; lock-free).
     #[inline]
-    pub fn get(&self, key: u64) -> Bits {
-        let mut out = [0u64; MAX_WORDS];
+    pub fn get_n<const N: usize>(&self, key: u64) -> [u64; N] {
+        let mut out = [0u64; N];
         if let Some(slot) = self.find(key) {
             let base = slot * self.words;
             for (w, o) in out.iter_mut().enumerate().take(self.words) {
