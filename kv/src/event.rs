@@ -269,10 +269,8 @@ mod tests {
         rmp::encode::write_f64(&mut b, 1.5).unwrap();
         rmp::encode::write_array_len(&mut b, 1).unwrap();
         rmp::encode::write_map_len(&mut b, 6).unwrap();
-        for (k, v) in [("type", "BlockStored")] {
-            rmp::encode::write_str(&mut b, k).unwrap();
-            rmp::encode::write_str(&mut b, v).unwrap();
-        }
+        rmp::encode::write_str(&mut b, "type").unwrap();
+        rmp::encode::write_str(&mut b, "BlockStored").unwrap();
         rmp::encode::write_str(&mut b, "block_hashes").unwrap();
         rmp::encode::write_array_len(&mut b, 1).unwrap();
         let mut digest = [0u8; 32];

@@ -5,9 +5,11 @@
 //! - [`event`]: decoding vLLM's msgpack event batches (both encodings);
 //! - [`index`]: the [`index::KvIndex`] trait, a reference tree and the lock-free flat index;
 //! - [`applier`]: per-worker ingestion state (engine hash → our hash, sequence tracking);
-//! - [`subscriber`]: the ZMQ SUB task per worker endpoint, with replay.
+//! - [`subscriber`]: the ZMQ SUB task per worker endpoint, with replay;
+//! - [`approx`]: approximate mode (no events): routing decisions with a TTL and size pruning.
 
 pub mod applier;
+pub mod approx;
 pub mod event;
 pub mod hash;
 pub mod index;

@@ -15,10 +15,12 @@ struct WorkerBlocks {
 }
 
 impl WorkerBlocks {
-    fn drop_subtree(&mut self, root: BlockHash) {
+    fn drop_subtree(&mut self, root: BlockHash) -> Vec<BlockHash> {
+        let mut dropped = Vec::new();
         let mut stack = vec![root];
         while let Some(b) = stack.pop() {
             self.refs.remove(&b);
+            dropped.push(b);
             if let Some(Some(p)) = self.parent.remove(&b)
                 && let Some(siblings) = self.children.get_mut(&p)
             {
@@ -28,6 +30,7 @@ impl WorkerBlocks {
                 stack.extend(kids);
             }
         }
+        dropped
     }
 }
 
@@ -41,6 +44,16 @@ impl ReferenceTree {
     /// An empty tree.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Removes every reference to `block` for `worker` and returns all blocks dropped with it
+    /// (the block and its subtree); empty if the worker did not hold it.
+    pub fn remove_all(&self, worker: WorkerId, block: BlockHash) -> Vec<BlockHash> {
+        let mut all = self.workers.lock();
+        match all.get_mut(&worker) {
+            Some(w) if w.refs.contains_key(&block) => w.drop_subtree(block),
+            _ => Vec::new(),
+        }
     }
 
     /// Blocks `worker` holds (tests).
@@ -87,7 +100,9 @@ impl KvIndex for ReferenceTree {
                     first_err.get_or_insert(IndexError::NotFound(b));
                 }
                 Some(c) if *c > 1 => *c -= 1,
-                Some(_) => w.drop_subtree(b),
+                Some(_) => {
+                    w.drop_subtree(b);
+                }
             }
         }
         first_err.map_or(Ok(()), Err)
