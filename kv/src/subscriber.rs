@@ -39,6 +39,21 @@ pub struct Source {
     pub label: String,
 }
 
+/// The endpoint of DP rank `rank` of an engine whose rank 0 uses `endpoint`: vLLM offsets the
+/// TCP port by the rank (port 0 and rank 0 unchanged), for PUB and replay alike.
+pub fn rank_endpoint(endpoint: &str, rank: u32) -> Result<String, String> {
+    if rank == 0 {
+        return Ok(endpoint.to_string());
+    }
+    let (head, port) = endpoint.rsplit_once(':').ok_or_else(|| format!("{endpoint:?} has no port"))?;
+    let port: u16 = port.parse().map_err(|_| format!("{endpoint:?}: bad port"))?;
+    if port == 0 {
+        return Ok(endpoint.to_string());
+    }
+    let p = u16::try_from(u32::from(port) + rank).map_err(|_| format!("{endpoint:?}: port + rank {rank} overflows"))?;
+    Ok(format!("{head}:{p}"))
+}
+
 /// Runs the subscriber until the task is aborted.
 pub async fn run(src: Source, index: Arc<dyn KvIndex>, metrics: KvMetrics) {
     let mut applier = Applier::new(src.worker, src.hasher, src.replay.is_some());
@@ -176,5 +191,19 @@ async fn replay(src: &Source, applier: &mut Applier, index: &dyn KvIndex, metric
             tracing::warn!(source = %src.label, from, "KV events: replay timed out");
             metrics.replays.with_label_values(&[src.label.as_str(), "timeout"]).inc();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dp_ranks_use_port_plus_rank() {
+        assert_eq!(rank_endpoint("tcp://10.0.0.1:5557", 0).unwrap(), "tcp://10.0.0.1:5557");
+        assert_eq!(rank_endpoint("tcp://10.0.0.1:5557", 3).unwrap(), "tcp://10.0.0.1:5560");
+        assert_eq!(rank_endpoint("tcp://*:0", 2).unwrap(), "tcp://*:0");
+        assert!(rank_endpoint("tcp://h:65535", 1).is_err());
+        assert!(rank_endpoint("tcp://h", 1).is_err());
     }
 }

@@ -207,3 +207,33 @@ async fn an_unknown_parent_clears_the_worker() {
     assert_eq!(f.matched(&kept), 0, "the worker's state was dropped");
     assert_eq!(f.index.block_count(0), 0);
 }
+
+#[tokio::test]
+async fn bind_mode_receives_from_an_engine_that_connects() {
+    // vLLM can be told to connect its PUB to the router: the subscriber binds.
+    let port = free_port();
+    let index = Arc::new(FlatIndex::new(4, 64));
+    let hasher = Hasher::new(BS, DEFAULT_SEED);
+    let src = Source { endpoint: format!("tcp://*:{port}"), replay: None, topic: "".into(), worker: 2, hasher, label: "bound".into() };
+    let task = tokio::spawn(run(src, index.clone(), KvMetrics::new(&prometheus::Registry::new())));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut cfg = sim_config(free_port(), free_port());
+    cfg.kv_events.endpoint = format!("tcp://127.0.0.1:{port}");
+    cfg.kv_events.replay_endpoint = None;
+    let sim = SimServer::start(cfg).await.expect("sim starts");
+    let http = reqwest::Client::new();
+    let start = Instant::now();
+    let p = prompt(11, 3);
+    loop {
+        let r = http.post(format!("{}/v1/completions", sim.url())).json(&serde_json::json!({"prompt": p, "max_tokens": 1})).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if index.find_matches(&hasher.chain(None, &p)).get(2) == 3 {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "no events over the engine-initiated connection");
+        // The first batch may precede the subscription; a fresh prompt publishes again.
+        let _ = http.post(format!("{}/reset_prefix_cache", sim.url())).send().await;
+    }
+    task.abort();
+}
