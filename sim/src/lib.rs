@@ -16,14 +16,15 @@ pub mod sampler;
 pub mod scheduler;
 pub mod timing;
 pub mod api;
-pub mod chat_template;
 pub mod config;
 pub mod engine;
 pub mod faults;
 pub mod metrics;
 pub mod publisher;
 pub mod server;
-pub mod tokenizer;
 
 pub use config::{KvEventsConfig, SimArgs, SimConfig};
 pub use server::{SimError, SimServer};
+
+/// Tokenization lives in the shared `kvgate-tokenize` crate.
+pub use kvgate_tokenize::{chat_template, tokenizer};

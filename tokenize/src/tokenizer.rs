@@ -3,7 +3,7 @@
 //! derives from it: the EOS id and the "output vocabulary" the sampler draws from.
 //!
 //! Without `--tokenizer`, a small byte-level BPE tokenizer trained locally and shipped in
-//! `sim/assets/tokenizer/` is used (see `assets/make_tokenizer.py`), so nothing is downloaded.
+//! `tokenize/assets/tokenizer/` is used (see `assets/make_tokenizer.py`), so nothing is downloaded.
 
 use crate::chat_template::ChatTemplate;
 use std::path::{Path, PathBuf};

@@ -1,0 +1,11 @@
+//! Tokenization as vLLM does it, shared by the gateway (KV routing needs the prompt's token
+//! ids) and the simulator (which must tokenize like a real server):
+//! - [`tokenizer`]: a HF `tokenizer.json` with special tokens and the chat template from
+//!   `tokenizer_config.json`, or the small tokenizer shipped in `assets/`;
+//! - [`chat_template`]: rendering OpenAI messages with the model's Jinja template.
+
+pub mod chat_template;
+pub mod tokenizer;
+
+pub use chat_template::{ChatInput, ChatTemplate, normalize_messages};
+pub use tokenizer::{ModelTokenizer, TokenizerError};
