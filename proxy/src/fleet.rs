@@ -115,8 +115,10 @@ pub struct Model {
     pub cfg: ModelConfig,
     /// Workers; a worker's id is its index here.
     pub workers: Vec<Arc<Worker>>,
-    /// Selection policy.
+    /// Selection policy (baseline modes).
     pub policy: Box<dyn Policy>,
+    /// KV routing state, when `routing.mode` is `kv`.
+    pub kv: Option<Arc<crate::kv_routing::KvRouting>>,
 }
 
 /// Every served model.
@@ -153,12 +155,22 @@ pub struct WorkerRegistry {
 
 impl WorkerRegistry {
     /// Builds the fleet for `cfg`, reusing workers already known by URL and forgetting the rest.
-    pub fn build(&self, cfg: &Config) -> Fleet {
+    /// Fails (changing nothing) when a model's KV routing state cannot be built.
+    pub fn build(&self, cfg: &Config) -> Result<Fleet, String> {
+        let kv: Vec<Option<Arc<crate::kv_routing::KvRouting>>> = cfg
+            .models
+            .iter()
+            .map(|m| {
+                (m.routing.mode == kvgate_filters::route::Mode::Kv)
+                    .then(|| crate::kv_routing::KvRouting::build(m).map(Arc::new))
+                    .transpose()
+            })
+            .collect::<Result<_, _>>()?;
         let mut known = self.by_url.lock();
         let mut next: HashMap<UpstreamUrl, Arc<Worker>> = HashMap::new();
         let mut models = HashMap::new();
         let mut order = Vec::new();
-        for m in &cfg.models {
+        for (m, kv) in cfg.models.iter().zip(kv) {
             let workers = m
                 .workers
                 .iter()
@@ -169,10 +181,10 @@ impl WorkerRegistry {
                 })
                 .collect();
             order.push(m.name.clone());
-            models.insert(m.name.clone(), Arc::new(Model { cfg: m.clone(), workers, policy: m.routing.mode.policy() }));
+            models.insert(m.name.clone(), Arc::new(Model { cfg: m.clone(), workers, policy: m.routing.mode.policy(), kv }));
         }
         *known = next;
-        Fleet { models, order }
+        Ok(Fleet { models, order })
     }
 }
 
@@ -209,10 +221,10 @@ mod tests {
             crate::config::load_str(&format!("models:\n  - name: m\n    workers:\n{workers}"), "t", Vec::new()).unwrap()
         };
         let reg = WorkerRegistry::default();
-        let f1 = reg.build(&cfg(&["http://a:1", "http://b:1"]));
+        let f1 = reg.build(&cfg(&["http://a:1", "http://b:1"])).unwrap();
         let a1 = f1.models["m"].workers[0].clone();
         a1.observe_health(false, 1, 1);
-        let f2 = reg.build(&cfg(&["http://b:1", "http://a:1", "http://c:1"]));
+        let f2 = reg.build(&cfg(&["http://b:1", "http://a:1", "http://c:1"])).unwrap();
         let a2 = &f2.models["m"].workers[1];
         assert!(Arc::ptr_eq(&a1, a2));
         assert!(!a2.is_healthy(), "state survives the reload");

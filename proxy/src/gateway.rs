@@ -20,25 +20,31 @@ pub struct Gateway {
     in_flight: AtomicUsize,
     /// Metrics.
     pub metrics: Metrics,
+    /// KV ingestion metrics (same registry).
+    pub kv_metrics: kvgate_kv::metrics::KvMetrics,
     /// Upstream HTTP/1.1 connector with keep-alive pools.
     pub connector: Connector,
 }
 
 impl Gateway {
-    /// State for a validated config; `path` is where reloads read from.
-    pub fn new(cfg: Config, path: Option<PathBuf>) -> Arc<Self> {
+    /// State for a validated config; `path` is where reloads read from. Fails when a model's
+    /// routing state cannot be built (e.g. its tokenizer does not load).
+    pub fn new(cfg: Config, path: Option<PathBuf>) -> Result<Arc<Self>, String> {
         let registry = WorkerRegistry::default();
-        let fleet = registry.build(&cfg);
-        Arc::new(Self {
+        let fleet = registry.build(&cfg)?;
+        let metrics = Metrics::new();
+        let kv_metrics = kvgate_kv::metrics::KvMetrics::new(metrics.registry());
+        Ok(Arc::new(Self {
             config: ArcSwap::from_pointee(cfg),
             fleet: ArcSwap::from_pointee(fleet),
             registry,
             config_path: path,
             draining: AtomicBool::new(false),
             in_flight: AtomicUsize::new(0),
-            metrics: Metrics::new(),
+            metrics,
+            kv_metrics,
             connector: Connector::new(None),
-        })
+        }))
     }
 
     /// The configuration in force.
@@ -54,13 +60,13 @@ impl Gateway {
     /// Applies a validated configuration. Listener addresses and thread counts only change on
     /// restart; everything else (models, workers, timeouts, retries, health) takes effect now.
     /// Requests in flight keep the model and worker they started with.
-    pub fn apply(&self, cfg: Config) {
+    pub fn apply(&self, cfg: Config) -> Result<(), String> {
         let old = self.config();
         if old.listen != cfg.listen || old.admin_listen != cfg.admin_listen || old.threads != cfg.threads {
             tracing::warn!("listen, admin_listen and threads take effect at the next restart");
         }
         let before: std::collections::HashSet<String> = self.fleet().all_workers().iter().map(|(m, w)| format!("{m}@{}", w.url)).collect();
-        let fleet = self.registry.build(&cfg);
+        let fleet = self.registry.build(&cfg)?;
         let after: std::collections::HashSet<String> = fleet.all_workers().iter().map(|(m, w)| format!("{m}@{}", w.url)).collect();
         for added in after.difference(&before) {
             tracing::info!(worker = %added, "worker added");
@@ -74,6 +80,7 @@ impl Gateway {
         }
         self.fleet.store(Arc::new(fleet));
         self.config.store(Arc::new(cfg));
+        Ok(())
     }
 
     /// Re-reads the config file; on error the running config stays and the error is returned.
@@ -84,7 +91,12 @@ impl Gateway {
         match crate::config::load_file(path) {
             Ok(cfg) => {
                 if *self.config() != cfg {
-                    self.apply(cfg);
+                    if let Err(message) = self.apply(cfg) {
+                        let e = ConfigError { origin: path.display().to_string(), line: None, column: None, message };
+                        tracing::error!(error = %e, "configuration rejected; the previous configuration stays in force");
+                        self.metrics.reloads.with_label_values(&["rejected"]).inc();
+                        return Err(e);
+                    }
                     tracing::info!(path = %path.display(), "configuration reloaded");
                 }
                 self.metrics.reloads.with_label_values(&["ok"]).inc();

@@ -36,6 +36,15 @@ pub async fn run(gw: Arc<Gateway>) {
             }
         });
         futures_join_all(checks).await;
+        for m in fleet.models.values() {
+            let Some(kv) = &m.kv else { continue };
+            for (i, w) in m.workers.iter().enumerate() {
+                let url = w.url.to_string();
+                let labels = [m.cfg.name.as_str(), url.as_str()];
+                gw.metrics.active_prefill.with_label_values(&labels).set(kv.active.prefill_tokens(i as u16) as i64);
+                gw.metrics.active_blocks.with_label_values(&labels).set(kv.active.active_blocks(i as u16) as i64);
+            }
+        }
         tokio::time::sleep(Duration::from_millis(h.interval_ms)).await;
     }
 }
@@ -66,4 +75,43 @@ pub async fn probe(addr: std::net::SocketAddr, host_header: &str, path: &str, ti
         Some(head.starts_with("HTTP/1.1 200") || head.starts_with("HTTP/1.0 200"))
     };
     matches!(tokio::time::timeout(timeout, attempt).await, Ok(Some(true)))
+}
+
+/// Keeps one KV event subscriber task per event source of the fleet in force; a reload that
+/// replaces a model's KV state replaces its subscribers.
+pub async fn supervise_kv(gw: Arc<Gateway>) {
+    // Holding the Arc keeps its address from being reused by a newer state while tracked.
+    type Tasks = (Arc<crate::kv_routing::KvRouting>, Vec<tokio::task::JoinHandle<()>>);
+    let mut running: std::collections::HashMap<usize, Tasks> = std::collections::HashMap::new();
+    loop {
+        let fleet = gw.fleet();
+        let mut live = std::collections::HashSet::new();
+        for m in fleet.models.values() {
+            let Some(kv) = &m.kv else { continue };
+            let key = Arc::as_ptr(kv) as usize;
+            live.insert(key);
+            if let crate::kv_routing::Cache::Events(index) = &kv.cache
+                && !running.contains_key(&key)
+            {
+                let tasks = kv
+                    .sources
+                    .iter()
+                    .map(|src| {
+                        let index: Arc<dyn kvgate_kv::index::KvIndex> = index.clone();
+                        tokio::spawn(kvgate_kv::subscriber::run(src.clone(), index, gw.kv_metrics.clone()))
+                    })
+                    .collect();
+                running.insert(key, (kv.clone(), tasks));
+            }
+        }
+        running.retain(|key, (_, tasks)| {
+            let keep = live.contains(key);
+            if !keep {
+                tasks.iter().for_each(|t| t.abort());
+            }
+            keep
+        });
+        drop(fleet);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }

@@ -12,6 +12,7 @@ pub mod fleet;
 pub mod gateway;
 pub mod health;
 pub mod http;
+pub mod kv_routing;
 pub mod metrics;
 pub mod reload;
 pub mod server;

@@ -33,6 +33,16 @@ pub struct Metrics {
     pub worker_in_flight: IntGaugeVec,
     /// `kvgate_config_reloads_total{result}`.
     pub reloads: IntCounterVec,
+    /// `kvgate_routing_decisions_total{model,worker}`.
+    pub decisions: IntCounterVec,
+    /// `kvgate_routing_overlap_blocks{model}`: cached blocks of the chosen worker.
+    pub overlap: HistogramVec,
+    /// `kvgate_routing_decision_seconds{model}`: tokenize excluded.
+    pub decision_time: HistogramVec,
+    /// `kvgate_worker_active_prefill_tokens{model,worker}`.
+    pub active_prefill: IntGaugeVec,
+    /// `kvgate_worker_active_blocks{model,worker}`.
+    pub active_blocks: IntGaugeVec,
 }
 
 impl Metrics {
@@ -70,8 +80,36 @@ impl Metrics {
             worker_healthy: gauge("kvgate_worker_healthy", "1 if the worker passes health checks.", &["model", "worker"]),
             worker_in_flight: gauge("kvgate_worker_requests_in_flight", "Requests the gateway has in flight to the worker.", &["model", "worker"]),
             reloads: counter("kvgate_config_reloads_total", "Configuration reload attempts.", &["result"]),
+            decisions: counter("kvgate_routing_decisions_total", "Routing decisions per chosen worker.", &["model", "worker"]),
+            overlap: {
+                let h = HistogramVec::new(
+                    HistogramOpts::new("kvgate_routing_overlap_blocks", "Prompt blocks already cached on the chosen worker.")
+                        .buckets(vec![0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0]),
+                    &["model"],
+                )
+                .expect("valid metric");
+                registry.register(Box::new(h.clone())).expect("unique metric");
+                h
+            },
+            decision_time: {
+                let h = HistogramVec::new(
+                    HistogramOpts::new("kvgate_routing_decision_seconds", "Time to choose a worker (hashing, index lookup, cost), tokenization excluded.")
+                        .buckets(vec![1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3]),
+                    &["model"],
+                )
+                .expect("valid metric");
+                registry.register(Box::new(h.clone())).expect("unique metric");
+                h
+            },
+            active_prefill: gauge("kvgate_worker_active_prefill_tokens", "Prefill tokens booked on the worker (kv routing).", &["model", "worker"]),
+            active_blocks: gauge("kvgate_worker_active_blocks", "KV blocks booked on the worker (kv routing).", &["model", "worker"]),
             registry,
         }
+    }
+
+    /// The registry (other crates register their metrics here).
+    pub fn registry(&self) -> &Registry {
+        &self.registry
     }
 
     /// Text exposition of every metric.

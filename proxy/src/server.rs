@@ -72,9 +72,11 @@ impl BackgroundService for Background {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         let health = tokio::spawn(crate::health::run(self.0.clone()));
         let reload = tokio::spawn(crate::reload::run(self.0.clone()));
+        let kv = tokio::spawn(crate::health::supervise_kv(self.0.clone()));
         let _ = shutdown.changed().await;
         health.abort();
         reload.abort();
+        kv.abort();
     }
 }
 
@@ -106,7 +108,13 @@ fn build(gw: Arc<Gateway>, cfg: &Config, manual: watch::Receiver<Option<Stop>>) 
 
 /// Runs the gateway in this thread until it stops.
 pub fn run(cfg: Config, path: Option<PathBuf>) {
-    let gw = Gateway::new(cfg.clone(), path);
+    let gw = match Gateway::new(cfg.clone(), path) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("kvgate: {e}");
+            std::process::exit(1);
+        }
+    };
     let (_tx, rx) = watch::channel(None);
     let (server, args) = build(gw, &cfg, rx);
     tracing::info!(listen = %cfg.listen, admin = %cfg.admin_listen, models = cfg.models.len(), "kvgate starting");
@@ -139,7 +147,7 @@ impl GatewayHandle {
         if cfg.admin_listen.port() == 0 {
             cfg.admin_listen.set_port(free_port()?);
         }
-        let gw = Gateway::new(cfg.clone(), path);
+        let gw = Gateway::new(cfg.clone(), path).map_err(std::io::Error::other)?;
         let (tx, rx) = watch::channel(None);
         // Pingora's server is not Send: build it on the thread that runs it.
         let (gw2, cfg2) = (gw.clone(), cfg.clone());

@@ -19,19 +19,48 @@ pub struct GatewayOpts {
     pub extra: String,
     /// `health.interval_ms`.
     pub health_interval_ms: u64,
+    /// Extra YAML inside the model's `routing:` section (e.g. `temperature: 0.5`).
+    pub routing_extra: String,
 }
 
 impl Default for GatewayOpts {
     fn default() -> Self {
-        Self { model: "sim-model".into(), mode: "round_robin".into(), extra: String::new(), health_interval_ms: 100 }
+        Self { model: "sim-model".into(), mode: "round_robin".into(), extra: String::new(), health_interval_ms: 100, routing_extra: String::new() }
     }
+}
+
+/// A worker entry: URL and, optionally, its KV event and replay endpoints.
+#[derive(Debug, Clone)]
+pub struct WorkerEntry {
+    /// Base URL.
+    pub url: String,
+    /// PUB endpoint.
+    pub kv_events: Option<String>,
+    /// Replay endpoint.
+    pub replay: Option<String>,
 }
 
 /// The YAML of a gateway serving `urls`.
 pub fn gateway_yaml(urls: &[String], o: &GatewayOpts) -> String {
-    let workers: String = urls.iter().map(|u| format!("      - url: {u}\n")).collect();
+    let entries: Vec<WorkerEntry> = urls.iter().map(|u| WorkerEntry { url: u.clone(), kv_events: None, replay: None }).collect();
+    gateway_yaml_workers(&entries, o)
+}
+
+/// The YAML of a gateway serving `workers`.
+pub fn gateway_yaml_workers(workers_in: &[WorkerEntry], o: &GatewayOpts) -> String {
+    let mut workers = String::new();
+    for w in workers_in {
+        workers.push_str(&format!("      - url: {}\n", w.url));
+        if let Some(k) = &w.kv_events {
+            workers.push_str(&format!("        kv_events: {k}\n"));
+        }
+        if let Some(r) = &w.replay {
+            workers.push_str(&format!("        replay: {r}\n"));
+        }
+    }
     format!(
-        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nthreads: 2\n{extra}\nhealth:\n  interval_ms: {hi}\n  timeout_ms: 500\n  unhealthy_threshold: 1\n  healthy_threshold: 1\nshutdown:\n  drain_timeout_s: 30\nmodels:\n  - name: {model}\n    routing:\n      mode: {mode}\n    workers:\n{workers}",
+        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nthreads: 2\n{extra}\nhealth:\n  interval_ms: {hi}\n  timeout_ms: 500\n  unhealthy_threshold: 1\n  healthy_threshold: 1\nshutdown:\n  drain_timeout_s: 30\nmodels:\n  - name: {model}\n    routing:\n      mode: {mode}\n{routing_extra}    workers:\n{workers}",
+        routing_extra = o.routing_extra.lines().map(|l| format!("      {l}\n")).collect::<String>(),
         extra = o.extra,
         hi = o.health_interval_ms,
         model = o.model,
@@ -91,11 +120,35 @@ impl Cluster {
         c
     }
 
+    /// `n` simulators with KV events behind a gateway that subscribes to them.
+    pub async fn sims_with_events(n: usize, sim: SimConfig, opts: GatewayOpts) -> Cluster {
+        let mut sims = Vec::new();
+        for _ in 0..n {
+            sims.push(SimServer::start(sim.clone()).await.expect("sim starts"));
+        }
+        let workers: Vec<WorkerEntry> = sims
+            .iter()
+            .map(|s| WorkerEntry {
+                url: s.url(),
+                kv_events: s.kv_event_endpoints().into_iter().next(),
+                replay: s.replay_endpoints().into_iter().next(),
+            })
+            .collect();
+        let mut c = Cluster::front_yaml(gateway_yaml_workers(&workers, &opts)).await;
+        c.sims = sims;
+        c
+    }
+
     /// A gateway in front of existing worker URLs.
     pub async fn front(urls: &[String], opts: GatewayOpts) -> Cluster {
+        Cluster::front_yaml(gateway_yaml(urls, &opts)).await
+    }
+
+    /// A gateway from a YAML text.
+    pub async fn front_yaml(yaml: String) -> Cluster {
         let dir = TempDir::new();
         let path = dir.0.join("kvgate.yaml");
-        std::fs::write(&path, gateway_yaml(urls, &opts)).expect("write config");
+        std::fs::write(&path, yaml).expect("write config");
         let cfg = kvgate::config::load_file(&path).expect("valid test config");
         let p = path.clone();
         let gw = tokio::task::spawn_blocking(move || GatewayHandle::spawn(cfg, Some(p))).await.expect("join").expect("gateway starts");

@@ -1,12 +1,17 @@
-//! Worker selection. Every routing mode — the baseline `round_robin` and `random` here, the KV
-//! mode and WebAssembly policies later — implements [`Policy`] over the same inputs: a
-//! [`RequestSummary`] and one [`Candidate`] per eligible worker. The caller has already removed
+//! Worker selection. Every routing mode — `round_robin`, `random`, `kv` here, WebAssembly
+//! policies later — implements [`Policy`] over the same inputs: a [`RequestSummary`] and one
+//! [`Candidate`] per eligible worker. [`ActiveSequences`] keeps the per-worker load the KV cost
+//! needs, as bookings released by guards. The caller has already removed
 //! workers that are unhealthy, busy, or already tried for this request.
 
+mod active;
+mod kv;
 mod policy;
 mod random;
 mod round_robin;
 
+pub use active::{ActiveSequences, Booking};
+pub use kv::{KvParams, KvPolicy};
 pub use policy::{Candidate, Decision, Policy, RequestSummary};
 pub use random::Random;
 pub use round_robin::RoundRobin;
@@ -19,6 +24,8 @@ pub enum Mode {
     RoundRobin,
     /// Uniformly random worker.
     Random,
+    /// KV-cache aware: lowest `overlap_score_weight · prefill_blocks + decode_blocks`.
+    Kv,
 }
 
 impl Mode {
@@ -27,6 +34,7 @@ impl Mode {
         match self {
             Mode::RoundRobin => Box::new(RoundRobin::default()),
             Mode::Random => Box::new(Random::default()),
+            Mode::Kv => Box::new(KvPolicy::new(KvParams::default())),
         }
     }
 }

@@ -24,6 +24,8 @@ pub struct Candidate {
     pub in_flight: u32,
     /// Leading prompt blocks already in its KV cache.
     pub overlap_blocks: u32,
+    /// Leading prompt blocks already booked on it by requests in flight (counted once).
+    pub active_overlap_blocks: u32,
     /// Prefill tokens booked on it and not yet started decoding.
     pub active_prefill_tokens: u64,
     /// KV blocks booked on it.

@@ -168,6 +168,28 @@ fn validate(cfg: &Config) -> Result<(), Invalid> {
         if !(1..=1024).contains(&m.block_size) {
             return Err((format!("model {:?}: block_size must be within 1..=1024", m.name), at("block_size".into(), 1)));
         }
+        let r = &m.routing;
+        let non_negative = |v: f64| v.is_finite() && v >= 0.0;
+        if !non_negative(r.overlap_score_weight) || !non_negative(r.temperature) {
+            return Err((format!("model {:?}: routing.overlap_score_weight and temperature must be >= 0", m.name), at("routing".into(), 1)));
+        }
+        let ratio_ok = r.prune_target_ratio > 0.0 && r.prune_target_ratio <= 1.0;
+        if r.ttl_secs.is_nan() || r.ttl_secs <= 0.0 || r.max_tree_size == 0 || !ratio_ok || r.max_prefix_blocks == 0 {
+            return Err((
+                format!("model {:?}: routing.ttl_secs, max_tree_size, max_prefix_blocks must be > 0 and prune_target_ratio within (0, 1]", m.name),
+                at("routing".into(), 1),
+            ));
+        }
+        if r.mode == kvgate_filters::route::Mode::Kv && r.kv_events && m.workers.iter().any(|w| w.kv_events.is_none()) {
+            return Err((
+                format!("model {:?}: routing.mode kv with kv_events: true needs a kv_events endpoint on every worker (or set kv_events: false for approximate mode)", m.name),
+                at("kv_events".into(), 1),
+            ));
+        }
+        let slots: u32 = m.workers.iter().map(|w| w.dp_size).sum();
+        if slots > 256 {
+            return Err((format!("model {:?}: at most 256 worker DP ranks per model", m.name), at(m.name.clone(), 1)));
+        }
         if m.workers.is_empty() {
             return Err((format!("model {:?}: at least one worker is required", m.name), at(m.name.clone(), 1)));
         }

@@ -139,17 +139,53 @@ pub struct ModelConfig {
     pub workers: Vec<WorkerConfig>,
 }
 
-/// Routing section of a model.
+/// Routing section of a model. Dynamo's `--router-*` flag names are accepted as aliases.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Routing {
-    /// `round_robin` or `random`.
+    /// `kv`, `round_robin` or `random`.
+    #[serde(alias = "router_mode")]
     pub mode: Mode,
+    /// kv: weight of the prefill term; 0 = ignore the cache (pure load balancing).
+    #[serde(alias = "router_kv_overlap_score_weight", alias = "kv_overlap_score_weight")]
+    pub overlap_score_weight: f64,
+    /// kv: softmax temperature over costs; 0 = always the cheapest worker.
+    #[serde(alias = "router_temperature")]
+    pub temperature: f64,
+    /// kv: follow workers' KV events (`true`), or predict caches from routing decisions
+    /// (`false`, approximate mode; no `kv_events` endpoints needed).
+    #[serde(alias = "router_kv_events")]
+    pub kv_events: bool,
+    /// kv: requests sharing a prefix on one worker share its KV blocks (count them once).
+    #[serde(alias = "router_assume_kv_reuse")]
+    pub assume_kv_reuse: bool,
+    /// kv, approximate mode: how long a routing decision is believed, seconds.
+    #[serde(alias = "router_ttl_secs")]
+    pub ttl_secs: f64,
+    /// kv, approximate mode: most blocks kept before pruning.
+    #[serde(alias = "router_max_tree_size")]
+    pub max_tree_size: usize,
+    /// kv, approximate mode: prune down to this fraction of `max_tree_size`.
+    #[serde(alias = "router_prune_target_ratio")]
+    pub prune_target_ratio: f64,
+    /// kv: hash at most this many leading blocks of a prompt (longer prompts route on their
+    /// prefix; matching beyond it rarely changes the choice).
+    pub max_prefix_blocks: usize,
 }
 
 impl Default for Routing {
     fn default() -> Self {
-        Self { mode: Mode::RoundRobin }
+        Self {
+            mode: Mode::RoundRobin,
+            overlap_score_weight: 1.0,
+            temperature: 0.0,
+            kv_events: true,
+            assume_kv_reuse: true,
+            ttl_secs: 120.0,
+            max_tree_size: 1 << 20,
+            prune_target_ratio: 0.8,
+            max_prefix_blocks: 4096,
+        }
     }
 }
 

@@ -147,10 +147,14 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut Session, endpoint: Endpoint)
     };
     let name = model.cfg.name.clone();
     let stream = view.stream.unwrap_or(false);
+    let parsed: Option<serde_json::Value> = match (&model.kv, endpoint) {
+        (Some(_), Endpoint::Chat | Endpoint::Completions) => serde_json::from_slice(&body).ok(),
+        _ => None,
+    };
     let ctx = RequestContext::new(rid.clone());
     let in_flight = gw.metrics.in_flight.with_label_values(&[name.as_str()]);
     in_flight.inc();
-    let outcome = proxy(gw, session, &model, endpoint, &body, &ctx, stream, start).await;
+    let outcome = proxy(gw, session, &model, endpoint, &body, parsed.as_ref(), &ctx, stream, start).await;
     in_flight.dec();
     let (status, label) = match &outcome {
         Outcome::Served(s) | Outcome::Refused(s) | Outcome::Truncated(s) => (*s, s.to_string()),
@@ -178,16 +182,35 @@ async fn proxy(
     model: &Arc<Model>,
     endpoint: Endpoint,
     body: &Bytes,
+    parsed: Option<&serde_json::Value>,
     ctx: &Arc<RequestContext>,
     stream: bool,
     start: Instant,
 ) -> Outcome {
     let cfg = gw.config();
+    // KV routing inputs, once per request: tokens → chained hashes → cached / booked overlap.
+    let kv = match (&model.kv, parsed) {
+        (Some(kv), Some(v)) => {
+            let tokens = super::prompt::tokens(v, endpoint == Endpoint::Chat, kv.tokenizer.as_ref()).await.unwrap_or_default();
+            let t0 = Instant::now();
+            let chain = kv.chain(&tokens);
+            let cached = kv.cached(&chain);
+            let active = kv.active.overlap(&chain);
+            Some((kv.clone(), tokens.len(), chain, cached, active, t0.elapsed()))
+        }
+        _ => None,
+    };
     let name = model.cfg.name.as_str();
     let rid = ctx.id().to_string();
     let rid_header = [("x-request-id", rid.clone())];
     let out = Outgoing { path: endpoint.path(), body, request_id: &rid };
-    let summary = RequestSummary { model: name, endpoint: endpoint.label(), request_id: &rid, ..Default::default() };
+    let summary = RequestSummary {
+        model: name,
+        endpoint: endpoint.label(),
+        request_id: &rid,
+        prompt_tokens: kv.as_ref().map_or(0, |k| k.1 as u32),
+        prompt_blocks: kv.as_ref().map_or(0, |k| k.2.len() as u32),
+    };
     let mut tried: Vec<usize> = Vec::new();
     let mut last_error = String::from("no healthy worker");
     let attempts = cfg.retries.max_attempts as usize;
@@ -196,9 +219,20 @@ async fn proxy(
         if eligible.is_empty() {
             break;
         }
-        let candidates: Vec<Candidate> =
-            eligible.iter().map(|&i| Candidate { id: i as u32, in_flight: model.workers[i].in_flight(), ..Default::default() }).collect();
-        let idx = match model.policy.choose(&summary, &candidates) {
+        let t_decide = Instant::now();
+        let candidates: Vec<Candidate> = eligible
+            .iter()
+            .map(|&i| match &kv {
+                Some((k, _, _, cached, active, _)) => k.candidate(i, model.workers[i].in_flight(), cached, active),
+                None => Candidate { id: i as u32, in_flight: model.workers[i].in_flight(), ..Default::default() },
+            })
+            .collect();
+        let policy: &dyn kvgate_filters::route::Policy = match &kv {
+            Some((k, ..)) => &k.policy,
+            None => model.policy.as_ref(),
+        };
+        let decision = policy.choose(&summary, &candidates);
+        let idx = match decision {
             Decision::Worker(k) if k < eligible.len() => eligible[k],
             Decision::Worker(_) => eligible[0],
             Decision::Reject { status, message } => {
@@ -214,6 +248,18 @@ async fn proxy(
         let worker = model.workers[idx].clone();
         let _booking = worker.book();
         let wurl = worker.url.to_string();
+        gw.metrics.decisions.with_label_values(&[name, wurl.as_str()]).inc();
+        // The load this request puts on the chosen worker, until it ends (guard).
+        let mut kv_booking = kv.as_ref().map(|(k, n_tokens, chain, cached, _, hash_time)| {
+            let c = &candidates[eligible.iter().position(|&e| e == idx).unwrap_or(0)];
+            gw.metrics.overlap.with_label_values(&[name]).observe(f64::from(c.overlap_blocks));
+            gw.metrics.decision_time.with_label_values(&[name]).observe((t_decide.elapsed() + *hash_time).as_secs_f64());
+            let _ = cached;
+            let bs = u64::from(model.cfg.block_size);
+            let cached_tokens = (u64::from(c.overlap_blocks) * bs).min(*n_tokens as u64);
+            k.record_decision(idx, chain);
+            k.active.book(idx as u16, *n_tokens as u64 - cached_tokens, chain.clone())
+        });
         match attempt(gw, session, &worker, &out).await {
             Attempt::ClientGone => {
                 cancel(gw, ctx, name, endpoint, stream);
@@ -254,7 +300,9 @@ async fn proxy(
                     }
                 };
                 match first {
-                    Ok(first) => return stream_response(gw, session, up, first, ctx, name, endpoint, stream, start).await,
+                    Ok(first) => {
+                        return stream_response(gw, session, up, first, kv_booking.take(), ctx, name, endpoint, stream, start).await;
+                    }
                     Err(e) => {
                         gw.metrics.upstream_errors.with_label_values(&[name, wurl.as_str(), "before_first_byte"]).inc();
                         tracing::warn!(request_id = %rid, worker = %wurl, error = %e, "worker failed before its first byte; retrying elsewhere");
@@ -275,6 +323,7 @@ async fn stream_response(
     session: &mut Session,
     mut up: Box<super::upstream::Upstream>,
     first: Option<bytes::Bytes>,
+    mut booking: Option<kvgate_filters::route::Booking>,
     ctx: &Arc<RequestContext>,
     name: &str,
     endpoint: Endpoint,
@@ -308,6 +357,10 @@ async fn stream_response(
         };
         match chunk {
             Ok(Some(bytes)) => {
+                // The first token ends the request's prefill on the worker.
+                if let Some(b) = booking.as_mut() {
+                    b.prefill_done();
+                }
                 let now = Instant::now();
                 if stream && status == 200 {
                     match last {

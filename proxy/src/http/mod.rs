@@ -8,6 +8,7 @@ pub mod errors;
 pub mod inference;
 pub mod io;
 pub mod local;
+pub mod prompt;
 pub mod upstream;
 
 use crate::gateway::Gateway;

@@ -1,0 +1,186 @@
+//! `kv` mode: the KV-cache-aware cost of seed 001.
+//!
+//! ```text
+//! prefill_blocks = (active_prefill_tokens + prompt_tokens − overlap_blocks · block_size) / block_size
+//! decode_blocks  = active_blocks + (prompt_blocks − active_overlap_blocks)
+//! cost           = overlap_score_weight · prefill_blocks + decode_blocks          (lower is better)
+//! ```
+//! `overlap_blocks` are the prompt's leading blocks already in the worker's KV cache;
+//! `active_overlap_blocks` those already booked on it by requests in flight, so a shared prefix
+//! is counted once in its decode load. `overlap_score_weight = 0` ignores the cache (pure load
+//! balancing).
+//!
+//! Temperature 0: the lowest cost; ties go to the worker with fewer requests in flight, then
+//! uniformly at random (no fixed order, so equal workers share traffic). Temperature T > 0:
+//! softmax over costs normalized by their range, `p ∝ exp(−(cost / (max − min)) / T)`; equal
+//! costs give a uniform choice.
+
+use super::{Candidate, Decision, Policy, RequestSummary};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Parameters of the cost.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvParams {
+    /// Weight of the prefill term (0 = ignore the cache).
+    pub overlap_score_weight: f64,
+    /// Softmax temperature (0 = argmin).
+    pub temperature: f64,
+    /// Tokens per KV block.
+    pub block_size: u32,
+}
+
+impl Default for KvParams {
+    fn default() -> Self {
+        Self { overlap_score_weight: 1.0, temperature: 0.0, block_size: 16 }
+    }
+}
+
+/// The policy.
+#[derive(Debug)]
+pub struct KvPolicy {
+    params: KvParams,
+    rng: AtomicU64,
+}
+
+impl KvPolicy {
+    /// A policy with `params`.
+    pub fn new(params: KvParams) -> Self {
+        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
+        Self { params, rng: AtomicU64::new(seed | 1) }
+    }
+
+    /// The parameters.
+    pub fn params(&self) -> KvParams {
+        self.params
+    }
+
+    /// (prefill_blocks, decode_blocks, cost) of one candidate.
+    pub fn cost(&self, req: &RequestSummary<'_>, c: &Candidate) -> (f64, f64, f64) {
+        let bs = f64::from(self.params.block_size.max(1));
+        let cached_tokens = (f64::from(c.overlap_blocks) * bs).min(f64::from(req.prompt_tokens));
+        let prefill_tokens = c.active_prefill_tokens as f64 + f64::from(req.prompt_tokens) - cached_tokens;
+        let prefill_blocks = prefill_tokens / bs;
+        let new_blocks = req.prompt_blocks.saturating_sub(c.active_overlap_blocks);
+        let decode_blocks = c.active_blocks as f64 + f64::from(new_blocks);
+        (prefill_blocks, decode_blocks, self.params.overlap_score_weight * prefill_blocks + decode_blocks)
+    }
+
+    fn uniform(&self) -> f64 {
+        let mut z = self.rng.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+impl Policy for KvPolicy {
+    fn name(&self) -> &'static str {
+        "kv"
+    }
+
+    fn choose(&self, req: &RequestSummary<'_>, candidates: &[Candidate]) -> Decision {
+        let costs: Vec<(f64, f64, f64)> = candidates.iter().map(|c| self.cost(req, c)).collect();
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            let terms: Vec<String> = candidates
+                .iter()
+                .zip(&costs)
+                .map(|(c, (p, d, cost))| format!("worker {}: overlap {} prefill {p:.1} decode {d:.1} cost {cost:.1}", c.id, c.overlap_blocks))
+                .collect();
+            tracing::debug!(request_id = req.request_id, prompt_blocks = req.prompt_blocks, "kv routing: {}", terms.join("; "));
+        }
+        let t = self.params.temperature;
+        if t > 0.0 {
+            let (min, max) = costs.iter().fold((f64::MAX, f64::MIN), |(lo, hi), c| (lo.min(c.2), hi.max(c.2)));
+            let range = max - min;
+            if range > 0.0 {
+                let w: Vec<f64> = costs.iter().map(|c| (-((c.2 - min) / range) / t).exp()).collect();
+                let total: f64 = w.iter().sum();
+                let mut x = self.uniform() * total;
+                for (i, wi) in w.iter().enumerate() {
+                    x -= wi;
+                    if x <= 0.0 {
+                        return Decision::Worker(i);
+                    }
+                }
+                return Decision::Worker(w.len() - 1);
+            }
+        }
+        let best = costs.iter().map(|c| c.2).fold(f64::MAX, f64::min);
+        let tied: Vec<usize> = (0..candidates.len()).filter(|&i| costs[i].2 <= best + 1e-9).collect();
+        let least = tied.iter().map(|&i| candidates[i].in_flight).min().unwrap_or(0);
+        let tied: Vec<usize> = tied.into_iter().filter(|&i| candidates[i].in_flight == least).collect();
+        let pick = tied[(self.uniform() * tied.len() as f64) as usize % tied.len()];
+        Decision::Worker(pick)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(tokens: u32) -> RequestSummary<'static> {
+        RequestSummary { model: "m", endpoint: "completions", request_id: "r", prompt_tokens: tokens, prompt_blocks: tokens / 16 }
+    }
+
+    fn cand(id: u32, overlap: u32, prefill: u64, active: u64) -> Candidate {
+        Candidate { id, overlap_blocks: overlap, active_prefill_tokens: prefill, active_blocks: active, ..Default::default() }
+    }
+
+    #[test]
+    fn matches_the_seed_example() {
+        // Seed 001: worker costs 18, 10, 11 → worker 2 (index 1). Build candidates whose terms
+        // are (prefill 8, decode 10), (5, 5), (2, 9) for a 0-block request.
+        let p = KvPolicy::new(KvParams { block_size: 1, ..Default::default() });
+        let r = RequestSummary { prompt_tokens: 0, prompt_blocks: 0, ..req(0) };
+        let c = [cand(1, 0, 8, 10), cand(2, 0, 5, 5), cand(3, 0, 2, 9)];
+        let costs: Vec<f64> = c.iter().map(|c| p.cost(&r, c).2).collect();
+        assert_eq!(costs, vec![18.0, 10.0, 11.0]);
+        assert_eq!(p.choose(&r, &c), Decision::Worker(1));
+    }
+
+    #[test]
+    fn cached_prefix_wins_until_its_worker_is_loaded() {
+        let p = KvPolicy::new(KvParams::default());
+        let r = req(1024); // 64 blocks
+        // Worker 0 holds 60 of them.
+        assert_eq!(p.choose(&r, &[cand(0, 60, 0, 0), cand(1, 0, 0, 0)]), Decision::Worker(0));
+        // Loaded with 4,000 prefill tokens and 200 active blocks, it loses.
+        assert_eq!(p.choose(&r, &[cand(0, 60, 4000, 200), cand(1, 0, 0, 0)]), Decision::Worker(1));
+    }
+
+    #[test]
+    fn weight_zero_is_pure_load_balancing() {
+        let p = KvPolicy::new(KvParams { overlap_score_weight: 0.0, ..Default::default() });
+        let r = req(1024);
+        assert_eq!(p.choose(&r, &[cand(0, 64, 0, 10), cand(1, 0, 0, 5)]), Decision::Worker(1));
+    }
+
+    #[test]
+    fn ties_spread_over_equal_workers() {
+        let p = KvPolicy::new(KvParams::default());
+        let mut seen = [0; 3];
+        for _ in 0..300 {
+            let Decision::Worker(i) = p.choose(&req(160), &[cand(0, 0, 0, 0), cand(1, 0, 0, 0), cand(2, 0, 0, 0)]) else { panic!() };
+            seen[i] += 1;
+        }
+        assert!(seen.iter().all(|&n| n > 50), "{seen:?}");
+        // Fewer requests in flight breaks a cost tie first.
+        let mut c = [cand(0, 0, 0, 0), cand(1, 0, 0, 0)];
+        c[0].in_flight = 3;
+        assert_eq!(p.choose(&req(160), &c), Decision::Worker(1));
+    }
+
+    #[test]
+    fn temperature_samples_cheaper_workers_more_often() {
+        let p = KvPolicy::new(KvParams { temperature: 0.5, ..Default::default() });
+        let c = [cand(0, 60, 0, 0), cand(1, 0, 0, 0)];
+        let mut n0 = 0;
+        for _ in 0..2000 {
+            if p.choose(&req(1024), &c) == Decision::Worker(0) {
+                n0 += 1;
+            }
+        }
+        // Normalized costs 0 and 1 → p0 = 1 / (1 + e^-2) ≈ 0.88.
+        assert!((1600..1900).contains(&n0), "{n0}");
+    }
+}

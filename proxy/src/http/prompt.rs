@@ -1,0 +1,112 @@
+//! The prompt's token ids, as the worker will see them, for KV routing:
+//! - `/v1/completions` with token ids (`[1, 2, …]` or a batch `[[…], …]`, as benchmark clients
+//!   send): used as is (the first prompt of a batch);
+//! - text, or chat messages rendered with the model's chat template: the model's HF tokenizer,
+//!   on the blocking pool (completions add special tokens by default, chat does not, as vLLM);
+//! - no tokenizer configured: a character-block fallback, every 4 bytes of text one pseudo-token.
+//!   It is approximate: requests sharing a text prefix still share leading blocks, but block
+//!   boundaries do not line up with the worker's, so the index (fed by real token ids) cannot
+//!   match them; use it with approximate mode (`kv_events: false`).
+
+use kvgate_tokenize::{ChatInput, ModelTokenizer, normalize_messages};
+use serde_json::Value;
+
+/// Extracts the routing tokens from a parsed request body; `None` when there is no prompt to
+/// route on (the worker will answer the error).
+pub async fn tokens(body: &Value, chat: bool, tokenizer: Option<&ModelTokenizer>) -> Option<Vec<u32>> {
+    if !chat {
+        match body.get("prompt")? {
+            Value::Array(items) if items.first().is_some_and(Value::is_number) => return ids(items),
+            Value::Array(items) if items.first().is_some_and(Value::is_array) => return ids(items[0].as_array()?),
+            Value::Array(items) => return text_tokens(items.first()?.as_str()?.to_string(), true, tokenizer).await,
+            Value::String(s) => return text_tokens(s.clone(), body.get("add_special_tokens").and_then(Value::as_bool).unwrap_or(true), tokenizer).await,
+            _ => return None,
+        }
+    }
+    let messages = body.get("messages")?.as_array()?;
+    match tokenizer {
+        Some(tok) => {
+            let tok = tok.clone();
+            let body = body.clone();
+            tokio::task::spawn_blocking(move || {
+                let msgs = normalize_messages(body.get("messages")?.as_array()?).ok()?;
+                let input = ChatInput {
+                    messages: &msgs,
+                    add_generation_prompt: body.get("add_generation_prompt").and_then(Value::as_bool).unwrap_or(true)
+                        && !body.get("continue_final_message").and_then(Value::as_bool).unwrap_or(false),
+                    tools: body.get("tools"),
+                    kwargs: body.get("chat_template_kwargs").and_then(Value::as_object),
+                };
+                let text = tok.render_chat(&input).ok()?;
+                tok.encode(&text, body.get("add_special_tokens").and_then(Value::as_bool).unwrap_or(false)).ok()
+            })
+            .await
+            .ok()?
+        }
+        None => {
+            let mut text = String::new();
+            for m in messages {
+                text.push_str(m.get("role").and_then(Value::as_str).unwrap_or(""));
+                text.push('\n');
+                match m.get("content") {
+                    Some(Value::String(s)) => text.push_str(s),
+                    Some(other) => text.push_str(&other.to_string()),
+                    None => {}
+                }
+                text.push('\n');
+            }
+            Some(char_blocks(&text))
+        }
+    }
+}
+
+fn ids(items: &[Value]) -> Option<Vec<u32>> {
+    items.iter().map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok())).collect()
+}
+
+async fn text_tokens(text: String, add_special: bool, tokenizer: Option<&ModelTokenizer>) -> Option<Vec<u32>> {
+    match tokenizer {
+        Some(tok) => {
+            let tok = tok.clone();
+            tokio::task::spawn_blocking(move || tok.encode(&text, add_special).ok()).await.ok()?
+        }
+        None => Some(char_blocks(&text)),
+    }
+}
+
+/// The fallback: 4 bytes of text per pseudo-token.
+pub fn char_blocks(text: &str) -> Vec<u32> {
+    text.as_bytes()
+        .chunks(4)
+        .map(|c| {
+            let mut b = [0u8; 4];
+            b[..c.len()].copy_from_slice(c);
+            u32::from_le_bytes(b)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[tokio::test]
+    async fn token_ids_are_used_as_is() {
+        assert_eq!(tokens(&json!({"prompt": [5, 6, 7]}), false, None).await, Some(vec![5, 6, 7]));
+        assert_eq!(tokens(&json!({"prompt": [[1, 2], [3]]}), false, None).await, Some(vec![1, 2]));
+        assert_eq!(tokens(&json!({"prompt": [-1]}), false, None).await, None);
+    }
+
+    #[tokio::test]
+    async fn text_uses_the_tokenizer_or_the_fallback() {
+        let tok = ModelTokenizer::builtin();
+        let with = tokens(&json!({"prompt": "the cache router"}), false, Some(&tok)).await.unwrap();
+        assert_eq!(with, tok.encode("the cache router", true).unwrap());
+        let fallback = tokens(&json!({"prompt": "abcdefgh"}), false, None).await.unwrap();
+        assert_eq!(fallback.len(), 2);
+        let chat = tokens(&json!({"messages": [{"role": "user", "content": "hi"}]}), true, Some(&tok)).await.unwrap();
+        let text = tok.render_chat(&ChatInput { messages: &[json!({"role": "user", "content": "hi"})], add_generation_prompt: true, tools: None, kwargs: None }).unwrap();
+        assert_eq!(chat, tok.encode(&text, false).unwrap(), "chat tokenizes like vLLM: template, no special tokens");
+    }
+}

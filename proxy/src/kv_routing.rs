@@ -1,0 +1,148 @@
+//! Per-model state of `kv` routing: the tokenizer, the KV index (fed by the workers' events, or
+//! by our own decisions in approximate mode), the active sequences booked on each worker, and
+//! the index slot of every worker's DP rank.
+//!
+//! Built with the fleet on each (re)load; the event subscribers run in the background service
+//! (`health::supervise_kv`), keyed by this state, so a reload replaces them.
+
+use crate::config::{ModelConfig, UpstreamUrl};
+use kvgate_filters::route::{ActiveSequences, Candidate, KvParams, KvPolicy};
+use kvgate_kv::approx::{ApproxConfig, ApproxIndex};
+use kvgate_kv::hash::{BlockHash, DEFAULT_SEED, Hasher};
+use kvgate_kv::index::{FlatIndex, KvIndex, Matches, WorkerId};
+use kvgate_kv::subscriber::{Source, rank_endpoint};
+use kvgate_tokenize::ModelTokenizer;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Where cached-prefix knowledge comes from.
+pub enum Cache {
+    /// Workers' KV events.
+    Events(Arc<FlatIndex>),
+    /// Our own routing decisions (approximate mode).
+    Approx(ApproxIndex),
+}
+
+/// KV routing state of one model.
+pub struct KvRouting {
+    /// Block hasher (the model's block size).
+    pub hasher: Hasher,
+    /// The model's tokenizer, if configured.
+    pub tokenizer: Option<ModelTokenizer>,
+    /// Cached prefixes per worker slot.
+    pub cache: Cache,
+    /// Load booked per worker (indexed like the model's workers).
+    pub active: Arc<ActiveSequences>,
+    /// Index slots of each worker's DP ranks.
+    pub slots: Vec<Vec<WorkerId>>,
+    /// Event sources to subscribe to (events mode).
+    pub sources: Vec<Source>,
+    /// The cost policy.
+    pub policy: KvPolicy,
+    /// Most leading blocks hashed per prompt.
+    pub max_prefix_blocks: usize,
+}
+
+impl KvRouting {
+    /// Builds the state for a model (loads its tokenizer: an error rejects the config).
+    pub fn build(m: &ModelConfig) -> Result<Self, String> {
+        let r = &m.routing;
+        let hasher = Hasher::new(m.block_size as usize, DEFAULT_SEED);
+        let tokenizer = match &m.tokenizer {
+            Some(p) => Some(ModelTokenizer::load(p).map_err(|e| format!("model {:?}: {e}", m.name))?),
+            None => None,
+        };
+        let mut slots = Vec::with_capacity(m.workers.len());
+        let mut sources = Vec::new();
+        let mut next: WorkerId = 0;
+        for w in &m.workers {
+            let mut ranks = Vec::new();
+            for rank in 0..w.dp_size {
+                ranks.push(next);
+                if r.kv_events
+                    && let Some(ep) = &w.kv_events
+                {
+                    sources.push(Source {
+                        endpoint: rank_endpoint(&ep.0, rank)?,
+                        replay: w.replay.as_ref().map(|e| rank_endpoint(&e.0, rank)).transpose()?,
+                        topic: String::new(),
+                        worker: next,
+                        hasher,
+                        label: source_label(&w.url, rank),
+                    });
+                }
+                next += 1;
+            }
+            slots.push(ranks);
+        }
+        let cache = if r.kv_events {
+            Cache::Events(Arc::new(FlatIndex::new(next.max(1) as usize, 1 << 16)))
+        } else {
+            Cache::Approx(ApproxIndex::new(ApproxConfig {
+                ttl: Duration::from_secs_f64(r.ttl_secs),
+                max_tree_size: r.max_tree_size,
+                prune_target_ratio: r.prune_target_ratio,
+            }))
+        };
+        Ok(Self {
+            hasher,
+            tokenizer,
+            cache,
+            active: ActiveSequences::new(m.workers.len(), r.assume_kv_reuse),
+            slots,
+            sources,
+            policy: KvPolicy::new(KvParams { overlap_score_weight: r.overlap_score_weight, temperature: r.temperature, block_size: m.block_size }),
+            max_prefix_blocks: r.max_prefix_blocks,
+        })
+    }
+
+    /// The chained hashes routing looks up for `tokens`.
+    pub fn chain(&self, tokens: &[u32]) -> Vec<BlockHash> {
+        self.hasher.chain_prefix(tokens, self.max_prefix_blocks)
+    }
+
+    /// Cached leading blocks per index slot.
+    pub fn cached(&self, chain: &[BlockHash]) -> Matches {
+        match &self.cache {
+            Cache::Events(idx) => idx.find_matches(chain),
+            Cache::Approx(a) => a.find_matches(chain, Instant::now()),
+        }
+    }
+
+    /// A worker's routing inputs: best overlap over its DP ranks, and its booked load.
+    pub fn candidate(&self, worker: usize, in_flight: u32, cached: &Matches, active: &Matches) -> Candidate {
+        let overlap = self.slots[worker].iter().map(|&s| cached.get(s)).max().unwrap_or(0);
+        let w = worker as WorkerId;
+        Candidate {
+            id: worker as u32,
+            in_flight,
+            overlap_blocks: overlap,
+            active_overlap_blocks: active.get(w),
+            active_prefill_tokens: self.active.prefill_tokens(w),
+            active_blocks: self.active.active_blocks(w),
+            ..Default::default()
+        }
+    }
+
+    /// Approximate mode: remember that `worker` will now cache `chain`.
+    pub fn record_decision(&self, worker: usize, chain: &[BlockHash]) {
+        if let Cache::Approx(a) = &self.cache
+            && let Some(&slot) = self.slots[worker].first()
+        {
+            a.record(slot, chain, Instant::now());
+        }
+    }
+
+    /// Blocks the event index holds for a worker (all ranks).
+    pub fn cached_blocks(&self, worker: usize) -> usize {
+        match &self.cache {
+            Cache::Events(idx) => self.slots[worker].iter().map(|&s| idx.block_count(s)).sum(),
+            Cache::Approx(_) => 0,
+        }
+    }
+}
+
+/// Metrics/log label of a worker's DP rank.
+pub fn source_label(url: &UpstreamUrl, rank: u32) -> String {
+    format!("{url}#{rank}")
+}
