@@ -11,7 +11,7 @@ use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 /// One vLLM server as the gateway tracks it.
 #[derive(Debug)]
@@ -24,6 +24,10 @@ pub struct Worker {
     consecutive_failures: AtomicU32,
     consecutive_successes: AtomicU32,
     in_flight: AtomicU32,
+    booked_prefill: AtomicU64,
+    booked_blocks: AtomicU64,
+    /// Load the worker reports, per DP rank (from its `/metrics`).
+    reported: RwLock<Vec<ReportedLoad>>,
     /// Last resolved address; refreshed by the health loop so DNS changes are followed without
     /// a lookup (a blocking-pool hop) on the request path.
     addr: RwLock<Option<SocketAddr>>,
@@ -39,6 +43,9 @@ impl Worker {
             consecutive_failures: AtomicU32::new(0),
             consecutive_successes: AtomicU32::new(0),
             in_flight: AtomicU32::new(0),
+            booked_prefill: AtomicU64::new(0),
+            booked_blocks: AtomicU64::new(0),
+            reported: RwLock::new(Vec::new()),
             addr: RwLock::new(None),
         }
     }
@@ -92,20 +99,71 @@ impl Worker {
         self.in_flight.load(Ordering::Relaxed)
     }
 
-    /// Books one request on the worker until the guard drops.
-    pub fn book(self: &Arc<Self>) -> InFlight {
+    /// Books one request on the worker until the guard drops: its prefill tokens (until
+    /// [`InFlight::prefill_done`]) and its KV blocks.
+    pub fn book(self: &Arc<Self>, prefill_tokens: u64, blocks: u64) -> InFlight {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
-        InFlight(self.clone())
+        self.booked_prefill.fetch_add(prefill_tokens, Ordering::Relaxed);
+        self.booked_blocks.fetch_add(blocks, Ordering::Relaxed);
+        InFlight { worker: self.clone(), prefill: prefill_tokens, blocks, prefill_done: false }
     }
+
+    /// Prefill tokens booked and not started decoding.
+    pub fn booked_prefill(&self) -> u64 {
+        self.booked_prefill.load(Ordering::Relaxed)
+    }
+
+    /// KV blocks booked.
+    pub fn booked_blocks(&self) -> u64 {
+        self.booked_blocks.load(Ordering::Relaxed)
+    }
+
+    /// Records what the worker's `/metrics` say (one entry per DP rank).
+    pub fn set_reported(&self, ranks: Vec<ReportedLoad>) {
+        *self.reported.write() = ranks;
+    }
+
+    /// The worker's reported load per DP rank (empty until polled).
+    pub fn reported(&self) -> Vec<ReportedLoad> {
+        self.reported.read().clone()
+    }
+}
+
+/// A DP rank's load as the worker reports it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ReportedLoad {
+    /// `vllm:kv_cache_usage_perc`.
+    pub kv_usage: f64,
+    /// `vllm:num_requests_waiting`.
+    pub waiting: u64,
+    /// `num_gpu_blocks` from `vllm:cache_config_info`.
+    pub total_blocks: u64,
 }
 
 /// An in-flight booking on a worker, released on drop (completion, error, cancel or panic).
 #[derive(Debug)]
-pub struct InFlight(Arc<Worker>);
+pub struct InFlight {
+    worker: Arc<Worker>,
+    prefill: u64,
+    blocks: u64,
+    prefill_done: bool,
+}
+
+impl InFlight {
+    /// The request's first token arrived: its prefill load is gone.
+    pub fn prefill_done(&mut self) {
+        if !self.prefill_done {
+            self.prefill_done = true;
+            self.worker.booked_prefill.fetch_sub(self.prefill, Ordering::Relaxed);
+        }
+    }
+}
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.prefill_done();
+        self.worker.booked_blocks.fetch_sub(self.blocks, Ordering::Relaxed);
+        self.worker.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -206,12 +264,15 @@ mod tests {
     #[test]
     fn bookings_release_on_drop() {
         let w = Arc::new(Worker::new(UpstreamUrl::parse("http://127.0.0.1:1").unwrap()));
-        let a = w.book();
-        let b = w.book();
-        assert_eq!(w.in_flight(), 2);
+        let mut a = w.book(100, 7);
+        let b = w.book(50, 3);
+        assert_eq!((w.in_flight(), w.booked_prefill(), w.booked_blocks()), (2, 150, 10));
+        a.prefill_done();
+        a.prefill_done();
+        assert_eq!(w.booked_prefill(), 50);
         drop(a);
         drop(b);
-        assert_eq!(w.in_flight(), 0);
+        assert_eq!((w.in_flight(), w.booked_prefill(), w.booked_blocks()), (0, 0, 0));
     }
 
     #[test]

@@ -18,6 +18,8 @@ pub struct Gateway {
     config_path: Option<PathBuf>,
     draining: AtomicBool,
     in_flight: AtomicUsize,
+    /// Busy thresholds per model, settable at run time (`/busy_threshold`).
+    thresholds: parking_lot::RwLock<std::collections::HashMap<String, kvgate_filters::shed::Thresholds>>,
     /// Metrics.
     pub metrics: Metrics,
     /// KV ingestion metrics (same registry).
@@ -34,7 +36,9 @@ impl Gateway {
         let fleet = registry.build(&cfg)?;
         let metrics = Metrics::new();
         let kv_metrics = kvgate_kv::metrics::KvMetrics::new(metrics.registry());
+        let thresholds = cfg.models.iter().map(|m| (m.name.clone(), m.shedding.thresholds)).collect();
         Ok(Arc::new(Self {
+            thresholds: parking_lot::RwLock::new(thresholds),
             config: ArcSwap::from_pointee(cfg),
             fleet: ArcSwap::from_pointee(fleet),
             registry,
@@ -78,6 +82,18 @@ impl Gateway {
                 let _ = self.metrics.worker_in_flight.remove_label_values(&[model, url]);
             }
         }
+        {
+            // Runtime-set thresholds survive a reload unless the file changed that model's.
+            let mut th = self.thresholds.write();
+            let mut next = std::collections::HashMap::new();
+            for m in &cfg.models {
+                let from_file = m.shedding.thresholds;
+                let before = old.model(&m.name).map(|o| o.shedding.thresholds);
+                let keep = th.get(&m.name).copied().filter(|_| before == Some(from_file));
+                next.insert(m.name.clone(), keep.unwrap_or(from_file));
+            }
+            *th = next;
+        }
         self.fleet.store(Arc::new(fleet));
         self.config.store(Arc::new(cfg));
         Ok(())
@@ -107,6 +123,29 @@ impl Gateway {
                 self.metrics.reloads.with_label_values(&["rejected"]).inc();
                 Err(e)
             }
+        }
+    }
+
+    /// A model's busy thresholds now.
+    pub fn thresholds(&self, model: &str) -> kvgate_filters::shed::Thresholds {
+        self.thresholds.read().get(model).copied().unwrap_or_default()
+    }
+
+    /// Every model's thresholds, in config order.
+    pub fn all_thresholds(&self) -> Vec<(String, kvgate_filters::shed::Thresholds)> {
+        let th = self.thresholds.read();
+        self.fleet().order.iter().map(|m| (m.clone(), th.get(m).copied().unwrap_or_default())).collect()
+    }
+
+    /// Replaces a model's thresholds; false if the model is unknown.
+    pub fn set_thresholds(&self, model: &str, t: kvgate_filters::shed::Thresholds) -> bool {
+        let mut th = self.thresholds.write();
+        match th.get_mut(model) {
+            Some(slot) => {
+                *slot = t;
+                true
+            }
+            None => false,
         }
     }
 

@@ -13,6 +13,7 @@ pub mod gateway;
 pub mod health;
 pub mod http;
 pub mod kv_routing;
+pub mod load;
 pub mod metrics;
 pub mod reload;
 pub mod server;

@@ -43,6 +43,12 @@ pub struct Metrics {
     pub active_prefill: IntGaugeVec,
     /// `kvgate_worker_active_blocks{model,worker}`.
     pub active_blocks: IntGaugeVec,
+    /// `kvgate_frontend_model_rejection_total{model,endpoint}`: 503s because every worker was busy.
+    pub rejections: IntCounterVec,
+    /// `kvgate_tasks_issued_total{model}`: requests sent to a worker.
+    pub issued: IntCounterVec,
+    /// `kvgate_worker_busy{model,worker}` (1/0), as of the last request.
+    pub worker_busy: IntGaugeVec,
 }
 
 impl Metrics {
@@ -103,6 +109,13 @@ impl Metrics {
             },
             active_prefill: gauge("kvgate_worker_active_prefill_tokens", "Prefill tokens booked on the worker (kv routing).", &["model", "worker"]),
             active_blocks: gauge("kvgate_worker_active_blocks", "KV blocks booked on the worker (kv routing).", &["model", "worker"]),
+            rejections: counter(
+                "kvgate_frontend_model_rejection_total",
+                "Requests refused with 503 because every worker was busy (also counted in kvgate_tasks_rejected_total).",
+                &["model", "endpoint"],
+            ),
+            issued: counter("kvgate_tasks_issued_total", "Requests sent to a worker.", &["model"]),
+            worker_busy: gauge("kvgate_worker_busy", "1 if the worker was over a busy threshold at the last decision.", &["model", "worker"]),
             registry,
         }
     }

@@ -202,3 +202,80 @@ async fn bookings_return_to_zero_after_mixed_traffic() {
     );
     let _: Value = json!(null);
 }
+
+#[tokio::test]
+async fn shedding_skips_busy_workers_and_answers_the_seed_503_when_all_are() {
+    // Small KV caches: a 900-token prompt with 90 output tokens fills one worker to ~98%.
+    let small = SimConfig { time_scale: 0.2, num_gpu_blocks: 64, max_model_len: 1000, ..test_sim_config() };
+    let opts = GatewayOpts {
+        extra: "load:\n  interval_ms: 30".into(),
+        model_extra: "shedding:\n  active_decode_blocks_threshold: 0.85".into(),
+        ..Default::default()
+    };
+    let c = Cluster::sims(2, small, opts).await;
+    let fill = |i: usize| {
+        let (http, url) = (c.http.clone(), format!("{}/v1/completions", c.sims[i].url()));
+        let p: Vec<u32> = (0..900u32).map(|t| (t * 37 + i as u32) % 4000 + 10).collect();
+        tokio::spawn(async move { http.post(url).json(&json!({"prompt": p, "max_tokens": 90, "ignore_eos": true})).send().await.map(|r| r.status()) })
+    };
+    let usage = |i: usize| {
+        let c = &c;
+        async move { c.sim_metrics(i).await.sum("vllm:kv_cache_usage_perc", &[]) }
+    };
+    // Worker 0 is filled directly, so the gateway's own estimate for it stays zero.
+    let filler0 = fill(0);
+    assert!(wait_until(Duration::from_secs(5), || async { usage(0).await > 0.9 }).await.is_some(), "worker 0 filled");
+    tokio::time::sleep(Duration::from_millis(100)).await; // a load poll or two
+    let before: Vec<f64> = vec![
+        c.sim_metrics(0).await.sum("vllm:request_success_total", &[]),
+        c.sim_metrics(1).await.sum("vllm:request_success_total", &[]),
+    ];
+    for _ in 0..6 {
+        let r = c.http.post(c.url("/v1/completions")).json(&json!({"prompt": "x", "max_tokens": 1})).send().await.unwrap();
+        assert_eq!(r.status(), 200, "the worker under the threshold still takes traffic");
+    }
+    let got0 = c.sim_metrics(0).await.sum("vllm:request_success_total", &[]) - before[0];
+    let got1 = c.sim_metrics(1).await.sum("vllm:request_success_total", &[]) - before[1];
+    assert_eq!((got0, got1), (0.0, 6.0), "the worker reporting ~98% KV usage got nothing");
+
+    // Both busy: the seed's exact 503.
+    let filler1 = fill(1);
+    assert!(wait_until(Duration::from_secs(5), || async { usage(1).await > 0.9 }).await.is_some(), "worker 1 filled");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let r = c.http.post(c.url("/v1/completions")).json(&json!({"prompt": "x", "max_tokens": 1})).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(
+        r.text().await.unwrap(),
+        r#"{"message":"Service temporarily unavailable: All workers are busy, please retry later","type":"service_unavailable","code":503}"#
+    );
+    let m = c.gateway_metrics().await;
+    assert_eq!(m.sum("kvgate_frontend_model_rejection_total", &[("model", "sim-model")]), 1.0);
+
+    // /busy_threshold: GET lists, POST sets (and reads back), the new threshold applies at once.
+    let v: Value = c.http.get(c.admin("/busy_threshold")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["thresholds"][0]["model"], "sim-model");
+    assert_eq!(v["thresholds"][0]["active_decode_blocks_threshold"], 0.85);
+    assert!(v["thresholds"][0]["active_prefill_tokens_threshold"].is_null());
+    let set: Value = c
+        .http
+        .post(c.admin("/busy_threshold"))
+        .json(&json!({"model": "sim-model", "active_decode_blocks_threshold": 0.995, "active_prefill_tokens_threshold": 100000}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(set, json!({"model": "sim-model", "active_decode_blocks_threshold": 0.995, "active_prefill_tokens_threshold": 100000, "active_prefill_tokens_threshold_frac": null}));
+    let read: Value = c.http.post(c.admin("/busy_threshold")).json(&json!({"model": "sim-model"})).send().await.unwrap().json().await.unwrap();
+    assert_eq!(read, set, "only `model` reads the current values");
+    let v: Value = c.http.get(c.admin("/busy_threshold")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["thresholds"][0]["active_decode_blocks_threshold"], 0.995);
+    let r = c.http.post(c.url("/v1/completions")).json(&json!({"prompt": "x", "max_tokens": 1})).send().await.unwrap();
+    assert_eq!(r.status(), 200, "under the raised threshold the workers take traffic again");
+    let bad = c.http.post(c.admin("/busy_threshold")).json(&json!({"model": "sim-model", "active_decode_blocks_threshold": 7})).send().await.unwrap();
+    assert_eq!(bad.status(), 400);
+    let unknown = c.http.post(c.admin("/busy_threshold")).json(&json!({"model": "nope"})).send().await.unwrap();
+    assert_eq!(unknown.status(), 404);
+    let _ = (filler0.await, filler1.await);
+}

@@ -21,11 +21,13 @@ pub struct GatewayOpts {
     pub health_interval_ms: u64,
     /// Extra YAML inside the model's `routing:` section (e.g. `temperature: 0.5`).
     pub routing_extra: String,
+    /// Extra YAML at the model level (e.g. a `shedding:` section).
+    pub model_extra: String,
 }
 
 impl Default for GatewayOpts {
     fn default() -> Self {
-        Self { model: "sim-model".into(), mode: "round_robin".into(), extra: String::new(), health_interval_ms: 100, routing_extra: String::new() }
+        Self { model: "sim-model".into(), mode: "round_robin".into(), extra: String::new(), health_interval_ms: 100, routing_extra: String::new(), model_extra: String::new() }
     }
 }
 
@@ -59,7 +61,8 @@ pub fn gateway_yaml_workers(workers_in: &[WorkerEntry], o: &GatewayOpts) -> Stri
         }
     }
     format!(
-        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nthreads: 2\n{extra}\nhealth:\n  interval_ms: {hi}\n  timeout_ms: 500\n  unhealthy_threshold: 1\n  healthy_threshold: 1\nshutdown:\n  drain_timeout_s: 30\nmodels:\n  - name: {model}\n    routing:\n      mode: {mode}\n{routing_extra}    workers:\n{workers}",
+        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nthreads: 2\n{extra}\nhealth:\n  interval_ms: {hi}\n  timeout_ms: 500\n  unhealthy_threshold: 1\n  healthy_threshold: 1\nshutdown:\n  drain_timeout_s: 30\nmodels:\n  - name: {model}\n    routing:\n      mode: {mode}\n{routing_extra}{model_extra}    workers:\n{workers}",
+        model_extra = o.model_extra.lines().map(|l| format!("    {l}\n")).collect::<String>(),
         routing_extra = o.routing_extra.lines().map(|l| format!("      {l}\n")).collect::<String>(),
         extra = o.extra,
         hi = o.health_interval_ms,

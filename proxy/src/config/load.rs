@@ -13,7 +13,7 @@ use std::path::Path;
 
 /// Top-level keys an environment variable may override.
 const TOP_LEVEL_KEYS: &[&str] =
-    &["listen", "admin_listen", "threads", "max_body_bytes", "timeouts", "retries", "health", "shutdown", "models"];
+    &["listen", "admin_listen", "threads", "max_body_bytes", "timeouts", "retries", "health", "shutdown", "load", "models"];
 
 /// A configuration that cannot be used, with where the problem is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -154,6 +154,9 @@ fn validate(cfg: &Config) -> Result<(), Invalid> {
     if h.interval_ms == 0 || h.timeout_ms == 0 || h.unhealthy_threshold == 0 || h.healthy_threshold == 0 {
         return Err(("health: interval_ms, timeout_ms and both thresholds must be at least 1".into(), at("health".into(), 1)));
     }
+    if cfg.load.interval_ms == 0 || cfg.load.timeout_ms == 0 {
+        return Err(("load.interval_ms and load.timeout_ms must be at least 1".into(), at("load".into(), 1)));
+    }
     if !h.path.starts_with('/') {
         return Err((format!("health.path must start with '/', got {:?}", h.path), at("path".into(), 1)));
     }
@@ -168,6 +171,7 @@ fn validate(cfg: &Config) -> Result<(), Invalid> {
         if !(1..=1024).contains(&m.block_size) {
             return Err((format!("model {:?}: block_size must be within 1..=1024", m.name), at("block_size".into(), 1)));
         }
+        m.shedding.thresholds.validate().map_err(|e| (format!("model {:?}: shedding: {e}", m.name), at("shedding".into(), 1)))?;
         let r = &m.routing;
         let non_negative = |v: f64| v.is_finite() && v >= 0.0;
         if !non_negative(r.overlap_score_weight) || !non_negative(r.temperature) {

@@ -42,6 +42,9 @@ pub struct Config {
     /// Graceful shutdown.
     #[serde(default)]
     pub shutdown: Shutdown,
+    /// Polling of the workers' own load (`/metrics`).
+    #[serde(default)]
+    pub load: LoadPolling,
     /// Served models and their workers.
     pub models: Vec<ModelConfig>,
 }
@@ -120,6 +123,35 @@ impl Default for Shutdown {
     }
 }
 
+/// How often the workers' `/metrics` are read (KV usage, waiting requests, KV capacity).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoadPolling {
+    /// Poll period.
+    pub interval_ms: u64,
+    /// Per-poll timeout.
+    pub timeout_ms: u64,
+}
+
+impl Default for LoadPolling {
+    fn default() -> Self {
+        Self { interval_ms: 500, timeout_ms: 500 }
+    }
+}
+
+/// Load shedding of a model (seed 000): thresholds, and the workers' prefill budget for the
+/// fractional threshold.
+#[derive(Debug, Clone, PartialEq, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct Shedding {
+    /// Busy thresholds (any crossed → busy; all workers busy → 503).
+    #[serde(flatten)]
+    pub thresholds: kvgate_filters::shed::Thresholds,
+    /// The workers' `--max-num-batched-tokens`, for `active_prefill_tokens_threshold_frac`
+    /// (vLLM does not publish it).
+    pub max_num_batched_tokens: Option<u64>,
+}
+
 /// One served model.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -135,6 +167,9 @@ pub struct ModelConfig {
     /// How a worker is chosen.
     #[serde(default)]
     pub routing: Routing,
+    /// When workers are too busy for new requests.
+    #[serde(default)]
+    pub shedding: Shedding,
     /// The vLLM servers serving it.
     pub workers: Vec<WorkerConfig>,
 }

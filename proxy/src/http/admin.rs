@@ -1,5 +1,7 @@
 //! The admin listener: `/metrics`, `/health`, `GET /workers` (each worker's health and load),
-//! `POST /reload` (re-read the config file; a bad file is refused and the old config stays).
+//! `POST /reload` (re-read the config file; a bad file is refused and the old config stays),
+//! `GET /busy_threshold` and `POST /busy_threshold` (seed 000's shapes: read or set a model's
+//! busy thresholds at run time).
 
 use super::errors::ClientError;
 use super::io::{respond_error, respond_json};
@@ -16,7 +18,9 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut Session, method: &str, path:
         ("GET", "/health") => local::health(gw, session).await,
         ("GET", "/workers") => workers(gw, session).await,
         ("POST", "/reload") => reload(gw, session).await,
-        (_, "/metrics" | "/health" | "/workers" | "/reload") => {
+        ("GET", "/busy_threshold") => list_thresholds(gw, session).await,
+        ("POST", "/busy_threshold") => set_threshold(gw, session).await,
+        (_, "/metrics" | "/health" | "/workers" | "/reload" | "/busy_threshold") => {
             respond_error(session, &ClientError::method_not_allowed(method, path), &[]).await
         }
         _ => respond_error(session, &ClientError::not_found(path), &[]).await,
@@ -51,4 +55,75 @@ async fn reload(gw: &Arc<Gateway>, session: &mut Session) {
             respond_error(session, &ce, &[]).await
         }
     }
+}
+
+fn threshold_json(model: &str, t: &kvgate_filters::shed::Thresholds) -> serde_json::Value {
+    json!({"model": model, "active_decode_blocks_threshold": t.active_decode_blocks_threshold,
+           "active_prefill_tokens_threshold": t.active_prefill_tokens_threshold,
+           "active_prefill_tokens_threshold_frac": t.active_prefill_tokens_threshold_frac})
+}
+
+async fn list_thresholds(gw: &Arc<Gateway>, session: &mut Session) {
+    let list: Vec<_> = gw.all_thresholds().iter().map(|(m, t)| threshold_json(m, t)).collect();
+    respond_json(session, 200, &json!({"thresholds": list})).await;
+}
+
+/// `{"model": …, <threshold>: value | null, …}`: a field that is present sets (null clears)
+/// that threshold; absent fields stay; only `model` reads the current values.
+async fn set_threshold(gw: &Arc<Gateway>, session: &mut Session) {
+    let body = match super::io::read_body(session, 64 * 1024, std::time::Duration::from_secs(10)).await {
+        Ok(b) => b,
+        Err(e) => {
+            if let Some(ce) = e.client_error() {
+                respond_error(session, &ce, &[]).await;
+            }
+            return;
+        }
+    };
+    let v: serde_json::Value = match serde_json::from_slice(&body) {
+        Ok(v @ serde_json::Value::Object(_)) => v,
+        _ => return respond_error(session, &ClientError::bad_request("body must be a JSON object with a \"model\"", None), &[]).await,
+    };
+    let Some(model) = v.get("model").and_then(|m| m.as_str()).map(str::to_owned) else {
+        return respond_error(session, &ClientError::bad_request("\"model\" is required", Some("model")), &[]).await;
+    };
+    let known: Vec<String> = gw.fleet().order.clone();
+    if !known.contains(&model) {
+        return respond_error(session, &ClientError::unknown_model(&model, &known), &[]).await;
+    }
+    let mut t = gw.thresholds(&model);
+    let obj = v.as_object().expect("checked");
+    for (k, val) in obj {
+        let bad = |m: &str| ClientError::bad_request(format!("{k}: {m}"), None);
+        match k.as_str() {
+            "model" => {}
+            "active_decode_blocks_threshold" => match val {
+                serde_json::Value::Null => t.active_decode_blocks_threshold = None,
+                v => match v.as_f64() {
+                    Some(x) => t.active_decode_blocks_threshold = Some(x),
+                    None => return respond_error(session, &bad("must be a number or null"), &[]).await,
+                },
+            },
+            "active_prefill_tokens_threshold" => match val {
+                serde_json::Value::Null => t.active_prefill_tokens_threshold = None,
+                v => match v.as_u64() {
+                    Some(x) => t.active_prefill_tokens_threshold = Some(x),
+                    None => return respond_error(session, &bad("must be a non-negative integer or null"), &[]).await,
+                },
+            },
+            "active_prefill_tokens_threshold_frac" => match val {
+                serde_json::Value::Null => t.active_prefill_tokens_threshold_frac = None,
+                v => match v.as_f64() {
+                    Some(x) => t.active_prefill_tokens_threshold_frac = Some(x),
+                    None => return respond_error(session, &bad("must be a number or null"), &[]).await,
+                },
+            },
+            other => return respond_error(session, &ClientError::bad_request(format!("unknown field {other:?}"), None), &[]).await,
+        }
+    }
+    if let Err(m) = t.validate() {
+        return respond_error(session, &ClientError::bad_request(m, None), &[]).await;
+    }
+    gw.set_thresholds(&model, t);
+    respond_json(session, 200, &threshold_json(&model, &t)).await;
 }

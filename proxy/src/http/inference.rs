@@ -214,10 +214,33 @@ async fn proxy(
     let mut tried: Vec<usize> = Vec::new();
     let mut last_error = String::from("no healthy worker");
     let attempts = cfg.retries.max_attempts as usize;
+    // What this request adds to a worker: its uncached prompt (kv mode) or an estimate from the
+    // body (4 bytes per token) for shedding in the other modes.
+    let est_tokens = kv.as_ref().map_or(body.len() as u64 / 4, |k| k.1 as u64);
+    let est_blocks = est_tokens / u64::from(model.cfg.block_size.max(1));
+    let thresholds = gw.thresholds(name);
     for n in 0..attempts {
-        let eligible: Vec<usize> = (0..model.workers.len()).filter(|i| model.workers[*i].is_healthy() && !tried.contains(i)).collect();
+        let mut eligible: Vec<usize> = (0..model.workers.len()).filter(|i| model.workers[*i].is_healthy() && !tried.contains(i)).collect();
         if eligible.is_empty() {
             break;
+        }
+        if thresholds.enabled() {
+            let free: Vec<usize> = eligible.iter().copied().filter(|&i| !busy(gw, model, i, &thresholds, kv.as_ref().map(|k| &k.0))).collect();
+            if free.is_empty() && tried.is_empty() {
+                gw.metrics.rejections.with_label_values(&[name, endpoint.label()]).inc();
+                super::io::respond(
+                    session,
+                    503,
+                    "application/json",
+                    Bytes::from_static(kvgate_filters::shed::REJECTION_BODY.as_bytes()),
+                    &[("x-request-id", rid.clone()), ("retry-after", "1".into())],
+                )
+                .await;
+                return Outcome::Refused(503);
+            }
+            if !free.is_empty() {
+                eligible = free;
+            }
         }
         let t_decide = Instant::now();
         let candidates: Vec<Candidate> = eligible
@@ -246,12 +269,15 @@ async fn proxy(
             gw.metrics.retries.with_label_values(&[name]).inc();
         }
         let worker = model.workers[idx].clone();
-        let _booking = worker.book();
+        gw.metrics.issued.with_label_values(&[name]).inc();
         let wurl = worker.url.to_string();
         gw.metrics.decisions.with_label_values(&[name, wurl.as_str()]).inc();
         // The load this request puts on the chosen worker, until it ends (guard).
+        let chosen = &candidates[eligible.iter().position(|&e| e == idx).unwrap_or(0)];
+        let cached_tokens = (u64::from(chosen.overlap_blocks) * u64::from(model.cfg.block_size)).min(est_tokens);
+        let worker_booking = worker.book(est_tokens - cached_tokens, est_blocks);
         let mut kv_booking = kv.as_ref().map(|(k, n_tokens, chain, cached, _, hash_time)| {
-            let c = &candidates[eligible.iter().position(|&e| e == idx).unwrap_or(0)];
+            let c = chosen;
             gw.metrics.overlap.with_label_values(&[name]).observe(f64::from(c.overlap_blocks));
             gw.metrics.decision_time.with_label_values(&[name]).observe((t_decide.elapsed() + *hash_time).as_secs_f64());
             let _ = cached;
@@ -301,7 +327,8 @@ async fn proxy(
                 };
                 match first {
                     Ok(first) => {
-                        return stream_response(gw, session, up, first, kv_booking.take(), ctx, name, endpoint, stream, start).await;
+                        let bookings = Bookings { worker: worker_booking, kv: kv_booking.take() };
+                        return stream_response(gw, session, up, first, bookings, ctx, name, endpoint, stream, start).await;
                     }
                     Err(e) => {
                         gw.metrics.upstream_errors.with_label_values(&[name, wurl.as_str(), "before_first_byte"]).inc();
@@ -323,7 +350,7 @@ async fn stream_response(
     session: &mut Session,
     mut up: Box<super::upstream::Upstream>,
     first: Option<bytes::Bytes>,
-    mut booking: Option<kvgate_filters::route::Booking>,
+    mut booking: Bookings,
     ctx: &Arc<RequestContext>,
     name: &str,
     endpoint: Endpoint,
@@ -358,9 +385,7 @@ async fn stream_response(
         match chunk {
             Ok(Some(bytes)) => {
                 // The first token ends the request's prefill on the worker.
-                if let Some(b) = booking.as_mut() {
-                    b.prefill_done();
-                }
+                booking.prefill_done();
                 let now = Instant::now();
                 if stream && status == 200 {
                     match last {
@@ -397,4 +422,54 @@ async fn stream_response(
     }
     release(gw, up).await;
     Outcome::Served(status)
+}
+
+/// What a request holds on its worker until it ends.
+struct Bookings {
+    worker: crate::fleet::InFlight,
+    kv: Option<kvgate_filters::route::Booking>,
+}
+
+impl Bookings {
+    fn prefill_done(&mut self) {
+        self.worker.prefill_done();
+        if let Some(k) = self.kv.as_mut() {
+            k.prefill_done();
+        }
+    }
+}
+
+/// Whether worker `i` is over a busy threshold. Per DP rank: the worker's reported KV usage and
+/// capacity, and the gateway's bookings spread evenly over the ranks (vLLM balances its ranks).
+fn busy(
+    gw: &Gateway,
+    model: &Model,
+    i: usize,
+    t: &kvgate_filters::shed::Thresholds,
+    kv: Option<&Arc<crate::kv_routing::KvRouting>>,
+) -> bool {
+    use kvgate_filters::shed::{RankLoad, worker_busy};
+    let w = &model.workers[i];
+    let (prefill, blocks) = match kv {
+        Some(k) => (k.active.prefill_tokens(i as u16), k.active.active_blocks(i as u16)),
+        None => (w.booked_prefill(), w.booked_blocks()),
+    };
+    let reported = w.reported();
+    let dp = model.cfg.workers.get(i).map_or(1, |c| c.dp_size.max(1)) as usize;
+    let ranks: Vec<RankLoad> = (0..dp)
+        .map(|r| {
+            let rep = reported.get(r).copied();
+            RankLoad {
+                booked_prefill_tokens: prefill / dp as u64,
+                booked_blocks: blocks / dp as u64,
+                total_blocks: rep.map_or(0, |x| x.total_blocks),
+                reported_kv_usage: rep.map(|x| x.kv_usage),
+                max_num_batched_tokens: model.cfg.shedding.max_num_batched_tokens.unwrap_or(0),
+            }
+        })
+        .collect();
+    let b = worker_busy(t, &ranks);
+    let url = w.url.to_string();
+    gw.metrics.worker_busy.with_label_values(&[model.cfg.name.as_str(), url.as_str()]).set(i64::from(b));
+    b
 }

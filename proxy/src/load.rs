@@ -1,0 +1,119 @@
+//! Polls every worker's `/metrics` (vLLM's Prometheus text) for the load the worker itself
+//! reports, per DP rank (`engine` label): `vllm:kv_cache_usage_perc`,
+//! `vllm:num_requests_waiting`, and the KV capacity from `vllm:cache_config_info`'s
+//! `num_gpu_blocks` label. Shedding combines them with the gateway's own bookings.
+
+use crate::fleet::ReportedLoad;
+use crate::gateway::Gateway;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Largest `/metrics` body read.
+const MAX_BODY: usize = 8 << 20;
+
+/// Runs until the task is dropped.
+pub async fn run(gw: Arc<Gateway>) {
+    loop {
+        let cfg = gw.config();
+        let every = Duration::from_millis(cfg.load.interval_ms);
+        let timeout = Duration::from_millis(cfg.load.timeout_ms);
+        let fleet = gw.fleet();
+        let polls: Vec<_> = fleet
+            .all_workers()
+            .into_iter()
+            .map(|(_, w)| {
+                tokio::spawn(async move {
+                    let Ok(addr) = w.addr().await else { return };
+                    if let Ok(Some(text)) = tokio::time::timeout(timeout, fetch(addr, &w.host_header)).await {
+                        w.set_reported(parse(&text));
+                    }
+                })
+            })
+            .collect();
+        for p in polls {
+            let _ = p.await;
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
+async fn fetch(addr: std::net::SocketAddr, host: &str) -> Option<String> {
+    let mut s = TcpStream::connect(addr).await.ok()?;
+    // HTTP/1.0: the body comes unchunked and ends when the connection closes.
+    s.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {host}\r\nUser-Agent: kvgate-load\r\n\r\n").as_bytes()).await.ok()?;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 16 * 1024];
+    loop {
+        let n = s.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if buf.len() > MAX_BODY {
+            return None;
+        }
+    }
+    let text = String::from_utf8_lossy(&buf);
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    head.starts_with("HTTP/1.1 200").then(|| body.to_string()).or_else(|| head.starts_with("HTTP/1.0 200").then(|| body.to_string()))
+}
+
+fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
+    let pat = format!("{key}=\"");
+    let start = labels.find(&pat)? + pat.len();
+    let end = labels[start..].find('"')? + start;
+    Some(&labels[start..end])
+}
+
+/// Extracts per-rank load from a Prometheus text exposition.
+pub fn parse(text: &str) -> Vec<ReportedLoad> {
+    let mut ranks: BTreeMap<usize, ReportedLoad> = BTreeMap::new();
+    for line in text.lines() {
+        if line.starts_with('#') {
+            continue;
+        }
+        let Some((head, value)) = line.rsplit_once(' ') else { continue };
+        let Ok(v) = value.trim().parse::<f64>() else { continue };
+        let (name, labels) = match head.find('{') {
+            Some(i) => (&head[..i], &head[i..]),
+            None => (head, ""),
+        };
+        let rank = label(labels, "engine").and_then(|e| e.parse::<usize>().ok()).unwrap_or(0);
+        match name {
+            "vllm:kv_cache_usage_perc" => ranks.entry(rank).or_default().kv_usage = v,
+            "vllm:num_requests_waiting" => ranks.entry(rank).or_default().waiting = v as u64,
+            "vllm:cache_config_info" => {
+                if let Some(n) = label(labels, "num_gpu_blocks").and_then(|n| n.parse::<u64>().ok()) {
+                    ranks.entry(rank).or_default().total_blocks = n;
+                }
+            }
+            _ => {}
+        }
+    }
+    ranks.into_values().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_vllm_metrics_per_engine() {
+        let text = r#"# HELP vllm:kv_cache_usage_perc KV-cache usage.
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.99
+vllm:num_requests_waiting{engine="1",model_name="m"} 3.0
+vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="4096"} 1.0
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="None"} 1.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 10.0
+"#;
+        let r = parse(text);
+        assert_eq!(r.len(), 2);
+        assert_eq!(r[0], ReportedLoad { kv_usage: 0.25, waiting: 0, total_blocks: 0 });
+        assert_eq!(r[1], ReportedLoad { kv_usage: 0.99, waiting: 3, total_blocks: 4096 });
+        assert!(parse("garbage\n{{{ 1\n").is_empty());
+    }
+}
