@@ -177,6 +177,24 @@ pub struct Model {
     pub policy: Box<dyn Policy>,
     /// KV routing state, when `routing.mode` is `kv`.
     pub kv: Option<Arc<crate::kv_routing::KvRouting>>,
+    /// The router queue, when `routing.queue_threshold` is set.
+    pub queue: Option<Arc<kvgate_filters::route::RouterQueue>>,
+}
+
+impl Model {
+    /// Whether worker `i` is past the queue threshold (its booked prefill over
+    /// `queue_threshold × max_num_batched_tokens`).
+    pub fn queue_busy(&self, i: usize) -> bool {
+        match (self.cfg.routing.queue_threshold, self.cfg.shedding.max_num_batched_tokens) {
+            (Some(q), Some(budget)) => self.workers[i].booked_prefill() as f64 > q * budget as f64,
+            _ => false,
+        }
+    }
+
+    /// Healthy workers not past the queue threshold.
+    pub fn queue_free_workers(&self) -> usize {
+        (0..self.workers.len()).filter(|&i| self.workers[i].is_healthy() && !self.queue_busy(i)).count()
+    }
 }
 
 /// Every served model.
@@ -239,7 +257,10 @@ impl WorkerRegistry {
                 })
                 .collect();
             order.push(m.name.clone());
-            models.insert(m.name.clone(), Arc::new(Model { cfg: m.clone(), workers, policy: m.routing.mode.policy(), kv }));
+            let queue = m.routing.queue_threshold.map(|_| {
+                Arc::new(kvgate_filters::route::RouterQueue::new(m.routing.queue_max_len, std::time::Duration::from_millis(m.routing.queue_max_wait_ms)))
+            });
+            models.insert(m.name.clone(), Arc::new(Model { cfg: m.clone(), workers, policy: m.routing.mode.policy(), kv, queue }));
         }
         *known = next;
         Ok(Fleet { models, order })

@@ -115,3 +115,21 @@ pub async fn supervise_kv(gw: Arc<Gateway>) {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+/// Releases queued requests as capacity frees: every few milliseconds, one per worker that is
+/// under the queue threshold (each released request books its prefill before the next tick).
+pub async fn release_queues(gw: Arc<Gateway>) {
+    loop {
+        let fleet = gw.fleet();
+        for m in fleet.models.values() {
+            let Some(q) = &m.queue else { continue };
+            for _ in 0..m.queue_free_workers() {
+                if !q.release() {
+                    break;
+                }
+            }
+        }
+        drop(fleet);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}

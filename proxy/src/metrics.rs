@@ -49,6 +49,12 @@ pub struct Metrics {
     pub issued: IntCounterVec,
     /// `kvgate_worker_busy{model,worker}` (1/0), as of the last request.
     pub worker_busy: IntGaugeVec,
+    /// `kvgate_queued_requests{model}`: requests held in the router queue.
+    pub queued: IntGaugeVec,
+    /// `kvgate_queue_wait_seconds{model}`.
+    pub queue_wait: HistogramVec,
+    /// `kvgate_tasks_rejected_total{model,reason}` (reason: busy | queue_full | queue_timeout).
+    pub rejected: IntCounterVec,
 }
 
 impl Metrics {
@@ -116,6 +122,17 @@ impl Metrics {
             ),
             issued: counter("kvgate_tasks_issued_total", "Requests sent to a worker.", &["model"]),
             worker_busy: gauge("kvgate_worker_busy", "1 if the worker was over a busy threshold at the last decision.", &["model", "worker"]),
+            queued: gauge("kvgate_queued_requests", "Requests held in the router queue.", &["model"]),
+            queue_wait: {
+                let h = HistogramVec::new(
+                    HistogramOpts::new("kvgate_queue_wait_seconds", "Time requests spent in the router queue.").buckets(LATENCY_BUCKETS.to_vec()),
+                    &["model"],
+                )
+                .expect("valid metric");
+                registry.register(Box::new(h.clone())).expect("unique metric");
+                h
+            },
+            rejected: counter("kvgate_tasks_rejected_total", "Requests refused by shedding or the router queue.", &["model", "reason"]),
             registry,
         }
     }

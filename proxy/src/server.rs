@@ -74,11 +74,13 @@ impl BackgroundService for Background {
         let reload = tokio::spawn(crate::reload::run(self.0.clone()));
         let kv = tokio::spawn(crate::health::supervise_kv(self.0.clone()));
         let load = tokio::spawn(crate::load::run(self.0.clone()));
+        let queues = tokio::spawn(crate::health::release_queues(self.0.clone()));
         let _ = shutdown.changed().await;
         health.abort();
         reload.abort();
         kv.abort();
         load.abort();
+        queues.abort();
     }
 }
 

@@ -279,3 +279,67 @@ async fn shedding_skips_busy_workers_and_answers_the_seed_503_when_all_are() {
     assert_eq!(unknown.status(), 404);
     let _ = (filler0.await, filler1.await);
 }
+
+#[tokio::test]
+async fn the_queue_holds_a_burst_serves_priority_first_and_refuses_when_full() {
+    // One worker whose prefill budget is "full" after one ~375-token request: queue from then on.
+    let slow = SimConfig { time_scale: 0.05, ..test_sim_config() };
+    let opts = GatewayOpts {
+        routing_extra: "queue_threshold: 1.0\nqueue_max_len: 4\nqueue_max_wait_ms: 20000".into(),
+        model_extra: "shedding:\n  max_num_batched_tokens: 200".into(),
+        ..Default::default()
+    };
+    let c = Cluster::sims(1, slow, opts).await;
+    let body = |hint: Option<f64>| {
+        let p: Vec<u32> = (0..300u32).map(|t| t * 13 % 3000 + 1000).collect();
+        match hint {
+            Some(h) => json!({"prompt": p, "max_tokens": 1, "nvext": {"agent_hints": {"latency_sensitivity": h}}}),
+            None => json!({"prompt": p, "max_tokens": 1}),
+        }
+    };
+    let send = |name: &'static str, b: Value, log: std::sync::Arc<parking_lot::Mutex<Vec<&'static str>>>| {
+        let (http, url) = (c.http.clone(), c.url("/v1/completions"));
+        tokio::spawn(async move {
+            let s = http.post(url).json(&b).send().await.unwrap().status().as_u16();
+            if s == 200 {
+                log.lock().push(name);
+            }
+            s
+        })
+    };
+    let log = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let first = send("first", body(None), log.clone());
+    let queued = || async { c.gateway_metrics().await.sum("kvgate_queued_requests", &[]) };
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let mut held = Vec::new();
+    for name in ["low1", "low2", "low3"] {
+        held.push(send(name, body(None), log.clone()));
+        tokio::time::sleep(Duration::from_millis(15)).await;
+    }
+    held.push(send("high", body(Some(10.0)), log.clone()));
+    let held_ok = wait_until(Duration::from_secs(2), || async { queued().await >= 4.0 }).await.is_some();
+    if !held_ok {
+        let m = c.gateway_metrics().await;
+        eprintln!("queued {} issued {} log {:?}", m.sum("kvgate_queued_requests", &[]), m.sum("kvgate_tasks_issued_total", &[]), log.lock());
+        let w: Value = c.http.get(c.admin("/workers")).send().await.unwrap().json().await.unwrap();
+        eprintln!("{w}");
+    }
+    assert!(held_ok, "the burst is held");
+    // The queue holds 4: a fifth is refused at once.
+    let r = c.http.post(c.url("/v1/completions")).json(&body(None)).send().await.unwrap();
+    assert_eq!(r.status(), 429);
+    let v: Value = r.json().await.unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("queue"), "{v}");
+    assert_eq!(first.await.unwrap(), 200);
+    for h in held {
+        assert_eq!(h.await.unwrap(), 200, "every held request is served");
+    }
+    let order = log.lock().clone();
+    assert_eq!(order[0], "first");
+    assert_eq!(order[1], "high", "higher latency_sensitivity overtakes earlier arrivals: {order:?}");
+    assert_eq!(&order[2..], ["low1", "low2", "low3"]);
+    let m = c.gateway_metrics().await;
+    assert!(m.sum("kvgate_queue_wait_seconds_count", &[]) >= 4.0);
+    assert_eq!(m.sum("kvgate_tasks_rejected_total", &[("reason", "queue_full")]), 1.0);
+    assert_eq!(m.sum("kvgate_queued_requests", &[]), 0.0);
+}

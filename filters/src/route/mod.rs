@@ -7,12 +7,14 @@
 mod active;
 mod kv;
 mod policy;
+mod queue;
 mod random;
 mod round_robin;
 
 pub use active::{ActiveSequences, Booking};
 pub use kv::{KvParams, KvPolicy};
 pub use policy::{Candidate, Decision, Policy, RequestSummary};
+pub use queue::{QueueError, RouterQueue};
 pub use random::Random;
 pub use round_robin::RoundRobin;
 

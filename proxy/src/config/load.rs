@@ -190,6 +190,14 @@ fn validate(cfg: &Config) -> Result<(), Invalid> {
                 at("kv_events".into(), 1),
             ));
         }
+        if let Some(q) = r.queue_threshold {
+            if !(q.is_finite() && q > 0.0) || r.queue_max_len == 0 || r.queue_max_wait_ms == 0 {
+                return Err((format!("model {:?}: routing.queue_threshold must be > 0 and queue_max_len, queue_max_wait_ms at least 1", m.name), at("queue_threshold".into(), 1)));
+            }
+            if m.shedding.max_num_batched_tokens.is_none() {
+                return Err((format!("model {:?}: routing.queue_threshold needs shedding.max_num_batched_tokens (the workers' prefill budget)", m.name), at("queue_threshold".into(), 1)));
+            }
+        }
         let slots: u32 = m.workers.iter().map(|w| w.dp_size).sum();
         if slots > 256 {
             return Err((format!("model {:?}: at most 256 worker DP ranks per model", m.name), at(m.name.clone(), 1)));

@@ -206,6 +206,14 @@ pub struct Routing {
     /// kv: hash at most this many leading blocks of a prompt (longer prompts route on their
     /// prefix; matching beyond it rarely changes the choice).
     pub max_prefix_blocks: usize,
+    /// Hold requests while every worker's booked prefill exceeds this fraction of its
+    /// `max_num_batched_tokens` (needs `shedding.max_num_batched_tokens`); unset = no queue.
+    #[serde(alias = "router_queue_threshold")]
+    pub queue_threshold: Option<f64>,
+    /// Most requests held; beyond it new ones get 429.
+    pub queue_max_len: usize,
+    /// Longest a request is held before it gets 503, ms.
+    pub queue_max_wait_ms: u64,
 }
 
 impl Default for Routing {
@@ -220,6 +228,9 @@ impl Default for Routing {
             max_tree_size: 1 << 20,
             prune_target_ratio: 0.8,
             max_prefix_blocks: 4096,
+            queue_threshold: None,
+            queue_max_len: 1024,
+            queue_max_wait_ms: 30_000,
         }
     }
 }

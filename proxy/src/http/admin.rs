@@ -38,7 +38,12 @@ async fn workers(gw: &Arc<Gateway>, session: &mut Session) {
                 .workers
                 .iter()
                 .enumerate()
-                .map(|(i, w)| json!({"id": i, "url": w.url.to_string(), "healthy": w.is_healthy(), "in_flight": w.in_flight()}))
+                .map(|(i, w)| {
+                    let reported: Vec<_> = w.reported().iter().map(|r| json!({"kv_usage": r.kv_usage, "waiting": r.waiting, "total_blocks": r.total_blocks})).collect();
+                    json!({"id": i, "url": w.url.to_string(), "healthy": w.is_healthy(), "in_flight": w.in_flight(),
+                           "booked_prefill_tokens": w.booked_prefill(), "booked_blocks": w.booked_blocks(),
+                           "queue_busy": m.queue_busy(i), "reported": reported})
+                })
                 .collect();
             json!({"model": name, "routing": m.policy.name(), "workers": workers})
         })

@@ -61,6 +61,29 @@ struct RequestView {
     model: Option<String>,
     #[serde(default)]
     stream: Option<bool>,
+    #[serde(default)]
+    nvext: Option<Nvext>,
+}
+
+#[derive(Deserialize, Default)]
+struct Nvext {
+    #[serde(default)]
+    agent_hints: Option<AgentHints>,
+}
+
+#[derive(Deserialize, Default)]
+struct AgentHints {
+    priority: Option<f64>,
+    latency_sensitivity: Option<f64>,
+}
+
+impl RequestView {
+    /// Router-queue priority jump (seconds of head start): `nvext.agent_hints.priority`, else
+    /// `latency_sensitivity`.
+    fn priority_jump(&self) -> f64 {
+        let hints = self.nvext.as_ref().and_then(|n| n.agent_hints.as_ref());
+        hints.and_then(|h| h.priority.or(h.latency_sensitivity)).unwrap_or(0.0).max(0.0)
+    }
 }
 
 /// How a request ended, for metrics and logs.
@@ -154,7 +177,10 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut Session, endpoint: Endpoint)
     let ctx = RequestContext::new(rid.clone());
     let in_flight = gw.metrics.in_flight.with_label_values(&[name.as_str()]);
     in_flight.inc();
-    let outcome = proxy(gw, session, &model, endpoint, &body, parsed.as_ref(), &ctx, stream, start).await;
+    let outcome = match wait_in_queue(gw, session, &model, endpoint, view.priority_jump(), &ctx, stream).await {
+        Some(refused) => refused,
+        None => proxy(gw, session, &model, endpoint, &body, parsed.as_ref(), &ctx, stream, start).await,
+    };
     in_flight.dec();
     let (status, label) = match &outcome {
         Outcome::Served(s) | Outcome::Refused(s) | Outcome::Truncated(s) => (*s, s.to_string()),
@@ -164,6 +190,59 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut Session, endpoint: Endpoint)
     gw.metrics.duration.with_label_values(&[name.as_str(), endpoint.label()]).observe(start.elapsed().as_secs_f64());
     tracing::debug!(request_id = %rid, model = %name, endpoint = endpoint.label(), status, stream, elapsed_ms = start.elapsed().as_millis() as u64, "request done");
     matches!(outcome, Outcome::Truncated(_))
+}
+
+/// Holds the request in the router queue while every worker is past the queue threshold.
+/// `Some(outcome)` when it was refused or the client left meanwhile.
+async fn wait_in_queue(
+    gw: &Arc<Gateway>,
+    session: &mut Session,
+    model: &Arc<Model>,
+    endpoint: Endpoint,
+    jump: f64,
+    ctx: &Arc<RequestContext>,
+    stream: bool,
+) -> Option<Outcome> {
+    let queue = model.queue.as_ref()?;
+    if !matches!(endpoint, Endpoint::Chat | Endpoint::Completions) || (model.queue_free_workers() > 0 && queue.is_empty()) {
+        return None;
+    }
+    let name = model.cfg.name.as_str();
+    let depth = gw.metrics.queued.with_label_values(&[name]);
+    depth.inc();
+    let r = tokio::select! {
+        r = queue.wait(jump) => Some(r),
+        _ = client_closed(session) => None,
+    };
+    depth.dec();
+    let rid = [("x-request-id", ctx.id().to_string())];
+    match r {
+        None => {
+            cancel(gw, ctx, name, endpoint, stream);
+            Some(Outcome::Cancelled)
+        }
+        Some(Ok(waited)) => {
+            gw.metrics.queue_wait.with_label_values(&[name]).observe(waited.as_secs_f64());
+            None
+        }
+        Some(Err(kvgate_filters::route::QueueError::Full)) => {
+            gw.metrics.rejected.with_label_values(&[name, "queue_full"]).inc();
+            let ce = ClientError { status: 429, kind: "rate_limit_exceeded", message: format!("The router queue of model `{name}` is full; retry later."), param: None };
+            respond_error(session, &ce, &rid).await;
+            Some(Outcome::Refused(429))
+        }
+        Some(Err(kvgate_filters::route::QueueError::TimedOut)) => {
+            gw.metrics.rejected.with_label_values(&[name, "queue_timeout"]).inc();
+            let ce = ClientError {
+                status: 503,
+                kind: "service_unavailable",
+                message: format!("Timed out waiting in the router queue of model `{name}`; retry later."),
+                param: None,
+            };
+            respond_error(session, &ce, &rid).await;
+            Some(Outcome::Refused(503))
+        }
+    }
 }
 
 /// Counts a cancellation once per request, however many signals arrive.
@@ -228,6 +307,7 @@ async fn proxy(
             let free: Vec<usize> = eligible.iter().copied().filter(|&i| !busy(gw, model, i, &thresholds, kv.as_ref().map(|k| &k.0))).collect();
             if free.is_empty() && tried.is_empty() {
                 gw.metrics.rejections.with_label_values(&[name, endpoint.label()]).inc();
+                gw.metrics.rejected.with_label_values(&[name, "busy"]).inc();
                 super::io::respond(
                     session,
                     503,
