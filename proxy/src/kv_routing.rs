@@ -109,15 +109,21 @@ impl KvRouting {
         }
     }
 
-    /// A worker's routing inputs: best overlap over its DP ranks, and its booked load.
-    pub fn candidate(&self, worker: usize, in_flight: u32, cached: &Matches, active: &Matches) -> Candidate {
-        let overlap = self.slots[worker].iter().map(|&s| cached.get(s)).max().unwrap_or(0);
+    /// Index slots in use (for [`Matches::to_dense`]).
+    pub fn slot_count(&self) -> usize {
+        self.slots.iter().map(Vec::len).sum()
+    }
+
+    /// A worker's routing inputs: best overlap over its DP ranks, and its booked load. `cached`
+    /// is per index slot, `active` per worker (dense arrays).
+    pub fn candidate(&self, worker: usize, in_flight: u32, cached: &[u32], active: &[u32]) -> Candidate {
+        let overlap = self.slots[worker].iter().map(|&s| cached.get(s as usize).copied().unwrap_or(0)).max().unwrap_or(0);
         let w = worker as WorkerId;
         Candidate {
             id: worker as u32,
             in_flight,
             overlap_blocks: overlap,
-            active_overlap_blocks: active.get(w),
+            active_overlap_blocks: active.get(worker).copied().unwrap_or(0),
             active_prefill_tokens: self.active.prefill_tokens(w),
             active_blocks: self.active.active_blocks(w),
             ..Default::default()

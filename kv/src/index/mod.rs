@@ -45,6 +45,17 @@ impl Matches {
     pub fn get(&self, w: WorkerId) -> u32 {
         self.scores.binary_search_by_key(&w, |&(k, _)| k).map(|i| self.scores[i].1).unwrap_or(0)
     }
+
+    /// Matched blocks of workers `0..n` as a dense array (one pass, for per-worker loops).
+    pub fn to_dense(&self, n: usize) -> Vec<u32> {
+        let mut v = vec![0; n];
+        for &(w, m) in &self.scores {
+            if let Some(slot) = v.get_mut(w as usize) {
+                *slot = m;
+            }
+        }
+        v
+    }
 }
 
 /// A prefix index over chained block hashes.

@@ -273,8 +273,8 @@ async fn proxy(
             let tokens = super::prompt::tokens(v, endpoint == Endpoint::Chat, kv.tokenizer.as_ref()).await.unwrap_or_default();
             let t0 = Instant::now();
             let chain = kv.chain(&tokens);
-            let cached = kv.cached(&chain);
-            let active = kv.active.overlap(&chain);
+            let cached = kv.cached(&chain).to_dense(kv.slot_count());
+            let active = kv.active.overlap(&chain).to_dense(model.workers.len());
             Some((kv.clone(), tokens.len(), chain, cached, active, t0.elapsed()))
         }
         _ => None,
