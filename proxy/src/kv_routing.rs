@@ -11,7 +11,7 @@ use kvgate_kv::approx::{ApproxConfig, ApproxIndex};
 use kvgate_kv::hash::{BlockHash, DEFAULT_SEED, Hasher};
 use kvgate_kv::index::{FlatIndex, KvIndex, Matches, WorkerId};
 use kvgate_kv::subscriber::{Source, rank_endpoint};
-use kvgate_tokenize::ModelTokenizer;
+use kvgate_tokenize::{ModelTokenizer, SegmentCache};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,8 +27,8 @@ pub enum Cache {
 pub struct KvRouting {
     /// Block hasher (the model's block size).
     pub hasher: Hasher,
-    /// The model's tokenizer, if configured.
-    pub tokenizer: Option<ModelTokenizer>,
+    /// The model's tokenizer with its segment cache, if configured.
+    pub tokenizer: Option<Arc<SegmentCache>>,
     /// Cached prefixes per worker slot.
     pub cache: Cache,
     /// Load booked per worker (indexed like the model's workers).
@@ -49,7 +49,14 @@ impl KvRouting {
         let r = &m.routing;
         let hasher = Hasher::new(m.block_size as usize, DEFAULT_SEED);
         let tokenizer = match &m.tokenizer {
-            Some(p) => Some(ModelTokenizer::load(p).map_err(|e| format!("model {:?}: {e}", m.name))?),
+            Some(p) => {
+                let tok = ModelTokenizer::load(p).map_err(|e| format!("model {:?}: {e}", m.name))?;
+                let cache = SegmentCache::new(tok, kvgate_tokenize::segmented::DEFAULT_CAPACITY);
+                if !cache.enabled(false) {
+                    tracing::warn!(model = %m.name, "this tokenizer cannot be tokenized by segments exactly; every prompt is tokenized in full");
+                }
+                Some(Arc::new(cache))
+            }
             None => None,
         };
         let mut slots = Vec::with_capacity(m.workers.len());
@@ -94,6 +101,11 @@ impl KvRouting {
             policy: KvPolicy::new(KvParams { overlap_score_weight: r.overlap_score_weight, temperature: r.temperature, block_size: m.block_size }),
             max_prefix_blocks: r.max_prefix_blocks,
         })
+    }
+
+    /// Most leading tokens routing uses.
+    pub fn max_tokens(&self) -> usize {
+        self.max_prefix_blocks * self.hasher.block_size()
     }
 
     /// The chained hashes routing looks up for `tokens`.

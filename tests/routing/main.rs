@@ -70,7 +70,15 @@ async fn run_workload(c: &Cluster, groups: u32, per_group: u32, concurrency: usi
 }
 
 async fn kv_cluster(routing_extra: &str) -> Cluster {
-    let c = Cluster::sims_with_events(4, sim(), GatewayOpts { mode: "kv".into(), routing_extra: routing_extra.into(), ..Default::default() }).await;
+    kv_cluster_opts(GatewayOpts { mode: "kv".into(), routing_extra: routing_extra.into(), ..Default::default() }).await
+}
+
+async fn kv_cluster_with(model_extra: &str) -> Cluster {
+    kv_cluster_opts(GatewayOpts { mode: "kv".into(), model_extra: model_extra.into(), ..Default::default() }).await
+}
+
+async fn kv_cluster_opts(opts: GatewayOpts) -> Cluster {
+    let c = Cluster::sims_with_events(4, sim(), opts).await;
     // Subscribers start in the background: wait until every worker's stream is live.
     let ready = wait_until(Duration::from_secs(10), || async {
         // A probe request per worker makes each publish; the gateway counts applied events.
@@ -342,4 +350,43 @@ async fn the_queue_holds_a_burst_serves_priority_first_and_refuses_when_full() {
     assert!(m.sum("kvgate_queue_wait_seconds_count", &[]) >= 4.0);
     assert_eq!(m.sum("kvgate_tasks_rejected_total", &[("reason", "queue_full")]), 1.0);
     assert_eq!(m.sum("kvgate_queued_requests", &[]), 0.0);
+}
+
+#[tokio::test]
+async fn chat_turns_follow_their_cached_history_with_the_gateways_tokenizer() {
+    // The gateway tokenizes chat like the workers (same tokenizer and template); its hashes must
+    // meet the blocks the workers report, so every turn returns to the worker holding the history.
+    let tok_dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../tokenize/assets/tokenizer");
+    let c = kv_cluster_with(&format!("tokenizer: {tok_dir}")).await;
+    let before: Vec<f64> = {
+        let mut v = Vec::new();
+        for i in 0..4 {
+            v.push(c.sim_metrics(i).await.sum("vllm:request_success_total", &[]));
+        }
+        v
+    };
+    let mut messages = vec![json!({"role": "system", "content": "You are a careful assistant. ".repeat(40)})];
+    for turn in 0..6 {
+        messages.push(json!({"role": "user", "content": format!("Question {turn}: how does the router pick a worker for this long conversation?")}));
+        let v: Value = c
+            .http
+            .post(c.url("/v1/chat/completions"))
+            .json(&json!({"messages": messages, "max_tokens": 20, "ignore_eos": true}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let reply = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+        messages.push(json!({"role": "assistant", "content": reply}));
+        tokio::time::sleep(Duration::from_millis(30)).await; // let the worker's events arrive
+    }
+    let mut per_worker = Vec::new();
+    for (i, b) in before.iter().enumerate() {
+        per_worker.push(c.sim_metrics(i).await.sum("vllm:request_success_total", &[]) - b);
+    }
+    assert!(per_worker.contains(&6.0), "all 6 turns on one worker: {per_worker:?}");
+    let m = c.gateway_metrics().await;
+    assert!(m.sum("kvgate_routing_overlap_blocks_sum", &[]) > 0.0, "later turns matched cached blocks");
 }

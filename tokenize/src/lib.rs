@@ -2,10 +2,13 @@
 //! ids) and the simulator (which must tokenize like a real server):
 //! - [`tokenizer`]: a HF `tokenizer.json` with special tokens and the chat template from
 //!   `tokenizer_config.json`, or the small tokenizer shipped in `assets/`;
-//! - [`chat_template`]: rendering OpenAI messages with the model's Jinja template.
+//! - [`chat_template`]: rendering OpenAI messages with the model's Jinja template;
+//! - [`segmented`]: a cache that tokenizes only what a request does not share with earlier ones.
 
 pub mod chat_template;
+pub mod segmented;
 pub mod tokenizer;
 
 pub use chat_template::{ChatInput, ChatTemplate, normalize_messages};
+pub use segmented::SegmentCache;
 pub use tokenizer::{ModelTokenizer, TokenizerError};

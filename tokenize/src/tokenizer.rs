@@ -178,6 +178,18 @@ impl ModelTokenizer {
         chat.render(input, self.inner.bos.as_deref(), self.inner.eos.as_deref())
     }
 
+    /// Added tokens the input may be split on before tokenizing (as HF does): those without
+    /// strip or single-word flags, which would move text across the boundary.
+    pub fn splittable_added_tokens(&self) -> Vec<(u32, String)> {
+        self.inner
+            .tok
+            .get_added_tokens_decoder()
+            .iter()
+            .filter(|(_, t)| !t.lstrip && !t.rstrip && !t.single_word && !t.content.is_empty())
+            .map(|(&id, t)| (id, t.content.clone()))
+            .collect()
+    }
+
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> u32 {
         self.inner.vocab_size

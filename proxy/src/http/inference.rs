@@ -270,7 +270,7 @@ async fn proxy(
     // KV routing inputs, once per request: tokens → chained hashes → cached / booked overlap.
     let kv = match (&model.kv, parsed) {
         (Some(kv), Some(v)) => {
-            let tokens = super::prompt::tokens(v, endpoint == Endpoint::Chat, kv.tokenizer.as_ref()).await.unwrap_or_default();
+            let tokens = super::prompt::tokens(v, endpoint == Endpoint::Chat, kv.tokenizer.as_ref(), kv.max_tokens()).await.unwrap_or_default();
             let t0 = Instant::now();
             let chain = kv.chain(&tokens);
             let cached = kv.cached(&chain).to_dense(kv.slot_count());

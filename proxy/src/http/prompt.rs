@@ -1,25 +1,31 @@
 //! The prompt's token ids, as the worker will see them, for KV routing:
 //! - `/v1/completions` with token ids (`[1, 2, …]` or a batch `[[…], …]`, as benchmark clients
 //!   send): used as is (the first prompt of a batch);
-//! - text, or chat messages rendered with the model's chat template: the model's HF tokenizer,
-//!   on the blocking pool (completions add special tokens by default, chat does not, as vLLM);
+//! - text, or chat messages rendered with the model's chat template: the model's HF tokenizer
+//!   through its segment cache (only segments not seen before are tokenized, and only up to the
+//!   tokens routing uses), on the blocking pool (completions add special tokens by default, chat
+//!   does not, as vLLM);
 //! - no tokenizer configured: a character-block fallback, every 4 bytes of text one pseudo-token.
 //!   It is approximate: requests sharing a text prefix still share leading blocks, but block
 //!   boundaries do not line up with the worker's, so the index (fed by real token ids) cannot
 //!   match them; use it with approximate mode (`kv_events: false`).
 
-use kvgate_tokenize::{ChatInput, ModelTokenizer, normalize_messages};
+use kvgate_tokenize::{ChatInput, SegmentCache, normalize_messages};
+use std::sync::Arc;
 use serde_json::Value;
 
 /// Extracts the routing tokens from a parsed request body; `None` when there is no prompt to
 /// route on (the worker will answer the error).
-pub async fn tokens(body: &Value, chat: bool, tokenizer: Option<&ModelTokenizer>) -> Option<Vec<u32>> {
+pub async fn tokens(body: &Value, chat: bool, tokenizer: Option<&Arc<SegmentCache>>, max_tokens: usize) -> Option<Vec<u32>> {
     if !chat {
         match body.get("prompt")? {
             Value::Array(items) if items.first().is_some_and(Value::is_number) => return ids(items),
             Value::Array(items) if items.first().is_some_and(Value::is_array) => return ids(items[0].as_array()?),
-            Value::Array(items) => return text_tokens(items.first()?.as_str()?.to_string(), true, tokenizer).await,
-            Value::String(s) => return text_tokens(s.clone(), body.get("add_special_tokens").and_then(Value::as_bool).unwrap_or(true), tokenizer).await,
+            Value::Array(items) => return text_tokens(items.first()?.as_str()?.to_string(), true, tokenizer, max_tokens).await,
+            Value::String(s) => {
+                let add = body.get("add_special_tokens").and_then(Value::as_bool).unwrap_or(true);
+                return text_tokens(s.clone(), add, tokenizer, max_tokens).await;
+            }
             _ => return None,
         }
     }
@@ -37,8 +43,8 @@ pub async fn tokens(body: &Value, chat: bool, tokenizer: Option<&ModelTokenizer>
                     tools: body.get("tools"),
                     kwargs: body.get("chat_template_kwargs").and_then(Value::as_object),
                 };
-                let text = tok.render_chat(&input).ok()?;
-                tok.encode(&text, body.get("add_special_tokens").and_then(Value::as_bool).unwrap_or(false)).ok()
+                let text = tok.tokenizer().render_chat(&input).ok()?;
+                tok.encode(&text, body.get("add_special_tokens").and_then(Value::as_bool).unwrap_or(false), Some(max_tokens)).ok()
             })
             .await
             .ok()?
@@ -64,11 +70,11 @@ fn ids(items: &[Value]) -> Option<Vec<u32>> {
     items.iter().map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok())).collect()
 }
 
-async fn text_tokens(text: String, add_special: bool, tokenizer: Option<&ModelTokenizer>) -> Option<Vec<u32>> {
+async fn text_tokens(text: String, add_special: bool, tokenizer: Option<&Arc<SegmentCache>>, max_tokens: usize) -> Option<Vec<u32>> {
     match tokenizer {
         Some(tok) => {
             let tok = tok.clone();
-            tokio::task::spawn_blocking(move || tok.encode(&text, add_special).ok()).await.ok()?
+            tokio::task::spawn_blocking(move || tok.encode(&text, add_special, Some(max_tokens)).ok()).await.ok()?
         }
         None => Some(char_blocks(&text)),
     }
@@ -91,21 +97,24 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    use kvgate_tokenize::ModelTokenizer;
+
     #[tokio::test]
     async fn token_ids_are_used_as_is() {
-        assert_eq!(tokens(&json!({"prompt": [5, 6, 7]}), false, None).await, Some(vec![5, 6, 7]));
-        assert_eq!(tokens(&json!({"prompt": [[1, 2], [3]]}), false, None).await, Some(vec![1, 2]));
-        assert_eq!(tokens(&json!({"prompt": [-1]}), false, None).await, None);
+        assert_eq!(tokens(&json!({"prompt": [5, 6, 7]}), false, None, 100).await, Some(vec![5, 6, 7]));
+        assert_eq!(tokens(&json!({"prompt": [[1, 2], [3]]}), false, None, 100).await, Some(vec![1, 2]));
+        assert_eq!(tokens(&json!({"prompt": [-1]}), false, None, 100).await, None);
     }
 
     #[tokio::test]
     async fn text_uses_the_tokenizer_or_the_fallback() {
         let tok = ModelTokenizer::builtin();
-        let with = tokens(&json!({"prompt": "the cache router"}), false, Some(&tok)).await.unwrap();
+        let cache = Arc::new(SegmentCache::new(tok.clone(), 64));
+        let with = tokens(&json!({"prompt": "the cache router"}), false, Some(&cache), 10_000).await.unwrap();
         assert_eq!(with, tok.encode("the cache router", true).unwrap());
-        let fallback = tokens(&json!({"prompt": "abcdefgh"}), false, None).await.unwrap();
+        let fallback = tokens(&json!({"prompt": "abcdefgh"}), false, None, 10_000).await.unwrap();
         assert_eq!(fallback.len(), 2);
-        let chat = tokens(&json!({"messages": [{"role": "user", "content": "hi"}]}), true, Some(&tok)).await.unwrap();
+        let chat = tokens(&json!({"messages": [{"role": "user", "content": "hi"}]}), true, Some(&cache), 10_000).await.unwrap();
         let text = tok.render_chat(&ChatInput { messages: &[json!({"role": "user", "content": "hi"})], add_generation_prompt: true, tools: None, kwargs: None }).unwrap();
         assert_eq!(chat, tok.encode(&text, false).unwrap(), "chat tokenizes like vLLM: template, no special tokens");
     }
