@@ -38,6 +38,10 @@ pub async fn run(gw: Arc<Gateway>) {
         futures_join_all(checks).await;
         for m in fleet.models.values() {
             let Some(kv) = &m.kv else { continue };
+            let expired = kv.active.expire(Duration::from_secs(m.cfg.routing.booking_max_age_s));
+            if expired > 0 {
+                tracing::warn!(model = %m.cfg.name, expired, "bookings older than routing.booking_max_age_s released (requests still running, or a leak)");
+            }
             for (i, w) in m.workers.iter().enumerate() {
                 let url = w.url.to_string();
                 let labels = [m.cfg.name.as_str(), url.as_str()];

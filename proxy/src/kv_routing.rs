@@ -66,7 +66,9 @@ impl KvRouting {
             let mut ranks = Vec::new();
             for rank in 0..w.dp_size {
                 ranks.push(next);
+                // Weight 0 never consults the cache: no subscribers either.
                 if r.kv_events
+                    && r.overlap_score_weight > 0.0
                     && let Some(ep) = &w.kv_events
                 {
                     sources.push(Source {

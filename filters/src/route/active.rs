@@ -5,12 +5,17 @@
 //! already active here" is one `find_matches`.
 //!
 //! Every booking is a [`Booking`] guard: completion, error, cancellation or a panic drop it,
-//! and dropping releases exactly what it booked, so totals return to zero when load stops.
+//! and dropping releases exactly what it booked, so totals return to zero when load stops. As
+//! a safety net, [`ActiveSequences::expire`] releases bookings older than a limit (a request
+//! that never ends, or a guard leaked by a bug); the guard's own release then does nothing.
 
 use kvgate_kv::hash::BlockHash;
 use kvgate_kv::index::{FlatIndex, KvIndex, Matches, WorkerId};
+use parking_lot::Mutex;
+use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 /// Per-worker load booked by the gateway.
 pub struct ActiveSequences {
@@ -20,6 +25,17 @@ pub struct ActiveSequences {
     raw_blocks: Box<[AtomicUsize]>,
     assume_kv_reuse: bool,
     next_salt: AtomicU64,
+    live: Mutex<HashMap<u64, (Instant, Arc<Release>)>>,
+    expired: AtomicU64,
+}
+
+/// What a booking holds, released once (by the guard or by expiry).
+struct Release {
+    worker: WorkerId,
+    prefill: u64,
+    chain: Vec<BlockHash>,
+    prefill_released: AtomicBool,
+    released: AtomicBool,
 }
 
 impl ActiveSequences {
@@ -31,7 +47,51 @@ impl ActiveSequences {
             raw_blocks: (0..workers.max(1)).map(|_| AtomicUsize::new(0)).collect(),
             assume_kv_reuse,
             next_salt: AtomicU64::new(1),
+            live: Mutex::new(HashMap::new()),
+            expired: AtomicU64::new(0),
         })
+    }
+
+    /// Releases bookings older than `max_age`; returns how many.
+    pub fn expire(&self, max_age: Duration) -> usize {
+        let now = Instant::now();
+        let old: Vec<Arc<Release>> = {
+            let mut live = self.live.lock();
+            let ids: Vec<u64> = live.iter().filter(|(_, (t, _))| now.duration_since(*t) > max_age).map(|(&id, _)| id).collect();
+            ids.into_iter().filter_map(|id| live.remove(&id).map(|(_, r)| r)).collect()
+        };
+        for r in &old {
+            self.release(r);
+        }
+        self.expired.fetch_add(old.len() as u64, Ordering::Relaxed);
+        old.len()
+    }
+
+    /// Bookings released by expiry so far.
+    pub fn expired_count(&self) -> u64 {
+        self.expired.load(Ordering::Relaxed)
+    }
+
+    fn release_prefill(&self, r: &Release) {
+        if !r.prefill_released.swap(true, Ordering::AcqRel)
+            && let Some(p) = self.prefill.get(r.worker as usize)
+        {
+            p.fetch_sub(r.prefill, Ordering::Relaxed);
+        }
+    }
+
+    fn release(&self, r: &Release) {
+        if r.released.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.release_prefill(r);
+        if let Some(b) = self.raw_blocks.get(r.worker as usize) {
+            b.fetch_sub(r.chain.len(), Ordering::Relaxed);
+        }
+        // Deepest first: a shared prefix loses one reference per block, never a subtree.
+        for h in r.chain.iter().rev() {
+            let _ = self.blocks.remove(r.worker, std::slice::from_ref(h));
+        }
     }
 
     /// Prefill tokens booked on `w` and not started decoding.
@@ -68,46 +128,42 @@ impl ActiveSequences {
             chain.iter().map(|h| h.rotate_left(17) ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1).collect()
         };
         let _ = self.blocks.insert(w, None, &chain);
-        Booking { seqs: self.clone(), worker: w, prefill: prefill_tokens, chain, prefill_done: false }
+        let id = self.next_salt.fetch_add(1, Ordering::Relaxed);
+        let release = Arc::new(Release {
+            worker: w,
+            prefill: prefill_tokens,
+            chain,
+            prefill_released: AtomicBool::new(false),
+            released: AtomicBool::new(false),
+        });
+        self.live.lock().insert(id, (Instant::now(), release.clone()));
+        Booking { seqs: self.clone(), id, release }
     }
 }
 
 /// One request's booking; released on drop.
 pub struct Booking {
     seqs: Arc<ActiveSequences>,
-    worker: WorkerId,
-    prefill: u64,
-    chain: Vec<BlockHash>,
-    prefill_done: bool,
+    id: u64,
+    release: Arc<Release>,
 }
 
 impl Booking {
     /// The request produced its first token: its prefill load is gone.
     pub fn prefill_done(&mut self) {
-        if !self.prefill_done {
-            self.prefill_done = true;
-            if let Some(p) = self.seqs.prefill.get(self.worker as usize) {
-                p.fetch_sub(self.prefill, Ordering::Relaxed);
-            }
-        }
+        self.seqs.release_prefill(&self.release);
     }
 
     /// The worker it is booked on.
     pub fn worker(&self) -> WorkerId {
-        self.worker
+        self.release.worker
     }
 }
 
 impl Drop for Booking {
     fn drop(&mut self) {
-        self.prefill_done();
-        if let Some(b) = self.seqs.raw_blocks.get(self.worker as usize) {
-            b.fetch_sub(self.chain.len(), Ordering::Relaxed);
-        }
-        // Deepest first: a shared prefix loses one reference per block, never a subtree.
-        for h in self.chain.iter().rev() {
-            let _ = self.seqs.blocks.remove(self.worker, std::slice::from_ref(h));
-        }
+        self.seqs.live.lock().remove(&self.id);
+        self.seqs.release(&self.release);
     }
 }
 
@@ -141,6 +197,19 @@ mod tests {
         assert_eq!(s.overlap(&[1, 2]).get(0), 0);
         drop((a, b));
         assert_eq!(s.active_blocks(0), 0);
+    }
+
+    #[test]
+    fn expiry_releases_old_bookings_exactly_once() {
+        let s = ActiveSequences::new(1, true);
+        let b = s.book(0, 40, vec![1, 2]);
+        assert_eq!(s.expire(Duration::from_secs(3600)), 0);
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(s.expire(Duration::from_millis(1)), 1);
+        assert_eq!((s.prefill_tokens(0), s.active_blocks(0)), (0, 0));
+        drop(b); // the guard's release is now a no-op: nothing goes negative
+        assert_eq!((s.prefill_tokens(0), s.active_blocks(0)), (0, 0));
+        assert_eq!(s.expired_count(), 1);
     }
 
     #[test]

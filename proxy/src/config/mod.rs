@@ -214,6 +214,9 @@ pub struct Routing {
     pub queue_max_len: usize,
     /// Longest a request is held before it gets 503, ms.
     pub queue_max_wait_ms: u64,
+    /// kv: bookings older than this no longer count as load (a safety net against requests
+    /// that never end and leaked bookings), seconds.
+    pub booking_max_age_s: u64,
 }
 
 impl Default for Routing {
@@ -231,6 +234,7 @@ impl Default for Routing {
             queue_threshold: None,
             queue_max_len: 1024,
             queue_max_wait_ms: 30_000,
+            booking_max_age_s: 600,
         }
     }
 }

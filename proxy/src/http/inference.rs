@@ -273,7 +273,12 @@ async fn proxy(
             let tokens = super::prompt::tokens(v, endpoint == Endpoint::Chat, kv.tokenizer.as_ref(), kv.max_tokens()).await.unwrap_or_default();
             let t0 = Instant::now();
             let chain = kv.chain(&tokens);
-            let cached = kv.cached(&chain).to_dense(kv.slot_count());
+            // overlap_score_weight 0: pure load balancing, the cache is not consulted.
+            let cached = if kv.policy.params().overlap_score_weight > 0.0 {
+                kv.cached(&chain).to_dense(kv.slot_count())
+            } else {
+                vec![0; kv.slot_count()]
+            };
             let active = kv.active.overlap(&chain).to_dense(model.workers.len());
             Some((kv.clone(), tokens.len(), chain, cached, active, t0.elapsed()))
         }
