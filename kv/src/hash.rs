@@ -76,9 +76,10 @@ impl Hasher {
     }
 }
 
-/// splitmix64's finaliser: a fast bijection with full avalanche.
+/// splitmix64 (golden-ratio step + finaliser): a fast bijection with full avalanche. Also the
+/// gateway's source of cheap well-mixed numbers (random routing, tie-breaks, request ids).
 #[inline]
-fn mix(mut z: u64) -> u64 {
+pub fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);

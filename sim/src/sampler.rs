@@ -32,8 +32,8 @@ impl ContextHash {
     }
 }
 
-/// splitmix64's finaliser: a fast, well-mixed 64-bit bijection.
-fn mix(mut z: u64) -> u64 {
+/// splitmix64's finaliser: a fast, well-mixed 64-bit bijection (the simulator's one copy).
+pub(crate) fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)

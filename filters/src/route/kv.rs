@@ -66,10 +66,8 @@ impl KvPolicy {
     }
 
     fn uniform(&self) -> f64 {
-        let mut z = self.rng.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+        let z = kvgate_kv::hash::mix(self.rng.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed));
+        (z >> 11) as f64 / (1u64 << 53) as f64
     }
 }
 

@@ -24,10 +24,7 @@ impl Random {
 
     fn next(&self) -> u64 {
         // splitmix64 over an atomic counter: lock-free and well distributed.
-        let mut z = self.state.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        kvgate_kv::hash::mix(self.state.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed))
     }
 }
 

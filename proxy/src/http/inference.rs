@@ -115,10 +115,7 @@ fn new_id() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
     let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
-    let mut z = t ^ N.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    format!("kvg-{:016x}", z ^ (z >> 31))
+    format!("kvg-{:016x}", kvgate_kv::hash::mix(t ^ N.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed)))
 }
 
 /// Serves one request end to end. Returns true when the client connection must be aborted

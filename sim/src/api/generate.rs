@@ -73,13 +73,6 @@ impl Drop for AbortGuard {
     }
 }
 
-/// A 64-bit mix used to derive per-choice seeds.
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
 impl AppState {
     /// Applies failure injection and admission control, picks an engine (DP rank) and submits
     /// `n` choices per prompt. Choice index = prompt index × n + sample index.
@@ -102,7 +95,7 @@ impl AppState {
         for (i, prompt) in prompts.into_iter().enumerate() {
             for s in 0..p.n {
                 let id = engine.next_id();
-                let seed = if s == 0 { self.cfg.seed } else { self.cfg.seed ^ mix(s as u64) };
+                let seed = if s == 0 { self.cfg.seed } else { self.cfg.seed ^ crate::sampler::mix(s as u64) };
                 let req = NewRequest {
                     id,
                     prompt: prompt.tokens.clone(),
