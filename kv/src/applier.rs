@@ -50,6 +50,8 @@ pub struct Counts {
     pub unknown_parents: u64,
     /// Stored events whose block size differs from the model's (misconfiguration).
     pub block_size_mismatch: u64,
+    /// Stored events skipped during a replay because their parent predates the buffer.
+    pub unknown_parents_skipped: u64,
 }
 
 /// One source's state.
@@ -57,7 +59,14 @@ pub struct Applier {
     worker: WorkerId,
     hasher: Hasher,
     engine: HashMap<u64, (BlockHash, u32)>,
+    /// Highest sequence applied (live or replayed).
     last_seq: Option<u64>,
+    /// Highest sequence seen on the live stream: a live number at or below it means the
+    /// engine restarted; one above it but at or below `last_seq` was already replayed.
+    live_last: Option<u64>,
+    /// True while applying a replay: unknown parents are skipped, not resynced (the buffer may
+    /// start after blocks that later events chain from).
+    replaying: bool,
     replay_available: bool,
     counts: Counts,
     last_ts: f64,
@@ -67,7 +76,17 @@ impl Applier {
     /// State for `worker`, hashing with `hasher`; `replay_available` when a replay endpoint is
     /// configured.
     pub fn new(worker: WorkerId, hasher: Hasher, replay_available: bool) -> Self {
-        Self { worker, hasher, engine: HashMap::new(), last_seq: None, replay_available, counts: Counts::default(), last_ts: 0.0 }
+        Self {
+            worker,
+            hasher,
+            engine: HashMap::new(),
+            last_seq: None,
+            live_last: None,
+            replaying: false,
+            replay_available,
+            counts: Counts::default(),
+            last_ts: 0.0,
+        }
     }
 
     /// Counters so far.
@@ -90,11 +109,17 @@ impl Applier {
         index.clear(self.worker);
         self.engine.clear();
         self.last_seq = None;
+        self.live_last = None;
     }
 
     /// A live message `[topic, seq, payload]`.
     pub fn on_message(&mut self, seq: u64, payload: &[u8], index: &dyn KvIndex) -> Action {
-        match self.last_seq {
+        // Already applied by a replay that overlapped the live stream.
+        if self.live_last.is_none_or(|l| seq > l) && self.last_seq.is_some_and(|l| seq <= l) {
+            self.live_last = Some(seq);
+            return Action::Continue;
+        }
+        match self.live_last {
             Some(last) if seq <= last => {
                 // The engine restarted (its counter starts at 0 with an empty cache).
                 self.counts.restarts += 1;
@@ -104,6 +129,9 @@ impl Applier {
                     return Action::Resync;
                 }
             }
+            _ => {}
+        }
+        match self.last_seq {
             Some(last) if seq > last + 1 => {
                 self.counts.gaps += 1;
                 if self.replay_available {
@@ -117,15 +145,28 @@ impl Applier {
             }
             _ => {}
         }
+        self.live_last = Some(seq);
         self.apply(seq, payload, index)
     }
 
-    /// A batch from a replay: applied if it is newer than what we have.
+    /// The live message after a replay that failed or did not reach it: apply it anyway
+    /// (what was missed is lost; later unknown parents are skipped) so ingestion never stalls.
+    pub fn on_message_after_failed_replay(&mut self, seq: u64, payload: &[u8], index: &dyn KvIndex) -> Action {
+        self.live_last = Some(seq);
+        self.apply(seq, payload, index)
+    }
+
+    /// A batch from a replay: applied if it is newer than what we have. An unknown parent is
+    /// skipped here (counted), never a new resync: the buffer may begin after blocks its events
+    /// chain from.
     pub fn on_replayed(&mut self, seq: u64, payload: &[u8], index: &dyn KvIndex) -> Action {
         if self.last_seq.is_some_and(|last| seq <= last) {
             return Action::Continue;
         }
-        self.apply(seq, payload, index)
+        self.replaying = true;
+        let a = self.apply(seq, payload, index);
+        self.replaying = false;
+        a
     }
 
     fn apply(&mut self, seq: u64, payload: &[u8], index: &dyn KvIndex) -> Action {
@@ -140,6 +181,7 @@ impl Applier {
         };
         match self.apply_batch(&batch, index) {
             Ok(()) => Action::Continue,
+            Err(_) if self.replaying => Action::Continue,
             Err(parent) => {
                 self.counts.unknown_parents += 1;
                 tracing::warn!(worker = self.worker, seq, parent, "KV event with an unknown parent: resyncing the worker");
@@ -163,6 +205,11 @@ impl Applier {
                         None => None,
                         Some(p) => match self.engine.get(&p) {
                             Some(&(ours, _)) => Some(ours),
+                            None if self.replaying => {
+                                // Chains from before the replay buffer: skip, keep going.
+                                self.counts.unknown_parents_skipped += 1;
+                                continue;
+                            }
                             None => return Err(p),
                         },
                     };
@@ -182,6 +229,10 @@ impl Applier {
                     let ours = self.hasher.with_lora(s.lora_name.as_deref()).chain(parent, &s.token_ids);
                     match index.insert(self.worker, parent, &ours) {
                         Ok(()) => {}
+                        Err(IndexError::UnknownParent(_)) if self.replaying => {
+                            self.counts.unknown_parents_skipped += 1;
+                            continue;
+                        }
                         Err(IndexError::UnknownParent(_)) => return Err(s.parent.unwrap_or(0)),
                         Err(e) => {
                             tracing::warn!(worker = self.worker, error = %e, "index refused a store");

@@ -132,22 +132,19 @@ async fn handle(src: &Source, applier: &mut Applier, index: &dyn KvIndex, metric
         metrics.malformed.with_label_values(&[src.label.as_str()]).inc();
         return;
     };
-    let mut action = applier.on_message(seq, &payload, index);
-    for _ in 0..3 {
-        match action {
-            Action::Continue => return,
-            Action::Replay { from } => {
-                replay(src, applier, index, metrics, from).await;
-                if applier.last_seq().is_some_and(|l| l >= seq) {
-                    return;
-                }
-                action = applier.on_message(seq, &payload, index);
-            }
-            Action::Resync => {
-                replay(src, applier, index, metrics, 0).await;
-                return;
-            }
-        }
+    let from = match applier.on_message(seq, &payload, index) {
+        Action::Continue => return,
+        Action::Replay { from } => from,
+        Action::Resync => 0,
+    };
+    replay(src, applier, index, metrics, from).await;
+    if applier.last_seq().is_none_or(|l| l < seq) {
+        // The replay failed or stopped short of the live message: apply it anyway, so
+        // ingestion never stalls behind an unreachable replay socket.
+        let _ = applier.on_message_after_failed_replay(seq, &payload, index);
+    } else {
+        // Covered by the replay: record it as seen live.
+        let _ = applier.on_message(seq, &payload, index);
     }
 }
 
@@ -171,9 +168,7 @@ async fn replay(src: &Source, applier: &mut Applier, index: &dyn KvIndex, metric
                 return Ok(n);
             }
             let Ok(s) = <[u8; 8]>::try_from(seq.as_ref()) else { return Err("bad seq frame".into()) };
-            if applier.on_replayed(u64::from_be_bytes(s), &payload, index) == Action::Resync {
-                return Err("resync needed during replay".into());
-            }
+            let _ = applier.on_replayed(u64::from_be_bytes(s), &payload, index);
             n += 1;
         }
     })

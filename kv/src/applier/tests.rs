@@ -146,3 +146,37 @@ fn malformed_and_foreign_events_are_counted_not_applied() {
     assert_eq!((c.malformed, c.ignored, c.block_size_mismatch), (1, 1, 1));
     assert_eq!(idx.block_count(3), 0);
 }
+
+#[test]
+fn a_replay_overlapping_the_live_stream_is_not_a_restart() {
+    let (mut a, idx) = setup(true);
+    a.on_message(0, &payload(vec![stored(&[100], None, 0)]), &idx);
+    let m = |h: u64, p: u64, t: u32| payload(vec![stored(&[h], Some(p), t)]);
+    // Live seq 2 reveals a gap; the replay returns 1..=3 (3 was also sent live meanwhile).
+    assert_eq!(a.on_message(2, &m(102, 101, 8), &idx), Action::Replay { from: 1 });
+    a.on_replayed(1, &m(101, 100, 4), &idx);
+    a.on_replayed(2, &m(102, 101, 8), &idx);
+    a.on_replayed(3, &m(103, 102, 12), &idx);
+    // The queued live messages 2 and 3 arrive: already applied, not an engine restart.
+    assert_eq!(a.on_message(2, &m(102, 101, 8), &idx), Action::Continue);
+    assert_eq!(a.on_message(3, &m(103, 102, 12), &idx), Action::Continue);
+    assert_eq!(a.on_message(4, &m(104, 103, 16), &idx), Action::Continue);
+    assert_eq!(a.counts().restarts, 0);
+    assert_eq!(idx.block_count(3), 5);
+}
+
+#[test]
+fn unknown_parents_inside_a_replay_are_skipped_not_resynced() {
+    let (mut a, idx) = setup(true);
+    // Joining mid-stream: the buffer starts with a block chaining from one stored before it.
+    assert_eq!(a.on_message(5, &payload(vec![stored(&[300], None, 40)]), &idx), Action::Replay { from: 0 });
+    assert_eq!(a.on_replayed(3, &payload(vec![stored(&[201], Some(200), 20)]), &idx), Action::Continue);
+    assert_eq!(a.on_replayed(4, &payload(vec![stored(&[210], None, 30)]), &idx), Action::Continue);
+    assert_eq!(a.counts().unknown_parents_skipped, 1);
+    assert_eq!(idx.block_count(3), 1, "the rest of the buffer still applied");
+    // After a failed replay the live message is applied anyway.
+    assert_eq!(a.on_message_after_failed_replay(5, &payload(vec![stored(&[300], None, 40)]), &idx), Action::Continue);
+    assert_eq!(idx.block_count(3), 2);
+    assert_eq!(a.on_message(6, &payload(vec![stored(&[301], Some(300), 44)]), &idx), Action::Continue);
+    assert_eq!(idx.block_count(3), 3);
+}
