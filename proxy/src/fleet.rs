@@ -231,12 +231,18 @@ pub struct WorkerRegistry {
 
 impl WorkerRegistry {
     /// Builds the fleet for `cfg`, reusing workers already known by URL and forgetting the rest.
-    /// Fails (changing nothing) when a model's KV routing state cannot be built.
-    pub fn build(&self, cfg: &Config) -> Result<Fleet, String> {
+    /// A model whose config is unchanged from `old` is carried over whole (its queue waiters,
+    /// bookings and KV index keep going). Fails (changing nothing) when a model's KV routing
+    /// state cannot be built.
+    pub fn build(&self, cfg: &Config, old: Option<&Fleet>) -> Result<Fleet, String> {
+        let unchanged = |m: &ModelConfig| old.and_then(|f| f.models.get(&m.name)).filter(|o| o.cfg == *m).cloned();
         let kv: Vec<Option<Arc<crate::kv_routing::KvRouting>>> = cfg
             .models
             .iter()
             .map(|m| {
+                if unchanged(m).is_some() {
+                    return Ok(None); // not needed: the whole model is reused below
+                }
                 (m.routing.mode == kvgate_filters::route::Mode::Kv)
                     .then(|| crate::kv_routing::KvRouting::build(m).map(Arc::new))
                     .transpose()
@@ -247,6 +253,14 @@ impl WorkerRegistry {
         let mut models = HashMap::new();
         let mut order = Vec::new();
         for (m, kv) in cfg.models.iter().zip(kv) {
+            if let Some(same) = unchanged(m) {
+                for w in &same.workers {
+                    next.insert(w.url.clone(), w.clone());
+                }
+                order.push(m.name.clone());
+                models.insert(m.name.clone(), same);
+                continue;
+            }
             let workers = m
                 .workers
                 .iter()
@@ -303,13 +317,16 @@ mod tests {
             crate::config::load_str(&format!("models:\n  - name: m\n    workers:\n{workers}"), "t", Vec::new()).unwrap()
         };
         let reg = WorkerRegistry::default();
-        let f1 = reg.build(&cfg(&["http://a:1", "http://b:1"])).unwrap();
+        let f1 = reg.build(&cfg(&["http://a:1", "http://b:1"]), None).unwrap();
         let a1 = f1.models["m"].workers[0].clone();
         a1.observe_health(false, 1, 1);
-        let f2 = reg.build(&cfg(&["http://b:1", "http://a:1", "http://c:1"])).unwrap();
+        let f2 = reg.build(&cfg(&["http://b:1", "http://a:1", "http://c:1"]), Some(&f1)).unwrap();
         let a2 = &f2.models["m"].workers[1];
         assert!(Arc::ptr_eq(&a1, a2));
         assert!(!a2.is_healthy(), "state survives the reload");
         assert_eq!(f2.models["m"].workers.len(), 3);
+        // An unchanged model is carried over as is.
+        let f3 = reg.build(&cfg(&["http://b:1", "http://a:1", "http://c:1"]), Some(&f2)).unwrap();
+        assert!(Arc::ptr_eq(&f2.models["m"], &f3.models["m"]));
     }
 }

@@ -33,7 +33,7 @@ impl Gateway {
     /// routing state cannot be built (e.g. its tokenizer does not load).
     pub fn new(cfg: Config, path: Option<PathBuf>) -> Result<Arc<Self>, String> {
         let registry = WorkerRegistry::default();
-        let fleet = registry.build(&cfg)?;
+        let fleet = registry.build(&cfg, None)?;
         let metrics = Metrics::new();
         let kv_metrics = kvgate_kv::metrics::KvMetrics::new(metrics.registry());
         let thresholds = cfg.models.iter().map(|m| (m.name.clone(), m.shedding.thresholds)).collect();
@@ -70,7 +70,15 @@ impl Gateway {
             tracing::warn!("listen, admin_listen and threads take effect at the next restart");
         }
         let before: std::collections::HashSet<String> = self.fleet().all_workers().iter().map(|(m, w)| format!("{m}@{}", w.url)).collect();
-        let fleet = self.registry.build(&cfg)?;
+        let old_fleet = self.fleet();
+        let fleet = self.registry.build(&cfg, Some(&old_fleet))?;
+        // Requests waiting in a replaced model's queue go on with the model they started with.
+        for (name, m) in &old_fleet.models {
+            let replaced = fleet.models.get(name).is_none_or(|n| !Arc::ptr_eq(n, m));
+            if replaced && let Some(q) = &m.queue {
+                q.release_all();
+            }
+        }
         let after: std::collections::HashSet<String> = fleet.all_workers().iter().map(|(m, w)| format!("{m}@{}", w.url)).collect();
         for added in after.difference(&before) {
             tracing::info!(worker = %added, "worker added");

@@ -430,3 +430,26 @@ async fn x_request_id_is_honoured_and_propagated() {
     assert!(m.has("kvgate_request_duration_seconds_bucket"));
     assert!(m.has("kvgate_requests_in_flight"));
 }
+
+#[tokio::test]
+async fn expect_100_continue_gets_the_go_ahead_at_once() {
+    // curl asks before sending large bodies and waits up to 1 s for "100 Continue".
+    let c = Cluster::sims(1, sim(10.0), GatewayOpts::default()).await;
+    let body = json!({"prompt": unique_text(2_000), "max_tokens": 1}).to_string();
+    assert!(body.len() > 10_000);
+    let path = std::env::temp_dir().join(format!("kvgate-expect-{}.json", std::process::id()));
+    std::fs::write(&path, &body).unwrap();
+    let start = Instant::now();
+    let out = tokio::process::Command::new("curl")
+        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-H", "content-type: application/json", "-H", "Expect: 100-continue"])
+        .arg("--data-binary")
+        .arg(format!("@{}", path.display()))
+        .arg(c.url("/v1/completions"))
+        .output()
+        .await
+        .expect("curl runs");
+    let took = start.elapsed();
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "200");
+    assert!(took < Duration::from_millis(900), "curl waited for 100 Continue: {took:?}");
+}

@@ -10,6 +10,7 @@
 use parking_lot::Mutex;
 use std::cmp::Ordering as CmpOrdering;
 use std::collections::BinaryHeap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
@@ -51,6 +52,8 @@ pub struct RouterQueue {
     heap: Mutex<BinaryHeap<Entry>>,
     epoch: Instant,
     seq: std::sync::atomic::AtomicU64,
+    /// Requests actually waiting (abandoned heap entries excluded).
+    waiting: Arc<std::sync::atomic::AtomicUsize>,
     max_len: usize,
     max_wait: Duration,
 }
@@ -58,12 +61,12 @@ pub struct RouterQueue {
 impl RouterQueue {
     /// A queue holding at most `max_len` requests, each for at most `max_wait`.
     pub fn new(max_len: usize, max_wait: Duration) -> Self {
-        Self { heap: Mutex::new(BinaryHeap::new()), epoch: Instant::now(), seq: Default::default(), max_len, max_wait }
+        Self { heap: Mutex::new(BinaryHeap::new()), epoch: Instant::now(), seq: Default::default(), waiting: Default::default(), max_len, max_wait }
     }
 
-    /// Requests waiting (including ones whose client left and are not yet popped).
+    /// Requests waiting (not counting ones that gave up or whose client left).
     pub fn len(&self) -> usize {
-        self.heap.lock().len()
+        self.waiting.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether nothing waits.
@@ -75,17 +78,31 @@ impl RouterQueue {
     pub async fn wait(&self, priority_jump: f64) -> Result<Duration, QueueError> {
         let start = Instant::now();
         let (tx, rx) = oneshot::channel();
-        {
+        let _waiting = {
             let mut h = self.heap.lock();
-            if h.len() >= self.max_len {
+            if self.len() >= self.max_len {
                 return Err(QueueError::Full);
+            }
+            // Drop abandoned entries first if they are the ones filling the heap.
+            if h.len() >= self.max_len {
+                let live: Vec<Entry> = h.drain().filter(|e| !e.tx.is_closed()).collect();
+                *h = live.into();
             }
             let key = priority_jump.max(0.0) - self.epoch.elapsed().as_secs_f64();
             h.push(Entry { key, seq: self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed), tx });
-        }
+            Waiting::new(self.waiting.clone())
+        };
         match tokio::time::timeout(self.max_wait, rx).await {
             Ok(Ok(())) => Ok(start.elapsed()),
             _ => Err(QueueError::TimedOut),
+        }
+    }
+
+    /// Releases everybody (the queue is being replaced).
+    pub fn release_all(&self) {
+        let mut h = self.heap.lock();
+        while let Some(e) = h.pop() {
+            let _ = e.tx.send(());
         }
     }
 
@@ -99,6 +116,22 @@ impl RouterQueue {
             }
         }
         false
+    }
+}
+
+/// Counts a waiter while it waits, whatever way it stops waiting.
+struct Waiting(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Waiting {
+    fn new(c: Arc<std::sync::atomic::AtomicUsize>) -> Self {
+        c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Self(c)
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -141,6 +174,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(5)).await;
         gone.abort();
         let _ = gone.await;
+        assert_eq!(q.len(), 0, "abandoned places do not count");
         assert!(!q.release(), "the abandoned and the timed-out places are skipped");
     }
 }

@@ -144,6 +144,9 @@ fn validate(cfg: &Config) -> Result<(), Invalid> {
     if cfg.max_body_bytes.0 < 1024 {
         return Err(("max_body_bytes must be at least 1KiB".into(), at("max_body_bytes".into(), 1)));
     }
+    if cfg.timeouts.upstream_read_idle_ms == 0 {
+        return Err(("timeouts.upstream_read_idle_ms must be at least 1".into(), at("upstream_read_idle_ms".into(), 1)));
+    }
     if cfg.timeouts.connect_ms == 0 {
         return Err(("timeouts.connect_ms must be at least 1".into(), at("connect_ms".into(), 1)));
     }

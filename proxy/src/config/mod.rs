@@ -63,11 +63,14 @@ pub struct Timeouts {
     /// Upper bound on the wait for a worker's response header (0 = none: long prefills are
     /// legitimate).
     pub first_byte_ms: u64,
+    /// Longest silence from a worker once its header arrived (vLLM sends a stream's header at
+    /// once): before the first body byte the request is retried elsewhere, mid-stream it is cut.
+    pub upstream_read_idle_ms: u64,
 }
 
 impl Default for Timeouts {
     fn default() -> Self {
-        Self { connect_ms: 2_000, upstream_idle_ms: 4_000, request_body_ms: 30_000, first_byte_ms: 0 }
+        Self { connect_ms: 2_000, upstream_idle_ms: 4_000, request_body_ms: 30_000, first_byte_ms: 0, upstream_read_idle_ms: 300_000 }
     }
 }
 

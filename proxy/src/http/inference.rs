@@ -365,7 +365,6 @@ async fn proxy(
             let _ = cached;
             let bs = u64::from(model.cfg.block_size);
             let cached_tokens = (u64::from(c.overlap_blocks) * bs).min(*n_tokens as u64);
-            k.record_decision(idx, chain);
             k.active.book(idx as u16, *n_tokens as u64 - cached_tokens, chain.clone())
         });
         match attempt(gw, session, &worker, &out).await {
@@ -399,9 +398,12 @@ async fn proxy(
                 // The client's header waits for the worker's first body bytes: vLLM sends a
                 // stream's 200 at once, and a worker that dies before its first token can still
                 // be replaced without the client noticing.
+                let idle = Duration::from_millis(cfg.timeouts.upstream_read_idle_ms);
                 let first = tokio::select! {
                     biased;
-                    r = up.session.read_response_body() => r,
+                    r = tokio::time::timeout(idle, up.session.read_response_body()) => {
+                        r.unwrap_or_else(|_| Err(pingora::Error::explain(pingora::ErrorType::ReadTimedout, "no response body within timeouts.upstream_read_idle_ms")))
+                    }
                     _ = client_closed(session) => {
                         cancel(gw, ctx, name, endpoint, stream);
                         return Outcome::Cancelled;
@@ -409,6 +411,10 @@ async fn proxy(
                 };
                 match first {
                     Ok(first) => {
+                        // Approximate mode learns from decisions that the worker took on.
+                        if let Some((k, _, chain, ..)) = &kv {
+                            k.record_decision(idx, chain);
+                        }
                         let bookings = Bookings { worker: worker_booking, kv: kv_booking.take() };
                         return stream_response(gw, session, up, first, bookings, ctx, name, endpoint, stream, start).await;
                     }
@@ -453,11 +459,14 @@ async fn stream_response(
     let mut last: Option<Instant> = None;
     let mut pending = Some(Ok(first));
     loop {
+        let idle = Duration::from_millis(gw.config().timeouts.upstream_read_idle_ms);
         let chunk = match pending.take() {
             Some(c) => c,
             None => tokio::select! {
                 biased;
-                r = up.session.read_response_body() => r,
+                r = tokio::time::timeout(idle, up.session.read_response_body()) => {
+                    r.unwrap_or_else(|_| Err(pingora::Error::explain(pingora::ErrorType::ReadTimedout, "worker stalled past timeouts.upstream_read_idle_ms")))
+                }
                 _ = client_closed(session) => {
                     cancel(gw, ctx, name, endpoint, stream);
                     return Outcome::Cancelled; // `up` is dropped, not pooled: vLLM sees the close and aborts

@@ -37,6 +37,16 @@ pub async fn read_body(session: &mut Session, limit: u64, deadline: Duration) ->
     {
         return Err(BodyError::TooLarge(limit));
     }
+    // Clients that ask first (`Expect: 100-continue`, e.g. curl for large bodies) get the go-ahead.
+    let expects = session
+        .req_header()
+        .headers
+        .get("expect")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.eq_ignore_ascii_case("100-continue"));
+    if expects && session.as_downstream_mut().write_continue_response().await.is_err() {
+        return Err(BodyError::Gone);
+    }
     let read = async {
         let mut buf = BytesMut::new();
         loop {
