@@ -17,6 +17,9 @@ use crate::hash::{BlockHash, Hasher};
 use crate::index::{IndexError, KvIndex, WorkerId};
 use std::collections::HashMap;
 
+/// Least time between two unknown-parent resyncs of one source.
+pub const RESYNC_COOLDOWN: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// What the caller must do after a message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Action {
@@ -67,6 +70,10 @@ pub struct Applier {
     /// True while applying a replay: unknown parents are skipped, not resynced (the buffer may
     /// start after blocks that later events chain from).
     replaying: bool,
+    /// When the last unknown-parent resync happened: within [`RESYNC_COOLDOWN`] of it, unknown
+    /// parents are skipped rather than resynced again (a buffer that starts after long-cached
+    /// blocks would otherwise resync on every such event).
+    last_resync: Option<std::time::Instant>,
     replay_available: bool,
     counts: Counts,
     last_ts: f64,
@@ -83,6 +90,7 @@ impl Applier {
             last_seq: None,
             live_last: None,
             replaying: false,
+            last_resync: None,
             replay_available,
             counts: Counts::default(),
             last_ts: 0.0,
@@ -153,7 +161,15 @@ impl Applier {
     /// (what was missed is lost; later unknown parents are skipped) so ingestion never stalls.
     pub fn on_message_after_failed_replay(&mut self, seq: u64, payload: &[u8], index: &dyn KvIndex) -> Action {
         self.live_last = Some(seq);
-        self.apply(seq, payload, index)
+        self.replaying = true;
+        let a = self.apply(seq, payload, index);
+        self.replaying = false;
+        a
+    }
+
+    /// Whether an unknown parent should be skipped rather than trigger a resync.
+    fn skip_unknown_parents(&self) -> bool {
+        self.replaying || self.last_resync.is_some_and(|t| t.elapsed() < RESYNC_COOLDOWN)
     }
 
     /// A batch from a replay: applied if it is newer than what we have. An unknown parent is
@@ -181,9 +197,9 @@ impl Applier {
         };
         match self.apply_batch(&batch, index) {
             Ok(()) => Action::Continue,
-            Err(_) if self.replaying => Action::Continue,
             Err(parent) => {
                 self.counts.unknown_parents += 1;
+                self.last_resync = Some(std::time::Instant::now());
                 tracing::warn!(worker = self.worker, seq, parent, "KV event with an unknown parent: resyncing the worker");
                 self.reset(index);
                 if self.replay_available { Action::Resync } else { Action::Continue }
@@ -205,7 +221,7 @@ impl Applier {
                         None => None,
                         Some(p) => match self.engine.get(&p) {
                             Some(&(ours, _)) => Some(ours),
-                            None if self.replaying => {
+                            None if self.skip_unknown_parents() => {
                                 // Chains from before the replay buffer: skip, keep going.
                                 self.counts.unknown_parents_skipped += 1;
                                 continue;
@@ -229,7 +245,7 @@ impl Applier {
                     let ours = self.hasher.with_lora(s.lora_name.as_deref()).chain(parent, &s.token_ids);
                     match index.insert(self.worker, parent, &ours) {
                         Ok(()) => {}
-                        Err(IndexError::UnknownParent(_)) if self.replaying => {
+                        Err(IndexError::UnknownParent(_)) if self.skip_unknown_parents() => {
                             self.counts.unknown_parents_skipped += 1;
                             continue;
                         }

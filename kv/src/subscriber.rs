@@ -59,6 +59,7 @@ pub async fn run(src: Source, index: Arc<dyn KvIndex>, metrics: KvMetrics) {
     let mut applier = Applier::new(src.worker, src.hasher, src.replay.is_some());
     let mut backoff = Duration::from_millis(100);
     let mut resync_on_connect = false;
+    let mut replay_failed_at: Option<std::time::Instant> = None;
     loop {
         let mut sock = SubSocket::new();
         let bound = if src.endpoint.contains('*') {
@@ -80,7 +81,7 @@ pub async fn run(src: Source, index: Arc<dyn KvIndex>, metrics: KvMetrics) {
         tracing::info!(source = %src.label, endpoint = %src.endpoint, "KV events: subscribed");
         if resync_on_connect {
             // After losing the publisher, rebuild from whatever the engine still buffers.
-            replay(&src, &mut applier, index.as_ref(), &metrics, 0).await;
+            let _ = replay(&src, &mut applier, index.as_ref(), &metrics, 0).await;
             resync_on_connect = false;
         }
         // A connecting SUB rebuilds its socket when the engine goes away, so a restarted engine
@@ -112,7 +113,7 @@ pub async fn run(src: Source, index: Arc<dyn KvIndex>, metrics: KvMetrics) {
                 }
             };
             let before = applier.counts();
-            handle(&src, &mut applier, index.as_ref(), &metrics, msg.into_vec()).await;
+            handle(&src, &mut applier, index.as_ref(), &metrics, msg.into_vec(), &mut replay_failed_at).await;
             metrics.record(&src.label, &before, &applier.counts());
             metrics.blocks.with_label_values(&[src.label.as_str()]).set(index.block_count(src.worker) as i64);
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
@@ -123,7 +124,17 @@ pub async fn run(src: Source, index: Arc<dyn KvIndex>, metrics: KvMetrics) {
     }
 }
 
-async fn handle(src: &Source, applier: &mut Applier, index: &dyn KvIndex, metrics: &KvMetrics, frames: Vec<Bytes>) {
+/// After a failed replay, live messages are applied directly for this long before trying again.
+const REPLAY_BACKOFF: Duration = Duration::from_secs(5);
+
+async fn handle(
+    src: &Source,
+    applier: &mut Applier,
+    index: &dyn KvIndex,
+    metrics: &KvMetrics,
+    frames: Vec<Bytes>,
+    replay_failed_at: &mut Option<std::time::Instant>,
+) {
     let parsed = match frames.as_slice() {
         [_topic, seq, payload] => <[u8; 8]>::try_from(seq.as_ref()).ok().map(|s| (u64::from_be_bytes(s), payload.clone())),
         _ => None,
@@ -137,7 +148,13 @@ async fn handle(src: &Source, applier: &mut Applier, index: &dyn KvIndex, metric
         Action::Replay { from } => from,
         Action::Resync => 0,
     };
-    replay(src, applier, index, metrics, from).await;
+    if replay_failed_at.is_some_and(|t| t.elapsed() < REPLAY_BACKOFF) {
+        let _ = applier.on_message_after_failed_replay(seq, &payload, index);
+        return;
+    }
+    if !replay(src, applier, index, metrics, from).await {
+        *replay_failed_at = Some(std::time::Instant::now());
+    }
     if applier.last_seq().is_none_or(|l| l < seq) {
         // The replay failed or stopped short of the live message: apply it anyway, so
         // ingestion never stalls behind an unreachable replay socket.
@@ -148,9 +165,9 @@ async fn handle(src: &Source, applier: &mut Applier, index: &dyn KvIndex, metric
     }
 }
 
-/// Fetches buffered batches from `from` and applies them.
-async fn replay(src: &Source, applier: &mut Applier, index: &dyn KvIndex, metrics: &KvMetrics, from: u64) {
-    let Some(ep) = &src.replay else { return };
+/// Fetches buffered batches from `from` and applies them; false if the replay failed.
+async fn replay(src: &Source, applier: &mut Applier, index: &dyn KvIndex, metrics: &KvMetrics, from: u64) -> bool {
+    let Some(ep) = &src.replay else { return false };
     let result = tokio::time::timeout(REPLAY_TIMEOUT, async {
         let mut sock = DealerSocket::new();
         sock.connect(ep).await.map_err(|e| e.to_string())?;
@@ -177,14 +194,17 @@ async fn replay(src: &Source, applier: &mut Applier, index: &dyn KvIndex, metric
         Ok(Ok(n)) => {
             tracing::info!(source = %src.label, from, batches = n, "KV events: replayed");
             metrics.replays.with_label_values(&[src.label.as_str(), "ok"]).inc();
+            true
         }
         Ok(Err(e)) => {
             tracing::warn!(source = %src.label, from, error = %e, "KV events: replay failed");
             metrics.replays.with_label_values(&[src.label.as_str(), "failed"]).inc();
+            false
         }
         Err(_) => {
             tracing::warn!(source = %src.label, from, "KV events: replay timed out");
             metrics.replays.with_label_values(&[src.label.as_str(), "timeout"]).inc();
+            false
         }
     }
 }

@@ -72,13 +72,7 @@ impl Gateway {
         let before: std::collections::HashSet<String> = self.fleet().all_workers().iter().map(|(m, w)| format!("{m}@{}", w.url)).collect();
         let old_fleet = self.fleet();
         let fleet = self.registry.build(&cfg, Some(&old_fleet))?;
-        // Requests waiting in a replaced model's queue go on with the model they started with.
-        for (name, m) in &old_fleet.models {
-            let replaced = fleet.models.get(name).is_none_or(|n| !Arc::ptr_eq(n, m));
-            if replaced && let Some(q) = &m.queue {
-                q.release_all();
-            }
-        }
+
         let after: std::collections::HashSet<String> = fleet.all_workers().iter().map(|(m, w)| format!("{m}@{}", w.url)).collect();
         for added in after.difference(&before) {
             tracing::info!(worker = %added, "worker added");
@@ -102,8 +96,17 @@ impl Gateway {
             }
             *th = next;
         }
-        self.fleet.store(Arc::new(fleet));
+        let fleet = Arc::new(fleet);
+        self.fleet.store(fleet.clone());
         self.config.store(Arc::new(cfg));
+        // After the swap (so no request can still enter them), replaced queues release their
+        // waiters, who go on with the model they started with.
+        for (name, m) in &old_fleet.models {
+            let replaced = fleet.models.get(name).is_none_or(|n| !Arc::ptr_eq(n, m));
+            if replaced && let Some(q) = &m.queue {
+                q.release_all();
+            }
+        }
         Ok(())
     }
 

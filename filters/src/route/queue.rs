@@ -54,6 +54,8 @@ pub struct RouterQueue {
     seq: std::sync::atomic::AtomicU64,
     /// Requests actually waiting (abandoned heap entries excluded).
     waiting: Arc<std::sync::atomic::AtomicUsize>,
+    /// Set when the queue is replaced: later arrivals pass straight through.
+    closed: std::sync::atomic::AtomicBool,
     max_len: usize,
     max_wait: Duration,
 }
@@ -61,7 +63,7 @@ pub struct RouterQueue {
 impl RouterQueue {
     /// A queue holding at most `max_len` requests, each for at most `max_wait`.
     pub fn new(max_len: usize, max_wait: Duration) -> Self {
-        Self { heap: Mutex::new(BinaryHeap::new()), epoch: Instant::now(), seq: Default::default(), waiting: Default::default(), max_len, max_wait }
+        Self { heap: Mutex::new(BinaryHeap::new()), epoch: Instant::now(), seq: Default::default(), waiting: Default::default(), closed: Default::default(), max_len, max_wait }
     }
 
     /// Requests waiting (not counting ones that gave up or whose client left).
@@ -80,6 +82,9 @@ impl RouterQueue {
         let (tx, rx) = oneshot::channel();
         let _waiting = {
             let mut h = self.heap.lock();
+            if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+                return Ok(Duration::ZERO);
+            }
             if self.len() >= self.max_len {
                 return Err(QueueError::Full);
             }
@@ -98,9 +103,10 @@ impl RouterQueue {
         }
     }
 
-    /// Releases everybody (the queue is being replaced).
+    /// Releases everybody and lets later arrivals through (the queue is being replaced).
     pub fn release_all(&self) {
         let mut h = self.heap.lock();
+        self.closed.store(true, std::sync::atomic::Ordering::Release);
         while let Some(e) = h.pop() {
             let _ = e.tx.send(());
         }

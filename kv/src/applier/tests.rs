@@ -180,3 +180,17 @@ fn unknown_parents_inside_a_replay_are_skipped_not_resynced() {
     assert_eq!(a.on_message(6, &payload(vec![stored(&[301], Some(300), 44)]), &idx), Action::Continue);
     assert_eq!(idx.block_count(3), 3);
 }
+
+#[test]
+fn unknown_parents_do_not_resync_again_within_the_cooldown() {
+    let (mut a, idx) = setup(true);
+    a.on_message(0, &payload(vec![stored(&[100], None, 0)]), &idx);
+    assert_eq!(a.on_message(1, &payload(vec![stored(&[501], Some(500), 7)]), &idx), Action::Resync);
+    // The subscriber's resync replay delivers the next batch; live traffic then continues.
+    assert_eq!(a.on_replayed(2, &payload(vec![stored(&[600], None, 80)]), &idx), Action::Continue);
+    // Another orphan right after: skipped and counted, the worker is not wiped again.
+    assert_eq!(a.on_message(3, &payload(vec![stored(&[701], Some(700), 90)]), &idx), Action::Continue);
+    assert_eq!(a.counts().unknown_parents, 1);
+    assert_eq!(a.counts().unknown_parents_skipped, 1);
+    assert_eq!(idx.block_count(3), 1, "block 600 survived");
+}

@@ -60,11 +60,11 @@ pub struct Timeouts {
     pub upstream_idle_ms: u64,
     /// How long a client may take to send its request body.
     pub request_body_ms: u64,
-    /// Upper bound on the wait for a worker's response header (0 = none: long prefills are
-    /// legitimate).
+    /// Upper bound on the wait for a worker's response header and first body byte (0 = none:
+    /// long prefills are legitimate). On expiry: 504, or a retry elsewhere if the header came.
     pub first_byte_ms: u64,
-    /// Longest silence from a worker once its header arrived (vLLM sends a stream's header at
-    /// once): before the first body byte the request is retried elsewhere, mid-stream it is cut.
+    /// Longest silence between two body chunks of a worker's response (a stalled worker):
+    /// the response is cut. The wait for the first byte is `first_byte_ms`'s.
     pub upstream_read_idle_ms: u64,
 }
 

@@ -398,12 +398,21 @@ async fn proxy(
                 // The client's header waits for the worker's first body bytes: vLLM sends a
                 // stream's 200 at once, and a worker that dies before its first token can still
                 // be replaced without the client noticing.
-                let idle = Duration::from_millis(cfg.timeouts.upstream_read_idle_ms);
+                // vLLM sends a stream's header at once and its first token after the prefill:
+                // that wait is bounded by first_byte_ms (0 = none), like the header's.
+                let first_byte = cfg.timeouts.first_byte_ms;
+                let first_read = async {
+                    if first_byte == 0 {
+                        up.session.read_response_body().await
+                    } else {
+                        tokio::time::timeout(Duration::from_millis(first_byte), up.session.read_response_body())
+                            .await
+                            .unwrap_or_else(|_| Err(pingora::Error::explain(pingora::ErrorType::ReadTimedout, "no first byte within timeouts.first_byte_ms")))
+                    }
+                };
                 let first = tokio::select! {
                     biased;
-                    r = tokio::time::timeout(idle, up.session.read_response_body()) => {
-                        r.unwrap_or_else(|_| Err(pingora::Error::explain(pingora::ErrorType::ReadTimedout, "no response body within timeouts.upstream_read_idle_ms")))
-                    }
+                    r = first_read => r,
                     _ = client_closed(session) => {
                         cancel(gw, ctx, name, endpoint, stream);
                         return Outcome::Cancelled;
@@ -411,8 +420,10 @@ async fn proxy(
                 };
                 match first {
                     Ok(first) => {
-                        // Approximate mode learns from decisions that the worker took on.
-                        if let Some((k, _, chain, ..)) = &kv {
+                        // Approximate mode learns from requests the worker took on (2xx).
+                        if (200..300).contains(&status)
+                            && let Some((k, _, chain, ..)) = &kv
+                        {
                             k.record_decision(idx, chain);
                         }
                         let bookings = Bookings { worker: worker_booking, kv: kv_booking.take() };
