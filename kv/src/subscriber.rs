@@ -54,6 +54,9 @@ pub fn rank_endpoint(endpoint: &str, rank: u32) -> Result<String, String> {
     Ok(format!("{head}:{p}"))
 }
 
+/// How long a connect may wait for a publisher before the operator is warned.
+const CONNECT_WARN_AFTER: Duration = Duration::from_secs(5);
+
 /// Runs the subscriber until the task is aborted.
 pub async fn run(src: Source, index: Arc<dyn KvIndex>, metrics: KvMetrics) {
     let mut applier = Applier::new(src.worker, src.hasher, src.replay.is_some());
@@ -65,7 +68,22 @@ pub async fn run(src: Source, index: Arc<dyn KvIndex>, metrics: KvMetrics) {
         let bound = if src.endpoint.contains('*') {
             sock.bind(&src.endpoint.replace('*', "0.0.0.0")).await.map(|_| ())
         } else {
-            sock.connect(&src.endpoint).await
+            // zeromq's connect waits for a refused endpoint silently and connects once it
+            // listens. Keep waiting (no reconnect delay after an engine restart), but tell the
+            // operator why no events arrive.
+            let connect = sock.connect(&src.endpoint);
+            tokio::pin!(connect);
+            match tokio::time::timeout(CONNECT_WARN_AFTER, &mut connect).await {
+                Ok(r) => r,
+                Err(_) => {
+                    tracing::warn!(
+                        source = %src.label,
+                        endpoint = %src.endpoint,
+                        "KV events: nothing listens on the endpoint yet; still trying (is the engine up, and does its endpoint bind, with `*`?)"
+                    );
+                    connect.await
+                }
+            }
         };
         if let Err(e) = bound {
             tracing::warn!(source = %src.label, endpoint = %src.endpoint, error = %e, "KV events: cannot connect; retrying");
