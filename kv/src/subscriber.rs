@@ -68,9 +68,9 @@ pub async fn run(src: Source, index: Arc<dyn KvIndex>, metrics: KvMetrics) {
         let bound = if src.endpoint.contains('*') {
             sock.bind(&src.endpoint.replace('*', "0.0.0.0")).await.map(|_| ())
         } else {
-            // zeromq's connect waits for a refused endpoint silently and connects once it
-            // listens. Keep waiting (no reconnect delay after an engine restart), but tell the
-            // operator why no events arrive.
+            // zeromq's connect retries a refused endpoint by itself (growing pauses, giving up
+            // after 30 s with an error, which the loop below retries). Let it, but tell the
+            // operator early why no events arrive.
             let connect = sock.connect(&src.endpoint);
             tokio::pin!(connect);
             match tokio::time::timeout(CONNECT_WARN_AFTER, &mut connect).await {

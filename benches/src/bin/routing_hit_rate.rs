@@ -48,8 +48,10 @@ struct Args {
 
 const BS: usize = 16;
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+/// Distinct free ports: every probe listener stays open until all are chosen, so none repeats.
+fn free_ports(n: usize) -> Vec<u16> {
+    let held: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").expect("a free port")).collect();
+    held.iter().map(|l| l.local_addr().expect("bound").port()).collect()
 }
 
 /// Child processes killed on drop.
@@ -81,12 +83,28 @@ async fn wait_ok(http: &reqwest::Client, url: &str) {
     panic!("{url} did not come up");
 }
 
-async fn metric_sum(http: &reqwest::Client, url: &str, name: &str) -> f64 {
+/// Sum of the samples of `name` whose label set contains `label` (e.g. `result="applied"`).
+async fn metric_sum_where(http: &reqwest::Client, url: &str, name: &str, label: &str) -> f64 {
     let text = http.get(url).send().await.expect("metrics").text().await.expect("metrics body");
     text.lines()
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']) && l.contains(label))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
+}
+
+async fn metric_sum(http: &reqwest::Client, url: &str, name: &str) -> f64 {
+    metric_sum_where(http, url, name, "").await
+}
+
+/// Event sources (workers) the gateway has applied events from.
+async fn sources_with_events(http: &reqwest::Client, url: &str) -> usize {
+    let text = http.get(url).send().await.expect("metrics").text().await.expect("metrics body");
+    let sources: std::collections::HashSet<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("kvgate_kv_events_total{") && l.contains(r#"result="applied""#))
+        .filter_map(|l| l.split("source=\"").nth(1)?.split('"').next())
+        .collect();
+    sources.len()
 }
 
 /// `name` summed over every worker's `/metrics`.
@@ -111,8 +129,9 @@ async fn run(args: &Args, setting: &str) -> Outcome {
     let mut procs = Procs(Vec::new());
     let mut workers = String::new();
     let mut sim_urls = Vec::new();
-    for _ in 0..4 {
-        let (port, ev, rp) = (free_port(), free_port(), free_port());
+    let ports = free_ports(14);
+    for w in 0..4 {
+        let (port, ev, rp) = (ports[3 * w], ports[3 * w + 1], ports[3 * w + 2]);
         // As in vLLM, a `*` endpoint binds; without it the engine would connect.
         let kv = format!(
             r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{ev}","replay_endpoint":"tcp://*:{rp}","topic":"kv-events"}}"#
@@ -134,7 +153,7 @@ async fn run(args: &Args, setting: &str) -> Outcome {
     for u in &sim_urls {
         wait_ok(&http, &format!("{u}/health")).await;
     }
-    let (gw, admin) = (free_port(), free_port());
+    let (gw, admin) = (ports[12], ports[13]);
     let routing: String = setting.split(';').map(|l| format!("      {}\n", l.trim())).collect();
     let config = format!(
         "listen: 127.0.0.1:{gw}\nadmin_listen: 127.0.0.1:{admin}\nmodels:\n  - name: sim-model\n    routing:\n{routing}    workers:\n{workers}"
@@ -146,12 +165,20 @@ async fn run(args: &Args, setting: &str) -> Outcome {
     );
     let base = format!("http://127.0.0.1:{gw}");
     wait_ok(&http, &format!("{base}/health")).await;
-    // Let every KV event subscriber connect: a probe per worker, directly, then wait a moment
-    // for the gateway to apply its events.
-    for u in &sim_urls {
-        let _ = http.post(format!("{u}/v1/completions")).json(&serde_json::json!({"model": "sim-model", "prompt": prompt(9999, 0, 2), "max_tokens": 1})).send().await;
+    let _ = std::fs::remove_file(&path);
+    // kv settings: every worker's events must reach the gateway before measuring, or kv would
+    // route blind. A probe per worker, sent directly, makes each publish.
+    if setting.contains("mode: kv") && !setting.contains("kv_events: false") {
+        let metrics = format!("http://127.0.0.1:{admin}/metrics");
+        let start = Instant::now();
+        while sources_with_events(&http, &metrics).await < sim_urls.len() {
+            assert!(start.elapsed() < Duration::from_secs(30), "the gateway gets no KV events from some workers");
+            for u in &sim_urls {
+                let _ = http.post(format!("{u}/v1/completions")).json(&serde_json::json!({"model": "sim-model", "prompt": prompt(9999, 0, 2), "max_tokens": 1})).send().await;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     }
-    tokio::time::sleep(Duration::from_secs(1)).await;
 
     let hits_before = fleet_sum(&http, &sim_urls, "vllm:prefix_cache_hits_total").await;
     let queries_before = fleet_sum(&http, &sim_urls, "vllm:prefix_cache_queries_total").await;
@@ -183,8 +210,7 @@ async fn run(args: &Args, setting: &str) -> Outcome {
     let wall_s = started.elapsed().as_secs_f64();
     let hits_after = fleet_sum(&http, &sim_urls, "vllm:prefix_cache_hits_total").await;
     let queries_after = fleet_sum(&http, &sim_urls, "vllm:prefix_cache_queries_total").await;
-    let events = metric_sum(&http, &format!("http://127.0.0.1:{admin}/metrics"), "kvgate_kv_events_total").await;
-    let _ = std::fs::remove_file(&path);
+    let events = metric_sum_where(&http, &format!("http://127.0.0.1:{admin}/metrics"), "kvgate_kv_events_total", r#"result="applied""#).await;
     lat.sort_by(f64::total_cmp);
     let (hits, queries) = (hits_after - hits_before, queries_after - queries_before);
     Outcome {
@@ -211,7 +237,7 @@ async fn main() {
     for s in &args.settings {
         let o = run(&args, s).await;
         let ratio = baseline.as_ref().map_or(String::new(), |b| format!("  (TTFT {:.2}x, hit rate {:+.3} vs first)", o.mean_ms / b.mean_ms, o.hit_rate - b.hit_rate));
-        println!("{s:<40} hit rate {:.3}  mean {:.1} ms  p90 {:.1} ms  wall {:.1} s  kv events {}{ratio}", o.hit_rate, o.mean_ms, o.p90_ms, o.wall_s, o.events);
+        println!("{s:<40} hit rate {:.3}  mean {:.1} ms  p90 {:.1} ms  wall {:.1} s  kv events applied {}{ratio}", o.hit_rate, o.mean_ms, o.p90_ms, o.wall_s, o.events);
         if baseline.is_none() {
             baseline = Some(o);
         }
