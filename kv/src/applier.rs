@@ -67,9 +67,6 @@ pub struct Applier {
     /// Highest sequence seen on the live stream: a live number at or below it means the
     /// engine restarted; one above it but at or below `last_seq` was already replayed.
     live_last: Option<u64>,
-    /// True while applying a replay: unknown parents are skipped, not resynced (the buffer may
-    /// start after blocks that later events chain from).
-    replaying: bool,
     /// When the last unknown-parent resync happened: within [`RESYNC_COOLDOWN`] of it, unknown
     /// parents are skipped rather than resynced again (a buffer that starts after long-cached
     /// blocks would otherwise resync on every such event).
@@ -89,7 +86,6 @@ impl Applier {
             engine: HashMap::new(),
             last_seq: None,
             live_last: None,
-            replaying: false,
             last_resync: None,
             replay_available,
             counts: Counts::default(),
@@ -154,22 +150,20 @@ impl Applier {
             _ => {}
         }
         self.live_last = Some(seq);
-        self.apply(seq, payload, index)
+        self.apply(seq, payload, index, false)
     }
 
     /// The live message after a replay that failed or did not reach it: apply it anyway
     /// (what was missed is lost; later unknown parents are skipped) so ingestion never stalls.
     pub fn on_message_after_failed_replay(&mut self, seq: u64, payload: &[u8], index: &dyn KvIndex) -> Action {
         self.live_last = Some(seq);
-        self.replaying = true;
-        let a = self.apply(seq, payload, index);
-        self.replaying = false;
-        a
+        self.apply(seq, payload, index, true)
     }
 
-    /// Whether an unknown parent should be skipped rather than trigger a resync.
-    fn skip_unknown_parents(&self) -> bool {
-        self.replaying || self.last_resync.is_some_and(|t| t.elapsed() < RESYNC_COOLDOWN)
+    /// Whether a resync happened within [`RESYNC_COOLDOWN`]: unknown parents are then skipped
+    /// rather than trigger another.
+    fn resynced_recently(&self) -> bool {
+        self.last_resync.is_some_and(|t| t.elapsed() < RESYNC_COOLDOWN)
     }
 
     /// A batch from a replay: applied if it is newer than what we have. An unknown parent is
@@ -179,13 +173,13 @@ impl Applier {
         if self.last_seq.is_some_and(|last| seq <= last) {
             return Action::Continue;
         }
-        self.replaying = true;
-        let a = self.apply(seq, payload, index);
-        self.replaying = false;
-        a
+        // The buffer may start after blocks that later events chain from.
+        self.apply(seq, payload, index, true)
     }
 
-    fn apply(&mut self, seq: u64, payload: &[u8], index: &dyn KvIndex) -> Action {
+    /// Applies one batch; `skip_orphans` skips (and counts) events with an unknown parent
+    /// instead of resyncing.
+    fn apply(&mut self, seq: u64, payload: &[u8], index: &dyn KvIndex, skip_orphans: bool) -> Action {
         self.last_seq = Some(seq);
         let batch = match decode_batch(payload) {
             Ok(b) => b,
@@ -195,7 +189,7 @@ impl Applier {
                 return Action::Continue;
             }
         };
-        match self.apply_batch(&batch, index) {
+        match self.apply_decoded(&batch, index, skip_orphans || self.resynced_recently()) {
             Ok(()) => Action::Continue,
             Err(parent) => {
                 self.counts.unknown_parents += 1;
@@ -207,8 +201,14 @@ impl Applier {
         }
     }
 
-    /// Applies a decoded batch; `Err(engine_parent)` when a parent is unknown.
+    /// Applies a decoded batch; `Err(engine_parent)` when a parent is unknown (skipped instead
+    /// within the resync cooldown).
     pub fn apply_batch(&mut self, batch: &Batch, index: &dyn KvIndex) -> Result<(), u64> {
+        let skip_orphans = self.resynced_recently();
+        self.apply_decoded(batch, index, skip_orphans)
+    }
+
+    fn apply_decoded(&mut self, batch: &Batch, index: &dyn KvIndex, skip_orphans: bool) -> Result<(), u64> {
         self.last_ts = batch.ts;
         for ev in &batch.events {
             if !ev.is_main_gpu() {
@@ -221,7 +221,7 @@ impl Applier {
                         None => None,
                         Some(p) => match self.engine.get(&p) {
                             Some(&(ours, _)) => Some(ours),
-                            None if self.skip_unknown_parents() => {
+                            None if skip_orphans => {
                                 // Chains from before the replay buffer: skip, keep going.
                                 self.counts.unknown_parents_skipped += 1;
                                 continue;
@@ -245,7 +245,7 @@ impl Applier {
                     let ours = self.hasher.with_lora(s.lora_name.as_deref()).chain(parent, &s.token_ids);
                     match index.insert(self.worker, parent, &ours) {
                         Ok(()) => {}
-                        Err(IndexError::UnknownParent(_)) if self.skip_unknown_parents() => {
+                        Err(IndexError::UnknownParent(_)) if skip_orphans => {
                             self.counts.unknown_parents_skipped += 1;
                             continue;
                         }
