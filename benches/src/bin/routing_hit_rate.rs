@@ -83,35 +83,37 @@ async fn wait_ok(http: &reqwest::Client, url: &str) {
     panic!("{url} did not come up");
 }
 
-/// Sum of the samples of `name` whose label set contains `label` (e.g. `result="applied"`).
-async fn metric_sum_where(http: &reqwest::Client, url: &str, name: &str, label: &str) -> f64 {
-    let text = http.get(url).send().await.expect("metrics").text().await.expect("metrics body");
-    text.lines()
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']) && l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+/// One scrape of a Prometheus `/metrics` page.
+async fn scrape(http: &reqwest::Client, url: &str) -> String {
+    http.get(url).send().await.expect("metrics").text().await.expect("metrics body")
 }
 
-async fn metric_sum(http: &reqwest::Client, url: &str, name: &str) -> f64 {
-    metric_sum_where(http, url, name, "").await
+/// The sample lines of `name` whose label set contains `label` (`""` for all).
+fn samples<'a>(text: &'a str, name: &'a str, label: &'a str) -> impl Iterator<Item = &'a str> {
+    text.lines().filter(move |l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']) && l.contains(label))
 }
+
+/// Sum of the samples of `name` whose label set contains `label`.
+fn sum(text: &str, name: &str, label: &str) -> f64 {
+    samples(text, name, label).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
+}
+
+const APPLIED: &str = r#"result="applied""#;
 
 /// Event sources (workers) the gateway has applied events from.
-async fn sources_with_events(http: &reqwest::Client, url: &str) -> usize {
-    let text = http.get(url).send().await.expect("metrics").text().await.expect("metrics body");
-    let sources: std::collections::HashSet<&str> = text
-        .lines()
-        .filter(|l| l.starts_with("kvgate_kv_events_total{") && l.contains(r#"result="applied""#))
-        .filter_map(|l| l.split("source=\"").nth(1)?.split('"').next())
-        .collect();
+fn sources_with_events(text: &str) -> usize {
+    let sources: std::collections::HashSet<&str> =
+        samples(text, "kvgate_kv_events_total", APPLIED).filter_map(|l| l.split("source=\"").nth(1)?.split('"').next()).collect();
     sources.len()
 }
 
-/// `name` summed over every worker's `/metrics`.
-async fn fleet_sum(http: &reqwest::Client, urls: &[String], name: &str) -> f64 {
-    let mut total = 0.0;
+/// (prefix cache hits, queries) summed over the workers, one scrape each.
+async fn fleet_hits_and_queries(http: &reqwest::Client, urls: &[String]) -> (f64, f64) {
+    let mut total = (0.0, 0.0);
     for u in urls {
-        total += metric_sum(http, &format!("{u}/metrics"), name).await;
+        let text = scrape(http, &format!("{u}/metrics")).await;
+        total.0 += sum(&text, "vllm:prefix_cache_hits_total", "");
+        total.1 += sum(&text, "vllm:prefix_cache_queries_total", "");
     }
     total
 }
@@ -171,7 +173,7 @@ async fn run(args: &Args, setting: &str) -> Outcome {
     if setting.contains("mode: kv") && !setting.contains("kv_events: false") {
         let metrics = format!("http://127.0.0.1:{admin}/metrics");
         let start = Instant::now();
-        while sources_with_events(&http, &metrics).await < sim_urls.len() {
+        while sources_with_events(&scrape(&http, &metrics).await) < sim_urls.len() {
             assert!(start.elapsed() < Duration::from_secs(30), "the gateway gets no KV events from some workers");
             for u in &sim_urls {
                 let _ = http.post(format!("{u}/v1/completions")).json(&serde_json::json!({"model": "sim-model", "prompt": prompt(9999, 0, 2), "max_tokens": 1})).send().await;
@@ -180,8 +182,7 @@ async fn run(args: &Args, setting: &str) -> Outcome {
         }
     }
 
-    let hits_before = fleet_sum(&http, &sim_urls, "vllm:prefix_cache_hits_total").await;
-    let queries_before = fleet_sum(&http, &sim_urls, "vllm:prefix_cache_queries_total").await;
+    let (hits_before, queries_before) = fleet_hits_and_queries(&http, &sim_urls).await;
     let mut jobs: Vec<Vec<u32>> = (0..args.per_group).flat_map(|i| (0..args.groups).map(move |g| prompt(g, i, args.prefix_blocks))).collect();
     let mut x: u64 = 0x2545_f491;
     for i in (1..jobs.len()).rev() {
@@ -208,9 +209,8 @@ async fn run(args: &Args, setting: &str) -> Outcome {
         lat.push(t.await.expect("task"));
     }
     let wall_s = started.elapsed().as_secs_f64();
-    let hits_after = fleet_sum(&http, &sim_urls, "vllm:prefix_cache_hits_total").await;
-    let queries_after = fleet_sum(&http, &sim_urls, "vllm:prefix_cache_queries_total").await;
-    let events = metric_sum_where(&http, &format!("http://127.0.0.1:{admin}/metrics"), "kvgate_kv_events_total", r#"result="applied""#).await;
+    let (hits_after, queries_after) = fleet_hits_and_queries(&http, &sim_urls).await;
+    let events = sum(&scrape(&http, &format!("http://127.0.0.1:{admin}/metrics")).await, "kvgate_kv_events_total", APPLIED);
     lat.sort_by(f64::total_cmp);
     let (hits, queries) = (hits_after - hits_before, queries_after - queries_before);
     Outcome {
