@@ -9,23 +9,10 @@
 //!   cargo build --release -p kvgate-bench && taskset -c 0 target/release/kv-index
 
 use kvgate_kv::hash::{DEFAULT_SEED, Hasher};
+use kvgate_bench::{Rng, percentile as pct};
 use kvgate_kv::index::{FlatIndex, KvIndex, ReferenceTree};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-}
-
-fn pct(v: &mut [Duration], p: f64) -> Duration {
-    v.sort_unstable();
-    v[((v.len() - 1) as f64 * p) as usize]
-}
 
 /// Fills `idx` with ~`total_blocks` blocks spread over `workers`: conversations that share
 /// system prompts (a tree with fan-out), each worker holding a share, plus the query prompt's
@@ -36,9 +23,9 @@ fn fill(idx: &dyn KvIndex, workers: usize, total_blocks: usize, query: &[u64], r
     let prefixes: Vec<Vec<u64>> = (0..64).map(|p| h.chain(None, &(0..16 * 32).map(|t| t + p * 100_000).collect::<Vec<u32>>())).collect();
     let mut conv = 0u32;
     while inserted < total_blocks {
-        let w = (rng.next() % workers as u64) as u16;
-        let prefix = &prefixes[(rng.next() % 64) as usize];
-        let plen = 1 + (rng.next() % prefix.len() as u64) as usize;
+        let w = (rng.next_u64() % workers as u64) as u16;
+        let prefix = &prefixes[(rng.next_u64() % 64) as usize];
+        let plen = 1 + (rng.next_u64() % prefix.len() as u64) as usize;
         idx.insert(w, None, &prefix[..plen]).expect("insert");
         let tail_tokens: Vec<u32> = (0..16 * 48).map(|t| t + conv * 1000 + 7_000_000).collect();
         let tail = h.chain(Some(prefix[plen - 1]), &tail_tokens);
@@ -48,7 +35,7 @@ fn fill(idx: &dyn KvIndex, workers: usize, total_blocks: usize, query: &[u64], r
     }
     // Every worker holds a different-length prefix of the query chain.
     for w in 0..workers {
-        let n = 1 + (rng.next() % query.len() as u64) as usize;
+        let n = 1 + (rng.next_u64() % query.len() as u64) as usize;
         idx.insert(w as u16, None, &query[..n]).expect("insert");
     }
     inserted

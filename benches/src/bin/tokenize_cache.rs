@@ -6,6 +6,7 @@
 //!   taskset -c 0 target/release/tokenize-cache [--tokenizer DIR] [--conversations 16] [--turns 12]
 
 use clap::Parser;
+use kvgate_bench::Rng;
 use kvgate_tokenize::{ModelTokenizer, SegmentCache};
 use std::time::{Duration, Instant};
 
@@ -29,25 +30,20 @@ const WORDS: &[&str] = &[
     "2048", "16", "0.85", "Kubernetes", "vLLM", "GPU", "H100", "p99", "TTFT", "SLO", "why", "how", "what", "does", "should", "could",
 ];
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> usize {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) as usize
-    }
+/// 31 pseudo-random bits as an index (the workload recorded in RESULTS.md).
+fn next(rng: &mut Rng) -> usize {
+    (rng.next_u64() >> 33) as usize
 }
 
 fn message(rng: &mut Rng, words: usize) -> String {
     let mut s = String::new();
     for i in 0..words {
         if i > 0 {
-            s.push(if rng.next().is_multiple_of(17) { '\n' } else { ' ' });
+            s.push(if next(rng).is_multiple_of(17) { '\n' } else { ' ' });
         }
-        s.push_str(WORDS[rng.next() % WORDS.len()]);
-        if rng.next().is_multiple_of(11) {
-            s.push(if rng.next().is_multiple_of(2) { '.' } else { ',' });
+        s.push_str(WORDS[next(rng) % WORDS.len()]);
+        if next(rng).is_multiple_of(11) {
+            s.push(if next(rng).is_multiple_of(2) { '.' } else { ',' });
         }
     }
     s

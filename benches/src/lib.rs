@@ -1,0 +1,23 @@
+//! Helpers shared by the benchmark binaries: a deterministic generator for reproducible
+//! workloads and percentiles of latency samples.
+
+use std::time::Duration;
+
+/// xorshift64*: the same workload from the same seed on every run.
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// The next 64 pseudo-random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+}
+
+/// The `p` quantile (0..=1, nearest rank below) of `v`, which it sorts.
+pub fn percentile(v: &mut [Duration], p: f64) -> Duration {
+    v.sort_unstable();
+    v[((v.len() - 1) as f64 * p) as usize]
+}
