@@ -6,7 +6,7 @@
 use super::error::{ApiError, json_response};
 use super::generate::PreparedPrompt;
 use super::protocol::{ChatRequest, check_length, parse_body};
-use super::response::{ChoiceState, ChunkFormat, Meta, collect, echo_header, finish_json, json_str, sse};
+use super::response::{ChoiceState, ChunkFormat, Meta, collect, echo_header, finish_json, json_str, sse, write_usage};
 use super::{AppState, encode};
 use crate::chat_template::{ChatInput, normalize_messages};
 use crate::engine::Delivery;
@@ -148,13 +148,8 @@ impl ChatChunks {
 
     fn usage(&self, s: &ChoiceState, out: &mut String) {
         if self.continuous_usage {
-            let _ = write!(
-                out,
-                ",\"usage\":{{\"prompt_tokens\":{},\"total_tokens\":{},\"completion_tokens\":{}}}",
-                s.prompt,
-                s.prompt + s.generated,
-                s.generated
-            );
+            out.push(',');
+            write_usage(out, s.prompt, s.generated);
         }
     }
 }
@@ -193,10 +188,8 @@ impl ChunkFormat for ChatChunks {
 
     fn usage_chunk(&self, meta: &Meta, prompt: usize, completion: usize, out: &mut String) {
         Self::head(meta, out);
-        let _ = write!(
-            out,
-            "],\"usage\":{{\"prompt_tokens\":{prompt},\"total_tokens\":{},\"completion_tokens\":{completion}}},\"system_fingerprint\":\"vllm-sim\"}}\n\n",
-            prompt + completion
-        );
+        out.push_str("],");
+        write_usage(out, prompt, completion);
+        out.push_str(",\"system_fingerprint\":\"vllm-sim\"}\n\n");
     }
 }

@@ -5,7 +5,7 @@
 use super::error::{ApiError, json_response};
 use super::generate::PreparedPrompt;
 use super::protocol::{CompletionRequest, Prompt, check_length, check_token_ids, parse_body};
-use super::response::{ChoiceState, ChunkFormat, Meta, collect, echo_header, finish_json, json_str, sse};
+use super::response::{ChoiceState, ChunkFormat, Meta, collect, echo_header, finish_json, json_str, sse, write_usage};
 use super::{AppState, encode};
 use crate::engine::Delivery;
 use axum::extract::State;
@@ -147,13 +147,8 @@ impl ChunkFormat for CompletionChunks {
         }
         out.push_str("}]");
         if self.continuous_usage {
-            let _ = write!(
-                out,
-                ",\"usage\":{{\"prompt_tokens\":{},\"total_tokens\":{},\"completion_tokens\":{}}}",
-                s.prompt,
-                s.prompt + s.generated,
-                s.generated
-            );
+            out.push(',');
+            write_usage(out, s.prompt, s.generated);
         }
         out.push_str("}\n\n");
     }
@@ -161,11 +156,10 @@ impl ChunkFormat for CompletionChunks {
     fn usage_chunk(&self, meta: &Meta, prompt: usize, completion: usize, out: &mut String) {
         let _ = write!(
             out,
-            "data: {{\"id\":{},\"object\":\"text_completion\",\"created\":{},\"model\":{},\"choices\":[],\"usage\":{{\"prompt_tokens\":{prompt},\"total_tokens\":{},\"completion_tokens\":{completion}}},\"system_fingerprint\":\"vllm-sim\"}}\n\n",
-            meta.id_json,
-            meta.created,
-            meta.model_json,
-            prompt + completion
+            "data: {{\"id\":{},\"object\":\"text_completion\",\"created\":{},\"model\":{},\"choices\":[],",
+            meta.id_json, meta.created, meta.model_json
         );
+        write_usage(out, prompt, completion);
+        out.push_str(",\"system_fingerprint\":\"vllm-sim\"}\n\n");
     }
 }

@@ -70,6 +70,13 @@ pub struct ChoiceState {
     pub done: bool,
 }
 
+/// Writes `"usage":{"prompt_tokens":..,"total_tokens":..,"completion_tokens":..}` as vLLM
+/// orders it, for per-token and final usage alike.
+pub fn write_usage(out: &mut String, prompt: usize, completion: usize) {
+    use std::fmt::Write as _;
+    let _ = write!(out, "\"usage\":{{\"prompt_tokens\":{prompt},\"total_tokens\":{},\"completion_tokens\":{completion}}}", prompt + completion);
+}
+
 /// Formats the chunks of one endpoint.
 pub trait ChunkFormat: Send + 'static {
     /// The chunk(s) for one token. `state` already counts this token.
