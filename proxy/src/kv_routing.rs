@@ -6,7 +6,7 @@
 //! (`health::supervise_kv`), keyed by this state, so a reload replaces them.
 
 use crate::config::{ModelConfig, UpstreamUrl};
-use kvgate_filters::route::{ActiveSequences, Candidate, KvParams, KvPolicy};
+use kvgate_filters::route::{ActiveSequences, Candidate, KvParams, KvPolicy, Tracking};
 use kvgate_kv::approx::{ApproxConfig, ApproxIndex};
 use kvgate_kv::hash::{BlockHash, DEFAULT_SEED, Hasher};
 use kvgate_kv::index::{FlatIndex, KvIndex, Matches, WorkerId};
@@ -97,10 +97,23 @@ impl KvRouting {
             hasher,
             tokenizer,
             cache,
-            active: ActiveSequences::new(m.workers.len(), r.assume_kv_reuse),
+            active: ActiveSequences::new(
+                m.workers.len(),
+                Tracking {
+                    assume_kv_reuse: r.assume_kv_reuse,
+                    active_blocks: r.track_active_blocks,
+                    output_blocks: r.track_output_blocks,
+                    block_size: m.block_size,
+                },
+            ),
             slots,
             sources,
-            policy: KvPolicy::new(KvParams { overlap_score_weight: r.overlap_score_weight, temperature: r.temperature, block_size: m.block_size }),
+            policy: KvPolicy::new(KvParams {
+                overlap_score_weight: r.overlap_score_weight,
+                temperature: r.temperature,
+                block_size: m.block_size,
+                track_active_blocks: r.track_active_blocks,
+            }),
             max_prefix_blocks: r.max_prefix_blocks,
         })
     }

@@ -132,6 +132,28 @@ async fn chat_stream_starts_with_role_chunk() {
     assert_eq!(b.events.last().unwrap()["usage"]["completion_tokens"], 3);
 }
 
+/// kvgate's output-block tracking counts generated tokens from the stream's events; that count
+/// must match the worker's own `completion_tokens` on both endpoints.
+#[tokio::test]
+async fn stream_events_count_the_generated_tokens() {
+    use kvgate::http::sse::SseEventCounter;
+    let t = Target::start().await;
+    let usage = json!({"include_usage": true});
+    let bodies = [
+        ("/v1/completions", json!({"model": t.model, "prompt": unique_text(7), "max_tokens": 24, "ignore_eos": true, "stream": true, "stream_options": usage})),
+        (
+            "/v1/chat/completions",
+            json!({"model": t.model, "messages": [{"role": "user", "content": unique_text(7)}], "max_tokens": 24, "ignore_eos": true, "stream": true, "stream_options": usage}),
+        ),
+    ];
+    for (path, body) in bodies {
+        let (s, _, b) = sse::stream(&t.http, &format!("{}{path}", t.url), &body).await;
+        assert_eq!(s, 200, "{}", b.raw);
+        let counted = SseEventCounter::default().feed(b.raw.as_bytes());
+        assert_eq!(Some(counted), b.events.last().unwrap()["usage"]["completion_tokens"].as_u64(), "{path}: {}", b.raw);
+    }
+}
+
 #[tokio::test]
 async fn chat_unary_shape_and_template_tokens() {
     let t = Target::start().await;

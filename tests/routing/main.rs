@@ -434,3 +434,40 @@ async fn chat_turns_follow_their_cached_history_with_the_gateways_tokenizer() {
     let m = c.gateway_metrics().await;
     assert!(m.sum("kvgate_routing_overlap_blocks_sum", &[]) > 0.0, "later turns matched cached blocks");
 }
+
+/// The most `kvgate_worker_active_blocks` (all workers) seen while one stream of `max_tokens`
+/// runs with `body_extra` merged in, sampled from the gateway's metrics.
+async fn peak_active_blocks(c: &Cluster, p: &[u32], max_tokens: u32, body_extra: Value) -> f64 {
+    let mut body = json!({"prompt": p, "max_tokens": max_tokens, "ignore_eos": true, "stream": true});
+    body.as_object_mut().unwrap().extend(body_extra.as_object().unwrap().clone());
+    let (http, url) = (c.http.clone(), c.url("/v1/completions"));
+    let stream = tokio::spawn(async move { http.post(url).json(&body).send().await.unwrap().text().await.unwrap() });
+    let mut peak: f64 = 0.0;
+    while !stream.is_finished() {
+        peak = peak.max(c.gateway_metrics().await.sum("kvgate_worker_active_blocks", &[]));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let text = stream.await.unwrap();
+    assert_eq!(text.matches("\"text\"").count(), max_tokens as usize, "the stream completed");
+    let zero = wait_until(Duration::from_secs(2), || async { c.gateway_metrics().await.sum("kvgate_worker_active_blocks", &[]) == 0.0 }).await;
+    assert!(zero.is_some(), "output blocks released at the end");
+    peak
+}
+
+#[tokio::test]
+async fn output_blocks_are_booked_as_tokens_stream_and_decay_toward_the_osl_hint() {
+    // 2 prompt blocks; 480 output tokens fill 30 more blocks.
+    let opts = |extra: &str| GatewayOpts { mode: "kv".into(), routing_extra: extra.into(), health_interval_ms: 10, ..Default::default() };
+    let p = prompt(1, 0, 0)[..32].to_vec();
+    // Faster than real time, still ~1 s per stream against a 10 ms metrics refresh.
+    let fast = || SimConfig { time_scale: 4.0, ..sim() };
+    let tracked = kv_cluster_on(fast(), opts("track_output_blocks: true")).await;
+    let full = peak_active_blocks(&tracked, &p, 480, json!({})).await;
+    assert!((26.0..=32.0).contains(&full), "without a hint every output block counts: peak {full}");
+    // osl = 480: block k of the output weighs 1 − generated/480, peaking at about 2 + 30/4.
+    let hinted = peak_active_blocks(&tracked, &p, 480, json!({"nvext": {"agent_hints": {"osl": 480}}})).await;
+    assert!((6.0..=11.0).contains(&hinted), "blocks decay toward the expected end: peak {hinted}");
+    let untracked = kv_cluster_on(fast(), opts("")).await;
+    let off = peak_active_blocks(&untracked, &p, 480, json!({})).await;
+    assert_eq!(off, 2.0, "off by default: only the prompt's blocks");
+}

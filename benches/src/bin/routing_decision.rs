@@ -5,7 +5,7 @@
 //!
 //!   cargo build --release -p kvgate-bench && taskset -c 0 target/release/routing-decision
 
-use kvgate_filters::route::{ActiveSequences, Candidate, KvParams, KvPolicy, Policy, RequestSummary, RoundRobin};
+use kvgate_filters::route::{ActiveSequences, Candidate, KvParams, KvPolicy, Load, Policy, RequestSummary, RoundRobin, Tracking};
 use kvgate_kv::hash::{DEFAULT_SEED, Hasher};
 use kvgate_kv::index::{FlatIndex, KvIndex};
 use std::hint::black_box;
@@ -36,12 +36,12 @@ fn main() {
         index.insert(w as u16, None, &query[..1 + (w * 7) % query.len()]).unwrap();
     }
     // 4 requests in flight per worker, some sharing the query's prefix.
-    let active = ActiveSequences::new(WORKERS, true);
+    let active = ActiveSequences::new(WORKERS, Tracking::default());
     let mut bookings = Vec::new();
     for w in 0..WORKERS {
         for r in 0..4u32 {
             let toks: Vec<u32> = if r == 0 { prompt[..1024].to_vec() } else { (0..2048).map(|t| t + r * 10_000 + w as u32 * 100_000).collect() };
-            bookings.push(active.book(w as u16, 1000, h.chain(None, &toks)));
+            bookings.push(active.book(w as u16, Load { prefill_tokens: 1000, prompt_tokens: toks.len() as u64, chain: h.chain(None, &toks), expected_output: None }));
         }
     }
     let policy = KvPolicy::new(KvParams::default());

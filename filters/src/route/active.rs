@@ -4,6 +4,13 @@
 //! by several requests counts once (`assume_kv_reuse`) and "how much of this request is
 //! already active here" is one `find_matches`.
 //!
+//! With output tracking on, a streamed request also books the blocks its output fills: one each
+//! time `prompt_tokens + generated_tokens` crosses a block boundary. Output blocks belong to
+//! one request only, so with the client's expected output length (`nvext.agent_hints.osl`)
+//! each weighs `max(0, 1 − generated / osl)`: a request near its end is about to free them.
+//! Prompt blocks always count in full, because another request may share them (Dynamo decays
+//! those too when they look private at the moment, which undercounts a prefix shared later).
+//!
 //! Every booking is a [`Booking`] guard: completion, error, cancellation or a panic drop it,
 //! and dropping releases exactly what it booked, so totals return to zero when load stops. As
 //! a safety net, [`ActiveSequences::expire`] releases bookings older than a limit (a request
@@ -14,8 +21,27 @@ use kvgate_kv::index::{FlatIndex, KvIndex, Matches, WorkerId};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+
+/// What the gateway books per request (the `routing` switches of a model).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tracking {
+    /// Requests sharing a prefix on one worker share its blocks: count them once.
+    pub assume_kv_reuse: bool,
+    /// Book prompt blocks as decode load at all (off for prefill-only workers).
+    pub active_blocks: bool,
+    /// Book the blocks a streamed request's output fills as it is generated.
+    pub output_blocks: bool,
+    /// Tokens per KV block.
+    pub block_size: u32,
+}
+
+impl Default for Tracking {
+    fn default() -> Self {
+        Self { assume_kv_reuse: true, active_blocks: true, output_blocks: false, block_size: 16 }
+    }
+}
 
 /// Per-worker load booked by the gateway.
 pub struct ActiveSequences {
@@ -23,7 +49,10 @@ pub struct ActiveSequences {
     prefill: Box<[AtomicU64]>,
     /// Blocks booked without dedup (when `assume_kv_reuse` is off).
     raw_blocks: Box<[AtomicUsize]>,
-    assume_kv_reuse: bool,
+    /// Weighted output blocks, in thousandths of a block. Signed: a release may subtract a
+    /// contribution before a concurrent update has added it.
+    output_milli: Box<[AtomicI64]>,
+    tracking: Tracking,
     next_salt: AtomicU64,
     live: Mutex<HashMap<u64, (Instant, Arc<Release>)>>,
     expired: AtomicU64,
@@ -34,18 +63,44 @@ struct Release {
     worker: WorkerId,
     prefill: u64,
     chain: Vec<BlockHash>,
+    prompt_tokens: u64,
+    expected_output: Option<u64>,
+    output: Mutex<Output>,
     prefill_released: AtomicBool,
     released: AtomicBool,
 }
 
+/// A booking's output so far; behind a mutex shared only by its stream and a release.
+#[derive(Default)]
+struct Output {
+    generated: u64,
+    /// What it adds to the worker's `output_milli` now.
+    milli: i64,
+    closed: bool,
+}
+
+/// One request to book on a worker.
+#[derive(Debug, Clone, Default)]
+pub struct Load {
+    /// Prompt tokens the worker must compute (not cached there).
+    pub prefill_tokens: u64,
+    /// The prompt's chained block hashes.
+    pub chain: Vec<BlockHash>,
+    /// Prompt length in tokens (where output blocks start).
+    pub prompt_tokens: u64,
+    /// Expected output tokens (`nvext.agent_hints.osl`), if the client said.
+    pub expected_output: Option<u64>,
+}
+
 impl ActiveSequences {
     /// Tracking for `workers` workers (≤ 256).
-    pub fn new(workers: usize, assume_kv_reuse: bool) -> Arc<Self> {
+    pub fn new(workers: usize, tracking: Tracking) -> Arc<Self> {
         Arc::new(Self {
             blocks: FlatIndex::new(workers.max(1), 4096),
             prefill: (0..workers.max(1)).map(|_| AtomicU64::new(0)).collect(),
             raw_blocks: (0..workers.max(1)).map(|_| AtomicUsize::new(0)).collect(),
-            assume_kv_reuse,
+            output_milli: (0..workers.max(1)).map(|_| AtomicI64::new(0)).collect(),
+            tracking,
             next_salt: AtomicU64::new(1),
             live: Mutex::new(HashMap::new()),
             expired: AtomicU64::new(0),
@@ -85,6 +140,11 @@ impl ActiveSequences {
             return;
         }
         self.release_prefill(r);
+        {
+            let mut o = r.output.lock();
+            o.closed = true;
+            self.add_output(r.worker, -std::mem::take(&mut o.milli));
+        }
         if let Some(b) = self.raw_blocks.get(r.worker as usize) {
             b.fetch_sub(r.chain.len(), Ordering::Relaxed);
         }
@@ -94,33 +154,66 @@ impl ActiveSequences {
         }
     }
 
+    fn add_output(&self, w: WorkerId, milli: i64) {
+        if let Some(o) = self.output_milli.get(w as usize) {
+            o.fetch_add(milli, Ordering::Relaxed);
+        }
+    }
+
+    /// `generated` more output tokens of the booking `r`: rebook its output blocks.
+    fn output_grew(&self, r: &Release, generated: u64) {
+        let bs = u64::from(self.tracking.block_size.max(1));
+        let mut o = r.output.lock();
+        if o.closed {
+            return;
+        }
+        o.generated += generated;
+        let blocks = (r.prompt_tokens + o.generated) / bs - r.prompt_tokens / bs;
+        let weight = match r.expected_output {
+            Some(osl) if osl > 0 => (1.0 - o.generated as f64 / osl as f64).max(0.0),
+            _ => 1.0,
+        };
+        let milli = (blocks as f64 * weight * 1000.0).round() as i64;
+        self.add_output(r.worker, milli - o.milli);
+        o.milli = milli;
+    }
+
+    /// What this tracks.
+    pub fn tracking(&self) -> Tracking {
+        self.tracking
+    }
+
     /// Prefill tokens booked on `w` and not started decoding.
     pub fn prefill_tokens(&self, w: WorkerId) -> u64 {
         self.prefill.get(w as usize).map_or(0, |p| p.load(Ordering::Relaxed))
     }
 
-    /// Distinct blocks booked on `w` (or all booked blocks when shared prefixes are not assumed
-    /// to be reused).
+    /// Blocks booked on `w`: distinct prompt blocks (or all of them when shared prefixes are
+    /// not assumed to be reused) plus weighted output blocks, rounded.
     pub fn active_blocks(&self, w: WorkerId) -> u64 {
-        if self.assume_kv_reuse {
+        let prompt = if self.tracking.assume_kv_reuse {
             self.blocks.block_count(w) as u64
         } else {
             self.raw_blocks.get(w as usize).map_or(0, |b| b.load(Ordering::Relaxed)) as u64
-        }
+        };
+        let output = self.output_milli.get(w as usize).map_or(0, |o| o.load(Ordering::Relaxed)).max(0) as u64;
+        prompt + (output + 500) / 1000
     }
 
     /// How many leading blocks of `chain` are already booked, per worker.
     pub fn overlap(&self, chain: &[BlockHash]) -> Matches {
-        if self.assume_kv_reuse { self.blocks.find_matches(chain) } else { Matches::default() }
+        if self.tracking.assume_kv_reuse { self.blocks.find_matches(chain) } else { Matches::default() }
     }
 
-    /// Books a request on `w`: `prefill_tokens` to compute and its block `chain`.
-    pub fn book(self: &Arc<Self>, w: WorkerId, prefill_tokens: u64, chain: Vec<BlockHash>) -> Booking {
+    /// Books `load` on `w`, until the returned guard drops.
+    pub fn book(self: &Arc<Self>, w: WorkerId, load: Load) -> Booking {
+        let Load { prefill_tokens, chain, prompt_tokens, expected_output } = load;
+        let chain = if self.tracking.active_blocks { chain } else { Vec::new() };
         if (w as usize) < self.prefill.len() {
             self.prefill[w as usize].fetch_add(prefill_tokens, Ordering::Relaxed);
             self.raw_blocks[w as usize].fetch_add(chain.len(), Ordering::Relaxed);
         }
-        let chain = if self.assume_kv_reuse {
+        let chain = if self.tracking.assume_kv_reuse {
             chain
         } else {
             // Unique per booking: no two requests share blocks.
@@ -133,6 +226,9 @@ impl ActiveSequences {
             worker: w,
             prefill: prefill_tokens,
             chain,
+            prompt_tokens,
+            expected_output,
+            output: Mutex::new(Output::default()),
             prefill_released: AtomicBool::new(false),
             released: AtomicBool::new(false),
         });
@@ -154,6 +250,19 @@ impl Booking {
         self.seqs.release_prefill(&self.release);
     }
 
+    /// Whether [`Booking::generated`] does anything (output blocks are tracked).
+    pub fn tracks_output(&self) -> bool {
+        self.seqs.tracking.output_blocks && self.seqs.tracking.active_blocks
+    }
+
+    /// The request generated `tokens` more output tokens (no-op unless output blocks are
+    /// tracked).
+    pub fn generated(&self, tokens: u64) {
+        if self.tracks_output() && tokens > 0 {
+            self.seqs.output_grew(&self.release, tokens);
+        }
+    }
+
     /// The worker it is booked on.
     pub fn worker(&self) -> WorkerId {
         self.release.worker
@@ -171,11 +280,99 @@ impl Drop for Booking {
 mod tests {
     use super::*;
 
+    fn prompt(prefill_tokens: u64, chain: Vec<BlockHash>) -> Load {
+        Load { prefill_tokens, prompt_tokens: prefill_tokens, chain, expected_output: None }
+    }
+
+    fn with_output(block_size: u32) -> Arc<ActiveSequences> {
+        ActiveSequences::new(1, Tracking { output_blocks: true, block_size, ..Tracking::default() })
+    }
+
+    #[test]
+    fn output_blocks_are_booked_at_each_block_boundary() {
+        let s = with_output(4);
+        // 6 prompt tokens: the first output block boundary is at token 8, i.e. 2 generated.
+        let b = s.book(0, Load { prefill_tokens: 6, prompt_tokens: 6, chain: vec![1], expected_output: None });
+        assert_eq!(s.active_blocks(0), 1);
+        b.generated(1);
+        assert_eq!(s.active_blocks(0), 1);
+        b.generated(1);
+        assert_eq!(s.active_blocks(0), 2, "token 8 fills a block");
+        b.generated(8);
+        assert_eq!(s.active_blocks(0), 4);
+        drop(b);
+        assert_eq!(s.active_blocks(0), 0);
+    }
+
+    #[test]
+    fn with_an_expected_length_output_blocks_decay_toward_its_end() {
+        let s = with_output(1);
+        let b = s.book(0, Load { prefill_tokens: 0, prompt_tokens: 0, chain: vec![], expected_output: Some(100) });
+        b.generated(50);
+        assert_eq!(s.active_blocks(0), 25, "50 blocks weigh 1 - 50/100 each");
+        b.generated(30);
+        assert_eq!(s.active_blocks(0), 16, "80 blocks at 0.2");
+        b.generated(40);
+        assert_eq!(s.active_blocks(0), 0, "past the expected length they weigh nothing");
+        drop(b);
+        assert_eq!(s.active_blocks(0), 0);
+    }
+
+    #[test]
+    fn output_is_not_tracked_unless_asked_and_prompt_blocks_can_be_off() {
+        let s = ActiveSequences::new(1, Tracking::default());
+        let b = s.book(0, prompt(0, vec![1, 2]));
+        b.generated(1000);
+        assert_eq!(s.active_blocks(0), 2);
+        let s = ActiveSequences::new(1, Tracking { active_blocks: false, output_blocks: true, ..Tracking::default() });
+        let b = s.book(0, prompt(32, vec![1, 2]));
+        b.generated(1000);
+        assert_eq!((s.prefill_tokens(0), s.active_blocks(0)), (32, 0));
+    }
+
+    #[test]
+    fn output_after_expiry_books_nothing() {
+        let s = with_output(1);
+        let b = s.book(0, prompt(0, vec![]));
+        b.generated(10);
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(s.expire(Duration::from_millis(1)), 1);
+        assert_eq!(s.active_blocks(0), 0);
+        b.generated(10);
+        drop(b);
+        assert_eq!(s.active_blocks(0), 0);
+    }
+
+    #[test]
+    fn concurrent_streams_and_expiry_leave_exactly_zero() {
+        let s = with_output(2);
+        std::thread::scope(|sc| {
+            for t in 0..4u64 {
+                let s = s.clone();
+                sc.spawn(move || {
+                    for i in 0..300u64 {
+                        let b = s.book(0, Load { prefill_tokens: 5, prompt_tokens: 5, chain: vec![t * 1000 + i + 1], expected_output: (i % 2 == 0).then_some(40) });
+                        for _ in 0..(i % 50) {
+                            b.generated(1);
+                        }
+                    }
+                });
+            }
+            let s = s.clone();
+            sc.spawn(move || {
+                for _ in 0..200 {
+                    s.expire(Duration::ZERO);
+                }
+            });
+        });
+        assert_eq!((s.prefill_tokens(0), s.active_blocks(0)), (0, 0));
+    }
+
     #[test]
     fn shared_prefixes_count_once_and_everything_returns_to_zero() {
-        let s = ActiveSequences::new(2, true);
-        let a = s.book(0, 100, vec![1, 2, 3]);
-        let mut b = s.book(0, 50, vec![1, 2, 4, 5]);
+        let s = ActiveSequences::new(2, Tracking::default());
+        let a = s.book(0, prompt(100, vec![1, 2, 3]));
+        let mut b = s.book(0, prompt(50, vec![1, 2, 4, 5]));
         assert_eq!(s.prefill_tokens(0), 150);
         assert_eq!(s.active_blocks(0), 5, "blocks 1 and 2 shared");
         assert_eq!(s.overlap(&[1, 2, 4, 9]).get(0), 3);
@@ -190,9 +387,9 @@ mod tests {
 
     #[test]
     fn without_reuse_every_booking_counts_in_full() {
-        let s = ActiveSequences::new(1, false);
-        let a = s.book(0, 10, vec![1, 2]);
-        let b = s.book(0, 10, vec![1, 2]);
+        let s = ActiveSequences::new(1, Tracking { assume_kv_reuse: false, ..Tracking::default() });
+        let a = s.book(0, prompt(10, vec![1, 2]));
+        let b = s.book(0, prompt(10, vec![1, 2]));
         assert_eq!(s.active_blocks(0), 4);
         assert_eq!(s.overlap(&[1, 2]).get(0), 0);
         drop((a, b));
@@ -201,8 +398,8 @@ mod tests {
 
     #[test]
     fn expiry_releases_old_bookings_exactly_once() {
-        let s = ActiveSequences::new(1, true);
-        let b = s.book(0, 40, vec![1, 2]);
+        let s = ActiveSequences::new(1, Tracking::default());
+        let b = s.book(0, prompt(40, vec![1, 2]));
         assert_eq!(s.expire(Duration::from_secs(3600)), 0);
         std::thread::sleep(Duration::from_millis(5));
         assert_eq!(s.expire(Duration::from_millis(1)), 1);
@@ -214,10 +411,10 @@ mod tests {
 
     #[test]
     fn a_panic_releases_the_booking() {
-        let s = ActiveSequences::new(1, true);
+        let s = ActiveSequences::new(1, Tracking::default());
         let s2 = s.clone();
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
-            let _b = s2.book(0, 77, vec![7, 8]);
+            let _b = s2.book(0, prompt(77, vec![7, 8]));
             panic!("handler failed");
         }));
         assert!(r.is_err());

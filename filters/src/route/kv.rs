@@ -8,7 +8,7 @@
 //! `overlap_blocks` are the prompt's leading blocks already in the worker's KV cache;
 //! `active_overlap_blocks` those already booked on it by requests in flight, so a shared prefix
 //! is counted once in its decode load. `overlap_score_weight = 0` ignores the cache (pure load
-//! balancing).
+//! balancing); `track_active_blocks = false` drops the decode term (prefill-only workers).
 //!
 //! Temperature 0: the lowest cost; ties go to the worker with fewer requests in flight, then
 //! uniformly at random (no fixed order, so equal workers share traffic). Temperature T > 0:
@@ -27,11 +27,13 @@ pub struct KvParams {
     pub temperature: f64,
     /// Tokens per KV block.
     pub block_size: u32,
+    /// Count decode load at all (`false` for prefill-only workers: cost = weighted prefill).
+    pub track_active_blocks: bool,
 }
 
 impl Default for KvParams {
     fn default() -> Self {
-        Self { overlap_score_weight: 1.0, temperature: 0.0, block_size: 16 }
+        Self { overlap_score_weight: 1.0, temperature: 0.0, block_size: 16, track_active_blocks: true }
     }
 }
 
@@ -61,7 +63,7 @@ impl KvPolicy {
         let prefill_tokens = c.active_prefill_tokens as f64 + f64::from(req.prompt_tokens) - cached_tokens;
         let prefill_blocks = prefill_tokens / bs;
         let new_blocks = req.prompt_blocks.saturating_sub(c.active_overlap_blocks);
-        let decode_blocks = c.active_blocks as f64 + f64::from(new_blocks);
+        let decode_blocks = if self.params.track_active_blocks { c.active_blocks as f64 + f64::from(new_blocks) } else { 0.0 };
         (prefill_blocks, decode_blocks, self.params.overlap_score_weight * prefill_blocks + decode_blocks)
     }
 
@@ -151,6 +153,15 @@ mod tests {
         let p = KvPolicy::new(KvParams { overlap_score_weight: 0.0, ..Default::default() });
         let r = req(1024);
         assert_eq!(p.choose(&r, &[cand(0, 64, 0, 10), cand(1, 0, 0, 5)]), Decision::Worker(1));
+    }
+
+    #[test]
+    fn without_active_block_tracking_only_prefill_counts() {
+        let p = KvPolicy::new(KvParams { track_active_blocks: false, ..Default::default() });
+        let r = req(1024);
+        assert_eq!(p.cost(&r, &cand(0, 0, 0, 500)).1, 0.0);
+        // 500 active blocks would lose without the switch; prefill alone decides.
+        assert_eq!(p.choose(&r, &[cand(0, 32, 0, 500), cand(1, 0, 0, 0)]), Decision::Worker(0));
     }
 
     #[test]

@@ -11,7 +11,7 @@ mod queue;
 mod random;
 mod round_robin;
 
-pub use active::{ActiveSequences, Booking};
+pub use active::{ActiveSequences, Booking, Load, Tracking};
 pub use kv::{KvParams, KvPolicy};
 pub use policy::{Candidate, Decision, Policy, RequestSummary};
 pub use queue::{QueueError, RouterQueue};

@@ -82,9 +82,25 @@ pub fn load_str(text: &str, origin: &str, env: impl IntoIterator<Item = (String,
 }
 
 /// serde_yaml appends " at line L column C"; the location is reported separately.
+/// Dynamo router flags with no kvgate equivalent, and why: an operator porting a Dynamo
+/// configuration gets the reason instead of a bare "unknown field".
+const DYNAMO_ONLY: &[(&str, &str)] = &[
+    ("router_replica_sync", "kvgate runs one gateway per fleet; replicas of it do not share bookings"),
+    ("router_durable_kv_events", "KV events come straight from vLLM over ZeroMQ (no JetStream); a restarted gateway rebuilds its index from vLLM's replay"),
+    ("router_reset_states", "there is no JetStream state to reset: the index is rebuilt from vLLM's replay"),
+    ("router_snapshot_threshold", "there is no JetStream stream to snapshot: the index is rebuilt from vLLM's replay"),
+    ("router_event_threads", "the KV index is always concurrent (lock-free reads, one writer per event source)"),
+];
+
 fn strip_location(msg: &str) -> String {
-    match msg.rfind(" at line ") {
-        Some(i) => msg[..i].to_string(),
+    let msg = match msg.rfind(" at line ") {
+        Some(i) => &msg[..i],
+        None => msg,
+    };
+    let unknown = |flag: &str| msg.find(&format!("unknown field `{flag}`"));
+    match DYNAMO_ONLY.iter().find_map(|(flag, why)| unknown(flag).map(|at| (at, flag, why))) {
+        // Keep the key path serde put in front ("models[0].routing: ").
+        Some((at, flag, why)) => format!("{}`{flag}` is a Dynamo option kvgate does not have: {why}", &msg[..at]),
         None => msg.to_string(),
     }
 }

@@ -197,6 +197,13 @@ pub struct Routing {
     /// kv: requests sharing a prefix on one worker share its KV blocks (count them once).
     #[serde(alias = "router_assume_kv_reuse")]
     pub assume_kv_reuse: bool,
+    /// kv: count the decode load of requests in flight (`false` for prefill-only workers).
+    #[serde(alias = "router_track_active_blocks")]
+    pub track_active_blocks: bool,
+    /// kv: book the KV blocks a streamed response fills as tokens arrive, weighted down toward
+    /// the client's expected length (`nvext.agent_hints.osl`).
+    #[serde(alias = "router_track_output_blocks")]
+    pub track_output_blocks: bool,
     /// kv, approximate mode: how long a routing decision is believed, seconds.
     #[serde(alias = "router_ttl_secs")]
     pub ttl_secs: f64,
@@ -230,6 +237,8 @@ impl Default for Routing {
             temperature: 0.0,
             kv_events: true,
             assume_kv_reuse: true,
+            track_active_blocks: true,
+            track_output_blocks: false,
             ttl_secs: 120.0,
             max_tree_size: 1 << 20,
             prune_target_ratio: 0.8,

@@ -9,12 +9,13 @@
 use super::client::client_closed;
 use super::errors::ClientError;
 use super::io::{read_body, respond_error};
+use super::sse::SseEventCounter;
 use super::upstream::{Attempt, Outgoing, attempt, client_response_header, release};
 use crate::fleet::Model;
 use crate::gateway::Gateway;
 use bytes::Bytes;
 use kvgate_filters::cancel::RequestContext;
-use kvgate_filters::route::{Candidate, Decision, RequestSummary};
+use kvgate_filters::route::{Candidate, Decision, Load, RequestSummary};
 use pingora::proxy::Session;
 use serde::Deserialize;
 use std::sync::Arc;
@@ -281,6 +282,8 @@ async fn proxy(
         }
         _ => None,
     };
+    // The client's expected output length, for output-block tracking.
+    let expected_output = parsed.and_then(|v| v.pointer("/nvext/agent_hints/osl")).and_then(serde_json::Value::as_u64);
     let name = model.cfg.name.as_str();
     let rid = ctx.id().to_string();
     let rid_header = [("x-request-id", rid.clone())];
@@ -358,14 +361,12 @@ async fn proxy(
         let chosen = &candidates[eligible.iter().position(|&e| e == idx).unwrap_or(0)];
         let cached_tokens = (u64::from(chosen.overlap_blocks) * u64::from(model.cfg.block_size)).min(est_tokens);
         let worker_booking = worker.book(est_tokens - cached_tokens, est_blocks);
-        let mut kv_booking = kv.as_ref().map(|(k, n_tokens, chain, cached, _, hash_time)| {
-            let c = chosen;
-            gw.metrics.overlap.with_label_values(&[name]).observe(f64::from(c.overlap_blocks));
+        let mut kv_booking = kv.as_ref().map(|(k, n_tokens, chain, _, _, hash_time)| {
+            gw.metrics.overlap.with_label_values(&[name]).observe(f64::from(chosen.overlap_blocks));
             gw.metrics.decision_time.with_label_values(&[name]).observe((t_decide.elapsed() + *hash_time).as_secs_f64());
-            let _ = cached;
-            let bs = u64::from(model.cfg.block_size);
-            let cached_tokens = (u64::from(c.overlap_blocks) * bs).min(*n_tokens as u64);
-            k.active.book(idx as u16, *n_tokens as u64 - cached_tokens, chain.clone())
+            let prompt_tokens = *n_tokens as u64;
+            let cached_tokens = (u64::from(chosen.overlap_blocks) * u64::from(model.cfg.block_size)).min(prompt_tokens);
+            k.active.book(idx as u16, Load { prefill_tokens: prompt_tokens - cached_tokens, chain: chain.clone(), prompt_tokens, expected_output })
         });
         match attempt(gw, session, &worker, &out).await {
             Attempt::ClientGone => {
@@ -468,6 +469,7 @@ async fn stream_response(
     let ttft = gw.metrics.ttft.with_label_values(&[name, endpoint.label()]);
     let itl = gw.metrics.itl.with_label_values(&[name, endpoint.label()]);
     let mut last: Option<Instant> = None;
+    let mut events = (stream && booking.tracks_output()).then(SseEventCounter::default);
     let mut pending = Some(Ok(first));
     loop {
         let idle = Duration::from_millis(gw.config().timeouts.upstream_read_idle_ms);
@@ -488,6 +490,9 @@ async fn stream_response(
             Ok(Some(bytes)) => {
                 // The first token ends the request's prefill on the worker.
                 booking.prefill_done();
+                if let Some(counter) = events.as_mut() {
+                    booking.generated(counter.feed(&bytes));
+                }
                 let now = Instant::now();
                 if stream && status == 200 {
                     match last {
@@ -537,6 +542,17 @@ impl Bookings {
         self.worker.prefill_done();
         if let Some(k) = self.kv.as_mut() {
             k.prefill_done();
+        }
+    }
+
+    /// Whether output tokens change the booking (kv mode with output-block tracking).
+    fn tracks_output(&self) -> bool {
+        self.kv.as_ref().is_some_and(|k| k.tracks_output())
+    }
+
+    fn generated(&self, tokens: u64) {
+        if let Some(k) = self.kv.as_ref() {
+            k.generated(tokens);
         }
     }
 }

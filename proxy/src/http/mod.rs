@@ -9,6 +9,7 @@ pub mod inference;
 pub mod io;
 pub mod local;
 pub mod prompt;
+pub mod sse;
 pub mod upstream;
 
 use crate::gateway::Gateway;

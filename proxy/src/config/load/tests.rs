@@ -35,6 +35,18 @@ fn unknown_keys_are_errors_with_line_and_column() {
 }
 
 #[test]
+fn dynamo_routing_flags_map_or_say_why_not() {
+    let with = |routing: &str| GOOD.replace("    workers:\n", &format!("    routing:\n{routing}    workers:\n"));
+    let c = load(&with("      router_track_output_blocks: true\n      router_track_active_blocks: false\n")).unwrap();
+    assert!(c.models[0].routing.track_output_blocks && !c.models[0].routing.track_active_blocks);
+    let c = load(GOOD).unwrap();
+    assert!(!c.models[0].routing.track_output_blocks && c.models[0].routing.track_active_blocks, "defaults as Dynamo's");
+    let e = load(&with("      router_event_threads: 4\n")).unwrap_err();
+    assert_eq!((e.line, e.column), (Some(6), Some(7)), "{e}");
+    assert!(e.message.contains("`router_event_threads` is a Dynamo option") && e.message.contains("concurrent"), "{e}");
+}
+
+#[test]
 fn bad_values_point_at_the_value() {
     let e = load(&GOOD.replace("http://10.0.0.2:8000", "https://10.0.0.2:8000")).unwrap_err();
     assert_eq!(e.line, Some(8), "{e}");
