@@ -175,7 +175,9 @@ pub struct Model {
     pub workers: Vec<Arc<Worker>>,
     /// Selection policy (baseline modes).
     pub policy: Box<dyn Policy>,
-    /// KV routing state, when `routing.mode` is `kv`.
+    /// The WebAssembly policy in front of `policy`/`kv`, when `routing.mode` is `plugin`.
+    pub plugin: Option<Arc<kvgate_plugins::PluginSlot>>,
+    /// KV routing state, when `routing.mode` (or a plugin's fallback) is `kv`.
     pub kv: Option<Arc<crate::kv_routing::KvRouting>>,
     /// The router queue, when `routing.queue_threshold` is set.
     pub queue: Option<Arc<kvgate_filters::route::RouterQueue>>,
@@ -234,8 +236,14 @@ impl WorkerRegistry {
     /// A model whose config is unchanged from `old` is carried over whole (its queue waiters,
     /// bookings and KV index keep going). Fails (changing nothing) when a model's KV routing
     /// state cannot be built.
-    pub fn build(&self, cfg: &Config, old: Option<&Fleet>) -> Result<Fleet, String> {
-        let unchanged = |m: &ModelConfig| old.and_then(|f| f.models.get(&m.name)).filter(|o| o.cfg == *m).cloned();
+    pub fn build(&self, cfg: &Config, old: Option<&Fleet>, plugins: &HashMap<String, Arc<kvgate_plugins::PluginSlot>>) -> Result<Fleet, String> {
+        let slot = |m: &ModelConfig| m.routing.plugin.as_ref().and_then(|p| plugins.get(p)).cloned();
+        let same_slot = |a: &Option<Arc<kvgate_plugins::PluginSlot>>, b: &Option<Arc<kvgate_plugins::PluginSlot>>| match (a, b) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            (None, None) => true,
+            _ => false,
+        };
+        let unchanged = |m: &ModelConfig| old.and_then(|f| f.models.get(&m.name)).filter(|o| o.cfg == *m && same_slot(&o.plugin, &slot(m))).cloned();
         let kv: Vec<Option<Arc<crate::kv_routing::KvRouting>>> = cfg
             .models
             .iter()
@@ -243,7 +251,7 @@ impl WorkerRegistry {
                 if unchanged(m).is_some() {
                     return Ok(None); // not needed: the whole model is reused below
                 }
-                (m.routing.mode == kvgate_filters::route::Mode::Kv)
+                (m.routing.builtin() == kvgate_filters::route::Mode::Kv)
                     .then(|| crate::kv_routing::KvRouting::build(m).map(Arc::new))
                     .transpose()
             })
@@ -274,7 +282,8 @@ impl WorkerRegistry {
             let queue = m.routing.queue_threshold.map(|_| {
                 Arc::new(kvgate_filters::route::RouterQueue::new(m.routing.queue_max_len, std::time::Duration::from_millis(m.routing.queue_max_wait_ms)))
             });
-            models.insert(m.name.clone(), Arc::new(Model { cfg: m.clone(), workers, policy: m.routing.mode.policy(), kv, queue }));
+            let policy = m.routing.builtin().policy();
+            models.insert(m.name.clone(), Arc::new(Model { cfg: m.clone(), workers, policy, plugin: slot(m), kv, queue }));
         }
         *known = next;
         Ok(Fleet { models, order })
@@ -317,16 +326,16 @@ mod tests {
             crate::config::load_str(&format!("models:\n  - name: m\n    workers:\n{workers}"), "t", Vec::new()).unwrap()
         };
         let reg = WorkerRegistry::default();
-        let f1 = reg.build(&cfg(&["http://a:1", "http://b:1"]), None).unwrap();
+        let f1 = reg.build(&cfg(&["http://a:1", "http://b:1"]), None, &HashMap::new()).unwrap();
         let a1 = f1.models["m"].workers[0].clone();
         a1.observe_health(false, 1, 1);
-        let f2 = reg.build(&cfg(&["http://b:1", "http://a:1", "http://c:1"]), Some(&f1)).unwrap();
+        let f2 = reg.build(&cfg(&["http://b:1", "http://a:1", "http://c:1"]), Some(&f1), &HashMap::new()).unwrap();
         let a2 = &f2.models["m"].workers[1];
         assert!(Arc::ptr_eq(&a1, a2));
         assert!(!a2.is_healthy(), "state survives the reload");
         assert_eq!(f2.models["m"].workers.len(), 3);
         // An unchanged model is carried over as is.
-        let f3 = reg.build(&cfg(&["http://b:1", "http://a:1", "http://c:1"]), Some(&f2)).unwrap();
+        let f3 = reg.build(&cfg(&["http://b:1", "http://a:1", "http://c:1"]), Some(&f2), &HashMap::new()).unwrap();
         assert!(Arc::ptr_eq(&f2.models["m"], &f3.models["m"]));
     }
 }

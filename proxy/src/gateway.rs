@@ -26,6 +26,8 @@ pub struct Gateway {
     pub kv_metrics: kvgate_kv::metrics::KvMetrics,
     /// Upstream HTTP/1.1 connector with keep-alive pools.
     pub connector: Connector,
+    /// Loaded WebAssembly plugins.
+    pub plugins: crate::plugins::PluginRegistry,
 }
 
 impl Gateway {
@@ -33,7 +35,10 @@ impl Gateway {
     /// routing state cannot be built (e.g. its tokenizer does not load).
     pub fn new(cfg: Config, path: Option<PathBuf>) -> Result<Arc<Self>, String> {
         let registry = WorkerRegistry::default();
-        let fleet = registry.build(&cfg, None)?;
+        let plugins = crate::plugins::PluginRegistry::default();
+        let slots = plugins.prepare(&cfg.plugins)?;
+        let fleet = registry.build(&cfg, None, &slots)?;
+        plugins.commit(slots);
         let metrics = Metrics::new();
         let kv_metrics = kvgate_kv::metrics::KvMetrics::new(metrics.registry());
         let thresholds = cfg.models.iter().map(|m| (m.name.clone(), m.shedding.thresholds)).collect();
@@ -48,6 +53,7 @@ impl Gateway {
             metrics,
             kv_metrics,
             connector: Connector::new(None),
+            plugins,
         }))
     }
 
@@ -63,7 +69,8 @@ impl Gateway {
 
     /// Applies a validated configuration. Listener addresses and thread counts only change on
     /// restart; everything else (models, workers, timeouts, retries, health) takes effect now.
-    /// Requests in flight keep the model and worker they started with.
+    /// Requests in flight keep the model, worker and plugin they started with. Compiles
+    /// changed plugins: call it off the async workers.
     pub fn apply(&self, cfg: Config) -> Result<(), String> {
         let old = self.config();
         if old.listen != cfg.listen || old.admin_listen != cfg.admin_listen || old.threads != cfg.threads {
@@ -71,7 +78,8 @@ impl Gateway {
         }
         let before: std::collections::HashSet<String> = self.fleet().all_workers().iter().map(|(m, w)| format!("{m}@{}", w.url)).collect();
         let old_fleet = self.fleet();
-        let fleet = self.registry.build(&cfg, Some(&old_fleet))?;
+        let slots = self.plugins.prepare(&cfg.plugins)?;
+        let fleet = self.registry.build(&cfg, Some(&old_fleet), &slots)?;
 
         let after: std::collections::HashSet<String> = fleet.all_workers().iter().map(|(m, w)| format!("{m}@{}", w.url)).collect();
         for added in after.difference(&before) {
@@ -99,6 +107,7 @@ impl Gateway {
         let fleet = Arc::new(fleet);
         self.fleet.store(fleet.clone());
         self.config.store(Arc::new(cfg));
+        self.plugins.commit(slots);
         // After the swap (so no request can still enter them), replaced queues release their
         // waiters, who go on with the model they started with.
         for (name, m) in &old_fleet.models {

@@ -15,6 +15,7 @@ pub mod http;
 pub mod kv_routing;
 pub mod load;
 pub mod metrics;
+pub mod plugins;
 pub mod reload;
 pub mod server;
 

@@ -33,6 +33,11 @@ pub struct Metrics {
     pub worker_in_flight: IntGaugeVec,
     /// `kvgate_config_reloads_total{result}`.
     pub reloads: IntCounterVec,
+    /// `kvgate_plugin_failures_total{plugin,kind}`: calls answered by the fallback because
+    /// the plugin timed out, trapped, hit its memory cap or answered nonsense.
+    pub plugin_failures: IntCounterVec,
+    /// `kvgate_plugin_reloads_total{plugin,result}`: module swaps (`ok`) and refused modules.
+    pub plugin_reloads: IntCounterVec,
     /// `kvgate_routing_decisions_total{model,worker}`.
     pub decisions: IntCounterVec,
     /// `kvgate_routing_overlap_blocks{model}`: cached blocks of the chosen worker.
@@ -92,6 +97,12 @@ impl Metrics {
             worker_healthy: gauge("kvgate_worker_healthy", "1 if the worker passes health checks.", &["model", "worker"]),
             worker_in_flight: gauge("kvgate_worker_requests_in_flight", "Requests the gateway has in flight to the worker.", &["model", "worker"]),
             reloads: counter("kvgate_config_reloads_total", "Configuration reload attempts.", &["result"]),
+            plugin_failures: counter(
+                "kvgate_plugin_failures_total",
+                "Plugin calls answered by the fallback mode, by failure kind (timeout, memory, trap, invalid).",
+                &["plugin", "kind"],
+            ),
+            plugin_reloads: counter("kvgate_plugin_reloads_total", "Plugin module reloads: ok (swapped) or rejected (the old one stays).", &["plugin", "result"]),
             decisions: counter("kvgate_routing_decisions_total", "Routing decisions per chosen worker.", &["model", "worker"]),
             overlap: {
                 let h = HistogramVec::new(

@@ -52,6 +52,8 @@ pub async fn run(gw: Arc<Gateway>) {
         }
         tokio::time::sleep(DEBOUNCE).await;
         while rx.try_recv().is_ok() {}
-        let _ = gw.reload();
+        // Reloading may compile plugins and load tokenizers: not on an async worker.
+        let gw2 = gw.clone();
+        let _ = tokio::task::spawn_blocking(move || gw2.reload()).await;
     }
 }

@@ -75,7 +75,9 @@ impl BackgroundService for Background {
         let kv = tokio::spawn(crate::health::supervise_kv(self.0.clone()));
         let load = tokio::spawn(crate::load::run(self.0.clone()));
         let queues = tokio::spawn(crate::health::release_queues(self.0.clone()));
+        let plugins = tokio::spawn(crate::plugins::watch(self.0.clone()));
         let _ = shutdown.changed().await;
+        plugins.abort();
         health.abort();
         reload.abort();
         kv.abort();

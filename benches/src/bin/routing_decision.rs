@@ -60,7 +60,7 @@ fn main() {
                 ..Default::default()
             })
             .collect();
-        let req = RequestSummary { model: "m", endpoint: "completions", request_id: "r", prompt_tokens: 8192, prompt_blocks: chain.len() as u32 };
+        let req = RequestSummary { model: "m", endpoint: "completions", request_id: "r", prompt_tokens: 8192, prompt_blocks: chain.len() as u32, block_size: 16, ..Default::default() };
         policy.choose(&req, &cands)
     };
     let rr = RoundRobin::default();

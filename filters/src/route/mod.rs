@@ -28,13 +28,16 @@ pub enum Mode {
     Random,
     /// KV-cache aware: lowest `overlap_score_weight · prefill_blocks + decode_blocks`.
     Kv,
+    /// A WebAssembly policy decides, with a built-in mode as its fallback.
+    Plugin,
 }
 
 impl Mode {
-    /// A fresh policy for this mode.
+    /// A fresh built-in policy for this mode. `Plugin` has none of its own: it gets round
+    /// robin, and the gateway puts the plugin in front of its configured fallback.
     pub fn policy(self) -> Box<dyn Policy> {
         match self {
-            Mode::RoundRobin => Box::new(RoundRobin::default()),
+            Mode::RoundRobin | Mode::Plugin => Box::new(RoundRobin::default()),
             Mode::Random => Box::new(Random::default()),
             Mode::Kv => Box::new(KvPolicy::new(KvParams::default())),
         }

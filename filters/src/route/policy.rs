@@ -13,6 +13,12 @@ pub struct RequestSummary<'a> {
     pub prompt_tokens: u32,
     /// Prompt length in full KV blocks.
     pub prompt_blocks: u32,
+    /// Tokens per KV block of the model.
+    pub block_size: u32,
+    /// Request headers a plugin policy is allowed to see (lower-case names).
+    pub headers: &'a [(String, String)],
+    /// The request's `nvext` object as JSON text, if any.
+    pub nvext: Option<&'a str>,
 }
 
 /// One eligible worker and its load, as the gateway sees it at decision time.
@@ -36,6 +42,10 @@ pub struct Candidate {
     pub kv_usage: f64,
     /// Its reported waiting requests.
     pub waiting: u32,
+    /// Over a busy threshold (offered only when every worker is).
+    pub busy: bool,
+    /// Passing health checks.
+    pub healthy: bool,
 }
 
 /// A routing answer.

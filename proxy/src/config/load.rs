@@ -13,7 +13,7 @@ use std::path::Path;
 
 /// Top-level keys an environment variable may override.
 const TOP_LEVEL_KEYS: &[&str] =
-    &["listen", "admin_listen", "threads", "max_body_bytes", "timeouts", "retries", "health", "shutdown", "load", "models"];
+    &["listen", "admin_listen", "threads", "max_body_bytes", "timeouts", "retries", "health", "shutdown", "load", "plugins", "models"];
 
 /// A configuration that cannot be used, with where the problem is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -148,6 +148,26 @@ type Invalid = (String, Option<(String, usize)>);
 /// Cross-field checks. On failure: the message and, when possible, a text to locate it by.
 fn validate(cfg: &Config) -> Result<(), Invalid> {
     let at = |pat: String, nth: usize| Some((pat, nth));
+    for (i, p) in cfg.plugins.iter().enumerate() {
+        let here = || at(format!("name: {}", p.name), 1);
+        if p.name.is_empty() || !p.name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+            return Err((format!("plugins: name {:?} must be letters, digits, '-' or '_'", p.name), here()));
+        }
+        if cfg.plugins[..i].iter().any(|q| q.name == p.name) {
+            return Err((format!("plugins: duplicate name {:?}", p.name), at(format!("name: {}", p.name), 2)));
+        }
+        if let Some(sha) = &p.sha256
+            && (sha.len() != 64 || !sha.bytes().all(|b| b.is_ascii_hexdigit()))
+        {
+            return Err((format!("plugin {:?}: sha256 must be 64 hex digits", p.name), at("sha256".into(), 1)));
+        }
+        if !(1..=1000).contains(&p.timeout_ms) || !(1..=4096).contains(&p.memory_mib) {
+            return Err((format!("plugin {:?}: timeout_ms must be within 1..=1000 and memory_mib within 1..=4096", p.name), here()));
+        }
+        if let Some(h) = p.headers.iter().find(|h| h.is_empty() || !h.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')) {
+            return Err((format!("plugin {:?}: header {h:?} must be a lower-case header name", p.name), at(h.clone(), 1)));
+        }
+    }
     if cfg.models.is_empty() {
         return Err(("models: at least one model is required".into(), at("models".into(), 1)));
     }
@@ -203,9 +223,24 @@ fn validate(cfg: &Config) -> Result<(), Invalid> {
                 at("routing".into(), 1),
             ));
         }
-        if r.mode == kvgate_filters::route::Mode::Kv && r.kv_events && m.workers.iter().any(|w| w.kv_events.is_none()) {
+        use kvgate_filters::route::Mode;
+        match (r.mode, &r.plugin) {
+            (Mode::Plugin, None) => return Err((format!("model {:?}: routing.mode plugin needs routing.plugin (the name of a plugins entry)", m.name), at("plugin".into(), 1))),
+            (Mode::Plugin, Some(p)) if !cfg.plugins.iter().any(|q| q.name == *p) => {
+                let known: Vec<&str> = cfg.plugins.iter().map(|q| q.name.as_str()).collect();
+                return Err((format!("model {:?}: routing.plugin {p:?} is not among the plugins ({})", m.name, known.join(", ")), at(format!("plugin: {p}"), 1)));
+            }
+            (Mode::Plugin, Some(_)) if r.fallback == Mode::Plugin => {
+                return Err((format!("model {:?}: routing.fallback must be a built-in mode (kv, round_robin, random)", m.name), at("fallback".into(), 1)));
+            }
+            (mode, Some(_)) if mode != Mode::Plugin => {
+                return Err((format!("model {:?}: routing.plugin is set but routing.mode is not plugin", m.name), at("plugin:".into(), 1)));
+            }
+            _ => {}
+        }
+        if r.builtin() == Mode::Kv && r.kv_events && m.workers.iter().any(|w| w.kv_events.is_none()) {
             return Err((
-                format!("model {:?}: routing.mode kv with kv_events: true needs a kv_events endpoint on every worker (or set kv_events: false for approximate mode)", m.name),
+                format!("model {:?}: routing.mode kv (or fallback kv) with kv_events: true needs a kv_events endpoint on every worker (or set kv_events: false for approximate mode)", m.name),
                 at("kv_events".into(), 1),
             ));
         }

@@ -45,8 +45,45 @@ pub struct Config {
     /// Polling of the workers' own load (`/metrics`).
     #[serde(default)]
     pub load: LoadPolling,
+    /// WebAssembly routing policies models may use (`routing.mode: plugin`).
+    #[serde(default)]
+    pub plugins: Vec<PluginConfig>,
     /// Served models and their workers.
     pub models: Vec<ModelConfig>,
+}
+
+/// A WebAssembly policy plugin (plugins/README.md).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PluginConfig {
+    /// Name models refer to (`routing.plugin`) and metrics label it with.
+    pub name: String,
+    /// The component (`.wasm`); relative paths are relative to the working directory. A change
+    /// to the file is picked up within a second.
+    pub path: PathBuf,
+    /// Expected sha256 of the file (64 hex digits); a file that differs is refused.
+    #[serde(default)]
+    pub sha256: Option<String>,
+    /// Text passed to the plugin's `init`.
+    #[serde(default)]
+    pub config: String,
+    /// Request headers the plugin may see (others are never passed).
+    #[serde(default)]
+    pub headers: Vec<String>,
+    /// Deadline of one call, ms; past it the request uses the fallback.
+    #[serde(default = "default_plugin_timeout_ms")]
+    pub timeout_ms: u64,
+    /// Memory cap of one instance, MiB.
+    #[serde(default = "default_plugin_memory_mib")]
+    pub memory_mib: u64,
+}
+
+fn default_plugin_timeout_ms() -> u64 {
+    5
+}
+
+fn default_plugin_memory_mib() -> u64 {
+    32
 }
 
 /// Timeouts, in milliseconds.
@@ -181,9 +218,14 @@ pub struct ModelConfig {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Routing {
-    /// `kv`, `round_robin` or `random`.
+    /// `kv`, `round_robin`, `random` or `plugin`.
     #[serde(alias = "router_mode")]
     pub mode: Mode,
+    /// plugin: the name of a `plugins` entry that decides.
+    pub plugin: Option<String>,
+    /// plugin: the built-in mode used when the plugin fails or has no opinion (`kv` also gives
+    /// the plugin each worker's cache overlap).
+    pub fallback: Mode,
     /// kv: weight of the prefill term; 0 = ignore the cache (pure load balancing).
     #[serde(alias = "router_kv_overlap_score_weight", alias = "kv_overlap_score_weight")]
     pub overlap_score_weight: f64,
@@ -229,10 +271,19 @@ pub struct Routing {
     pub booking_max_age_s: u64,
 }
 
+impl Routing {
+    /// The built-in mode behind this section: `mode`, or `fallback` when a plugin decides.
+    pub fn builtin(&self) -> Mode {
+        if self.mode == Mode::Plugin { self.fallback } else { self.mode }
+    }
+}
+
 impl Default for Routing {
     fn default() -> Self {
         Self {
             mode: Mode::RoundRobin,
+            plugin: None,
+            fallback: Mode::RoundRobin,
             overlap_score_weight: 1.0,
             temperature: 0.0,
             kv_events: true,

@@ -1,7 +1,8 @@
 //! The admin listener: `/metrics`, `/health`, `GET /workers` (each worker's health and load),
 //! `POST /reload` (re-read the config file; a bad file is refused and the old config stays),
 //! `GET /busy_threshold` and `POST /busy_threshold` (seed 000's shapes: read or set a model's
-//! busy thresholds at run time).
+//! busy thresholds at run time), `GET /plugins` and `POST /plugins/reload` (re-read every
+//! plugin file now; a module that does not load is refused and the old one keeps serving).
 
 use super::errors::ClientError;
 use super::io::{respond_error, respond_json};
@@ -20,7 +21,9 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut Session, method: &str, path:
         ("POST", "/reload") => reload(gw, session).await,
         ("GET", "/busy_threshold") => list_thresholds(gw, session).await,
         ("POST", "/busy_threshold") => set_threshold(gw, session).await,
-        (_, "/metrics" | "/health" | "/workers" | "/reload" | "/busy_threshold") => {
+        ("GET", "/plugins") => list_plugins(gw, session).await,
+        ("POST", "/plugins/reload") => reload_plugins(gw, session).await,
+        (_, "/metrics" | "/health" | "/workers" | "/reload" | "/busy_threshold" | "/plugins" | "/plugins/reload") => {
             respond_error(session, &ClientError::method_not_allowed(method, path), &[]).await
         }
         _ => respond_error(session, &ClientError::not_found(path), &[]).await,
@@ -53,13 +56,49 @@ async fn workers(gw: &Arc<Gateway>, session: &mut Session) {
 
 async fn reload(gw: &Arc<Gateway>, session: &mut Session) {
     let _ = session.drain_request_body().await;
-    match gw.reload() {
+    // Reloading may compile plugins and load tokenizers: not on an async worker.
+    let gw2 = gw.clone();
+    let result = tokio::task::spawn_blocking(move || gw2.reload())
+        .await
+        .unwrap_or_else(|e| Err(crate::config::ConfigError { origin: "reload".into(), line: None, column: None, message: e.to_string() }));
+    match result {
         Ok(()) => respond_json(session, 200, &json!({"status": "ok"})).await,
         Err(e) => {
             let ce = ClientError::bad_request(format!("configuration rejected, the previous one stays in force: {e}"), None);
             respond_error(session, &ce, &[]).await
         }
     }
+}
+
+async fn list_plugins(gw: &Arc<Gateway>, session: &mut Session) {
+    let list: Vec<_> = gw
+        .plugins
+        .slots()
+        .iter()
+        .map(|(name, slot)| json!({"name": name, "path": slot.spec().path.display().to_string(), "sha256": slot.current().sha256()}))
+        .collect();
+    respond_json(session, 200, &json!({"plugins": list})).await;
+}
+
+/// `{"plugins": [{"name", "status": "reloaded" | "unchanged" | "rejected", "sha256" | "error"}]}`;
+/// 200 when every plugin is serving its file, 422 when one was rejected.
+async fn reload_plugins(gw: &Arc<Gateway>, session: &mut Session) {
+    let _ = session.drain_request_body().await;
+    let gw2 = gw.clone();
+    let results = tokio::task::spawn_blocking(move || crate::plugins::reload_all(&gw2)).await.unwrap_or_default();
+    let mut ok = true;
+    let list: Vec<_> = results
+        .into_iter()
+        .map(|(name, r)| match r {
+            Ok(kvgate_plugins::ReloadOutcome::Swapped { sha256 }) => json!({"name": name, "status": "reloaded", "sha256": sha256}),
+            Ok(kvgate_plugins::ReloadOutcome::Unchanged) => json!({"name": name, "status": "unchanged"}),
+            Err(e) => {
+                ok = false;
+                json!({"name": name, "status": "rejected", "error": e})
+            }
+        })
+        .collect();
+    respond_json(session, if ok { 200 } else { 422 }, &json!({"plugins": list})).await;
 }
 
 fn threshold_json(model: &str, t: &kvgate_filters::shed::Thresholds) -> serde_json::Value {

@@ -168,8 +168,10 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut Session, endpoint: Endpoint)
     };
     let name = model.cfg.name.clone();
     let stream = view.stream.unwrap_or(false);
-    let parsed: Option<serde_json::Value> = match (&model.kv, endpoint) {
-        (Some(_), Endpoint::Chat | Endpoint::Completions) => serde_json::from_slice(&body).ok(),
+    // The whole body is parsed only when routing needs it: to tokenize (kv) or for a plugin's
+    // `nvext`.
+    let parsed: Option<serde_json::Value> = match endpoint {
+        Endpoint::Chat | Endpoint::Completions if model.kv.is_some() || model.plugin.is_some() => serde_json::from_slice(&body).ok(),
         _ => None,
     };
     let ctx = RequestContext::new(rid.clone());
@@ -288,12 +290,23 @@ async fn proxy(
     let rid = ctx.id().to_string();
     let rid_header = [("x-request-id", rid.clone())];
     let out = Outgoing { path: endpoint.path(), body, request_id: &rid };
+    // A plugin is taken once and kept for the whole request (retries included), so a hot swap
+    // never changes the policy under a request in flight.
+    let plugin = model.plugin.as_ref().map(|slot| slot.current());
+    let headers: Vec<(String, String)> = plugin.as_ref().map_or_else(Vec::new, |p| {
+        let h = &session.req_header().headers;
+        p.headers().iter().filter_map(|name| h.get(name.as_str()).and_then(|v| v.to_str().ok()).map(|v| (name.clone(), v.to_string()))).collect()
+    });
+    let nvext = plugin.as_ref().and_then(|_| parsed?.get("nvext")).map(|v| v.to_string());
     let summary = RequestSummary {
         model: name,
         endpoint: endpoint.label(),
         request_id: &rid,
         prompt_tokens: kv.as_ref().map_or(0, |k| k.1 as u32),
         prompt_blocks: kv.as_ref().map_or(0, |k| k.2.len() as u32),
+        block_size: model.cfg.block_size,
+        headers: &headers,
+        nvext: nvext.as_deref(),
     };
     let mut tried: Vec<usize> = Vec::new();
     let mut last_error = String::from("no healthy worker");
@@ -308,8 +321,10 @@ async fn proxy(
         if eligible.is_empty() {
             break;
         }
+        let mut busy_now: Vec<usize> = Vec::new();
         if thresholds.enabled() {
-            let free: Vec<usize> = eligible.iter().copied().filter(|&i| !busy(gw, model, i, &thresholds, kv.as_ref().map(|k| &k.0))).collect();
+            let (free, over): (Vec<usize>, Vec<usize>) = eligible.iter().partition(|&&i| !busy(gw, model, i, &thresholds, kv.as_ref().map(|k| &k.0)));
+            busy_now = over;
             if free.is_empty() && tried.is_empty() {
                 gw.metrics.rejections.with_label_values(&[name, endpoint.label()]).inc();
                 gw.metrics.rejected.with_label_values(&[name, "busy"]).inc();
@@ -330,16 +345,30 @@ async fn proxy(
         let t_decide = Instant::now();
         let candidates: Vec<Candidate> = eligible
             .iter()
-            .map(|&i| match &kv {
-                Some((k, _, _, cached, active, _)) => k.candidate(i, model.workers[i].in_flight(), cached, active),
-                None => Candidate { id: i as u32, in_flight: model.workers[i].in_flight(), ..Default::default() },
+            .map(|&i| {
+                let w = &model.workers[i];
+                let base = match &kv {
+                    Some((k, _, _, cached, active, _)) => k.candidate(i, w.in_flight(), cached, active),
+                    None => Candidate { id: i as u32, in_flight: w.in_flight(), ..Default::default() },
+                };
+                with_reported(base, w, busy_now.contains(&i))
             })
             .collect();
-        let policy: &dyn kvgate_filters::route::Policy = match &kv {
+        let builtin: &dyn kvgate_filters::route::Policy = match &kv {
             Some((k, ..)) => &k.policy,
             None => model.policy.as_ref(),
         };
-        let decision = policy.choose(&summary, &candidates);
+        let decision = match &plugin {
+            Some(p) => {
+                let routed = kvgate_plugins::route(p, &summary, &candidates, builtin);
+                if let Some(f) = &routed.failure {
+                    gw.metrics.plugin_failures.with_label_values(&[p.name(), f.kind()]).inc();
+                    tracing::warn!(request_id = rid.as_str(), plugin = p.name(), error = %f, "plugin failed; the fallback mode decided");
+                }
+                routed.decision
+            }
+            None => builtin.choose(&summary, &candidates),
+        };
         let idx = match decision {
             Decision::Worker(k) if k < eligible.len() => eligible[k],
             Decision::Worker(_) => eligible[0],
@@ -529,6 +558,18 @@ async fn stream_response(
     }
     release(gw, up).await;
     Outcome::Served(status)
+}
+
+/// Adds what the worker reports about itself (summed over DP ranks; usage of the fullest) and
+/// its health and busy state to a candidate.
+fn with_reported(mut c: Candidate, w: &crate::fleet::Worker, busy: bool) -> Candidate {
+    let ranks = w.reported();
+    c.total_blocks = ranks.iter().map(|r| r.total_blocks).sum();
+    c.kv_usage = ranks.iter().map(|r| r.kv_usage).fold(0.0, f64::max);
+    c.waiting = ranks.iter().map(|r| r.waiting).sum::<u64>().min(u64::from(u32::MAX)) as u32;
+    c.healthy = w.is_healthy();
+    c.busy = busy;
+    c
 }
 
 /// What a request holds on its worker until it ends.

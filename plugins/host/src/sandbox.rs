@@ -1,0 +1,110 @@
+//! The sandbox every plugin runs in: one process-wide wasmtime [`Engine`] with epoch
+//! interruption, a ticker thread that advances the epoch every [`TICK`], and per-store limits
+//! (memory, tables, instances). A store is used by one call at a time and dropped after any
+//! failure, because a trapped instance's state is undefined.
+
+use crate::failure::Failure;
+use std::sync::OnceLock;
+use std::time::Duration;
+use wasmtime::{Config, Engine, ResourceLimiter, Store};
+
+/// Epoch period: the granularity of call deadlines.
+pub const TICK: Duration = Duration::from_millis(1);
+
+/// The shared engine (compiled code is tied to it); starts the ticker on first use.
+pub fn engine() -> &'static Engine {
+    static ENGINE: OnceLock<Engine> = OnceLock::new();
+    ENGINE.get_or_init(|| {
+        let mut cfg = Config::new();
+        cfg.epoch_interruption(true);
+        cfg.wasm_component_model(true);
+        // Small guest memories: reserve what the cap allows rather than 4 GiB per instance.
+        cfg.memory_reservation(256 << 20);
+        cfg.memory_guard_size(64 << 10);
+        let engine = Engine::new(&cfg).expect("static wasmtime configuration is valid");
+        let ticker = engine.clone();
+        std::thread::Builder::new()
+            .name("kvgate-wasm-epoch".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(TICK);
+                    ticker.increment_epoch();
+                }
+            })
+            .expect("spawn the epoch ticker");
+        engine
+    })
+}
+
+/// Per-call bounds of a plugin.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Deadline of one call (and of `init`), ms.
+    pub timeout_ms: u64,
+    /// Linear memory cap, MiB.
+    pub memory_mib: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self { timeout_ms: 5, memory_mib: 32 }
+    }
+}
+
+/// What a store carries: its limiter, which also remembers whether the cap was hit so a
+/// resulting trap is reported as a memory failure.
+pub struct HostState {
+    max_memory: usize,
+    memory_denied: bool,
+}
+
+impl ResourceLimiter for HostState {
+    fn memory_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        let ok = desired <= self.max_memory;
+        self.memory_denied |= !ok;
+        Ok(ok)
+    }
+
+    fn table_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        Ok(desired <= 100_000)
+    }
+
+    fn instances(&self) -> usize {
+        16
+    }
+
+    fn tables(&self) -> usize {
+        16
+    }
+
+    fn memories(&self) -> usize {
+        4
+    }
+}
+
+/// A fresh store under `limits`.
+pub fn store(limits: Limits) -> Store<HostState> {
+    let mut store = Store::new(engine(), HostState { max_memory: (limits.memory_mib as usize) << 20, memory_denied: false });
+    store.limiter(|s| s as &mut dyn ResourceLimiter);
+    store.epoch_deadline_trap();
+    store
+}
+
+/// Arms the deadline for the next call.
+pub fn arm(store: &mut Store<HostState>, limits: Limits) {
+    // The deadline expires between timeout_ms and timeout_ms + 1 ticks from now.
+    store.set_epoch_deadline(limits.timeout_ms.max(1) + 1);
+}
+
+/// Classifies an error a call returned.
+pub fn classify(store: &Store<HostState>, limits: Limits, err: &wasmtime::Error) -> Failure {
+    if let Some(trap) = err.downcast_ref::<wasmtime::Trap>()
+        && *trap == wasmtime::Trap::Interrupt
+    {
+        return Failure::Timeout(limits.timeout_ms);
+    }
+    if store.data().memory_denied {
+        return Failure::Memory(limits.memory_mib);
+    }
+    Failure::Trap(format!("{err:#}").lines().next().unwrap_or("unknown trap").to_string())
+}
