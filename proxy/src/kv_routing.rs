@@ -50,7 +50,12 @@ impl KvRouting {
         let hasher = Hasher::new(m.block_size as usize, DEFAULT_SEED);
         let tokenizer = match &m.tokenizer {
             Some(p) => {
-                let tok = ModelTokenizer::load(p).map_err(|e| format!("model {:?}: {e}", m.name))?;
+                // `builtin`: the small tokenizer shipped with the repository (vllm-sim's).
+                let tok = if p.as_os_str() == "builtin" {
+                    ModelTokenizer::builtin()
+                } else {
+                    ModelTokenizer::load(p).map_err(|e| format!("model {:?}: {e}", m.name))?
+                };
                 let cache = SegmentCache::new(tok, kvgate_tokenize::segmented::DEFAULT_CAPACITY);
                 if !cache.enabled(false) {
                     tracing::warn!(model = %m.name, "this tokenizer cannot be tokenized by segments exactly; every prompt is tokenized in full");

@@ -8,6 +8,7 @@
 //! - [`server`]: starting and stopping (drain on SIGTERM).
 
 pub mod config;
+pub mod demo;
 pub mod fleet;
 pub mod gateway;
 pub mod health;

@@ -40,7 +40,8 @@ pub async fn run(gw: Arc<Gateway>) {
     }
 }
 
-async fn fetch(addr: std::net::SocketAddr, host: &str) -> Option<String> {
+/// GETs `/metrics` from `addr` (HTTP/1.0); `None` on any failure.
+pub async fn fetch(addr: std::net::SocketAddr, host: &str) -> Option<String> {
     let mut s = TcpStream::connect(addr).await.ok()?;
     // HTTP/1.0: the body comes unchunked and ends when the connection closes.
     s.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {host}\r\nUser-Agent: kvgate-load\r\n\r\n").as_bytes()).await.ok()?;

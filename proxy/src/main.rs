@@ -1,5 +1,7 @@
-//! The `kvgate` binary: `kvgate --config FILE` runs the gateway; `kvgate check --config FILE`
-//! validates a configuration (exit 0 valid, 1 invalid, errors with line and column).
+//! The `kvgate` binary: `kvgate --config FILE` runs the gateway; `kvgate demo` runs it in front
+//! of simulated workers with no config; `kvgate check --config FILE`
+//! validates a configuration, plugins included (exit 0 valid, 1 invalid, errors with line and
+//! column).
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -21,12 +23,37 @@ struct Cli {
 enum Cmd {
     /// Validate a configuration and exit (0: valid, 1: invalid).
     Check,
+    /// Run the gateway in front of simulated vLLM workers in this process (no config needed).
+    Demo {
+        /// Simulated workers.
+        #[arg(long, default_value_t = 4)]
+        workers: usize,
+        /// Routing mode: kv, round_robin or random.
+        #[arg(long, default_value = "kv", value_parser = ["kv", "round_robin", "random"])]
+        mode: String,
+        /// Public port (0: any free port).
+        #[arg(long, default_value_t = 8080)]
+        port: u16,
+        /// Admin port (0: any free port).
+        #[arg(long, default_value_t = 9090)]
+        admin_port: u16,
+        /// Simulated time runs this many times faster than wall time.
+        #[arg(long, default_value_t = 1.0)]
+        time_scale: f64,
+    },
 }
 
 fn main() {
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     tracing_subscriber::fmt().with_env_filter(filter).with_target(false).init();
+    let check = match cli.cmd {
+        Some(Cmd::Demo { workers, mode, port, admin_port, time_scale }) => {
+            std::process::exit(kvgate::demo::run(kvgate::demo::DemoOptions { workers, mode, port, admin_port, time_scale }))
+        }
+        Some(Cmd::Check) => true,
+        None => false,
+    };
     let Some(path) = cli.config else {
         eprintln!("kvgate: --config FILE is required (see conf/kvgate.yaml)");
         std::process::exit(2);
@@ -38,11 +65,17 @@ fn main() {
             std::process::exit(1);
         }
     };
-    match cli.cmd {
-        Some(Cmd::Check) => {
-            let workers: usize = cfg.models.iter().map(|m| m.workers.len()).sum();
-            println!("{}: ok ({} models, {workers} workers)", path.display(), cfg.models.len());
+    if check {
+        // Plugins are compiled and started as the gateway would, so a broken module fails here.
+        for p in &cfg.plugins {
+            if let Err(e) = kvgate_plugins::PluginSlot::load(kvgate::plugins::spec(p)) {
+                eprintln!("{}: {e}", path.display());
+                std::process::exit(1);
+            }
         }
-        None => kvgate::server::run(cfg, Some(path)),
+        let workers: usize = cfg.models.iter().map(|m| m.workers.len()).sum();
+        println!("{}: ok ({} models, {workers} workers, {} plugins)", path.display(), cfg.models.len(), cfg.plugins.len());
+    } else {
+        kvgate::server::run(cfg, Some(path));
     }
 }

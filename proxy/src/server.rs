@@ -190,6 +190,13 @@ impl GatewayHandle {
         let _ = self.stop.send(Some(how));
     }
 
+    /// Waits until the gateway stops on its own (SIGINT, SIGTERM after draining).
+    pub fn wait(mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+
     /// Stops and waits for the server thread to end.
     pub fn shutdown(mut self, how: Stop) {
         self.request_stop(how);

@@ -24,6 +24,11 @@ fn check_rejects_with_file_line_and_column() {
     let (code, _, err) = kvgate(&["check", "--config", bad.to_str().unwrap()]);
     assert_eq!(code, 1);
     assert!(err.contains("bad.yaml:5:9:") && err.contains("unknown field `weight`"), "{err}");
+    let plugin = dir.join("plugin.yaml");
+    std::fs::write(&plugin, "plugins:\n  - name: p\n    path: /nonexistent/p.wasm\nmodels:\n  - name: m\n    routing: {mode: plugin, plugin: p}\n    workers:\n      - url: http://h:1\n").unwrap();
+    let (code, _, err) = kvgate(&["check", "--config", plugin.to_str().unwrap()]);
+    assert_eq!(code, 1, "a plugin that does not load fails the check");
+    assert!(err.contains("plugin \"p\"") && err.contains("cannot read /nonexistent/p.wasm"), "{err}");
     let (code, _, err) = kvgate(&["check", "--config", "/nonexistent.yaml"]);
     assert_eq!(code, 1);
     assert!(err.contains("/nonexistent.yaml"), "{err}");

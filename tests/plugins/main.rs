@@ -277,4 +277,13 @@ async fn a_config_naming_a_bad_plugin_is_refused_and_the_old_config_stays() {
     let before = served_per_worker(&c).await;
     assert_eq!(complete(&c, None).await, 200);
     assert_eq!(session_counts(&served_per_worker(&c).await, &before), vec![0.0, 1.0], "the old plugin still pins");
+    // A changed config blob reaches the plugin's init on reload: now it rejects.
+    let with_config = yaml.replace("    config: |\n", "    config: |\n      mode = reject\n");
+    assert_ne!(with_config, yaml);
+    std::fs::write(&c.config_path, with_config).unwrap();
+    assert_eq!(c.http.post(c.admin("/reload")).send().await.unwrap().status(), 200);
+    let r = c.http.post(c.url("/v1/completions")).json(&json!({"prompt": "hi", "max_tokens": 1})).send().await.unwrap();
+    assert_eq!(r.status(), 429);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["message"], "tenant over quota", "{body}");
 }

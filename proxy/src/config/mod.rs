@@ -198,7 +198,8 @@ pub struct Shedding {
 pub struct ModelConfig {
     /// The name clients put in `model`.
     pub name: String,
-    /// HF tokenizer directory (tokenizer.json + tokenizer_config.json), for KV routing.
+    /// HF tokenizer directory (tokenizer.json + tokenizer_config.json), for KV routing;
+    /// `builtin` is the small tokenizer shipped with kvgate (vllm-sim's).
     #[serde(default)]
     pub tokenizer: Option<PathBuf>,
     /// Tokens per KV block; must equal the workers' `--block-size`.
