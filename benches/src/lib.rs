@@ -1,5 +1,11 @@
-//! Helpers shared by the benchmark binaries: a deterministic generator for reproducible
-//! workloads and percentiles of latency samples.
+//! kvgate's benchmarks and load tools. The library holds what the binaries share: a
+//! deterministic generator and percentiles, Mooncake trace loading ([`trace`]), the load
+//! generator behind `kvgate-bench` ([`load`]), and processes for clusters of release binaries
+//! ([`cluster`]).
+
+pub mod cluster;
+pub mod load;
+pub mod trace;
 
 use std::time::Duration;
 

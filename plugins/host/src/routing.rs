@@ -103,7 +103,7 @@ impl RoutingPlugin {
             headers: req.headers.iter().map(|(name, value)| wit::Header { name: name.clone(), value: value.clone() }).collect(),
             nvext: req.nvext.map(str::to_string),
         };
-        let workers: Vec<wit::Worker> = candidates.iter().map(worker).collect();
+        let workers = columns(candidates);
         sandbox::arm(&mut live.store, limits);
         let answer = live.router.kvgate_policy_routing().call_choose(&mut live.store, &request, &workers);
         let answer = match answer {
@@ -121,19 +121,19 @@ impl RoutingPlugin {
     }
 }
 
-fn worker(c: &Candidate) -> wit::Worker {
-    wit::Worker {
-        id: c.id,
-        in_flight: c.in_flight,
-        overlap_blocks: c.overlap_blocks,
-        active_overlap_blocks: c.active_overlap_blocks,
-        active_prefill_tokens: c.active_prefill_tokens,
-        active_blocks: c.active_blocks,
-        total_blocks: c.total_blocks,
-        kv_usage: c.kv_usage,
-        waiting: c.waiting,
-        busy: c.busy,
-        healthy: c.healthy,
+/// The candidates as columns (see `workers` in policy.wit: one copy per column).
+fn columns(c: &[Candidate]) -> wit::Workers {
+    wit::Workers {
+        id: c.iter().map(|c| c.id).collect(),
+        in_flight: c.iter().map(|c| c.in_flight).collect(),
+        overlap_blocks: c.iter().map(|c| c.overlap_blocks).collect(),
+        active_overlap_blocks: c.iter().map(|c| c.active_overlap_blocks).collect(),
+        active_prefill_tokens: c.iter().map(|c| c.active_prefill_tokens).collect(),
+        active_blocks: c.iter().map(|c| c.active_blocks).collect(),
+        total_blocks: c.iter().map(|c| c.total_blocks).collect(),
+        kv_usage: c.iter().map(|c| c.kv_usage).collect(),
+        waiting: c.iter().map(|c| c.waiting).collect(),
+        flags: c.iter().map(|c| u8::from(c.busy) | (u8::from(c.healthy) << 1)).collect(),
     }
 }
 

@@ -107,7 +107,7 @@ pub mod router {
         path: "../wit",
         world: "router",
         pub_export_macro: true,
-        export_macro_name: "export_router",
+        export_macro_name: "__export_router_world",
         default_bindings_module: "kvgate_policy_sdk::router",
     });
 }
@@ -125,12 +125,93 @@ pub mod rescheduler {
 }
 
 pub use rescheduler::export_rescheduler;
-pub use router::export_router;
+
+#[doc(hidden)]
+pub mod __private {
+    pub use alloc::string::String;
+}
+
+/// Exports a type implementing [`routing::Policy`] as the component's routing policy.
+#[macro_export]
+macro_rules! export_router {
+    ($policy:ty) => {
+        const _: () = {
+            struct KvgateRouter;
+            impl $crate::router::exports::kvgate::policy::routing::Guest for KvgateRouter {
+                fn init(config: $crate::__private::String) -> Result<(), $crate::__private::String> {
+                    <$policy as $crate::routing::Policy>::init(config)
+                }
+                fn choose(req: $crate::routing::Request, workers: $crate::routing::Workers) -> $crate::routing::Decision {
+                    <$policy as $crate::routing::Policy>::choose(req, $crate::routing::unpack(&workers))
+                }
+            }
+            $crate::router::__export_router_world!(KvgateRouter);
+        };
+    };
+}
 
 /// Routing: what a policy sees and answers, and helpers for common answers.
 pub mod routing {
-    pub use crate::router::exports::kvgate::policy::routing::Guest as Policy;
-    pub use crate::router::kvgate::policy::types::{Decision, Header, Rejection, Request, Worker};
+    pub use crate::router::kvgate::policy::types::{Decision, Header, Rejection, Request, Workers};
+    use alloc::string::String;
+    use alloc::vec::Vec;
+
+    /// One candidate worker and its load as the gateway sees it at decision time: the same
+    /// figures the built-in modes decide on.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    pub struct Worker {
+        /// Stable id within the model: the worker's position in the config's worker list.
+        pub id: u32,
+        /// Requests the gateway has in flight to it.
+        pub in_flight: u32,
+        /// Leading prompt blocks already in its KV cache.
+        pub overlap_blocks: u32,
+        /// Leading prompt blocks already booked on it by requests in flight.
+        pub active_overlap_blocks: u32,
+        /// Prefill tokens booked on it that have not produced a first token yet.
+        pub active_prefill_tokens: u64,
+        /// KV blocks booked on it.
+        pub active_blocks: u64,
+        /// Its KV capacity in blocks (0 = not reported yet).
+        pub total_blocks: u64,
+        /// Its reported KV cache usage in [0, 1].
+        pub kv_usage: f64,
+        /// Its reported waiting (queued) requests.
+        pub waiting: u32,
+        /// Over a busy threshold (offered only when every worker is).
+        pub busy: bool,
+        /// Passing health checks.
+        pub healthy: bool,
+    }
+
+    /// A routing policy; export it with [`export_router!`](crate::export_router).
+    pub trait Policy {
+        /// Called once per instance with the `config` text of the gateway's YAML; an error
+        /// refuses the plugin (the old one keeps serving).
+        fn init(config: String) -> Result<(), String>;
+        /// Picks among `workers` (never empty) for `req`.
+        fn choose(req: Request, workers: Vec<Worker>) -> Decision;
+    }
+
+    /// The candidates as records, from the columns the host sends.
+    pub fn unpack(w: &Workers) -> Vec<Worker> {
+        let n = w.id.len();
+        (0..n)
+            .map(|i| Worker {
+                id: w.id[i],
+                in_flight: w.in_flight.get(i).copied().unwrap_or(0),
+                overlap_blocks: w.overlap_blocks.get(i).copied().unwrap_or(0),
+                active_overlap_blocks: w.active_overlap_blocks.get(i).copied().unwrap_or(0),
+                active_prefill_tokens: w.active_prefill_tokens.get(i).copied().unwrap_or(0),
+                active_blocks: w.active_blocks.get(i).copied().unwrap_or(0),
+                total_blocks: w.total_blocks.get(i).copied().unwrap_or(0),
+                kv_usage: w.kv_usage.get(i).copied().unwrap_or(0.0),
+                waiting: w.waiting.get(i).copied().unwrap_or(0),
+                busy: w.flags.get(i).is_some_and(|f| f & 1 != 0),
+                healthy: w.flags.get(i).is_some_and(|f| f & 2 != 0),
+            })
+            .collect()
+    }
 
     /// The value of header `name` (lower-case), if the gateway passed it.
     pub fn header<'a>(req: &'a Request, name: &str) -> Option<&'a str> {

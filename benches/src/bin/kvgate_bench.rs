@@ -1,0 +1,307 @@
+//! `kvgate-bench`: an open-loop load generator for any OpenAI-compatible endpoint, and a
+//! compare mode that runs the same workload through kvgate and other routers in front of a
+//! fresh vllm-sim cluster each.
+//!
+//!   kvgate-bench run --url http://127.0.0.1:8080 --model kvgate-demo --workload trace --speedup 20
+//!   kvgate-bench compare --workers 8 --workload trace --speedup 4 --max-requests 600
+//!
+//! Results: a table on stdout and `results.json`, `results.md`, `ttft_cdf.svg` in `--out`.
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use kvgate_bench::cluster::{self, Procs, SimOptions};
+use kvgate_bench::load::report::{self, Report, Slo};
+use kvgate_bench::load::workload::{self, Workload};
+use kvgate_bench::load::{RunOptions, run};
+use kvgate_bench::trace;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Parser)]
+#[command(name = "kvgate-bench", about = "Load generator and router comparison for OpenAI-compatible LLM servers")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Send a workload to one endpoint.
+    Run {
+        /// Base URL of the target.
+        #[arg(long)]
+        url: String,
+        /// Name in the report.
+        #[arg(long, default_value = "target")]
+        label: String,
+        /// Base URLs of the workers behind it, comma-separated, for their prefix-cache hit rate.
+        #[arg(long, value_delimiter = ',')]
+        workers: Vec<String>,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Start a vllm-sim cluster per target and run the same workload through each.
+    Compare {
+        /// Workers in the cluster.
+        #[arg(long, default_value_t = 8)]
+        workers: usize,
+        /// Targets, comma-separated: kvgate-kv, kvgate-round_robin, kvgate-random,
+        /// vllm-router-round_robin, vllm-router-cache_aware, vllm-router-kv_aware, smg-cache_aware.
+        #[arg(long, value_delimiter = ',', default_value = "kvgate-kv,kvgate-round_robin,vllm-router-cache_aware,vllm-router-kv_aware,smg-cache_aware")]
+        targets: Vec<String>,
+        /// The vllm-sim binary.
+        #[arg(long, default_value = "target/release/vllm-sim")]
+        sim_bin: PathBuf,
+        /// The kvgate binary.
+        #[arg(long, default_value = "target/release/kvgate")]
+        kvgate_bin: PathBuf,
+        /// Extra vllm-sim arguments, space-separated (e.g. "--time-scale 4").
+        #[arg(long, default_value = "")]
+        sim_args: String,
+        /// Extra lines for kvgate's routing section, `;`-separated (e.g. "overlap_score_weight: 2").
+        #[arg(long, default_value = "")]
+        kvgate_routing: String,
+        /// The vllm-router binary (skipped when absent).
+        #[arg(long, default_value = "vllm-router")]
+        vllm_router_bin: String,
+        /// The SMG / sglang-router launcher (skipped when absent).
+        #[arg(long, default_value = "smg")]
+        smg_bin: String,
+        #[command(flatten)]
+        common: Common,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Kind {
+    /// Replay a Mooncake trace.
+    Trace,
+    /// Synthetic shared-prefix traffic.
+    SharedPrefix,
+    /// Multi-turn chat sessions.
+    Chat,
+}
+
+#[derive(Args, Clone)]
+struct Common {
+    /// `model` of the requests.
+    #[arg(long, default_value = "sim-model")]
+    model: String,
+    /// What to send.
+    #[arg(long, value_enum, default_value = "trace")]
+    workload: Kind,
+    /// trace: the Mooncake trace.
+    #[arg(long, default_value = "benches/traces/mooncake_synthetic_trace.jsonl")]
+    trace: PathBuf,
+    /// trace: arrivals this many times faster.
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// trace / shared-prefix: at most this many requests.
+    #[arg(long, default_value_t = usize::MAX)]
+    max_requests: usize,
+    /// trace: prompts cut to this many tokens (a prefix, so sharing is kept).
+    #[arg(long, default_value_t = 16_384)]
+    max_isl: usize,
+    /// trace: outputs cut to this many tokens.
+    #[arg(long, default_value_t = 1024)]
+    max_osl: usize,
+    /// Token ids are drawn below this (the target's vocabulary size).
+    #[arg(long, default_value_t = 4000)]
+    vocab: u32,
+    /// shared-prefix: prefixes.
+    #[arg(long, default_value_t = 16)]
+    groups: u32,
+    /// shared-prefix: prefix length, tokens.
+    #[arg(long, default_value_t = 2048)]
+    prefix_tokens: usize,
+    /// shared-prefix: unique suffix length, tokens.
+    #[arg(long, default_value_t = 128)]
+    suffix_tokens: usize,
+    /// shared-prefix / chat: output tokens per request.
+    #[arg(long, default_value_t = 64)]
+    output_tokens: u32,
+    /// shared-prefix: requests (chat: sessions).
+    #[arg(long, default_value_t = 400)]
+    requests: usize,
+    /// shared-prefix: requests per second (chat: sessions started per second).
+    #[arg(long, default_value_t = 10.0)]
+    rate: f64,
+    /// chat: turns per session.
+    #[arg(long, default_value_t = 4)]
+    turns: usize,
+    /// chat: pause between an answer and the next turn, ms.
+    #[arg(long, default_value_t = 500)]
+    think_ms: u64,
+    /// Goodput SLO: time to first token, ms.
+    #[arg(long, default_value_t = 2000.0)]
+    slo_ttft_ms: f64,
+    /// Goodput SLO: mean inter-token latency, ms.
+    #[arg(long, default_value_t = 100.0)]
+    slo_itl_ms: f64,
+    /// Output folder for results.json, results.md and ttft_cdf.svg.
+    #[arg(long, default_value = "benches/out/latest")]
+    out: PathBuf,
+    /// No progress bar.
+    #[arg(long)]
+    quiet: bool,
+}
+
+impl Common {
+    fn workload(&self) -> Result<(Workload, String), String> {
+        Ok(match self.workload {
+            Kind::Trace => {
+                let t = trace::load(&self.trace)?;
+                let w = workload::from_trace(&t, self.speedup, self.max_requests, self.max_isl, self.max_osl as usize, self.vocab);
+                let note = format!(
+                    "Workload: {} requests of {} replayed at {}x speed (prompts cut to {} tokens, outputs to {}).",
+                    w.len(),
+                    self.trace.display(),
+                    self.speedup,
+                    self.max_isl,
+                    self.max_osl
+                );
+                (w, note)
+            }
+            Kind::SharedPrefix => {
+                let n = self.requests.min(self.max_requests);
+                let w = workload::shared_prefix(self.groups, self.prefix_tokens, self.suffix_tokens, self.output_tokens as usize, n, self.rate, self.vocab, 42);
+                let note = format!("Workload: {n} requests over {} shared prefixes of {} tokens (+{} unique), {}/s Poisson.", self.groups, self.prefix_tokens, self.suffix_tokens, self.rate);
+                (w, note)
+            }
+            Kind::Chat => {
+                let w = workload::chat_sessions(self.requests, self.turns, 40, 200, self.output_tokens, self.rate, Duration::from_millis(self.think_ms), 42);
+                let note = format!("Workload: {} chat sessions of {} turns, {} sessions/s.", self.requests, self.turns, self.rate);
+                (w, note)
+            }
+        })
+    }
+
+    fn slo(&self) -> Slo {
+        Slo { ttft_ms: self.slo_ttft_ms, itl_ms: self.slo_itl_ms }
+    }
+}
+
+fn finish(reports: &[Report], common: &Common, note: &str) {
+    println!("{note}\n\n{}", report::markdown(reports));
+    match report::write(&common.out, reports, note) {
+        Ok(()) => println!("written: {0}/results.json, {0}/results.md, {0}/ttft_cdf.svg", common.out.display()),
+        Err(e) => eprintln!("kvgate-bench: cannot write {}: {e}", common.out.display()),
+    }
+}
+
+#[tokio::main]
+async fn main() {
+    let cli = Cli::parse();
+    let code = match cli.cmd {
+        Cmd::Run { url, label, workers, common } => match common.workload() {
+            Ok((w, note)) => {
+                let o = RunOptions { label, url: url.trim_end_matches('/').to_string(), model: common.model.clone(), worker_urls: workers, slo: common.slo(), progress: !common.quiet };
+                let r = run(&o, &w).await;
+                finish(&[r], &common, &note);
+                0
+            }
+            Err(e) => {
+                eprintln!("kvgate-bench: {e}");
+                2
+            }
+        },
+        Cmd::Compare { workers, targets, sim_bin, kvgate_bin, sim_args, kvgate_routing, vllm_router_bin, smg_bin, common } => {
+            let peers = Peers { vllm_router: cluster::which(&vllm_router_bin), smg: cluster::which(&smg_bin) };
+            compare(workers, &targets, &sim_bin, &kvgate_bin, &sim_args, &kvgate_routing, &peers, &common).await
+        }
+    };
+    std::process::exit(code);
+}
+
+struct Peers {
+    vllm_router: Option<PathBuf>,
+    smg: Option<PathBuf>,
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn compare(n: usize, targets: &[String], sim_bin: &PathBuf, kvgate_bin: &PathBuf, sim_args: &str, kvgate_routing: &str, peers: &Peers, common: &Common) -> i32 {
+    let (w, note) = match common.workload() {
+        Ok(x) => x,
+        Err(e) => {
+            eprintln!("kvgate-bench: {e}");
+            return 2;
+        }
+    };
+    let sims = SimOptions { bin: sim_bin.clone(), model: common.model.clone(), args: sim_args.split_whitespace().map(String::from).collect() };
+    let mut reports = Vec::new();
+    let mut notes = vec![note, format!("Cluster: {n} vllm-sim workers ({}), fresh for every target.", if sim_args.is_empty() { "defaults" } else { sim_args })];
+    for t in targets {
+        let mut procs = Procs::default();
+        let workers = match cluster::start_sims(&mut procs, &sims, n).await {
+            Ok(w) => w,
+            Err(e) => {
+                eprintln!("kvgate-bench: {e}");
+                return 1;
+            }
+        };
+        let started = match t.as_str() {
+            "kvgate-kv" | "kvgate-round_robin" | "kvgate-random" => {
+                let mode = t.trim_start_matches("kvgate-");
+                let mut routing = format!("mode: {mode}");
+                if mode == "kv" {
+                    for line in kvgate_routing.split(';').filter(|l| !l.trim().is_empty()) {
+                        routing.push('\n');
+                        routing.push_str(line.trim());
+                    }
+                }
+                cluster::start_kvgate(&mut procs, kvgate_bin, &common.model, &routing, &workers, "").await.map(Some)
+            }
+            other => match start_peer(&mut procs, other, peers, &workers).await {
+                Ok(url) => Ok(url),
+                Err(e) => Err(e),
+            },
+        };
+        let url = match started {
+            Ok(Some(url)) => url,
+            Ok(None) => {
+                notes.push(format!("{t}: skipped (not installed)."));
+                eprintln!("kvgate-bench: {t} skipped: not installed");
+                continue;
+            }
+            Err(e) => {
+                notes.push(format!("{t}: did not start: {e}"));
+                eprintln!("kvgate-bench: {t} did not start: {e}");
+                continue;
+            }
+        };
+        eprintln!("kvgate-bench: {t} at {url}");
+        let o = RunOptions {
+            label: t.clone(),
+            url,
+            model: common.model.clone(),
+            worker_urls: workers.iter().map(|w| w.url.clone()).collect(),
+            slo: common.slo(),
+            progress: !common.quiet,
+        };
+        reports.push(run(&o, &w).await);
+        drop(procs);
+    }
+    finish(&reports, common, &notes.join("\n"));
+    0
+}
+
+/// Starts a peer router; `Ok(None)` when it is not installed.
+async fn start_peer(procs: &mut Procs, target: &str, peers: &Peers, workers: &[cluster::SimWorker]) -> Result<Option<String>, String> {
+    let (bin, policy) = if let Some(p) = target.strip_prefix("vllm-router-") {
+        (peers.vllm_router.as_ref(), p)
+    } else if let Some(p) = target.strip_prefix("smg-") {
+        (peers.smg.as_ref(), p)
+    } else {
+        return Err(format!("unknown target {target:?}"));
+    };
+    let Some(bin) = bin else { return Ok(None) };
+    let port = cluster::free_ports(1)[0];
+    let mut cmd = std::process::Command::new(bin);
+    cmd.args(["--host", "127.0.0.1", "--port", &port.to_string(), "--policy", policy, "--worker-urls"]);
+    cmd.args(workers.iter().map(|w| w.url.as_str()));
+    cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
+    procs.0.push(cmd.spawn().map_err(|e| format!("{}: {e}", bin.display()))?);
+    let url = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::new();
+    cluster::wait_ok(&http, &format!("{url}/health"), Duration::from_secs(60)).await?;
+    Ok(Some(url))
+}

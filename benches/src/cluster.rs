@@ -1,0 +1,149 @@
+//! Clusters of release binaries for benchmarks: `vllm-sim` workers with KV events, a `kvgate`
+//! in front of them, and other routers when installed; every process is killed when its
+//! [`Procs`] drops, and every port is a free one chosen up front.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Distinct free ports: every probe listener stays open until all are chosen, so none repeats.
+pub fn free_ports(n: usize) -> Vec<u16> {
+    let held: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").expect("a free port")).collect();
+    held.iter().map(|l| l.local_addr().expect("bound").port()).collect()
+}
+
+/// Child processes, killed on drop.
+#[derive(Default)]
+pub struct Procs(pub Vec<Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Waits until `url` answers 2xx; an error after `limit`.
+pub async fn wait_ok(http: &reqwest::Client, url: &str, limit: Duration) -> Result<(), String> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if http.get(url).send().await.is_ok_and(|r| r.status().is_success()) {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Err(format!("{url} did not come up within {limit:?}"))
+}
+
+/// A simulated worker process.
+#[derive(Debug, Clone)]
+pub struct SimWorker {
+    /// `http://127.0.0.1:port`.
+    pub url: String,
+    /// Its KV event PUB endpoint.
+    pub kv_events: String,
+    /// Its replay endpoint.
+    pub replay: String,
+}
+
+/// How to run the simulated workers.
+#[derive(Debug, Clone)]
+pub struct SimOptions {
+    /// The `vllm-sim` binary.
+    pub bin: PathBuf,
+    /// Served model name.
+    pub model: String,
+    /// Extra command-line arguments for every worker (e.g. `--time-scale 10`).
+    pub args: Vec<String>,
+}
+
+/// Starts `n` workers and waits until they are healthy.
+pub async fn start_sims(procs: &mut Procs, o: &SimOptions, n: usize) -> Result<Vec<SimWorker>, String> {
+    let http = reqwest::Client::new();
+    let ports = free_ports(3 * n);
+    let mut workers = Vec::with_capacity(n);
+    for w in 0..n {
+        let (port, ev, rp) = (ports[3 * w], ports[3 * w + 1], ports[3 * w + 2]);
+        // As in vLLM, a `*` endpoint binds; without it the engine would connect.
+        let kv = format!(r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{ev}","replay_endpoint":"tcp://*:{rp}","topic":"kv-events"}}"#);
+        let child = Command::new(&o.bin)
+            .args(["--model", &o.model, "--host", "127.0.0.1", "--port", &port.to_string(), "--seed", &(w + 1).to_string()])
+            .args(["--kv-events-config", &kv])
+            .args(&o.args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("{}: {e}", o.bin.display()))?;
+        procs.0.push(child);
+        workers.push(SimWorker { url: format!("http://127.0.0.1:{port}"), kv_events: format!("tcp://127.0.0.1:{ev}"), replay: format!("tcp://127.0.0.1:{rp}") });
+    }
+    for w in &workers {
+        wait_ok(&http, &format!("{}/health", w.url), Duration::from_secs(30)).await?;
+    }
+    Ok(workers)
+}
+
+/// Starts `kvgate` with `routing` (lines of a model's `routing:` section) in front of
+/// `workers`; returns its base URL once healthy.
+pub async fn start_kvgate(procs: &mut Procs, bin: &Path, model: &str, routing: &str, workers: &[SimWorker], extra_model: &str) -> Result<String, String> {
+    let http = reqwest::Client::new();
+    let ports = free_ports(2);
+    let mut list = String::new();
+    for w in workers {
+        list.push_str(&format!("      - url: {}\n        kv_events: {}\n        replay: {}\n", w.url, w.kv_events, w.replay));
+    }
+    let routing: String = routing.lines().map(|l| format!("      {}\n", l.trim())).collect();
+    let extra: String = extra_model.lines().map(|l| format!("    {l}\n")).collect();
+    let config = format!(
+        "listen: 127.0.0.1:{}\nadmin_listen: 127.0.0.1:{}\nmodels:\n  - name: {model}\n    routing:\n{routing}{extra}    workers:\n{list}",
+        ports[0], ports[1]
+    );
+    let path = std::env::temp_dir().join(format!("kvgate-bench-{}-{}.yaml", std::process::id(), ports[0]));
+    std::fs::write(&path, config).map_err(|e| e.to_string())?;
+    let child = Command::new(bin).arg("--config").arg(&path).env("KVGATE_LOG", "warn").stdout(Stdio::null()).stderr(Stdio::null()).spawn().map_err(|e| format!("{}: {e}", bin.display()))?;
+    procs.0.push(child);
+    let url = format!("http://127.0.0.1:{}", ports[0]);
+    let up = wait_ok(&http, &format!("{url}/health"), Duration::from_secs(30)).await;
+    let _ = std::fs::remove_file(&path);
+    up?;
+    if routing.contains("mode: kv") {
+        wait_for_events(&http, &format!("http://127.0.0.1:{}/metrics", ports[1]), model, workers).await?;
+    }
+    Ok(url)
+}
+
+/// Waits until the gateway has applied KV events from every worker (a probe request per worker,
+/// sent directly, makes each publish), so kv routing does not start blind.
+async fn wait_for_events(http: &reqwest::Client, admin_metrics: &str, model: &str, workers: &[SimWorker]) -> Result<(), String> {
+    let start = Instant::now();
+    loop {
+        let text = http.get(admin_metrics).send().await.map_err(|e| e.to_string())?.text().await.map_err(|e| e.to_string())?;
+        let sources: std::collections::HashSet<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("kvgate_kv_events_total{") && l.contains(r#"result="applied""#))
+            .filter_map(|l| l.split("source=\"").nth(1)?.split('"').next())
+            .collect();
+        if sources.len() >= workers.len() {
+            return Ok(());
+        }
+        if start.elapsed() > Duration::from_secs(30) {
+            return Err(format!("the gateway got KV events from {} of {} workers", sources.len(), workers.len()));
+        }
+        for w in workers {
+            let probe = serde_json::json!({"model": model, "prompt": (0..64).map(|t| t + 7).collect::<Vec<u32>>(), "max_tokens": 1});
+            let _ = http.post(format!("{}/v1/completions", w.url)).json(&probe).send().await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// `bin` if it can be run (on `PATH` or a path), for optional peers.
+pub fn which(bin: &str) -> Option<PathBuf> {
+    if bin.contains('/') {
+        return Path::new(bin).exists().then(|| PathBuf::from(bin));
+    }
+    std::env::var_os("PATH").and_then(|p| std::env::split_paths(&p).map(|d| d.join(bin)).find(|f| f.is_file()))
+}

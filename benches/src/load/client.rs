@@ -1,0 +1,99 @@
+//! One streamed request, timed from the client's side: time to the first token event, the
+//! gaps between token events, end to end, the status, and the output token count from the
+//! usage chunk (or the token events when the server sends no usage).
+
+use std::time::{Duration, Instant};
+
+/// What one request measured.
+#[derive(Debug, Clone, Default)]
+pub struct Sample {
+    /// HTTP status (0: no response).
+    pub status: u16,
+    /// Time to the first token, if one came.
+    pub ttft: Option<Duration>,
+    /// Gaps between consecutive token events.
+    pub itl: Vec<Duration>,
+    /// Send to last byte.
+    pub e2e: Duration,
+    /// Output tokens.
+    pub output_tokens: u64,
+    /// Chat replies: the assistant's text (multi-turn sessions send it back).
+    pub text: String,
+    /// Why it failed, if it did.
+    pub error: Option<String>,
+}
+
+impl Sample {
+    /// A complete response with at least one token.
+    pub fn ok(&self) -> bool {
+        self.status == 200 && self.error.is_none() && self.ttft.is_some()
+    }
+}
+
+/// Sends `body` (which must ask for a stream) to `url` and reads the whole stream.
+pub async fn send(http: &reqwest::Client, url: &str, body: &serde_json::Value) -> Sample {
+    let start = Instant::now();
+    let mut s = Sample::default();
+    let mut resp = match http.post(url).json(body).send().await {
+        Ok(r) => r,
+        Err(e) => {
+            s.error = Some(format!("request failed: {e}"));
+            s.e2e = start.elapsed();
+            return s;
+        }
+    };
+    s.status = resp.status().as_u16();
+    let mut buf = String::new();
+    let mut last: Option<Instant> = None;
+    let mut events = 0u64;
+    let mut usage: Option<u64> = None;
+    let mut done = false;
+    loop {
+        match resp.chunk().await {
+            Ok(Some(bytes)) => {
+                buf.push_str(&String::from_utf8_lossy(&bytes));
+                while let Some(end) = buf.find("\n\n") {
+                    let event: String = buf.drain(..end + 2).collect();
+                    for line in event.lines() {
+                        let Some(data) = line.strip_prefix("data:").map(str::trim) else { continue };
+                        if data == "[DONE]" {
+                            done = true;
+                            continue;
+                        }
+                        let Ok(v) = serde_json::from_str::<serde_json::Value>(data) else { continue };
+                        if let Some(n) = v.pointer("/usage/completion_tokens").and_then(|n| n.as_u64()) {
+                            usage = Some(n);
+                        }
+                        let choice = &v["choices"][0];
+                        let piece = choice["text"].as_str().or_else(|| choice["delta"]["content"].as_str());
+                        let is_token = piece.is_some_and(|p| !p.is_empty()) || choice["token_ids"].as_array().is_some_and(|t| !t.is_empty());
+                        if is_token {
+                            let now = Instant::now();
+                            match last {
+                                None => s.ttft = Some(now - start),
+                                Some(prev) => s.itl.push(now - prev),
+                            }
+                            last = Some(now);
+                            events += 1;
+                            s.text.push_str(piece.unwrap_or(""));
+                        }
+                    }
+                }
+            }
+            Ok(None) => break,
+            Err(e) => {
+                s.error = Some(format!("stream broke: {e}"));
+                break;
+            }
+        }
+    }
+    s.e2e = start.elapsed();
+    s.output_tokens = usage.unwrap_or(events);
+    if s.status == 200 && s.error.is_none() && !done {
+        s.error = Some("stream ended without [DONE]".into());
+    }
+    if s.status != 200 && s.error.is_none() {
+        s.error = Some(format!("HTTP {}", s.status));
+    }
+    s
+}

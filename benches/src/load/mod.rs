@@ -1,0 +1,160 @@
+//! `kvgate-bench`'s load generator: sends a [`Workload`] to any OpenAI-compatible endpoint,
+//! open loop (requests leave at their scheduled times whatever the answers) or as closed-loop
+//! chat sessions, measures each request from the client's side, and summarizes the run with
+//! the workers' own prefix-cache counters read before and after.
+
+pub mod client;
+pub mod report;
+pub mod workload;
+
+use client::Sample;
+use report::{Report, Slo};
+use std::io::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+use workload::{Session, Workload};
+
+/// Most requests in flight at once (a bound on the generator's own memory and sockets).
+pub const MAX_IN_FLIGHT: usize = 4096;
+
+/// One run.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// Name in the report.
+    pub label: String,
+    /// Base URL of the target (`http://host:port`).
+    pub url: String,
+    /// `model` of every request.
+    pub model: String,
+    /// Base URLs of the workers behind it, for their prefix-cache counters (may be empty).
+    pub worker_urls: Vec<String>,
+    /// The SLO goodput is counted against.
+    pub slo: Slo,
+    /// Draw a progress bar on stderr.
+    pub progress: bool,
+}
+
+/// Sums `vllm:prefix_cache_hits_total` and `vllm:prefix_cache_queries_total` over `urls`.
+pub async fn prefix_cache_counters(http: &reqwest::Client, urls: &[String]) -> Option<(f64, f64)> {
+    let mut total = (0.0, 0.0);
+    for u in urls {
+        let text = http.get(format!("{u}/metrics")).send().await.ok()?.text().await.ok()?;
+        let sum = |name: &str| -> f64 {
+            text.lines()
+                .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum()
+        };
+        total.0 += sum("vllm:prefix_cache_hits_total");
+        total.1 += sum("vllm:prefix_cache_queries_total");
+    }
+    Some(total)
+}
+
+struct Progress {
+    total: usize,
+    done: AtomicUsize,
+    failed: AtomicUsize,
+    on: bool,
+}
+
+impl Progress {
+    fn tick(&self, ok: bool) {
+        let done = self.done.fetch_add(1, Ordering::Relaxed) + 1;
+        if !ok {
+            self.failed.fetch_add(1, Ordering::Relaxed);
+        }
+        if self.on && (done % 10 == 0 || done == self.total) {
+            let width = 30;
+            let filled = done * width / self.total.max(1);
+            eprint!("\r[{}{}] {done}/{} done, {} failed ", "#".repeat(filled), ".".repeat(width - filled), self.total, self.failed.load(Ordering::Relaxed));
+            let _ = std::io::stderr().flush();
+            if done == self.total {
+                eprintln!();
+            }
+        }
+    }
+}
+
+/// Runs `workload` against `o.url` and summarizes it.
+pub async fn run(o: &RunOptions, workload: &Workload) -> Report {
+    let http = reqwest::Client::builder().pool_max_idle_per_host(1024).build().unwrap_or_default();
+    let before = prefix_cache_counters(&http, &o.worker_urls).await;
+    let progress = Arc::new(Progress { total: workload.len(), done: AtomicUsize::new(0), failed: AtomicUsize::new(0), on: o.progress });
+    let limit = Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT));
+    let start = Instant::now();
+    let samples: Vec<Sample> = match workload {
+        Workload::Open(jobs) => {
+            let mut tasks = Vec::with_capacity(jobs.len());
+            for job in jobs {
+                tokio::time::sleep_until((start + job.at).into()).await;
+                let Ok(permit) = limit.clone().acquire_owned().await else { break };
+                let (http, url, progress) = (http.clone(), format!("{}{}", o.url, job.path), progress.clone());
+                let mut body = job.body.clone();
+                body["model"] = o.model.clone().into();
+                tasks.push(tokio::spawn(async move {
+                    let s = client::send(&http, &url, &body).await;
+                    progress.tick(s.ok());
+                    drop(permit);
+                    s
+                }));
+            }
+            let mut out = Vec::with_capacity(tasks.len());
+            for t in tasks {
+                if let Ok(s) = t.await {
+                    out.push(s);
+                }
+            }
+            out
+        }
+        Workload::Sessions(sessions) => {
+            let tasks: Vec<_> = sessions
+                .iter()
+                .cloned()
+                .map(|session| {
+                    let (http, o, progress) = (http.clone(), o.clone(), progress.clone());
+                    tokio::spawn(async move { converse(&http, &o, session, start, &progress).await })
+                })
+                .collect();
+            let mut out = Vec::new();
+            for t in tasks {
+                if let Ok(s) = t.await {
+                    out.extend(s);
+                }
+            }
+            out
+        }
+    };
+    let duration = start.elapsed();
+    let after = prefix_cache_counters(&http, &o.worker_urls).await;
+    let hit_rate = match (before, after) {
+        (Some(b), Some(a)) if a.1 > b.1 => Some((a.0 - b.0) / (a.1 - b.1)),
+        _ => None,
+    };
+    report::summarize(&o.label, &samples, duration, o.slo, hit_rate)
+}
+
+/// One session: each turn carries the whole history so far.
+async fn converse(http: &reqwest::Client, o: &RunOptions, s: Session, start: Instant, progress: &Progress) -> Vec<Sample> {
+    tokio::time::sleep_until((start + s.start).into()).await;
+    let mut messages = vec![serde_json::json!({"role": "system", "content": s.system})];
+    let mut out = Vec::with_capacity(s.turns.len());
+    for (i, turn) in s.turns.iter().enumerate() {
+        if i > 0 {
+            tokio::time::sleep(s.think).await;
+        }
+        messages.push(serde_json::json!({"role": "user", "content": turn}));
+        let body = serde_json::json!({"model": o.model, "messages": messages, "max_tokens": s.output_tokens, "ignore_eos": true,
+                                      "stream": true, "stream_options": {"include_usage": true}});
+        let sample = client::send(http, &format!("{}/v1/chat/completions", o.url), &body).await;
+        progress.tick(sample.ok());
+        messages.push(serde_json::json!({"role": "assistant", "content": sample.text}));
+        let failed = !sample.ok();
+        out.push(sample);
+        if failed {
+            break; // a conversation does not go on past a failed turn
+        }
+    }
+    out
+}
