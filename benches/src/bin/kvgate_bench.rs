@@ -13,7 +13,7 @@ use kvgate_bench::load::report::{self, Report, Slo};
 use kvgate_bench::load::workload::{self, Workload};
 use kvgate_bench::load::{RunOptions, run};
 use kvgate_bench::trace;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 #[derive(Parser)]
@@ -150,7 +150,7 @@ impl Common {
         Ok(match self.workload {
             Kind::Trace => {
                 let t = trace::load(&self.trace)?;
-                let w = workload::from_trace(&t, self.speedup, self.max_requests, self.max_isl, self.max_osl as usize, self.vocab);
+                let w = workload::from_trace(&t, self.speedup, self.max_requests, self.max_isl, self.max_osl, self.vocab);
                 let note = format!(
                     "Workload: {} requests of {} replayed at {}x speed (prompts cut to {} tokens, outputs to {}).",
                     w.len(),
@@ -163,12 +163,30 @@ impl Common {
             }
             Kind::SharedPrefix => {
                 let n = self.requests.min(self.max_requests);
-                let w = workload::shared_prefix(self.groups, self.prefix_tokens, self.suffix_tokens, self.output_tokens as usize, n, self.rate, self.vocab, 42);
+                let w = workload::shared_prefix(workload::SharedPrefix {
+                    groups: self.groups,
+                    prefix_tokens: self.prefix_tokens,
+                    suffix_tokens: self.suffix_tokens,
+                    output_tokens: self.output_tokens as usize,
+                    requests: n,
+                    rate: self.rate,
+                    vocab: self.vocab,
+                    seed: 42,
+                });
                 let note = format!("Workload: {n} requests over {} shared prefixes of {} tokens (+{} unique), {}/s Poisson.", self.groups, self.prefix_tokens, self.suffix_tokens, self.rate);
                 (w, note)
             }
             Kind::Chat => {
-                let w = workload::chat_sessions(self.requests, self.turns, 40, 200, self.output_tokens, self.rate, Duration::from_millis(self.think_ms), 42);
+                let w = workload::chat_sessions(workload::ChatSessions {
+                    sessions: self.requests,
+                    turns: self.turns,
+                    words_per_turn: 40,
+                    system_words: 200,
+                    output_tokens: self.output_tokens,
+                    rate: self.rate,
+                    think: Duration::from_millis(self.think_ms),
+                    seed: 42,
+                });
                 let note = format!("Workload: {} chat sessions of {} turns, {} sessions/s.", self.requests, self.turns, self.rate);
                 (w, note)
             }
@@ -218,7 +236,7 @@ struct Peers {
 }
 
 #[allow(clippy::too_many_arguments)]
-async fn compare(n: usize, targets: &[String], sim_bin: &PathBuf, kvgate_bin: &PathBuf, sim_args: &str, kvgate_routing: &str, peers: &Peers, common: &Common) -> i32 {
+async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path, sim_args: &str, kvgate_routing: &str, peers: &Peers, common: &Common) -> i32 {
     let (w, note) = match common.workload() {
         Ok(x) => x,
         Err(e) => {
@@ -226,7 +244,7 @@ async fn compare(n: usize, targets: &[String], sim_bin: &PathBuf, kvgate_bin: &P
             return 2;
         }
     };
-    let sims = SimOptions { bin: sim_bin.clone(), model: common.model.clone(), args: sim_args.split_whitespace().map(String::from).collect() };
+    let sims = SimOptions { bin: sim_bin.to_path_buf(), model: common.model.clone(), args: sim_args.split_whitespace().map(String::from).collect() };
     let mut reports = Vec::new();
     let mut notes = vec![note, format!("Cluster: {n} vllm-sim workers ({}), fresh for every target.", if sim_args.is_empty() { "defaults" } else { sim_args })];
     for t in targets {

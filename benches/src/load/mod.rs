@@ -65,7 +65,7 @@ impl Progress {
         if !ok {
             self.failed.fetch_add(1, Ordering::Relaxed);
         }
-        if self.on && (done % 10 == 0 || done == self.total) {
+        if self.on && (done.is_multiple_of(10) || done == self.total) {
             let width = 30;
             let filled = done * width / self.total.max(1);
             eprint!("\r[{}{}] {done}/{} done, {} failed ", "#".repeat(filled), ".".repeat(width - filled), self.total, self.failed.load(Ordering::Relaxed));

@@ -240,7 +240,7 @@ mod tests {
         assert_eq!(r.ttft_ms.p50, 100.0);
         assert!(r.ttft_ms.p50 <= r.ttft_ms.p90 && r.ttft_ms.p90 <= r.ttft_ms.p99);
         assert_eq!(r.output_tokens_per_s, 7.0 / 2.0);
-        let md = markdown(&[r.clone()]);
+        let md = markdown(std::slice::from_ref(&r));
         assert!(md.contains("| t | 5 | 3 | 1 | 1 |"), "{md}");
         let svg = ttft_cdf_svg(&[r]);
         assert!(svg.starts_with("<svg") && svg.contains("<polyline"), "{svg}");

@@ -79,7 +79,29 @@ pub fn from_trace(t: &[TraceRequest], speedup: f64, max_requests: usize, max_isl
 
 /// Shared-prefix traffic: `groups` prefixes of `prefix_tokens`, each request one of them
 /// (uniformly) plus `suffix_tokens` of its own; Poisson arrivals at `rate` per second.
-pub fn shared_prefix(groups: u32, prefix_tokens: usize, suffix_tokens: usize, output_tokens: usize, requests: usize, rate: f64, vocab: u32, seed: u64) -> Workload {
+#[derive(Debug, Clone, Copy)]
+pub struct SharedPrefix {
+    /// Distinct prefixes.
+    pub groups: u32,
+    /// Prefix length, tokens.
+    pub prefix_tokens: usize,
+    /// Unique suffix length, tokens.
+    pub suffix_tokens: usize,
+    /// Output tokens per request.
+    pub output_tokens: usize,
+    /// Requests.
+    pub requests: usize,
+    /// Arrivals per second.
+    pub rate: f64,
+    /// Token ids are below this.
+    pub vocab: u32,
+    /// Seed of the arrivals and suffixes.
+    pub seed: u64,
+}
+
+/// The requests of `w`.
+pub fn shared_prefix(w: SharedPrefix) -> Workload {
+    let SharedPrefix { groups, prefix_tokens, suffix_tokens, output_tokens, requests, rate, vocab, seed } = w;
     let mut rng = Rng(seed | 1);
     let mut at = 0.0f64;
     let span = u64::from(vocab.max(11) - 10);
@@ -99,7 +121,29 @@ pub fn shared_prefix(groups: u32, prefix_tokens: usize, suffix_tokens: usize, ou
 }
 
 /// Multi-turn chat: `sessions` conversations of `turns` turns, starting `1/rate` s apart.
-pub fn chat_sessions(sessions: usize, turns: usize, words_per_turn: usize, system_words: usize, output_tokens: u32, rate: f64, think: Duration, seed: u64) -> Workload {
+#[derive(Debug, Clone, Copy)]
+pub struct ChatSessions {
+    /// Conversations.
+    pub sessions: usize,
+    /// User turns per conversation.
+    pub turns: usize,
+    /// Words per user turn.
+    pub words_per_turn: usize,
+    /// Words of the system prompt all sessions share.
+    pub system_words: usize,
+    /// Output tokens per turn.
+    pub output_tokens: u32,
+    /// Sessions started per second.
+    pub rate: f64,
+    /// Pause between an answer and the next turn.
+    pub think: Duration,
+    /// Seed of the texts.
+    pub seed: u64,
+}
+
+/// The sessions of `c`.
+pub fn chat_sessions(c: ChatSessions) -> Workload {
+    let ChatSessions { sessions, turns, words_per_turn, system_words, output_tokens, rate, think, seed } = c;
     const WORDS: &[&str] = &["cache", "token", "worker", "prefix", "route", "block", "latency", "stream", "model", "queue", "batch", "decode"];
     let mut rng = Rng(seed | 1);
     let words = |n: usize, rng: &mut Rng| (0..n).map(|_| WORDS[(rng.next_u64() % WORDS.len() as u64) as usize]).collect::<Vec<_>>().join(" ");
@@ -123,7 +167,8 @@ mod tests {
 
     #[test]
     fn shared_prefix_requests_share_their_groups_prefix_and_arrive_at_the_rate() {
-        let Workload::Open(jobs) = shared_prefix(4, 64, 8, 5, 2000, 100.0, 1000, 7) else { panic!() };
+        let w = SharedPrefix { groups: 4, prefix_tokens: 64, suffix_tokens: 8, output_tokens: 5, requests: 2000, rate: 100.0, vocab: 1000, seed: 7 };
+        let Workload::Open(jobs) = shared_prefix(w) else { panic!() };
         let prompt = |j: &Job| j.body["prompt"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect::<Vec<_>>();
         let prefixes: std::collections::HashSet<Vec<u64>> = jobs.iter().map(|j| prompt(j)[..64].to_vec()).collect();
         assert_eq!(prefixes.len(), 4);
