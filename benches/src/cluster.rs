@@ -86,9 +86,19 @@ pub async fn start_sims(procs: &mut Procs, o: &SimOptions, n: usize) -> Result<V
     Ok(workers)
 }
 
+/// A running kvgate.
+#[derive(Debug, Clone)]
+pub struct Kvgate {
+    /// Public base URL.
+    pub url: String,
+    /// Admin base URL (`/metrics`).
+    pub admin: String,
+}
+
 /// Starts `kvgate` with `routing` (lines of a model's `routing:` section) in front of
-/// `workers`; returns its base URL once healthy.
-pub async fn start_kvgate(procs: &mut Procs, bin: &Path, model: &str, routing: &str, workers: &[SimWorker], extra_model: &str) -> Result<String, String> {
+/// `workers`; returns once it is healthy and, in kv mode with events, has applied events from
+/// every worker.
+pub async fn start_kvgate(procs: &mut Procs, bin: &Path, model: &str, routing: &str, workers: &[SimWorker], extra_model: &str) -> Result<Kvgate, String> {
     let http = reqwest::Client::new();
     let ports = free_ports(2);
     let mut list = String::new();
@@ -106,13 +116,14 @@ pub async fn start_kvgate(procs: &mut Procs, bin: &Path, model: &str, routing: &
     let child = Command::new(bin).arg("--config").arg(&path).env("KVGATE_LOG", "warn").stdout(Stdio::null()).stderr(Stdio::null()).spawn().map_err(|e| format!("{}: {e}", bin.display()))?;
     procs.0.push(child);
     let url = format!("http://127.0.0.1:{}", ports[0]);
+    let admin = format!("http://127.0.0.1:{}", ports[1]);
     let up = wait_ok(&http, &format!("{url}/health"), Duration::from_secs(30)).await;
     let _ = std::fs::remove_file(&path);
     up?;
-    if routing.contains("mode: kv") {
-        wait_for_events(&http, &format!("http://127.0.0.1:{}/metrics", ports[1]), model, workers).await?;
+    if routing.contains("mode: kv") && !routing.contains("kv_events: false") {
+        wait_for_events(&http, &format!("{admin}/metrics"), model, workers).await?;
     }
-    Ok(url)
+    Ok(Kvgate { url, admin })
 }
 
 /// Waits until the gateway has applied KV events from every worker (a probe request per worker,

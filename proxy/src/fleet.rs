@@ -168,13 +168,14 @@ impl Drop for InFlight {
 }
 
 /// A served model: its config, its workers (in config order) and its routing policy.
+#[derive(Clone)]
 pub struct Model {
     /// The model's config section.
     pub cfg: ModelConfig,
     /// Workers; a worker's id is its index here.
     pub workers: Vec<Arc<Worker>>,
     /// Selection policy (baseline modes).
-    pub policy: Box<dyn Policy>,
+    pub policy: Arc<dyn Policy>,
     /// The WebAssembly policy in front of `policy`/`kv`, when `routing.mode` is `plugin`.
     pub plugin: Option<Arc<kvgate_plugins::PluginSlot>>,
     /// KV routing state, when `routing.mode` (or a plugin's fallback) is `kv`.
@@ -243,13 +244,14 @@ impl WorkerRegistry {
             (None, None) => true,
             _ => false,
         };
-        let unchanged = |m: &ModelConfig| old.and_then(|f| f.models.get(&m.name)).filter(|o| o.cfg == *m && same_slot(&o.plugin, &slot(m))).cloned();
+        let same_cfg = |m: &ModelConfig| old.and_then(|f| f.models.get(&m.name)).filter(|o| o.cfg == *m).cloned();
+        let unchanged = |m: &ModelConfig| same_cfg(m).filter(|o| same_slot(&o.plugin, &slot(m)));
         let kv: Vec<Option<Arc<crate::kv_routing::KvRouting>>> = cfg
             .models
             .iter()
             .map(|m| {
-                if unchanged(m).is_some() {
-                    return Ok(None); // not needed: the whole model is reused below
+                if same_cfg(m).is_some() {
+                    return Ok(None); // not needed: the model's state is reused below
                 }
                 (m.routing.builtin() == kvgate_filters::route::Mode::Kv)
                     .then(|| crate::kv_routing::KvRouting::build(m).map(Arc::new))
@@ -269,6 +271,16 @@ impl WorkerRegistry {
                 models.insert(m.name.clone(), same);
                 continue;
             }
+            if let Some(prev) = same_cfg(m) {
+                // Only its plugin changed: keep the KV index, bookings and queue waiters.
+                for w in &prev.workers {
+                    next.insert(w.url.clone(), w.clone());
+                }
+                order.push(m.name.clone());
+                let model = Model { plugin: slot(m), ..Model::clone(&prev) };
+                models.insert(m.name.clone(), Arc::new(model));
+                continue;
+            }
             let workers = m
                 .workers
                 .iter()
@@ -282,7 +294,7 @@ impl WorkerRegistry {
             let queue = m.routing.queue_threshold.map(|_| {
                 Arc::new(kvgate_filters::route::RouterQueue::new(m.routing.queue_max_len, std::time::Duration::from_millis(m.routing.queue_max_wait_ms)))
             });
-            let policy = m.routing.builtin().policy();
+            let policy: Arc<dyn Policy> = Arc::from(m.routing.builtin().policy());
             models.insert(m.name.clone(), Arc::new(Model { cfg: m.clone(), workers, policy, plugin: slot(m), kv, queue }));
         }
         *known = next;

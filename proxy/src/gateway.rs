@@ -28,6 +28,9 @@ pub struct Gateway {
     pub connector: Connector,
     /// Loaded WebAssembly plugins.
     pub plugins: crate::plugins::PluginRegistry,
+    /// One apply at a time: prepare plugins → build the fleet → swap → commit must not
+    /// interleave with another reload's, or the fleet and the plugin registry would disagree.
+    applying: parking_lot::Mutex<()>,
 }
 
 impl Gateway {
@@ -54,6 +57,7 @@ impl Gateway {
             kv_metrics,
             connector: Connector::new(None),
             plugins,
+            applying: parking_lot::Mutex::new(()),
         }))
     }
 
@@ -72,6 +76,7 @@ impl Gateway {
     /// Requests in flight keep the model, worker and plugin they started with. Compiles
     /// changed plugins: call it off the async workers.
     pub fn apply(&self, cfg: Config) -> Result<(), String> {
+        let _one = self.applying.lock();
         let old = self.config();
         if old.listen != cfg.listen || old.admin_listen != cfg.admin_listen || old.threads != cfg.threads {
             tracing::warn!("listen, admin_listen and threads take effect at the next restart");
@@ -111,8 +116,10 @@ impl Gateway {
         // After the swap (so no request can still enter them), replaced queues release their
         // waiters, who go on with the model they started with.
         for (name, m) in &old_fleet.models {
-            let replaced = fleet.models.get(name).is_none_or(|n| !Arc::ptr_eq(n, m));
-            if replaced && let Some(q) = &m.queue {
+            let Some(q) = &m.queue else { continue };
+            // A model rebuilt around the same queue (only its plugin changed) keeps its waiters.
+            let kept = fleet.models.get(name).and_then(|n| n.queue.as_ref()).is_some_and(|nq| Arc::ptr_eq(nq, q));
+            if !kept {
                 q.release_all();
             }
         }

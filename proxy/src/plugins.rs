@@ -11,7 +11,7 @@ use kvgate_plugins::{PluginSlot, PluginSpec, ReloadOutcome};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 /// How often plugin files are checked for changes.
 pub const POLL: Duration = Duration::from_millis(250);
@@ -98,13 +98,18 @@ fn record(gw: &Gateway, name: &str, r: &Result<ReloadOutcome, String>) {
 /// reloads the ones that changed. Polling rather than inotify: a plugin file may sit anywhere,
 /// be replaced by rename, or live on a volume without notifications.
 pub async fn watch(gw: Arc<Gateway>) {
-    let mut seen: HashMap<String, Option<(u64, SystemTime)>> = HashMap::new();
+    use std::os::unix::fs::MetadataExt;
+    let mut seen: HashMap<String, Option<(u64, u64, i64, i64)>> = HashMap::new();
     loop {
         tokio::time::sleep(POLL).await;
         for (name, slot) in gw.plugins.slots() {
-            let stamp = std::fs::metadata(&slot.spec().path).ok().map(|m| (m.len(), m.modified().unwrap_or(SystemTime::UNIX_EPOCH)));
+            // Inode and change time too: a rename over the file, or a copy that keeps size and
+            // modification time, still shows.
+            let stamp = std::fs::metadata(&slot.spec().path).ok().map(|m| (m.len(), m.ino(), m.mtime_nsec() + m.mtime() * 1_000_000_000, m.ctime_nsec() + m.ctime() * 1_000_000_000));
             let before = seen.insert(name.clone(), stamp);
-            if before.is_none() || before == Some(stamp) || stamp.is_none() {
+            // First sight of a slot: compare contents once (cheap when unchanged), which also
+            // catches a change made between its load and this first look.
+            if before == Some(stamp) || stamp.is_none() {
                 continue;
             }
             let gw2 = gw.clone();

@@ -73,6 +73,25 @@ fn hostile_plugins_are_bounded_and_every_request_still_gets_a_worker() {
 }
 
 #[test]
+fn a_plugin_that_keeps_failing_is_skipped_then_tried_again() {
+    let mut s = spec("loop", guests::path("hostile"), "mode = loop");
+    s.limits.timeout_ms = 2;
+    let plugin = PluginSlot::load(s).unwrap().current();
+    let (req, cands) = (request(&[]), candidates(2));
+    for _ in 0..kvgate_plugins::routing::TRIP_AFTER {
+        assert_eq!(plugin.choose(&req, &cands).unwrap_err().kind(), "timeout");
+    }
+    let t = Instant::now();
+    let skipped = plugin.choose(&req, &cands).unwrap_err();
+    assert_eq!(skipped.kind(), "skipped");
+    assert!(t.elapsed() < Duration::from_millis(1), "a skipped plugin costs nothing: {:?}", t.elapsed());
+    assert_eq!(plugin.skipped_for(), Some(Duration::from_secs(1)));
+    // After the first skip period it is called again (and, still looping, fails again).
+    std::thread::sleep(Duration::from_millis(1050));
+    assert_eq!(plugin.choose(&req, &cands).unwrap_err().kind(), "timeout");
+}
+
+#[test]
 fn the_timeout_is_the_configured_deadline() {
     let mut s = spec("loop", guests::path("hostile"), "mode = loop");
     s.limits.timeout_ms = 20;
@@ -255,7 +274,9 @@ async fn a_failing_plugin_in_the_gateway_falls_back_and_is_counted() {
             assert_eq!(complete(&c, Some("s")).await, 200, "{mode}: the fallback serves");
         }
         let m = c.gateway_metrics().await;
-        assert_eq!(m.sum("kvgate_plugin_failures_total", &[("plugin", "policy"), ("kind", kind)]), 6.0, "{mode}");
+        // Five failures in a row trip the breaker: the sixth request skips the plugin.
+        assert_eq!(m.sum("kvgate_plugin_failures_total", &[("plugin", "policy"), ("kind", kind)]), 5.0, "{mode}");
+        assert_eq!(m.sum("kvgate_plugin_failures_total", &[("plugin", "policy"), ("kind", "skipped")]), 1.0, "{mode}");
         let per = served_per_worker(&c).await;
         assert_eq!(per, vec![3.0, 3.0], "{mode}: round_robin, the fallback, spread them");
     }

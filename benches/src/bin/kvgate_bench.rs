@@ -55,7 +55,7 @@ enum Cmd {
         #[arg(long, default_value = "target/release/kvgate")]
         kvgate_bin: PathBuf,
         /// Extra vllm-sim arguments, space-separated (e.g. "--time-scale 4").
-        #[arg(long, default_value = "")]
+        #[arg(long, default_value = "", allow_hyphen_values = true)]
         sim_args: String,
         /// Extra lines for kvgate's routing section, `;`-separated (e.g. "overlap_score_weight: 2").
         #[arg(long, default_value = "")]
@@ -266,12 +266,11 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
                         routing.push_str(line.trim());
                     }
                 }
-                cluster::start_kvgate(&mut procs, kvgate_bin, &common.model, &routing, &workers, "").await.map(Some)
+                // The workers' own tokenizer (vllm-sim's built-in one), so chat prompts hash
+                // to the blocks the workers cache.
+                cluster::start_kvgate(&mut procs, kvgate_bin, &common.model, &routing, &workers, "tokenizer: builtin").await.map(|g| Some(g.url))
             }
-            other => match start_peer(&mut procs, other, peers, &workers).await {
-                Ok(url) => Ok(url),
-                Err(e) => Err(e),
-            },
+            other => start_peer(&mut procs, other, peers, &common.model, &workers).await,
         };
         let url = match started {
             Ok(Some(url)) => url,
@@ -303,23 +302,50 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
 }
 
 /// Starts a peer router; `Ok(None)` when it is not installed.
-async fn start_peer(procs: &mut Procs, target: &str, peers: &Peers, workers: &[cluster::SimWorker]) -> Result<Option<String>, String> {
-    let (bin, policy) = if let Some(p) = target.strip_prefix("vllm-router-") {
-        (peers.vllm_router.as_ref(), p)
-    } else if let Some(p) = target.strip_prefix("smg-") {
-        (peers.smg.as_ref(), p)
+///
+/// vllm-router: `--policy round_robin|cache_aware|kv_aware`; kv_aware gets each worker's KV
+/// event and replay endpoints. SMG (sglang-router): `smg launch --policy …`. Both expose their
+/// own Prometheus port, given a free one so they do not clash on their default.
+async fn start_peer(procs: &mut Procs, target: &str, peers: &Peers, model: &str, workers: &[cluster::SimWorker]) -> Result<Option<String>, String> {
+    let ports = cluster::free_ports(2);
+    let (port, prom) = (ports[0].to_string(), ports[1].to_string());
+    let urls: Vec<&str> = workers.iter().map(|w| w.url.as_str()).collect();
+    let mut cmd;
+    if let Some(policy) = target.strip_prefix("vllm-router-") {
+        let Some(bin) = &peers.vllm_router else { return Ok(None) };
+        cmd = std::process::Command::new(bin);
+        cmd.args(["--host", "127.0.0.1", "--port", &port, "--prometheus-port", &prom, "--policy", policy, "--worker-urls"]).args(&urls);
+        if policy == "kv_aware" {
+            for w in workers {
+                cmd.arg("--kv-event-source").arg(format!("{}={}", w.url, w.kv_events));
+                cmd.arg("--kv-event-replay-source").arg(format!("{}={}", w.url, w.replay));
+            }
+            cmd.args(["--kv-event-block-size", "16", "--kv-event-model", model]);
+        }
+    } else if let Some(policy) = target.strip_prefix("smg-") {
+        let Some(bin) = &peers.smg else { return Ok(None) };
+        cmd = std::process::Command::new(bin);
+        cmd.args(["launch", "--host", "127.0.0.1", "--port", &port, "--prometheus-host", "127.0.0.1", "--prometheus-port", &prom, "--policy", policy, "--worker-urls"]).args(&urls);
     } else {
         return Err(format!("unknown target {target:?}"));
-    };
-    let Some(bin) = bin else { return Ok(None) };
-    let port = cluster::free_ports(1)[0];
-    let mut cmd = std::process::Command::new(bin);
-    cmd.args(["--host", "127.0.0.1", "--port", &port.to_string(), "--policy", policy, "--worker-urls"]);
-    cmd.args(workers.iter().map(|w| w.url.as_str()));
+    }
     cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
-    procs.0.push(cmd.spawn().map_err(|e| format!("{}: {e}", bin.display()))?);
+    procs.0.push(cmd.spawn().map_err(|e| format!("{target}: {e}"))?);
     let url = format!("http://127.0.0.1:{port}");
+    // Routers register workers after they start listening: ready once a request goes through.
     let http = reqwest::Client::new();
-    cluster::wait_ok(&http, &format!("{url}/health"), Duration::from_secs(60)).await?;
-    Ok(Some(url))
+    let probe = serde_json::json!({"model": model, "prompt": [11, 12, 13], "max_tokens": 1});
+    let start = std::time::Instant::now();
+    while start.elapsed() < Duration::from_secs(60) {
+        if http.post(format!("{url}/v1/completions")).json(&probe).send().await.is_ok_and(|r| r.status().is_success()) {
+            return Ok(Some(url));
+        }
+        if let Some(child) = procs.0.last_mut()
+            && let Ok(Some(status)) = child.try_wait()
+        {
+            return Err(format!("{target} exited ({status})"));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Err(format!("{target} did not serve a request within 60 s"))
 }

@@ -13,10 +13,11 @@
 //!   target/release/routing-hit-rate
 
 use clap::Parser;
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
+use kvgate_bench::cluster::{self, Procs, SimOptions};
+use kvgate_bench::load::prefix_cache_counters;
+use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 #[derive(Parser)]
 struct Args {
@@ -48,74 +49,19 @@ struct Args {
 
 const BS: usize = 16;
 
-/// Distinct free ports: every probe listener stays open until all are chosen, so none repeats.
-fn free_ports(n: usize) -> Vec<u16> {
-    let held: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").expect("a free port")).collect();
-    held.iter().map(|l| l.local_addr().expect("bound").port()).collect()
-}
-
-/// Child processes killed on drop.
-struct Procs(Vec<Child>);
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
 fn prompt(g: u32, i: u32, prefix_blocks: usize) -> Vec<u32> {
     let mut p: Vec<u32> = (0..(prefix_blocks * BS) as u32).map(|t| (g * 7919 + t * 31) % 4000 + 10).collect();
     p.extend((0..(4 * BS) as u32).map(|t| (g * 131 + i * 977 + t * 13) % 4000 + 10));
     p
 }
 
-async fn wait_ok(http: &reqwest::Client, url: &str) {
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(30) {
-        if http.get(url).send().await.is_ok_and(|r| r.status().is_success()) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("{url} did not come up");
-}
-
-/// One scrape of a Prometheus `/metrics` page.
-async fn scrape(http: &reqwest::Client, url: &str) -> String {
-    http.get(url).send().await.expect("metrics").text().await.expect("metrics body")
-}
-
-/// The sample lines of `name` whose label set contains `label` (`""` for all).
-fn samples<'a>(text: &'a str, name: &'a str, label: &'a str) -> impl Iterator<Item = &'a str> {
-    text.lines().filter(move |l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']) && l.contains(label))
-}
-
-/// Sum of the samples of `name` whose label set contains `label`.
-fn sum(text: &str, name: &str, label: &str) -> f64 {
-    samples(text, name, label).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
-}
-
-const APPLIED: &str = r#"result="applied""#;
-
-/// Event sources (workers) the gateway has applied events from.
-fn sources_with_events(text: &str) -> usize {
-    let sources: std::collections::HashSet<&str> =
-        samples(text, "kvgate_kv_events_total", APPLIED).filter_map(|l| l.split("source=\"").nth(1)?.split('"').next()).collect();
-    sources.len()
-}
-
-/// (prefix cache hits, queries) summed over the workers, one scrape each.
-async fn fleet_hits_and_queries(http: &reqwest::Client, urls: &[String]) -> (f64, f64) {
-    let mut total = (0.0, 0.0);
-    for u in urls {
-        let text = scrape(http, &format!("{u}/metrics")).await;
-        total.0 += sum(&text, "vllm:prefix_cache_hits_total", "");
-        total.1 += sum(&text, "vllm:prefix_cache_queries_total", "");
-    }
-    total
+/// Sum of the samples of `name` whose label set contains `label`, on one `/metrics` page.
+async fn scraped_sum(http: &reqwest::Client, url: &str, name: &str, label: &str) -> f64 {
+    let text = http.get(url).send().await.expect("metrics").text().await.expect("metrics body");
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
 struct Outcome {
@@ -128,61 +74,20 @@ struct Outcome {
 
 async fn run(args: &Args, setting: &str) -> Outcome {
     let http = reqwest::Client::new();
-    let mut procs = Procs(Vec::new());
-    let mut workers = String::new();
-    let mut sim_urls = Vec::new();
-    let ports = free_ports(14);
-    for w in 0..4 {
-        let (port, ev, rp) = (ports[3 * w], ports[3 * w + 1], ports[3 * w + 2]);
-        // As in vLLM, a `*` endpoint binds; without it the engine would connect.
-        let kv = format!(
-            r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{ev}","replay_endpoint":"tcp://*:{rp}","topic":"kv-events"}}"#
-        );
-        procs.0.push(
-            Command::new(&args.sim_bin)
-                .args(["--model", "sim-model", "--host", "127.0.0.1", "--port", &port.to_string()])
-                .args(["--num-gpu-blocks-override", &args.num_gpu_blocks.to_string(), "--max-model-len", "8192"])
-                .args(["--kv-events-config", &kv])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("vllm-sim starts"),
-        );
-        let url = format!("http://127.0.0.1:{port}");
-        workers.push_str(&format!("      - url: {url}\n        kv_events: tcp://127.0.0.1:{ev}\n        replay: tcp://127.0.0.1:{rp}\n"));
-        sim_urls.push(url);
-    }
-    for u in &sim_urls {
-        wait_ok(&http, &format!("{u}/health")).await;
-    }
-    let (gw, admin) = (ports[12], ports[13]);
-    let routing: String = setting.split(';').map(|l| format!("      {}\n", l.trim())).collect();
-    let config = format!(
-        "listen: 127.0.0.1:{gw}\nadmin_listen: 127.0.0.1:{admin}\nmodels:\n  - name: sim-model\n    routing:\n{routing}    workers:\n{workers}"
-    );
-    let path = std::env::temp_dir().join(format!("kvgate-hit-rate-{}-{gw}.yaml", std::process::id()));
-    std::fs::write(&path, config).expect("config written");
-    procs.0.push(
-        Command::new(&args.kvgate_bin).arg("--config").arg(&path).stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("kvgate starts"),
-    );
-    let base = format!("http://127.0.0.1:{gw}");
-    wait_ok(&http, &format!("{base}/health")).await;
-    let _ = std::fs::remove_file(&path);
-    // kv settings: every worker's events must reach the gateway before measuring, or kv would
-    // route blind. A probe per worker, sent directly, makes each publish.
-    if setting.contains("mode: kv") && !setting.contains("kv_events: false") {
-        let metrics = format!("http://127.0.0.1:{admin}/metrics");
-        let start = Instant::now();
-        while sources_with_events(&scrape(&http, &metrics).await) < sim_urls.len() {
-            assert!(start.elapsed() < Duration::from_secs(30), "the gateway gets no KV events from some workers");
-            for u in &sim_urls {
-                let _ = http.post(format!("{u}/v1/completions")).json(&serde_json::json!({"model": "sim-model", "prompt": prompt(9999, 0, 2), "max_tokens": 1})).send().await;
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
+    let mut procs = Procs::default();
+    let sims = SimOptions {
+        bin: args.sim_bin.clone().into(),
+        model: "sim-model".into(),
+        args: vec!["--num-gpu-blocks-override".into(), args.num_gpu_blocks.to_string(), "--max-model-len".into(), "8192".into()],
+    };
+    let workers = cluster::start_sims(&mut procs, &sims, 4).await.expect("vllm-sim workers start");
+    let sim_urls: Vec<String> = workers.iter().map(|w| w.url.clone()).collect();
+    // kv settings wait until every worker's events reach the gateway: kv must not route blind.
+    let routing = setting.replace(';', "\n");
+    let gw = cluster::start_kvgate(&mut procs, Path::new(&args.kvgate_bin), "sim-model", &routing, &workers, "").await.expect("kvgate starts");
+    let base = gw.url.clone();
 
-    let (hits_before, queries_before) = fleet_hits_and_queries(&http, &sim_urls).await;
+    let (hits_before, queries_before) = prefix_cache_counters(&http, &sim_urls).await.expect("worker metrics");
     let mut jobs: Vec<Vec<u32>> = (0..args.per_group).flat_map(|i| (0..args.groups).map(move |g| prompt(g, i, args.prefix_blocks))).collect();
     let mut x: u64 = 0x2545_f491;
     for i in (1..jobs.len()).rev() {
@@ -209,8 +114,9 @@ async fn run(args: &Args, setting: &str) -> Outcome {
         lat.push(t.await.expect("task"));
     }
     let wall_s = started.elapsed().as_secs_f64();
-    let (hits_after, queries_after) = fleet_hits_and_queries(&http, &sim_urls).await;
-    let events = sum(&scrape(&http, &format!("http://127.0.0.1:{admin}/metrics")).await, "kvgate_kv_events_total", APPLIED);
+    let (hits_after, queries_after) = prefix_cache_counters(&http, &sim_urls).await.expect("worker metrics");
+    let events = scraped_sum(&http, &format!("{}/metrics", gw.admin), "kvgate_kv_events_total", r#"result="applied""#).await;
+    drop(procs);
     lat.sort_by(f64::total_cmp);
     let (hits, queries) = (hits_after - hits_before, queries_after - queries_before);
     Outcome {

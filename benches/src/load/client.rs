@@ -30,9 +30,11 @@ impl Sample {
     }
 }
 
-/// Sends `body` (which must ask for a stream) to `url` and reads the whole stream.
-pub async fn send(http: &reqwest::Client, url: &str, body: &serde_json::Value) -> Sample {
-    let start = Instant::now();
+/// Sends `body` (which must ask for a stream) to `url` and reads the whole stream. Latencies
+/// count from `scheduled`, when the request was due: a request that left late (the generator
+/// was at its in-flight bound) is not flattered by its delay.
+pub async fn send(http: &reqwest::Client, url: &str, body: &serde_json::Value, scheduled: Instant) -> Sample {
+    let start = scheduled.min(Instant::now());
     let mut s = Sample::default();
     let mut resp = match http.post(url).json(body).send().await {
         Ok(r) => r,
@@ -43,7 +45,7 @@ pub async fn send(http: &reqwest::Client, url: &str, body: &serde_json::Value) -
         }
     };
     s.status = resp.status().as_u16();
-    let mut buf = String::new();
+    let mut buf: Vec<u8> = Vec::new();
     let mut last: Option<Instant> = None;
     let mut events = 0u64;
     let mut usage: Option<u64> = None;
@@ -51,9 +53,11 @@ pub async fn send(http: &reqwest::Client, url: &str, body: &serde_json::Value) -
     loop {
         match resp.chunk().await {
             Ok(Some(bytes)) => {
-                buf.push_str(&String::from_utf8_lossy(&bytes));
-                while let Some(end) = buf.find("\n\n") {
-                    let event: String = buf.drain(..end + 2).collect();
+                // Bytes until an event is complete, so a character split across chunks stays whole.
+                buf.extend_from_slice(&bytes);
+                while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
+                    let raw: Vec<u8> = buf.drain(..end + 2).collect();
+                    let event = String::from_utf8_lossy(&raw);
                     for line in event.lines() {
                         let Some(data) = line.strip_prefix("data:").map(str::trim) else { continue };
                         if data == "[DONE]" {

@@ -88,13 +88,14 @@ pub async fn run(o: &RunOptions, workload: &Workload) -> Report {
         Workload::Open(jobs) => {
             let mut tasks = Vec::with_capacity(jobs.len());
             for job in jobs {
-                tokio::time::sleep_until((start + job.at).into()).await;
+                let due = start + job.at;
+                tokio::time::sleep_until(due.into()).await;
                 let Ok(permit) = limit.clone().acquire_owned().await else { break };
                 let (http, url, progress) = (http.clone(), format!("{}{}", o.url, job.path), progress.clone());
                 let mut body = job.body.clone();
                 body["model"] = o.model.clone().into();
                 tasks.push(tokio::spawn(async move {
-                    let s = client::send(&http, &url, &body).await;
+                    let s = client::send(&http, &url, &body, due).await;
                     progress.tick(s.ok());
                     drop(permit);
                     s
@@ -147,13 +148,19 @@ async fn converse(http: &reqwest::Client, o: &RunOptions, s: Session, start: Ins
         messages.push(serde_json::json!({"role": "user", "content": turn}));
         let body = serde_json::json!({"model": o.model, "messages": messages, "max_tokens": s.output_tokens, "ignore_eos": true,
                                       "stream": true, "stream_options": {"include_usage": true}});
-        let sample = client::send(http, &format!("{}/v1/chat/completions", o.url), &body).await;
+        let sample = client::send(http, &format!("{}/v1/chat/completions", o.url), &body, Instant::now()).await;
         progress.tick(sample.ok());
         messages.push(serde_json::json!({"role": "assistant", "content": sample.text}));
         let failed = !sample.ok();
         out.push(sample);
         if failed {
-            break; // a conversation does not go on past a failed turn
+            // A conversation does not go on past a failed turn; its remaining turns count as
+            // failed too, so every target is judged on the same number of requests.
+            for _ in i + 1..s.turns.len() {
+                progress.tick(false);
+                out.push(Sample { error: Some("not sent: an earlier turn of the session failed".into()), ..Sample::default() });
+            }
+            break;
         }
     }
     out

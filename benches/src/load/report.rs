@@ -168,6 +168,9 @@ pub fn ttft_cdf_svg(reports: &[Report]) -> String {
     const B: f64 = 50.0;
     const COLORS: &[&str] = &["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#666666"];
     let all: Vec<f64> = reports.iter().flat_map(|r| r.ttft_samples.iter().copied()).filter(|v| *v > 0.0).collect();
+    if all.is_empty() {
+        return format!("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" font-family=\"sans-serif\"><text x=\"20\" y=\"40\">no successful request: no TTFT to plot</text></svg>\n");
+    }
     let lo = all.iter().copied().fold(f64::INFINITY, f64::min).max(0.1).log10().floor();
     let hi = all.iter().copied().fold(1.0, f64::max).log10().ceil().max(lo + 1.0);
     let x = |ms: f64| L + (ms.max(0.1).log10() - lo) / (hi - lo) * (W - L - R);
@@ -243,6 +246,8 @@ mod tests {
         let md = markdown(std::slice::from_ref(&r));
         assert!(md.contains("| t | 5 | 3 | 1 | 1 |"), "{md}");
         let svg = ttft_cdf_svg(&[r]);
-        assert!(svg.starts_with("<svg") && svg.contains("<polyline"), "{svg}");
+        assert!(svg.starts_with("<svg") && svg.contains("<polyline") && !svg.contains("NaN"), "{svg}");
+        let none = summarize("empty", &[sample(503, None, &[])], Duration::from_secs(1), Slo { ttft_ms: 1.0, itl_ms: 1.0 }, None);
+        assert!(ttft_cdf_svg(&[none]).contains("no successful request"));
     }
 }

@@ -3,11 +3,11 @@
 //! randomness or stdio), and tell which world it exports.
 
 use crate::failure::LoadError;
-use crate::sandbox::{Limits, engine};
+use crate::sandbox::{HostState, Limits, engine};
 use sha2::{Digest, Sha256};
 use std::path::PathBuf;
-use wasmtime::component::Component;
 use wasmtime::component::types::ComponentItem;
+use wasmtime::component::{Component, InstancePre, Linker};
 
 /// Largest plugin file read.
 pub const MAX_FILE_BYTES: u64 = 64 << 20;
@@ -57,11 +57,14 @@ pub struct Compiled {
 /// sha256 (hex) of the plugin file, as `sha256:` pins expect it.
 pub fn file_sha256(spec: &PluginSpec) -> Result<(Vec<u8>, String), LoadError> {
     let err = |message: String| LoadError { plugin: spec.name.clone(), message };
-    let meta = std::fs::metadata(&spec.path).map_err(|e| err(format!("cannot read {}: {e}", spec.path.display())))?;
-    if meta.len() > MAX_FILE_BYTES {
-        return Err(err(format!("{} is {} bytes; plugins are limited to {MAX_FILE_BYTES}", spec.path.display(), meta.len())));
+    let cannot = |e: std::io::Error| err(format!("cannot read {}: {e}", spec.path.display()));
+    let file = std::fs::File::open(&spec.path).map_err(cannot)?;
+    // Read at most one byte past the cap, so a file that grows while it is read is still bounded.
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut std::io::Read::take(file, MAX_FILE_BYTES + 1), &mut bytes).map_err(cannot)?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(err(format!("{} is larger than {MAX_FILE_BYTES} bytes, the limit for plugins", spec.path.display())));
     }
-    let bytes = std::fs::read(&spec.path).map_err(|e| err(format!("cannot read {}: {e}", spec.path.display())))?;
     let sha = hex(&Sha256::digest(&bytes));
     Ok((bytes, sha))
 }
@@ -100,6 +103,19 @@ pub fn compile(spec: &PluginSpec) -> Result<Compiled, LoadError> {
         )));
     };
     Ok(Compiled { spec: spec.clone(), sha256, kind, component })
+}
+
+/// Pre-links `compiled` for instantiation: with an empty linker, since plugins import nothing.
+/// `kind` is the world the caller needs; another one is refused with the reason.
+pub(crate) fn link(compiled: &Compiled, kind: Kind) -> Result<InstancePre<HostState>, LoadError> {
+    let err = |message: String| LoadError { plugin: compiled.spec.name.clone(), message };
+    if compiled.kind != kind {
+        return Err(err(match kind {
+            Kind::Router => "it is a rescheduling policy; routing needs one built with the router world".into(),
+            Kind::Rescheduler => "it is a routing policy; rescheduling needs one built with the rescheduler world".into(),
+        }));
+    }
+    Linker::<HostState>::new(engine()).instantiate_pre(&compiled.component).map_err(|e| err(format!("cannot link: {e:#}")))
 }
 
 fn types_only(item: &ComponentItem) -> bool {

@@ -18,16 +18,21 @@ pub enum Failure {
     /// Answered something the host cannot use (an unknown worker, a bad score list...).
     #[error("invalid answer: {0}")]
     Invalid(String),
+    /// Not called: it failed [`crate::routing::TRIP_AFTER`] times in a row and is skipped
+    /// until the backoff ends.
+    #[error("skipped after repeated failures; next try in {0:?}")]
+    Skipped(std::time::Duration),
 }
 
 impl Failure {
-    /// Metric label: `timeout`, `memory`, `trap` or `invalid`.
+    /// Metric label: `timeout`, `memory`, `trap`, `invalid` or `skipped`.
     pub fn kind(&self) -> &'static str {
         match self {
             Failure::Timeout(_) => "timeout",
             Failure::Memory(_) => "memory",
             Failure::Trap(_) => "trap",
             Failure::Invalid(_) => "invalid",
+            Failure::Skipped(_) => "skipped",
         }
     }
 }

@@ -5,12 +5,11 @@
 
 use crate::bindings::rescheduler::kvgate::policy::types as wit;
 use crate::bindings::rescheduler::{Rescheduler, ReschedulerPre};
-use crate::component::{Compiled, Kind};
+use crate::component::{self, Compiled, Kind};
 use crate::failure::{Failure, LoadError};
 use crate::sandbox::{self, HostState};
 use parking_lot::Mutex;
 use wasmtime::Store;
-use wasmtime::component::Linker;
 
 /// A request running (or waiting) on a worker.
 #[derive(Debug, Clone, PartialEq)]
@@ -118,12 +117,7 @@ impl ReschedulingPlugin {
     pub fn new(compiled: Compiled) -> Result<Self, LoadError> {
         let name = compiled.spec.name.clone();
         let err = |message: String| LoadError { plugin: name.clone(), message };
-        if compiled.kind != Kind::Rescheduler {
-            return Err(err("it is a routing policy; rescheduling needs one built with the rescheduler world".into()));
-        }
-        let linker = Linker::<HostState>::new(sandbox::engine());
-        let pre = linker.instantiate_pre(&compiled.component).map_err(|e| err(format!("cannot link: {e:#}")))?;
-        let pre = ReschedulerPre::new(pre).map_err(|e| err(format!("does not match the rescheduler world: {e:#}")))?;
+        let pre = ReschedulerPre::new(component::link(&compiled, Kind::Rescheduler)?).map_err(|e| err(format!("does not match the rescheduler world: {e:#}")))?;
         let plugin = Self { compiled, pre, live: Mutex::new(None) };
         let live = plugin.instantiate().map_err(|f| err(format!("init failed: {f}")))?;
         *plugin.live.lock() = Some(live);

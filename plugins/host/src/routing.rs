@@ -5,16 +5,31 @@
 
 use crate::bindings::router::kvgate::policy::types as wit;
 use crate::bindings::router::{Router, RouterPre};
-use crate::component::{Compiled, Kind};
+use crate::component::{self, Compiled, Kind};
 use crate::failure::{Failure, LoadError};
 use crate::sandbox::{self, HostState, Limits};
 use kvgate_filters::route::{Candidate, Decision, RequestSummary};
 use parking_lot::Mutex;
+use std::time::{Duration, Instant};
 use wasmtime::Store;
-use wasmtime::component::Linker;
 
 /// Idle instances kept per plugin (about one per concurrent decision).
 const MAX_IDLE: usize = 64;
+/// Consecutive failures after which the plugin is skipped for a while: a module that loops
+/// would otherwise cost every request its whole deadline on the gateway's threads.
+pub const TRIP_AFTER: u32 = 5;
+/// First skip period; it doubles with each trip in a row, up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_secs(1);
+/// Longest skip period.
+const MAX_BACKOFF: Duration = Duration::from_secs(60);
+
+/// Consecutive failures and the skip period they earned.
+#[derive(Default)]
+struct Breaker {
+    failures: u32,
+    backoff: Duration,
+    open_until: Option<Instant>,
+}
 /// Longest rejection message passed to a client.
 const MAX_MESSAGE: usize = 1024;
 
@@ -31,6 +46,7 @@ pub struct RoutingPlugin {
     compiled: Compiled,
     pre: RouterPre<HostState>,
     idle: Mutex<Vec<Live>>,
+    breaker: Mutex<Breaker>,
 }
 
 impl RoutingPlugin {
@@ -39,13 +55,8 @@ impl RoutingPlugin {
     pub fn new(compiled: Compiled) -> Result<Self, LoadError> {
         let name = compiled.spec.name.clone();
         let err = |message: String| LoadError { plugin: name.clone(), message };
-        if compiled.kind != Kind::Router {
-            return Err(err("it is a rescheduling policy; routing needs one built with the router world".into()));
-        }
-        let linker = Linker::<HostState>::new(sandbox::engine());
-        let pre = linker.instantiate_pre(&compiled.component).map_err(|e| err(format!("cannot link: {e:#}")))?;
-        let pre = RouterPre::new(pre).map_err(|e| err(format!("does not match the router world: {e:#}")))?;
-        let plugin = Self { compiled, pre, idle: Mutex::new(Vec::new()) };
+        let pre = RouterPre::new(component::link(&compiled, Kind::Router)?).map_err(|e| err(format!("does not match the router world: {e:#}")))?;
+        let plugin = Self { compiled, pre, idle: Mutex::new(Vec::new()), breaker: Mutex::new(Breaker::default()) };
         let live = plugin.instantiate().map_err(|f| err(format!("init failed: {f}")))?;
         plugin.idle.lock().push(live);
         Ok(plugin)
@@ -85,9 +96,39 @@ impl RoutingPlugin {
         }
     }
 
-    /// Asks the policy. `Ok(None)`: it has no opinion (use the fallback). `Err`: it failed;
-    /// the caller falls back and counts [`Failure::kind`].
+    /// Asks the policy. `Ok(None)`: it has no opinion (use the fallback). `Err`: it failed, or
+    /// is being skipped after [`TRIP_AFTER`] failures in a row; the caller falls back and
+    /// counts [`Failure::kind`].
     pub fn choose(&self, req: &RouteRequest<'_>, candidates: &[Candidate]) -> Result<Option<Decision>, Failure> {
+        if let Some(until) = self.breaker.lock().open_until {
+            let now = Instant::now();
+            if now < until {
+                return Err(Failure::Skipped(until - now));
+            }
+        }
+        let r = self.call(req, candidates);
+        let mut b = self.breaker.lock();
+        match &r {
+            Err(_) => {
+                b.failures += 1;
+                if b.failures >= TRIP_AFTER {
+                    b.backoff = if b.backoff.is_zero() { FIRST_BACKOFF } else { (b.backoff * 2).min(MAX_BACKOFF) };
+                    b.open_until = Some(Instant::now() + b.backoff);
+                    b.failures = 0;
+                }
+            }
+            Ok(_) => *b = Breaker::default(),
+        }
+        r
+    }
+
+    /// The skip period that started at the last failure, if the plugin is being skipped now.
+    pub fn skipped_for(&self) -> Option<Duration> {
+        let b = self.breaker.lock();
+        b.open_until.filter(|u| *u > Instant::now()).map(|_| b.backoff)
+    }
+
+    fn call(&self, req: &RouteRequest<'_>, candidates: &[Candidate]) -> Result<Option<Decision>, Failure> {
         let mut live = match self.idle.lock().pop() {
             Some(l) => l,
             None => self.instantiate()?,

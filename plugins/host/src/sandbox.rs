@@ -55,12 +55,18 @@ impl Default for Limits {
 /// resulting trap is reported as a memory failure.
 pub struct HostState {
     max_memory: usize,
+    /// Bytes of all linear memories of the store (the cap is for their sum).
+    memory: usize,
     memory_denied: bool,
 }
 
 impl ResourceLimiter for HostState {
-    fn memory_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
-        let ok = desired <= self.max_memory;
+    fn memory_growing(&mut self, current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        let total = self.memory.saturating_add(desired.saturating_sub(current));
+        let ok = total <= self.max_memory;
+        if ok {
+            self.memory = total;
+        }
         self.memory_denied |= !ok;
         Ok(ok)
     }
@@ -84,14 +90,16 @@ impl ResourceLimiter for HostState {
 
 /// A fresh store under `limits`.
 pub fn store(limits: Limits) -> Store<HostState> {
-    let mut store = Store::new(engine(), HostState { max_memory: (limits.memory_mib as usize) << 20, memory_denied: false });
+    let mut store = Store::new(engine(), HostState { max_memory: (limits.memory_mib as usize) << 20, memory: 0, memory_denied: false });
     store.limiter(|s| s as &mut dyn ResourceLimiter);
     store.epoch_deadline_trap();
     store
 }
 
-/// Arms the deadline for the next call.
+/// Arms the deadline for the next call (and forgets an earlier refused growth, so a later
+/// failure is not blamed on memory).
 pub fn arm(store: &mut Store<HostState>, limits: Limits) {
+    store.data_mut().memory_denied = false;
     // The deadline expires between timeout_ms and timeout_ms + 1 ticks from now.
     store.set_epoch_deadline(limits.timeout_ms.max(1) + 1);
 }

@@ -57,15 +57,20 @@ mod runtime {
     }
 
     /// The canonical ABI's allocator export, through which the host passes arguments. On
-    /// wasm32-wasip2 it normally comes from std's libc; without std the guest supplies it.
+    /// wasm32-wasip2, wit-bindgen leaves it to std (wasi-libc exports it); a `no_std` guest
+    /// has neither, so the SDK supplies it.
     ///
     /// # Safety
     /// Called by the host only, with the canonical ABI's contract: `old_ptr`/`old_len`
     /// describe an earlier allocation of the same `align` (or are 0), `align` is a power of two.
     #[unsafe(no_mangle)]
     pub unsafe extern "C" fn cabi_realloc(old_ptr: *mut u8, old_len: usize, align: usize, new_len: usize) -> *mut u8 {
-        use alloc::alloc::{Layout, alloc, handle_alloc_error, realloc};
+        use alloc::alloc::{Layout, alloc, dealloc, handle_alloc_error, realloc};
         if new_len == 0 {
+            if old_len != 0 {
+                // SAFETY: the old allocation was made here with this size and alignment.
+                unsafe { dealloc(old_ptr, Layout::from_size_align_unchecked(old_len, align)) };
+            }
             return align as *mut u8;
         }
         let Ok(layout) = Layout::from_size_align(new_len, align) else { core::arch::wasm32::unreachable() };
@@ -85,7 +90,9 @@ mod runtime {
 /// instances of a policy, each with its own state, and replace them at any time.
 pub struct Local<T>(core::cell::RefCell<T>);
 
-// SAFETY: a WebAssembly guest instance is single-threaded; no two calls ever overlap.
+// SAFETY: a WebAssembly guest instance is single-threaded; no two calls ever overlap. Native
+// builds (a policy's unit tests) have threads, so there `Local` is not `Sync`.
+#[cfg(target_family = "wasm")]
 unsafe impl<T> Sync for Local<T> {}
 
 impl<T> Local<T> {
@@ -219,7 +226,8 @@ pub mod routing {
     }
 
     /// kvgate's `kv` cost of sending `req` to `w` (lower is better):
-    /// `weight · prefill_blocks + decode_blocks`, exactly as the built-in mode computes it.
+    /// `weight · prefill_blocks + decode_blocks`, as the built-in mode computes it with
+    /// `track_active_blocks` on (the default).
     pub fn kv_cost(req: &Request, w: &Worker, weight: f64) -> f64 {
         let bs = f64::from(req.block_size.max(1));
         let cached = (f64::from(w.overlap_blocks) * bs).min(f64::from(req.prompt_tokens));

@@ -85,7 +85,13 @@ async fn list_plugins(gw: &Arc<Gateway>, session: &mut Session) {
 async fn reload_plugins(gw: &Arc<Gateway>, session: &mut Session) {
     let _ = session.drain_request_body().await;
     let gw2 = gw.clone();
-    let results = tokio::task::spawn_blocking(move || crate::plugins::reload_all(&gw2)).await.unwrap_or_default();
+    let results = match tokio::task::spawn_blocking(move || crate::plugins::reload_all(&gw2)).await {
+        Ok(r) => r,
+        Err(e) => {
+            let ce = ClientError { status: 500, kind: "internal_server_error", message: format!("plugin reload failed: {e}"), param: None };
+            return respond_error(session, &ce, &[]).await;
+        }
+    };
     let mut ok = true;
     let list: Vec<_> = results
         .into_iter()

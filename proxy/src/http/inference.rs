@@ -62,28 +62,17 @@ struct RequestView {
     model: Option<String>,
     #[serde(default)]
     stream: Option<bool>,
+    /// The request's `nvext` object (agent hints), kept whole for plugins.
     #[serde(default)]
-    nvext: Option<Nvext>,
-}
-
-#[derive(Deserialize, Default)]
-struct Nvext {
-    #[serde(default)]
-    agent_hints: Option<AgentHints>,
-}
-
-#[derive(Deserialize, Default)]
-struct AgentHints {
-    priority: Option<f64>,
-    latency_sensitivity: Option<f64>,
+    nvext: Option<serde_json::Value>,
 }
 
 impl RequestView {
     /// Router-queue priority jump (seconds of head start): `nvext.agent_hints.priority`, else
     /// `latency_sensitivity`.
     fn priority_jump(&self) -> f64 {
-        let hints = self.nvext.as_ref().and_then(|n| n.agent_hints.as_ref());
-        hints.and_then(|h| h.priority.or(h.latency_sensitivity)).unwrap_or(0.0).max(0.0)
+        let hint = |name: &str| self.nvext.as_ref().and_then(|n| n.get("agent_hints")?.get(name)?.as_f64());
+        hint("priority").or_else(|| hint("latency_sensitivity")).unwrap_or(0.0).max(0.0)
     }
 }
 
@@ -168,18 +157,18 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut Session, endpoint: Endpoint)
     };
     let name = model.cfg.name.clone();
     let stream = view.stream.unwrap_or(false);
-    // The whole body is parsed only when routing needs it: to tokenize (kv) or for a plugin's
-    // `nvext`.
+    // The whole body is parsed only when kv routing tokenizes it.
     let parsed: Option<serde_json::Value> = match endpoint {
-        Endpoint::Chat | Endpoint::Completions if model.kv.is_some() || model.plugin.is_some() => serde_json::from_slice(&body).ok(),
+        Endpoint::Chat | Endpoint::Completions if model.kv.is_some() => serde_json::from_slice(&body).ok(),
         _ => None,
     };
+    let nvext = view.nvext.as_ref().map(|v| v.to_string());
     let ctx = RequestContext::new(rid.clone());
     let in_flight = gw.metrics.in_flight.with_label_values(&[name.as_str()]);
     in_flight.inc();
     let outcome = match wait_in_queue(gw, session, &model, endpoint, view.priority_jump(), &ctx, stream).await {
         Some(refused) => refused,
-        None => proxy(gw, session, &model, endpoint, &body, parsed.as_ref(), &ctx, stream, start).await,
+        None => proxy(gw, session, &model, endpoint, &body, parsed.as_ref(), nvext.as_deref(), &ctx, stream, start).await,
     };
     in_flight.dec();
     let (status, label) = match &outcome {
@@ -262,6 +251,7 @@ async fn proxy(
     endpoint: Endpoint,
     body: &Bytes,
     parsed: Option<&serde_json::Value>,
+    nvext: Option<&str>,
     ctx: &Arc<RequestContext>,
     stream: bool,
     start: Instant,
@@ -297,7 +287,6 @@ async fn proxy(
         let h = &session.req_header().headers;
         p.headers().iter().filter_map(|name| h.get(name.as_str()).and_then(|v| v.to_str().ok()).map(|v| (name.clone(), v.to_string()))).collect()
     });
-    let nvext = plugin.as_ref().and_then(|_| parsed?.get("nvext")).map(|v| v.to_string());
     let summary = RequestSummary {
         model: name,
         endpoint: endpoint.label(),
@@ -306,7 +295,7 @@ async fn proxy(
         prompt_blocks: kv.as_ref().map_or(0, |k| k.2.len() as u32),
         block_size: model.cfg.block_size,
         headers: &headers,
-        nvext: nvext.as_deref(),
+        nvext: plugin.as_ref().and(nvext),
     };
     let mut tried: Vec<usize> = Vec::new();
     let mut last_error = String::from("no healthy worker");
@@ -349,7 +338,13 @@ async fn proxy(
                 let w = &model.workers[i];
                 let base = match &kv {
                     Some((k, _, _, cached, active, _)) => k.candidate(i, w.in_flight(), cached, active),
-                    None => Candidate { id: i as u32, in_flight: w.in_flight(), ..Default::default() },
+                    None => Candidate {
+                        id: i as u32,
+                        in_flight: w.in_flight(),
+                        active_prefill_tokens: w.booked_prefill(),
+                        active_blocks: w.booked_blocks(),
+                        ..Default::default()
+                    },
                 };
                 with_reported(base, w, busy_now.contains(&i))
             })
@@ -363,7 +358,12 @@ async fn proxy(
                 let routed = kvgate_plugins::route(p, &summary, &candidates, builtin);
                 if let Some(f) = &routed.failure {
                     gw.metrics.plugin_failures.with_label_values(&[p.name(), f.kind()]).inc();
-                    tracing::warn!(request_id = rid.as_str(), plugin = p.name(), error = %f, "plugin failed; the fallback mode decided");
+                    // One warning per trip of the breaker, not one per request.
+                    match (f, p.skipped_for()) {
+                        (kvgate_plugins::Failure::Skipped(_), _) => {}
+                        (_, Some(skip)) => tracing::warn!(plugin = p.name(), error = %f, skip_s = skip.as_secs(), "plugin keeps failing; the fallback mode decides until the skip period ends"),
+                        _ => tracing::debug!(request_id = rid.as_str(), plugin = p.name(), error = %f, "plugin failed; the fallback mode decided"),
+                    }
                 }
                 routed.decision
             }
@@ -373,7 +373,13 @@ async fn proxy(
             Decision::Worker(k) if k < eligible.len() => eligible[k],
             Decision::Worker(_) => eligible[0],
             Decision::Reject { status, message } => {
-                let ce = ClientError { status, kind: "invalid_request_error", message, param: None };
+                let kind = match status {
+                    429 => "rate_limit_exceeded",
+                    503 => "service_unavailable",
+                    500..=599 => "internal_server_error",
+                    _ => "invalid_request_error",
+                };
+                let ce = ClientError { status, kind, message, param: None };
                 respond_error(session, &ce, &rid_header).await;
                 return Outcome::Refused(status);
             }
