@@ -46,6 +46,7 @@ enum Cmd {
         workers: usize,
         /// Targets, comma-separated: kvgate-kv, kvgate-round_robin, kvgate-random,
         /// vllm-router-round_robin, vllm-router-cache_aware, vllm-router-kv_aware, smg-cache_aware.
+        /// A kvgate target may carry routing keys: `kvgate-kv@overlap_score_weight=8`.
         #[arg(long, value_delimiter = ',', default_value = "kvgate-kv,kvgate-round_robin,vllm-router-cache_aware,vllm-router-kv_aware,smg-cache_aware")]
         targets: Vec<String>,
         /// The vllm-sim binary.
@@ -256,15 +257,16 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
                 return 1;
             }
         };
-        let started = match t.as_str() {
+        // `kvgate-kv@overlap_score_weight=4;temperature=0.1`: per-target routing keys.
+        let (name, keys) = t.split_once('@').unwrap_or((t.as_str(), ""));
+        let started = match name {
             "kvgate-kv" | "kvgate-round_robin" | "kvgate-random" => {
-                let mode = t.trim_start_matches("kvgate-");
+                let mode = name.trim_start_matches("kvgate-");
                 let mut routing = format!("mode: {mode}");
-                if mode == "kv" {
-                    for line in kvgate_routing.split(';').filter(|l| !l.trim().is_empty()) {
-                        routing.push('\n');
-                        routing.push_str(line.trim());
-                    }
+                let extra = if keys.is_empty() && mode == "kv" { kvgate_routing.to_string() } else { keys.replace('=', ": ") };
+                for line in extra.split(';').filter(|l| !l.trim().is_empty()) {
+                    routing.push('\n');
+                    routing.push_str(line.trim());
                 }
                 // The workers' own tokenizer (vllm-sim's built-in one), so chat prompts hash
                 // to the blocks the workers cache.
@@ -336,9 +338,20 @@ async fn start_peer(procs: &mut Procs, target: &str, peers: &Peers, model: &str,
     let http = reqwest::Client::new();
     let probe = serde_json::json!({"model": model, "prompt": [11, 12, 13], "max_tokens": 1});
     let start = std::time::Instant::now();
+    let mut last = String::from("no answer");
     while start.elapsed() < Duration::from_secs(60) {
-        if http.post(format!("{url}/v1/completions")).json(&probe).send().await.is_ok_and(|r| r.status().is_success()) {
-            return Ok(Some(url));
+        match http.post(format!("{url}/v1/completions")).json(&probe).send().await {
+            Ok(r) if r.status().is_success() => return Ok(Some(url)),
+            Ok(r) => {
+                let status = r.status();
+                let body = r.text().await.unwrap_or_default();
+                last = format!("HTTP {status}: {}", body.chars().take(160).collect::<String>());
+                // A client error will not go away by waiting (e.g. token-id prompts refused).
+                if status.is_client_error() && start.elapsed() > Duration::from_secs(5) {
+                    break;
+                }
+            }
+            Err(_) => {}
         }
         if let Some(child) = procs.0.last_mut()
             && let Ok(Some(status)) = child.try_wait()
@@ -347,5 +360,5 @@ async fn start_peer(procs: &mut Procs, target: &str, peers: &Peers, model: &str,
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    Err(format!("{target} did not serve a request within 60 s"))
+    Err(format!("{target} did not serve a token-id completion (last answer: {last})"))
 }
