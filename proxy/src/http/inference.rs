@@ -162,13 +162,12 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut Session, endpoint: Endpoint)
         Endpoint::Chat | Endpoint::Completions if model.kv.is_some() => serde_json::from_slice(&body).ok(),
         _ => None,
     };
-    let nvext = view.nvext.as_ref().map(|v| v.to_string());
     let ctx = RequestContext::new(rid.clone());
     let in_flight = gw.metrics.in_flight.with_label_values(&[name.as_str()]);
     in_flight.inc();
     let outcome = match wait_in_queue(gw, session, &model, endpoint, view.priority_jump(), &ctx, stream).await {
         Some(refused) => refused,
-        None => proxy(gw, session, &model, endpoint, &body, parsed.as_ref(), nvext.as_deref(), &ctx, stream, start).await,
+        None => proxy(gw, session, &model, endpoint, &body, parsed.as_ref(), view.nvext.as_ref(), &ctx, stream, start).await,
     };
     in_flight.dec();
     let (status, label) = match &outcome {
@@ -251,7 +250,7 @@ async fn proxy(
     endpoint: Endpoint,
     body: &Bytes,
     parsed: Option<&serde_json::Value>,
-    nvext: Option<&str>,
+    nvext: Option<&serde_json::Value>,
     ctx: &Arc<RequestContext>,
     stream: bool,
     start: Instant,
@@ -275,7 +274,7 @@ async fn proxy(
         _ => None,
     };
     // The client's expected output length, for output-block tracking.
-    let expected_output = parsed.and_then(|v| v.pointer("/nvext/agent_hints/osl")).and_then(serde_json::Value::as_u64);
+    let expected_output = nvext.and_then(|v| v.pointer("/agent_hints/osl")).and_then(serde_json::Value::as_u64);
     let name = model.cfg.name.as_str();
     let rid = ctx.id().to_string();
     let rid_header = [("x-request-id", rid.clone())];
@@ -283,6 +282,8 @@ async fn proxy(
     // A plugin is taken once and kept for the whole request (retries included), so a hot swap
     // never changes the policy under a request in flight.
     let plugin = model.plugin.as_ref().map(|slot| slot.current());
+    // Serialized only for a plugin: other modes never read it.
+    let plugin_nvext = plugin.as_ref().and(nvext).map(|v| v.to_string());
     let headers: Vec<(String, String)> = plugin.as_ref().map_or_else(Vec::new, |p| {
         let h = &session.req_header().headers;
         p.headers().iter().filter_map(|name| h.get(name.as_str()).and_then(|v| v.to_str().ok()).map(|v| (name.clone(), v.to_string()))).collect()
@@ -295,7 +296,7 @@ async fn proxy(
         prompt_blocks: kv.as_ref().map_or(0, |k| k.2.len() as u32),
         block_size: model.cfg.block_size,
         headers: &headers,
-        nvext: plugin.as_ref().and(nvext),
+        nvext: plugin_nvext.as_deref(),
     };
     let mut tried: Vec<usize> = Vec::new();
     let mut last_error = String::from("no healthy worker");
