@@ -132,10 +132,12 @@ async fn wait_for_events(http: &reqwest::Client, admin_metrics: &str, model: &st
     let start = Instant::now();
     loop {
         let text = http.get(admin_metrics).send().await.map_err(|e| e.to_string())?.text().await.map_err(|e| e.to_string())?;
-        let sources: std::collections::HashSet<&str> = text
-            .lines()
-            .filter(|l| l.starts_with("kvgate_kv_events_total{") && l.contains(r#"result="applied""#))
-            .filter_map(|l| l.split("source=\"").nth(1)?.split('"').next())
+        let m = kvgate_tests::prom::Metrics::parse(&text);
+        let sources: std::collections::HashSet<&str> = m
+            .samples
+            .iter()
+            .filter(|s| s.name == "kvgate_kv_events_total" && s.labels.get("result").is_some_and(|r| r == "applied"))
+            .filter_map(|s| s.labels.get("source").map(String::as_str))
             .collect();
         if sources.len() >= workers.len() {
             return Ok(());

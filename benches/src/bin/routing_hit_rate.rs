@@ -15,6 +15,7 @@
 use clap::Parser;
 use kvgate_bench::cluster::{self, Procs, SimOptions};
 use kvgate_bench::load::prefix_cache_counters;
+use kvgate_tests::prom::Metrics;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -53,15 +54,6 @@ fn prompt(g: u32, i: u32, prefix_blocks: usize) -> Vec<u32> {
     let mut p: Vec<u32> = (0..(prefix_blocks * BS) as u32).map(|t| (g * 7919 + t * 31) % 4000 + 10).collect();
     p.extend((0..(4 * BS) as u32).map(|t| (g * 131 + i * 977 + t * 13) % 4000 + 10));
     p
-}
-
-/// Sum of the samples of `name` whose label set contains `label`, on one `/metrics` page.
-async fn scraped_sum(http: &reqwest::Client, url: &str, name: &str, label: &str) -> f64 {
-    let text = http.get(url).send().await.expect("metrics").text().await.expect("metrics body");
-    text.lines()
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']) && l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 struct Outcome {
@@ -115,7 +107,8 @@ async fn run(args: &Args, setting: &str) -> Outcome {
     }
     let wall_s = started.elapsed().as_secs_f64();
     let (hits_after, queries_after) = prefix_cache_counters(&http, &sim_urls).await.expect("worker metrics");
-    let events = scraped_sum(&http, &format!("{}/metrics", gw.admin), "kvgate_kv_events_total", r#"result="applied""#).await;
+    let admin_metrics = http.get(format!("{}/metrics", gw.admin)).send().await.expect("metrics").text().await.expect("metrics body");
+    let events = Metrics::parse(&admin_metrics).sum("kvgate_kv_events_total", &[("result", "applied")]);
     drop(procs);
     lat.sort_by(f64::total_cmp);
     let (hits, queries) = (hits_after - hits_before, queries_after - queries_before);

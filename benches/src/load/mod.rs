@@ -8,6 +8,7 @@ pub mod report;
 pub mod workload;
 
 use client::Sample;
+use kvgate_tests::prom::Metrics;
 use report::{Report, Slo};
 use std::io::Write as _;
 use std::sync::Arc;
@@ -39,15 +40,9 @@ pub struct RunOptions {
 pub async fn prefix_cache_counters(http: &reqwest::Client, urls: &[String]) -> Option<(f64, f64)> {
     let mut total = (0.0, 0.0);
     for u in urls {
-        let text = http.get(format!("{u}/metrics")).send().await.ok()?.text().await.ok()?;
-        let sum = |name: &str| -> f64 {
-            text.lines()
-                .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum()
-        };
-        total.0 += sum("vllm:prefix_cache_hits_total");
-        total.1 += sum("vllm:prefix_cache_queries_total");
+        let m = Metrics::parse(&http.get(format!("{u}/metrics")).send().await.ok()?.text().await.ok()?);
+        total.0 += m.sum("vllm:prefix_cache_hits_total", &[]);
+        total.1 += m.sum("vllm:prefix_cache_queries_total", &[]);
     }
     Some(total)
 }
