@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The project's whole test suite, as CI runs it:
-#   1. every crate's unit and integration tests (vllm-sim workers in-process, ephemeral ports);
-#   2. the real-vLLM suite (tests/real-vllm/run-suite.sh: installs the CPU build of vLLM and a
+#   1. formatting (rustfmt.toml) and clippy with every warning denied;
+#   2. every crate's unit and integration tests (vllm-sim workers in-process, ephemeral ports);
+#   3. the real-vLLM suite (tests/real-vllm/run-suite.sh: installs the CPU build of vLLM and a
 #      tiny model on first use, ~6 GiB, then runs the conformance suite against it).
-# KVGATE_SKIP_REAL_VLLM=1 skips step 2 for a quick local run.
+# KVGATE_SKIP_REAL_VLLM=1 skips step 3 for a quick local run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace --all-targets
 if [ "${KVGATE_SKIP_REAL_VLLM:-0}" = 1 ]; then
   echo "KVGATE_SKIP_REAL_VLLM=1: real-vLLM suite skipped"

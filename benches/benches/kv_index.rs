@@ -4,6 +4,9 @@
 //!
 //!   cargo bench -p kvgate-bench --bench kv_index
 
+// criterion_group! generates an undocumented public function.
+#![allow(missing_docs)]
+
 use criterion::{Criterion, criterion_group, criterion_main};
 use kvgate_kv::hash::{DEFAULT_SEED, Hasher};
 use kvgate_kv::index::{FlatIndex, KvIndex, ReferenceTree};
@@ -33,9 +36,7 @@ fn bench(c: &mut Criterion) {
     for workers in [8usize, 64] {
         let flat = FlatIndex::new(workers, 1 << 20);
         fill(&flat, workers, 1 << 20, &query);
-        c.bench_function(&format!("flat find_matches 512 blocks, {workers} workers, 1M blocks"), |b| {
-            b.iter(|| flat.find_matches(black_box(&query)))
-        });
+        c.bench_function(&format!("flat find_matches 512 blocks, {workers} workers, 1M blocks"), |b| b.iter(|| flat.find_matches(black_box(&query))));
     }
     let reference = ReferenceTree::new();
     fill(&reference, 64, 1 << 16, &query);

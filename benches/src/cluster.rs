@@ -68,7 +68,8 @@ pub async fn start_sims(procs: &mut Procs, o: &SimOptions, n: usize) -> Result<V
     for w in 0..n {
         let (port, ev, rp) = (ports[3 * w], ports[3 * w + 1], ports[3 * w + 2]);
         // As in vLLM, a `*` endpoint binds; without it the engine would connect.
-        let kv = format!(r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{ev}","replay_endpoint":"tcp://*:{rp}","topic":"kv-events"}}"#);
+        let kv =
+            format!(r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{ev}","replay_endpoint":"tcp://*:{rp}","topic":"kv-events"}}"#);
         let child = Command::new(&o.bin)
             .args(["--model", &o.model, "--host", "127.0.0.1", "--port", &port.to_string(), "--seed", &(w + 1).to_string()])
             .args(["--kv-events-config", &kv])
@@ -78,7 +79,11 @@ pub async fn start_sims(procs: &mut Procs, o: &SimOptions, n: usize) -> Result<V
             .spawn()
             .map_err(|e| format!("{}: {e}", o.bin.display()))?;
         procs.0.push(child);
-        workers.push(SimWorker { url: format!("http://127.0.0.1:{port}"), kv_events: format!("tcp://127.0.0.1:{ev}"), replay: format!("tcp://127.0.0.1:{rp}") });
+        workers.push(SimWorker {
+            url: format!("http://127.0.0.1:{port}"),
+            kv_events: format!("tcp://127.0.0.1:{ev}"),
+            replay: format!("tcp://127.0.0.1:{rp}"),
+        });
     }
     for w in &workers {
         wait_ok(&http, &format!("{}/health", w.url), Duration::from_secs(30)).await?;
@@ -113,7 +118,14 @@ pub async fn start_kvgate(procs: &mut Procs, bin: &Path, model: &str, routing: &
     );
     let path = std::env::temp_dir().join(format!("kvgate-bench-{}-{}.yaml", std::process::id(), ports[0]));
     std::fs::write(&path, config).map_err(|e| e.to_string())?;
-    let child = Command::new(bin).arg("--config").arg(&path).env("KVGATE_LOG", "warn").stdout(Stdio::null()).stderr(Stdio::null()).spawn().map_err(|e| format!("{}: {e}", bin.display()))?;
+    let child = Command::new(bin)
+        .arg("--config")
+        .arg(&path)
+        .env("KVGATE_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("{}: {e}", bin.display()))?;
     procs.0.push(child);
     let url = format!("http://127.0.0.1:{}", ports[0]);
     let admin = format!("http://127.0.0.1:{}", ports[1]);

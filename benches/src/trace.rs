@@ -34,7 +34,13 @@ pub fn load(path: &Path) -> Result<Vec<TraceRequest>, String> {
         .map(|(i, l)| {
             let r: TraceRequest = serde_json::from_str(l).map_err(|e| format!("{}:{}: {e}", path.display(), i + 1))?;
             if r.hash_ids.len() != r.input_length.div_ceil(TRACE_BLOCK) {
-                return Err(format!("{}:{}: {} hash ids for {} input tokens (expected one per {TRACE_BLOCK})", path.display(), i + 1, r.hash_ids.len(), r.input_length));
+                return Err(format!(
+                    "{}:{}: {} hash ids for {} input tokens (expected one per {TRACE_BLOCK})",
+                    path.display(),
+                    i + 1,
+                    r.hash_ids.len(),
+                    r.input_length
+                ));
             }
             Ok(r)
         })

@@ -28,7 +28,10 @@ pub enum Action {
     /// Fetch batches `from..` over the replay socket and feed them to [`Applier::on_replayed`];
     /// then, if the replay did not reach the live message that revealed the gap
     /// (`last_seq() < seq`), call [`Applier::on_message`] with it again.
-    Replay { from: u64 },
+    Replay {
+        /// First sequence number to fetch.
+        from: u64,
+    },
     /// The worker was cleared; fetch everything still buffered (`Replay { from: 0 }`), then
     /// continue with live messages.
     Resync,

@@ -1,4 +1,5 @@
-//! Decoding vLLM's KV event batches (notes/vllm.md §1.3–1.4), robustly:
+//! Decoding vLLM's KV event batches, robustly (docs/vllm-interface.md: "KV event batches",
+//! "Map and array encodings", "Block hashes on the wire"):
 //! - a batch is `[ts, events]` or `[ts, events, dp_rank]` (or, defensively, a map with those
 //!   keys); `dp_rank` may be nil;
 //! - an event is a tagged map (`"type"`, vLLM ≥ 0.26) or a positional array with the tag first
@@ -67,11 +68,7 @@ impl Event {
         let gpu = |m: &Option<String>| m.as_deref().is_none_or(|m| m.eq_ignore_ascii_case("gpu"));
         let main = |g: &Option<u64>| g.is_none_or(|g| g == 0);
         match self {
-            Event::Stored(s) => {
-                gpu(&s.medium)
-                    && main(&s.group_idx)
-                    && s.spec_kind.as_deref().is_none_or(|k| matches!(k, "full_attention" | "mla_attention"))
-            }
+            Event::Stored(s) => gpu(&s.medium) && main(&s.group_idx) && s.spec_kind.as_deref().is_none_or(|k| matches!(k, "full_attention" | "mla_attention")),
             Event::Removed { medium, group_idx, .. } => gpu(medium) && main(group_idx),
             Event::AllCleared => true,
         }
@@ -111,11 +108,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<Batch, DecodeError> {
     };
     let ts = ts.as_f64().or_else(|| ts.as_i64().map(|i| i as f64)).ok_or_else(|| DecodeError("ts is not a number".into()))?;
     let events = events.as_array().ok_or_else(|| DecodeError("events is not an array".into()))?;
-    Ok(Batch {
-        ts,
-        events: events.iter().map(decode_event).collect::<Result<_, _>>()?,
-        dp_rank: rank.and_then(Value::as_u64),
-    })
+    Ok(Batch { ts, events: events.iter().map(decode_event).collect::<Result<_, _>>()?, dp_rank: rank.and_then(Value::as_u64) })
 }
 
 fn get<'a>(m: &'a [(Value, Value)], key: &str) -> Option<&'a Value> {
@@ -212,9 +205,7 @@ fn decode_event(v: &Value) -> Result<Event, DecodeError> {
                 })
             }
             // ["BlockRemoved", hashes, medium, group_idx, ...]
-            Some("BlockRemoved") if a.len() >= 2 => {
-                Ok(Event::Removed { hashes: hashes(&a[1])?, medium: opt_str(a.get(2)), group_idx: opt_u64(a.get(3)) })
-            }
+            Some("BlockRemoved") if a.len() >= 2 => Ok(Event::Removed { hashes: hashes(&a[1])?, medium: opt_str(a.get(2)), group_idx: opt_u64(a.get(3)) }),
             Some("AllBlocksCleared") => Ok(Event::AllCleared),
             Some(t) => err(format!("unknown or short event {t:?}")),
             None => err("event array without a tag"),
@@ -252,7 +243,7 @@ mod tests {
         }
     }
 
-    // notes/vllm.md §1.4: msgspec's encoding of the same batch, map and array forms.
+    // docs/vllm-interface.md, "Test vectors": msgspec's encoding of the same batch, map and array forms.
     #[test]
     fn decodes_the_vllm_test_vectors() {
         let map = "93cb41d954fc4010000093de000ba474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657391cf84b146b151d55111b1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f6964739401020304aa626c6f636b5f73697a6504a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c0aa65787472615f6b65797391c0a967726f75705f69647800b26b765f63616368655f737065635f6b696e64ae66756c6c5f617474656e74696f6e84a474797065ac426c6f636b52656d6f766564ac626c6f636b5f68617368657391cf84b146b151d55111a66d656469756da3475055a967726f75705f6964780081a474797065b0416c6c426c6f636b73436c656172656400";
@@ -299,8 +290,8 @@ mod tests {
             vec![],
             vec![0xc1],
             vec![0x93, 0xcb],
-            unhex("92a17801"),                       // ["x", 1]
-            unhex("92cb41d954fc4010000091a3666f6f"),   // [ts, ["foo"]]
+            unhex("92a17801"),                                   // ["x", 1]
+            unhex("92cb41d954fc4010000091a3666f6f"),             // [ts, ["foo"]]
             unhex("92cb41d954fc401000009181a474797065a3426164"), // unknown type
         ];
         for c in cases {

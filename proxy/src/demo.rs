@@ -7,7 +7,6 @@
 use crate::config::Config;
 use crate::server::GatewayHandle;
 use std::fmt::Write as _;
-use std::net::SocketAddr;
 use std::time::Duration;
 use vllm_sim::config::KvEventsConfig;
 use vllm_sim::{SimConfig, SimServer};
@@ -104,17 +103,16 @@ pub fn run(o: DemoOptions) -> i32 {
     let url = gw.url();
     println!("kvgate demo: {} simulated vLLM workers (vllm-sim), routing {}", sims.len(), o.mode);
     println!("  API:     {url}/v1   (model \"{MODEL}\")");
-    println!("  admin:   {}/metrics  {}/workers", gw.admin_url(), gw.admin_url());
+    println!("  admin:   {0}/metrics  {0}/workers  {0}/requests", gw.admin_url());
     println!("  try:     curl -N {url}/v1/chat/completions -H 'content-type: application/json' \\");
     println!("             -d '{{\"model\":\"{MODEL}\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}],\"max_tokens\":20,\"stream\":true}}'");
     println!("  Ctrl-C stops it.");
-    let addrs: Vec<SocketAddr> = sims.iter().map(SimServer::addr).collect();
     let gateway = gw.gateway.clone();
     rt.spawn(async move {
         let mut last = String::new();
         loop {
             tokio::time::sleep(Duration::from_secs(2)).await;
-            let line = status(&gateway, &addrs).await;
+            let line = status(&gateway).await;
             if line != last {
                 println!("{line}");
                 last = line;
@@ -153,12 +151,21 @@ async fn start_workers(o: &DemoOptions) -> Result<Vec<SimServer>, vllm_sim::SimE
 
 /// One status line: requests served, hit rate across workers, each worker's requests running
 /// and KV usage.
-async fn status(gw: &crate::gateway::Gateway, sims: &[SocketAddr]) -> String {
-    let served: f64 = gw.metrics.registry().gather().iter().filter(|f| f.name() == "kvgate_requests_total").flat_map(|f| f.get_metric()).map(|m| m.get_counter().get_value()).sum();
+async fn status(gw: &crate::gateway::Gateway) -> String {
+    let served: f64 = gw
+        .metrics
+        .registry()
+        .gather()
+        .iter()
+        .filter(|f| f.name() == "kvgate_requests_total")
+        .flat_map(|f| f.get_metric())
+        .map(|m| m.get_counter().get_value())
+        .sum();
     let (mut hits, mut queries) = (0.0, 0.0);
     let mut load = Vec::new();
-    for addr in sims {
-        let text = crate::load::fetch(*addr, &addr.to_string()).await.unwrap_or_default();
+    for (_, w) in gw.fleet().all_workers() {
+        let body = crate::upstream::get(gw, &w, "/metrics", std::time::Duration::from_secs(2), 8 << 20).await.map(|(_, b)| b).unwrap_or_default();
+        let text = String::from_utf8_lossy(&body);
         let value = |name: &str| -> f64 { text.lines().filter(|l| l.starts_with(name)).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum() };
         hits += value("vllm:prefix_cache_hits_total");
         queries += value("vllm:prefix_cache_queries_total");

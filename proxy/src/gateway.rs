@@ -1,5 +1,6 @@
 //! The gateway's shared state: the live configuration and fleet (swapped atomically on reload),
-//! the upstream connector (keep-alive pools), metrics, and the drain switch.
+//! the upstream connector (keep-alive pools), metrics, the in-flight registry, the loaded
+//! plugins and the drain switch.
 
 use crate::config::{Config, ConfigError};
 use crate::fleet::{Fleet, WorkerRegistry};
@@ -28,6 +29,8 @@ pub struct Gateway {
     pub connector: Connector,
     /// Loaded WebAssembly plugins.
     pub plugins: crate::plugins::PluginRegistry,
+    /// Every inference request past admission, and the recently finished ones.
+    pub requests: Arc<crate::inflight::InFlightRegistry>,
     /// One apply at a time: prepare plugins → build the fleet → swap → commit must not
     /// interleave with another reload's, or the fleet and the plugin registry would disagree.
     applying: parking_lot::Mutex<()>,
@@ -57,6 +60,7 @@ impl Gateway {
             kv_metrics,
             connector: Connector::new(None),
             plugins,
+            requests: Arc::new(crate::inflight::InFlightRegistry::default()),
             applying: parking_lot::Mutex::new(()),
         }))
     }
@@ -191,7 +195,8 @@ impl Gateway {
         self.draining.load(Ordering::SeqCst)
     }
 
-    /// Inference requests being served.
+    /// Inference requests being served, counted from their first byte (the in-flight registry
+    /// lists them once admitted).
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::SeqCst)
     }

@@ -1,12 +1,12 @@
 //! Per-model state of `kv` routing: the tokenizer, the KV index (fed by the workers' events, or
-//! by our own decisions in approximate mode), the active sequences booked on each worker, and
-//! the index slot of every worker's DP rank.
+//! by our own decisions in approximate mode), the cost policy, and the index id of every
+//! worker's DP rank. What is booked on each worker is in the model's ledger.
 //!
-//! Built with the fleet on each (re)load; the event subscribers run in the background service
-//! (`health::supervise_kv`), keyed by this state, so a reload replaces them.
+//! Built with the fleet on each (re)load; the event subscribers run as a background task
+//! (`tasks::kv_subscribers`), keyed by this state, so a reload replaces them.
 
 use crate::config::{ModelConfig, UpstreamUrl};
-use kvgate_filters::route::{ActiveSequences, Candidate, KvParams, KvPolicy, Tracking};
+use kvgate_filters::route::{Candidate, KvParams, KvPolicy};
 use kvgate_kv::approx::{ApproxConfig, ApproxIndex};
 use kvgate_kv::hash::{BlockHash, DEFAULT_SEED, Hasher};
 use kvgate_kv::index::{FlatIndex, KvIndex, Matches, WorkerId};
@@ -29,12 +29,10 @@ pub struct KvRouting {
     pub hasher: Hasher,
     /// The model's tokenizer with its segment cache, if configured.
     pub tokenizer: Option<Arc<SegmentCache>>,
-    /// Cached prefixes per worker slot.
+    /// Cached prefixes per DP rank.
     pub cache: Cache,
-    /// Load booked per worker (indexed like the model's workers).
-    pub active: Arc<ActiveSequences>,
-    /// Index slots of each worker's DP ranks.
-    pub slots: Vec<Vec<WorkerId>>,
+    /// Index ids of each worker's DP ranks (the index counts ranks, not workers).
+    pub rank_ids: Vec<Vec<WorkerId>>,
     /// Event sources to subscribe to (events mode).
     pub sources: Vec<Source>,
     /// The cost policy.
@@ -64,7 +62,7 @@ impl KvRouting {
             }
             None => None,
         };
-        let mut slots = Vec::with_capacity(m.workers.len());
+        let mut rank_ids = Vec::with_capacity(m.workers.len());
         let mut sources = Vec::new();
         let mut next: WorkerId = 0;
         for w in &m.workers {
@@ -87,7 +85,7 @@ impl KvRouting {
                 }
                 next += 1;
             }
-            slots.push(ranks);
+            rank_ids.push(ranks);
         }
         let cache = if r.kv_events {
             Cache::Events(Arc::new(FlatIndex::new(next.max(1) as usize, 1 << 16)))
@@ -102,16 +100,7 @@ impl KvRouting {
             hasher,
             tokenizer,
             cache,
-            active: ActiveSequences::new(
-                m.workers.len(),
-                Tracking {
-                    assume_kv_reuse: r.assume_kv_reuse,
-                    active_blocks: r.track_active_blocks,
-                    output_blocks: r.track_output_blocks,
-                    block_size: m.block_size,
-                },
-            ),
-            slots,
+            rank_ids,
             sources,
             policy: KvPolicy::new(KvParams {
                 overlap_score_weight: r.overlap_score_weight,
@@ -133,7 +122,7 @@ impl KvRouting {
         self.hasher.chain_prefix(tokens, self.max_prefix_blocks)
     }
 
-    /// Cached leading blocks per index slot.
+    /// Cached leading blocks per index id.
     pub fn cached(&self, chain: &[BlockHash]) -> Matches {
         match &self.cache {
             Cache::Events(idx) => idx.find_matches(chain),
@@ -141,40 +130,34 @@ impl KvRouting {
         }
     }
 
-    /// Index slots in use (for [`Matches::to_dense`]).
-    pub fn slot_count(&self) -> usize {
-        self.slots.iter().map(Vec::len).sum()
+    /// Index ids in use (for [`Matches::to_dense`]).
+    pub fn rank_count(&self) -> usize {
+        self.rank_ids.iter().map(Vec::len).sum()
     }
 
-    /// A worker's routing inputs: best overlap over its DP ranks, and its booked load. `cached`
-    /// is per index slot, `active` per worker (dense arrays).
-    pub fn candidate(&self, worker: usize, in_flight: u32, cached: &[u32], active: &[u32]) -> Candidate {
-        let overlap = self.slots[worker].iter().map(|&s| cached.get(s as usize).copied().unwrap_or(0)).max().unwrap_or(0);
-        let w = worker as WorkerId;
-        Candidate {
-            id: worker as u32,
-            in_flight,
-            overlap_blocks: overlap,
-            active_overlap_blocks: active.get(worker).copied().unwrap_or(0),
-            active_prefill_tokens: self.active.prefill_tokens(w),
-            active_blocks: self.active.active_blocks(w),
-            ..Default::default()
-        }
+    /// Adds prefix knowledge to worker `c.id`'s candidate: its best overlap over its DP ranks
+    /// (`cached`, dense per index id) and the prompt blocks already booked on it (`booked`,
+    /// dense per worker).
+    pub fn with_prefix(&self, mut c: Candidate, cached: &[u32], booked: &[u32]) -> Candidate {
+        let worker = c.id as usize;
+        c.overlap_blocks = self.rank_ids[worker].iter().map(|&s| cached.get(s as usize).copied().unwrap_or(0)).max().unwrap_or(0);
+        c.active_overlap_blocks = booked.get(worker).copied().unwrap_or(0);
+        c
     }
 
     /// Approximate mode: remember that `worker` will now cache `chain`.
     pub fn record_decision(&self, worker: usize, chain: &[BlockHash]) {
         if let Cache::Approx(a) = &self.cache
-            && let Some(&slot) = self.slots[worker].first()
+            && let Some(&rank) = self.rank_ids[worker].first()
         {
-            a.record(slot, chain, Instant::now());
+            a.record(rank, chain, Instant::now());
         }
     }
 
     /// Blocks the event index holds for a worker (all ranks).
     pub fn cached_blocks(&self, worker: usize) -> usize {
         match &self.cache {
-            Cache::Events(idx) => self.slots[worker].iter().map(|&s| idx.block_count(s)).sum(),
+            Cache::Events(idx) => self.rank_ids[worker].iter().map(|&s| idx.block_count(s)).sum(),
             Cache::Approx(_) => 0,
         }
     }

@@ -1,24 +1,37 @@
-//! kvgate: a Pingora gateway in front of plain vLLM servers.
+//! kvgate: a Pingora gateway in front of plain vLLM servers. docs/architecture.md draws the
+//! whole; the modules:
 //!
 //! - [`config`]: the YAML configuration, validation, environment overrides;
-//! - [`gateway`]: shared state (config and fleet swapped on reload, connector, metrics);
-//! - [`fleet`]: models and workers as routing sees them;
-//! - [`http`]: the Pingora services (public API, admin) and the upstream leg;
-//! - [`health`], [`reload`]: background tasks;
-//! - [`server`]: starting and stopping (drain on SIGTERM).
+//! - [`gateway`]: shared state (config and fleet swapped on reload, connector, metrics,
+//!   in-flight registry, plugins, drain switch);
+//! - [`fleet`]: models and workers as routing sees them, and each model's booking ledger;
+//! - [`request`]: the life of an inference request as phases (admit, queue, place, leg, relay,
+//!   record) over one per-request state;
+//! - [`inflight`]: the registry of requests in flight, with their route receipts;
+//! - [`upstream`]: HTTP exchanges with workers over the keep-alive pools;
+//! - [`error`]: typed leg errors and the gateway's error answers;
+//! - [`kv_routing`]: per-model KV routing state (tokenizer, index, cost);
+//! - [`http`]: the Pingora services (public API, admin) and HTTP plumbing;
+//! - [`tasks`]: background work under one supervisor;
+//! - [`plugins`]: loaded WebAssembly routing policies;
+//! - [`server`]: starting and stopping (drain on SIGTERM);
+//! - `demo` (feature `demo`): `kvgate demo` on in-process simulated workers.
 
 pub mod config;
+#[cfg(feature = "demo")]
 pub mod demo;
-pub mod fleet;
+pub(crate) mod error;
+pub(crate) mod fleet;
 pub mod gateway;
-pub mod health;
 pub mod http;
-pub mod kv_routing;
-pub mod load;
-pub mod metrics;
+pub(crate) mod inflight;
+pub(crate) mod kv_routing;
+pub(crate) mod metrics;
 pub mod plugins;
-pub mod reload;
+pub(crate) mod request;
 pub mod server;
+pub(crate) mod tasks;
+pub(crate) mod upstream;
 
 pub use gateway::Gateway;
 pub use server::{GatewayHandle, Stop};

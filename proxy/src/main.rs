@@ -1,5 +1,5 @@
-//! The `kvgate` binary: `kvgate --config FILE` runs the gateway; `kvgate demo` runs it in front
-//! of simulated workers with no config; `kvgate check --config FILE`
+//! The `kvgate` binary: `kvgate --config FILE` runs the gateway; `kvgate demo` (feature `demo`,
+//! on by default) runs it in front of simulated workers with no config; `kvgate check --config FILE`
 //! validates a configuration, plugins included (exit 0 valid, 1 invalid, errors with line and
 //! column).
 
@@ -24,6 +24,7 @@ enum Cmd {
     /// Validate a configuration and exit (0: valid, 1: invalid).
     Check,
     /// Run the gateway in front of simulated vLLM workers in this process (no config needed).
+    #[cfg(feature = "demo")]
     Demo {
         /// Simulated workers.
         #[arg(long, default_value_t = 4)]
@@ -48,6 +49,7 @@ fn main() {
     let filter = tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     tracing_subscriber::fmt().with_env_filter(filter).with_target(false).init();
     let check = match cli.cmd {
+        #[cfg(feature = "demo")]
         Some(Cmd::Demo { workers, mode, port, admin_port, time_scale }) => {
             std::process::exit(kvgate::demo::run(kvgate::demo::DemoOptions { workers, mode, port, admin_port, time_scale }))
         }

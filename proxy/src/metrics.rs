@@ -4,8 +4,7 @@
 
 use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
 
-const LATENCY_BUCKETS: &[f64] =
-    &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0];
+const LATENCY_BUCKETS: &[f64] = &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0];
 const ITL_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0];
 
 /// All gateway metrics.
@@ -102,7 +101,11 @@ impl Metrics {
                 "Plugin calls answered by the fallback mode, by failure kind (timeout, memory, trap, invalid).",
                 &["plugin", "kind"],
             ),
-            plugin_reloads: counter("kvgate_plugin_reloads_total", "Plugin module reloads: ok (swapped) or rejected (the old one stays).", &["plugin", "result"]),
+            plugin_reloads: counter(
+                "kvgate_plugin_reloads_total",
+                "Plugin module reloads: ok (swapped) or rejected (the old one stays).",
+                &["plugin", "result"],
+            ),
             decisions: counter("kvgate_routing_decisions_total", "Routing decisions per chosen worker.", &["model", "worker"]),
             overlap: {
                 let h = HistogramVec::new(

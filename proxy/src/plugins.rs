@@ -1,20 +1,16 @@
 //! The gateway's WebAssembly plugins: one [`PluginSlot`] per `plugins` entry, kept across
 //! config reloads while its entry is unchanged (so a reload elsewhere neither recompiles it nor
 //! resets its instances), rebuilt when the entry changes, and swapped in place when its file
-//! changes (polled, see [`watch`]) or on `POST /plugins/reload`. A module that fails to load
-//! never replaces a working one.
+//! changes (polled by `tasks::plugin_watch`) or on `POST /plugins/reload`. A module that fails
+//! to load never replaces a working one.
 
 use crate::config::PluginConfig;
-use crate::gateway::Gateway;
+use crate::metrics::Metrics;
 use kvgate_plugins::sandbox::Limits;
 use kvgate_plugins::{PluginSlot, PluginSpec, ReloadOutcome};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
-
-/// How often plugin files are checked for changes.
-pub const POLL: Duration = Duration::from_millis(250);
 
 /// The loaded plugins by name.
 #[derive(Default)]
@@ -64,60 +60,32 @@ impl PluginRegistry {
         v.sort_by(|a, b| a.0.cmp(&b.0));
         v
     }
+
+    /// Re-reads every plugin file and swaps in those that changed; returns each plugin's
+    /// result. Blocks while compiling.
+    pub fn reload_all(&self, metrics: &Metrics) -> Vec<(String, Result<ReloadOutcome, String>)> {
+        self.slots()
+            .into_iter()
+            .map(|(name, slot)| {
+                let r = slot.reload().map_err(|e| e.to_string());
+                record(metrics, &name, &r);
+                (name, r)
+            })
+            .collect()
+    }
 }
 
-/// Re-reads every plugin file and swaps in those that changed; returns each plugin's result.
-/// Blocks while compiling.
-pub fn reload_all(gw: &Gateway) -> Vec<(String, Result<ReloadOutcome, String>)> {
-    gw.plugins
-        .slots()
-        .into_iter()
-        .map(|(name, slot)| {
-            let r = slot.reload().map_err(|e| e.to_string());
-            record(gw, &name, &r);
-            (name, r)
-        })
-        .collect()
-}
-
-fn record(gw: &Gateway, name: &str, r: &Result<ReloadOutcome, String>) {
+/// Logs and counts one plugin's reload.
+pub fn record(metrics: &Metrics, name: &str, r: &Result<ReloadOutcome, String>) {
     match r {
         Ok(ReloadOutcome::Swapped { sha256 }) => {
             tracing::info!(plugin = name, sha256 = sha256.as_str(), "plugin reloaded");
-            gw.metrics.plugin_reloads.with_label_values(&[name, "ok"]).inc();
+            metrics.plugin_reloads.with_label_values(&[name, "ok"]).inc();
         }
         Ok(ReloadOutcome::Unchanged) => {}
         Err(e) => {
             tracing::error!(plugin = name, error = %e, "plugin rejected; the previous module keeps serving");
-            gw.metrics.plugin_reloads.with_label_values(&[name, "rejected"]).inc();
-        }
-    }
-}
-
-/// Watches plugin files (size and modification time, every [`POLL`]) until dropped, and
-/// reloads the ones that changed. Polling rather than inotify: a plugin file may sit anywhere,
-/// be replaced by rename, or live on a volume without notifications.
-pub async fn watch(gw: Arc<Gateway>) {
-    use std::os::unix::fs::MetadataExt;
-    let mut seen: HashMap<String, Option<(u64, u64, i64, i64)>> = HashMap::new();
-    loop {
-        tokio::time::sleep(POLL).await;
-        for (name, slot) in gw.plugins.slots() {
-            // Inode and change time too: a rename over the file, or a copy that keeps size and
-            // modification time, still shows.
-            let stamp = std::fs::metadata(&slot.spec().path).ok().map(|m| (m.len(), m.ino(), m.mtime_nsec() + m.mtime() * 1_000_000_000, m.ctime_nsec() + m.ctime() * 1_000_000_000));
-            let before = seen.insert(name.clone(), stamp);
-            // First sight of a slot: compare contents once (cheap when unchanged), which also
-            // catches a change made between its load and this first look.
-            if before == Some(stamp) || stamp.is_none() {
-                continue;
-            }
-            let gw2 = gw.clone();
-            let r = tokio::task::spawn_blocking(move || slot.reload().map_err(|e| e.to_string())).await;
-            match r {
-                Ok(r) => record(&gw2, &name, &r),
-                Err(e) => tracing::error!(plugin = name.as_str(), error = %e, "plugin reload task failed"),
-            }
+            metrics.plugin_reloads.with_label_values(&[name, "rejected"]).inc();
         }
     }
 }

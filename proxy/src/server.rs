@@ -1,5 +1,5 @@
 //! Running the gateway: a Pingora server with two HTTP services (public API, admin) and one
-//! background service (health checks + config reload), stopped by a draining shutdown.
+//! background service (the task supervisor, `crate::tasks`), stopped by a draining shutdown.
 //!
 //! SIGTERM (or [`GatewayHandle::shutdown`]) starts draining: new inference requests get 503 and
 //! `/health` reports `draining`, in-flight requests and streams run to completion for up to
@@ -70,19 +70,12 @@ struct Background(Arc<Gateway>);
 #[async_trait]
 impl BackgroundService for Background {
     async fn start(&self, mut shutdown: ShutdownWatch) {
-        let health = tokio::spawn(crate::health::run(self.0.clone()));
-        let reload = tokio::spawn(crate::reload::run(self.0.clone()));
-        let kv = tokio::spawn(crate::health::supervise_kv(self.0.clone()));
-        let load = tokio::spawn(crate::load::run(self.0.clone()));
-        let queues = tokio::spawn(crate::health::release_queues(self.0.clone()));
-        let plugins = tokio::spawn(crate::plugins::watch(self.0.clone()));
-        let _ = shutdown.changed().await;
-        plugins.abort();
-        health.abort();
-        reload.abort();
-        kv.abort();
-        load.abort();
-        queues.abort();
+        let tasks = crate::tasks::Supervisor::start(self.0.clone());
+        tasks
+            .run_until(async move {
+                let _ = shutdown.changed().await;
+            })
+            .await;
     }
 }
 
@@ -96,19 +89,14 @@ fn build(gw: Arc<Gateway>, cfg: &Config, manual: watch::Receiver<Option<Stop>>) 
     };
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
-    let mut public = pingora::proxy::http_proxy_service_with_name(
-        &server.configuration,
-        GatewayService { gw: gw.clone(), role: Role::Public },
-        "kvgate",
-    );
+    let mut public = pingora::proxy::http_proxy_service_with_name(&server.configuration, GatewayService { gw: gw.clone(), role: Role::Public }, "kvgate");
     public.add_tcp(&cfg.listen.to_string());
-    let mut admin =
-        pingora::proxy::http_proxy_service_with_name(&server.configuration, GatewayService { gw: gw.clone(), role: Role::Admin }, "kvgate-admin");
+    let mut admin = pingora::proxy::http_proxy_service_with_name(&server.configuration, GatewayService { gw: gw.clone(), role: Role::Admin }, "kvgate-admin");
     admin.threads = Some(1);
     admin.add_tcp(&cfg.admin_listen.to_string());
     server.add_service(public);
     server.add_service(admin);
-    server.add_service(background_service("health+reload", Background(gw.clone())));
+    server.add_service(background_service("tasks", Background(gw.clone())));
     (server, RunArgs { shutdown_signal: Box::new(Signals { gw, manual }) })
 }
 

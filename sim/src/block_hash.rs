@@ -84,7 +84,8 @@ fn cbor_head(buf: &mut Vec<u8>, major: u8, value: u64) {
 mod tests {
     use super::*;
 
-    // Known answers from vLLM 0.33 with --prefix-caching-hash-algo sha256_cbor (notes/vllm.md §1.7).
+    // Known answers from vLLM 0.33 with --prefix-caching-hash-algo sha256_cbor
+    // (docs/vllm-interface.md, "Block-hash algorithms").
     #[test]
     fn matches_vllm_test_vector() {
         let root = none_hash();

@@ -306,11 +306,7 @@ impl SimArgs {
             max_model_len: self.max_model_len,
             enable_prefix_caching: !self.no_enable_prefix_caching || self.enable_prefix_caching,
             kv_events,
-            kv_events_format: if self.kv_events_format == "array" {
-                crate::events::EventFormat::Array
-            } else {
-                crate::events::EventFormat::Map
-            },
+            kv_events_format: if self.kv_events_format == "array" { crate::events::EventFormat::Array } else { crate::events::EventFormat::Map },
             data_parallel_size: self.data_parallel_size,
             seed: self.seed,
             timing,

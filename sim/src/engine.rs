@@ -107,14 +107,8 @@ pub struct EngineParams {
 /// Spawns the engine task and returns its handle.
 pub fn spawn(sched: Scheduler, rank: u32, publisher: Option<PublisherHandle>, params: EngineParams) -> Arc<EngineHandle> {
     let (tx, rx) = mpsc::unbounded_channel();
-    let handle = Arc::new(EngineHandle {
-        tx,
-        rank,
-        next_id: AtomicU64::new(1),
-        in_flight: AtomicI64::new(0),
-        metrics: Arc::new(EngineMetrics::default()),
-        publisher,
-    });
+    let handle =
+        Arc::new(EngineHandle { tx, rank, next_id: AtomicU64::new(1), in_flight: AtomicI64::new(0), metrics: Arc::new(EngineMetrics::default()), publisher });
     let task = EngineTask { sched, live: HashMap::new(), handle: handle.clone(), params };
     tokio::spawn(task.run(rx));
     handle

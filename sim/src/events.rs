@@ -1,5 +1,6 @@
 //! KV cache events and their msgpack wire encoding, byte-identical to what vLLM 0.33's
-//! msgspec encoder writes (notes/vllm.md §1.3–1.4).
+//! msgspec encoder writes (docs/vllm-interface.md, "KV event batches", "Event kinds and fields"
+//! and "Map and array encodings").
 //!
 //! A batch is the positional array `[ts: f64, events, data_parallel_rank]`. Events are tagged
 //! maps (`"type"` first; vLLM ≥ #42892) by default, or the older positional arrays. msgspec
@@ -16,13 +17,20 @@ use rmp::encode as mp;
 pub enum KvEvent {
     /// New full blocks were cached; `token_ids` holds all their tokens, concatenated.
     BlockStored {
+        /// The blocks' hashes, in chain order.
         block_hashes: Vec<u64>,
+        /// The hash of the block before the first one (none: the prompt's start).
         parent_block_hash: Option<u64>,
+        /// Every token of the blocks.
         token_ids: Vec<u32>,
+        /// Tokens per block.
         block_size: u32,
     },
     /// Cached blocks were evicted (vLLM sends one hash per event).
-    BlockRemoved { block_hashes: Vec<u64> },
+    BlockRemoved {
+        /// The evicted blocks.
+        block_hashes: Vec<u64>,
+    },
     /// The whole prefix cache was dropped.
     AllBlocksCleared,
 }
@@ -185,18 +193,13 @@ mod tests {
 
     fn vector_events() -> Vec<KvEvent> {
         vec![
-            KvEvent::BlockStored {
-                block_hashes: vec![9561501211280363793],
-                parent_block_hash: None,
-                token_ids: vec![1, 2, 3, 4],
-                block_size: 4,
-            },
+            KvEvent::BlockStored { block_hashes: vec![9561501211280363793], parent_block_hash: None, token_ids: vec![1, 2, 3, 4], block_size: 4 },
             KvEvent::BlockRemoved { block_hashes: vec![9561501211280363793] },
             KvEvent::AllBlocksCleared,
         ]
     }
 
-    // The two hex strings are msgspec's output for the same batch (notes/vllm.md §1.4).
+    // The two hex strings are msgspec's output for the same batch (docs/vllm-interface.md, "Test vectors").
     #[test]
     fn map_encoding_is_byte_identical_to_vllm() {
         let want = "93cb41d954fc4010000093de000ba474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657391cf84b146b151d55111b1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f6964739401020304aa626c6f636b5f73697a6504a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c0aa65787472615f6b65797391c0a967726f75705f69647800b26b765f63616368655f737065635f6b696e64ae66756c6c5f617474656e74696f6e84a474797065ac426c6f636b52656d6f766564ac626c6f636b5f68617368657391cf84b146b151d55111a66d656469756da3475055a967726f75705f6964780081a474797065b0416c6c426c6f636b73436c656172656400";

@@ -50,26 +50,11 @@ impl BlockPool {
         assert!(num_gpu_blocks >= 2, "validated by SimConfig");
         let n = num_gpu_blocks as BlockId;
         let mut blocks: Vec<Block> = (0..n)
-            .map(|i| Block {
-                ref_cnt: 0,
-                hash: None,
-                prev: if i > 1 { i - 1 } else { NIL },
-                next: if i + 1 < n { i + 1 } else { NIL },
-                in_free_queue: i > 0,
-            })
+            .map(|i| Block { ref_cnt: 0, hash: None, prev: if i > 1 { i - 1 } else { NIL }, next: if i + 1 < n { i + 1 } else { NIL }, in_free_queue: i > 0 })
             .collect();
         blocks[0].next = NIL;
         blocks[0].ref_cnt = 1; // the null block is never handed out
-        Self {
-            blocks,
-            head: 1,
-            tail: n - 1,
-            num_free: num_gpu_blocks - 1,
-            cached: HashMap::new(),
-            enable_caching,
-            block_size,
-            events: Vec::new(),
-        }
+        Self { blocks, head: 1, tail: n - 1, num_free: num_gpu_blocks - 1, cached: HashMap::new(), enable_caching, block_size, events: Vec::new() }
     }
 
     /// Blocks usable by requests (all but the null block).
@@ -147,13 +132,7 @@ impl BlockPool {
 
     /// Records that `ids` now hold full blocks with `hashes` (same length) and emits one
     /// `BlockStored` covering them. `parent` is the hash of the block before the first one.
-    pub fn cache_full_blocks(
-        &mut self,
-        ids: &[BlockId],
-        hashes: &[BlockHash],
-        parent: Option<&BlockHash>,
-        token_ids: &[u32],
-    ) {
+    pub fn cache_full_blocks(&mut self, ids: &[BlockId], hashes: &[BlockHash], parent: Option<&BlockHash>, token_ids: &[u32]) {
         if !self.enable_caching || ids.is_empty() {
             return;
         }

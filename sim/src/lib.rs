@@ -9,19 +9,19 @@
 //!
 //! Use it as a binary (`vllm-sim --help`) or in-process with [`SimServer::start`].
 
-pub mod block_hash;
-pub mod events;
-pub mod kv_cache;
-pub mod sampler;
-pub mod scheduler;
-pub mod timing;
 pub mod api;
+pub mod block_hash;
 pub mod config;
 pub mod engine;
+pub mod events;
 pub mod faults;
+pub mod kv_cache;
 pub mod metrics;
 pub mod publisher;
+pub mod sampler;
+pub mod scheduler;
 pub mod server;
+pub mod timing;
 
 pub use config::{KvEventsConfig, SimArgs, SimConfig};
 pub use server::{SimError, SimServer};

@@ -1,5 +1,5 @@
 //! `/metrics`: vLLM's Prometheus names, labels (`model_name`, `engine`) and histogram buckets
-//! (notes/vllm.md §2), plus simulator extras under `vllm_sim:`.
+//! (docs/vllm-interface.md, "Prometheus metrics"), plus simulator extras under `vllm_sim:`.
 //!
 //! Each engine owns an [`EngineMetrics`] of atomics that only its task writes; the HTTP handler
 //! renders all of them in the text exposition format.
@@ -9,11 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 const TTFT_BUCKETS: &[f64] =
     &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0];
-const ITL_BUCKETS: &[f64] =
-    &[0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
-const E2E_BUCKETS: &[f64] = &[
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
-];
+const ITL_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
+const E2E_BUCKETS: &[f64] = &[0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0];
 
 /// A lock-free histogram with fixed buckets.
 #[derive(Debug)]

@@ -41,9 +41,7 @@ impl PublisherHandle {
 
 /// Splits `tcp://host:port` and applies the DP offset; `*` becomes 0.0.0.0 for binding.
 fn rank_endpoint(endpoint: &str, rank: u32) -> Result<(String, bool, u16), String> {
-    let rest = endpoint
-        .strip_prefix("tcp://")
-        .ok_or_else(|| format!("kv events endpoint {endpoint:?}: only tcp:// endpoints are supported by vllm-sim"))?;
+    let rest = endpoint.strip_prefix("tcp://").ok_or_else(|| format!("kv events endpoint {endpoint:?}: only tcp:// endpoints are supported by vllm-sim"))?;
     let (host, port) = rest.rsplit_once(':').ok_or_else(|| format!("kv events endpoint {endpoint:?} has no port"))?;
     let port: u16 = port.parse().map_err(|_| format!("kv events endpoint {endpoint:?}: bad port"))?;
     let bind = host.contains('*') || host.contains("::");

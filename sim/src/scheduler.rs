@@ -18,8 +18,8 @@
 //! Time, channels and HTTP are not this module's business (see `engine`).
 
 use crate::block_hash::{BlockHash, hash_block};
-use crate::kv_cache::{BlockId, BlockPool};
 use crate::events::KvEvent;
+use crate::kv_cache::{BlockId, BlockPool};
 use crate::sampler::{ContextHash, Sampler};
 use crate::timing::StepShape;
 use std::collections::{HashMap, VecDeque};
@@ -384,11 +384,7 @@ impl Scheduler {
             return Vec::new();
         }
         let max_blocks = (req.tokens.len() - 1) / self.cfg.block_size;
-        req.block_hashes
-            .iter()
-            .take(max_blocks)
-            .map_while(|h| self.pool.lookup(h))
-            .collect()
+        req.block_hashes.iter().take(max_blocks).map_while(|h| self.pool.lookup(h)).collect()
     }
 
     /// Gives the request blocks for `n` more tokens (after taking `hits` from the cache) and
@@ -416,12 +412,7 @@ impl Scheduler {
             if self.cfg.enable_prefix_caching {
                 req.ensure_hashes(full, bs);
                 let parent = from.checked_sub(1).map(|p| req.block_hashes[p]);
-                self.pool.cache_full_blocks(
-                    &req.blocks[from..full],
-                    &req.block_hashes[from..full],
-                    parent.as_ref(),
-                    &req.tokens[from * bs..full * bs],
-                );
+                self.pool.cache_full_blocks(&req.blocks[from..full], &req.block_hashes[from..full], parent.as_ref(), &req.tokens[from * bs..full * bs]);
             }
             req.num_cached_blocks = full;
         }

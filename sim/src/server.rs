@@ -86,11 +86,7 @@ impl SimServer {
         }
         let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         let state = Arc::new(AppState {
-            cache_info: CacheInfo {
-                block_size: cfg.block_size,
-                num_gpu_blocks: cfg.num_gpu_blocks,
-                enable_prefix_caching: cfg.enable_prefix_caching,
-            },
+            cache_info: CacheInfo { block_size: cfg.block_size, num_gpu_blocks: cfg.num_gpu_blocks, enable_prefix_caching: cfg.enable_prefix_caching },
             cfg,
             tokenizer,
             engines,

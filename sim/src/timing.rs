@@ -35,13 +35,7 @@ pub struct TimingModel {
 
 impl Default for TimingModel {
     fn default() -> Self {
-        Self {
-            step_overhead_ms: 6.0,
-            prefill_ms_per_token: 0.035,
-            prefill_attn_ms_per_pair: 1.3e-6,
-            decode_ms_per_seq: 0.03,
-            decode_ms_per_ctx_token: 4.0e-5,
-        }
+        Self { step_overhead_ms: 6.0, prefill_ms_per_token: 0.035, prefill_attn_ms_per_pair: 1.3e-6, decode_ms_per_seq: 0.03, decode_ms_per_ctx_token: 4.0e-5 }
     }
 }
 

@@ -3,10 +3,10 @@
 //! (tests/real-vllm/run-suite.sh). Nothing here depends on which one answers: token ids come
 //! from the target's own /tokenize, the block size from its /metrics.
 
+use kvgate_tests::Target;
 use kvgate_tests::events::{Event, EventSub, replay};
 use kvgate_tests::sse;
 use kvgate_tests::target::unique_text;
-use kvgate_tests::Target;
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 
@@ -60,9 +60,7 @@ async fn token_id_prompts_single_and_batch_with_return_token_ids() {
     let t = Target::start().await;
     let a = t.tokenize(&unique_text(10)).await;
     let b = t.tokenize(&unique_text(7)).await;
-    let (s, v) = t
-        .post("/v1/completions", &json!({"model": t.model, "prompt": a, "max_tokens": 3, "ignore_eos": true, "return_token_ids": true}))
-        .await;
+    let (s, v) = t.post("/v1/completions", &json!({"model": t.model, "prompt": a, "max_tokens": 3, "ignore_eos": true, "return_token_ids": true})).await;
     assert_eq!(s, 200, "{v}");
     assert_eq!(v["choices"][0]["prompt_token_ids"], json!(a));
     assert_eq!(v["choices"][0]["token_ids"].as_array().unwrap().len(), 3);
@@ -309,10 +307,14 @@ async fn kv_events_carry_the_prompt_blocks_and_prefix_cache_hits() {
     let full = ids[..bs * 4].to_vec();
     let batches = sub
         .collect_until(Duration::from_secs(5), |bs_| {
-            let toks: Vec<u32> = bs_.iter().flat_map(|b| &b.events).flat_map(|e| match e {
-                Event::Stored { tokens, .. } => tokens.clone(),
-                _ => vec![],
-            }).collect();
+            let toks: Vec<u32> = bs_
+                .iter()
+                .flat_map(|b| &b.events)
+                .flat_map(|e| match e {
+                    Event::Stored { tokens, .. } => tokens.clone(),
+                    _ => vec![],
+                })
+                .collect();
             toks.windows(full.len()).any(|w| w == full.as_slice())
         })
         .await;
@@ -380,9 +382,7 @@ async fn reset_prefix_cache_publishes_all_blocks_cleared() {
     // vLLM publishes the event with the next engine step's batch: give it a step.
     let (s, _) = t.post("/v1/completions", &json!({"model": t.model, "prompt": "the", "max_tokens": 1})).await;
     assert_eq!(s, 200);
-    let batches = sub
-        .collect_until(Duration::from_secs(5), |b| b.iter().flat_map(|b| &b.events).any(|e| *e == Event::Cleared))
-        .await;
+    let batches = sub.collect_until(Duration::from_secs(5), |b| b.iter().flat_map(|b| &b.events).any(|e| *e == Event::Cleared)).await;
     assert!(batches.iter().flat_map(|b| &b.events).any(|e| *e == Event::Cleared), "AllBlocksCleared published");
 }
 
@@ -415,11 +415,7 @@ async fn client_disconnect_mid_stream_aborts_the_request() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let m = t.metrics().await;
-    assert_eq!(
-        m.sum("vllm:request_success_total", &[("finished_reason", "length")]),
-        length_before,
-        "the request was aborted, not completed"
-    );
+    assert_eq!(m.sum("vllm:request_success_total", &[("finished_reason", "length")]), length_before, "the request was aborted, not completed");
     if !t.external {
         assert_eq!(m.sum("vllm_sim:aborted_requests_total", &[]), 1.0);
     }

@@ -102,13 +102,8 @@ async fn responses_are_identical_direct_and_through_the_gateway() {
 async fn streams_are_forwarded_chunk_by_chunk() {
     // 40 tokens at ~6.7 ms per step: a buffering proxy would deliver them in one burst at the end.
     let c = Cluster::sims(1, sim(1.0), GatewayOpts::default()).await;
-    let r = c
-        .http
-        .post(c.url("/v1/completions"))
-        .json(&json!({"prompt": "the cache", "max_tokens": 40, "ignore_eos": true, "stream": true}))
-        .send()
-        .await
-        .unwrap();
+    let r =
+        c.http.post(c.url("/v1/completions")).json(&json!({"prompt": "the cache", "max_tokens": 40, "ignore_eos": true, "stream": true})).send().await.unwrap();
     let mut s = r.bytes_stream();
     let mut arrivals = Vec::new();
     while let Some(chunk) = s.next().await {
@@ -136,9 +131,7 @@ async fn a_one_mib_prompt_works() {
 }
 
 async fn cancellations(c: &Cluster, endpoint: &str, kind: &str) -> f64 {
-    c.gateway_metrics()
-        .await
-        .sum("kvgate_frontend_model_cancellation_total", &[("model", "sim-model"), ("endpoint", endpoint), ("request_type", kind)])
+    c.gateway_metrics().await.sum("kvgate_frontend_model_cancellation_total", &[("model", "sim-model"), ("endpoint", endpoint), ("request_type", kind)])
 }
 
 #[tokio::test]
@@ -175,9 +168,7 @@ async fn a_disconnect_during_a_long_prefill_aborts_the_worker_request_within_100
     let c = Cluster::sims(1, slow_prefill, GatewayOpts::default()).await;
     let prompt = unique_text(1200);
     let (http, url) = (c.http.clone(), c.url("/v1/chat/completions"));
-    let req = tokio::spawn(async move {
-        http.post(url).json(&json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 5})).send().await
-    });
+    let req = tokio::spawn(async move { http.post(url).json(&json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 5})).send().await });
     wait_until(Duration::from_secs(5), || async { c.sim_metrics(0).await.sum("vllm:num_requests_running", &[]) == 1.0 })
         .await
         .expect("request reached the worker");
@@ -316,9 +307,7 @@ async fn a_killed_worker_is_routed_around_and_unstarted_requests_are_retried() {
         let prompt = unique_text(150);
         reqs.push(tokio::spawn(async move { post(&http, &url, &json!({"prompt": prompt, "max_tokens": 3, "ignore_eos": true})).await }));
     }
-    wait_until(Duration::from_secs(3), || async { c.sim_metrics(0).await.sum("vllm:num_requests_running", &[]) >= 1.0 })
-        .await
-        .expect("worker 0 got requests");
+    wait_until(Duration::from_secs(3), || async { c.sim_metrics(0).await.sum("vllm:num_requests_running", &[]) >= 1.0 }).await.expect("worker 0 got requests");
     let killed_at = Instant::now();
     c.sims[0].crash();
     for r in reqs {
@@ -355,13 +344,7 @@ async fn a_worker_5xx_before_the_first_byte_is_retried_elsewhere() {
 #[tokio::test]
 async fn sigterm_drains_in_flight_streams_and_refuses_new_requests() {
     let mut c = Cluster::sims(1, sim(1.0), GatewayOpts::default()).await;
-    let r = c
-        .http
-        .post(c.url("/v1/completions"))
-        .json(&json!({"prompt": "x", "max_tokens": 100, "ignore_eos": true, "stream": true}))
-        .send()
-        .await
-        .unwrap();
+    let r = c.http.post(c.url("/v1/completions")).json(&json!({"prompt": "x", "max_tokens": 100, "ignore_eos": true, "stream": true})).send().await.unwrap();
     let mut s = r.bytes_stream();
     let mut raw = Vec::from(s.next().await.unwrap().unwrap().as_ref());
     c.gw().request_stop(Stop::Drain);
@@ -409,14 +392,7 @@ async fn a_disconnect_through_the_gateway_frees_the_worker() {
 #[tokio::test]
 async fn x_request_id_is_honoured_and_propagated() {
     let c = Cluster::sims(1, sim(10.0), GatewayOpts::default()).await;
-    let r = c
-        .http
-        .post(c.url("/v1/completions"))
-        .header("X-Request-Id", "trace-abc-123")
-        .json(&json!({"prompt": "x", "max_tokens": 1}))
-        .send()
-        .await
-        .unwrap();
+    let r = c.http.post(c.url("/v1/completions")).header("X-Request-Id", "trace-abc-123").json(&json!({"prompt": "x", "max_tokens": 1})).send().await.unwrap();
     assert_eq!(r.headers().get("x-request-id").unwrap(), "trace-abc-123");
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["id"], "cmpl-trace-abc-123", "the worker saw the same id");

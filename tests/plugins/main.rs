@@ -53,7 +53,9 @@ fn hostile_plugins_are_bounded_and_every_request_still_gets_a_worker() {
     let no_headers = Vec::new();
     let req = request(&no_headers);
     let fallback = RoundRobin::default();
-    for (mode, kind) in [("loop", "timeout"), ("trap", "trap"), ("hog", "memory"), ("bad-index", "invalid"), ("bad-scores", "invalid"), ("bad-status", "invalid")] {
+    for (mode, kind) in
+        [("loop", "timeout"), ("trap", "trap"), ("hog", "memory"), ("bad-index", "invalid"), ("bad-scores", "invalid"), ("bad-status", "invalid")]
+    {
         let slot = hostile(mode);
         let plugin = slot.current();
         for _ in 0..3 {
@@ -226,10 +228,8 @@ async fn requests_go_where_the_plugin_says_and_a_hot_swap_under_load_fails_none(
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
     install(&guests::path("hostile"), &file); // its default: every request to the highest id
-    let swapped = wait_until(Duration::from_secs(5), || async {
-        c.gateway_metrics().await.sum("kvgate_plugin_reloads_total", &[("result", "ok")]) >= 1.0
-    })
-    .await;
+    let swapped =
+        wait_until(Duration::from_secs(5), || async { c.gateway_metrics().await.sum("kvgate_plugin_reloads_total", &[("result", "ok")]) >= 1.0 }).await;
     assert!(swapped.is_some(), "the file change was picked up");
     let statuses = load.await.unwrap();
     assert!(statuses.len() > 20 && statuses.iter().all(|&s| s == 200), "zero failed requests across the swap: {statuses:?}");

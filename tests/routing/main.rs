@@ -103,7 +103,8 @@ async fn kv_cluster_on(sim: SimConfig, opts: GatewayOpts) -> Cluster {
             let _ = c.http.post(format!("{}/v1/completions", s.url())).json(&json!({"prompt": prompt(999, 0, 2), "max_tokens": 1})).send().await;
         }
         let m = c.gateway_metrics().await;
-        let sources = m.samples.iter().filter(|s| s.name == "kvgate_kv_events_total").map(|s| s.labels.get("source").cloned()).collect::<std::collections::HashSet<_>>();
+        let sources =
+            m.samples.iter().filter(|s| s.name == "kvgate_kv_events_total").map(|s| s.labels.get("source").cloned()).collect::<std::collections::HashSet<_>>();
         sources.len() >= 4
     })
     .await;
@@ -189,9 +190,8 @@ async fn a_hot_prefix_spreads_once_its_worker_is_loaded() {
     for i in 1..=48u32 {
         let (http, url) = (c.http.clone(), c.url("/v1/completions"));
         let p = prompt(7, i, 64);
-        tasks.push(tokio::spawn(async move {
-            http.post(url).json(&json!({"prompt": p, "max_tokens": 60, "ignore_eos": true})).send().await.unwrap().status()
-        }));
+        tasks
+            .push(tokio::spawn(async move { http.post(url).json(&json!({"prompt": p, "max_tokens": 60, "ignore_eos": true})).send().await.unwrap().status() }));
     }
     for t in tasks {
         assert_eq!(t.await.unwrap(), 200);
@@ -240,9 +240,7 @@ async fn bookings_return_to_zero_after_mixed_traffic() {
     }
     let zero = wait_until(Duration::from_secs(5), || async {
         let m = c.gateway_metrics().await;
-        m.has("kvgate_worker_active_blocks")
-            && m.sum("kvgate_worker_active_prefill_tokens", &[]) == 0.0
-            && m.sum("kvgate_worker_active_blocks", &[]) == 0.0
+        m.has("kvgate_worker_active_blocks") && m.sum("kvgate_worker_active_prefill_tokens", &[]) == 0.0 && m.sum("kvgate_worker_active_blocks", &[]) == 0.0
     })
     .await;
     let m = c.gateway_metrics().await;
@@ -259,11 +257,8 @@ async fn bookings_return_to_zero_after_mixed_traffic() {
 async fn shedding_skips_busy_workers_and_answers_the_seed_503_when_all_are() {
     // Small KV caches: a 900-token prompt with 90 output tokens fills one worker to ~98%.
     let small = SimConfig { time_scale: 0.2, num_gpu_blocks: 64, max_model_len: 1000, ..test_sim_config() };
-    let opts = GatewayOpts {
-        extra: "load:\n  interval_ms: 30".into(),
-        model_extra: "shedding:\n  active_decode_blocks_threshold: 0.85".into(),
-        ..Default::default()
-    };
+    let opts =
+        GatewayOpts { extra: "load:\n  interval_ms: 30".into(), model_extra: "shedding:\n  active_decode_blocks_threshold: 0.85".into(), ..Default::default() };
     let c = Cluster::sims(2, small, opts).await;
     let fill = |i: usize| {
         let (http, url) = (c.http.clone(), format!("{}/v1/completions", c.sims[i].url()));
@@ -278,10 +273,7 @@ async fn shedding_skips_busy_workers_and_answers_the_seed_503_when_all_are() {
     let filler0 = fill(0);
     assert!(wait_until(Duration::from_secs(5), || async { usage(0).await > 0.9 }).await.is_some(), "worker 0 filled");
     tokio::time::sleep(Duration::from_millis(100)).await; // a load poll or two
-    let before: Vec<f64> = vec![
-        c.sim_metrics(0).await.sum("vllm:request_success_total", &[]),
-        c.sim_metrics(1).await.sum("vllm:request_success_total", &[]),
-    ];
+    let before: Vec<f64> = vec![c.sim_metrics(0).await.sum("vllm:request_success_total", &[]), c.sim_metrics(1).await.sum("vllm:request_success_total", &[])];
     for _ in 0..6 {
         let r = c.http.post(c.url("/v1/completions")).json(&json!({"prompt": "x", "max_tokens": 1})).send().await.unwrap();
         assert_eq!(r.status(), 200, "the worker under the threshold still takes traffic");
@@ -318,7 +310,10 @@ async fn shedding_skips_busy_workers_and_answers_the_seed_503_when_all_are() {
         .json()
         .await
         .unwrap();
-    assert_eq!(set, json!({"model": "sim-model", "active_decode_blocks_threshold": 0.995, "active_prefill_tokens_threshold": 100000, "active_prefill_tokens_threshold_frac": null}));
+    assert_eq!(
+        set,
+        json!({"model": "sim-model", "active_decode_blocks_threshold": 0.995, "active_prefill_tokens_threshold": 100000, "active_prefill_tokens_threshold_frac": null})
+    );
     let read: Value = c.http.post(c.admin("/busy_threshold")).json(&json!({"model": "sim-model"})).send().await.unwrap().json().await.unwrap();
     assert_eq!(read, set, "only `model` reads the current values");
     let v: Value = c.http.get(c.admin("/busy_threshold")).send().await.unwrap().json().await.unwrap();

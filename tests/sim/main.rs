@@ -3,9 +3,9 @@
 //! abort during prefill, the timing model). In-process servers on ephemeral ports.
 
 use futures_util::StreamExt;
+use kvgate_tests::Target;
 use kvgate_tests::events::{Event, EventSub};
 use kvgate_tests::target::{test_sim_config, unique_text};
-use kvgate_tests::Target;
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 use vllm_sim::faults::FaultConfig;
@@ -27,9 +27,7 @@ async fn continuation_on_another_worker_yields_the_same_tokens() {
     // Migrate after 11 tokens: prompt + generated so far, remaining budget, other server.
     let mut cont_prompt: Vec<u64> = prompt.iter().map(|&t| u64::from(t)).collect();
     cont_prompt.extend_from_slice(&full[..11]);
-    let (s, rest) = b
-        .post("/v1/completions", &json!({"prompt": cont_prompt, "max_tokens": 19, "ignore_eos": true, "return_token_ids": true}))
-        .await;
+    let (s, rest) = b.post("/v1/completions", &json!({"prompt": cont_prompt, "max_tokens": 19, "ignore_eos": true, "return_token_ids": true})).await;
     assert_eq!(s, 200, "{rest}");
     assert_eq!(ids_of(&rest), full[11..].to_vec());
 }
@@ -37,9 +35,7 @@ async fn continuation_on_another_worker_yields_the_same_tokens() {
 #[tokio::test]
 async fn generated_text_is_real_tokens_of_the_tokenizer() {
     let t = Target::sim(test_sim_config()).await;
-    let (_, v) = t
-        .post("/v1/completions", &json!({"prompt": "the cache", "max_tokens": 12, "ignore_eos": true, "return_token_ids": true}))
-        .await;
+    let (_, v) = t.post("/v1/completions", &json!({"prompt": "the cache", "max_tokens": 12, "ignore_eos": true, "return_token_ids": true})).await;
     let ids = ids_of(&v);
     let (_, d) = t.post("/detokenize", &json!({"tokens": ids})).await;
     assert_eq!(d["prompt"], v["choices"][0]["text"], "text is the detokenized token ids");
@@ -166,14 +162,7 @@ async fn dp_ranks_publish_on_their_own_ports_and_header_pins_rank() {
     let (_, src) = t.get("/kv_event_sources").await;
     let src: Value = serde_json::from_str(&src).unwrap();
     assert_eq!(src["1"]["endpoint"], eps[1].as_str());
-    let r = t
-        .http
-        .post(format!("{}/v1/completions", t.url))
-        .header("X-data-parallel-rank", "7")
-        .json(&json!({"prompt": "x"}))
-        .send()
-        .await
-        .unwrap();
+    let r = t.http.post(format!("{}/v1/completions", t.url)).header("X-data-parallel-rank", "7").json(&json!({"prompt": "x"})).send().await.unwrap();
     assert_eq!(r.status(), 400);
 }
 

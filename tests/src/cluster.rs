@@ -27,7 +27,14 @@ pub struct GatewayOpts {
 
 impl Default for GatewayOpts {
     fn default() -> Self {
-        Self { model: "sim-model".into(), mode: "round_robin".into(), extra: String::new(), health_interval_ms: 100, routing_extra: String::new(), model_extra: String::new() }
+        Self {
+            model: "sim-model".into(),
+            mode: "round_robin".into(),
+            extra: String::new(),
+            health_interval_ms: 100,
+            routing_extra: String::new(),
+            model_extra: String::new(),
+        }
     }
 }
 
@@ -131,11 +138,7 @@ impl Cluster {
         }
         let workers: Vec<WorkerEntry> = sims
             .iter()
-            .map(|s| WorkerEntry {
-                url: s.url(),
-                kv_events: s.kv_event_endpoints().into_iter().next(),
-                replay: s.replay_endpoints().into_iter().next(),
-            })
+            .map(|s| WorkerEntry { url: s.url(), kv_events: s.kv_event_endpoints().into_iter().next(), replay: s.replay_endpoints().into_iter().next() })
             .collect();
         let mut c = Cluster::front_yaml(gateway_yaml_workers(&workers, &opts)).await;
         c.sims = sims;

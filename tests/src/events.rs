@@ -14,9 +14,21 @@ use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     /// BlockStored.
-    Stored { hashes: Vec<u64>, parent: Option<u64>, tokens: Vec<u32>, block_size: u64 },
+    Stored {
+        /// Block hashes, in chain order.
+        hashes: Vec<u64>,
+        /// The parent block's hash.
+        parent: Option<u64>,
+        /// The blocks' tokens.
+        tokens: Vec<u32>,
+        /// Tokens per block.
+        block_size: u64,
+    },
     /// BlockRemoved.
-    Removed { hashes: Vec<u64> },
+    Removed {
+        /// Evicted block hashes.
+        hashes: Vec<u64>,
+    },
     /// AllBlocksCleared.
     Cleared,
 }

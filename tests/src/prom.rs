@@ -45,11 +45,7 @@ impl Metrics {
 
     /// Sum of a metric over samples whose labels include all of `want`.
     pub fn sum(&self, name: &str, want: &[(&str, &str)]) -> f64 {
-        self.samples
-            .iter()
-            .filter(|s| s.name == name && want.iter().all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v)))
-            .map(|s| s.value)
-            .sum()
+        self.samples.iter().filter(|s| s.name == name && want.iter().all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))).map(|s| s.value).sum()
     }
 
     /// Whether any sample has this name.

@@ -97,14 +97,7 @@ impl Target {
 
     /// POSTs raw bytes as JSON content.
     pub async fn post_raw(&self, path: &str, body: &'static [u8]) -> (u16, Value) {
-        let r = self
-            .http
-            .post(format!("{}{path}", self.url))
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
-            .await
-            .expect("request sent");
+        let r = self.http.post(format!("{}{path}", self.url)).header("content-type", "application/json").body(body).send().await.expect("request sent");
         let status = r.status().as_u16();
         let text = r.text().await.expect("body read");
         (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
@@ -146,8 +139,8 @@ pub fn unique_text(words: usize) -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
     const VOCAB: [&str; 16] = [
-        "the", "cache", "router", "block", "prefix", "token", "worker", "request", "stream", "model", "server", "proxy", "latency",
-        "decode", "prefill", "system",
+        "the", "cache", "router", "block", "prefix", "token", "worker", "request", "stream", "model", "server", "proxy", "latency", "decode", "prefill",
+        "system",
     ];
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
     let mut x = nanos ^ N.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed) ^ u64::from(std::process::id()) << 32;

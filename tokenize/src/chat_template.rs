@@ -32,9 +32,7 @@ impl ChatTemplate {
     pub fn new(source: String) -> Result<Self, String> {
         let mut env = Environment::new();
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> Result<Value, Error> {
-            Err(Error::new(ErrorKind::InvalidOperation, msg))
-        });
+        env.add_function("raise_exception", |msg: String| -> Result<Value, Error> { Err(Error::new(ErrorKind::InvalidOperation, msg)) });
         env.add_function("strftime_now", |fmt: String| strftime_now(&fmt));
         env.add_template_owned("chat", source).map_err(|e| format!("chat template does not compile: {e}"))?;
         Ok(Self { env })
@@ -101,8 +99,7 @@ fn strftime_now(fmt: &str) -> String {
 }
 
 fn format_utc(secs: u64, fmt: &str) -> String {
-    const MONTHS: [&str; 12] =
-        ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+    const MONTHS: [&str; 12] = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
     // Civil-from-days (Howard Hinnant's algorithm).
     let days = (secs / 86_400) as i64;
     let rem = secs % 86_400;

@@ -218,8 +218,30 @@ mod tests {
 
     fn random_text(rng: &mut Rng) -> String {
         let parts = [
-            "the", " cache", " router", "  ", "\n", "\t", "é", "日本", "12", "345", "!", "?", ".", "<|im_start|>", "<|im_end|>", "<|endoftext|>",
-            " spaced ", "CamelCase", "snake_case", "🙂", "x", "\r\n", "'s", " don't",
+            "the",
+            " cache",
+            " router",
+            "  ",
+            "\n",
+            "\t",
+            "é",
+            "日本",
+            "12",
+            "345",
+            "!",
+            "?",
+            ".",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<|endoftext|>",
+            " spaced ",
+            "CamelCase",
+            "snake_case",
+            "🙂",
+            "x",
+            "\r\n",
+            "'s",
+            " don't",
         ];
         let n = 1 + rng.next() % 40;
         (0..n).map(|_| rng.pick(&parts)).collect()

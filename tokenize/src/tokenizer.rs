@@ -18,13 +18,28 @@ const BUILTIN_CONFIG: &str = include_str!("../assets/tokenizer/tokenizer_config.
 pub enum TokenizerError {
     /// A file could not be read.
     #[error("cannot read {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
     /// tokenizer.json is not a valid HF tokenizer.
     #[error("invalid tokenizer {path}: {message}")]
-    Invalid { path: PathBuf, message: String },
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
     /// tokenizer_config.json is not valid JSON, or the chat template does not compile.
     #[error("invalid tokenizer config {path}: {message}")]
-    Config { path: PathBuf, message: String },
+    Config {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
 }
 
 /// A loaded tokenizer and everything derived from it. Cheap to share (`Arc` inside).
@@ -48,10 +63,7 @@ struct Inner {
 
 impl std::fmt::Debug for ModelTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ModelTokenizer")
-            .field("source", &self.inner.source)
-            .field("vocab_size", &self.inner.vocab_size)
-            .finish()
+        f.debug_struct("ModelTokenizer").field("source", &self.inner.source).field("vocab_size", &self.inner.vocab_size).finish()
     }
 }
 
@@ -72,12 +84,10 @@ impl ModelTokenizer {
             (path.parent().map(Path::to_path_buf).unwrap_or_default(), path.to_path_buf())
         };
         let bytes = std::fs::read(&file).map_err(|source| TokenizerError::Io { path: file.clone(), source })?;
-        let tok = Tokenizer::from_bytes(&bytes)
-            .map_err(|e| TokenizerError::Invalid { path: file.clone(), message: e.to_string() })?;
+        let tok = Tokenizer::from_bytes(&bytes).map_err(|e| TokenizerError::Invalid { path: file.clone(), message: e.to_string() })?;
         let cfg_path = dir.join("tokenizer_config.json");
         let cfg = match std::fs::read(&cfg_path) {
-            Ok(b) => serde_json::from_slice(&b)
-                .map_err(|e| TokenizerError::Config { path: cfg_path.clone(), message: e.to_string() })?,
+            Ok(b) => serde_json::from_slice(&b).map_err(|e| TokenizerError::Config { path: cfg_path.clone(), message: e.to_string() })?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Value::Null,
             Err(source) => return Err(TokenizerError::Io { path: cfg_path, source }),
         };
@@ -87,8 +97,7 @@ impl ModelTokenizer {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(source) => return Err(TokenizerError::Io { path: jinja_path, source }),
         };
-        Self::build(tok, &cfg, jinja, file.display().to_string())
-            .map_err(|message| TokenizerError::Config { path: cfg_path, message })
+        Self::build(tok, &cfg, jinja, file.display().to_string()).map_err(|message| TokenizerError::Config { path: cfg_path, message })
     }
 
     fn build(tok: Tokenizer, cfg: &serde_json::Value, jinja: Option<String>, source: String) -> Result<Self, String> {
@@ -115,8 +124,7 @@ impl ModelTokenizer {
         let chat = template_src.map(ChatTemplate::new).transpose()?;
 
         let vocab_size = tok.get_vocab_size(true) as u32;
-        let specials: std::collections::HashSet<u32> =
-            tok.get_added_tokens_decoder().iter().filter(|(_, t)| t.special).map(|(&id, _)| id).collect();
+        let specials: std::collections::HashSet<u32> = tok.get_added_tokens_decoder().iter().filter(|(_, t)| t.special).map(|(&id, _)| id).collect();
         let mut token_text = vec![None; vocab_size as usize];
         let mut output_vocab = Vec::new();
         for id in 0..vocab_size {
@@ -124,10 +132,7 @@ impl ModelTokenizer {
                 continue;
             }
             let Ok(text) = tok.decode(&[id], false) else { continue };
-            let clean = !text.is_empty()
-                && !text.contains('\u{FFFD}')
-                && text.chars().all(|c| !c.is_control())
-                && !text.trim().is_empty();
+            let clean = !text.is_empty() && !text.contains('\u{FFFD}') && text.chars().all(|c| !c.is_control()) && !text.trim().is_empty();
             if clean {
                 token_text[id as usize] = Some(Arc::from(text.as_str()));
                 output_vocab.push(id);
@@ -136,28 +141,12 @@ impl ModelTokenizer {
         if output_vocab.is_empty() {
             return Err("the tokenizer has no token that decodes to printable text".into());
         }
-        Ok(Self {
-            inner: Arc::new(Inner {
-                tok,
-                chat,
-                bos,
-                eos,
-                eos_id,
-                vocab_size,
-                output_vocab: output_vocab.into(),
-                token_text,
-                source,
-            }),
-        })
+        Ok(Self { inner: Arc::new(Inner { tok, chat, bos, eos, eos_id, vocab_size, output_vocab: output_vocab.into(), token_text, source }) })
     }
 
     /// Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (BOS).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, String> {
-        self.inner
-            .tok
-            .encode_fast(text, add_special_tokens)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| format!("tokenization failed: {e}"))
+        self.inner.tok.encode_fast(text, add_special_tokens).map(|e| e.get_ids().to_vec()).map_err(|e| format!("tokenization failed: {e}"))
     }
 
     /// Text of `ids`, skipping special tokens as vLLM's default `skip_special_tokens=true`.

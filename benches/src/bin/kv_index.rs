@@ -8,11 +8,10 @@
 //!
 //!   cargo build --release -p kvgate-bench && taskset -c 0 target/release/kv-index
 
-use kvgate_kv::hash::{DEFAULT_SEED, Hasher};
 use kvgate_bench::{Rng, percentile as pct};
+use kvgate_kv::hash::{DEFAULT_SEED, Hasher};
 use kvgate_kv::index::{FlatIndex, KvIndex, ReferenceTree};
 use std::time::Instant;
-
 
 /// Fills `idx` with ~`total_blocks` blocks spread over `workers`: conversations that share
 /// system prompts (a tree with fan-out), each worker holding a share, plus the query prompt's
@@ -127,13 +126,7 @@ fn main() {
         let flat2 = FlatIndex::new(workers, 1 << 18);
         let mix_rate = mix(&flat2, chains.len());
         let reference_rate = mix(&ReferenceTree::new(), 4000);
-        println!(
-            "| {workers} | {:.1} M | {:.1} M | {:.1} M | {:.1} M |",
-            store_rate / 1e6,
-            remove_rate / 1e6,
-            mix_rate / 1e6,
-            reference_rate / 1e6
-        );
+        println!("| {workers} | {:.1} M | {:.1} M | {:.1} M | {:.1} M |", store_rate / 1e6, remove_rate / 1e6, mix_rate / 1e6, reference_rate / 1e6);
     }
 
     println!("\n## Memory per (block, worker)\n");

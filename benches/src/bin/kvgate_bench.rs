@@ -174,7 +174,10 @@ impl Common {
                     vocab: self.vocab,
                     seed: 42,
                 });
-                let note = format!("Workload: {n} requests over {} shared prefixes of {} tokens (+{} unique), {}/s Poisson.", self.groups, self.prefix_tokens, self.suffix_tokens, self.rate);
+                let note = format!(
+                    "Workload: {n} requests over {} shared prefixes of {} tokens (+{} unique), {}/s Poisson.",
+                    self.groups, self.prefix_tokens, self.suffix_tokens, self.rate
+                );
                 (w, note)
             }
             Kind::Chat => {
@@ -213,7 +216,14 @@ async fn main() {
     let code = match cli.cmd {
         Cmd::Run { url, label, workers, common } => match common.workload() {
             Ok((w, note)) => {
-                let o = RunOptions { label, url: url.trim_end_matches('/').to_string(), model: common.model.clone(), worker_urls: workers, slo: common.slo(), progress: !common.quiet };
+                let o = RunOptions {
+                    label,
+                    url: url.trim_end_matches('/').to_string(),
+                    model: common.model.clone(),
+                    worker_urls: workers,
+                    slo: common.slo(),
+                    progress: !common.quiet,
+                };
                 let r = run(&o, &w).await;
                 finish(&[r], &common, &note);
                 0
@@ -327,7 +337,21 @@ async fn start_peer(procs: &mut Procs, target: &str, peers: &Peers, model: &str,
     } else if let Some(policy) = target.strip_prefix("smg-") {
         let Some(bin) = &peers.smg else { return Ok(None) };
         cmd = std::process::Command::new(bin);
-        cmd.args(["launch", "--host", "127.0.0.1", "--port", &port, "--prometheus-host", "127.0.0.1", "--prometheus-port", &prom, "--policy", policy, "--worker-urls"]).args(&urls);
+        cmd.args([
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port,
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            &prom,
+            "--policy",
+            policy,
+            "--worker-urls",
+        ])
+        .args(&urls);
     } else {
         return Err(format!("unknown target {target:?}"));
     }

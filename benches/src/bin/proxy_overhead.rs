@@ -7,6 +7,9 @@
 //!
 //!   cargo build --release -p kvgate -p kvgate-bench
 //!   target/release/proxy-overhead --seconds 10
+//!
+//! `--baseline-bin OTHER_KVGATE` also runs a second gateway (e.g. the previous commit's build)
+//! in front of the same upstream and measures it in the same run, interleaved with the first.
 
 use clap::Parser;
 use std::process::{Command, Stdio};
@@ -27,6 +30,9 @@ struct Args {
     /// Path of the kvgate binary.
     #[arg(long, default_value = "target/release/kvgate")]
     kvgate_bin: String,
+    /// A second kvgate binary to measure in the same run (e.g. the previous commit's).
+    #[arg(long)]
+    baseline_bin: Option<String>,
     /// SSE chunks per streamed response.
     #[arg(long, default_value_t = 16)]
     stream_chunks: usize,
@@ -72,8 +78,7 @@ async fn serve_conn(mut s: TcpStream, chunks: usize) {
             out.push_str(&format!("{:x}\r\n{done}\r\n0\r\n\r\n", done.len()));
             s.write_all(out.as_bytes()).await
         } else {
-            s.write_all(format!("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{UNARY}", UNARY.len()).as_bytes())
-                .await
+            s.write_all(format!("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{UNARY}", UNARY.len()).as_bytes()).await
         };
         if ok.is_err() {
             return;
@@ -146,27 +151,10 @@ async fn main() {
             tokio::spawn(serve_conn(s, chunks));
         }
     });
-    let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let (gw_port, admin_port) = (free(), free());
     let dir = std::env::temp_dir().join(format!("kvgate-overhead-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("kvgate.yaml");
-    std::fs::write(
-        &cfg,
-        format!("listen: 127.0.0.1:{gw_port}\nadmin_listen: 127.0.0.1:{admin_port}\nthreads: 2\nmodels:\n  - name: m\n    workers:\n      - url: http://{up_addr}\n"),
-    )
-    .unwrap();
-    let mut gw = Command::new(&a.kvgate_bin)
-        .args(["--config", cfg.to_str().unwrap(), "--log", "warn"])
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("start kvgate (cargo build --release -p kvgate)");
-    for _ in 0..200 {
-        if std::net::TcpStream::connect(("127.0.0.1", gw_port)).is_ok() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let (gw, gw_port) = start_gateway(&a.kvgate_bin, &dir.join("kvgate.yaml"), up_addr);
+    let baseline = a.baseline_bin.as_ref().map(|bin| start_gateway(bin, &dir.join("baseline.yaml"), up_addr));
     let unary = r#"{"model":"m","prompt":"hello","max_tokens":1}"#;
     let stream = r#"{"model":"m","prompt":"hello","max_tokens":16,"stream":true}"#;
     println!("| request | concurrency | path | requests/s | p50 | p99 | errors |");
@@ -174,8 +162,13 @@ async fn main() {
     for (kind, body) in [("unary", unary), ("stream (16 chunks)", stream)] {
         for &c in &a.concurrency {
             let direct = measure(&format!("http://{up_addr}/v1/completions"), body, c, a.seconds).await;
+            let base = match &baseline {
+                Some((_, port)) => Some(measure(&format!("http://127.0.0.1:{port}/v1/completions"), body, c, a.seconds).await),
+                None => None,
+            };
             let via = measure(&format!("http://127.0.0.1:{gw_port}/v1/completions"), body, c, a.seconds).await;
-            for (name, r) in [("direct", &direct), ("kvgate", &via)] {
+            for (name, r) in [("direct", Some(&direct)), ("baseline", base.as_ref()), ("kvgate", Some(&via))] {
+                let Some(r) = r else { continue };
                 println!("| {kind} | {c} | {name} | {:.0} | {:.0} µs | {:.0} µs | {} |", r.rps, us(r.p50), us(r.p99), r.errors);
             }
             println!(
@@ -184,10 +177,43 @@ async fn main() {
                 us(via.p50) - us(direct.p50),
                 us(via.p99) - us(direct.p99)
             );
+            if let Some(b) = &base {
+                println!(
+                    "| {kind} | {c} | **kvgate vs baseline** | {:.2}× | {:+.0} µs | {:+.0} µs | |",
+                    via.rps / b.rps,
+                    us(via.p50) - us(b.p50),
+                    us(via.p99) - us(b.p99)
+                );
+            }
         }
     }
     println!("\nupstream connections accepted over the whole run: {}", accepted.load(Ordering::Relaxed));
-    let _ = gw.kill();
-    let _ = gw.wait();
+    for mut child in std::iter::once(gw).chain(baseline.map(|b| b.0)) {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Starts `bin` with a generated config in front of `upstream`; returns it and its port once it
+/// accepts connections.
+fn start_gateway(bin: &str, cfg: &std::path::Path, upstream: std::net::SocketAddr) -> (std::process::Child, u16) {
+    let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let (port, admin_port) = (free(), free());
+    let yaml = format!(
+        "listen: 127.0.0.1:{port}\nadmin_listen: 127.0.0.1:{admin_port}\nthreads: 2\nmodels:\n  - name: m\n    workers:\n      - url: http://{upstream}\n"
+    );
+    std::fs::write(cfg, yaml).unwrap();
+    let child = Command::new(bin)
+        .args(["--config", cfg.to_str().unwrap(), "--log", "warn"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {bin} (cargo build --release -p kvgate): {e}"));
+    for _ in 0..200 {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (child, port)
 }

@@ -5,7 +5,8 @@
 //!
 //!   cargo build --release -p kvgate-bench && taskset -c 0 target/release/routing-decision
 
-use kvgate_filters::route::{ActiveSequences, Candidate, KvParams, KvPolicy, Load, Policy, RequestSummary, RoundRobin, Tracking};
+use kvgate_filters::ledger::{Footprint, Ledger, Tracking};
+use kvgate_filters::route::{Candidate, KvParams, KvPolicy, Policy, RequestSummary, RoundRobin};
 use kvgate_kv::hash::{DEFAULT_SEED, Hasher};
 use kvgate_kv::index::{FlatIndex, KvIndex};
 use std::hint::black_box;
@@ -36,12 +37,15 @@ fn main() {
         index.insert(w as u16, None, &query[..1 + (w * 7) % query.len()]).unwrap();
     }
     // 4 requests in flight per worker, some sharing the query's prefix.
-    let active = ActiveSequences::new(WORKERS, Tracking::default());
+    let active = Ledger::new(WORKERS, Tracking::default());
     let mut bookings = Vec::new();
     for w in 0..WORKERS {
         for r in 0..4u32 {
             let toks: Vec<u32> = if r == 0 { prompt[..1024].to_vec() } else { (0..2048).map(|t| t + r * 10_000 + w as u32 * 100_000).collect() };
-            bookings.push(active.book(w as u16, Load { prefill_tokens: 1000, prompt_tokens: toks.len() as u64, chain: h.chain(None, &toks), expected_output: None }));
+            bookings.push(
+                active
+                    .book(w as u16, Footprint { prefill_tokens: 1000, prompt_tokens: toks.len() as u64, chain: h.chain(None, &toks), ..Footprint::default() }),
+            );
         }
     }
     let policy = KvPolicy::new(KvParams::default());
@@ -60,7 +64,15 @@ fn main() {
                 ..Default::default()
             })
             .collect();
-        let req = RequestSummary { model: "m", endpoint: "completions", request_id: "r", prompt_tokens: 8192, prompt_blocks: chain.len() as u32, block_size: 16, ..Default::default() };
+        let req = RequestSummary {
+            model: "m",
+            endpoint: "completions",
+            request_id: "r",
+            prompt_tokens: 8192,
+            prompt_blocks: chain.len() as u32,
+            block_size: 16,
+            ..Default::default()
+        };
         policy.choose(&req, &cands)
     };
     let rr = RoundRobin::default();

@@ -135,8 +135,12 @@ async fn main() {
     let mut baseline: Option<Outcome> = None;
     for s in &args.settings {
         let o = run(&args, s).await;
-        let ratio = baseline.as_ref().map_or(String::new(), |b| format!("  (TTFT {:.2}x, hit rate {:+.3} vs first)", o.mean_ms / b.mean_ms, o.hit_rate - b.hit_rate));
-        println!("{s:<40} hit rate {:.3}  mean {:.1} ms  p90 {:.1} ms  wall {:.1} s  kv events applied {}{ratio}", o.hit_rate, o.mean_ms, o.p90_ms, o.wall_s, o.events);
+        let ratio =
+            baseline.as_ref().map_or(String::new(), |b| format!("  (TTFT {:.2}x, hit rate {:+.3} vs first)", o.mean_ms / b.mean_ms, o.hit_rate - b.hit_rate));
+        println!(
+            "{s:<40} hit rate {:.3}  mean {:.1} ms  p90 {:.1} ms  wall {:.1} s  kv events applied {}{ratio}",
+            o.hit_rate, o.mean_ms, o.p90_ms, o.wall_s, o.events
+        );
         if baseline.is_none() {
             baseline = Some(o);
         }

@@ -46,10 +46,7 @@ async fn generation_tokens(http: &reqwest::Client, url: &str) -> f64 {
         Ok(r) => r.text().await.unwrap_or_default(),
         Err(_) => return 0.0,
     };
-    text.lines()
-        .filter(|l| l.starts_with("vllm:generation_tokens_total{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    text.lines().filter(|l| l.starts_with("vllm:generation_tokens_total{")).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
 }
 
 fn cpu_seconds(pid: u32) -> f64 {
@@ -133,7 +130,9 @@ async fn main() {
     let tps = (k1 - k0) as f64 / dt;
     let cpu = (c1 - c0) / dt;
     let sim_tps = (g1 - g0) / dt;
-    println!("| streams | max_tokens | time scale | open streams (mean / min) | tokens/s received | tokens/s by sim metrics | sim CPU (cores) | tokens/s per sim core | errors |");
+    println!(
+        "| streams | max_tokens | time scale | open streams (mean / min) | tokens/s received | tokens/s by sim metrics | sim CPU (cores) | tokens/s per sim core | errors |"
+    );
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     println!(
         "| {} | {} | {} | {:.0} / {} | {:.0} | {:.0} | {:.2} | {:.0} | {} |",

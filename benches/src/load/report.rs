@@ -169,7 +169,9 @@ pub fn ttft_cdf_svg(reports: &[Report]) -> String {
     const COLORS: &[&str] = &["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#666666"];
     let all: Vec<f64> = reports.iter().flat_map(|r| r.ttft_samples.iter().copied()).filter(|v| *v > 0.0).collect();
     if all.is_empty() {
-        return format!("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" font-family=\"sans-serif\"><text x=\"20\" y=\"40\">no successful request: no TTFT to plot</text></svg>\n");
+        return format!(
+            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" font-family=\"sans-serif\"><text x=\"20\" y=\"40\">no successful request: no TTFT to plot</text></svg>\n"
+        );
     }
     let lo = all.iter().copied().fold(f64::INFINITY, f64::min).max(0.1).log10().floor();
     let hi = all.iter().copied().fold(1.0, f64::max).log10().ceil().max(lo + 1.0);
@@ -180,11 +182,23 @@ pub fn ttft_cdf_svg(reports: &[Report]) -> String {
     );
     for e in (lo as i32)..=(hi as i32) {
         let px = x(10f64.powi(e));
-        let _ = writeln!(s, "<line x1=\"{px:.1}\" y1=\"{T}\" x2=\"{px:.1}\" y2=\"{:.1}\" stroke=\"#ddd\"/><text x=\"{px:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{}</text>", H - B, H - B + 16.0, fmt_ms(10f64.powi(e)));
+        let _ = writeln!(
+            s,
+            "<line x1=\"{px:.1}\" y1=\"{T}\" x2=\"{px:.1}\" y2=\"{:.1}\" stroke=\"#ddd\"/><text x=\"{px:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{}</text>",
+            H - B,
+            H - B + 16.0,
+            fmt_ms(10f64.powi(e))
+        );
     }
     for q in [0.0, 0.5, 0.9, 1.0] {
         let py = y(q);
-        let _ = writeln!(s, "<line x1=\"{L}\" y1=\"{py:.1}\" x2=\"{:.1}\" y2=\"{py:.1}\" stroke=\"#ddd\"/><text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{q}</text>", W - R, L - 6.0, py + 4.0);
+        let _ = writeln!(
+            s,
+            "<line x1=\"{L}\" y1=\"{py:.1}\" x2=\"{:.1}\" y2=\"{py:.1}\" stroke=\"#ddd\"/><text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{q}</text>",
+            W - R,
+            L - 6.0,
+            py + 4.0
+        );
     }
     let _ = writeln!(s, "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">time to first token (log scale)</text>", (L + W - R) / 2.0, H - 12.0);
     for (i, r) in reports.iter().enumerate() {
@@ -195,7 +209,15 @@ pub fn ttft_cdf_svg(reports: &[Report]) -> String {
         let points: Vec<String> = v.iter().enumerate().map(|(k, ms)| format!("{:.1},{:.1}", x(*ms), y((k + 1) as f64 / n))).collect();
         let _ = writeln!(s, "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"2\" points=\"{}\"/>", points.join(" "));
         let ly = T + 16.0 * (i as f64 + 1.0);
-        let _ = writeln!(s, "<line x1=\"{:.1}\" y1=\"{ly:.1}\" x2=\"{:.1}\" y2=\"{ly:.1}\" stroke=\"{color}\" stroke-width=\"3\"/><text x=\"{:.1}\" y=\"{:.1}\">{}</text>", L + 10.0, L + 30.0, L + 36.0, ly + 4.0, xml(&r.label));
+        let _ = writeln!(
+            s,
+            "<line x1=\"{:.1}\" y1=\"{ly:.1}\" x2=\"{:.1}\" y2=\"{ly:.1}\" stroke=\"{color}\" stroke-width=\"3\"/><text x=\"{:.1}\" y=\"{:.1}\">{}</text>",
+            L + 10.0,
+            L + 30.0,
+            L + 36.0,
+            ly + 4.0,
+            xml(&r.label)
+        );
     }
     s.push_str("</svg>\n");
     s
@@ -236,7 +258,13 @@ mod tests {
 
     #[test]
     fn counts_add_up_and_goodput_follows_the_slo() {
-        let s = vec![sample(200, Some(100), &[10, 10]), sample(200, Some(3000), &[10]), sample(503, None, &[]), sample(500, None, &[]), sample(200, Some(50), &[200])];
+        let s = vec![
+            sample(200, Some(100), &[10, 10]),
+            sample(200, Some(3000), &[10]),
+            sample(503, None, &[]),
+            sample(500, None, &[]),
+            sample(200, Some(50), &[200]),
+        ];
         let r = summarize("t", &s, Duration::from_secs(2), Slo { ttft_ms: 1000.0, itl_ms: 50.0 }, Some(0.5));
         assert_eq!((r.requests, r.ok, r.shed, r.errors), (5, 3, 1, 1));
         assert!((r.goodput_fraction - 0.2).abs() < 1e-9, "only the first meets both bounds");

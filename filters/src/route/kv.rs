@@ -119,7 +119,15 @@ mod tests {
     use super::*;
 
     fn req(tokens: u32) -> RequestSummary<'static> {
-        RequestSummary { model: "m", endpoint: "completions", request_id: "r", prompt_tokens: tokens, prompt_blocks: tokens / 16, block_size: 16, ..Default::default() }
+        RequestSummary {
+            model: "m",
+            endpoint: "completions",
+            request_id: "r",
+            prompt_tokens: tokens,
+            prompt_blocks: tokens / 16,
+            block_size: 16,
+            ..Default::default()
+        }
     }
 
     fn cand(id: u32, overlap: u32, prefill: u64, active: u64) -> Candidate {

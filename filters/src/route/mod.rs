@@ -1,17 +1,15 @@
 //! Worker selection. Every routing mode — `round_robin`, `random`, `kv` here, WebAssembly
 //! policies later — implements [`Policy`] over the same inputs: a [`RequestSummary`] and one
-//! [`Candidate`] per eligible worker. [`ActiveSequences`] keeps the per-worker load the KV cost
-//! needs, as bookings released by guards. The caller has already removed
-//! workers that are unhealthy, busy, or already tried for this request.
+//! [`Candidate`] per eligible worker; the per-worker booked load comes from the model's
+//! [`crate::ledger::Ledger`]. The caller has already removed workers that are unhealthy, busy,
+//! or already tried for this request.
 
-mod active;
 mod kv;
 mod policy;
 mod queue;
 mod random;
 mod round_robin;
 
-pub use active::{ActiveSequences, Booking, Load, Tracking};
 pub use kv::{KvParams, KvPolicy};
 pub use policy::{Candidate, Decision, Policy, RequestSummary};
 pub use queue::{QueueError, RouterQueue};

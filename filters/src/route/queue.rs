@@ -63,7 +63,15 @@ pub struct RouterQueue {
 impl RouterQueue {
     /// A queue holding at most `max_len` requests, each for at most `max_wait`.
     pub fn new(max_len: usize, max_wait: Duration) -> Self {
-        Self { heap: Mutex::new(BinaryHeap::new()), epoch: Instant::now(), seq: Default::default(), waiting: Default::default(), closed: Default::default(), max_len, max_wait }
+        Self {
+            heap: Mutex::new(BinaryHeap::new()),
+            epoch: Instant::now(),
+            seq: Default::default(),
+            waiting: Default::default(),
+            closed: Default::default(),
+            max_len,
+            max_wait,
+        }
     }
 
     /// Requests waiting (not counting ones that gave up or whose client left).

@@ -14,7 +14,8 @@
 use serde::{Deserialize, Serialize};
 
 /// The body of the 503 sent when every worker is busy, exactly as the seed specifies.
-pub const REJECTION_BODY: &str = r#"{"message":"Service temporarily unavailable: All workers are busy, please retry later","type":"service_unavailable","code":503}"#;
+pub const REJECTION_BODY: &str =
+    r#"{"message":"Service temporarily unavailable: All workers are busy, please retry later","type":"service_unavailable","code":503}"#;
 
 /// Busy thresholds of a model (all optional; none set = never busy).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -49,9 +50,7 @@ impl Thresholds {
 
     /// Whether any threshold is set.
     pub fn enabled(&self) -> bool {
-        self.active_decode_blocks_threshold.is_some()
-            || self.active_prefill_tokens_threshold.is_some()
-            || self.active_prefill_tokens_threshold_frac.is_some()
+        self.active_decode_blocks_threshold.is_some() || self.active_prefill_tokens_threshold.is_some() || self.active_prefill_tokens_threshold_frac.is_some()
     }
 }
 
@@ -77,9 +76,9 @@ pub fn rank_busy(t: &Thresholds, r: &RankLoad) -> bool {
         booked.max(r.reported_kv_usage.unwrap_or(0.0)) > th
     });
     let prefill = t.active_prefill_tokens_threshold.is_some_and(|th| r.booked_prefill_tokens > th);
-    let frac = t.active_prefill_tokens_threshold_frac.is_some_and(|f| {
-        r.max_num_batched_tokens > 0 && r.booked_prefill_tokens as f64 > f * r.max_num_batched_tokens as f64
-    });
+    let frac = t
+        .active_prefill_tokens_threshold_frac
+        .is_some_and(|f| r.max_num_batched_tokens > 0 && r.booked_prefill_tokens as f64 > f * r.max_num_batched_tokens as f64);
     decode || prefill || frac
 }
 

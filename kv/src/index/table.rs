@@ -36,12 +36,7 @@ impl Table {
     pub fn new(capacity: usize, words: usize) -> Self {
         assert!((1..=MAX_WORDS).contains(&words));
         let cap = capacity.max(16).next_power_of_two();
-        Self {
-            mask: cap - 1,
-            words,
-            keys: (0..cap).map(|_| AtomicU64::new(0)).collect(),
-            bits: (0..cap * words).map(|_| AtomicU64::new(0)).collect(),
-        }
+        Self { mask: cap - 1, words, keys: (0..cap).map(|_| AtomicU64::new(0)).collect(), bits: (0..cap * words).map(|_| AtomicU64::new(0)).collect() }
     }
 
     /// Number of slots.

@@ -79,8 +79,8 @@ pub fn compile(spec: &PluginSpec) -> Result<Compiled, LoadError> {
     {
         return Err(err(format!("{} has sha256 {sha256}, but the config pins {pin}", spec.path.display())));
     }
-    let component = Component::new(engine(), &bytes)
-        .map_err(|e| err(format!("{} is not a valid WebAssembly component: {}", spec.path.display(), first_line(&e))))?;
+    let component =
+        Component::new(engine(), &bytes).map_err(|e| err(format!("{} is not a valid WebAssembly component: {}", spec.path.display(), first_line(&e))))?;
     let ty = component.component_type();
     // An interface whose types the exports use appears as an import of types only; that
     // grants nothing. Anything that carries a function or a resource is refused.

@@ -117,7 +117,8 @@ impl ReschedulingPlugin {
     pub fn new(compiled: Compiled) -> Result<Self, LoadError> {
         let name = compiled.spec.name.clone();
         let err = |message: String| LoadError { plugin: name.clone(), message };
-        let pre = ReschedulerPre::new(component::link(&compiled, Kind::Rescheduler)?).map_err(|e| err(format!("does not match the rescheduler world: {e:#}")))?;
+        let pre =
+            ReschedulerPre::new(component::link(&compiled, Kind::Rescheduler)?).map_err(|e| err(format!("does not match the rescheduler world: {e:#}")))?;
         let plugin = Self { compiled, pre, live: Mutex::new(None) };
         let live = plugin.instantiate().map_err(|f| err(format!("init failed: {f}")))?;
         *plugin.live.lock() = Some(live);

@@ -37,6 +37,8 @@ pub struct Routed {
     pub decision: Decision,
     /// Why the plugin's answer was not used, if it failed.
     pub failure: Option<Failure>,
+    /// Whether the plugin's own answer was used (false: the fallback decided).
+    pub by_plugin: bool,
 }
 
 impl PluginSlot {
@@ -74,8 +76,8 @@ impl PluginSlot {
 /// Asks `plugin`; when it fails or has no opinion, `fallback` decides.
 pub fn route(plugin: &RoutingPlugin, req: &RouteRequest<'_>, candidates: &[Candidate], fallback: &dyn Policy) -> Routed {
     match plugin.choose(req, candidates) {
-        Ok(Some(decision)) => Routed { decision, failure: None },
-        Ok(None) => Routed { decision: fallback.choose(req, candidates), failure: None },
-        Err(f) => Routed { decision: fallback.choose(req, candidates), failure: Some(f) },
+        Ok(Some(decision)) => Routed { decision, failure: None, by_plugin: true },
+        Ok(None) => Routed { decision: fallback.choose(req, candidates), failure: None, by_plugin: false },
+        Err(f) => Routed { decision: fallback.choose(req, candidates), failure: Some(f), by_plugin: false },
     }
 }

@@ -67,7 +67,12 @@ pub fn load_str(text: &str, origin: &str, env: impl IntoIterator<Item = (String,
         let mut tree: Value = serde_yaml::from_str(text).map_err(|e| err(None, None, e.to_string()))?;
         for (var, segs, val) in &overrides {
             let scalar: Value = serde_yaml::from_str(val).unwrap_or_else(|_| Value::String(val.clone()));
-            set_path(&mut tree, segs, scalar).map_err(|m| ConfigError { origin: format!("environment variable {var}"), line: None, column: None, message: m })?;
+            set_path(&mut tree, segs, scalar).map_err(|m| ConfigError {
+                origin: format!("environment variable {var}"),
+                line: None,
+                column: None,
+                message: m,
+            })?;
         }
         cfg = serde_yaml::from_value(tree).map_err(|e| {
             let names: Vec<&str> = overrides.iter().map(|(k, _, _)| k.as_str()).collect();
@@ -225,10 +230,15 @@ fn validate(cfg: &Config) -> Result<(), Invalid> {
         }
         use kvgate_filters::route::Mode;
         match (r.mode, &r.plugin) {
-            (Mode::Plugin, None) => return Err((format!("model {:?}: routing.mode plugin needs routing.plugin (the name of a plugins entry)", m.name), at("plugin".into(), 1))),
+            (Mode::Plugin, None) => {
+                return Err((format!("model {:?}: routing.mode plugin needs routing.plugin (the name of a plugins entry)", m.name), at("plugin".into(), 1)));
+            }
             (Mode::Plugin, Some(p)) if !cfg.plugins.iter().any(|q| q.name == *p) => {
                 let known: Vec<&str> = cfg.plugins.iter().map(|q| q.name.as_str()).collect();
-                return Err((format!("model {:?}: routing.plugin {p:?} is not among the plugins ({})", m.name, known.join(", ")), at(format!("plugin: {p}"), 1)));
+                return Err((
+                    format!("model {:?}: routing.plugin {p:?} is not among the plugins ({})", m.name, known.join(", ")),
+                    at(format!("plugin: {p}"), 1),
+                ));
             }
             (Mode::Plugin, Some(_)) if r.fallback == Mode::Plugin => {
                 return Err((format!("model {:?}: routing.fallback must be a built-in mode (kv, round_robin, random)", m.name), at("fallback".into(), 1)));
@@ -240,16 +250,25 @@ fn validate(cfg: &Config) -> Result<(), Invalid> {
         }
         if r.builtin() == Mode::Kv && r.kv_events && m.workers.iter().any(|w| w.kv_events.is_none()) {
             return Err((
-                format!("model {:?}: routing.mode kv (or fallback kv) with kv_events: true needs a kv_events endpoint on every worker (or set kv_events: false for approximate mode)", m.name),
+                format!(
+                    "model {:?}: routing.mode kv (or fallback kv) with kv_events: true needs a kv_events endpoint on every worker (or set kv_events: false for approximate mode)",
+                    m.name
+                ),
                 at("kv_events".into(), 1),
             ));
         }
         if let Some(q) = r.queue_threshold {
             if !(q.is_finite() && q > 0.0) || r.queue_max_len == 0 || r.queue_max_wait_ms == 0 {
-                return Err((format!("model {:?}: routing.queue_threshold must be > 0 and queue_max_len, queue_max_wait_ms at least 1", m.name), at("queue_threshold".into(), 1)));
+                return Err((
+                    format!("model {:?}: routing.queue_threshold must be > 0 and queue_max_len, queue_max_wait_ms at least 1", m.name),
+                    at("queue_threshold".into(), 1),
+                ));
             }
             if m.shedding.max_num_batched_tokens.is_none() {
-                return Err((format!("model {:?}: routing.queue_threshold needs shedding.max_num_batched_tokens (the workers' prefill budget)", m.name), at("queue_threshold".into(), 1)));
+                return Err((
+                    format!("model {:?}: routing.queue_threshold needs shedding.max_num_batched_tokens (the workers' prefill budget)", m.name),
+                    at("queue_threshold".into(), 1),
+                ));
             }
         }
         let slots: u32 = m.workers.iter().map(|w| w.dp_size).sum();

@@ -1,4 +1,6 @@
 //! The admin listener: `/metrics`, `/health`, `GET /workers` (each worker's health and load),
+//! `GET /requests` (the requests in flight) and `GET /requests/{id}` (one request, in flight or
+//! recently finished, with its route receipt),
 //! `POST /reload` (re-read the config file; a bad file is refused and the old config stays),
 //! `GET /busy_threshold` and `POST /busy_threshold` (seed 000's shapes: read or set a model's
 //! busy thresholds at run time), `GET /plugins` and `POST /plugins/reload` (re-read every
@@ -18,12 +20,14 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut Session, method: &str, path:
         ("GET", "/metrics") => local::metrics(gw, session).await,
         ("GET", "/health") => local::health(gw, session).await,
         ("GET", "/workers") => workers(gw, session).await,
+        ("GET", "/requests") => requests(gw, session).await,
+        ("GET", p) if p.starts_with("/requests/") => request(gw, session, &p["/requests/".len()..]).await,
         ("POST", "/reload") => reload(gw, session).await,
         ("GET", "/busy_threshold") => list_thresholds(gw, session).await,
         ("POST", "/busy_threshold") => set_threshold(gw, session).await,
         ("GET", "/plugins") => list_plugins(gw, session).await,
         ("POST", "/plugins/reload") => reload_plugins(gw, session).await,
-        (_, "/metrics" | "/health" | "/workers" | "/reload" | "/busy_threshold" | "/plugins" | "/plugins/reload") => {
+        (_, "/metrics" | "/health" | "/workers" | "/requests" | "/reload" | "/busy_threshold" | "/plugins" | "/plugins/reload") => {
             respond_error(session, &ClientError::method_not_allowed(method, path), &[]).await
         }
         _ => respond_error(session, &ClientError::not_found(path), &[]).await,
@@ -42,9 +46,11 @@ async fn workers(gw: &Arc<Gateway>, session: &mut Session) {
                 .iter()
                 .enumerate()
                 .map(|(i, w)| {
-                    let reported: Vec<_> = w.reported().iter().map(|r| json!({"kv_usage": r.kv_usage, "waiting": r.waiting, "total_blocks": r.total_blocks})).collect();
-                    json!({"id": i, "url": w.url.to_string(), "healthy": w.is_healthy(), "in_flight": w.in_flight(),
-                           "booked_prefill_tokens": w.booked_prefill(), "booked_blocks": w.booked_blocks(),
+                    let reported: Vec<_> =
+                        w.reported().iter().map(|r| json!({"kv_usage": r.kv_usage, "waiting": r.waiting, "total_blocks": r.total_blocks})).collect();
+                    let id = i as u16;
+                    json!({"id": i, "url": w.label, "healthy": w.is_healthy(), "in_flight": m.ledger.in_flight(id),
+                           "booked_prefill_tokens": m.ledger.prefill_tokens(id), "booked_blocks": m.ledger.active_blocks(id),
                            "queue_busy": m.queue_busy(i), "reported": reported})
                 })
                 .collect();
@@ -52,6 +58,20 @@ async fn workers(gw: &Arc<Gateway>, session: &mut Session) {
         })
         .collect();
     respond_json(session, 200, &json!({"draining": gw.is_draining(), "in_flight": gw.in_flight(), "models": models})).await;
+}
+
+/// `{"in_flight": n, "requests": [...]}`, oldest first.
+async fn requests(gw: &Arc<Gateway>, session: &mut Session) {
+    let list: Vec<_> = gw.requests.snapshot().iter().map(|e| e.to_json(false)).collect();
+    respond_json(session, 200, &json!({"in_flight": list.len(), "requests": list})).await;
+}
+
+/// One request with its route receipt; 404 when it is neither in flight nor kept as finished.
+async fn request(gw: &Arc<Gateway>, session: &mut Session, id: &str) {
+    match gw.requests.find(id) {
+        Some(e) => respond_json(session, 200, &e.to_json(true)).await,
+        None => respond_error(session, &ClientError::unknown_request(id), &[]).await,
+    }
 }
 
 async fn reload(gw: &Arc<Gateway>, session: &mut Session) {
@@ -85,12 +105,9 @@ async fn list_plugins(gw: &Arc<Gateway>, session: &mut Session) {
 async fn reload_plugins(gw: &Arc<Gateway>, session: &mut Session) {
     let _ = session.drain_request_body().await;
     let gw2 = gw.clone();
-    let results = match tokio::task::spawn_blocking(move || crate::plugins::reload_all(&gw2)).await {
+    let results = match tokio::task::spawn_blocking(move || gw2.plugins.reload_all(&gw2.metrics)).await {
         Ok(r) => r,
-        Err(e) => {
-            let ce = ClientError { status: 500, kind: "internal_server_error", message: format!("plugin reload failed: {e}"), param: None };
-            return respond_error(session, &ce, &[]).await;
-        }
+        Err(e) => return respond_error(session, &ClientError::internal(format!("plugin reload failed: {e}")), &[]).await,
     };
     let mut ok = true;
     let list: Vec<_> = results

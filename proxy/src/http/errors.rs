@@ -1,5 +1,6 @@
 //! Client-facing errors: OpenAI-shaped JSON (`{"error":{"message","type","param","code"}}`),
-//! one constructor per situation so status codes and types are decided in one place.
+//! except seed 000's body for "every worker is busy", with one constructor per situation so
+//! status codes and types are decided in one place. Nothing else builds a `ClientError`.
 
 use serde_json::json;
 
@@ -14,11 +15,15 @@ pub struct ClientError {
     pub message: String,
     /// Offending parameter.
     pub param: Option<&'static str>,
+    /// Seconds the client should wait before retrying (`Retry-After`), if any.
+    pub retry_after: Option<u32>,
+    /// A fixed body that replaces the OpenAI shape (seed 000's rejection body).
+    fixed_body: Option<&'static str>,
 }
 
 impl ClientError {
     fn new(status: u16, kind: &'static str, message: impl Into<String>, param: Option<&'static str>) -> Self {
-        Self { status, kind, message: message.into(), param }
+        Self { status, kind, message: message.into(), param, retry_after: None, fixed_body: None }
     }
 
     /// 400: the body is not a JSON object or a field has the wrong type.
@@ -34,6 +39,11 @@ impl ClientError {
     /// 404: no such path.
     pub fn not_found(path: &str) -> Self {
         Self::new(404, "invalid_request_error", format!("No route for {path}"), None)
+    }
+
+    /// 404: no request with this id is in flight or kept as finished.
+    pub fn unknown_request(id: &str) -> Self {
+        Self::new(404, "invalid_request_error", format!("No request `{id}` is in flight or among the recently finished ones."), None)
     }
 
     /// 405.
@@ -71,8 +81,67 @@ impl ClientError {
         Self::new(408, "invalid_request_error", "Timed out reading the request body.", None)
     }
 
+    /// 429: the router queue of the model is full.
+    pub fn queue_full(model: &str) -> Self {
+        Self::new(429, "rate_limit_exceeded", format!("The router queue of model `{model}` is full; retry later."), None)
+    }
+
+    /// 503: the request waited in the router queue for too long.
+    pub fn queue_timeout(model: &str) -> Self {
+        Self::new(503, "service_unavailable", format!("Timed out waiting in the router queue of model `{model}`; retry later."), None)
+    }
+
+    /// 503 with seed 000's exact body: every worker of the model is over a busy threshold.
+    pub fn all_busy() -> Self {
+        let mut e = Self::new(503, "service_unavailable", "All workers are busy, please retry later", None);
+        e.retry_after = Some(1);
+        e.fixed_body = Some(kvgate_filters::shed::REJECTION_BODY);
+        e
+    }
+
+    /// A routing plugin's rejection, with the status it chose.
+    pub fn rejected(status: u16, message: String) -> Self {
+        let kind = match status {
+            429 => "rate_limit_exceeded",
+            503 => "service_unavailable",
+            500..=599 => "internal_server_error",
+            _ => "invalid_request_error",
+        };
+        Self::new(status, kind, message, None)
+    }
+
+    /// 502: the worker's response could not be passed on.
+    pub fn bad_upstream_response(detail: &str) -> Self {
+        Self::new(502, "upstream_error", format!("The worker's response could not be passed on: {detail}"), None)
+    }
+
+    /// 500: the gateway failed internally.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(500, "internal_server_error", message, None)
+    }
+
     /// The JSON body.
     pub fn body(&self) -> String {
+        if let Some(fixed) = self.fixed_body {
+            return fixed.to_string();
+        }
         json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}).to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bodies_are_openai_shaped_except_the_seed_rejection() {
+        let v: serde_json::Value = serde_json::from_str(&ClientError::queue_full("m").body()).unwrap();
+        assert_eq!(v["error"]["type"], "rate_limit_exceeded");
+        assert_eq!(v["error"]["code"], 429);
+        let busy = ClientError::all_busy();
+        assert_eq!(busy.body(), kvgate_filters::shed::REJECTION_BODY);
+        assert_eq!((busy.status, busy.retry_after), (503, Some(1)));
+        assert_eq!(ClientError::rejected(418, "no".into()).kind, "invalid_request_error");
+        assert_eq!(ClientError::rejected(502, "no".into()).kind, "internal_server_error");
     }
 }

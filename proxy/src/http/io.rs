@@ -38,12 +38,7 @@ pub async fn read_body(session: &mut Session, limit: u64, deadline: Duration) ->
         return Err(BodyError::TooLarge(limit));
     }
     // Clients that ask first (`Expect: 100-continue`, e.g. curl for large bodies) get the go-ahead.
-    let expects = session
-        .req_header()
-        .headers
-        .get("expect")
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.eq_ignore_ascii_case("100-continue"));
+    let expects = session.req_header().headers.get("expect").and_then(|v| v.to_str().ok()).is_some_and(|v| v.eq_ignore_ascii_case("100-continue"));
     if expects && session.as_downstream_mut().write_continue_response().await.is_err() {
         return Err(BodyError::Gone);
     }
@@ -80,7 +75,14 @@ pub async fn respond(session: &mut Session, status: u16, content_type: &str, bod
 
 /// Sends an OpenAI-shaped error.
 pub async fn respond_error(session: &mut Session, e: &ClientError, extra: &[(&str, String)]) {
-    respond(session, e.status, "application/json", Bytes::from(e.body()), extra).await;
+    match e.retry_after {
+        Some(s) => {
+            let mut all = extra.to_vec();
+            all.push(("retry-after", s.to_string()));
+            respond(session, e.status, "application/json", Bytes::from(e.body()), &all).await;
+        }
+        None => respond(session, e.status, "application/json", Bytes::from(e.body()), extra).await,
+    }
 }
 
 /// Sends JSON.

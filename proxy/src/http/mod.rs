@@ -1,21 +1,18 @@
 //! The HTTP face of the gateway: one Pingora `ProxyHttp` implementation per listener role.
-//! Every request is answered inside `request_filter` (local answers, or the manual upstream leg
-//! for model-scoped paths); Pingora's own upstream phase is never used.
+//! Every request is answered inside `request_filter`: local answers here, model-scoped paths
+//! by the request phases (`crate::request`); Pingora's own upstream phase is never used.
 
 pub mod admin;
 pub mod client;
 pub mod errors;
-pub mod inference;
 pub mod io;
 pub mod local;
-pub mod prompt;
 pub mod sse;
-pub mod upstream;
 
 use crate::gateway::Gateway;
+use crate::request::Endpoint;
 use async_trait::async_trait;
 use errors::ClientError;
-use inference::Endpoint;
 use pingora::prelude::*;
 use pingora::proxy::{FailToProxy, ProxyHttp, Session};
 use std::sync::Arc;
@@ -82,22 +79,13 @@ impl ProxyHttp for GatewayService {
 
 impl GatewayService {
     async fn public(&self, session: &mut Session, method: &str, path: &str) -> bool {
-        let endpoint = match path {
-            "/v1/chat/completions" => Some(Endpoint::Chat),
-            "/v1/completions" => Some(Endpoint::Completions),
-            "/tokenize" => Some(Endpoint::Tokenize),
-            "/detokenize" => Some(Endpoint::Detokenize),
-            _ => None,
-        };
-        match (method, endpoint, path) {
-            ("POST", Some(ep), _) => return inference::serve(&self.gw, session, ep).await,
+        match (method, Endpoint::from_path(path), path) {
+            ("POST", Some(ep), _) => return crate::request::serve(&self.gw, session, ep).await,
             (_, Some(_), _) => io::respond_error(session, &ClientError::method_not_allowed(method, path), &[]).await,
             ("GET", None, "/v1/models") => local::models(&self.gw, session).await,
             ("GET", None, "/health") => local::health(&self.gw, session).await,
             ("GET", None, "/metrics") => local::metrics(&self.gw, session).await,
-            (_, None, "/v1/models" | "/health" | "/metrics") => {
-                io::respond_error(session, &ClientError::method_not_allowed(method, path), &[]).await
-            }
+            (_, None, "/v1/models" | "/health" | "/metrics") => io::respond_error(session, &ClientError::method_not_allowed(method, path), &[]).await,
             _ => io::respond_error(session, &ClientError::not_found(path), &[]).await,
         }
         false

@@ -43,12 +43,7 @@ pub fn render_prompt(
         ));
     }
     let msgs = normalize_messages(messages).map_err(|m| ApiError::bad_request(m, Some("messages")))?;
-    let input = ChatInput {
-        messages: &msgs,
-        add_generation_prompt: !continue_final_message && add_generation_prompt.unwrap_or(true),
-        tools,
-        kwargs,
-    };
+    let input = ChatInput { messages: &msgs, add_generation_prompt: !continue_final_message && add_generation_prompt.unwrap_or(true), tools, kwargs };
     let mut text = tok.render_chat(&input).map_err(|m| ApiError::bad_request(m, None))?;
     if continue_final_message {
         // Cut the rendered prompt right after the final message's content, so generation
@@ -87,12 +82,7 @@ async fn run(st: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<Response
     let generation = st.generate(headers, vec![PreparedPrompt { tokens, max_tokens }], &params).await?;
 
     if params.stream {
-        let fmt = ChatChunks {
-            tok: st.tokenizer.clone(),
-            prompt_ids,
-            return_token_ids: params.return_token_ids,
-            continuous_usage: params.continuous_usage,
-        };
+        let fmt = ChatChunks { tok: st.tokenizer.clone(), prompt_ids, return_token_ids: params.return_token_ids, continuous_usage: params.continuous_usage };
         let lens = vec![prompt_len; params.n];
         return Ok(sse(meta, generation, lens, params.include_usage, fmt));
     }

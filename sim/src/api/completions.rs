@@ -57,11 +57,7 @@ async fn run(st: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<Response
     }
     let meta = Meta::new("cmpl", headers, req.common.request_id.as_deref(), st.cfg.model_name(), st.cfg.enable_request_id_headers);
     let n = params.n;
-    let echo_texts: Vec<String> = if req.echo {
-        prompts.iter().map(|p| st.tokenizer.decode(&p.tokens).unwrap_or_default()).collect()
-    } else {
-        Vec::new()
-    };
+    let echo_texts: Vec<String> = if req.echo { prompts.iter().map(|p| st.tokenizer.decode(&p.tokens).unwrap_or_default()).collect() } else { Vec::new() };
     let per_choice_prompt: Vec<Vec<u32>> = prompts.iter().flat_map(|p| std::iter::repeat_n(p.tokens.clone(), n)).collect();
     let generation = st.generate(headers, prompts, &params).await?;
 

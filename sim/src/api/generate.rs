@@ -126,10 +126,7 @@ impl AppState {
             let rank = v.to_str().ok().and_then(|s| s.trim().parse::<usize>().ok());
             return match rank {
                 Some(r) if r < self.engines.len() => Ok(&self.engines[r]),
-                _ => Err(ApiError::bad_request(
-                    format!("X-data-parallel-rank must be an integer in [0, {})", self.engines.len()),
-                    None,
-                )),
+                _ => Err(ApiError::bad_request(format!("X-data-parallel-rank must be an integer in [0, {})", self.engines.len()), None)),
             };
         }
         Ok(self.engines.iter().min_by_key(|e| e.in_flight()).expect("at least one engine"))

@@ -93,8 +93,7 @@ pub async fn tokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Response 
             }
             _ => return Err(ApiError::validation("exactly one of `prompt` or `messages` is required", "body")),
         };
-        let strs: Option<Vec<String>> =
-            req.return_token_strs.then(|| tokens.iter().map(|&t| st.tokenizer.decode(&[t]).unwrap_or_default()).collect());
+        let strs: Option<Vec<String>> = req.return_token_strs.then(|| tokens.iter().map(|&t| st.tokenizer.decode(&[t]).unwrap_or_default()).collect());
         Ok(json!({"count": tokens.len(), "max_model_len": st.cfg.max_model_len, "tokens": tokens, "token_strs": strs}))
     };
     match run.await {

@@ -80,9 +80,7 @@ pub async fn encode(tok: &ModelTokenizer, text: String, add_special: bool) -> Re
         tok.encode(&text, add_special)
     } else {
         let tok = tok.clone();
-        tokio::task::spawn_blocking(move || tok.encode(&text, add_special))
-            .await
-            .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
+        tokio::task::spawn_blocking(move || tok.encode(&text, add_special)).await.map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
     };
     r.map_err(|m| ApiError::bad_request(m, Some("prompt")))
 }

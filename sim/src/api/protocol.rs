@@ -142,22 +142,18 @@ impl Common {
     /// Checks the shared fields against the model limits.
     pub fn validate(&self, max_model_len: usize) -> Result<GenParams, ApiError> {
         if self.stream_options.is_some() && !self.stream {
-            return Err(ApiError::bad_request(
-                "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
-                Some("stream_options"),
-            ));
+            return Err(ApiError::bad_request("Stream options can only be defined when `stream=True`. (parameter=stream_options)", Some("stream_options")));
         }
         let max_tokens = self.max_completion_tokens.or(self.max_tokens);
         if let Some(m) = max_tokens {
             if m < 1 {
-                return Err(ApiError::bad_request(
-                    format!("max_tokens must be at least 1, got {m}. (parameter=max_tokens, value={m})"),
-                    Some("max_tokens"),
-                ));
+                return Err(ApiError::bad_request(format!("max_tokens must be at least 1, got {m}. (parameter=max_tokens, value={m})"), Some("max_tokens")));
             }
             if m as u64 > max_model_len as u64 {
                 return Err(ApiError::bad_request(
-                    format!("max_tokens={m} cannot be greater than max_model_len={max_model_len}. Please request fewer output tokens. (parameter=max_tokens, value={m})"),
+                    format!(
+                        "max_tokens={m} cannot be greater than max_model_len={max_model_len}. Please request fewer output tokens. (parameter=max_tokens, value={m})"
+                    ),
                     Some("max_tokens"),
                 ));
             }
@@ -168,10 +164,7 @@ impl Common {
         }
         let min_tokens = self.min_tokens.unwrap_or(0);
         if min_tokens < 0 || max_tokens.is_some_and(|m| min_tokens > m) {
-            return Err(ApiError::bad_request(
-                format!("min_tokens must be >= 0 and <= max_tokens, got {min_tokens}."),
-                Some("min_tokens"),
-            ));
+            return Err(ApiError::bad_request(format!("min_tokens must be >= 0 and <= max_tokens, got {min_tokens}."), Some("min_tokens")));
         }
         let so = self.stream_options.clone().unwrap_or_default();
         Ok(GenParams {
@@ -190,21 +183,23 @@ impl Common {
 /// Checks a prompt's length against the context limit and resolves max_tokens.
 pub fn check_length(prompt_len: usize, max_tokens: Option<usize>, max_model_len: usize) -> Result<usize, ApiError> {
     if prompt_len == 0 {
-        return Err(ApiError::bad_request(
-            "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
-            Some("prompt"),
-        ));
+        return Err(ApiError::bad_request("Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)", Some("prompt")));
     }
     if prompt_len >= max_model_len {
         return Err(ApiError::bad_request(
-            format!("This model's maximum context length is {max_model_len} tokens. However, your prompt contains {prompt_len} input tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input prompt. (parameter=input_tokens, value={prompt_len})"),
+            format!(
+                "This model's maximum context length is {max_model_len} tokens. However, your prompt contains {prompt_len} input tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input prompt. (parameter=input_tokens, value={prompt_len})"
+            ),
             Some("input_tokens"),
         ));
     }
     match max_tokens {
         None => Ok(max_model_len - prompt_len),
         Some(m) if prompt_len + m > max_model_len => Err(ApiError::bad_request(
-            format!("This model's maximum context length is {max_model_len} tokens. However, you requested {} tokens ({prompt_len} in the messages, {m} in the completion). Please reduce the length of the messages or completion. (parameter=max_tokens, value={m})", prompt_len + m),
+            format!(
+                "This model's maximum context length is {max_model_len} tokens. However, you requested {} tokens ({prompt_len} in the messages, {m} in the completion). Please reduce the length of the messages or completion. (parameter=max_tokens, value={m})",
+                prompt_len + m
+            ),
             Some("max_tokens"),
         )),
         Some(m) => Ok(m),
@@ -215,11 +210,7 @@ pub fn check_length(prompt_len: usize, max_tokens: Option<usize>, max_model_len:
 pub fn check_token_ids(ids: &[i64], vocab_size: u32) -> Result<Vec<u32>, ApiError> {
     ids.iter()
         .map(|&t| {
-            if (0..i64::from(vocab_size)).contains(&t) {
-                Ok(t as u32)
-            } else {
-                Err(ApiError::bad_request(format!("Token id {t} is out of vocabulary"), None))
-            }
+            if (0..i64::from(vocab_size)).contains(&t) { Ok(t as u32) } else { Err(ApiError::bad_request(format!("Token id {t} is out of vocabulary"), None)) }
         })
         .collect()
 }

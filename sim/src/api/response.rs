@@ -37,13 +37,7 @@ impl Meta {
             .unwrap_or_else(random_id);
         let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         let id = format!("{prefix}-{base}");
-        Self {
-            id_json: json_str(&id),
-            id,
-            created,
-            model_json: json_str(model),
-            echo_request_id: if echo { Some(base) } else { None },
-        }
+        Self { id_json: json_str(&id), id, created, model_json: json_str(model), echo_request_id: if echo { Some(base) } else { None } }
     }
 }
 

@@ -39,9 +39,7 @@ fn stored(events: &[KvEvent]) -> Vec<(Vec<u64>, Option<u64>, Vec<u32>)> {
     events
         .iter()
         .filter_map(|e| match e {
-            KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, .. } => {
-                Some((block_hashes.clone(), *parent_block_hash, token_ids.clone()))
-            }
+            KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, .. } => Some((block_hashes.clone(), *parent_block_hash, token_ids.clone())),
             _ => None,
         })
         .collect()

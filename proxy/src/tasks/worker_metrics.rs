@@ -1,65 +1,41 @@
-//! Polls every worker's `/metrics` (vLLM's Prometheus text) for the load the worker itself
-//! reports, per DP rank (`engine` label): `vllm:kv_cache_usage_perc`,
-//! `vllm:num_requests_waiting`, and the KV capacity from `vllm:cache_config_info`'s
-//! `num_gpu_blocks` label. Shedding combines them with the gateway's own bookings.
+//! Polls every worker's `/metrics` (vLLM's Prometheus text), over the same pooled HTTP client
+//! the request legs use, for the load the worker itself reports, per DP rank (`engine` label):
+//! `vllm:kv_cache_usage_perc`, `vllm:num_requests_waiting`, and the KV capacity from
+//! `vllm:cache_config_info`'s `num_gpu_blocks` label. Shedding and routing combine them with
+//! the gateway's own bookings.
 
 use crate::fleet::ReportedLoad;
 use crate::gateway::Gateway;
+use crate::upstream;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::task::JoinSet;
 
 /// Largest `/metrics` body read.
 const MAX_BODY: usize = 8 << 20;
 
-/// Runs until the task is dropped.
+/// Runs until the task is aborted.
 pub async fn run(gw: Arc<Gateway>) {
     loop {
         let cfg = gw.config();
         let every = Duration::from_millis(cfg.load.interval_ms);
         let timeout = Duration::from_millis(cfg.load.timeout_ms);
-        let fleet = gw.fleet();
-        let polls: Vec<_> = fleet
-            .all_workers()
-            .into_iter()
-            .map(|(_, w)| {
-                tokio::spawn(async move {
-                    let Ok(addr) = w.addr().await else { return };
-                    if let Ok(Some(text)) = tokio::time::timeout(timeout, fetch(addr, &w.host_header)).await {
-                        w.set_reported(parse(&text));
-                    }
-                })
-            })
-            .collect();
-        for p in polls {
-            let _ = p.await;
+        let mut polls = JoinSet::new();
+        for (_, w) in gw.fleet().all_workers() {
+            let gw = gw.clone();
+            polls.spawn(async move {
+                match upstream::get(&gw, &w, "/metrics", timeout, MAX_BODY).await {
+                    Ok((200, body)) => w.set_reported(parse(&String::from_utf8_lossy(&body))),
+                    Ok((status, _)) => tracing::debug!(worker = %w.url, status, "worker /metrics answered non-200"),
+                    Err(e) => tracing::debug!(worker = %w.url, error = %e, "worker /metrics poll failed"),
+                }
+            });
         }
+        while polls.join_next().await.is_some() {}
+        drop(cfg);
         tokio::time::sleep(every).await;
     }
-}
-
-/// GETs `/metrics` from `addr` (HTTP/1.0); `None` on any failure.
-pub async fn fetch(addr: std::net::SocketAddr, host: &str) -> Option<String> {
-    let mut s = TcpStream::connect(addr).await.ok()?;
-    // HTTP/1.0: the body comes unchunked and ends when the connection closes.
-    s.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {host}\r\nUser-Agent: kvgate-load\r\n\r\n").as_bytes()).await.ok()?;
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 16 * 1024];
-    loop {
-        let n = s.read(&mut chunk).await.ok()?;
-        if n == 0 {
-            break;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-        if buf.len() > MAX_BODY {
-            return None;
-        }
-    }
-    let text = String::from_utf8_lossy(&buf);
-    let (head, body) = text.split_once("\r\n\r\n")?;
-    head.starts_with("HTTP/1.1 200").then(|| body.to_string()).or_else(|| head.starts_with("HTTP/1.0 200").then(|| body.to_string()))
 }
 
 fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {

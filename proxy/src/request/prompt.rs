@@ -11,8 +11,8 @@
 //!   match them; use it with approximate mode (`kv_events: false`).
 
 use kvgate_tokenize::{ChatInput, SegmentCache, normalize_messages};
-use std::sync::Arc;
 use serde_json::Value;
+use std::sync::Arc;
 
 /// Extracts the routing tokens from a parsed request body; `None` when there is no prompt to
 /// route on (the worker will answer the error).
@@ -115,7 +115,9 @@ mod tests {
         let fallback = tokens(&json!({"prompt": "abcdefgh"}), false, None, 10_000).await.unwrap();
         assert_eq!(fallback.len(), 2);
         let chat = tokens(&json!({"messages": [{"role": "user", "content": "hi"}]}), true, Some(&cache), 10_000).await.unwrap();
-        let text = tok.render_chat(&ChatInput { messages: &[json!({"role": "user", "content": "hi"})], add_generation_prompt: true, tools: None, kwargs: None }).unwrap();
+        let text = tok
+            .render_chat(&ChatInput { messages: &[json!({"role": "user", "content": "hi"})], add_generation_prompt: true, tools: None, kwargs: None })
+            .unwrap();
         assert_eq!(chat, tok.encode(&text, false).unwrap(), "chat tokenizes like vLLM: template, no special tokens");
     }
 }

@@ -1,8 +1,12 @@
-//! Active sequences: the load each worker carries from requests in flight, as the gateway booked
-//! it. Per worker, prefill tokens (released when the request's first token arrives) and active
-//! blocks, kept as a prefix index of the booked chains with reference counts, so a prefix shared
-//! by several requests counts once (`assume_kv_reuse`) and "how much of this request is
-//! already active here" is one `find_matches`.
+//! The booking ledger: the load each worker carries from requests in flight, as the gateway
+//! booked it. One ledger per model serves every routing mode, shedding and the router queue.
+//!
+//! Per worker it counts requests in flight, prefill tokens (released when the request's first
+//! token arrives) and active KV blocks. Prompt blocks are kept as a prefix index of the booked
+//! chains with reference counts, so a prefix shared by several requests counts once
+//! (`assume_kv_reuse`) and "how much of this request is already active here" is one
+//! `find_matches`. Modes that do not tokenize book an estimate instead (`private_blocks`,
+//! never shared).
 //!
 //! With output tracking on, a streamed request also books the blocks its output fills: one each
 //! time `prompt_tokens + generated_tokens` crosses a block boundary. Output blocks belong to
@@ -12,16 +16,18 @@
 //! those too when they look private at the moment, which undercounts a prefix shared later).
 //!
 //! Every booking is a [`Booking`] guard: completion, error, cancellation or a panic drop it,
-//! and dropping releases exactly what it booked, so totals return to zero when load stops. As
-//! a safety net, [`ActiveSequences::expire`] releases bookings older than a limit (a request
-//! that never ends, or a guard leaked by a bug); the guard's own release then does nothing.
+//! and dropping releases exactly what it booked, so totals return to zero when load stops. A
+//! booking can move to another worker ([`Booking::move_to`]), as a request that is retried or
+//! migrated does; the totals stay exact. As a safety net, [`Ledger::expire`] releases bookings
+//! older than a limit (a request that never ends, or a guard leaked by a bug); the guard's own
+//! release then does nothing.
 
 use kvgate_kv::hash::BlockHash;
 use kvgate_kv::index::{FlatIndex, KvIndex, Matches, WorkerId};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// What the gateway books per request (the `routing` switches of a model).
@@ -43,15 +49,24 @@ impl Default for Tracking {
     }
 }
 
-/// Per-worker load booked by the gateway.
-pub struct ActiveSequences {
-    blocks: FlatIndex,
-    prefill: Box<[AtomicU64]>,
-    /// Blocks booked without dedup (when `assume_kv_reuse` is off).
-    raw_blocks: Box<[AtomicUsize]>,
+/// Per-worker counters of one worker.
+#[derive(Default)]
+struct WorkerLoad {
+    in_flight: AtomicU32,
+    prefill: AtomicU64,
+    /// Chain blocks booked without dedup (used when `assume_kv_reuse` is off).
+    raw_blocks: AtomicU64,
+    /// Estimated blocks of requests booked without a chain.
+    private_blocks: AtomicU64,
     /// Weighted output blocks, in thousandths of a block. Signed: a release may subtract a
     /// contribution before a concurrent update has added it.
-    output_milli: Box<[AtomicI64]>,
+    output_milli: AtomicI64,
+}
+
+/// Per-worker load booked by the gateway for one model.
+pub struct Ledger {
+    blocks: FlatIndex,
+    workers: Box<[WorkerLoad]>,
     tracking: Tracking,
     next_salt: AtomicU64,
     live: Mutex<HashMap<u64, (Instant, Arc<Release>)>>,
@@ -63,6 +78,7 @@ struct Release {
     worker: WorkerId,
     prefill: u64,
     chain: Vec<BlockHash>,
+    private_blocks: u64,
     prompt_tokens: u64,
     expected_output: Option<u64>,
     output: Mutex<Output>,
@@ -79,27 +95,27 @@ struct Output {
     closed: bool,
 }
 
-/// One request to book on a worker.
+/// What one request puts on a worker.
 #[derive(Debug, Clone, Default)]
-pub struct Load {
+pub struct Footprint {
     /// Prompt tokens the worker must compute (not cached there).
     pub prefill_tokens: u64,
-    /// The prompt's chained block hashes.
+    /// The prompt's chained block hashes (empty when the prompt was not tokenized).
     pub chain: Vec<BlockHash>,
+    /// Blocks booked without a chain: an estimate, never shared with another request.
+    pub private_blocks: u64,
     /// Prompt length in tokens (where output blocks start).
     pub prompt_tokens: u64,
     /// Expected output tokens (`nvext.agent_hints.osl`), if the client said.
     pub expected_output: Option<u64>,
 }
 
-impl ActiveSequences {
-    /// Tracking for `workers` workers (≤ 256).
+impl Ledger {
+    /// A ledger for `workers` workers (≤ 256).
     pub fn new(workers: usize, tracking: Tracking) -> Arc<Self> {
         Arc::new(Self {
             blocks: FlatIndex::new(workers.max(1), 4096),
-            prefill: (0..workers.max(1)).map(|_| AtomicU64::new(0)).collect(),
-            raw_blocks: (0..workers.max(1)).map(|_| AtomicUsize::new(0)).collect(),
-            output_milli: (0..workers.max(1)).map(|_| AtomicI64::new(0)).collect(),
+            workers: (0..workers.max(1)).map(|_| WorkerLoad::default()).collect(),
             tracking,
             next_salt: AtomicU64::new(1),
             live: Mutex::new(HashMap::new()),
@@ -127,11 +143,15 @@ impl ActiveSequences {
         self.expired.load(Ordering::Relaxed)
     }
 
+    fn worker(&self, w: WorkerId) -> Option<&WorkerLoad> {
+        self.workers.get(w as usize)
+    }
+
     fn release_prefill(&self, r: &Release) {
         if !r.prefill_released.swap(true, Ordering::AcqRel)
-            && let Some(p) = self.prefill.get(r.worker as usize)
+            && let Some(l) = self.worker(r.worker)
         {
-            p.fetch_sub(r.prefill, Ordering::Relaxed);
+            l.prefill.fetch_sub(r.prefill, Ordering::Relaxed);
         }
     }
 
@@ -145,8 +165,10 @@ impl ActiveSequences {
             o.closed = true;
             self.add_output(r.worker, -std::mem::take(&mut o.milli));
         }
-        if let Some(b) = self.raw_blocks.get(r.worker as usize) {
-            b.fetch_sub(r.chain.len(), Ordering::Relaxed);
+        if let Some(l) = self.worker(r.worker) {
+            l.raw_blocks.fetch_sub(r.chain.len() as u64, Ordering::Relaxed);
+            l.private_blocks.fetch_sub(r.private_blocks, Ordering::Relaxed);
+            l.in_flight.fetch_sub(1, Ordering::Relaxed);
         }
         // Deepest first: a shared prefix loses one reference per block, never a subtree.
         for h in r.chain.iter().rev() {
@@ -155,8 +177,8 @@ impl ActiveSequences {
     }
 
     fn add_output(&self, w: WorkerId, milli: i64) {
-        if let Some(o) = self.output_milli.get(w as usize) {
-            o.fetch_add(milli, Ordering::Relaxed);
+        if let Some(l) = self.worker(w) {
+            l.output_milli.fetch_add(milli, Ordering::Relaxed);
         }
     }
 
@@ -183,21 +205,34 @@ impl ActiveSequences {
         self.tracking
     }
 
+    /// Workers this ledger counts for.
+    pub fn len(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// Whether it counts for no worker (never: a ledger has at least one slot).
+    pub fn is_empty(&self) -> bool {
+        self.workers.is_empty()
+    }
+
+    /// Requests booked on `w`.
+    pub fn in_flight(&self, w: WorkerId) -> u32 {
+        self.worker(w).map_or(0, |l| l.in_flight.load(Ordering::Relaxed))
+    }
+
     /// Prefill tokens booked on `w` and not started decoding.
     pub fn prefill_tokens(&self, w: WorkerId) -> u64 {
-        self.prefill.get(w as usize).map_or(0, |p| p.load(Ordering::Relaxed))
+        self.worker(w).map_or(0, |l| l.prefill.load(Ordering::Relaxed))
     }
 
     /// Blocks booked on `w`: distinct prompt blocks (or all of them when shared prefixes are
-    /// not assumed to be reused) plus weighted output blocks, rounded.
+    /// not assumed to be reused), estimated blocks of untokenized requests, and weighted output
+    /// blocks, rounded.
     pub fn active_blocks(&self, w: WorkerId) -> u64 {
-        let prompt = if self.tracking.assume_kv_reuse {
-            self.blocks.block_count(w) as u64
-        } else {
-            self.raw_blocks.get(w as usize).map_or(0, |b| b.load(Ordering::Relaxed)) as u64
-        };
-        let output = self.output_milli.get(w as usize).map_or(0, |o| o.load(Ordering::Relaxed)).max(0) as u64;
-        prompt + (output + 500) / 1000
+        let Some(l) = self.worker(w) else { return 0 };
+        let prompt = if self.tracking.assume_kv_reuse { self.blocks.block_count(w) as u64 } else { l.raw_blocks.load(Ordering::Relaxed) };
+        let output = l.output_milli.load(Ordering::Relaxed).max(0) as u64;
+        prompt + l.private_blocks.load(Ordering::Relaxed) + (output + 500) / 1000
     }
 
     /// How many leading blocks of `chain` are already booked, per worker.
@@ -206,12 +241,23 @@ impl ActiveSequences {
     }
 
     /// Books `load` on `w`, until the returned guard drops.
-    pub fn book(self: &Arc<Self>, w: WorkerId, load: Load) -> Booking {
-        let Load { prefill_tokens, chain, prompt_tokens, expected_output } = load;
+    pub fn book(self: &Arc<Self>, w: WorkerId, load: Footprint) -> Booking {
+        let id = self.next_salt.fetch_add(1, Ordering::Relaxed);
+        let release = self.reserve(w, load);
+        self.live.lock().insert(id, (Instant::now(), release.clone()));
+        Booking { ledger: self.clone(), id, release }
+    }
+
+    /// Adds `load` to `w`'s counters and returns what releasing it takes.
+    fn reserve(&self, w: WorkerId, load: Footprint) -> Arc<Release> {
+        let Footprint { prefill_tokens, chain, private_blocks, prompt_tokens, expected_output } = load;
         let chain = if self.tracking.active_blocks { chain } else { Vec::new() };
-        if (w as usize) < self.prefill.len() {
-            self.prefill[w as usize].fetch_add(prefill_tokens, Ordering::Relaxed);
-            self.raw_blocks[w as usize].fetch_add(chain.len(), Ordering::Relaxed);
+        let private_blocks = if self.tracking.active_blocks { private_blocks } else { 0 };
+        if let Some(l) = self.worker(w) {
+            l.in_flight.fetch_add(1, Ordering::Relaxed);
+            l.prefill.fetch_add(prefill_tokens, Ordering::Relaxed);
+            l.raw_blocks.fetch_add(chain.len() as u64, Ordering::Relaxed);
+            l.private_blocks.fetch_add(private_blocks, Ordering::Relaxed);
         }
         let chain = if self.tracking.assume_kv_reuse {
             chain
@@ -221,25 +267,23 @@ impl ActiveSequences {
             chain.iter().map(|h| h.rotate_left(17) ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1).collect()
         };
         let _ = self.blocks.insert(w, None, &chain);
-        let id = self.next_salt.fetch_add(1, Ordering::Relaxed);
-        let release = Arc::new(Release {
+        Arc::new(Release {
             worker: w,
             prefill: prefill_tokens,
             chain,
+            private_blocks,
             prompt_tokens,
             expected_output,
             output: Mutex::new(Output::default()),
             prefill_released: AtomicBool::new(false),
             released: AtomicBool::new(false),
-        });
-        self.live.lock().insert(id, (Instant::now(), release.clone()));
-        Booking { seqs: self.clone(), id, release }
+        })
     }
 }
 
 /// One request's booking; released on drop.
 pub struct Booking {
-    seqs: Arc<ActiveSequences>,
+    ledger: Arc<Ledger>,
     id: u64,
     release: Arc<Release>,
 }
@@ -247,19 +291,19 @@ pub struct Booking {
 impl Booking {
     /// The request produced its first token: its prefill load is gone.
     pub fn prefill_done(&mut self) {
-        self.seqs.release_prefill(&self.release);
+        self.ledger.release_prefill(&self.release);
     }
 
     /// Whether [`Booking::generated`] does anything (output blocks are tracked).
     pub fn tracks_output(&self) -> bool {
-        self.seqs.tracking.output_blocks && self.seqs.tracking.active_blocks
+        self.ledger.tracking.output_blocks && self.ledger.tracking.active_blocks
     }
 
     /// The request generated `tokens` more output tokens (no-op unless output blocks are
     /// tracked).
     pub fn generated(&self, tokens: u64) {
         if self.tracks_output() && tokens > 0 {
-            self.seqs.output_grew(&self.release, tokens);
+            self.ledger.output_grew(&self.release, tokens);
         }
     }
 
@@ -267,12 +311,26 @@ impl Booking {
     pub fn worker(&self) -> WorkerId {
         self.release.worker
     }
+
+    /// Moves the booking to worker `to` with a new footprint (a retry elsewhere, or a migrated
+    /// request whose continuation the destination must prefill): what it held on its old worker
+    /// is released and `load` is booked on `to`, under the same guard. A booking already
+    /// released by expiry stays released.
+    pub fn move_to(&mut self, to: WorkerId, load: Footprint) {
+        let mut live = self.ledger.live.lock();
+        let Some(entry) = live.get_mut(&self.id) else { return };
+        let next = self.ledger.reserve(to, load);
+        entry.1 = next.clone();
+        drop(live);
+        let old = std::mem::replace(&mut self.release, next);
+        self.ledger.release(&old);
+    }
 }
 
 impl Drop for Booking {
     fn drop(&mut self) {
-        self.seqs.live.lock().remove(&self.id);
-        self.seqs.release(&self.release);
+        self.ledger.live.lock().remove(&self.id);
+        self.ledger.release(&self.release);
     }
 }
 
@@ -280,19 +338,19 @@ impl Drop for Booking {
 mod tests {
     use super::*;
 
-    fn prompt(prefill_tokens: u64, chain: Vec<BlockHash>) -> Load {
-        Load { prefill_tokens, prompt_tokens: prefill_tokens, chain, expected_output: None }
+    fn prompt(prefill_tokens: u64, chain: Vec<BlockHash>) -> Footprint {
+        Footprint { prefill_tokens, prompt_tokens: prefill_tokens, chain, ..Footprint::default() }
     }
 
-    fn with_output(block_size: u32) -> Arc<ActiveSequences> {
-        ActiveSequences::new(1, Tracking { output_blocks: true, block_size, ..Tracking::default() })
+    fn with_output(block_size: u32) -> Arc<Ledger> {
+        Ledger::new(1, Tracking { output_blocks: true, block_size, ..Tracking::default() })
     }
 
     #[test]
     fn output_blocks_are_booked_at_each_block_boundary() {
         let s = with_output(4);
         // 6 prompt tokens: the first output block boundary is at token 8, i.e. 2 generated.
-        let b = s.book(0, Load { prefill_tokens: 6, prompt_tokens: 6, chain: vec![1], expected_output: None });
+        let b = s.book(0, Footprint { prefill_tokens: 6, prompt_tokens: 6, chain: vec![1], ..Footprint::default() });
         assert_eq!(s.active_blocks(0), 1);
         b.generated(1);
         assert_eq!(s.active_blocks(0), 1);
@@ -307,7 +365,7 @@ mod tests {
     #[test]
     fn with_an_expected_length_output_blocks_decay_toward_its_end() {
         let s = with_output(1);
-        let b = s.book(0, Load { prefill_tokens: 0, prompt_tokens: 0, chain: vec![], expected_output: Some(100) });
+        let b = s.book(0, Footprint { expected_output: Some(100), ..Footprint::default() });
         b.generated(50);
         assert_eq!(s.active_blocks(0), 25, "50 blocks weigh 1 - 50/100 each");
         b.generated(30);
@@ -320,11 +378,11 @@ mod tests {
 
     #[test]
     fn output_is_not_tracked_unless_asked_and_prompt_blocks_can_be_off() {
-        let s = ActiveSequences::new(1, Tracking::default());
+        let s = Ledger::new(1, Tracking::default());
         let b = s.book(0, prompt(0, vec![1, 2]));
         b.generated(1000);
         assert_eq!(s.active_blocks(0), 2);
-        let s = ActiveSequences::new(1, Tracking { active_blocks: false, output_blocks: true, ..Tracking::default() });
+        let s = Ledger::new(1, Tracking { active_blocks: false, output_blocks: true, ..Tracking::default() });
         let b = s.book(0, prompt(32, vec![1, 2]));
         b.generated(1000);
         assert_eq!((s.prefill_tokens(0), s.active_blocks(0)), (32, 0));
@@ -351,7 +409,16 @@ mod tests {
                 let s = s.clone();
                 sc.spawn(move || {
                     for i in 0..300u64 {
-                        let b = s.book(0, Load { prefill_tokens: 5, prompt_tokens: 5, chain: vec![t * 1000 + i + 1], expected_output: (i % 2 == 0).then_some(40) });
+                        let b = s.book(
+                            0,
+                            Footprint {
+                                prefill_tokens: 5,
+                                prompt_tokens: 5,
+                                chain: vec![t * 1000 + i + 1],
+                                expected_output: (i % 2 == 0).then_some(40),
+                                ..Footprint::default()
+                            },
+                        );
                         for _ in 0..(i % 50) {
                             b.generated(1);
                         }
@@ -370,7 +437,7 @@ mod tests {
 
     #[test]
     fn shared_prefixes_count_once_and_everything_returns_to_zero() {
-        let s = ActiveSequences::new(2, Tracking::default());
+        let s = Ledger::new(2, Tracking::default());
         let a = s.book(0, prompt(100, vec![1, 2, 3]));
         let mut b = s.book(0, prompt(50, vec![1, 2, 4, 5]));
         assert_eq!(s.prefill_tokens(0), 150);
@@ -387,7 +454,7 @@ mod tests {
 
     #[test]
     fn without_reuse_every_booking_counts_in_full() {
-        let s = ActiveSequences::new(1, Tracking { assume_kv_reuse: false, ..Tracking::default() });
+        let s = Ledger::new(1, Tracking { assume_kv_reuse: false, ..Tracking::default() });
         let a = s.book(0, prompt(10, vec![1, 2]));
         let b = s.book(0, prompt(10, vec![1, 2]));
         assert_eq!(s.active_blocks(0), 4);
@@ -398,7 +465,7 @@ mod tests {
 
     #[test]
     fn expiry_releases_old_bookings_exactly_once() {
-        let s = ActiveSequences::new(1, Tracking::default());
+        let s = Ledger::new(1, Tracking::default());
         let b = s.book(0, prompt(40, vec![1, 2]));
         assert_eq!(s.expire(Duration::from_secs(3600)), 0);
         std::thread::sleep(Duration::from_millis(5));
@@ -411,7 +478,7 @@ mod tests {
 
     #[test]
     fn a_panic_releases_the_booking() {
-        let s = ActiveSequences::new(1, Tracking::default());
+        let s = Ledger::new(1, Tracking::default());
         let s2 = s.clone();
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
             let _b = s2.book(0, prompt(77, vec![7, 8]));
@@ -419,5 +486,68 @@ mod tests {
         }));
         assert!(r.is_err());
         assert_eq!((s.prefill_tokens(0), s.active_blocks(0)), (0, 0));
+    }
+    #[test]
+    fn in_flight_and_private_blocks_are_counted_and_released() {
+        let s = Ledger::new(2, Tracking::default());
+        let a = s.book(1, Footprint { prefill_tokens: 40, private_blocks: 3, ..Footprint::default() });
+        let b = s.book(1, Footprint { prefill_tokens: 8, private_blocks: 3, ..Footprint::default() });
+        assert_eq!((s.in_flight(1), s.prefill_tokens(1), s.active_blocks(1)), (2, 48, 6), "estimates are never shared");
+        assert_eq!(s.in_flight(0), 0);
+        drop((a, b));
+        assert_eq!((s.in_flight(1), s.prefill_tokens(1), s.active_blocks(1)), (0, 0, 0));
+    }
+
+    #[test]
+    fn a_booking_moves_between_workers_and_everything_returns_to_zero() {
+        let s = Ledger::new(2, Tracking { output_blocks: true, block_size: 2, ..Tracking::default() });
+        let mut b = s.book(0, Footprint { prefill_tokens: 30, prompt_tokens: 30, chain: vec![1, 2, 3], ..Footprint::default() });
+        let other = s.book(1, prompt(10, vec![1, 2]));
+        b.prefill_done();
+        b.generated(4);
+        assert_eq!((s.in_flight(0), s.prefill_tokens(0), s.active_blocks(0)), (1, 0, 5));
+        // The continuation (prompt + generated) is prefilled on worker 1, which shares 2 blocks.
+        b.move_to(1, Footprint { prefill_tokens: 14, prompt_tokens: 34, chain: vec![1, 2, 3, 4], ..Footprint::default() });
+        assert_eq!(b.worker(), 1);
+        assert_eq!((s.in_flight(0), s.prefill_tokens(0), s.active_blocks(0)), (0, 0, 0), "nothing left behind");
+        assert_eq!((s.in_flight(1), s.prefill_tokens(1), s.active_blocks(1)), (2, 24, 4), "blocks 1 and 2 shared");
+        b.generated(2);
+        assert_eq!(s.active_blocks(1), 5, "output restarts at the continuation's end");
+        drop(b);
+        drop(other);
+        for w in 0..2 {
+            assert_eq!((s.in_flight(w), s.prefill_tokens(w), s.active_blocks(w)), (0, 0, 0));
+        }
+    }
+
+    #[test]
+    fn moves_racing_expiry_and_drops_leave_exactly_zero() {
+        let s = Ledger::new(2, Tracking { output_blocks: true, block_size: 2, ..Tracking::default() });
+        std::thread::scope(|sc| {
+            for t in 0..4u64 {
+                let s = s.clone();
+                sc.spawn(move || {
+                    for i in 0..200u64 {
+                        let mut b =
+                            s.book((i % 2) as u16, Footprint { prefill_tokens: 7, prompt_tokens: 7, chain: vec![t * 1000 + i + 1], ..Footprint::default() });
+                        b.generated(3);
+                        b.move_to(
+                            ((i + 1) % 2) as u16,
+                            Footprint { prefill_tokens: 10, prompt_tokens: 10, chain: vec![t * 1000 + i + 1, 7], ..Footprint::default() },
+                        );
+                        b.generated(5);
+                    }
+                });
+            }
+            let s = s.clone();
+            sc.spawn(move || {
+                for _ in 0..200 {
+                    s.expire(Duration::ZERO);
+                }
+            });
+        });
+        for w in 0..2 {
+            assert_eq!((s.in_flight(w), s.prefill_tokens(w), s.active_blocks(w)), (0, 0, 0));
+        }
     }
 }

@@ -11,7 +11,8 @@ use std::time::Duration;
 /// Events closer together than this are one change (editors write in several steps).
 const DEBOUNCE: Duration = Duration::from_millis(200);
 
-/// Watches for SIGHUP and file changes until the task is dropped.
+/// Watches for SIGHUP and file changes until the task is aborted; returns at once when the
+/// gateway has no config file.
 pub async fn run(gw: Arc<Gateway>) {
     let Some(path) = gw.config_path().cloned() else { return };
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<()>();

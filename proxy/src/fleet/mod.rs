@@ -1,0 +1,54 @@
+//! The live set of models and their workers, built from a validated config and swapped as a
+//! whole on reload:
+//! - [`worker`]: one vLLM server (health, resolved address, the load it reports);
+//! - [`model`]: a served model (its workers, routing policy, booking ledger, queue);
+//! - [`registry`]: keeps workers across reloads, keyed by URL, and builds the next fleet.
+//!
+//! A request holds `Arc`s to the model and worker it started with, so a reload that removes
+//! them never disturbs it.
+
+mod model;
+mod registry;
+mod worker;
+
+pub use model::Model;
+pub use registry::WorkerRegistry;
+pub use worker::{ReportedLoad, Worker};
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Every served model.
+pub struct Fleet {
+    /// By name.
+    pub models: HashMap<String, Arc<Model>>,
+    /// Names in config order.
+    pub order: Vec<String>,
+}
+
+impl Fleet {
+    /// Every (model, worker) pair, in config order.
+    pub fn all_workers(&self) -> Vec<(String, Arc<Worker>)> {
+        let mut out = Vec::new();
+        for name in &self.order {
+            for w in self.models[name].workers.iter() {
+                out.push((name.clone(), w.clone()));
+            }
+        }
+        out
+    }
+
+    /// The model clients address as `name`.
+    pub fn model(&self, name: &str) -> Option<&Arc<Model>> {
+        self.models.get(name)
+    }
+
+    /// The model a request names, or the only one when it names none (as vLLM does).
+    pub fn resolve(&self, name: Option<&str>) -> Option<&Arc<Model>> {
+        match name {
+            Some(n) => self.model(n),
+            None if self.order.len() == 1 => self.model(&self.order[0]),
+            None => None,
+        }
+    }
+}

@@ -1,0 +1,102 @@
+//! A served model: its config, its workers (a worker's id is its index), its routing policy,
+//! its booking ledger and its router queue, and the per-worker views routing and shedding
+//! take of them.
+
+use super::Worker;
+use crate::config::ModelConfig;
+use crate::kv_routing::KvRouting;
+use kvgate_filters::ledger::{Ledger, Tracking};
+use kvgate_filters::route::{Candidate, Policy};
+use kvgate_filters::shed::{RankLoad, Thresholds, worker_busy};
+use std::sync::Arc;
+
+/// A served model.
+#[derive(Clone)]
+pub struct Model {
+    /// The model's config section.
+    pub cfg: ModelConfig,
+    /// Workers; a worker's id is its index here. Shared with the route receipts of the
+    /// model's requests, which name workers by id.
+    pub workers: Arc<[Arc<Worker>]>,
+    /// Selection policy (baseline modes).
+    pub policy: Arc<dyn Policy>,
+    /// The WebAssembly policy in front of `policy`/`kv`, when `routing.mode` is `plugin`.
+    pub plugin: Option<Arc<kvgate_plugins::PluginSlot>>,
+    /// KV routing state, when `routing.mode` (or a plugin's fallback) is `kv`.
+    pub kv: Option<Arc<KvRouting>>,
+    /// The router queue, when `routing.queue_threshold` is set.
+    pub queue: Option<Arc<kvgate_filters::route::RouterQueue>>,
+    /// What requests in flight have booked on each worker (every routing mode, shedding and
+    /// the queue read it).
+    pub ledger: Arc<Ledger>,
+}
+
+impl Model {
+    /// The ledger a model's config asks for.
+    pub fn new_ledger(m: &ModelConfig) -> Arc<Ledger> {
+        let r = &m.routing;
+        let tracking = Tracking {
+            assume_kv_reuse: r.assume_kv_reuse,
+            active_blocks: r.track_active_blocks,
+            output_blocks: r.track_output_blocks,
+            block_size: m.block_size,
+        };
+        Ledger::new(m.workers.len(), tracking)
+    }
+
+    /// Whether worker `i` is past the queue threshold (its booked prefill over
+    /// `queue_threshold × max_num_batched_tokens`).
+    pub fn queue_busy(&self, i: usize) -> bool {
+        match (self.cfg.routing.queue_threshold, self.cfg.shedding.max_num_batched_tokens) {
+            (Some(q), Some(budget)) => self.ledger.prefill_tokens(i as u16) as f64 > q * budget as f64,
+            _ => false,
+        }
+    }
+
+    /// Healthy workers not past the queue threshold.
+    pub fn queue_free_workers(&self) -> usize {
+        (0..self.workers.len()).filter(|&i| self.workers[i].is_healthy() && !self.queue_busy(i)).count()
+    }
+
+    /// Whether worker `i` is over a busy threshold. Per DP rank: the worker's reported KV usage
+    /// and capacity, and the bookings spread evenly over the ranks (vLLM balances its ranks).
+    pub fn busy(&self, i: usize, t: &Thresholds) -> bool {
+        let w = &self.workers[i];
+        let (prefill, blocks) = (self.ledger.prefill_tokens(i as u16), self.ledger.active_blocks(i as u16));
+        let reported = w.reported();
+        let dp = self.cfg.workers.get(i).map_or(1, |c| c.dp_size.max(1)) as usize;
+        let ranks: Vec<RankLoad> = (0..dp)
+            .map(|r| {
+                let rep = reported.get(r).copied();
+                RankLoad {
+                    booked_prefill_tokens: prefill / dp as u64,
+                    booked_blocks: blocks / dp as u64,
+                    total_blocks: rep.map_or(0, |x| x.total_blocks),
+                    reported_kv_usage: rep.map(|x| x.kv_usage),
+                    max_num_batched_tokens: self.cfg.shedding.max_num_batched_tokens.unwrap_or(0),
+                }
+            })
+            .collect();
+        worker_busy(t, &ranks)
+    }
+
+    /// Worker `i` as a routing candidate without prefix knowledge: its booked load, what it
+    /// reports about itself (summed over DP ranks; usage of the fullest), health and busy state.
+    pub fn candidate(&self, i: usize, busy: bool) -> Candidate {
+        let w = &self.workers[i];
+        let id = i as u16;
+        let ranks = w.reported();
+        Candidate {
+            id: i as u32,
+            in_flight: self.ledger.in_flight(id),
+            active_prefill_tokens: self.ledger.prefill_tokens(id),
+            active_blocks: self.ledger.active_blocks(id),
+            total_blocks: ranks.iter().map(|r| r.total_blocks).sum(),
+            kv_usage: ranks.iter().map(|r| r.kv_usage).fold(0.0, f64::max),
+            waiting: ranks.iter().map(|r| r.waiting).sum::<u64>().min(u64::from(u32::MAX)) as u32,
+            healthy: w.is_healthy(),
+            busy,
+            ..Candidate::default()
+        }
+    }
+}

@@ -1,0 +1,124 @@
+//! One vLLM server as the gateway tracks it: its address, health and the load it reports on
+//! its `/metrics`. What the gateway itself has booked on it lives in the model's ledger.
+
+use crate::config::UpstreamUrl;
+use parking_lot::RwLock;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+
+/// One vLLM server.
+#[derive(Debug)]
+pub struct Worker {
+    /// Base URL.
+    pub url: UpstreamUrl,
+    /// `Host` header value.
+    pub host_header: String,
+    /// The URL as text (metric label, logs), made once.
+    pub label: String,
+    healthy: AtomicBool,
+    consecutive_failures: AtomicU32,
+    consecutive_successes: AtomicU32,
+    /// Load the worker reports, per DP rank (from its `/metrics`).
+    reported: RwLock<Vec<ReportedLoad>>,
+    /// Last resolved address; refreshed by the health task so DNS changes are followed without
+    /// a lookup (a blocking-pool hop) on the request path.
+    addr: RwLock<Option<SocketAddr>>,
+}
+
+impl Worker {
+    /// A worker at `url`, healthy until its first check says otherwise.
+    pub fn new(url: UpstreamUrl) -> Self {
+        Self {
+            host_header: url.authority.clone(),
+            label: url.to_string(),
+            url,
+            // Optimistic until the first check: a fresh gateway serves at once.
+            healthy: AtomicBool::new(true),
+            consecutive_failures: AtomicU32::new(0),
+            consecutive_successes: AtomicU32::new(0),
+            reported: RwLock::new(Vec::new()),
+            addr: RwLock::new(None),
+        }
+    }
+
+    /// The worker's address: the cached one, or a fresh lookup (then cached).
+    pub async fn addr(&self) -> std::io::Result<SocketAddr> {
+        if let Some(a) = *self.addr.read() {
+            return Ok(a);
+        }
+        self.resolve().await
+    }
+
+    /// Looks the address up now and caches it.
+    pub async fn resolve(&self) -> std::io::Result<SocketAddr> {
+        let a = match self.url.host.parse::<std::net::IpAddr>() {
+            Ok(ip) => SocketAddr::new(ip, self.url.port),
+            Err(_) => tokio::net::lookup_host((self.url.host.as_str(), self.url.port))
+                .await?
+                .next()
+                .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, format!("{} does not resolve", self.url)))?,
+        };
+        *self.addr.write() = Some(a);
+        Ok(a)
+    }
+
+    /// Passes health checks.
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    /// Records a health observation; returns `Some(new_state)` when the state flips.
+    pub fn observe_health(&self, ok: bool, unhealthy_after: u32, healthy_after: u32) -> Option<bool> {
+        if ok {
+            self.consecutive_failures.store(0, Ordering::Relaxed);
+            let n = self.consecutive_successes.fetch_add(1, Ordering::Relaxed) + 1;
+            if n >= healthy_after && !self.healthy.swap(true, Ordering::Relaxed) {
+                return Some(true);
+            }
+        } else {
+            self.consecutive_successes.store(0, Ordering::Relaxed);
+            let n = self.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
+            if n >= unhealthy_after && self.healthy.swap(false, Ordering::Relaxed) {
+                return Some(false);
+            }
+        }
+        None
+    }
+
+    /// Records what the worker's `/metrics` say (one entry per DP rank).
+    pub fn set_reported(&self, ranks: Vec<ReportedLoad>) {
+        *self.reported.write() = ranks;
+    }
+
+    /// The worker's reported load per DP rank (empty until polled).
+    pub fn reported(&self) -> Vec<ReportedLoad> {
+        self.reported.read().clone()
+    }
+}
+
+/// A DP rank's load as the worker reports it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ReportedLoad {
+    /// `vllm:kv_cache_usage_perc`.
+    pub kv_usage: f64,
+    /// `vllm:num_requests_waiting`.
+    pub waiting: u64,
+    /// `num_gpu_blocks` from `vllm:cache_config_info`.
+    pub total_blocks: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn health_flips_after_thresholds() {
+        let w = Worker::new(UpstreamUrl::parse("http://127.0.0.1:1").unwrap());
+        assert!(w.is_healthy());
+        assert_eq!(w.observe_health(false, 2, 2), None);
+        assert_eq!(w.observe_health(false, 2, 2), Some(false));
+        assert_eq!(w.observe_health(false, 2, 2), None);
+        assert_eq!(w.observe_health(true, 2, 2), None);
+        assert_eq!(w.observe_health(true, 2, 2), Some(true));
+    }
+}

@@ -1,0 +1,117 @@
+//! Phase 1, admission: refuse while draining, read the body (capped, with a deadline), parse
+//! the fields routing reads, find the model, and register the request in the in-flight
+//! registry. Every refusal here is a [`GatewayError`] answered before any worker is involved.
+
+use super::endpoint::Endpoint;
+use super::{Outcome, RequestState};
+use crate::error::GatewayError;
+use crate::gateway::Gateway;
+use crate::http::io::{BodyError, read_body};
+use crate::inflight::InFlight;
+use kvgate_filters::cancel::RequestContext;
+use pingora::proxy::Session;
+use serde::Deserialize;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The fields routing reads; everything else is forwarded untouched.
+#[derive(Debug, Default, Deserialize)]
+pub struct RequestView {
+    /// `model`.
+    pub model: Option<String>,
+    /// `stream`.
+    #[serde(default)]
+    pub stream: Option<bool>,
+    /// The request's `nvext` object (agent hints), kept whole for plugins.
+    #[serde(default)]
+    pub nvext: Option<serde_json::Value>,
+}
+
+impl RequestView {
+    /// Router-queue priority jump (seconds of head start): `nvext.agent_hints.priority`, else
+    /// `latency_sensitivity`.
+    pub fn priority_jump(&self) -> f64 {
+        let hint = |name: &str| self.nvext.as_ref().and_then(|n| n.get("agent_hints")?.get(name)?.as_f64());
+        hint("priority").or_else(|| hint("latency_sensitivity")).unwrap_or(0.0).max(0.0)
+    }
+
+    /// The client's expected output length (`nvext.agent_hints.osl`).
+    pub fn expected_output(&self) -> Option<u64> {
+        self.nvext.as_ref().and_then(|v| v.pointer("/agent_hints/osl")).and_then(serde_json::Value::as_u64)
+    }
+}
+
+/// A request id: the client's X-Request-Id when it is sane, else a fresh one.
+pub fn request_id(session: &Session) -> String {
+    session
+        .req_header()
+        .headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|s| !s.is_empty() && s.len() <= 256 && s.bytes().all(|b| b.is_ascii_graphic()))
+        .map(str::to_owned)
+        .unwrap_or_else(new_id)
+}
+
+fn new_id() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    format!("kvg-{:016x}", kvgate_kv::hash::mix(t ^ N.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed)))
+}
+
+/// Admits a request, or says how it ended.
+pub async fn admit(gw: &Arc<Gateway>, session: &mut Session, endpoint: Endpoint, rid: String, start: Instant) -> Result<RequestState, Outcome> {
+    if gw.is_draining() {
+        return Err(Outcome::Refused(GatewayError::Draining));
+    }
+    let cfg = gw.config();
+    let body = match read_body(session, cfg.max_body_bytes.0, Duration::from_millis(cfg.timeouts.request_body_ms)).await {
+        Ok(b) => b,
+        Err(BodyError::TooLarge(limit)) => return Err(Outcome::Refused(GatewayError::TooLarge(limit))),
+        Err(BodyError::Timeout) => return Err(Outcome::Refused(GatewayError::BodyTimeout)),
+        Err(BodyError::Gone) => return Err(Outcome::Cancelled),
+    };
+    let view: RequestView =
+        serde_json::from_slice(&body).map_err(|e| Outcome::Refused(GatewayError::BadRequest { message: format!("Invalid request body: {e}"), param: None }))?;
+    let fleet = gw.fleet();
+    let Some(model) = fleet.resolve(view.model.as_deref()).cloned() else {
+        let e = match &view.model {
+            Some(name) => GatewayError::UnknownModel { name: name.clone(), served: fleet.order.clone() },
+            None => GatewayError::BadRequest { message: "`model` is required when the gateway serves several models".into(), param: Some("model") },
+        };
+        return Err(Outcome::Refused(e));
+    };
+    let stream = view.stream.unwrap_or(false);
+    // The whole body is parsed only when kv routing tokenizes it.
+    let parsed = (endpoint.generates() && model.kv.is_some()).then(|| serde_json::from_slice(&body).ok()).flatten();
+    let ctx = RequestContext::new(rid);
+    let entry = InFlight::new(ctx.id().to_string(), model.cfg.name.clone(), endpoint.label(), stream, view.priority_jump(), ctx.clone(), model.workers.clone());
+    let registered = gw.requests.register(entry);
+    // Taken once and kept for the whole request (retries included).
+    let plugin = model.plugin.as_ref().map(|slot| slot.current());
+    let plugin_headers = plugin.as_ref().map_or_else(Vec::new, |p| {
+        let h = &session.req_header().headers;
+        p.headers().iter().filter_map(|name| h.get(name.as_str()).and_then(|v| v.to_str().ok()).map(|v| (name.clone(), v.to_string()))).collect()
+    });
+    // Serialized only for a plugin: other modes never read it.
+    let plugin_nvext = plugin.as_ref().and(view.nvext.as_ref()).map(|v| v.to_string());
+    Ok(RequestState {
+        endpoint,
+        start,
+        ctx,
+        body,
+        view,
+        parsed,
+        stream,
+        model,
+        kv: None,
+        plugin,
+        plugin_headers,
+        plugin_nvext,
+        booking: None,
+        worker: None,
+        tried: Vec::new(),
+        registered,
+    })
+}

@@ -1,0 +1,36 @@
+//! The KV routing inputs of one request, computed once before its first placement: the prompt's
+//! tokens (as the worker will see them), their chained block hashes, and per worker the leading
+//! blocks already cached there and already booked there by requests in flight.
+
+use super::RequestState;
+use super::endpoint::Endpoint;
+use kvgate_kv::hash::BlockHash;
+use std::time::{Duration, Instant};
+
+/// What kv routing knows about a request's prompt.
+#[derive(Debug, Clone, Default)]
+pub struct KvInputs {
+    /// Prompt tokens routing counted (up to the routing prefix).
+    pub tokens: usize,
+    /// Chained block hashes of the prompt's leading full blocks.
+    pub chain: Vec<BlockHash>,
+    /// Cached leading blocks per DP rank (dense over the index's rank ids).
+    pub cached: Vec<u32>,
+    /// Leading blocks already booked by requests in flight, per worker (dense).
+    pub booked: Vec<u32>,
+    /// Time spent hashing and looking up (part of the decision time).
+    pub lookup_time: Duration,
+}
+
+/// Fills `req.kv` when the model routes on the KV cache.
+pub async fn prepare(req: &mut RequestState) {
+    let (Some(kv), Some(body)) = (req.model.kv.clone(), req.parsed.take()) else { return };
+    let chat = req.endpoint == Endpoint::Chat;
+    let tokens = super::prompt::tokens(&body, chat, kv.tokenizer.as_ref(), kv.max_tokens()).await.unwrap_or_default();
+    let t0 = Instant::now();
+    let chain = kv.chain(&tokens);
+    // overlap_score_weight 0: pure load balancing, the cache is not consulted.
+    let cached = if kv.policy.params().overlap_score_weight > 0.0 { kv.cached(&chain).to_dense(kv.rank_count()) } else { vec![0; kv.rank_count()] };
+    let booked = req.model.ledger.overlap(&chain).to_dense(req.model.workers.len());
+    req.kv = Some(KvInputs { tokens: tokens.len(), chain, cached, booked, lookup_time: t0.elapsed() });
+}

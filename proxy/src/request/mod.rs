@@ -1,0 +1,151 @@
+//! The life of an inference request, as documented phases over one [`RequestState`] (as
+//! Pingora's `ProxyHttp` phases over a per-request `CTX`); docs/architecture.md draws it:
+//!
+//! 1. [`admit`]: draining, the body (capped), the fields routing reads, the model → the state,
+//!    registered in the in-flight registry;
+//! 2. [`queue`]: the router queue, while every worker is past the queue threshold;
+//! 3. [`place`]: shedding (busy workers), then routing (built-in mode or plugin) → a worker,
+//!    a route receipt and the booking moved onto it;
+//! 4. [`leg`]: one upstream attempt, up to its first body byte under one deadline;
+//! 5. [`relay`]: the response streamed to the client while watching for a disconnect;
+//! 6. [`record`]: metrics, logs and the registry's final status.
+//!
+//! [`serve`] runs them; the loop over attempts is explicit in [`attempts`], so another leg
+//! (a retry today, a migration later) is one more turn of it.
+
+pub mod admit;
+pub mod endpoint;
+pub mod kv_inputs;
+pub mod leg;
+pub mod place;
+pub mod prompt;
+pub mod queue;
+pub mod receipt;
+pub mod record;
+pub mod relay;
+pub mod state;
+
+use crate::error::{GatewayError, LegError, LegErrorKind};
+use crate::gateway::Gateway;
+use crate::http::io::respond_error;
+pub use endpoint::Endpoint;
+use leg::LegEnd;
+use pingora::proxy::Session;
+pub use state::RequestState;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// How a request ended.
+#[derive(Debug)]
+pub enum Outcome {
+    /// A complete response went out with this status.
+    Served(u16),
+    /// The worker died mid-response; the client connection must be closed abruptly so the
+    /// client sees an error, not a clean end of a truncated body.
+    Truncated(u16),
+    /// The gateway answered with an error.
+    Refused(GatewayError),
+    /// The client went away.
+    Cancelled,
+}
+
+impl Outcome {
+    /// The HTTP status recorded for it (499: the client left).
+    pub fn status(&self) -> u16 {
+        match self {
+            Self::Served(s) | Self::Truncated(s) => *s,
+            Self::Refused(e) => e.status(),
+            Self::Cancelled => 499,
+        }
+    }
+}
+
+/// Serves one request end to end. Returns true when the client connection must be aborted
+/// (the response was cut by a failing worker).
+pub async fn serve(gw: &Arc<Gateway>, session: &mut Session, endpoint: Endpoint) -> bool {
+    let start = Instant::now();
+    let rid = admit::request_id(session);
+    // Counted for draining from the first byte, before the model is known.
+    let _counted = gw.track();
+    let mut req = match admit::admit(gw, session, endpoint, rid.clone(), start).await {
+        Ok(req) => req,
+        Err(outcome) => {
+            respond(session, &outcome, &rid).await;
+            record::refused_early(gw, endpoint, &outcome);
+            return false;
+        }
+    };
+    let outcome = run(gw, session, &mut req).await;
+    respond(session, &outcome, &rid).await;
+    record::finished(gw, &mut req, &outcome);
+    matches!(outcome, Outcome::Truncated(_))
+}
+
+/// The phases after admission.
+async fn run(gw: &Arc<Gateway>, session: &mut Session, req: &mut RequestState) -> Outcome {
+    let in_flight = gw.metrics.in_flight.with_label_values(&[req.model_name()]);
+    in_flight.inc();
+    let outcome = match queue::wait(gw, session, req).await {
+        Err(outcome) => outcome,
+        Ok(()) => {
+            kv_inputs::prepare(req).await;
+            attempts(gw, session, req).await
+        }
+    };
+    in_flight.dec();
+    outcome
+}
+
+/// Place → leg, once per attempt, until a leg answers or no retry is allowed; then relay.
+async fn attempts(gw: &Arc<Gateway>, session: &mut Session, req: &mut RequestState) -> Outcome {
+    let max = gw.config().retries.max_attempts.max(1) as usize;
+    let mut last: Option<LegError> = None;
+    while req.tried.len() < max {
+        let worker = match place::place(gw, req) {
+            Ok(w) => w,
+            Err(GatewayError::NoHealthyWorker(model)) if last.is_some() => {
+                let leg = last.take().expect("checked");
+                return Outcome::Refused(GatewayError::UpstreamFailed { model, leg });
+            }
+            Err(e) => return Outcome::Refused(e),
+        };
+        let may_retry = req.tried.len() < max && req.tried.len() < req.model.workers.len();
+        match leg::run(gw, session, req, &worker, may_retry).await {
+            LegEnd::Answered(leg) => {
+                req.entry().receipt.lock().leg_ended("ok");
+                return relay::relay(gw, session, req, leg).await;
+            }
+            LegEnd::ClientGone => return record::cancelled(gw, req),
+            LegEnd::Failed(e) => {
+                req.entry().receipt.lock().leg_ended(e.kind.label());
+                record::leg_failed(gw, req, &worker, &e);
+                if e.kind == LegErrorKind::FirstByteTimeout && !e.retryable {
+                    return Outcome::Refused(GatewayError::UpstreamTimeout { model: req.model_name().to_string(), leg: e });
+                }
+                if !e.retryable {
+                    return Outcome::Refused(GatewayError::UpstreamFailed { model: req.model_name().to_string(), leg: e });
+                }
+                last = Some(e);
+            }
+        }
+    }
+    let model = req.model_name().to_string();
+    match last {
+        Some(leg) => Outcome::Refused(GatewayError::UpstreamFailed { model, leg }),
+        None => Outcome::Refused(GatewayError::NoHealthyWorker(model)),
+    }
+}
+
+/// Answers a refusal; other outcomes were answered (or cut) by the relay.
+async fn respond(session: &mut Session, outcome: &Outcome, rid: &str) {
+    let Outcome::Refused(e) = outcome else { return };
+    let ce = e.client_error();
+    let mut extra = vec![("x-request-id", rid.to_string())];
+    if matches!(e, GatewayError::Draining) {
+        extra.push(("connection", "close".to_string()));
+    }
+    respond_error(session, &ce, &extra).await;
+}
+
+#[cfg(test)]
+mod tests;

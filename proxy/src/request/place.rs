@@ -1,0 +1,162 @@
+//! Phase 3, placement: shedding, then routing. Workers that are unhealthy or already tried are
+//! left out; busy ones too while some worker is not busy (on the first attempt, all busy is a
+//! 503 with seed 000's body). The built-in mode, or the plugin in front of it, picks among the
+//! rest; the request's booking moves onto the chosen worker, and the decision is written to the
+//! request's route receipt.
+
+use super::RequestState;
+use super::receipt::{DecidedBy, Exclusion, Placement};
+use crate::error::GatewayError;
+use crate::fleet::{Model, Worker};
+use crate::gateway::Gateway;
+use kvgate_filters::ledger::Footprint;
+use kvgate_filters::route::{Candidate, Decision, Policy, RequestSummary};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Chooses a worker for the next attempt and books the request on it.
+pub fn place(gw: &Gateway, req: &mut RequestState) -> Result<Arc<Worker>, GatewayError> {
+    let model = req.model.clone();
+    let (eligible, mut excluded) = eligible(&model, &req.tried);
+    if eligible.is_empty() {
+        return Err(GatewayError::NoHealthyWorker(model.cfg.name.clone()));
+    }
+    let (eligible, busy) = shed(gw, req, eligible, &mut excluded)?;
+    let t_decide = Instant::now();
+    let candidates: Vec<Candidate> = eligible
+        .iter()
+        .map(|&i| {
+            let c = model.candidate(i, busy.contains(&i));
+            match (&model.kv, &req.kv) {
+                (Some(kv), Some(inputs)) => kv.with_prefix(c, &inputs.cached, &inputs.booked),
+                _ => c,
+            }
+        })
+        .collect();
+    let (decision, decided_by) = decide(gw, req, &candidates);
+    let k = match decision {
+        Decision::Worker(k) if k < eligible.len() => k,
+        Decision::Worker(_) => 0,
+        Decision::Reject { status, message } => return Err(GatewayError::PluginRejected { status, message }),
+    };
+    let idx = eligible[k];
+    let worker = model.workers[idx].clone();
+    if !req.tried.is_empty() {
+        gw.metrics.retries.with_label_values(&[model.cfg.name.as_str()]).inc();
+    }
+    req.tried.push(idx);
+    req.worker = Some(idx);
+    book(gw, req, idx, &candidates[k], t_decide);
+    let prompt = req.kv.as_ref().map_or((0, 0), |k| (k.tokens as u32, k.chain.len() as u32));
+    let kv = model.kv.as_ref().map(|k| k.policy.params());
+    let attempt = req.tried.len() as u32;
+    req.entry().receipt.lock().placements.push(Placement { attempt, decided_by, candidates, excluded, chosen: Some(idx as u32), kv, prompt, outcome: None });
+    req.entry().placed(&worker, req.prompt_tokens());
+    Ok(worker)
+}
+
+/// Healthy workers not tried yet, and why the others are out.
+fn eligible(model: &Model, tried: &[usize]) -> (Vec<usize>, Vec<(u32, Exclusion)>) {
+    let mut ok = Vec::with_capacity(model.workers.len());
+    let mut out = Vec::new();
+    for (i, w) in model.workers.iter().enumerate() {
+        if tried.contains(&i) {
+            out.push((i as u32, Exclusion::Tried));
+        } else if !w.is_healthy() {
+            out.push((i as u32, Exclusion::Unhealthy));
+        } else {
+            ok.push(i);
+        }
+    }
+    (ok, out)
+}
+
+/// Drops busy workers while some are not; all busy on the first attempt refuses the request.
+/// Returns the workers to offer and which of them are busy.
+fn shed(gw: &Gateway, req: &RequestState, eligible: Vec<usize>, excluded: &mut Vec<(u32, Exclusion)>) -> Result<(Vec<usize>, Vec<usize>), GatewayError> {
+    let model = &req.model;
+    let name = model.cfg.name.as_str();
+    let thresholds = gw.thresholds(name);
+    if !thresholds.enabled() {
+        return Ok((eligible, Vec::new()));
+    }
+    let (free, busy): (Vec<usize>, Vec<usize>) = eligible.iter().partition(|&&i| {
+        let b = model.busy(i, &thresholds);
+        gw.metrics.worker_busy.with_label_values(&[name, model.workers[i].label.as_str()]).set(i64::from(b));
+        !b
+    });
+    if free.is_empty() && req.tried.is_empty() {
+        gw.metrics.rejections.with_label_values(&[name, req.endpoint.label()]).inc();
+        gw.metrics.rejected.with_label_values(&[name, "busy"]).inc();
+        return Err(GatewayError::AllBusy(name.to_string()));
+    }
+    if free.is_empty() {
+        return Ok((eligible, busy));
+    }
+    excluded.extend(busy.iter().map(|&i| (i as u32, Exclusion::Busy)));
+    Ok((free, Vec::new()))
+}
+
+/// Asks the plugin (if any, with the built-in mode as its fallback) or the built-in mode.
+fn decide(gw: &Gateway, req: &RequestState, candidates: &[Candidate]) -> (Decision, DecidedBy) {
+    let model = &req.model;
+    let builtin: &dyn Policy = match &model.kv {
+        Some(k) => &k.policy,
+        None => model.policy.as_ref(),
+    };
+    let summary = RequestSummary {
+        model: model.cfg.name.as_str(),
+        endpoint: req.endpoint.label(),
+        request_id: req.id(),
+        prompt_tokens: req.prompt_tokens() as u32,
+        prompt_blocks: req.kv.as_ref().map_or(0, |k| k.chain.len() as u32),
+        block_size: model.cfg.block_size,
+        headers: &req.plugin_headers,
+        nvext: req.plugin_nvext.as_deref(),
+    };
+    let Some(p) = &req.plugin else {
+        return (builtin.choose(&summary, candidates), DecidedBy::Builtin(builtin.name()));
+    };
+    let routed = kvgate_plugins::route(p, &summary, candidates, builtin);
+    let by = match &routed.failure {
+        None if routed.by_plugin => DecidedBy::Plugin(p.name().to_string()),
+        None => DecidedBy::Fallback { plugin: p.name().to_string(), mode: builtin.name(), failure: "no opinion".into() },
+        Some(f) => {
+            gw.metrics.plugin_failures.with_label_values(&[p.name(), f.kind()]).inc();
+            // One warning per trip of the breaker, not one per request.
+            match (f, p.skipped_for()) {
+                (kvgate_plugins::Failure::Skipped(_), _) => {}
+                (_, Some(skip)) => {
+                    tracing::warn!(plugin = p.name(), error = %f, skip_s = skip.as_secs(), "plugin keeps failing; the fallback mode decides until the skip period ends")
+                }
+                _ => tracing::debug!(request_id = req.id(), plugin = p.name(), error = %f, "plugin failed; the fallback mode decided"),
+            }
+            DecidedBy::Fallback { plugin: p.name().to_string(), mode: builtin.name(), failure: f.to_string() }
+        }
+    };
+    (routed.decision, by)
+}
+
+/// Moves (or makes) the request's booking onto worker `idx` and records the decision metrics.
+fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, t_decide: Instant) {
+    let model = &req.model;
+    let name = model.cfg.name.as_str();
+    gw.metrics.issued.with_label_values(&[name]).inc();
+    gw.metrics.decisions.with_label_values(&[name, model.workers[idx].label.as_str()]).inc();
+    let bs = u64::from(model.cfg.block_size.max(1));
+    let prompt_tokens = req.booked_tokens();
+    let cached_tokens = (u64::from(chosen.overlap_blocks) * bs).min(prompt_tokens);
+    let footprint = match &req.kv {
+        Some(k) => {
+            gw.metrics.overlap.with_label_values(&[name]).observe(f64::from(chosen.overlap_blocks));
+            gw.metrics.decision_time.with_label_values(&[name]).observe((t_decide.elapsed() + k.lookup_time).as_secs_f64());
+            let expected_output = req.view.expected_output();
+            Footprint { prefill_tokens: prompt_tokens - cached_tokens, chain: k.chain.clone(), private_blocks: 0, prompt_tokens, expected_output }
+        }
+        None => Footprint { prefill_tokens: prompt_tokens - cached_tokens, private_blocks: prompt_tokens / bs, prompt_tokens, ..Footprint::default() },
+    };
+    match req.booking.as_mut() {
+        Some(b) => b.move_to(idx as u16, footprint),
+        None => req.booking = Some(model.ledger.book(idx as u16, footprint)),
+    }
+}

@@ -1,0 +1,153 @@
+//! The route receipt: every placement decision a request got — the candidates considered with
+//! their inputs (and, for `kv`, their cost terms), the plugin's answer or why the fallback
+//! decided, the workers left out and why, the chosen worker, and how its leg ended. Kept with
+//! the request in the in-flight registry, so `GET /requests/{id}` answers "why did this request
+//! go there?" while it runs and after it finished.
+
+use crate::fleet::Worker;
+use kvgate_filters::route::{Candidate, KvParams, KvPolicy, RequestSummary};
+use serde_json::{Value, json};
+use std::sync::Arc;
+
+/// Why a worker was not a candidate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exclusion {
+    /// Failing health checks.
+    Unhealthy,
+    /// Over a busy threshold while others were not.
+    Busy,
+    /// Already tried by this request.
+    Tried,
+}
+
+impl Exclusion {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Unhealthy => "unhealthy",
+            Self::Busy => "busy",
+            Self::Tried => "tried",
+        }
+    }
+}
+
+/// Who took the decision.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DecidedBy {
+    /// A built-in mode (`round_robin`, `random`, `kv`).
+    Builtin(&'static str),
+    /// A WebAssembly plugin.
+    Plugin(String),
+    /// The plugin failed and its fallback mode decided.
+    Fallback { plugin: String, mode: &'static str, failure: String },
+}
+
+/// One placement.
+#[derive(Debug, Clone)]
+pub struct Placement {
+    /// 1 for the first attempt.
+    pub attempt: u32,
+    /// Who decided.
+    pub decided_by: DecidedBy,
+    /// The candidates as routing saw them.
+    pub candidates: Vec<Candidate>,
+    /// Workers left out, by id.
+    pub excluded: Vec<(u32, Exclusion)>,
+    /// The chosen worker's id, if a worker was chosen.
+    pub chosen: Option<u32>,
+    /// The `kv` cost's parameters, when the kv cost was in play (to show its terms).
+    pub kv: Option<KvParams>,
+    /// Prompt tokens and full blocks routing saw.
+    pub prompt: (u32, u32),
+    /// How the leg to the chosen worker ended: `ok`, or the error kind.
+    pub outcome: Option<&'static str>,
+}
+
+/// Every placement of one request.
+#[derive(Debug, Clone, Default)]
+pub struct RouteReceipt {
+    /// In attempt order.
+    pub placements: Vec<Placement>,
+}
+
+impl RouteReceipt {
+    /// Records how the last placement's leg ended.
+    pub fn leg_ended(&mut self, outcome: &'static str) {
+        if let Some(p) = self.placements.last_mut() {
+            p.outcome = Some(outcome);
+        }
+    }
+
+    /// JSON for the admin API; worker ids are resolved to URLs through `workers`.
+    pub fn to_json(&self, workers: &[Arc<Worker>]) -> Value {
+        Value::Array(self.placements.iter().map(|p| p.to_json(workers)).collect())
+    }
+}
+
+impl Placement {
+    fn to_json(&self, workers: &[Arc<Worker>]) -> Value {
+        let url = |id: u32| workers.get(id as usize).map(|w| w.label.clone());
+        let policy = self.kv.map(KvPolicy::new);
+        let req = RequestSummary { prompt_tokens: self.prompt.0, prompt_blocks: self.prompt.1, ..RequestSummary::default() };
+        let candidates: Vec<Value> = self
+            .candidates
+            .iter()
+            .map(|c| {
+                let mut v = json!({
+                    "worker": c.id, "url": url(c.id), "in_flight": c.in_flight, "overlap_blocks": c.overlap_blocks,
+                    "active_overlap_blocks": c.active_overlap_blocks, "active_prefill_tokens": c.active_prefill_tokens,
+                    "active_blocks": c.active_blocks, "kv_usage": c.kv_usage, "waiting": c.waiting, "busy": c.busy,
+                });
+                if let Some(p) = &policy {
+                    let (prefill, decode, cost) = p.cost(&req, c);
+                    v["prefill_blocks"] = json!(prefill);
+                    v["decode_blocks"] = json!(decode);
+                    v["cost"] = json!(cost);
+                }
+                v
+            })
+            .collect();
+        let excluded: Vec<Value> = self.excluded.iter().map(|(id, why)| json!({"worker": id, "url": url(*id), "reason": why.name()})).collect();
+        let decided_by = match &self.decided_by {
+            DecidedBy::Builtin(mode) => json!({"mode": mode}),
+            DecidedBy::Plugin(name) => json!({"plugin": name}),
+            DecidedBy::Fallback { plugin, mode, failure } => json!({"plugin": plugin, "fallback": mode, "failure": failure}),
+        };
+        json!({
+            "attempt": self.attempt, "decided_by": decided_by, "prompt_tokens": self.prompt.0, "prompt_blocks": self.prompt.1,
+            "candidates": candidates, "excluded": excluded,
+            "chosen": self.chosen.map(|id| json!({"worker": id, "url": url(id)})), "outcome": self.outcome,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_receipt_explains_the_choice_with_cost_terms_and_exclusions() {
+        let w = |p: u16| Arc::new(Worker::new(crate::config::UpstreamUrl::parse(&format!("http://127.0.0.1:{p}")).unwrap()));
+        let workers = vec![w(1), w(2), w(3)];
+        let mut r = RouteReceipt::default();
+        r.placements.push(Placement {
+            attempt: 1,
+            decided_by: DecidedBy::Builtin("kv"),
+            candidates: vec![
+                Candidate { id: 0, overlap_blocks: 4, ..Candidate::default() },
+                Candidate { id: 2, active_prefill_tokens: 64, ..Candidate::default() },
+            ],
+            excluded: vec![(1, Exclusion::Unhealthy)],
+            chosen: Some(0),
+            kv: Some(KvParams { block_size: 16, ..KvParams::default() }),
+            prompt: (64, 4),
+            outcome: None,
+        });
+        r.leg_ended("ok");
+        let v = r.to_json(&workers);
+        assert_eq!(v[0]["chosen"]["url"], "http://127.0.0.1:1");
+        assert_eq!(v[0]["excluded"][0]["reason"], "unhealthy");
+        assert_eq!(v[0]["candidates"][0]["cost"], 4.0, "cached prompt: only its 4 decode blocks");
+        assert_eq!(v[0]["candidates"][1]["cost"], 12.0, "8 prefill blocks (64 booked + 64 new) + 4 decode");
+        assert_eq!(v[0]["outcome"], "ok");
+    }
+}

@@ -1,0 +1,49 @@
+//! Phase 6, the record: metrics, logs and the registry's final status for every way a request
+//! ends, and the events on the way (a cancelled request, a failed leg) counted once each.
+
+use super::endpoint::Endpoint;
+use super::{Outcome, RequestState};
+use crate::error::LegError;
+use crate::fleet::Worker;
+use crate::gateway::Gateway;
+
+/// A request refused before it was admitted (no model known yet).
+pub fn refused_early(gw: &Gateway, endpoint: Endpoint, outcome: &Outcome) {
+    if let Outcome::Refused(e) = outcome {
+        let status = e.status().to_string();
+        gw.metrics.requests.with_label_values(&["", endpoint.label(), status.as_str()]).inc();
+    }
+}
+
+/// An admitted request ended.
+pub fn finished(gw: &Gateway, req: &mut RequestState, outcome: &Outcome) {
+    let status = outcome.status();
+    req.registered.set_status(status);
+    let (name, endpoint) = (req.model_name(), req.endpoint.label());
+    let label = status.to_string();
+    gw.metrics.requests.with_label_values(&[name, endpoint, label.as_str()]).inc();
+    let elapsed = req.start.elapsed();
+    gw.metrics.duration.with_label_values(&[name, endpoint]).observe(elapsed.as_secs_f64());
+    if let Outcome::Refused(e) = outcome {
+        tracing::debug!(request_id = req.id(), model = name, endpoint, status, error = %e, "request refused");
+    }
+    tracing::debug!(request_id = req.id(), model = name, endpoint, status, stream = req.stream, elapsed_ms = elapsed.as_millis() as u64, "request done");
+}
+
+/// The client went away: kill the request's context and count the cancellation once per
+/// request, however many signals arrive.
+pub fn cancelled(gw: &Gateway, req: &RequestState) -> Outcome {
+    if req.ctx.kill() {
+        let kind = if req.stream { "stream" } else { "unary" };
+        let (model, endpoint) = (req.model_name(), req.endpoint.label());
+        gw.metrics.cancellations.with_label_values(&[model, endpoint, kind]).inc();
+        tracing::info!(request_id = req.id(), model, endpoint, "client disconnected; upstream request cancelled");
+    }
+    Outcome::Cancelled
+}
+
+/// A leg to `worker` failed.
+pub fn leg_failed(gw: &Gateway, req: &RequestState, worker: &Worker, e: &LegError) {
+    gw.metrics.upstream_errors.with_label_values(&[req.model_name(), worker.label.as_str(), e.kind.label()]).inc();
+    tracing::warn!(request_id = req.id(), worker = %worker.url, kind = e.kind.label(), retryable = e.retryable, detail = e.detail.as_str(), "upstream leg failed");
+}

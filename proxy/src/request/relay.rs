@@ -1,0 +1,134 @@
+//! Phase 5, the relay: the worker's response header goes to the client (with the request id and
+//! the worker that answered), then its body chunk by chunk as it arrives, while watching for a
+//! client disconnect (the worker connection is then dropped, not pooled, so vLLM aborts) and a
+//! worker that stalls past `timeouts.upstream_read_idle_ms` or dies (the client's response is
+//! cut, never ended cleanly). The first chunk ends the request's prefill on the worker; streamed
+//! token events are counted for the registry and output-block bookings.
+
+use super::leg::Leg;
+use super::{Outcome, RequestState, record};
+use crate::error::{GatewayError, LegError, LegErrorKind};
+use crate::gateway::Gateway;
+use crate::http::client::client_closed;
+use crate::http::sse::SseEventCounter;
+use crate::inflight::Phase;
+use crate::upstream::{self, Exchange};
+use bytes::Bytes;
+use pingora::proxy::Session;
+use prometheus::Histogram;
+use std::time::{Duration, Instant};
+
+/// Relays an answered leg to the client.
+pub async fn relay(gw: &Gateway, session: &mut Session, req: &mut RequestState, leg: Box<Leg>) -> Outcome {
+    let Leg { mut ex, first, worker } = *leg;
+    let status = ex.header.status.as_u16();
+    // Approximate mode learns from requests the worker took on (2xx).
+    if (200..300).contains(&status)
+        && let (Some(kv), Some(inputs), Some(idx)) = (&req.model.kv, &req.kv, req.worker)
+    {
+        kv.record_decision(idx, &inputs.chain);
+    }
+    let header = match upstream::client_response_header(&ex.header, req.id(), &worker.label) {
+        Ok(h) => h,
+        Err(e) => return Outcome::Refused(GatewayError::BadUpstreamResponse(e.to_string())),
+    };
+    if session.write_response_header(Box::new(header), false).await.is_err() {
+        return record::cancelled(gw, req);
+    }
+    let mut progress = Progress::new(gw, req, status);
+    let mut pending = Some(Ok(first));
+    loop {
+        let chunk = match pending.take() {
+            Some(c) => c,
+            None => match next_chunk(gw, session, &mut ex, &worker.url).await {
+                Some(c) => c,
+                None => return record::cancelled(gw, req),
+            },
+        };
+        match chunk {
+            Ok(Some(bytes)) => {
+                progress.chunk(req, &bytes);
+                // When the worker's body is complete, end the client's in the same write.
+                let end = ex.session.response_done();
+                if session.write_response_body(Some(bytes), end).await.is_err() {
+                    return record::cancelled(gw, req);
+                }
+                if end {
+                    upstream::release(gw, ex).await;
+                    return Outcome::Served(status);
+                }
+            }
+            Ok(None) => break,
+            Err(e) => {
+                record::leg_failed(gw, req, &worker, &e);
+                return Outcome::Truncated(status);
+            }
+        }
+    }
+    if session.write_response_body(None, true).await.is_err() {
+        return record::cancelled(gw, req);
+    }
+    upstream::release(gw, ex).await;
+    Outcome::Served(status)
+}
+
+/// The next body chunk, a stall or failure as a [`LegError`], or `None` when the client left.
+async fn next_chunk(gw: &Gateway, session: &mut Session, ex: &mut Exchange, worker: &crate::config::UpstreamUrl) -> Option<Result<Option<Bytes>, LegError>> {
+    let idle = Duration::from_millis(gw.config().timeouts.upstream_read_idle_ms);
+    tokio::select! {
+        biased;
+        r = tokio::time::timeout(idle, ex.session.read_response_body()) => Some(match r {
+            Ok(Ok(chunk)) => Ok(chunk),
+            Ok(Err(e)) => Err(LegError::new(LegErrorKind::Midstream, worker, e.to_string()).with_source(*e)),
+            Err(_) => Err(LegError::new(LegErrorKind::Stalled, worker, "worker stalled past timeouts.upstream_read_idle_ms")),
+        }),
+        _ = client_closed(session) => None,
+    }
+}
+
+/// What each chunk means for the request: prefill done, tokens generated, TTFT and ITL.
+struct Progress {
+    ttft: Option<Histogram>,
+    itl: Option<Histogram>,
+    start: Instant,
+    last: Option<Instant>,
+    events: Option<SseEventCounter>,
+}
+
+impl Progress {
+    fn new(gw: &Gateway, req: &RequestState, status: u16) -> Self {
+        let timed = req.stream && status == 200;
+        let labels = [req.model_name(), req.endpoint.label()];
+        Self {
+            ttft: timed.then(|| gw.metrics.ttft.with_label_values(&labels)),
+            itl: timed.then(|| gw.metrics.itl.with_label_values(&labels)),
+            start: req.start,
+            last: None,
+            events: req.stream.then(SseEventCounter::default),
+        }
+    }
+
+    fn chunk(&mut self, req: &mut RequestState, bytes: &[u8]) {
+        let now = Instant::now();
+        if self.last.is_none() {
+            // The first token ends the request's prefill on the worker.
+            if let Some(b) = req.booking.as_mut() {
+                b.prefill_done();
+            }
+            req.entry().set_phase(Phase::Running);
+        }
+        if let Some(counter) = self.events.as_mut() {
+            let n = counter.feed(bytes);
+            req.entry().generated(n);
+            if let Some(b) = req.booking.as_ref() {
+                b.generated(n);
+            }
+        }
+        match (self.last, &self.ttft, &self.itl) {
+            (None, Some(ttft), _) => ttft.observe(now.duration_since(self.start).as_secs_f64()),
+            (Some(prev), _, Some(itl)) => itl.observe(now.duration_since(prev).as_secs_f64()),
+            _ => {}
+        }
+        self.last = Some(now);
+    }
+}

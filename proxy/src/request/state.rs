@@ -1,0 +1,79 @@
+//! The per-request state carried through the phases (Pingora's `CTX` for a proxied request):
+//! who asked what, the parsed view of the body, the KV inputs, the booking, the worker chosen
+//! and the workers tried, and the request's registration in the in-flight registry.
+
+use super::admit::RequestView;
+use super::endpoint::Endpoint;
+use super::kv_inputs::KvInputs;
+use crate::fleet::Model;
+use crate::inflight::{InFlight, Registered};
+use bytes::Bytes;
+use kvgate_filters::cancel::RequestContext;
+use kvgate_filters::ledger::Booking;
+use kvgate_plugins::RoutingPlugin;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// One request, from admission to its record.
+pub struct RequestState {
+    /// Which endpoint.
+    pub endpoint: Endpoint,
+    /// When it arrived.
+    pub start: Instant,
+    /// Its cancellation context (its id is the request id).
+    pub ctx: Arc<RequestContext>,
+    /// The client's body, forwarded unchanged.
+    pub body: Bytes,
+    /// The fields routing reads.
+    pub view: RequestView,
+    /// The whole body, parsed only when kv routing tokenizes it.
+    pub parsed: Option<serde_json::Value>,
+    /// Whether the client asked for a stream.
+    pub stream: bool,
+    /// The model it addressed, as of its arrival (a reload never changes it under the request).
+    pub model: Arc<Model>,
+    /// Tokens, block hashes and per-worker overlaps, in kv mode.
+    pub kv: Option<KvInputs>,
+    /// The routing plugin, taken once so a hot swap never changes the policy mid-request.
+    pub plugin: Option<Arc<RoutingPlugin>>,
+    /// Request headers the plugin may see (lower-case names), taken at admission.
+    pub plugin_headers: Vec<(String, String)>,
+    /// The request's `nvext` as JSON text, serialized only for a plugin.
+    pub plugin_nvext: Option<String>,
+    /// What it holds on its worker (moved from worker to worker on a retry).
+    pub booking: Option<Booking>,
+    /// The worker serving it now (an index into the model's workers).
+    pub worker: Option<usize>,
+    /// Workers tried, in order.
+    pub tried: Vec<usize>,
+    /// Its entry in the in-flight registry.
+    pub registered: Registered,
+}
+
+impl RequestState {
+    /// The request id.
+    pub fn id(&self) -> &str {
+        self.ctx.id()
+    }
+
+    /// The model's name.
+    pub fn model_name(&self) -> &str {
+        &self.model.cfg.name
+    }
+
+    /// Its registry entry.
+    pub fn entry(&self) -> &Arc<InFlight> {
+        self.registered.entry()
+    }
+
+    /// Prompt tokens routing counted (0 when the prompt was not tokenized).
+    pub fn prompt_tokens(&self) -> u64 {
+        self.kv.as_ref().map_or(0, |k| k.tokens as u64)
+    }
+
+    /// Prompt tokens to book: the tokenized count in kv mode, else an estimate from the body
+    /// (4 bytes per token), so shedding sees a load in every mode.
+    pub fn booked_tokens(&self) -> u64 {
+        self.kv.as_ref().map_or(self.body.len() as u64 / 4, |k| k.tokens as u64)
+    }
+}

@@ -1,0 +1,274 @@
+//! The phases driven end to end on a Pingora session over an in-memory pipe (the client side
+//! is a raw HTTP/1.1 writer and reader), against fake upstreams on loopback whose behaviour
+//! each test scripts: an answer, a 5xx, a connection closed before the header, silence, a slow
+//! stream.
+
+use super::*;
+use crate::config::load_str;
+use crate::inflight::Phase;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
+use tokio::net::TcpListener;
+
+/// What a fake worker does with each request it reads.
+#[derive(Clone, Copy)]
+enum Script {
+    /// 200 with a small JSON body.
+    Answer,
+    /// 500 with a JSON error.
+    Fail500,
+    /// Close the connection without answering.
+    Close,
+    /// Read the request and say nothing.
+    Silent,
+    /// A chunked SSE stream of `n` token events, 20 ms apart.
+    Stream(usize),
+}
+
+/// A fake worker on an ephemeral port; counts the requests it read.
+struct FakeWorker {
+    url: String,
+    requests: Arc<AtomicUsize>,
+}
+
+async fn fake_worker(script: Script) -> FakeWorker {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let requests = Arc::new(AtomicUsize::new(0));
+    let count = requests.clone();
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let count = count.clone();
+            tokio::spawn(async move {
+                while read_request(&mut sock).await {
+                    count.fetch_add(1, Ordering::SeqCst);
+                    if !answer(&mut sock, script).await {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    FakeWorker { url, requests }
+}
+
+/// Reads one request (header and Content-Length body); false at EOF.
+async fn read_request(sock: &mut tokio::net::TcpStream) -> bool {
+    let mut buf = Vec::new();
+    let mut byte = [0u8; 1];
+    while !buf.ends_with(b"\r\n\r\n") {
+        if sock.read(&mut byte).await.unwrap_or(0) == 0 {
+            return false;
+        }
+        buf.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&buf).to_ascii_lowercase();
+    let len: usize = head.lines().find_map(|l| l.strip_prefix("content-length:")).map_or(0, |v| v.trim().parse().unwrap_or(0));
+    let mut body = vec![0u8; len];
+    sock.read_exact(&mut body).await.is_ok()
+}
+
+/// Answers per the script; false when the connection must end.
+async fn answer(sock: &mut tokio::net::TcpStream, script: Script) -> bool {
+    let unary = |status: &str, body: &str| format!("HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len());
+    match script {
+        Script::Answer => sock.write_all(unary("200 OK", r#"{"choices":[{"text":"hi"}]}"#).as_bytes()).await.is_ok(),
+        Script::Fail500 => sock.write_all(unary("500 Internal Server Error", r#"{"error":"boom"}"#).as_bytes()).await.is_ok(),
+        Script::Close => false,
+        Script::Silent => {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            false
+        }
+        Script::Stream(n) => {
+            let _ = sock.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n").await;
+            for i in 0..n {
+                let event = format!("data: {{\"choices\":[{{\"text\":\"t{i}\"}}]}}\n\n");
+                if sock.write_all(format!("{:x}\r\n{event}\r\n", event.len()).as_bytes()).await.is_err() {
+                    return false;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            sock.write_all(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n").await.is_ok()
+        }
+    }
+}
+
+/// A gateway (no server, no background tasks) in front of `workers`; `extra` is top-level
+/// config, `round_robin` picks that routing mode (else the default).
+fn gateway(workers: &[&FakeWorker], extra: &str, round_robin: bool) -> Arc<Gateway> {
+    let list: String = workers.iter().map(|w| format!("      - url: {}\n", w.url)).collect();
+    let routing = if round_robin { "    routing:\n      mode: round_robin\n" } else { "" };
+    let yaml = format!("{extra}models:\n  - name: m\n{routing}    workers:\n{list}");
+    Gateway::new(load_str(&yaml, "test", Vec::new()).unwrap(), None).unwrap()
+}
+
+/// A client connection: the gateway's session and the client's end of the pipe.
+async fn client(request: &str) -> (Session, DuplexStream) {
+    let (mut client, server) = tokio::io::duplex(1 << 20);
+    client.write_all(request.as_bytes()).await.unwrap();
+    let mut session = Session::new_h1(Box::new(server));
+    assert!(session.read_request().await.unwrap());
+    (session, client)
+}
+
+fn post(body: &str) -> String {
+    post_with_id(body, "")
+}
+
+/// A request with an `x-request-id` (none when empty).
+fn post_with_id(body: &str, id: &str) -> String {
+    let id = if id.is_empty() { String::new() } else { format!("x-request-id: {id}\r\n") };
+    format!("POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n{id}content-length: {}\r\n\r\n{body}", body.len())
+}
+
+/// Serves one request; returns whether the connection was aborted and what the client read.
+async fn serve_one(gw: &Arc<Gateway>, request: &str) -> (bool, String) {
+    let (mut session, mut client) = client(request).await;
+    let aborted = serve(gw, &mut session, Endpoint::Completions).await;
+    let _ = session.finish_body().await;
+    drop(session);
+    let mut out = Vec::new();
+    let _ = client.read_to_end(&mut out).await;
+    (aborted, String::from_utf8_lossy(&out).into_owned())
+}
+
+fn status_of(response: &str) -> u16 {
+    response.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0)
+}
+
+/// The registry is empty and every booking of model `m` returned to zero.
+fn assert_clean(gw: &Gateway) {
+    assert!(gw.requests.is_empty(), "registry cleaned up");
+    let m = gw.fleet().model("m").cloned().unwrap();
+    for i in 0..m.workers.len() as u16 {
+        assert_eq!((m.ledger.in_flight(i), m.ledger.prefill_tokens(i), m.ledger.active_blocks(i)), (0, 0, 0), "worker {i}'s bookings");
+    }
+}
+
+#[tokio::test]
+async fn admission_errors_are_answered_before_any_worker() {
+    let w = fake_worker(Script::Answer).await;
+    let gw = gateway(&[&w], "max_body_bytes: 1024\n", false);
+    let cases = [
+        (post("{not json"), 400, "Invalid request body"),
+        (post(r#"{"model":"nope","prompt":"x"}"#), 404, "does not exist"),
+        (post(&format!(r#"{{"model":"m","prompt":"{}"}}"#, "x".repeat(2000))), 413, "exceeds"),
+    ];
+    for (req, status, text) in cases {
+        let (aborted, resp) = serve_one(&gw, &req).await;
+        assert!(!aborted);
+        assert_eq!(status_of(&resp), status, "{resp}");
+        assert!(resp.contains(text) && resp.contains(r#""error":"#), "{resp}");
+    }
+    gw.start_draining();
+    let (_, resp) = serve_one(&gw, &post(r#"{"model":"m","prompt":"x"}"#)).await;
+    assert_eq!(status_of(&resp), 503);
+    assert!(resp.to_ascii_lowercase().contains("connection: close"), "{resp}");
+    assert_eq!(w.requests.load(Ordering::SeqCst), 0, "no worker saw any of them");
+    assert!(gw.requests.finished().is_empty(), "refused before admission: never registered");
+    assert_clean(&gw);
+}
+
+#[tokio::test]
+async fn success_names_the_worker_and_leaves_nothing_behind() {
+    let w = fake_worker(Script::Answer).await;
+    let gw = gateway(&[&w], "", false);
+    let (aborted, resp) = serve_one(&gw, &post_with_id(r#"{"model":"m","prompt":"x"}"#, "req-1")).await;
+    assert!(!aborted);
+    assert_eq!(status_of(&resp), 200, "{resp}");
+    assert!(resp.contains(&format!("x-kvgate-worker: {}", w.url)), "{resp}");
+    assert!(resp.ends_with(r#"{"choices":[{"text":"hi"}]}"#), "{resp}");
+    assert_clean(&gw);
+    let done = gw.requests.find("req-1").expect("kept as finished");
+    assert_eq!((done.phase(), done.status()), (Phase::Finished, Some(200)));
+    let receipt = done.to_json(true)["route_receipt"].clone();
+    assert_eq!(receipt[0]["chosen"]["url"], w.url.as_str());
+    assert_eq!(receipt[0]["outcome"], "ok");
+}
+
+#[tokio::test]
+async fn a_retryable_leg_error_goes_to_another_worker() {
+    let closing = fake_worker(Script::Close).await;
+    let good = fake_worker(Script::Answer).await;
+    let gw = gateway(&[&closing, &good], "", true);
+    for _ in 0..4 {
+        let (_, resp) = serve_one(&gw, &post(r#"{"model":"m","prompt":"x"}"#)).await;
+        assert_eq!(status_of(&resp), 200, "{resp}");
+    }
+    assert!(closing.requests.load(Ordering::SeqCst) >= 1, "round robin tried the closing worker");
+    let retried = gw.requests.finished().into_iter().find(|e| e.receipt.lock().placements.len() == 2).expect("one request was retried");
+    let r = retried.to_json(true)["route_receipt"].clone();
+    assert_eq!(r[0]["outcome"], "response");
+    assert_eq!((r[1]["outcome"].as_str(), r[1]["excluded"][0]["reason"].as_str()), (Some("ok"), Some("tried")));
+    assert_clean(&gw);
+}
+
+#[tokio::test]
+async fn a_5xx_is_retried_only_when_another_worker_may_answer() {
+    let failing = fake_worker(Script::Fail500).await;
+    let gw = gateway(&[&failing], "", false);
+    let (_, resp) = serve_one(&gw, &post(r#"{"model":"m","prompt":"x"}"#)).await;
+    assert_eq!(status_of(&resp), 500, "the only worker's 5xx is passed on: {resp}");
+    let good = fake_worker(Script::Answer).await;
+    let gw = gateway(&[&failing, &good], "", true);
+    for _ in 0..4 {
+        let (_, resp) = serve_one(&gw, &post(r#"{"model":"m","prompt":"x"}"#)).await;
+        assert_eq!(status_of(&resp), 200, "{resp}");
+    }
+    assert_clean(&gw);
+}
+
+#[tokio::test]
+async fn a_final_leg_error_is_not_retried() {
+    let silent = fake_worker(Script::Silent).await;
+    let other = fake_worker(Script::Answer).await;
+    let gw = gateway(&[&silent, &other], "timeouts:\n  first_byte_ms: 100\n", true);
+    let mut timeouts = 0;
+    for _ in 0..2 {
+        let (_, resp) = serve_one(&gw, &post(r#"{"model":"m","prompt":"x"}"#)).await;
+        timeouts += usize::from(status_of(&resp) == 504);
+    }
+    assert_eq!(timeouts, 1, "the silent worker's request got 504");
+    assert_eq!(other.requests.load(Ordering::SeqCst), 1, "and was not sent to the other worker");
+    assert_clean(&gw);
+}
+
+#[tokio::test]
+async fn every_attempt_failing_is_a_502_and_the_registry_is_cleaned_up() {
+    let a = fake_worker(Script::Close).await;
+    let b = fake_worker(Script::Close).await;
+    let gw = gateway(&[&a, &b], "", false);
+    let (_, resp) = serve_one(&gw, &post_with_id(r#"{"model":"m","prompt":"x"}"#, "bad-1")).await;
+    assert_eq!(status_of(&resp), 502, "{resp}");
+    assert!(resp.contains("upstream_error"), "{resp}");
+    assert_clean(&gw);
+    assert_eq!(gw.requests.find("bad-1").unwrap().status(), Some(502));
+}
+
+#[tokio::test]
+async fn a_client_that_leaves_mid_stream_is_cleaned_up() {
+    let w = fake_worker(Script::Stream(200)).await;
+    let gw = gateway(&[&w], "", false);
+    let body = r#"{"model":"m","prompt":"x","stream":true}"#;
+    let (mut session, mut client) = client(&post_with_id(body, "gone-1")).await;
+    let gw2 = gw.clone();
+    let served = tokio::spawn(async move { serve(&gw2, &mut session, Endpoint::Completions).await });
+    // Read until a few token events arrived, then hang up.
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while seen.windows(5).filter(|w| w == b"data:").count() < 3 {
+        let n = client.read(&mut buf).await.unwrap();
+        assert!(n > 0, "stream ended early");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    let live = gw.requests.find("gone-1").unwrap();
+    assert_eq!(live.phase(), Phase::Running);
+    assert!(live.generated_tokens() >= 1);
+    assert_eq!(gw.requests.snapshot().len(), 1);
+    drop(client);
+    tokio::time::timeout(Duration::from_secs(5), served).await.expect("the request ends at once").unwrap();
+    assert_clean(&gw);
+    assert_eq!(gw.requests.find("gone-1").unwrap().status(), Some(499));
+    assert!(live.ctx.is_killed(), "its context was cancelled");
+}
