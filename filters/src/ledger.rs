@@ -15,12 +15,17 @@
 //! Prompt blocks always count in full, because another request may share them (Dynamo decays
 //! those too when they look private at the moment, which undercounts a prefix shared later).
 //!
+//! The per-worker counters are a [`WorkerCounters`] each, owned by the worker rather than by
+//! the ledger: a model rebuilt on reload gets a new ledger over the same counters, so requests
+//! still running on the old one stay counted, and a server that serves several models carries
+//! the load of all of them. The prefix index of booked chains is per ledger (per model).
+//!
 //! Every booking is a [`Booking`] guard: completion, error, cancellation or a panic drop it,
 //! and dropping releases exactly what it booked, so totals return to zero when load stops. A
 //! booking can move to another worker ([`Booking::move_to`]), as a request that is retried or
-//! migrated does; the totals stay exact. As a safety net, [`Ledger::expire`] releases bookings
-//! older than a limit (a request that never ends, or a guard leaked by a bug); the guard's own
-//! release then does nothing.
+//! migrated does; the totals stay exact. As a safety net, [`Ledger::expire`] releases the load
+//! of bookings older than a limit (a request that never ends, or a guard leaked by a bug); the
+//! request itself stays counted until its guard drops, whose release of the rest does nothing.
 
 use kvgate_kv::hash::BlockHash;
 use kvgate_kv::index::{FlatIndex, KvIndex, Matches, WorkerId};
@@ -49,10 +54,10 @@ impl Default for Tracking {
     }
 }
 
-/// Per-worker counters of one worker.
-#[derive(Default)]
-struct WorkerLoad {
-    in_flight: AtomicU32,
+/// What the gateway has booked on one worker, across every ledger (model) that books on it.
+#[derive(Debug, Default)]
+pub struct WorkerCounters {
+    requests: AtomicU32,
     prefill: AtomicU64,
     /// Chain blocks booked without dedup (used when `assume_kv_reuse` is off).
     raw_blocks: AtomicU64,
@@ -66,7 +71,7 @@ struct WorkerLoad {
 /// Per-worker load booked by the gateway for one model.
 pub struct Ledger {
     blocks: FlatIndex,
-    workers: Box<[WorkerLoad]>,
+    workers: Box<[Arc<WorkerCounters>]>,
     tracking: Tracking,
     next_salt: AtomicU64,
     live: Mutex<HashMap<u64, (Instant, Arc<Release>)>>,
@@ -84,6 +89,8 @@ struct Release {
     output: Mutex<Output>,
     prefill_released: AtomicBool,
     released: AtomicBool,
+    /// The request count is released by the guard only (never by expiry).
+    counted: AtomicBool,
 }
 
 /// A booking's output so far; behind a mutex shared only by its stream and a release.
@@ -111,11 +118,17 @@ pub struct Footprint {
 }
 
 impl Ledger {
-    /// A ledger for `workers` workers (≤ 256).
+    /// A ledger over fresh counters for `workers` workers (≤ 256).
     pub fn new(workers: usize, tracking: Tracking) -> Arc<Self> {
+        Self::over((0..workers.max(1)).map(|_| Arc::default()).collect(), tracking)
+    }
+
+    /// A ledger over the workers' own counters (≤ 256 workers), indexed in this order.
+    pub fn over(workers: Vec<Arc<WorkerCounters>>, tracking: Tracking) -> Arc<Self> {
+        let workers: Box<[Arc<WorkerCounters>]> = if workers.is_empty() { vec![Arc::default()].into() } else { workers.into() };
         Arc::new(Self {
-            blocks: FlatIndex::new(workers.max(1), 4096),
-            workers: (0..workers.max(1)).map(|_| WorkerLoad::default()).collect(),
+            blocks: FlatIndex::new(workers.len(), 4096),
+            workers,
             tracking,
             next_salt: AtomicU64::new(1),
             live: Mutex::new(HashMap::new()),
@@ -143,8 +156,17 @@ impl Ledger {
         self.expired.load(Ordering::Relaxed)
     }
 
-    fn worker(&self, w: WorkerId) -> Option<&WorkerLoad> {
-        self.workers.get(w as usize)
+    fn worker(&self, w: WorkerId) -> Option<&WorkerCounters> {
+        self.workers.get(w as usize).map(|c| &**c)
+    }
+
+    /// Releases the request count of `r`, once (its guard does, never expiry).
+    fn uncount(&self, r: &Release) {
+        if r.counted.swap(false, Ordering::AcqRel)
+            && let Some(l) = self.worker(r.worker)
+        {
+            l.requests.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 
     fn release_prefill(&self, r: &Release) {
@@ -168,7 +190,6 @@ impl Ledger {
         if let Some(l) = self.worker(r.worker) {
             l.raw_blocks.fetch_sub(r.chain.len() as u64, Ordering::Relaxed);
             l.private_blocks.fetch_sub(r.private_blocks, Ordering::Relaxed);
-            l.in_flight.fetch_sub(1, Ordering::Relaxed);
         }
         // Deepest first: a shared prefix loses one reference per block, never a subtree.
         for h in r.chain.iter().rev() {
@@ -216,8 +237,8 @@ impl Ledger {
     }
 
     /// Requests booked on `w`.
-    pub fn in_flight(&self, w: WorkerId) -> u32 {
-        self.worker(w).map_or(0, |l| l.in_flight.load(Ordering::Relaxed))
+    pub fn requests(&self, w: WorkerId) -> u32 {
+        self.worker(w).map_or(0, |l| l.requests.load(Ordering::Relaxed))
     }
 
     /// Prefill tokens booked on `w` and not started decoding.
@@ -252,9 +273,8 @@ impl Ledger {
     fn reserve(&self, w: WorkerId, load: Footprint) -> Arc<Release> {
         let Footprint { prefill_tokens, chain, private_blocks, prompt_tokens, expected_output } = load;
         let chain = if self.tracking.active_blocks { chain } else { Vec::new() };
-        let private_blocks = if self.tracking.active_blocks { private_blocks } else { 0 };
         if let Some(l) = self.worker(w) {
-            l.in_flight.fetch_add(1, Ordering::Relaxed);
+            l.requests.fetch_add(1, Ordering::Relaxed);
             l.prefill.fetch_add(prefill_tokens, Ordering::Relaxed);
             l.raw_blocks.fetch_add(chain.len() as u64, Ordering::Relaxed);
             l.private_blocks.fetch_add(private_blocks, Ordering::Relaxed);
@@ -277,6 +297,7 @@ impl Ledger {
             output: Mutex::new(Output::default()),
             prefill_released: AtomicBool::new(false),
             released: AtomicBool::new(false),
+            counted: AtomicBool::new(true),
         })
     }
 }
@@ -314,16 +335,14 @@ impl Booking {
 
     /// Moves the booking to worker `to` with a new footprint (a retry elsewhere, or a migrated
     /// request whose continuation the destination must prefill): what it held on its old worker
-    /// is released and `load` is booked on `to`, under the same guard. A booking already
-    /// released by expiry stays released.
+    /// is released and `load` is booked on `to`, under the same guard (booked afresh if expiry
+    /// had released it).
     pub fn move_to(&mut self, to: WorkerId, load: Footprint) {
-        let mut live = self.ledger.live.lock();
-        let Some(entry) = live.get_mut(&self.id) else { return };
         let next = self.ledger.reserve(to, load);
-        entry.1 = next.clone();
-        drop(live);
+        self.ledger.live.lock().insert(self.id, (Instant::now(), next.clone()));
         let old = std::mem::replace(&mut self.release, next);
         self.ledger.release(&old);
+        self.ledger.uncount(&old);
     }
 }
 
@@ -331,6 +350,7 @@ impl Drop for Booking {
     fn drop(&mut self) {
         self.ledger.live.lock().remove(&self.id);
         self.ledger.release(&self.release);
+        self.ledger.uncount(&self.release);
     }
 }
 
@@ -471,8 +491,9 @@ mod tests {
         std::thread::sleep(Duration::from_millis(5));
         assert_eq!(s.expire(Duration::from_millis(1)), 1);
         assert_eq!((s.prefill_tokens(0), s.active_blocks(0)), (0, 0));
+        assert_eq!(s.requests(0), 1, "the request itself stays counted until it ends");
         drop(b); // the guard's release is now a no-op: nothing goes negative
-        assert_eq!((s.prefill_tokens(0), s.active_blocks(0)), (0, 0));
+        assert_eq!((s.requests(0), s.prefill_tokens(0), s.active_blocks(0)), (0, 0, 0));
         assert_eq!(s.expired_count(), 1);
     }
 
@@ -492,10 +513,10 @@ mod tests {
         let s = Ledger::new(2, Tracking::default());
         let a = s.book(1, Footprint { prefill_tokens: 40, private_blocks: 3, ..Footprint::default() });
         let b = s.book(1, Footprint { prefill_tokens: 8, private_blocks: 3, ..Footprint::default() });
-        assert_eq!((s.in_flight(1), s.prefill_tokens(1), s.active_blocks(1)), (2, 48, 6), "estimates are never shared");
-        assert_eq!(s.in_flight(0), 0);
+        assert_eq!((s.requests(1), s.prefill_tokens(1), s.active_blocks(1)), (2, 48, 6), "estimates are never shared");
+        assert_eq!(s.requests(0), 0);
         drop((a, b));
-        assert_eq!((s.in_flight(1), s.prefill_tokens(1), s.active_blocks(1)), (0, 0, 0));
+        assert_eq!((s.requests(1), s.prefill_tokens(1), s.active_blocks(1)), (0, 0, 0));
     }
 
     #[test]
@@ -505,18 +526,18 @@ mod tests {
         let other = s.book(1, prompt(10, vec![1, 2]));
         b.prefill_done();
         b.generated(4);
-        assert_eq!((s.in_flight(0), s.prefill_tokens(0), s.active_blocks(0)), (1, 0, 5));
+        assert_eq!((s.requests(0), s.prefill_tokens(0), s.active_blocks(0)), (1, 0, 5));
         // The continuation (prompt + generated) is prefilled on worker 1, which shares 2 blocks.
         b.move_to(1, Footprint { prefill_tokens: 14, prompt_tokens: 34, chain: vec![1, 2, 3, 4], ..Footprint::default() });
         assert_eq!(b.worker(), 1);
-        assert_eq!((s.in_flight(0), s.prefill_tokens(0), s.active_blocks(0)), (0, 0, 0), "nothing left behind");
-        assert_eq!((s.in_flight(1), s.prefill_tokens(1), s.active_blocks(1)), (2, 24, 4), "blocks 1 and 2 shared");
+        assert_eq!((s.requests(0), s.prefill_tokens(0), s.active_blocks(0)), (0, 0, 0), "nothing left behind");
+        assert_eq!((s.requests(1), s.prefill_tokens(1), s.active_blocks(1)), (2, 24, 4), "blocks 1 and 2 shared");
         b.generated(2);
         assert_eq!(s.active_blocks(1), 5, "output restarts at the continuation's end");
         drop(b);
         drop(other);
         for w in 0..2 {
-            assert_eq!((s.in_flight(w), s.prefill_tokens(w), s.active_blocks(w)), (0, 0, 0));
+            assert_eq!((s.requests(w), s.prefill_tokens(w), s.active_blocks(w)), (0, 0, 0));
         }
     }
 
@@ -547,7 +568,34 @@ mod tests {
             });
         });
         for w in 0..2 {
-            assert_eq!((s.in_flight(w), s.prefill_tokens(w), s.active_blocks(w)), (0, 0, 0));
+            assert_eq!((s.requests(w), s.prefill_tokens(w), s.active_blocks(w)), (0, 0, 0));
         }
+    }
+
+    #[test]
+    fn ledgers_over_the_same_counters_add_up_and_survive_a_rebuild() {
+        let counters: Vec<Arc<WorkerCounters>> = (0..2).map(|_| Arc::default()).collect();
+        let old = Ledger::over(counters.clone(), Tracking::default());
+        let running = old.book(1, prompt(100, vec![1, 2]));
+        // The model is rebuilt (a reload): a new ledger over the same workers' counters.
+        let new = Ledger::over(counters.clone(), Tracking::default());
+        assert_eq!((new.requests(1), new.prefill_tokens(1)), (1, 100), "the running request still counts");
+        let other = new.book(1, Footprint { prefill_tokens: 10, private_blocks: 1, ..Footprint::default() });
+        assert_eq!((old.requests(1), old.prefill_tokens(1)), (2, 110));
+        drop(running);
+        drop(other);
+        assert_eq!((new.requests(1), new.prefill_tokens(1), new.active_blocks(1)), (0, 0, 0));
+    }
+
+    #[test]
+    fn a_move_after_expiry_books_afresh() {
+        let s = Ledger::new(2, Tracking::default());
+        let mut b = s.book(0, prompt(10, vec![1]));
+        std::thread::sleep(Duration::from_millis(2));
+        assert_eq!(s.expire(Duration::from_millis(1)), 1);
+        b.move_to(1, prompt(20, vec![1, 2]));
+        assert_eq!((s.requests(0), s.requests(1), s.prefill_tokens(1)), (0, 1, 20));
+        drop(b);
+        assert_eq!((s.requests(1), s.prefill_tokens(1), s.active_blocks(1)), (0, 0, 0));
     }
 }

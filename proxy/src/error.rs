@@ -7,7 +7,7 @@
 //!   ([`GatewayError::client_error`]), so status codes and OpenAI error types are decided in
 //!   one place.
 
-use crate::http::errors::ClientError;
+use crate::downstream::errors::ClientError;
 use std::fmt;
 
 /// What went wrong on an upstream leg.
@@ -44,8 +44,8 @@ impl LegErrorKind {
             Self::Status5xx => "status_5xx",
             Self::FirstByteTimeout => "first_byte_timeout",
             Self::BeforeFirstByte => "before_first_byte",
-            Self::Midstream => "midstream",
-            Self::Stalled => "stalled",
+            // One label for both: the series operators already alert on.
+            Self::Midstream | Self::Stalled => "midstream",
         }
     }
 }

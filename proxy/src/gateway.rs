@@ -18,7 +18,7 @@ pub struct Gateway {
     registry: WorkerRegistry,
     config_path: Option<PathBuf>,
     draining: AtomicBool,
-    in_flight: AtomicUsize,
+    open: AtomicUsize,
     /// Busy thresholds per model, settable at run time (`/busy_threshold`).
     thresholds: parking_lot::RwLock<std::collections::HashMap<String, kvgate_filters::shed::Thresholds>>,
     /// Metrics.
@@ -30,7 +30,7 @@ pub struct Gateway {
     /// Loaded WebAssembly plugins.
     pub plugins: crate::plugins::PluginRegistry,
     /// Every inference request past admission, and the recently finished ones.
-    pub requests: Arc<crate::inflight::InFlightRegistry>,
+    pub requests: Arc<crate::inflight::RequestRegistry>,
     /// One apply at a time: prepare plugins → build the fleet → swap → commit must not
     /// interleave with another reload's, or the fleet and the plugin registry would disagree.
     applying: parking_lot::Mutex<()>,
@@ -55,12 +55,12 @@ impl Gateway {
             registry,
             config_path: path,
             draining: AtomicBool::new(false),
-            in_flight: AtomicUsize::new(0),
+            open: AtomicUsize::new(0),
             metrics,
             kv_metrics,
             connector: Connector::new(None),
             plugins,
-            requests: Arc::new(crate::inflight::InFlightRegistry::default()),
+            requests: Arc::new(crate::inflight::RequestRegistry::default()),
             applying: parking_lot::Mutex::new(()),
         }))
     }
@@ -197,22 +197,22 @@ impl Gateway {
 
     /// Inference requests being served, counted from their first byte (the in-flight registry
     /// lists them once admitted).
-    pub fn in_flight(&self) -> usize {
-        self.in_flight.load(Ordering::SeqCst)
+    pub fn open_requests(&self) -> usize {
+        self.open.load(Ordering::SeqCst)
     }
 
     /// Counts a request in flight until the guard drops.
-    pub fn track(self: &Arc<Self>) -> RequestGuard {
-        self.in_flight.fetch_add(1, Ordering::SeqCst);
-        RequestGuard(self.clone())
+    pub fn track(self: &Arc<Self>) -> OpenRequest {
+        self.open.fetch_add(1, Ordering::SeqCst);
+        OpenRequest(self.clone())
     }
 }
 
-/// Keeps a request counted in [`Gateway::in_flight`].
-pub struct RequestGuard(Arc<Gateway>);
+/// Keeps a request counted in [`Gateway::open_requests`].
+pub struct OpenRequest(Arc<Gateway>);
 
-impl Drop for RequestGuard {
+impl Drop for OpenRequest {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.0.open.fetch_sub(1, Ordering::SeqCst);
     }
 }

@@ -1,14 +1,15 @@
-//! The in-flight registry: every inference request past admission, by request id, with what
+//! The in-flight registry: every model-scoped request (inference, tokenize, detokenize) past
+//! admission, by request id, with what
 //! the rescheduling WIT world's `running` record needs (worker, tokens so far, phase, age,
 //! priority), its cancellation context (so code outside the request's task can act on it),
 //! and its route receipt. A bounded number of finished requests is kept for
 //! `GET /requests/{id}`.
 //!
-//! An entry is registered by [`InFlightRegistry::register`] and removed when the returned
+//! An entry is registered by [`RequestRegistry::register`] and removed when the returned
 //! [`Registered`] guard drops: on success, error, cancellation or a panic alike.
 
 use crate::fleet::Worker;
-use crate::request::receipt::RouteReceipt;
+use crate::receipt::RouteReceipt;
 use kvgate_filters::cancel::RequestContext;
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
@@ -58,7 +59,7 @@ impl Phase {
 }
 
 /// One request as the rest of the gateway sees it.
-pub struct InFlight {
+pub struct RequestEntry {
     /// Request id (the client's `X-Request-Id` or a generated one).
     pub id: String,
     /// The model it addressed.
@@ -87,7 +88,7 @@ pub struct InFlight {
     pub workers: Arc<[Arc<Worker>]>,
 }
 
-impl InFlight {
+impl RequestEntry {
     /// A new entry in the queued phase.
     pub fn new(id: String, model: String, endpoint: &'static str, stream: bool, priority: f64, ctx: Arc<RequestContext>, workers: Arc<[Arc<Worker>]>) -> Self {
         Self {
@@ -187,23 +188,23 @@ impl InFlight {
 }
 
 /// One shard of the live map: registration key → entry.
-type Shard = Mutex<HashMap<u64, Arc<InFlight>>>;
+type Shard = Mutex<HashMap<u64, Arc<RequestEntry>>>;
 
 /// Every request in flight, and the last [`FINISHED_KEPT`] finished ones.
-pub struct InFlightRegistry {
+pub struct RequestRegistry {
     shards: Box<[Shard]>,
     next: AtomicU64,
-    finished: Mutex<VecDeque<Arc<InFlight>>>,
+    finished: Mutex<VecDeque<Arc<RequestEntry>>>,
     keep: usize,
 }
 
-impl Default for InFlightRegistry {
+impl Default for RequestRegistry {
     fn default() -> Self {
         Self::with_capacity(FINISHED_KEPT)
     }
 }
 
-impl InFlightRegistry {
+impl RequestRegistry {
     /// A registry keeping `keep` finished requests.
     pub fn with_capacity(keep: usize) -> Self {
         Self {
@@ -215,7 +216,7 @@ impl InFlightRegistry {
     }
 
     /// Registers `entry` until the guard drops.
-    pub fn register(self: &Arc<Self>, entry: InFlight) -> Registered {
+    pub fn register(self: &Arc<Self>, entry: RequestEntry) -> Registered {
         let key = self.next.fetch_add(1, Ordering::Relaxed);
         let entry = Arc::new(entry);
         self.shards[key as usize % SHARDS].lock().insert(key, entry.clone());
@@ -233,24 +234,24 @@ impl InFlightRegistry {
     }
 
     /// Every request in flight, oldest first.
-    pub fn snapshot(&self) -> Vec<Arc<InFlight>> {
-        let mut all: Vec<Arc<InFlight>> = self.shards.iter().flat_map(|s| s.lock().values().cloned().collect::<Vec<_>>()).collect();
+    pub fn snapshot(&self) -> Vec<Arc<RequestEntry>> {
+        let mut all: Vec<Arc<RequestEntry>> = self.shards.iter().flat_map(|s| s.lock().values().cloned().collect::<Vec<_>>()).collect();
         all.sort_by_key(|e| e.started);
         all
     }
 
     /// A request by id: in flight first, else the newest finished one with that id.
-    pub fn find(&self, id: &str) -> Option<Arc<InFlight>> {
+    pub fn find(&self, id: &str) -> Option<Arc<RequestEntry>> {
         let live = self.shards.iter().find_map(|s| s.lock().values().find(|e| e.id == id).cloned());
         live.or_else(|| self.finished.lock().iter().rev().find(|e| e.id == id).cloned())
     }
 
     /// Finished requests kept, oldest first.
-    pub fn finished(&self) -> Vec<Arc<InFlight>> {
+    pub fn finished(&self) -> Vec<Arc<RequestEntry>> {
         self.finished.lock().iter().cloned().collect()
     }
 
-    fn remove(&self, key: u64, entry: &Arc<InFlight>) {
+    fn remove(&self, key: u64, entry: &Arc<RequestEntry>) {
         self.shards[key as usize % SHARDS].lock().remove(&key);
         if self.keep == 0 {
             return;
@@ -265,15 +266,15 @@ impl InFlightRegistry {
 
 /// A request's registration; dropping it moves the entry to the finished list.
 pub struct Registered {
-    registry: Arc<InFlightRegistry>,
+    registry: Arc<RequestRegistry>,
     key: u64,
-    entry: Arc<InFlight>,
+    entry: Arc<RequestEntry>,
     status: u16,
 }
 
 impl Registered {
     /// The entry.
-    pub fn entry(&self) -> &Arc<InFlight> {
+    pub fn entry(&self) -> &Arc<RequestEntry> {
         &self.entry
     }
 
@@ -294,13 +295,13 @@ impl Drop for Registered {
 mod tests {
     use super::*;
 
-    fn entry(id: &str) -> InFlight {
-        InFlight::new(id.into(), "m".into(), "completions", true, 0.0, RequestContext::new(id), Arc::from(Vec::new()))
+    fn entry(id: &str) -> RequestEntry {
+        RequestEntry::new(id.into(), "m".into(), "completions", true, 0.0, RequestContext::new(id), Arc::from(Vec::new()))
     }
 
     #[test]
     fn entries_leave_on_drop_and_are_kept_finished() {
-        let r = Arc::new(InFlightRegistry::with_capacity(2));
+        let r = Arc::new(RequestRegistry::with_capacity(2));
         let mut a = r.register(entry("a"));
         let b = r.register(entry("b"));
         assert_eq!(r.len(), 2);
@@ -320,7 +321,7 @@ mod tests {
 
     #[test]
     fn a_panic_unregisters_the_request() {
-        let r = Arc::new(InFlightRegistry::default());
+        let r = Arc::new(RequestRegistry::default());
         let r2 = r.clone();
         let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
             let g = r2.register(entry("p"));
@@ -334,7 +335,7 @@ mod tests {
 
     #[test]
     fn tokens_so_far_add_prompt_and_output() {
-        let r = Arc::new(InFlightRegistry::default());
+        let r = Arc::new(RequestRegistry::default());
         let g = r.register(entry("t"));
         let w = Arc::new(Worker::new(crate::config::UpstreamUrl::parse("http://127.0.0.1:1").unwrap()));
         g.entry().placed(&w, 100);

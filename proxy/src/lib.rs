@@ -11,7 +11,10 @@
 //! - [`upstream`]: HTTP exchanges with workers over the keep-alive pools;
 //! - [`error`]: typed leg errors and the gateway's error answers;
 //! - [`kv_routing`]: per-model KV routing state (tokenizer, index, cost);
-//! - [`http`]: the Pingora services (public API, admin) and HTTP plumbing;
+//! - [`receipt`]: route receipts, why each request went where it went;
+//! - [`downstream`]: the client side (bodies, answers, disconnects, client-facing errors);
+//! - [`sse`]: reading a worker's Server-Sent Events stream;
+//! - [`http`]: the Pingora services (public API, admin);
 //! - [`tasks`]: background work under one supervisor;
 //! - [`plugins`]: loaded WebAssembly routing policies;
 //! - [`server`]: starting and stopping (drain on SIGTERM);
@@ -20,6 +23,7 @@
 pub mod config;
 #[cfg(feature = "demo")]
 pub mod demo;
+pub(crate) mod downstream;
 pub(crate) mod error;
 pub(crate) mod fleet;
 pub mod gateway;
@@ -28,8 +32,10 @@ pub(crate) mod inflight;
 pub(crate) mod kv_routing;
 pub(crate) mod metrics;
 pub mod plugins;
+pub(crate) mod receipt;
 pub(crate) mod request;
 pub mod server;
+pub mod sse;
 pub(crate) mod tasks;
 pub(crate) mod upstream;
 

@@ -19,7 +19,7 @@ pub struct Metrics {
     /// `kvgate_inter_token_latency_seconds{model,endpoint}` (streams).
     pub itl: HistogramVec,
     /// `kvgate_requests_in_flight{model}`.
-    pub in_flight: IntGaugeVec,
+    pub requests_in_flight: IntGaugeVec,
     /// `kvgate_upstream_errors_total{model,worker,kind}`.
     pub upstream_errors: IntCounterVec,
     /// `kvgate_retries_total{model}`.
@@ -85,7 +85,7 @@ impl Metrics {
             duration: hist("kvgate_request_duration_seconds", "Time from request start to the last response byte.", LATENCY_BUCKETS),
             ttft: hist("kvgate_time_to_first_token_seconds", "Time to the first streamed response chunk, measured at the gateway.", LATENCY_BUCKETS),
             itl: hist("kvgate_inter_token_latency_seconds", "Time between streamed response chunks, measured at the gateway.", ITL_BUCKETS),
-            in_flight: gauge("kvgate_requests_in_flight", "Inference requests being served.", &["model"]),
+            requests_in_flight: gauge("kvgate_requests_in_flight", "Inference requests being served.", &["model"]),
             upstream_errors: counter("kvgate_upstream_errors_total", "Failures talking to workers.", &["model", "worker", "kind"]),
             retries: counter("kvgate_retries_total", "Requests retried on another worker before any byte reached the client.", &["model"]),
             cancellations: counter(

@@ -50,14 +50,14 @@ impl ShutdownSignalWatch for Signals {
             return ShutdownSignal::FastShutdown;
         }
         let deadline = Duration::from_secs(self.gw.config().shutdown.drain_timeout_s);
-        tracing::info!(in_flight = self.gw.in_flight(), deadline_s = deadline.as_secs(), "draining: refusing new requests, finishing in-flight ones");
+        tracing::info!(in_flight = self.gw.open_requests(), deadline_s = deadline.as_secs(), "draining: refusing new requests, finishing in-flight ones");
         self.gw.start_draining();
         let start = Instant::now();
-        while self.gw.in_flight() > 0 && start.elapsed() < deadline {
+        while self.gw.open_requests() > 0 && start.elapsed() < deadline {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        if self.gw.in_flight() > 0 {
-            tracing::warn!(in_flight = self.gw.in_flight(), "drain deadline reached; cutting the remaining requests");
+        if self.gw.open_requests() > 0 {
+            tracing::warn!(in_flight = self.gw.open_requests(), "drain deadline reached; cutting the remaining requests");
         } else {
             tracing::info!("drained");
         }

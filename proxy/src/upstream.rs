@@ -14,7 +14,7 @@ use bytes::{Bytes, BytesMut};
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::client::HttpSession;
 use pingora::upstreams::peer::HttpPeer;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Headers that describe one hop and are never forwarded.
 const HOP_BY_HOP: &[&str] =
@@ -26,6 +26,8 @@ pub struct Exchange {
     pub session: HttpSession,
     /// The response header.
     pub header: ResponseHeader,
+    /// When the request was sent (the start of the first-byte deadline).
+    pub sent_at: Instant,
     /// Where it goes (for releasing to the pool).
     pub peer: HttpPeer,
 }
@@ -67,10 +69,28 @@ pub fn client_response_header(up: &ResponseHeader, request_id: &str, worker: &st
     Ok(h)
 }
 
-/// Sends `header` (and `body`, if any) to `worker` and reads the response header. A pooled
-/// connection the worker closed meanwhile processed nothing, so one fresh connection is tried
-/// before giving up.
-pub async fn exchange(gw: &Gateway, worker: &Worker, header: &RequestHeader, body: Option<&Bytes>) -> Result<Exchange, LegError> {
+/// Which pool a connection comes from: the request legs' keep-alive pool, or the probes' own
+/// (a probe must never ride on a connection a request opened, or a worker that stopped
+/// accepting connections would still look healthy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pool {
+    /// Request legs.
+    Requests,
+    /// Health and metrics probes.
+    Probes,
+}
+
+/// Sends `header` (and `body`, if any) to `worker` and reads the response header, waiting at
+/// most `header_timeout` after the request was sent. A pooled connection the worker closed
+/// meanwhile processed nothing, so one fresh connection is tried before giving up.
+pub async fn exchange(
+    gw: &Gateway,
+    worker: &Worker,
+    header: &RequestHeader,
+    body: Option<&Bytes>,
+    pool: Pool,
+    header_timeout: Option<Duration>,
+) -> Result<Exchange, LegError> {
     let cfg = gw.config();
     let addr = worker.addr().await.map_err(|e| LegError::new(LegErrorKind::Resolve, &worker.url, e.to_string()).with_source(e))?;
     let mut peer = HttpPeer::new(addr, false, String::new());
@@ -78,6 +98,9 @@ pub async fn exchange(gw: &Gateway, worker: &Worker, header: &RequestHeader, bod
     peer.options.connection_timeout = Some(connect);
     peer.options.total_connection_timeout = Some(connect);
     peer.options.idle_timeout = Some(Duration::from_millis(cfg.timeouts.upstream_idle_ms));
+    if pool == Pool::Probes {
+        peer.group_key = PROBE_GROUP;
+    }
     let mut fresh_try = 0;
     loop {
         let (mut up, reused) =
@@ -92,13 +115,25 @@ pub async fn exchange(gw: &Gateway, worker: &Worker, header: &RequestHeader, bod
         .await;
         let failed = match sent {
             Err(e) => LegError::new(LegErrorKind::Send, &worker.url, e.to_string()).with_source(*e),
-            Ok(_) => match up.read_response_header().await {
-                Ok(()) => match up.response_header().cloned() {
-                    Some(header) => return Ok(Exchange { session: up, header, peer }),
-                    None => LegError::new(LegErrorKind::Response, &worker.url, "no response header"),
-                },
-                Err(e) => LegError::new(LegErrorKind::Response, &worker.url, e.to_string()).with_source(*e),
-            },
+            Ok(_) => {
+                let sent_at = Instant::now();
+                let read = up.read_response_header();
+                let r = match header_timeout {
+                    Some(limit) => match tokio::time::timeout(limit, read).await {
+                        Ok(r) => r,
+                        // Not a broken connection: the worker is not answering. Final (504).
+                        Err(_) => {
+                            return Err(LegError::new(LegErrorKind::FirstByteTimeout, &worker.url, "no response header within timeouts.first_byte_ms").final_());
+                        }
+                    },
+                    None => read.await,
+                };
+                match r.map(|()| up.response_header().cloned()) {
+                    Ok(Some(header)) => return Ok(Exchange { session: up, header, peer, sent_at }),
+                    Ok(None) => LegError::new(LegErrorKind::Response, &worker.url, "no response header"),
+                    Err(e) => LegError::new(LegErrorKind::Response, &worker.url, e.to_string()).with_source(*e),
+                }
+            }
         };
         if !(reused && fresh_try == 0) {
             return Err(failed);
@@ -107,30 +142,56 @@ pub async fn exchange(gw: &Gateway, worker: &Worker, header: &RequestHeader, bod
     }
 }
 
-/// `GET path` on `worker` within `timeout`: the status and up to `max_body` bytes of body. The
-/// connection goes back to the pool when the body was read whole.
-pub async fn get(gw: &Gateway, worker: &Worker, path: &str, timeout: Duration, max_body: usize) -> Result<(u16, Bytes), LegError> {
+/// The probes' connection pool key (request legs use the default, 0).
+const PROBE_GROUP: u64 = 0x6b76_6761_7465_7072;
+
+/// Why a probe got no usable answer.
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    /// The exchange failed.
+    #[error(transparent)]
+    Exchange(#[from] LegError),
+    /// No complete answer within the probe's timeout.
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    /// The body was over the cap.
+    #[error("body over {0} bytes")]
+    TooLarge(usize),
+    /// The body broke off.
+    #[error("body: {0}")]
+    Body(String),
+}
+
+/// `GET path` on `worker` within `timeout`, over the probes' pool: the status and up to
+/// `max_body` bytes of body. `keep_alive: false` asks for a fresh connection every time
+/// (`Connection: close`); otherwise the connection goes back to the probes' pool when the body
+/// was read whole.
+pub async fn get(gw: &Gateway, worker: &Worker, path: &str, timeout: Duration, max_body: usize, keep_alive: bool) -> Result<(u16, Bytes), ProbeError> {
     let attempt = async {
-        let mut h = RequestHeader::build("GET", path.as_bytes(), Some(2)).map_err(|e| LegError::new(LegErrorKind::Send, &worker.url, e.to_string()))?;
-        h.insert_header("host", worker.host_header.as_str()).map_err(|e| LegError::new(LegErrorKind::Send, &worker.url, e.to_string()))?;
-        h.insert_header("user-agent", "kvgate").map_err(|e| LegError::new(LegErrorKind::Send, &worker.url, e.to_string()))?;
-        let mut ex = exchange(gw, worker, &h, None).await?;
+        let bad = |e: Box<pingora::Error>| ProbeError::Exchange(LegError::new(LegErrorKind::Send, &worker.url, e.to_string()));
+        let mut h = RequestHeader::build("GET", path.as_bytes(), Some(3)).map_err(bad)?;
+        h.insert_header("host", worker.host_header.as_str()).map_err(bad)?;
+        h.insert_header("user-agent", "kvgate").map_err(bad)?;
+        if !keep_alive {
+            h.insert_header("connection", "close").map_err(bad)?;
+        }
+        let mut ex = exchange(gw, worker, &h, None, Pool::Probes, None).await?;
         let status = ex.header.status.as_u16();
         let mut body = BytesMut::new();
         loop {
             match ex.session.read_response_body().await {
                 Ok(Some(chunk)) if body.len() + chunk.len() <= max_body => body.extend_from_slice(&chunk),
-                Ok(Some(_)) => return Err(LegError::new(LegErrorKind::Response, &worker.url, format!("{path}: body over {max_body} bytes"))),
+                Ok(Some(_)) => return Err(ProbeError::TooLarge(max_body)),
                 Ok(None) => break,
-                Err(e) => return Err(LegError::new(LegErrorKind::BeforeFirstByte, &worker.url, e.to_string()).with_source(*e)),
+                Err(e) => return Err(ProbeError::Body(e.to_string())),
             }
         }
-        release(gw, ex).await;
+        if keep_alive {
+            release(gw, ex).await;
+        }
         Ok((status, body.freeze()))
     };
-    tokio::time::timeout(timeout, attempt)
-        .await
-        .unwrap_or_else(|_| Err(LegError::new(LegErrorKind::FirstByteTimeout, &worker.url, format!("{path}: no answer within {timeout:?}"))))
+    tokio::time::timeout(timeout, attempt).await.unwrap_or(Err(ProbeError::Timeout(timeout)))
 }
 
 /// Returns a finished connection to the keep-alive pool.

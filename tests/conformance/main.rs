@@ -134,7 +134,7 @@ async fn chat_stream_starts_with_role_chunk() {
 /// must match the worker's own `completion_tokens` on both endpoints.
 #[tokio::test]
 async fn stream_events_count_the_generated_tokens() {
-    use kvgate::http::sse::SseEventCounter;
+    use kvgate::sse::SseEventCounter;
     let t = Target::start().await;
     let usage = json!({"include_usage": true});
     let bodies = [

@@ -1,18 +1,28 @@
-//! What kvgate adds on top of a fast upstream: requests/s and latency percentiles, direct vs
-//! through the gateway, in the same run.
+//! What a proxy adds on top of a fast upstream: requests/s and latency percentiles, direct and
+//! through each proxy, measured in one run, interleaved.
 //!
 //! The upstream is a minimal keep-alive HTTP/1.1 server inside this process that answers every
-//! POST with a fixed OpenAI-shaped completion (unary) or a short SSE stream, so the gateway's
-//! own cost dominates. The gateway is the release `kvgate` binary with a generated config.
+//! POST with a fixed OpenAI-shaped completion (unary) or an SSE stream of `--stream-chunks`
+//! token events, so the proxies' own cost dominates. The proxies:
+//! - `kvgate`: the release binary (`--kvgate-bin`) in `round_robin` mode;
+//! - `kvgate-kv` (`--kv-tokenizer DIR`): the same binary in `kv` mode (approximate, no events)
+//!   with a real tokenizer, so every request's text prompt is tokenized, hashed and looked up;
+//! - `baseline` (`--baseline-bin`): another kvgate build, e.g. the previous commit's;
+//! - `nginx` (`--compare-nginx`): Debian's nginx (`apt-get install nginx`) as a keep-alive
+//!   reverse proxy with buffering off, `--nginx-workers` worker processes (default 1).
+//!
+//! The load comes from the built-in client (reqwest, closed loop, one connection per concurrent
+//! request) or, with `--wrk`, from wrk (`apt-get install wrk`; 1 thread), which costs far less
+//! CPU per request and so leaves more of the shared cores to the proxies.
 //!
 //!   cargo build --release -p kvgate -p kvgate-bench
 //!   target/release/proxy-overhead --seconds 10
-//!
-//! `--baseline-bin OTHER_KVGATE` also runs a second gateway (e.g. the previous commit's build)
-//! in front of the same upstream and measures it in the same run, interleaved with the first.
+//!   target/release/proxy-overhead --wrk --compare-nginx --concurrency 1,64 \
+//!       --kv-tokenizer ../shared/data/tokenizers/<dir>
 
 use clap::Parser;
-use std::process::{Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -33,9 +43,27 @@ struct Args {
     /// A second kvgate binary to measure in the same run (e.g. the previous commit's).
     #[arg(long)]
     baseline_bin: Option<String>,
+    /// Also measure kvgate in kv mode with this tokenizer directory (text prompts tokenized).
+    #[arg(long)]
+    kv_tokenizer: Option<PathBuf>,
+    /// Also measure nginx as a reverse proxy in front of the same upstream.
+    #[arg(long)]
+    compare_nginx: bool,
+    /// nginx worker processes.
+    #[arg(long, default_value_t = 1)]
+    nginx_workers: usize,
+    /// kvgate worker threads (default: the gateway's own default, the number of CPUs).
+    #[arg(long)]
+    kvgate_threads: Option<usize>,
+    /// Generate the load with wrk (1 thread) instead of the built-in client.
+    #[arg(long)]
+    wrk: bool,
     /// SSE chunks per streamed response.
     #[arg(long, default_value_t = 16)]
     stream_chunks: usize,
+    /// Only these request kinds (unary, stream).
+    #[arg(long, value_delimiter = ',', default_value = "unary,stream")]
+    kinds: Vec<String>,
 }
 
 const UNARY: &str = r#"{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":" ok","logprobs":null,"finish_reason":"length","stop_reason":null}],"usage":{"prompt_tokens":4,"total_tokens":5,"completion_tokens":1}}"#;
@@ -44,6 +72,8 @@ async fn serve_conn(mut s: TcpStream, chunks: usize) {
     let _ = s.set_nodelay(true);
     let mut buf = Vec::with_capacity(8192);
     let mut tmp = [0u8; 8192];
+    let stream_response = stream_body(chunks);
+    let unary_response = format!("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{UNARY}", UNARY.len());
     loop {
         // Read one request: headers, then Content-Length bytes of body.
         let (head_end, len) = loop {
@@ -64,21 +94,14 @@ async fn serve_conn(mut s: TcpStream, chunks: usize) {
             }
         }
         let stream = buf[head_end..head_end + len].windows(13).any(|w| w == b"\"stream\":true");
-        let path_health = buf.starts_with(b"GET /health");
+        let get = buf.starts_with(b"GET ");
         buf.drain(..head_end + len);
-        let ok = if path_health {
+        let ok = if get {
             s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await
         } else if stream {
-            let mut out = String::from("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n");
-            for i in 0..chunks {
-                let ev = format!("data: {{\"id\":\"cmpl-1\",\"choices\":[{{\"index\":0,\"text\":\" t{i}\"}}]}}\n\n");
-                out.push_str(&format!("{:x}\r\n{ev}\r\n", ev.len()));
-            }
-            let done = "data: [DONE]\n\n";
-            out.push_str(&format!("{:x}\r\n{done}\r\n0\r\n\r\n", done.len()));
-            s.write_all(out.as_bytes()).await
+            s.write_all(stream_response.as_bytes()).await
         } else {
-            s.write_all(format!("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{UNARY}", UNARY.len()).as_bytes()).await
+            s.write_all(unary_response.as_bytes()).await
         };
         if ok.is_err() {
             return;
@@ -86,6 +109,19 @@ async fn serve_conn(mut s: TcpStream, chunks: usize) {
     }
 }
 
+/// A chunked SSE response of `chunks` token events and `[DONE]`.
+fn stream_body(chunks: usize) -> String {
+    let mut out = String::from("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n");
+    for i in 0..chunks {
+        let ev = format!("data: {{\"id\":\"cmpl-1\",\"choices\":[{{\"index\":0,\"text\":\" t{i}\"}}]}}\n\n");
+        out.push_str(&format!("{:x}\r\n{ev}\r\n", ev.len()));
+    }
+    let done = "data: [DONE]\n\n";
+    out.push_str(&format!("{:x}\r\n{done}\r\n0\r\n\r\n", done.len()));
+    out
+}
+
+/// One measurement.
 struct Run {
     rps: f64,
     p50: Duration,
@@ -133,8 +169,114 @@ async fn measure(url: &str, body: &'static str, conc: usize, secs: u64) -> Run {
     Run { rps: all.len() as f64 / secs as f64, p50: pct(0.50), p99: pct(0.99), errors }
 }
 
+/// Runs wrk (1 thread) against `url` with `body` POSTed; parses its summary.
+async fn measure_wrk(url: &str, body: &str, conc: usize, secs: u64, dir: &Path) -> Run {
+    let script = dir.join(format!("post-{}.lua", body.len()));
+    let lua = format!("wrk.method = \"POST\"\nwrk.body = '{body}'\nwrk.headers[\"Content-Type\"] = \"application/json\"\n");
+    std::fs::write(&script, lua).unwrap();
+    let out = tokio::process::Command::new("wrk")
+        .args(["-t1", &format!("-c{conc}"), &format!("-d{secs}s"), "--latency", "-s", script.to_str().unwrap(), url])
+        .output()
+        .await
+        .expect("run wrk (apt-get install wrk)");
+    parse_wrk(&String::from_utf8_lossy(&out.stdout))
+}
+
+/// Reads requests/s, the 50% and 99% latencies and the error counts from wrk's report.
+fn parse_wrk(text: &str) -> Run {
+    let dur = |v: &str| -> Duration {
+        let (num, unit) = v.trim().split_at(v.trim().find(|c: char| c.is_ascii_alphabetic()).unwrap_or(v.trim().len()));
+        let x: f64 = num.parse().unwrap_or(0.0);
+        Duration::from_secs_f64(match unit {
+            "us" => x / 1e6,
+            "ms" => x / 1e3,
+            "s" => x,
+            "m" => x * 60.0,
+            _ => 0.0,
+        })
+    };
+    let mut run = Run { rps: 0.0, p50: Duration::ZERO, p99: Duration::ZERO, errors: 0 };
+    for line in text.lines() {
+        let l = line.trim();
+        if let Some(v) = l.strip_prefix("Requests/sec:") {
+            run.rps = v.trim().parse().unwrap_or(0.0);
+        } else if let Some(v) = l.strip_prefix("50%") {
+            run.p50 = dur(v);
+        } else if let Some(v) = l.strip_prefix("99%") {
+            run.p99 = dur(v);
+        } else if let Some(v) = l.strip_prefix("Non-2xx or 3xx responses:") {
+            run.errors += v.trim().parse::<u64>().unwrap_or(0);
+        } else if let Some(v) = l.strip_prefix("Socket errors:") {
+            // "connect 0, read 0, write 0, timeout 0"
+            run.errors += v.split(',').filter_map(|p| p.split_whitespace().last()?.parse::<u64>().ok()).sum::<u64>();
+        }
+    }
+    run
+}
+
 fn us(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
+}
+
+/// A proxy under test: its name, its process and its port.
+struct Target {
+    name: &'static str,
+    child: Option<Child>,
+    port: u16,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn wait_listening(port: u16, what: &str) {
+    let start = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(start.elapsed() < Duration::from_secs(20), "{what} did not start listening on {port}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Starts `bin` with a generated config in front of `upstream` (`extra` goes into the model).
+fn start_gateway(name: &'static str, bin: &str, dir: &Path, upstream: std::net::SocketAddr, threads: Option<usize>, model_extra: &str) -> Target {
+    let (port, admin_port) = (free_port(), free_port());
+    let threads = threads.map_or(String::new(), |t| format!("threads: {t}\n"));
+    let yaml = format!(
+        "listen: 127.0.0.1:{port}\nadmin_listen: 127.0.0.1:{admin_port}\n{threads}models:\n  - name: m\n{model_extra}    workers:\n      - url: http://{upstream}\n"
+    );
+    let cfg = dir.join(format!("{name}.yaml"));
+    std::fs::write(&cfg, yaml).unwrap();
+    let child = Command::new(bin)
+        .args(["--config", cfg.to_str().unwrap(), "--log", "warn"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {bin} (cargo build --release -p kvgate): {e}"));
+    wait_listening(port, name);
+    Target { name, child: Some(child), port }
+}
+
+/// Starts nginx as a keep-alive reverse proxy with buffering off (SSE passes through).
+fn start_nginx(dir: &Path, upstream: std::net::SocketAddr, workers: usize) -> Target {
+    let port = free_port();
+    let prefix = dir.join("nginx");
+    std::fs::create_dir_all(prefix.join("logs")).unwrap();
+    let conf = format!(
+        "worker_processes {workers};\npid {p}/nginx.pid;\nerror_log {p}/logs/error.log warn;\nevents {{ worker_connections 4096; }}\n\
+         http {{\n  access_log off;\n  client_body_temp_path {p}/body;\n  proxy_temp_path {p}/proxy;\n  fastcgi_temp_path {p}/fcgi;\n  uwsgi_temp_path {p}/uwsgi;\n  scgi_temp_path {p}/scgi;\n\
+           upstream up {{ server {upstream}; keepalive 256; }}\n\
+           server {{\n    listen 127.0.0.1:{port};\n    location / {{\n      proxy_pass http://up;\n      proxy_http_version 1.1;\n      proxy_set_header Connection \"\";\n      proxy_buffering off;\n    }}\n  }}\n}}\n",
+        p = prefix.display()
+    );
+    let conf_path = prefix.join("nginx.conf");
+    std::fs::write(&conf_path, conf).unwrap();
+    let child = Command::new("nginx")
+        .args(["-p", prefix.to_str().unwrap(), "-c", conf_path.to_str().unwrap(), "-g", "daemon off;"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start nginx (apt-get install nginx)");
+    wait_listening(port, "nginx");
+    Target { name: "nginx", child: Some(child), port }
 }
 
 #[tokio::main]
@@ -153,67 +295,58 @@ async fn main() {
     });
     let dir = std::env::temp_dir().join(format!("kvgate-overhead-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let (gw, gw_port) = start_gateway(&a.kvgate_bin, &dir.join("kvgate.yaml"), up_addr);
-    let baseline = a.baseline_bin.as_ref().map(|bin| start_gateway(bin, &dir.join("baseline.yaml"), up_addr));
-    let unary = r#"{"model":"m","prompt":"hello","max_tokens":1}"#;
-    let stream = r#"{"model":"m","prompt":"hello","max_tokens":16,"stream":true}"#;
-    println!("| request | concurrency | path | requests/s | p50 | p99 | errors |");
-    println!("|---|---:|---|---:|---:|---:|---:|");
-    for (kind, body) in [("unary", unary), ("stream (16 chunks)", stream)] {
+    let mut targets = vec![Target { name: "direct", child: None, port: up_addr.port() }];
+    if a.compare_nginx {
+        targets.push(start_nginx(&dir, up_addr, a.nginx_workers));
+    }
+    if let Some(bin) = &a.baseline_bin {
+        targets.push(start_gateway("baseline", bin, &dir, up_addr, a.kvgate_threads, ""));
+    }
+    targets.push(start_gateway("kvgate", &a.kvgate_bin, &dir, up_addr, a.kvgate_threads, "    routing:\n      mode: round_robin\n"));
+    if let Some(tok) = &a.kv_tokenizer {
+        let extra = format!("    tokenizer: {}\n    routing:\n      mode: kv\n      kv_events: false\n", tok.display());
+        targets.push(start_gateway("kvgate-kv", &a.kvgate_bin, &dir, up_addr, a.kvgate_threads, &extra));
+    }
+    // A few hundred characters of text, so kv mode has a real prompt to tokenize.
+    let unary = r#"{"model":"m","prompt":"You are a helpful assistant. Summarize the following report in three sentences, keeping every figure: the gateway forwarded the request to the worker that already held most of its prompt in its KV cache.","max_tokens":1}"#;
+    let stream = r#"{"model":"m","prompt":"You are a helpful assistant. Summarize the following report in three sentences, keeping every figure: the gateway forwarded the request to the worker that already held most of its prompt in its KV cache.","max_tokens":16,"stream":true}"#;
+    let load = if a.wrk { "wrk, 1 thread" } else { "built-in client" };
+    println!("load: {load}; {} s per row; chunks per stream: {chunks}\n", a.seconds);
+    println!("| request | concurrency | path | requests/s | p50 | p99 | errors | vs direct | vs nginx |");
+    println!("|---|---:|---|---:|---:|---:|---:|---:|---:|");
+    for (kind, body) in [("unary", unary), ("stream", stream)] {
+        if !a.kinds.iter().any(|k| k == kind) {
+            continue;
+        }
         for &c in &a.concurrency {
-            let direct = measure(&format!("http://{up_addr}/v1/completions"), body, c, a.seconds).await;
-            let base = match &baseline {
-                Some((_, port)) => Some(measure(&format!("http://127.0.0.1:{port}/v1/completions"), body, c, a.seconds).await),
-                None => None,
-            };
-            let via = measure(&format!("http://127.0.0.1:{gw_port}/v1/completions"), body, c, a.seconds).await;
-            for (name, r) in [("direct", Some(&direct)), ("baseline", base.as_ref()), ("kvgate", Some(&via))] {
-                let Some(r) = r else { continue };
-                println!("| {kind} | {c} | {name} | {:.0} | {:.0} µs | {:.0} µs | {} |", r.rps, us(r.p50), us(r.p99), r.errors);
+            let mut runs: Vec<(&str, Run)> = Vec::new();
+            for t in &targets {
+                let url = format!("http://127.0.0.1:{}/v1/completions", t.port);
+                let r = if a.wrk { measure_wrk(&url, body, c, a.seconds, &dir).await } else { measure(&url, body, c, a.seconds).await };
+                runs.push((t.name, r));
             }
-            println!(
-                "| {kind} | {c} | **added by kvgate** | {:.2}× | +{:.0} µs | +{:.0} µs | |",
-                via.rps / direct.rps,
-                us(via.p50) - us(direct.p50),
-                us(via.p99) - us(direct.p99)
-            );
-            if let Some(b) = &base {
+            let direct = runs[0].1.rps;
+            let nginx = runs.iter().find(|(n, _)| *n == "nginx").map(|(_, r)| r.rps);
+            let label = if kind == "stream" { format!("stream ({chunks} chunks)") } else { kind.to_string() };
+            for (name, r) in &runs {
+                let vs_nginx = nginx.map_or(String::new(), |n| format!("{:.2}×", r.rps / n));
                 println!(
-                    "| {kind} | {c} | **kvgate vs baseline** | {:.2}× | {:+.0} µs | {:+.0} µs | |",
-                    via.rps / b.rps,
-                    us(via.p50) - us(b.p50),
-                    us(via.p99) - us(b.p99)
+                    "| {label} | {c} | {name} | {:.0} | {:.0} µs | {:.0} µs | {} | {:.2}× | {vs_nginx} |",
+                    r.rps,
+                    us(r.p50),
+                    us(r.p99),
+                    r.errors,
+                    r.rps / direct
                 );
             }
         }
     }
     println!("\nupstream connections accepted over the whole run: {}", accepted.load(Ordering::Relaxed));
-    for mut child in std::iter::once(gw).chain(baseline.map(|b| b.0)) {
-        let _ = child.kill();
-        let _ = child.wait();
+    for t in &mut targets {
+        if let Some(mut child) = t.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
     let _ = std::fs::remove_dir_all(dir);
-}
-
-/// Starts `bin` with a generated config in front of `upstream`; returns it and its port once it
-/// accepts connections.
-fn start_gateway(bin: &str, cfg: &std::path::Path, upstream: std::net::SocketAddr) -> (std::process::Child, u16) {
-    let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let (port, admin_port) = (free(), free());
-    let yaml = format!(
-        "listen: 127.0.0.1:{port}\nadmin_listen: 127.0.0.1:{admin_port}\nthreads: 2\nmodels:\n  - name: m\n    workers:\n      - url: http://{upstream}\n"
-    );
-    std::fs::write(cfg, yaml).unwrap();
-    let child = Command::new(bin)
-        .args(["--config", cfg.to_str().unwrap(), "--log", "warn"])
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap_or_else(|e| panic!("start {bin} (cargo build --release -p kvgate): {e}"));
-    for _ in 0..200 {
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    (child, port)
 }

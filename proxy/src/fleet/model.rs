@@ -32,8 +32,8 @@ pub struct Model {
 }
 
 impl Model {
-    /// The ledger a model's config asks for.
-    pub fn new_ledger(m: &ModelConfig) -> Arc<Ledger> {
+    /// The ledger a model's config asks for, over its workers' counters.
+    pub fn new_ledger(m: &ModelConfig, workers: &[Arc<Worker>]) -> Arc<Ledger> {
         let r = &m.routing;
         let tracking = Tracking {
             assume_kv_reuse: r.assume_kv_reuse,
@@ -41,7 +41,7 @@ impl Model {
             output_blocks: r.track_output_blocks,
             block_size: m.block_size,
         };
-        Ledger::new(m.workers.len(), tracking)
+        Ledger::over(workers.iter().map(|w| w.booked.clone()).collect(), tracking)
     }
 
     /// Whether worker `i` is past the queue threshold (its booked prefill over
@@ -88,7 +88,7 @@ impl Model {
         let ranks = w.reported();
         Candidate {
             id: i as u32,
-            in_flight: self.ledger.in_flight(id),
+            in_flight: self.ledger.requests(id),
             active_prefill_tokens: self.ledger.prefill_tokens(id),
             active_blocks: self.ledger.active_blocks(id),
             total_blocks: ranks.iter().map(|r| r.total_blocks).sum(),

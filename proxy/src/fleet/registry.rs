@@ -61,7 +61,7 @@ impl WorkerRegistry {
                 models.insert(m.name.clone(), Arc::new(model));
                 continue;
             }
-            let workers = m
+            let workers: Arc<[Arc<Worker>]> = m
                 .workers
                 .iter()
                 .map(|w| {
@@ -76,7 +76,8 @@ impl WorkerRegistry {
                 Arc::new(kvgate_filters::route::RouterQueue::new(m.routing.queue_max_len, std::time::Duration::from_millis(m.routing.queue_max_wait_ms)))
             });
             let policy: Arc<dyn Policy> = Arc::from(m.routing.builtin().policy());
-            models.insert(m.name.clone(), Arc::new(Model { cfg: m.clone(), workers, policy, plugin: slot(m), kv, queue, ledger: Model::new_ledger(m) }));
+            let ledger = Model::new_ledger(m, &workers);
+            models.insert(m.name.clone(), Arc::new(Model { cfg: m.clone(), workers, policy, plugin: slot(m), kv, queue, ledger }));
         }
         *known = next;
         Ok(Fleet { models, order })

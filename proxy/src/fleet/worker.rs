@@ -1,9 +1,12 @@
-//! One vLLM server as the gateway tracks it: its address, health and the load it reports on
-//! its `/metrics`. What the gateway itself has booked on it lives in the model's ledger.
+//! One vLLM server as the gateway tracks it: its address, health, the load it reports on its
+//! `/metrics`, and the counters of what the gateway booked on it (written through the ledgers
+//! of the models it serves, so they survive reloads and add up across models).
 
 use crate::config::UpstreamUrl;
+use kvgate_filters::ledger::WorkerCounters;
 use parking_lot::RwLock;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 /// One vLLM server.
@@ -15,6 +18,8 @@ pub struct Worker {
     pub host_header: String,
     /// The URL as text (metric label, logs), made once.
     pub label: String,
+    /// What the gateway booked on it (read through a model's ledger).
+    pub booked: Arc<WorkerCounters>,
     healthy: AtomicBool,
     consecutive_failures: AtomicU32,
     consecutive_successes: AtomicU32,
@@ -31,6 +36,7 @@ impl Worker {
         Self {
             host_header: url.authority.clone(),
             label: url.to_string(),
+            booked: Arc::default(),
             url,
             // Optimistic until the first check: a fresh gateway serves at once.
             healthy: AtomicBool::new(true),

@@ -6,9 +6,9 @@
 //! busy thresholds at run time), `GET /plugins` and `POST /plugins/reload` (re-read every
 //! plugin file now; a module that does not load is refused and the old one keeps serving).
 
-use super::errors::ClientError;
-use super::io::{respond_error, respond_json};
 use super::local;
+use crate::downstream::errors::ClientError;
+use crate::downstream::io::{respond_error, respond_json};
 use crate::gateway::Gateway;
 use pingora::proxy::Session;
 use serde_json::json;
@@ -49,7 +49,7 @@ async fn workers(gw: &Arc<Gateway>, session: &mut Session) {
                     let reported: Vec<_> =
                         w.reported().iter().map(|r| json!({"kv_usage": r.kv_usage, "waiting": r.waiting, "total_blocks": r.total_blocks})).collect();
                     let id = i as u16;
-                    json!({"id": i, "url": w.label, "healthy": w.is_healthy(), "in_flight": m.ledger.in_flight(id),
+                    json!({"id": i, "url": w.label, "healthy": w.is_healthy(), "in_flight": m.ledger.requests(id),
                            "booked_prefill_tokens": m.ledger.prefill_tokens(id), "booked_blocks": m.ledger.active_blocks(id),
                            "queue_busy": m.queue_busy(i), "reported": reported})
                 })
@@ -57,7 +57,7 @@ async fn workers(gw: &Arc<Gateway>, session: &mut Session) {
             json!({"model": name, "routing": m.policy.name(), "workers": workers})
         })
         .collect();
-    respond_json(session, 200, &json!({"draining": gw.is_draining(), "in_flight": gw.in_flight(), "models": models})).await;
+    respond_json(session, 200, &json!({"draining": gw.is_draining(), "in_flight": gw.open_requests(), "models": models})).await;
 }
 
 /// `{"in_flight": n, "requests": [...]}`, oldest first.
@@ -138,7 +138,7 @@ async fn list_thresholds(gw: &Arc<Gateway>, session: &mut Session) {
 /// `{"model": …, <threshold>: value | null, …}`: a field that is present sets (null clears)
 /// that threshold; absent fields stay; only `model` reads the current values.
 async fn set_threshold(gw: &Arc<Gateway>, session: &mut Session) {
-    let body = match super::io::read_body(session, 64 * 1024, std::time::Duration::from_secs(10)).await {
+    let body = match crate::downstream::io::read_body(session, 64 * 1024, std::time::Duration::from_secs(10)).await {
         Ok(b) => b,
         Err(e) => {
             if let Some(ce) = e.client_error() {

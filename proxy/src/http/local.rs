@@ -1,6 +1,6 @@
 //! Answers the gateway gives itself: the model list, its health, its metrics.
 
-use super::io::{respond, respond_json};
+use crate::downstream::io::{respond, respond_json};
 use crate::gateway::Gateway;
 use bytes::Bytes;
 use pingora::proxy::Session;

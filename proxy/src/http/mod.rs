@@ -3,16 +3,12 @@
 //! by the request phases (`crate::request`); Pingora's own upstream phase is never used.
 
 pub mod admin;
-pub mod client;
-pub mod errors;
-pub mod io;
 pub mod local;
-pub mod sse;
 
+use crate::downstream::errors::ClientError;
 use crate::gateway::Gateway;
 use crate::request::Endpoint;
 use async_trait::async_trait;
-use errors::ClientError;
 use pingora::prelude::*;
 use pingora::proxy::{FailToProxy, ProxyHttp, Session};
 use std::sync::Arc;
@@ -81,12 +77,14 @@ impl GatewayService {
     async fn public(&self, session: &mut Session, method: &str, path: &str) -> bool {
         match (method, Endpoint::from_path(path), path) {
             ("POST", Some(ep), _) => return crate::request::serve(&self.gw, session, ep).await,
-            (_, Some(_), _) => io::respond_error(session, &ClientError::method_not_allowed(method, path), &[]).await,
+            (_, Some(_), _) => crate::downstream::io::respond_error(session, &ClientError::method_not_allowed(method, path), &[]).await,
             ("GET", None, "/v1/models") => local::models(&self.gw, session).await,
             ("GET", None, "/health") => local::health(&self.gw, session).await,
             ("GET", None, "/metrics") => local::metrics(&self.gw, session).await,
-            (_, None, "/v1/models" | "/health" | "/metrics") => io::respond_error(session, &ClientError::method_not_allowed(method, path), &[]).await,
-            _ => io::respond_error(session, &ClientError::not_found(path), &[]).await,
+            (_, None, "/v1/models" | "/health" | "/metrics") => {
+                crate::downstream::io::respond_error(session, &ClientError::method_not_allowed(method, path), &[]).await
+            }
+            _ => crate::downstream::io::respond_error(session, &ClientError::not_found(path), &[]).await,
         }
         false
     }

@@ -4,10 +4,10 @@
 
 use super::endpoint::Endpoint;
 use super::{Outcome, RequestState};
+use crate::downstream::io::{BodyError, read_body};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
-use crate::http::io::{BodyError, read_body};
-use crate::inflight::InFlight;
+use crate::inflight::RequestEntry;
 use kvgate_filters::cancel::RequestContext;
 use pingora::proxy::Session;
 use serde::Deserialize;
@@ -86,7 +86,8 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut Session, endpoint: Endpoint,
     // The whole body is parsed only when kv routing tokenizes it.
     let parsed = (endpoint.generates() && model.kv.is_some()).then(|| serde_json::from_slice(&body).ok()).flatten();
     let ctx = RequestContext::new(rid);
-    let entry = InFlight::new(ctx.id().to_string(), model.cfg.name.clone(), endpoint.label(), stream, view.priority_jump(), ctx.clone(), model.workers.clone());
+    let entry =
+        RequestEntry::new(ctx.id().to_string(), model.cfg.name.clone(), endpoint.label(), stream, view.priority_jump(), ctx.clone(), model.workers.clone());
     let registered = gw.requests.register(entry);
     // Taken once and kept for the whole request (retries included).
     let plugin = model.plugin.as_ref().map(|slot| slot.current());

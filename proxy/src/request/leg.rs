@@ -1,6 +1,6 @@
 //! Phase 4, one upstream leg: send the client's body to the chosen worker and wait for the
-//! response header and the first body byte, under one deadline (`timeouts.first_byte_ms`),
-//! while watching the client. The client's header waits for the worker's first body bytes:
+//! response header and the first body byte, under one deadline (`timeouts.first_byte_ms`,
+//! from the moment the request was sent), while watching the client. The client's header waits for the worker's first body bytes:
 //! vLLM sends a stream's 200 at once and its first token after the prefill, so a worker that
 //! dies before its first token can still be replaced without the client noticing.
 //!
@@ -8,15 +8,15 @@
 //! go to another worker, the rest end the request.
 
 use super::RequestState;
+use crate::downstream::closed::client_closed;
 use crate::error::{LegError, LegErrorKind};
 use crate::fleet::Worker;
 use crate::gateway::Gateway;
-use crate::http::client::client_closed;
-use crate::upstream::{self, Exchange};
+use crate::upstream::{self, Exchange, Pool};
 use bytes::Bytes;
+use pingora::http::RequestHeader;
 use pingora::proxy::Session;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 /// A leg that answered: the worker's response header and first body bytes.
@@ -45,35 +45,21 @@ pub async fn run(gw: &Gateway, session: &mut Session, req: &RequestState, worker
     let cfg = gw.config();
     let header = match upstream::request_header(session.req_header(), worker, req.endpoint.path(), req.body.len(), req.id()) {
         Ok(h) => h,
+        // Built from the client's own headers: another worker would fail the same way.
         Err(e) => return LegEnd::Failed(LegError::new(LegErrorKind::Send, &worker.url, e.to_string()).final_()),
     };
-    let got_header = AtomicBool::new(false);
-    let answer = first_bytes(gw, worker, &header, &req.body, &got_header, may_retry && cfg.retries.on_5xx);
-    let first_byte = cfg.timeouts.first_byte_ms;
-    let bounded = async {
-        if first_byte == 0 {
-            return answer.await;
-        }
-        let limit = Duration::from_millis(first_byte);
-        tokio::time::timeout(limit, answer).await.unwrap_or_else(|_| {
-            // Without a header the worker is not answering at all: the client gets 504. After
-            // one, the request was accepted but stalled: another worker may serve it.
-            Err(match got_header.load(Ordering::Relaxed) {
-                true => LegError::new(LegErrorKind::BeforeFirstByte, &worker.url, "no first byte within timeouts.first_byte_ms"),
-                false => LegError::new(LegErrorKind::FirstByteTimeout, &worker.url, "no response within timeouts.first_byte_ms").final_(),
-            })
-        })
-    };
+    let first_byte = (cfg.timeouts.first_byte_ms > 0).then(|| Duration::from_millis(cfg.timeouts.first_byte_ms));
+    let answer = first_bytes(gw, worker, &header, &req.body, first_byte, may_retry && cfg.retries.on_5xx);
     let r = tokio::select! {
         biased;
-        r = bounded => r,
+        r = answer => r,
         _ = client_closed(session) => return LegEnd::ClientGone,
     };
     match r {
         Ok(leg) => LegEnd::Answered(Box::new(leg)),
         Err(e) => {
             if e.kind == LegErrorKind::Connect {
-                // A refused connection is a health signal; don't wait for the next probe.
+                // A refused connection is a health signal: count it now, not at the next probe.
                 worker.observe_health(false, cfg.health.unhealthy_threshold, cfg.health.healthy_threshold);
             }
             LegEnd::Failed(e)
@@ -81,23 +67,33 @@ pub async fn run(gw: &Gateway, session: &mut Session, req: &RequestState, worker
     }
 }
 
-/// The exchange and the first body read.
+/// The exchange and the first body read. The first-byte deadline starts when the request was
+/// sent (connecting has its own timeout) and covers the header and the first body bytes: no
+/// header in time is a final 504; a header without a first byte in time is retryable (the
+/// worker took the request and stalled).
 async fn first_bytes(
     gw: &Gateway,
     worker: &Arc<Worker>,
-    header: &pingora::http::RequestHeader,
+    header: &RequestHeader,
     body: &Bytes,
-    got_header: &AtomicBool,
+    first_byte: Option<Duration>,
     retry_5xx: bool,
 ) -> Result<Leg, LegError> {
-    let mut ex = upstream::exchange(gw, worker, header, Some(body)).await?;
-    got_header.store(true, Ordering::Relaxed);
+    let mut ex = upstream::exchange(gw, worker, header, Some(body), Pool::Requests, first_byte).await?;
     let status = ex.header.status.as_u16();
     if retry_5xx && status >= 500 {
         // Dropping `ex` closes that connection.
         return Err(LegError::new(LegErrorKind::Status5xx, &worker.url, format!("answered {status}")));
     }
-    match ex.session.read_response_body().await {
+    let read = ex.session.read_response_body();
+    let first = match first_byte {
+        Some(limit) => match tokio::time::timeout_at((ex.sent_at + limit).into(), read).await {
+            Ok(r) => r,
+            Err(_) => return Err(LegError::new(LegErrorKind::BeforeFirstByte, &worker.url, "no first byte within timeouts.first_byte_ms")),
+        },
+        None => read.await,
+    };
+    match first {
         Ok(first) => Ok(Leg { ex, first, worker: worker.clone() }),
         Err(e) => Err(LegError::new(LegErrorKind::BeforeFirstByte, &worker.url, e.to_string()).with_source(*e)),
     }

@@ -20,14 +20,13 @@ pub mod leg;
 pub mod place;
 pub mod prompt;
 pub mod queue;
-pub mod receipt;
 pub mod record;
 pub mod relay;
 pub mod state;
 
+use crate::downstream::io::respond_error;
 use crate::error::{GatewayError, LegError, LegErrorKind};
 use crate::gateway::Gateway;
-use crate::http::io::respond_error;
 pub use endpoint::Endpoint;
 use leg::LegEnd;
 use pingora::proxy::Session;
@@ -83,8 +82,8 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut Session, endpoint: Endpoint)
 
 /// The phases after admission.
 async fn run(gw: &Arc<Gateway>, session: &mut Session, req: &mut RequestState) -> Outcome {
-    let in_flight = gw.metrics.in_flight.with_label_values(&[req.model_name()]);
-    in_flight.inc();
+    let gauge = gw.metrics.requests_in_flight.with_label_values(&[req.model_name()]);
+    gauge.inc();
     let outcome = match queue::wait(gw, session, req).await {
         Err(outcome) => outcome,
         Ok(()) => {
@@ -92,7 +91,7 @@ async fn run(gw: &Arc<Gateway>, session: &mut Session, req: &mut RequestState) -
             attempts(gw, session, req).await
         }
     };
-    in_flight.dec();
+    gauge.dec();
     outcome
 }
 

@@ -5,10 +5,10 @@
 //! request's route receipt.
 
 use super::RequestState;
-use super::receipt::{DecidedBy, Exclusion, Placement};
 use crate::error::GatewayError;
 use crate::fleet::{Model, Worker};
 use crate::gateway::Gateway;
+use crate::receipt::{DecidedBy, Exclusion, Placement};
 use kvgate_filters::ledger::Footprint;
 use kvgate_filters::route::{Candidate, Decision, Policy, RequestSummary};
 use std::sync::Arc;
@@ -147,6 +147,8 @@ fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, t_
     let prompt_tokens = req.booked_tokens();
     let cached_tokens = (u64::from(chosen.overlap_blocks) * bs).min(prompt_tokens);
     let footprint = match &req.kv {
+        // `/tokenize` and `/detokenize` compute nothing worth booking: only the request counts.
+        _ if !req.endpoint.generates() => Footprint::default(),
         Some(k) => {
             gw.metrics.overlap.with_label_values(&[name]).observe(f64::from(chosen.overlap_blocks));
             gw.metrics.decision_time.with_label_values(&[name]).observe((t_decide.elapsed() + k.lookup_time).as_secs_f64());

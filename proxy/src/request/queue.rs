@@ -3,9 +3,9 @@
 //! 429, waited too long → 503), or the client leaves.
 
 use super::{Outcome, RequestState};
+use crate::downstream::closed::client_closed;
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
-use crate::http::client::client_closed;
 use kvgate_filters::route::QueueError;
 use pingora::proxy::Session;
 use std::sync::Arc;

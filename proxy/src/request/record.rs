@@ -3,13 +3,14 @@
 
 use super::endpoint::Endpoint;
 use super::{Outcome, RequestState};
-use crate::error::LegError;
+use crate::error::{GatewayError, LegError};
 use crate::fleet::Worker;
 use crate::gateway::Gateway;
 
-/// A request refused before it was admitted (no model known yet).
+/// A request refused before it was admitted (no model known yet): a body that is not JSON or
+/// names no served model is counted under `model=""`; draining, size and time limits are not.
 pub fn refused_early(gw: &Gateway, endpoint: Endpoint, outcome: &Outcome) {
-    if let Outcome::Refused(e) = outcome {
+    if let Outcome::Refused(e @ (GatewayError::BadRequest { .. } | GatewayError::UnknownModel { .. })) = outcome {
         let status = e.status().to_string();
         gw.metrics.requests.with_label_values(&["", endpoint.label(), status.as_str()]).inc();
     }

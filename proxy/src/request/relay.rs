@@ -7,11 +7,11 @@
 
 use super::leg::Leg;
 use super::{Outcome, RequestState, record};
+use crate::downstream::closed::client_closed;
 use crate::error::{GatewayError, LegError, LegErrorKind};
 use crate::gateway::Gateway;
-use crate::http::client::client_closed;
-use crate::http::sse::SseEventCounter;
 use crate::inflight::Phase;
+use crate::sse::SseEventCounter;
 use crate::upstream::{self, Exchange};
 use bytes::Bytes;
 use pingora::proxy::Session;
@@ -120,7 +120,8 @@ impl Progress {
         if let Some(counter) = self.events.as_mut() {
             let n = counter.feed(bytes);
             req.entry().generated(n);
-            if let Some(b) = req.booking.as_ref() {
+            // Output blocks are booked in kv mode only, where prompt blocks are real.
+            if let (Some(b), Some(_)) = (req.booking.as_ref(), &req.kv) {
                 b.generated(n);
             }
         }

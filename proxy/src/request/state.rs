@@ -6,7 +6,7 @@ use super::admit::RequestView;
 use super::endpoint::Endpoint;
 use super::kv_inputs::KvInputs;
 use crate::fleet::Model;
-use crate::inflight::{InFlight, Registered};
+use crate::inflight::{Registered, RequestEntry};
 use bytes::Bytes;
 use kvgate_filters::cancel::RequestContext;
 use kvgate_filters::ledger::Booking;
@@ -62,7 +62,7 @@ impl RequestState {
     }
 
     /// Its registry entry.
-    pub fn entry(&self) -> &Arc<InFlight> {
+    pub fn entry(&self) -> &Arc<RequestEntry> {
         self.registered.entry()
     }
 

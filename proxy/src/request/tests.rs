@@ -142,7 +142,7 @@ fn assert_clean(gw: &Gateway) {
     assert!(gw.requests.is_empty(), "registry cleaned up");
     let m = gw.fleet().model("m").cloned().unwrap();
     for i in 0..m.workers.len() as u16 {
-        assert_eq!((m.ledger.in_flight(i), m.ledger.prefill_tokens(i), m.ledger.active_blocks(i)), (0, 0, 0), "worker {i}'s bookings");
+        assert_eq!((m.ledger.requests(i), m.ledger.prefill_tokens(i), m.ledger.active_blocks(i)), (0, 0, 0), "worker {i}'s bookings");
     }
 }
 

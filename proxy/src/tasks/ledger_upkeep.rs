@@ -20,7 +20,7 @@ pub async fn run(gw: Arc<Gateway>) {
             for (i, w) in m.workers.iter().enumerate() {
                 let labels = [m.cfg.name.as_str(), w.label.as_str()];
                 let id = i as u16;
-                gw.metrics.worker_in_flight.with_label_values(&labels).set(i64::from(m.ledger.in_flight(id)));
+                gw.metrics.worker_in_flight.with_label_values(&labels).set(i64::from(m.ledger.requests(id)));
                 gw.metrics.active_prefill.with_label_values(&labels).set(m.ledger.prefill_tokens(id) as i64);
                 gw.metrics.active_blocks.with_label_values(&labels).set(m.ledger.active_blocks(id) as i64);
             }

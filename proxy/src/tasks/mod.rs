@@ -1,7 +1,7 @@
 //! The gateway's background work, each a task in its own file, run under one [`Supervisor`]
 //! (a `JoinSet`): started together when the server starts, stopped together when it stops, and
-//! a task that panics is logged and restarted, so one bug never silently stops health checks or
-//! event ingestion.
+//! a task that panics is logged and restarted (after 1 s, doubling up to 30 s while it keeps
+//! failing), so one bug never silently stops health checks or event ingestion.
 //!
 //! - [`health`]: health probes of every worker (`health.*`);
 //! - [`worker_metrics`]: polling each worker's `/metrics` for the load it reports (`load.*`);
@@ -22,7 +22,15 @@ pub mod worker_metrics;
 use crate::gateway::Gateway;
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tokio::task::{Id, JoinSet};
+
+/// First restart delay of a failed task.
+const FIRST_BACKOFF: Duration = Duration::from_secs(1);
+/// Longest restart delay.
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// A task that ran this long before failing starts again from [`FIRST_BACKOFF`].
+const HEALTHY_RUN: Duration = Duration::from_secs(60);
 
 /// One kind of background task.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,24 +69,38 @@ impl Task {
         }
     }
 
-    fn spawn(self, set: &mut JoinSet<()>, gw: Arc<Gateway>) -> Id {
-        let handle = match self {
-            Task::Health => set.spawn(health::run(gw)),
-            Task::WorkerMetrics => set.spawn(worker_metrics::run(gw)),
-            Task::KvSubscribers => set.spawn(kv_subscribers::run(gw)),
-            Task::QueueRelease => set.spawn(queue_release::run(gw)),
-            Task::LedgerUpkeep => set.spawn(ledger_upkeep::run(gw)),
-            Task::ConfigWatch => set.spawn(config_watch::run(gw)),
-            Task::PluginWatch => set.spawn(plugin_watch::run(gw)),
+    /// Starts the task after `delay`.
+    fn spawn(self, set: &mut JoinSet<()>, gw: Arc<Gateway>, delay: Duration) -> Id {
+        let run: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> = match self {
+            Task::Health => Box::pin(health::run(gw)),
+            Task::WorkerMetrics => Box::pin(worker_metrics::run(gw)),
+            Task::KvSubscribers => Box::pin(kv_subscribers::run(gw)),
+            Task::QueueRelease => Box::pin(queue_release::run(gw)),
+            Task::LedgerUpkeep => Box::pin(ledger_upkeep::run(gw)),
+            Task::ConfigWatch => Box::pin(config_watch::run(gw)),
+            Task::PluginWatch => Box::pin(plugin_watch::run(gw)),
         };
-        handle.id()
+        set.spawn(async move {
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
+            run.await
+        })
+        .id()
     }
+}
+
+/// A running task: what it is, when it started, the delay of its next restart.
+struct Running {
+    task: Task,
+    started: Instant,
+    backoff: Duration,
 }
 
 /// Runs the background tasks.
 pub struct Supervisor {
     set: JoinSet<()>,
-    tasks: HashMap<Id, Task>,
+    tasks: HashMap<Id, Running>,
     gw: Arc<Gateway>,
 }
 
@@ -87,20 +109,20 @@ impl Supervisor {
     pub fn start(gw: Arc<Gateway>) -> Self {
         let mut s = Self { set: JoinSet::new(), tasks: HashMap::new(), gw };
         for t in Task::ALL {
-            s.start_one(t);
+            s.start_one(t, Duration::ZERO, FIRST_BACKOFF);
         }
         s
     }
 
-    fn start_one(&mut self, t: Task) {
-        let id = t.spawn(&mut self.set, self.gw.clone());
-        self.tasks.insert(id, t);
+    fn start_one(&mut self, task: Task, delay: Duration, backoff: Duration) {
+        let id = task.spawn(&mut self.set, self.gw.clone(), delay);
+        self.tasks.insert(id, Running { task, started: Instant::now() + delay, backoff });
     }
 
     /// Tasks running now.
     #[cfg(test)]
     pub fn running(&self) -> Vec<Task> {
-        let mut v: Vec<Task> = self.tasks.values().copied().collect();
+        let mut v: Vec<Task> = self.tasks.values().map(|r| r.task).collect();
         v.sort_by_key(|t| Task::ALL.iter().position(|a| a == t));
         v
     }
@@ -123,13 +145,14 @@ impl Supervisor {
             Ok((id, ())) => (id, "returned".to_string()),
             Err(e) => (e.id(), if e.is_panic() { "panicked".to_string() } else { e.to_string() }),
         };
-        let Some(t) = self.tasks.remove(&id) else { return };
+        let Some(r) = self.tasks.remove(&id) else { return };
         // A gateway without a config file has nothing to watch: that task ends by design.
-        if t == Task::ConfigWatch && self.gw.config_path().is_none() {
+        if r.task == Task::ConfigWatch && self.gw.config_path().is_none() {
             return;
         }
-        tracing::error!(task = t.name(), why, "background task ended; restarting it");
-        self.start_one(t);
+        let delay = if r.started.elapsed() >= HEALTHY_RUN { FIRST_BACKOFF } else { r.backoff };
+        tracing::error!(task = r.task.name(), why, restart_in_s = delay.as_secs(), "background task ended; restarting it");
+        self.start_one(r.task, delay, (delay * 2).min(MAX_BACKOFF));
     }
 
     /// Stops every task and waits until they are gone.

@@ -25,7 +25,7 @@ pub async fn run(gw: Arc<Gateway>) {
         for (_, w) in gw.fleet().all_workers() {
             let gw = gw.clone();
             polls.spawn(async move {
-                match upstream::get(&gw, &w, "/metrics", timeout, MAX_BODY).await {
+                match upstream::get(&gw, &w, "/metrics", timeout, MAX_BODY, true).await {
                     Ok((200, body)) => w.set_reported(parse(&String::from_utf8_lossy(&body))),
                     Ok((status, _)) => tracing::debug!(worker = %w.url, status, "worker /metrics answered non-200"),
                     Err(e) => tracing::debug!(worker = %w.url, error = %e, "worker /metrics poll failed"),

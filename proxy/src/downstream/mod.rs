@@ -1,0 +1,7 @@
+//! The client side of a request (Pingora's "downstream"), shared by the request phases and the
+//! local and admin answers: reading a body with a cap and a deadline, writing complete answers,
+//! watching for a client that left, and the client-facing errors.
+
+pub mod closed;
+pub mod errors;
+pub mod io;
