@@ -2,7 +2,7 @@
 //! listeners. Where seed 003 names a metric (`dynamo_frontend_model_cancellation_total`), the
 //! kvgate equivalent keeps its labels.
 
-use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
 const LATENCY_BUCKETS: &[f64] = &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0];
 const ITL_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0];
@@ -161,6 +161,63 @@ impl Metrics {
         let mut buf = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
         String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+/// One endpoint's per-request series of a model, resolved once.
+#[derive(Clone)]
+pub struct EndpointMetrics {
+    /// `kvgate_request_duration_seconds{model,endpoint}`.
+    pub duration: Histogram,
+    /// `kvgate_time_to_first_token_seconds{model,endpoint}`.
+    pub ttft: Histogram,
+    /// `kvgate_inter_token_latency_seconds{model,endpoint}`.
+    pub itl: Histogram,
+    /// `kvgate_requests_total{model,endpoint,status="200"}`, the common case.
+    pub ok: IntCounter,
+}
+
+/// A model's per-request series, resolved once per model so the request path does no label
+/// lookups (each `with_label_values` hashes its labels and takes a lock).
+#[derive(Clone)]
+pub struct ModelMetrics {
+    /// `kvgate_requests_in_flight{model}`.
+    pub requests_in_flight: IntGauge,
+    /// `kvgate_tasks_issued_total{model}`.
+    pub issued: IntCounter,
+    /// `kvgate_routing_overlap_blocks{model}`.
+    pub overlap: Histogram,
+    /// `kvgate_routing_decision_seconds{model}`.
+    pub decision_time: Histogram,
+    /// `kvgate_routing_decisions_total{model,worker}`, by worker id.
+    pub decisions: Vec<IntCounter>,
+    /// By [`crate::request::Endpoint::index`].
+    pub endpoints: Vec<EndpointMetrics>,
+}
+
+impl ModelMetrics {
+    /// Resolves the series of model `name` with these worker labels.
+    pub fn new(m: &Metrics, name: &str, workers: &[String]) -> Self {
+        let endpoints = crate::request::Endpoint::ALL
+            .iter()
+            .map(|e| {
+                let l = [name, e.label()];
+                EndpointMetrics {
+                    duration: m.duration.with_label_values(&l),
+                    ttft: m.ttft.with_label_values(&l),
+                    itl: m.itl.with_label_values(&l),
+                    ok: m.requests.with_label_values(&[name, e.label(), "200"]),
+                }
+            })
+            .collect();
+        Self {
+            requests_in_flight: m.requests_in_flight.with_label_values(&[name]),
+            issued: m.issued.with_label_values(&[name]),
+            overlap: m.overlap.with_label_values(&[name]),
+            decision_time: m.decision_time.with_label_values(&[name]),
+            decisions: workers.iter().map(|w| m.decisions.with_label_values(&[name, w.as_str()])).collect(),
+            endpoints,
+        }
     }
 }
 

@@ -7,6 +7,7 @@
 //! upstream was chosen (docs/pingora.md, "Why a manual upstream leg"), so inference
 //! requests are sent by hand through here.
 
+use crate::config::Config;
 use crate::error::{LegError, LegErrorKind};
 use crate::fleet::Worker;
 use crate::gateway::Gateway;
@@ -85,13 +86,13 @@ pub enum Pool {
 /// meanwhile processed nothing, so one fresh connection is tried before giving up.
 pub async fn exchange(
     gw: &Gateway,
+    cfg: &Config,
     worker: &Worker,
     header: &RequestHeader,
     body: Option<&Bytes>,
     pool: Pool,
     header_timeout: Option<Duration>,
 ) -> Result<Exchange, LegError> {
-    let cfg = gw.config();
     let addr = worker.addr().await.map_err(|e| LegError::new(LegErrorKind::Resolve, &worker.url, e.to_string()).with_source(e))?;
     let mut peer = HttpPeer::new(addr, false, String::new());
     let connect = Duration::from_millis(cfg.timeouts.connect_ms);
@@ -175,7 +176,8 @@ pub async fn get(gw: &Gateway, worker: &Worker, path: &str, timeout: Duration, m
         if !keep_alive {
             h.insert_header("connection", "close").map_err(bad)?;
         }
-        let mut ex = exchange(gw, worker, &h, None, Pool::Probes, None).await?;
+        let cfg = gw.config();
+        let mut ex = exchange(gw, &cfg, worker, &h, None, Pool::Probes, None).await?;
         let status = ex.header.status.as_u16();
         let mut body = BytesMut::new();
         loop {
@@ -187,15 +189,14 @@ pub async fn get(gw: &Gateway, worker: &Worker, path: &str, timeout: Duration, m
             }
         }
         if keep_alive {
-            release(gw, ex).await;
+            release(gw, ex, Duration::from_millis(cfg.timeouts.upstream_idle_ms)).await;
         }
         Ok((status, body.freeze()))
     };
     tokio::time::timeout(timeout, attempt).await.unwrap_or(Err(ProbeError::Timeout(timeout)))
 }
 
-/// Returns a finished connection to the keep-alive pool.
-pub async fn release(gw: &Gateway, ex: Exchange) {
-    let idle = Duration::from_millis(gw.config().timeouts.upstream_idle_ms);
+/// Returns a finished connection to the keep-alive pool, idle for at most `idle`.
+pub async fn release(gw: &Gateway, ex: Exchange, idle: Duration) {
     gw.connector.release_http_session(ex.session, &ex.peer, Some(idle)).await;
 }

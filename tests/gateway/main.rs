@@ -429,3 +429,50 @@ async fn expect_100_continue_gets_the_go_ahead_at_once() {
     assert_eq!(String::from_utf8_lossy(&out.stdout), "200");
     assert!(took < Duration::from_millis(900), "curl waited for 100 Continue: {took:?}");
 }
+
+#[tokio::test]
+async fn the_admin_listener_shows_requests_in_flight_and_why_they_went_where_they_did() {
+    // Slow enough that a stream is still running while we look.
+    let c = Cluster::sims(2, sim(1.0), GatewayOpts::default()).await;
+    let r = c
+        .http
+        .post(c.url("/v1/completions"))
+        .header("x-request-id", "receipt-1")
+        .json(&json!({"prompt": unique_text(50), "max_tokens": 40, "ignore_eos": true, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let worker = r.headers().get("x-kvgate-worker").and_then(|v| v.to_str().ok()).map(str::to_owned).expect("x-kvgate-worker names the worker");
+    assert!(c.sims.iter().any(|s| s.url().trim_end_matches('/') == worker.trim_end_matches('/')), "{worker} is one of the workers");
+    let mut body = r.bytes_stream();
+    let _first = body.next().await.expect("a first chunk").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let running = loop {
+        let v: Value = c.http.get(c.admin("/requests")).send().await.unwrap().json().await.unwrap();
+        let entry = v["requests"].as_array().and_then(|l| l.iter().find(|e| e["id"] == "receipt-1").cloned());
+        if let Some(e) = entry.filter(|e| e["phase"] == "running") {
+            break e;
+        }
+        assert!(Instant::now() < deadline, "receipt-1 never listed as running: {v}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert_eq!(running["worker"], worker.as_str());
+    assert_eq!(running["model"], "sim-model");
+    assert!(running["tokens"].as_u64().unwrap() >= 1);
+    while body.next().await.is_some() {}
+    let v: Value = c.http.get(c.admin("/requests/receipt-1")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["status"], 200, "{v}");
+    assert_eq!(v["phase"], "finished");
+    let receipt = &v["route_receipt"][0];
+    assert_eq!(receipt["chosen"]["url"], worker.as_str(), "{v}");
+    assert_eq!(receipt["candidates"].as_array().map(Vec::len), Some(2), "both workers were considered: {v}");
+    assert_eq!(receipt["outcome"], "ok");
+    let (status, e) = {
+        let r = c.http.get(c.admin("/requests/no-such-request")).send().await.unwrap();
+        (r.status().as_u16(), r.json::<Value>().await.unwrap())
+    };
+    error_shape(status, 404, &e);
+    let now: Value = c.http.get(c.admin("/requests")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(now["in_flight"], 0, "{now}");
+}

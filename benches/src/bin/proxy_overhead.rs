@@ -218,6 +218,35 @@ fn us(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
 
+/// CPU time (user + system) a process has used so far, from `/proc/<pid>/stat`; threads
+/// included. Zero when unreadable.
+fn cpu_time(pid: u32) -> Duration {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return Duration::ZERO };
+    // Fields after the command name (which may hold spaces) start after the last ')'.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    // utime and stime are fields 14 and 15 of stat, i.e. 11 and 12 after the name.
+    Duration::from_secs_f64((ticks(11) + ticks(12)) as f64 / 100.0)
+}
+
+/// CPU time of every process whose parent is `pid` or which is `pid` (nginx: master + workers).
+fn tree_cpu_time(pid: u32) -> Duration {
+    let mut total = cpu_time(pid);
+    if let Ok(dir) = std::fs::read_dir("/proc") {
+        for e in dir.flatten() {
+            let Some(child) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+            let ppid = std::fs::read_to_string(format!("/proc/{child}/stat"))
+                .ok()
+                .and_then(|s| s.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1).and_then(|v| v.parse::<u32>().ok())));
+            if ppid == Some(pid) {
+                total += cpu_time(child);
+            }
+        }
+    }
+    total
+}
+
 /// A proxy under test: its name, its process and its port.
 struct Target {
     name: &'static str,
@@ -312,26 +341,30 @@ async fn main() {
     let stream = r#"{"model":"m","prompt":"You are a helpful assistant. Summarize the following report in three sentences, keeping every figure: the gateway forwarded the request to the worker that already held most of its prompt in its KV cache.","max_tokens":16,"stream":true}"#;
     let load = if a.wrk { "wrk, 1 thread" } else { "built-in client" };
     println!("load: {load}; {} s per row; chunks per stream: {chunks}\n", a.seconds);
-    println!("| request | concurrency | path | requests/s | p50 | p99 | errors | vs direct | vs nginx |");
-    println!("|---|---:|---|---:|---:|---:|---:|---:|---:|");
+    println!("| request | concurrency | path | requests/s | p50 | p99 | errors | vs direct | vs nginx | proxy CPU µs/request |");
+    println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|");
     for (kind, body) in [("unary", unary), ("stream", stream)] {
         if !a.kinds.iter().any(|k| k == kind) {
             continue;
         }
         for &c in &a.concurrency {
-            let mut runs: Vec<(&str, Run)> = Vec::new();
+            let mut runs: Vec<(&str, Run, Option<Duration>)> = Vec::new();
             for t in &targets {
                 let url = format!("http://127.0.0.1:{}/v1/completions", t.port);
+                let pid = t.child.as_ref().map(Child::id);
+                let cpu0 = pid.map(tree_cpu_time);
                 let r = if a.wrk { measure_wrk(&url, body, c, a.seconds, &dir).await } else { measure(&url, body, c, a.seconds).await };
-                runs.push((t.name, r));
+                let cpu = pid.zip(cpu0).map(|(p, c0)| tree_cpu_time(p).saturating_sub(c0));
+                runs.push((t.name, r, cpu));
             }
             let direct = runs[0].1.rps;
-            let nginx = runs.iter().find(|(n, _)| *n == "nginx").map(|(_, r)| r.rps);
+            let nginx = runs.iter().find(|(n, ..)| *n == "nginx").map(|(_, r, _)| r.rps);
             let label = if kind == "stream" { format!("stream ({chunks} chunks)") } else { kind.to_string() };
-            for (name, r) in &runs {
+            for (name, r, cpu) in &runs {
                 let vs_nginx = nginx.map_or(String::new(), |n| format!("{:.2}×", r.rps / n));
+                let per_req = cpu.map_or(String::new(), |c| format!("{:.1}", us(c) / (r.rps * a.seconds as f64).max(1.0)));
                 println!(
-                    "| {label} | {c} | {name} | {:.0} | {:.0} µs | {:.0} µs | {} | {:.2}× | {vs_nginx} |",
+                    "| {label} | {c} | {name} | {:.0} | {:.0} µs | {:.0} µs | {} | {:.2}× | {vs_nginx} | {per_req} |",
                     r.rps,
                     us(r.p50),
                     us(r.p99),

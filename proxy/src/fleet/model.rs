@@ -5,10 +5,11 @@
 use super::Worker;
 use crate::config::ModelConfig;
 use crate::kv_routing::KvRouting;
+use crate::metrics::{Metrics, ModelMetrics};
 use kvgate_filters::ledger::{Ledger, Tracking};
 use kvgate_filters::route::{Candidate, Policy};
 use kvgate_filters::shed::{RankLoad, Thresholds, worker_busy};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// A served model.
 #[derive(Clone)]
@@ -29,9 +30,19 @@ pub struct Model {
     /// What requests in flight have booked on each worker (every routing mode, shedding and
     /// the queue read it).
     pub ledger: Arc<Ledger>,
+    /// Its per-request metric series, resolved on first use.
+    pub metrics: OnceLock<ModelMetrics>,
 }
 
 impl Model {
+    /// Its metric series.
+    pub fn metrics(&self, m: &Metrics) -> &ModelMetrics {
+        self.metrics.get_or_init(|| {
+            let labels: Vec<String> = self.workers.iter().map(|w| w.label.clone()).collect();
+            ModelMetrics::new(m, &self.cfg.name, &labels)
+        })
+    }
+
     /// The ledger a model's config asks for, over its workers' counters.
     pub fn new_ledger(m: &ModelConfig, workers: &[Arc<Worker>]) -> Arc<Ledger> {
         let r = &m.routing;

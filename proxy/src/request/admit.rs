@@ -98,6 +98,7 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut Session, endpoint: Endpoint,
     // Serialized only for a plugin: other modes never read it.
     let plugin_nvext = plugin.as_ref().and(view.nvext.as_ref()).map(|v| v.to_string());
     Ok(RequestState {
+        cfg,
         endpoint,
         start,
         ctx,

@@ -14,6 +14,14 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
+    /// Every endpoint, in [`Endpoint::index`] order.
+    pub const ALL: [Endpoint; 4] = [Endpoint::Chat, Endpoint::Completions, Endpoint::Tokenize, Endpoint::Detokenize];
+
+    /// Position in [`Endpoint::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
     /// The endpoint a client path names.
     pub fn from_path(path: &str) -> Option<Self> {
         match path {

@@ -8,6 +8,7 @@
 //! go to another worker, the rest end the request.
 
 use super::RequestState;
+use crate::config::Config;
 use crate::downstream::closed::client_closed;
 use crate::error::{LegError, LegErrorKind};
 use crate::fleet::Worker;
@@ -42,14 +43,14 @@ pub enum LegEnd {
 /// Runs one leg to `worker`. `may_retry`: another worker may still be tried, so a 5xx is
 /// turned into a retryable error (when `retries.on_5xx`) instead of being passed on.
 pub async fn run(gw: &Gateway, session: &mut Session, req: &RequestState, worker: &Arc<Worker>, may_retry: bool) -> LegEnd {
-    let cfg = gw.config();
+    let cfg = &req.cfg;
     let header = match upstream::request_header(session.req_header(), worker, req.endpoint.path(), req.body.len(), req.id()) {
         Ok(h) => h,
         // Built from the client's own headers: another worker would fail the same way.
         Err(e) => return LegEnd::Failed(LegError::new(LegErrorKind::Send, &worker.url, e.to_string()).final_()),
     };
     let first_byte = (cfg.timeouts.first_byte_ms > 0).then(|| Duration::from_millis(cfg.timeouts.first_byte_ms));
-    let answer = first_bytes(gw, worker, &header, &req.body, first_byte, may_retry && cfg.retries.on_5xx);
+    let answer = first_bytes(gw, cfg, worker, &header, &req.body, first_byte, may_retry && cfg.retries.on_5xx);
     let r = tokio::select! {
         biased;
         r = answer => r,
@@ -73,13 +74,14 @@ pub async fn run(gw: &Gateway, session: &mut Session, req: &RequestState, worker
 /// worker took the request and stalled).
 async fn first_bytes(
     gw: &Gateway,
+    cfg: &Config,
     worker: &Arc<Worker>,
     header: &RequestHeader,
     body: &Bytes,
     first_byte: Option<Duration>,
     retry_5xx: bool,
 ) -> Result<Leg, LegError> {
-    let mut ex = upstream::exchange(gw, worker, header, Some(body), Pool::Requests, first_byte).await?;
+    let mut ex = upstream::exchange(gw, cfg, worker, header, Some(body), Pool::Requests, first_byte).await?;
     let status = ex.header.status.as_u16();
     if retry_5xx && status >= 500 {
         // Dropping `ex` closes that connection.

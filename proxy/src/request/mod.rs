@@ -82,7 +82,8 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut Session, endpoint: Endpoint)
 
 /// The phases after admission.
 async fn run(gw: &Arc<Gateway>, session: &mut Session, req: &mut RequestState) -> Outcome {
-    let gauge = gw.metrics.requests_in_flight.with_label_values(&[req.model_name()]);
+    let model = req.model.clone();
+    let gauge = &model.metrics(&gw.metrics).requests_in_flight;
     gauge.inc();
     let outcome = match queue::wait(gw, session, req).await {
         Err(outcome) => outcome,
@@ -97,7 +98,7 @@ async fn run(gw: &Arc<Gateway>, session: &mut Session, req: &mut RequestState) -
 
 /// Place → leg, once per attempt, until a leg answers or no retry is allowed; then relay.
 async fn attempts(gw: &Arc<Gateway>, session: &mut Session, req: &mut RequestState) -> Outcome {
-    let max = gw.config().retries.max_attempts.max(1) as usize;
+    let max = req.cfg.retries.max_attempts.max(1) as usize;
     let mut last: Option<LegError> = None;
     while req.tried.len() < max {
         let worker = match place::place(gw, req) {

@@ -140,9 +140,11 @@ fn decide(gw: &Gateway, req: &RequestState, candidates: &[Candidate]) -> (Decisi
 /// Moves (or makes) the request's booking onto worker `idx` and records the decision metrics.
 fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, t_decide: Instant) {
     let model = &req.model;
-    let name = model.cfg.name.as_str();
-    gw.metrics.issued.with_label_values(&[name]).inc();
-    gw.metrics.decisions.with_label_values(&[name, model.workers[idx].label.as_str()]).inc();
+    let mm = model.metrics(&gw.metrics);
+    mm.issued.inc();
+    if let Some(d) = mm.decisions.get(idx) {
+        d.inc();
+    }
     let bs = u64::from(model.cfg.block_size.max(1));
     let prompt_tokens = req.booked_tokens();
     let cached_tokens = (u64::from(chosen.overlap_blocks) * bs).min(prompt_tokens);
@@ -150,8 +152,8 @@ fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, t_
         // `/tokenize` and `/detokenize` compute nothing worth booking: only the request counts.
         _ if !req.endpoint.generates() => Footprint::default(),
         Some(k) => {
-            gw.metrics.overlap.with_label_values(&[name]).observe(f64::from(chosen.overlap_blocks));
-            gw.metrics.decision_time.with_label_values(&[name]).observe((t_decide.elapsed() + k.lookup_time).as_secs_f64());
+            mm.overlap.observe(f64::from(chosen.overlap_blocks));
+            mm.decision_time.observe((t_decide.elapsed() + k.lookup_time).as_secs_f64());
             let expected_output = req.view.expected_output();
             Footprint { prefill_tokens: prompt_tokens - cached_tokens, chain: k.chain.clone(), private_blocks: 0, prompt_tokens, expected_output }
         }

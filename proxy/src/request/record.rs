@@ -21,10 +21,14 @@ pub fn finished(gw: &Gateway, req: &mut RequestState, outcome: &Outcome) {
     let status = outcome.status();
     req.registered.set_status(status);
     let (name, endpoint) = (req.model_name(), req.endpoint.label());
-    let label = status.to_string();
-    gw.metrics.requests.with_label_values(&[name, endpoint, label.as_str()]).inc();
+    let m = &req.model.metrics(&gw.metrics).endpoints[req.endpoint.index()];
+    if status == 200 {
+        m.ok.inc();
+    } else {
+        gw.metrics.requests.with_label_values(&[name, endpoint, status.to_string().as_str()]).inc();
+    }
     let elapsed = req.start.elapsed();
-    gw.metrics.duration.with_label_values(&[name, endpoint]).observe(elapsed.as_secs_f64());
+    m.duration.observe(elapsed.as_secs_f64());
     if let Outcome::Refused(e) = outcome {
         tracing::debug!(request_id = req.id(), model = name, endpoint, status, error = %e, "request refused");
     }

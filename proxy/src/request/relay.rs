@@ -36,11 +36,13 @@ pub async fn relay(gw: &Gateway, session: &mut Session, req: &mut RequestState, 
         return record::cancelled(gw, req);
     }
     let mut progress = Progress::new(gw, req, status);
+    let idle = Duration::from_millis(req.cfg.timeouts.upstream_read_idle_ms);
+    let keep = Duration::from_millis(req.cfg.timeouts.upstream_idle_ms);
     let mut pending = Some(Ok(first));
     loop {
         let chunk = match pending.take() {
             Some(c) => c,
-            None => match next_chunk(gw, session, &mut ex, &worker.url).await {
+            None => match next_chunk(session, &mut ex, &worker.url, idle).await {
                 Some(c) => c,
                 None => return record::cancelled(gw, req),
             },
@@ -54,7 +56,7 @@ pub async fn relay(gw: &Gateway, session: &mut Session, req: &mut RequestState, 
                     return record::cancelled(gw, req);
                 }
                 if end {
-                    upstream::release(gw, ex).await;
+                    upstream::release(gw, ex, keep).await;
                     return Outcome::Served(status);
                 }
             }
@@ -68,13 +70,12 @@ pub async fn relay(gw: &Gateway, session: &mut Session, req: &mut RequestState, 
     if session.write_response_body(None, true).await.is_err() {
         return record::cancelled(gw, req);
     }
-    upstream::release(gw, ex).await;
+    upstream::release(gw, ex, keep).await;
     Outcome::Served(status)
 }
 
 /// The next body chunk, a stall or failure as a [`LegError`], or `None` when the client left.
-async fn next_chunk(gw: &Gateway, session: &mut Session, ex: &mut Exchange, worker: &crate::config::UpstreamUrl) -> Option<Result<Option<Bytes>, LegError>> {
-    let idle = Duration::from_millis(gw.config().timeouts.upstream_read_idle_ms);
+async fn next_chunk(session: &mut Session, ex: &mut Exchange, worker: &crate::config::UpstreamUrl, idle: Duration) -> Option<Result<Option<Bytes>, LegError>> {
     tokio::select! {
         biased;
         r = tokio::time::timeout(idle, ex.session.read_response_body()) => Some(match r {
@@ -98,10 +99,10 @@ struct Progress {
 impl Progress {
     fn new(gw: &Gateway, req: &RequestState, status: u16) -> Self {
         let timed = req.stream && status == 200;
-        let labels = [req.model_name(), req.endpoint.label()];
+        let m = &req.model.metrics(&gw.metrics).endpoints[req.endpoint.index()];
         Self {
-            ttft: timed.then(|| gw.metrics.ttft.with_label_values(&labels)),
-            itl: timed.then(|| gw.metrics.itl.with_label_values(&labels)),
+            ttft: timed.then(|| m.ttft.clone()),
+            itl: timed.then(|| m.itl.clone()),
             start: req.start,
             last: None,
             events: req.stream.then(SseEventCounter::default),

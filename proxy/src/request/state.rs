@@ -5,6 +5,7 @@
 use super::admit::RequestView;
 use super::endpoint::Endpoint;
 use super::kv_inputs::KvInputs;
+use crate::config::Config;
 use crate::fleet::Model;
 use crate::inflight::{Registered, RequestEntry};
 use bytes::Bytes;
@@ -16,6 +17,8 @@ use std::time::Instant;
 
 /// One request, from admission to its record.
 pub struct RequestState {
+    /// The configuration in force when it arrived (one load per request).
+    pub cfg: Arc<Config>,
     /// Which endpoint.
     pub endpoint: Endpoint,
     /// When it arrived.
