@@ -14,6 +14,7 @@ use crate::gateway::Gateway;
 use bytes::{Bytes, BytesMut};
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::client::HttpSession;
+use pingora::protocols::http::v1::client::{HttpSession as Http1Session, http_req_header_to_wire};
 use pingora::upstreams::peer::HttpPeer;
 use std::time::{Duration, Instant};
 
@@ -104,16 +105,9 @@ pub async fn exchange(
     }
     let mut fresh_try = 0;
     loop {
-        let (mut up, reused) =
+        let (up, reused) =
             gw.connector.get_http_session(&peer).await.map_err(|e| LegError::new(LegErrorKind::Connect, &worker.url, e.to_string()).with_source(*e))?;
-        let sent = async {
-            up.write_request_header(Box::new(header.clone())).await?;
-            if let Some(b) = body {
-                up.write_request_body(b.clone(), true).await?;
-            }
-            up.finish_request_body().await
-        }
-        .await;
+        let (mut up, sent) = send(up, &peer, header, body).await;
         let failed = match sent {
             Err(e) => LegError::new(LegErrorKind::Send, &worker.url, e.to_string()).with_source(*e),
             Ok(_) => {
@@ -140,6 +134,42 @@ pub async fn exchange(
             return Err(failed);
         }
         fresh_try += 1;
+    }
+}
+
+/// Sends the request. A request with a body goes out in one write (header and body together):
+/// Pingora's HTTP/1 client flushes the header on its own, which costs a second `send` per
+/// request, and on loopback a send carries the receiver's network processing too. The
+/// session that reads the response is made afresh over the same connection.
+async fn send(up: HttpSession, peer: &HttpPeer, header: &RequestHeader, body: Option<&Bytes>) -> (HttpSession, pingora::Result<()>) {
+    use tokio::io::AsyncWriteExt;
+    match (up, body) {
+        (HttpSession::H1(h1), Some(body)) => {
+            let Some(mut wire) = http_req_header_to_wire(header) else {
+                let e = pingora::Error::explain(pingora::ErrorType::InvalidHTTPHeader, "request header cannot be written");
+                return (HttpSession::H1(h1), Err(e));
+            };
+            wire.extend_from_slice(body);
+            let mut stream = h1.into_inner();
+            let written = match stream.write_all(&wire).await {
+                Ok(()) => stream.flush().await,
+                Err(e) => Err(e),
+            };
+            let up = HttpSession::H1(Http1Session::new_with_options(stream, peer));
+            (up, written.map_err(|e| pingora::Error::because(pingora::ErrorType::WriteError, "writing the request", e)))
+        }
+        (mut up, body) => {
+            let sent = async {
+                up.write_request_header(Box::new(header.clone())).await?;
+                if let Some(b) = body {
+                    up.write_request_body(b.clone(), true).await?;
+                }
+                up.finish_request_body().await
+            }
+            .await
+            .map(|_| ());
+            (up, sent)
+        }
     }
 }
 
