@@ -4,6 +4,10 @@
 //! column).
 
 use clap::{Parser, Subcommand};
+
+/// mimalloc rather than glibc's malloc: see the dependency's note in Cargo.toml.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use std::path::PathBuf;
 
 #[derive(Parser)]
