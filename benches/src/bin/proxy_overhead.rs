@@ -61,6 +61,9 @@ struct Args {
     /// SSE chunks per streamed response.
     #[arg(long, default_value_t = 16)]
     stream_chunks: usize,
+    /// Paced streams for the per-token delay (0 = skip): requests per target.
+    #[arg(long, default_value_t = 200)]
+    token_delay_requests: usize,
     /// Only these request kinds (unary, stream).
     #[arg(long, value_delimiter = ',', default_value = "unary,stream")]
     kinds: Vec<String>,
@@ -93,10 +96,14 @@ async fn serve_conn(mut s: TcpStream, chunks: usize) {
                 Ok(n) => buf.extend_from_slice(&tmp[..n]),
             }
         }
-        let stream = buf[head_end..head_end + len].windows(13).any(|w| w == b"\"stream\":true");
+        let body = &buf[head_end..head_end + len];
+        let stream = body.windows(13).any(|w| w == b"\"stream\":true");
+        let paced = body.windows(11).any(|w| w == b"\"pace\":true");
         let get = buf.starts_with(b"GET ");
         buf.drain(..head_end + len);
-        let ok = if get {
+        let ok = if paced {
+            paced_stream(&mut s, chunks).await
+        } else if get {
             s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await
         } else if stream {
             s.write_all(stream_response.as_bytes()).await
@@ -107,6 +114,52 @@ async fn serve_conn(mut s: TcpStream, chunks: usize) {
             return;
         }
     }
+}
+
+/// When the harness started: token events carry their send time as nanoseconds since then.
+static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+
+fn now_ns() -> u64 {
+    EPOCH.get_or_init(Instant::now).elapsed().as_nanos() as u64
+}
+
+/// A stream whose token events leave one by one, 1 ms apart, each stamped with its send time.
+async fn paced_stream(s: &mut TcpStream, chunks: usize) -> std::io::Result<()> {
+    s.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n").await?;
+    for i in 0..chunks {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let ev = format!("data: {{\"id\":\"cmpl-1\",\"t\":{},\"choices\":[{{\"index\":0,\"text\":\" t{i}\"}}]}}\n\n", now_ns());
+        s.write_all(format!("{:x}\r\n{ev}\r\n", ev.len()).as_bytes()).await?;
+    }
+    let done = "data: [DONE]\n\n";
+    s.write_all(format!("{:x}\r\n{done}\r\n0\r\n\r\n", done.len()).as_bytes()).await
+}
+
+/// Per-token delay at concurrency 1: for each token event of `n` paced streams, the time from
+/// the upstream's write to the client's read. Returns sorted delays.
+async fn token_delays(url: &str, n: usize) -> Vec<Duration> {
+    let http = reqwest::Client::new();
+    let body = r#"{"model":"m","prompt":"hello","max_tokens":16,"stream":true,"pace":true}"#;
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let Ok(mut r) = http.post(url).header("content-type", "application/json").body(body).send().await else { continue };
+        let mut carry = Vec::new();
+        while let Ok(Some(chunk)) = r.chunk().await {
+            let at = now_ns();
+            carry.extend_from_slice(&chunk);
+            // Complete lines only; a stamp split across reads is read with its second half.
+            let Some(end) = carry.iter().rposition(|&b| b == b'\n') else { continue };
+            let lines: Vec<u8> = carry.drain(..=end).collect();
+            for line in lines.split(|&b| b == b'\n') {
+                let text = String::from_utf8_lossy(line);
+                if let Some(t) = text.split("\"t\":").nth(1).and_then(|v| v.split(',').next()).and_then(|v| v.parse::<u64>().ok()) {
+                    out.push(Duration::from_nanos(at.saturating_sub(t)));
+                }
+            }
+        }
+    }
+    out.sort();
+    out
 }
 
 /// A chunked SSE response of `chunks` token events and `[DONE]`.
@@ -372,6 +425,20 @@ async fn main() {
                     r.rps / direct
                 );
             }
+        }
+    }
+    if a.token_delay_requests > 0 {
+        println!("\nPer-token delay, concurrency 1: {} paced streams of {chunks} token events 1 ms apart per path; upstream write → client read.\n", a.token_delay_requests);
+        println!("| path | tokens | p50 | p99 | added p50 | added p99 |");
+        println!("|---|---:|---:|---:|---:|---:|");
+        let mut direct: Option<(Duration, Duration)> = None;
+        for t in &targets {
+            let d = token_delays(&format!("http://127.0.0.1:{}/v1/completions", t.port), a.token_delay_requests).await;
+            let pct = |p: f64| d.get(((d.len() as f64 - 1.0) * p) as usize).copied().unwrap_or_default();
+            let (p50, p99) = (pct(0.5), pct(0.99));
+            let (a50, a99) = direct.map_or((0.0, 0.0), |(d50, d99)| (us(p50) - us(d50), us(p99) - us(d99)));
+            direct.get_or_insert((p50, p99));
+            println!("| {} | {} | {:.0} µs | {:.0} µs | {:+.0} µs | {:+.0} µs |", t.name, d.len(), us(p50), us(p99), a50, a99);
         }
     }
     println!("\nupstream connections accepted over the whole run: {}", accepted.load(Ordering::Relaxed));
