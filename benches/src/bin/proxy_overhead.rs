@@ -305,6 +305,8 @@ struct Target {
     name: &'static str,
     child: Option<Child>,
     port: u16,
+    /// How to stop it gracefully (nginx: its master must stop its workers itself).
+    stop: Option<Command>,
 }
 
 fn free_port() -> u16 {
@@ -334,7 +336,7 @@ fn start_gateway(name: &'static str, bin: &str, dir: &Path, upstream: std::net::
         .spawn()
         .unwrap_or_else(|e| panic!("start {bin} (cargo build --release -p kvgate): {e}"));
     wait_listening(port, name);
-    Target { name, child: Some(child), port }
+    Target { name, child: Some(child), port, stop: None }
 }
 
 /// Starts nginx as a keep-alive reverse proxy with buffering off (SSE passes through).
@@ -358,7 +360,9 @@ fn start_nginx(dir: &Path, upstream: std::net::SocketAddr, workers: usize) -> Ta
         .spawn()
         .expect("start nginx (apt-get install nginx)");
     wait_listening(port, "nginx");
-    Target { name: "nginx", child: Some(child), port }
+    let mut stop = Command::new("nginx");
+    stop.args(["-p", prefix.to_str().unwrap(), "-c", conf_path.to_str().unwrap(), "-s", "stop"]).stdout(Stdio::null()).stderr(Stdio::null());
+    Target { name: "nginx", child: Some(child), port, stop: Some(stop) }
 }
 
 #[tokio::main]
@@ -377,7 +381,7 @@ async fn main() {
     });
     let dir = std::env::temp_dir().join(format!("kvgate-overhead-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let mut targets = vec![Target { name: "direct", child: None, port: up_addr.port() }];
+    let mut targets = vec![Target { name: "direct", child: None, port: up_addr.port(), stop: None }];
     if a.compare_nginx {
         targets.push(start_nginx(&dir, up_addr, a.nginx_workers));
     }
@@ -443,6 +447,9 @@ async fn main() {
     }
     println!("\nupstream connections accepted over the whole run: {}", accepted.load(Ordering::Relaxed));
     for t in &mut targets {
+        if let Some(stop) = t.stop.as_mut() {
+            let _ = stop.status();
+        }
         if let Some(mut child) = t.child.take() {
             let _ = child.kill();
             let _ = child.wait();
