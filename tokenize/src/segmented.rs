@@ -113,6 +113,31 @@ impl SegmentCache {
         Ok(out)
     }
 
+    /// [`SegmentCache::encode`] when every segment it needs is cached already (no tokenizer
+    /// work, so it can run on an async worker); `None` when one is not (or the segmented path is
+    /// off for this tokenizer), and nothing was tokenized.
+    pub fn encode_cached(&self, text: &str, add_special: bool, max_tokens: Option<usize>) -> Option<Vec<u32>> {
+        if !self.enabled(add_special) {
+            return None;
+        }
+        let mut out = Vec::new();
+        for piece in self.split(text) {
+            match piece {
+                Piece::Added(id) => out.push(id),
+                Piece::Text(seg) => {
+                    let key = (xxh3_64(seg.as_bytes()), seg.len());
+                    let ids = self.segments.lock().get(&key).cloned()?;
+                    self.hits.fetch_add(1, Ordering::Relaxed);
+                    out.extend_from_slice(&ids);
+                }
+            }
+            if max_tokens.is_some_and(|m| out.len() >= m) {
+                break;
+            }
+        }
+        Some(out)
+    }
+
     fn segment(&self, seg: &str) -> Result<Arc<[u32]>, String> {
         let key = (xxh3_64(seg.as_bytes()), seg.len());
         if let Some(t) = self.segments.lock().get(&key) {
@@ -267,6 +292,21 @@ mod tests {
         }
         let (hits, misses) = cache.stats();
         assert!(hits > misses, "earlier turns' segments are reused: {hits} hits, {misses} misses");
+    }
+
+    #[test]
+    fn the_cached_only_path_answers_exactly_when_every_segment_is_cached() {
+        let tok = ModelTokenizer::builtin();
+        let cache = SegmentCache::new(tok.clone(), 1024);
+        let text = "<|im_start|>user\nsummarize the report<|im_end|>\n<|im_start|>assistant\n";
+        assert_eq!(cache.encode_cached(text, false, None), None, "nothing cached yet");
+        let (_, misses) = cache.stats();
+        assert_eq!(cache.stats().1, misses, "and nothing was tokenized");
+        let full = cache.encode(text, false, None).unwrap();
+        assert_eq!(cache.encode_cached(text, false, None), Some(full.clone()));
+        assert_eq!(cache.encode_cached(text, false, Some(3)).map(|v| full.starts_with(&v)), Some(true));
+        let longer = format!("{text}and one more segment<|im_end|>");
+        assert_eq!(cache.encode_cached(&longer, false, None), None, "a new segment is a miss");
     }
 
     #[test]

@@ -432,7 +432,10 @@ async fn main() {
         }
     }
     if a.token_delay_requests > 0 {
-        println!("\nPer-token delay, concurrency 1: {} paced streams of {chunks} token events 1 ms apart per path; upstream write → client read.\n", a.token_delay_requests);
+        println!(
+            "\nPer-token delay, concurrency 1: {} paced streams of {chunks} token events 1 ms apart per path; upstream write → client read.\n",
+            a.token_delay_requests
+        );
         println!("| path | tokens | p50 | p99 | added p50 | added p99 |");
         println!("|---|---:|---:|---:|---:|---:|");
         let mut direct: Option<(Duration, Duration)> = None;

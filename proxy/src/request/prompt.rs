@@ -3,7 +3,7 @@
 //!   send): used as is (the first prompt of a batch);
 //! - text, or chat messages rendered with the model's chat template: the model's HF tokenizer
 //!   through its segment cache (only segments not seen before are tokenized, and only up to the
-//!   tokens routing uses), on the blocking pool (completions add special tokens by default, chat
+//!   tokens routing uses), on the blocking pool unless every segment is cached (completions add special tokens by default, chat
 //!   does not, as vLLM);
 //! - no tokenizer configured: a character-block fallback, every 4 bytes of text one pseudo-token.
 //!   It is approximate: requests sharing a text prefix still share leading blocks, but block
@@ -72,6 +72,9 @@ fn ids(items: &[Value]) -> Option<Vec<u32>> {
 
 async fn text_tokens(text: String, add_special: bool, tokenizer: Option<&Arc<SegmentCache>>, max_tokens: usize) -> Option<Vec<u32>> {
     match tokenizer {
+        // Every segment seen before: no tokenizer work, so no hop to the blocking pool (the hop
+        // and its thread wake-ups cost more than the lookups).
+        Some(tok) if let Some(ids) = tok.encode_cached(&text, add_special, Some(max_tokens)) => Some(ids),
         Some(tok) => {
             let tok = tok.clone();
             tokio::task::spawn_blocking(move || tok.encode(&text, add_special, Some(max_tokens)).ok()).await.ok()?
