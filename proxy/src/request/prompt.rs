@@ -31,19 +31,22 @@ pub async fn tokens(body: &Value, chat: bool, tokenizer: Option<&Arc<SegmentCach
     }
     let messages = body.get("messages")?.as_array()?;
     match tokenizer {
+        // A short conversation is rendered right here (the template costs less than the hop to
+        // the blocking pool); its ids too when every segment is cached.
+        Some(tok) if chat_bytes(messages) <= INLINE_CHAT_BYTES => {
+            let text = render_chat(tok, body)?;
+            let add = body.get("add_special_tokens").and_then(Value::as_bool).unwrap_or(false);
+            if let Some(ids) = tok.encode_cached(&text, add, Some(max_tokens)) {
+                return Some(ids);
+            }
+            let tok = tok.clone();
+            tokio::task::spawn_blocking(move || tok.encode(&text, add, Some(max_tokens)).ok()).await.ok()?
+        }
         Some(tok) => {
             let tok = tok.clone();
             let body = body.clone();
             tokio::task::spawn_blocking(move || {
-                let msgs = normalize_messages(body.get("messages")?.as_array()?).ok()?;
-                let input = ChatInput {
-                    messages: &msgs,
-                    add_generation_prompt: body.get("add_generation_prompt").and_then(Value::as_bool).unwrap_or(true)
-                        && !body.get("continue_final_message").and_then(Value::as_bool).unwrap_or(false),
-                    tools: body.get("tools"),
-                    kwargs: body.get("chat_template_kwargs").and_then(Value::as_object),
-                };
-                let text = tok.tokenizer().render_chat(&input).ok()?;
+                let text = render_chat(&tok, &body)?;
                 tok.encode(&text, body.get("add_special_tokens").and_then(Value::as_bool).unwrap_or(false), Some(max_tokens)).ok()
             })
             .await
@@ -64,6 +67,34 @@ pub async fn tokens(body: &Value, chat: bool, tokenizer: Option<&Arc<SegmentCach
             Some(char_blocks(&text))
         }
     }
+}
+
+/// Conversations up to this much message text are rendered on the async worker.
+const INLINE_CHAT_BYTES: usize = 8 * 1024;
+
+/// Message text of a conversation, roughly (structured content counts as large).
+fn chat_bytes(messages: &[Value]) -> usize {
+    messages
+        .iter()
+        .map(|m| match m.get("content") {
+            Some(Value::String(s)) => s.len(),
+            None | Some(Value::Null) => 0,
+            Some(_) => INLINE_CHAT_BYTES,
+        })
+        .sum()
+}
+
+/// The conversation rendered with the model's chat template, as vLLM renders it.
+fn render_chat(tok: &SegmentCache, body: &Value) -> Option<String> {
+    let msgs = normalize_messages(body.get("messages")?.as_array()?).ok()?;
+    let input = ChatInput {
+        messages: &msgs,
+        add_generation_prompt: body.get("add_generation_prompt").and_then(Value::as_bool).unwrap_or(true)
+            && !body.get("continue_final_message").and_then(Value::as_bool).unwrap_or(false),
+        tools: body.get("tools"),
+        kwargs: body.get("chat_template_kwargs").and_then(Value::as_object),
+    };
+    tok.tokenizer().render_chat(&input).ok()
 }
 
 fn ids(items: &[Value]) -> Option<Vec<u32>> {
@@ -122,5 +153,14 @@ mod tests {
             .render_chat(&ChatInput { messages: &[json!({"role": "user", "content": "hi"})], add_generation_prompt: true, tools: None, kwargs: None })
             .unwrap();
         assert_eq!(chat, tok.encode(&text, false).unwrap(), "chat tokenizes like vLLM: template, no special tokens");
+        let again = tokens(&json!({"messages": [{"role": "user", "content": "hi"}]}), true, Some(&cache), 10_000).await.unwrap();
+        assert_eq!(again, chat, "the cached, inline path gives the same ids");
+        let long = "many words ".repeat(1_000);
+        let body = json!({"messages": [{"role": "user", "content": long}]});
+        let via_pool = tokens(&body, true, Some(&cache), 100_000).await.unwrap();
+        let text = tok
+            .render_chat(&ChatInput { messages: &[json!({"role": "user", "content": long})], add_generation_prompt: true, tools: None, kwargs: None })
+            .unwrap();
+        assert_eq!(via_pool, tok.encode(&text, false).unwrap(), "a long conversation is rendered on the blocking pool, same ids");
     }
 }
