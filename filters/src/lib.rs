@@ -4,11 +4,14 @@
 //!   modes (`round_robin`, `random`), the KV cost (`kv`) and the router queue;
 //! - [`ledger`]: the booking ledger, the load each worker carries from requests in flight,
 //!   read by every routing mode and by shedding;
+//! - [`migrate`]: which streams may move to another worker, and the continuation request
+//!   that moves them (not wired into the request path yet);
 //! - [`shed`]: busy detection (seed 000) and the 503 body sent when every worker is busy.
 //!
 //! Nothing here knows about HTTP or Pingora; the proxy crate calls these filters.
 
 pub mod cancel;
 pub mod ledger;
+pub mod migrate;
 pub mod route;
 pub mod shed;

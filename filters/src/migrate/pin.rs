@@ -1,0 +1,131 @@
+//! Which requests can move mid-stream. A continuation re-sends prompt + generated ids as a
+//! plain completion, so anything whose result depends on state the continuation cannot carry
+//! is pinned to its worker: the server's parsers (tools, structured output), several choices,
+//! log-probabilities, echo, beam search, and penalties that count only output tokens (after a
+//! move the output so far is part of the prompt, so they would count differently).
+
+use serde_json::Value;
+
+/// Why a request stays on its worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PinReason {
+    /// Not streamed: the client waits for one body (a move would gain nothing it can see).
+    Unary,
+    /// `n` or `best_of` above 1: several choices share one request.
+    SeveralChoices,
+    /// A completions batch (several prompts).
+    SeveralPrompts,
+    /// `response_format`, `structured_outputs` or `guided_*`: the grammar state is not carried.
+    StructuredOutput,
+    /// Chat with tools the server may call: its tool-call parser holds state.
+    Tools,
+    /// `logprobs`, `top_logprobs` or `prompt_logprobs`: not carried over.
+    Logprobs,
+    /// `echo`: the prompt is part of the output.
+    Echo,
+    /// `use_beam_search`.
+    BeamSearch,
+    /// `presence_penalty` / `frequency_penalty`: they count output tokens only.
+    OutputPenalties,
+}
+
+impl PinReason {
+    /// Metric label (`kvgate_migration_pinned_total{reason}`).
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Unary => "unary",
+            Self::SeveralChoices => "n",
+            Self::SeveralPrompts => "batch",
+            Self::StructuredOutput => "structured_output",
+            Self::Tools => "tools",
+            Self::Logprobs => "logprobs",
+            Self::Echo => "echo",
+            Self::BeamSearch => "beam_search",
+            Self::OutputPenalties => "output_penalties",
+        }
+    }
+}
+
+fn truthy(v: Option<&Value>) -> bool {
+    match v {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(Value::Number(n)) => n.as_f64().is_some_and(|x| x != 0.0),
+        Some(_) => true,
+    }
+}
+
+/// Why the request `body` (chat when `chat`) cannot move, or `None` when it can.
+pub fn pin_reason(chat: bool, body: &Value) -> Option<PinReason> {
+    let get = |k: &str| body.get(k);
+    if !get("stream").and_then(Value::as_bool).unwrap_or(false) {
+        return Some(PinReason::Unary);
+    }
+    if get("n").and_then(Value::as_u64).unwrap_or(1) > 1 || get("best_of").and_then(Value::as_u64).unwrap_or(1) > 1 {
+        return Some(PinReason::SeveralChoices);
+    }
+    if !chat && let Some(Value::Array(items)) = get("prompt") {
+        let batch = items.first().is_some_and(Value::is_array) && items.len() > 1 || items.first().is_some_and(Value::is_string) && items.len() > 1;
+        if batch {
+            return Some(PinReason::SeveralPrompts);
+        }
+    }
+    let text_format = get("response_format").and_then(|f| f.get("type")).and_then(Value::as_str) == Some("text");
+    let guided = ["guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"].iter().any(|k| truthy(get(k)));
+    if (truthy(get("response_format")) && !text_format) || guided {
+        return Some(PinReason::StructuredOutput);
+    }
+    let tools = get("tools").and_then(Value::as_array).is_some_and(|t| !t.is_empty());
+    if chat && tools && get("tool_choice").and_then(Value::as_str) != Some("none") {
+        return Some(PinReason::Tools);
+    }
+    if ["logprobs", "top_logprobs", "prompt_logprobs"].iter().any(|k| truthy(get(k))) {
+        return Some(PinReason::Logprobs);
+    }
+    if truthy(get("echo")) {
+        return Some(PinReason::Echo);
+    }
+    if truthy(get("use_beam_search")) {
+        return Some(PinReason::BeamSearch);
+    }
+    if truthy(get("presence_penalty")) || truthy(get("frequency_penalty")) {
+        return Some(PinReason::OutputPenalties);
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn plain_streams_may_move() {
+        assert_eq!(pin_reason(true, &json!({"messages": [], "stream": true, "temperature": 0})), None);
+        assert_eq!(pin_reason(false, &json!({"prompt": [1, 2, 3], "stream": true, "seed": 7, "stop": ["\n"]})), None);
+        assert_eq!(pin_reason(false, &json!({"prompt": [[1, 2]], "stream": true})), None, "a batch of one");
+        assert_eq!(pin_reason(true, &json!({"stream": true, "response_format": {"type": "text"}, "logprobs": false})), None);
+        assert_eq!(pin_reason(true, &json!({"stream": true, "tools": [{"type": "function"}], "tool_choice": "none"})), None);
+        assert_eq!(pin_reason(true, &json!({"stream": true, "presence_penalty": 0.0})), None);
+    }
+
+    #[test]
+    fn each_unsafe_case_is_pinned_with_its_reason() {
+        let cases = [
+            (true, json!({"messages": []}), PinReason::Unary),
+            (true, json!({"stream": true, "n": 2}), PinReason::SeveralChoices),
+            (false, json!({"stream": true, "best_of": 3}), PinReason::SeveralChoices),
+            (false, json!({"stream": true, "prompt": ["a", "b"]}), PinReason::SeveralPrompts),
+            (true, json!({"stream": true, "response_format": {"type": "json_object"}}), PinReason::StructuredOutput),
+            (false, json!({"stream": true, "guided_regex": "a+"}), PinReason::StructuredOutput),
+            (true, json!({"stream": true, "tools": [{"type": "function"}]}), PinReason::Tools),
+            (true, json!({"stream": true, "logprobs": true}), PinReason::Logprobs),
+            (false, json!({"stream": true, "logprobs": 5}), PinReason::Logprobs),
+            (false, json!({"stream": true, "echo": true}), PinReason::Echo),
+            (false, json!({"stream": true, "use_beam_search": true}), PinReason::BeamSearch),
+            (true, json!({"stream": true, "frequency_penalty": 0.5}), PinReason::OutputPenalties),
+        ];
+        for (chat, body, want) in cases {
+            assert_eq!(pin_reason(chat, &body), Some(want), "{body}");
+        }
+    }
+}
