@@ -64,7 +64,8 @@ struct Args {
     /// Paced streams for the per-token delay (0 = skip): requests per target.
     #[arg(long, default_value_t = 200)]
     token_delay_requests: usize,
-    /// Only these request kinds (unary, stream).
+    /// Only these request kinds (unary, stream, chat: a unary chat request on
+    /// /v1/chat/completions, rendered with the tokenizer's chat template in kv mode).
     #[arg(long, value_delimiter = ',', default_value = "unary,stream")]
     kinds: Vec<String>,
 }
@@ -400,14 +401,16 @@ async fn main() {
     println!("load: {load}; {} s per row; chunks per stream: {chunks}\n", a.seconds);
     println!("| request | concurrency | path | requests/s | p50 | p99 | errors | vs direct | vs nginx | proxy CPU µs/request |");
     println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|");
-    for (kind, body) in [("unary", unary), ("stream", stream)] {
+    let chat = r#"{"model":"m","messages":[{"role":"system","content":"You are a helpful assistant."},{"role":"user","content":"Summarize the following report in three sentences, keeping every figure: the gateway forwarded the request to the worker that already held most of its prompt in its KV cache."}],"max_tokens":1}"#;
+    for (kind, body) in [("unary", unary), ("stream", stream), ("chat", chat)] {
         if !a.kinds.iter().any(|k| k == kind) {
             continue;
         }
         for &c in &a.concurrency {
             let mut runs: Vec<(&str, Run, Option<Duration>)> = Vec::new();
             for t in &targets {
-                let url = format!("http://127.0.0.1:{}/v1/completions", t.port);
+                let path = if kind == "chat" { "/v1/chat/completions" } else { "/v1/completions" };
+                let url = format!("http://127.0.0.1:{}{path}", t.port);
                 let pid = t.child.as_ref().map(Child::id);
                 let cpu0 = pid.map(tree_cpu_time);
                 let r = if a.wrk { measure_wrk(&url, body, c, a.seconds, &dir).await } else { measure(&url, body, c, a.seconds).await };
