@@ -226,16 +226,6 @@ impl Ledger {
         self.tracking
     }
 
-    /// Workers this ledger counts for.
-    pub fn len(&self) -> usize {
-        self.workers.len()
-    }
-
-    /// Whether it counts for no worker (never: a ledger has at least one slot).
-    pub fn is_empty(&self) -> bool {
-        self.workers.is_empty()
-    }
-
     /// Requests booked on `w`.
     pub fn requests(&self, w: WorkerId) -> u32 {
         self.worker(w).map_or(0, |l| l.requests.load(Ordering::Relaxed))

@@ -133,6 +133,16 @@ pub(crate) enum GatewayError {
 }
 
 impl GatewayError {
+    /// The answer to a request whose last leg to a worker of `model` failed: a worker that sent
+    /// no header in time is a 504, any other failure a 502.
+    pub(crate) fn from_leg(model: &str, leg: LegError) -> Self {
+        let model = model.to_string();
+        match leg.kind {
+            LegErrorKind::FirstByteTimeout => Self::UpstreamTimeout { model, leg },
+            _ => Self::UpstreamFailed { model, leg },
+        }
+    }
+
     /// The answer the client gets.
     pub(crate) fn client_error(&self) -> ClientError {
         match self {

@@ -112,7 +112,6 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut Session, endpoint: Endpoint,
         plugin_headers,
         plugin_nvext,
         booking: None,
-        worker: None,
         tried: Vec::new(),
         registered,
     })

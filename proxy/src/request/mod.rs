@@ -25,7 +25,7 @@ pub mod relay;
 pub mod state;
 
 use crate::downstream::io::respond_error;
-use crate::error::{GatewayError, LegError, LegErrorKind};
+use crate::error::{GatewayError, LegError};
 use crate::gateway::Gateway;
 pub use endpoint::Endpoint;
 use leg::LegEnd;
@@ -103,10 +103,8 @@ async fn attempts(gw: &Arc<Gateway>, session: &mut Session, req: &mut RequestSta
     while req.tried.len() < max {
         let worker = match place::place(gw, req) {
             Ok(w) => w,
-            Err(GatewayError::NoHealthyWorker(model)) if last.is_some() => {
-                let leg = last.take().expect("checked");
-                return Outcome::Refused(GatewayError::UpstreamFailed { model, leg });
-            }
+            // No untried worker left: the answer below says why the tried ones failed.
+            Err(GatewayError::NoHealthyWorker(_)) => break,
             Err(e) => return Outcome::Refused(e),
         };
         let may_retry = req.tried.len() < max && req.tried.len() < req.model.workers.len();
@@ -119,20 +117,16 @@ async fn attempts(gw: &Arc<Gateway>, session: &mut Session, req: &mut RequestSta
             LegEnd::Failed(e) => {
                 req.entry().receipt.lock().leg_ended(e.kind.label());
                 record::leg_failed(gw, req, &worker, &e);
-                if e.kind == LegErrorKind::FirstByteTimeout && !e.retryable {
-                    return Outcome::Refused(GatewayError::UpstreamTimeout { model: req.model_name().to_string(), leg: e });
-                }
                 if !e.retryable {
-                    return Outcome::Refused(GatewayError::UpstreamFailed { model: req.model_name().to_string(), leg: e });
+                    return Outcome::Refused(GatewayError::from_leg(req.model_name(), e));
                 }
                 last = Some(e);
             }
         }
     }
-    let model = req.model_name().to_string();
     match last {
-        Some(leg) => Outcome::Refused(GatewayError::UpstreamFailed { model, leg }),
-        None => Outcome::Refused(GatewayError::NoHealthyWorker(model)),
+        Some(leg) => Outcome::Refused(GatewayError::from_leg(req.model_name(), leg)),
+        None => Outcome::Refused(GatewayError::NoHealthyWorker(req.model_name().to_string())),
     }
 }
 

@@ -45,7 +45,6 @@ pub fn place(gw: &Gateway, req: &mut RequestState) -> Result<Arc<Worker>, Gatewa
         gw.metrics.retries.with_label_values(&[model.cfg.name.as_str()]).inc();
     }
     req.tried.push(idx);
-    req.worker = Some(idx);
     book(gw, req, idx, &candidates[k], t_decide);
     let prompt = req.kv.as_ref().map_or((0, 0), |k| (k.tokens as u32, k.chain.len() as u32));
     let kv = model.kv.as_ref().map(|k| k.policy.params());

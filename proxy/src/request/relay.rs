@@ -24,7 +24,7 @@ pub async fn relay(gw: &Gateway, session: &mut Session, req: &mut RequestState, 
     let status = ex.header.status.as_u16();
     // Approximate mode learns from requests the worker took on (2xx).
     if (200..300).contains(&status)
-        && let (Some(kv), Some(inputs), Some(idx)) = (&req.model.kv, &req.kv, req.worker)
+        && let (Some(kv), Some(inputs), Some(idx)) = (&req.model.kv, &req.kv, req.tried.last().copied())
     {
         kv.record_decision(idx, &inputs.chain);
     }

@@ -45,9 +45,7 @@ pub struct RequestState {
     pub plugin_nvext: Option<String>,
     /// What it holds on its worker (moved from worker to worker on a retry).
     pub booking: Option<Booking>,
-    /// The worker serving it now (an index into the model's workers).
-    pub worker: Option<usize>,
-    /// Workers tried, in order.
+    /// Workers tried, in order (indices into the model's workers); the last one serves it now.
     pub tried: Vec<usize>,
     /// Its entry in the in-flight registry.
     pub registered: Registered,
