@@ -31,6 +31,8 @@ pub struct Gateway {
     pub plugins: crate::plugins::PluginRegistry,
     /// Every inference request past admission, and the recently finished ones.
     pub requests: Arc<crate::inflight::RequestRegistry>,
+    /// Moves in progress at once (`migration.max_concurrent`).
+    pub migrations: tokio::sync::Semaphore,
     /// One apply at a time: prepare plugins → build the fleet → swap → commit must not
     /// interleave with another reload's, or the fleet and the plugin registry would disagree.
     applying: parking_lot::Mutex<()>,
@@ -48,6 +50,7 @@ impl Gateway {
         let metrics = Metrics::new();
         let kv_metrics = kvgate_kv::metrics::KvMetrics::new(metrics.registry());
         let thresholds = cfg.models.iter().map(|m| (m.name.clone(), m.shedding.thresholds)).collect();
+        let max_moves = cfg.migration.max_concurrent;
         Ok(Arc::new(Self {
             thresholds: parking_lot::RwLock::new(thresholds),
             config: ArcSwap::from_pointee(cfg),
@@ -61,6 +64,7 @@ impl Gateway {
             connector: Connector::new(None),
             plugins,
             requests: Arc::new(crate::inflight::RequestRegistry::default()),
+            migrations: tokio::sync::Semaphore::new(max_moves),
             applying: parking_lot::Mutex::new(()),
         }))
     }

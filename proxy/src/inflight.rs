@@ -9,6 +9,7 @@
 //! [`Registered`] guard drops: on success, error, cancellation or a panic alike.
 
 use crate::fleet::Worker;
+use crate::move_order::Mailbox;
 use crate::receipt::RouteReceipt;
 use kvgate_filters::cancel::RequestContext;
 use parking_lot::Mutex;
@@ -86,6 +87,10 @@ pub struct RequestEntry {
     pub receipt: Mutex<RouteReceipt>,
     /// The model's workers as of its arrival (the receipt names them by id).
     pub workers: Arc<[Arc<Worker>]>,
+    /// Orders to move it to another worker.
+    pub mailbox: Mailbox,
+    pinned: Mutex<Option<&'static str>>,
+    moves: AtomicU64,
 }
 
 impl RequestEntry {
@@ -108,7 +113,30 @@ impl RequestEntry {
             worker: Mutex::new(None),
             receipt: Mutex::new(RouteReceipt::default()),
             workers,
+            mailbox: Mailbox::default(),
+            pinned: Mutex::new(None),
+            moves: AtomicU64::new(0),
         }
+    }
+
+    /// Why it cannot move to another worker (a `PinReason` label), if it cannot.
+    pub fn pinned(&self) -> Option<&'static str> {
+        *self.pinned.lock()
+    }
+
+    /// It cannot move, for `reason`.
+    pub fn pin(&self, reason: &'static str) {
+        *self.pinned.lock() = Some(reason);
+    }
+
+    /// Moves done so far (continuations and resends).
+    pub fn moves(&self) -> u64 {
+        self.moves.load(Ordering::Relaxed)
+    }
+
+    /// One more move.
+    pub fn moved(&self) {
+        self.moves.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Its phase now.
@@ -172,7 +200,7 @@ impl RequestEntry {
             "phase": self.phase().name(), "worker": self.worker().map(|w| w.label.clone()),
             "tokens": self.tokens(), "generated_tokens": self.generated_tokens(),
             "age_ms": self.age().as_millis() as u64, "priority": self.priority, "started_at": since_epoch,
-            "status": self.status(),
+            "status": self.status(), "moves": self.moves(), "pinned": self.pinned(),
         });
         if with_receipt {
             v["route_receipt"] = self.receipt.lock().to_json(&self.workers);

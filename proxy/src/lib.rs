@@ -8,6 +8,7 @@
 //! - [`request`]: the life of an inference request as phases (admit, queue, place, leg, relay,
 //!   record) over one per-request state;
 //! - [`inflight`]: the registry of requests in flight, with their route receipts;
+//! - [`move_order`]: orders to move a request to another worker, and their answers;
 //! - [`upstream`]: HTTP exchanges with workers over the keep-alive pools;
 //! - [`error`]: typed leg errors and the gateway's error answers;
 //! - [`kv_routing`]: per-model KV routing state (tokenizer, index, cost);
@@ -31,6 +32,7 @@ pub mod http;
 pub(crate) mod inflight;
 pub(crate) mod kv_routing;
 pub(crate) mod metrics;
+pub(crate) mod move_order;
 pub mod plugins;
 pub(crate) mod receipt;
 pub(crate) mod request;

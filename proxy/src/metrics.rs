@@ -59,6 +59,17 @@ pub struct Metrics {
     pub queue_wait: HistogramVec,
     /// `kvgate_tasks_rejected_total{model,reason}` (reason: busy | queue_full | queue_timeout).
     pub rejected: IntCounterVec,
+    /// `kvgate_migrations_total{model,reason,outcome}`: moves of running or waiting requests
+    /// (reason: failover | admin; outcome: ok | failed | limit | pinned | finished).
+    pub migrations: IntCounterVec,
+    /// `kvgate_migration_pinned_total{model,reason}`: streams that could not move, by reason.
+    pub migration_pinned: IntCounterVec,
+    /// `kvgate_migration_pause_seconds{model}`: the gap the client saw between the last event
+    /// from the old worker and the first from the new one.
+    pub migration_pause: HistogramVec,
+    /// `kvgate_migration_recomputed_tokens_total{model}`: continuation prompt tokens the
+    /// destination did not hold (as far as the gateway knows).
+    pub migration_recomputed: IntCounterVec,
 }
 
 impl Metrics {
@@ -133,6 +144,23 @@ impl Metrics {
                 "kvgate_frontend_model_rejection_total",
                 "Requests refused with 503 because every worker was busy (also counted in kvgate_tasks_rejected_total).",
                 &["model", "endpoint"],
+            ),
+            migrations: counter("kvgate_migrations_total", "Requests moved to another worker, by reason and outcome.", &["model", "reason", "outcome"]),
+            migration_pinned: counter("kvgate_migration_pinned_total", "Streamed requests that could not move, by reason.", &["model", "reason"]),
+            migration_pause: {
+                let h = HistogramVec::new(
+                    HistogramOpts::new("kvgate_migration_pause_seconds", "Gap between the last event from the old worker and the first from the new one.")
+                        .buckets(LATENCY_BUCKETS.to_vec()),
+                    &["model"],
+                )
+                .expect("valid metric");
+                registry.register(Box::new(h.clone())).expect("unique metric");
+                h
+            },
+            migration_recomputed: counter(
+                "kvgate_migration_recomputed_tokens_total",
+                "Continuation prompt tokens the destination had to compute (not cached there as far as the gateway knows).",
+                &["model"],
             ),
             issued: counter("kvgate_tasks_issued_total", "Requests sent to a worker.", &["model"]),
             worker_busy: gauge("kvgate_worker_busy", "1 if the worker was over a busy threshold at the last decision.", &["model", "worker"]),

@@ -16,8 +16,10 @@ pub enum Exclusion {
     Unhealthy,
     /// Over a busy threshold while others were not.
     Busy,
-    /// Already tried by this request.
+    /// Already tried by this request (or the worker a stream is moving away from).
     Tried,
+    /// A move aimed at another worker.
+    NotTheTarget,
 }
 
 impl Exclusion {
@@ -26,6 +28,7 @@ impl Exclusion {
             Self::Unhealthy => "unhealthy",
             Self::Busy => "busy",
             Self::Tried => "tried",
+            Self::NotTheTarget => "not_the_target",
         }
     }
 }

@@ -104,7 +104,10 @@ impl Continuation<'_> {
             body.insert("min_tokens".into(), json!(min.saturating_sub(generated)));
         }
         body.insert("stream".into(), json!(true));
-        body.insert("stream_options".into(), json!({"include_usage": true}));
+        // Usage comes back as the client asked for it (then re-counted for the client).
+        if let Some(o) = self.original.get("stream_options").filter(|v| !v.is_null()) {
+            body.insert("stream_options".into(), o.clone());
+        }
         body.insert("return_token_ids".into(), json!(true));
         // The ids already hold any special tokens the original rendering added.
         body.insert("add_special_tokens".into(), json!(false));

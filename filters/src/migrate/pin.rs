@@ -1,8 +1,10 @@
 //! Which requests can move mid-stream. A continuation re-sends prompt + generated ids as a
 //! plain completion, so anything whose result depends on state the continuation cannot carry
 //! is pinned to its worker: the server's parsers (tools, structured output), several choices,
-//! log-probabilities, echo, beam search, and penalties that count only output tokens (after a
-//! move the output so far is part of the prompt, so they would count differently).
+//! log-probabilities, echo, beam search, penalties that count only output tokens (after a
+//! move the output so far is part of the prompt, so they would count differently), and stop
+//! strings (the server holds back text that may begin one). Two more reasons are found only
+//! once the stream runs (`NoTokenIds`, `ServerParsed`; see `stream`).
 
 use serde_json::Value;
 
@@ -27,6 +29,13 @@ pub enum PinReason {
     BeamSearch,
     /// `presence_penalty` / `frequency_penalty`: they count output tokens only.
     OutputPenalties,
+    /// `stop` strings: the server holds back text that may start one, so what the client saw
+    /// does not tell which tokens it has.
+    StopStrings,
+    /// The worker did not return token ids (a server without `return_token_ids`).
+    NoTokenIds,
+    /// The server parsed the output (reasoning or tool calls) with state a move cannot carry.
+    ServerParsed,
 }
 
 impl PinReason {
@@ -42,6 +51,9 @@ impl PinReason {
             Self::Echo => "echo",
             Self::BeamSearch => "beam_search",
             Self::OutputPenalties => "output_penalties",
+            Self::StopStrings => "stop_strings",
+            Self::NoTokenIds => "no_token_ids",
+            Self::ServerParsed => "server_parsed",
         }
     }
 }
@@ -90,6 +102,14 @@ pub fn pin_reason(chat: bool, body: &Value) -> Option<PinReason> {
     if truthy(get("presence_penalty")) || truthy(get("frequency_penalty")) {
         return Some(PinReason::OutputPenalties);
     }
+    let stop = match get("stop") {
+        Some(Value::String(s)) => !s.is_empty(),
+        Some(Value::Array(a)) => !a.is_empty(),
+        _ => false,
+    };
+    if stop {
+        return Some(PinReason::StopStrings);
+    }
     None
 }
 
@@ -101,7 +121,7 @@ mod tests {
     #[test]
     fn plain_streams_may_move() {
         assert_eq!(pin_reason(true, &json!({"messages": [], "stream": true, "temperature": 0})), None);
-        assert_eq!(pin_reason(false, &json!({"prompt": [1, 2, 3], "stream": true, "seed": 7, "stop": ["\n"]})), None);
+        assert_eq!(pin_reason(false, &json!({"prompt": [1, 2, 3], "stream": true, "seed": 7, "stop": [], "stop_token_ids": [2]})), None);
         assert_eq!(pin_reason(false, &json!({"prompt": [[1, 2]], "stream": true})), None, "a batch of one");
         assert_eq!(pin_reason(true, &json!({"stream": true, "response_format": {"type": "text"}, "logprobs": false})), None);
         assert_eq!(pin_reason(true, &json!({"stream": true, "tools": [{"type": "function"}], "tool_choice": "none"})), None);
@@ -123,6 +143,8 @@ mod tests {
             (false, json!({"stream": true, "echo": true}), PinReason::Echo),
             (false, json!({"stream": true, "use_beam_search": true}), PinReason::BeamSearch),
             (true, json!({"stream": true, "frequency_penalty": 0.5}), PinReason::OutputPenalties),
+            (true, json!({"stream": true, "stop": "\n"}), PinReason::StopStrings),
+            (false, json!({"stream": true, "stop": ["END"]}), PinReason::StopStrings),
         ];
         for (chat, body, want) in cases {
             assert_eq!(pin_reason(chat, &body), Some(want), "{body}");

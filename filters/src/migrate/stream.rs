@@ -1,10 +1,18 @@
-//! What a moving stream must remember, and how the destination's chunks are made to look like
-//! the source's: [`StreamRecord`] follows the source worker's chunks (asked with
-//! `return_token_ids`) and keeps the prompt ids, the generated ids, the client's `id`, `model`
-//! and `created`; [`StreamRecord::rewrap`] turns a destination completion chunk into the
-//! client's shape (chat chunk or completion chunk), so the client sees one stream.
+//! What a moving stream must remember, and how the destination's events are made to look like
+//! the source's. [`StreamRecord::observe`] follows the source worker's events (asked with
+//! `return_token_ids`) and keeps the prompt ids, the generated ids, the text, the client's `id`,
+//! `model` and `created`; [`StreamRecord::continue_event`] follows a destination completion
+//! event and returns it in the client's shape (chat chunk or completion chunk), so the client
+//! sees one stream.
+//!
+//! A server's detokenizer holds back the text of a token that ends inside a UTF-8 character:
+//! its event carries the id and no text. Such trailing ids are "unseen"; a move rolls them back
+//! ([`StreamRecord::roll_back_unseen`]) so the destination generates them again, with their text.
 
-use serde_json::{Value, json};
+use super::pin::PinReason;
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+use std::borrow::Cow;
 
 /// The shape the client asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,75 +32,193 @@ pub struct StreamRecord {
     pub model: Option<String>,
     /// `created` as the client sees it.
     pub created: Option<u64>,
-    /// The prompt's token ids (`prompt_token_ids`, first chunk).
+    /// The prompt's token ids (`prompt_token_ids`, first event).
     pub prompt_ids: Vec<u32>,
     /// Generated token ids, in order (`token_ids` deltas).
     pub generated_ids: Vec<u32>,
+    /// Trailing generated ids whose text the server has not sent yet.
+    pub unseen: usize,
     /// Text streamed to the client so far.
     pub text: String,
-    /// Whether a chunk carried a `finish_reason`.
+    /// Whether an event carried a `finish_reason`.
     pub finished: bool,
+    /// Whether the first event was seen.
+    pub started: bool,
 }
 
-fn ids(v: Option<&Value>) -> impl Iterator<Item = u32> + '_ {
-    v.and_then(Value::as_array).into_iter().flatten().filter_map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()))
+/// What one event meant.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Observed {
+    /// Generated tokens it carried.
+    pub tokens: usize,
+    /// The worker reported an error in the stream (`{"error": …}`): the leg failed.
+    pub error: Option<String>,
+    /// The stream turned out not to be movable.
+    pub pin: Option<PinReason>,
+}
+
+#[derive(Deserialize)]
+struct ChunkView<'a> {
+    #[serde(borrow, default)]
+    id: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    model: Option<Cow<'a, str>>,
+    #[serde(default)]
+    created: Option<u64>,
+    #[serde(default)]
+    prompt_token_ids: Option<Vec<u32>>,
+    #[serde(borrow, default)]
+    choices: Option<Vec<ChoiceView<'a>>>,
+    #[serde(default)]
+    error: Option<Value>,
+    #[serde(default)]
+    usage: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct ChoiceView<'a> {
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    delta: Option<DeltaView<'a>>,
+    #[serde(default)]
+    token_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    prompt_token_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    finish_reason: Option<Value>,
+    #[serde(default)]
+    stop_reason: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct DeltaView<'a> {
+    #[serde(borrow, default)]
+    content: Option<Cow<'a, str>>,
+    #[serde(default)]
+    reasoning_content: Option<Value>,
+    #[serde(default)]
+    reasoning: Option<Value>,
+    #[serde(default)]
+    tool_calls: Option<Value>,
+}
+
+fn set(v: &Option<Value>) -> bool {
+    v.as_ref().is_some_and(|v| !v.is_null())
+}
+
+fn error_text(e: &Value) -> String {
+    e.get("message").and_then(Value::as_str).map_or_else(|| e.to_string(), str::to_owned)
 }
 
 impl StreamRecord {
-    /// Follows one chunk of the source stream (chat or completion).
-    pub fn observe(&mut self, chunk: &Value) {
-        if self.id.is_none() {
-            self.id = chunk.get("id").and_then(Value::as_str).map(str::to_owned);
-            self.model = chunk.get("model").and_then(Value::as_str).map(str::to_owned);
-            self.created = chunk.get("created").and_then(Value::as_u64);
+    /// Follows one event of the source stream (its JSON payload, chat or completion).
+    pub fn observe(&mut self, json: &[u8]) -> Result<Observed, serde_json::Error> {
+        let chunk: ChunkView<'_> = serde_json::from_slice(json)?;
+        if let Some(e) = &chunk.error {
+            return Ok(Observed { error: Some(error_text(e)), ..Observed::default() });
         }
-        // Completions put prompt ids in the choice, chat at the top level.
-        self.prompt_ids.extend(ids(chunk.get("prompt_token_ids")));
-        let Some(choice) = chunk.get("choices").and_then(Value::as_array).and_then(|c| c.first()) else { return };
-        self.prompt_ids.extend(ids(choice.get("prompt_token_ids")));
-        self.generated_ids.extend(ids(choice.get("token_ids")));
-        let text = choice.get("text").or_else(|| choice.get("delta").and_then(|d| d.get("content")));
-        if let Some(t) = text.and_then(Value::as_str) {
-            self.text.push_str(t);
+        let first = !self.started;
+        if first {
+            self.started = true;
+            self.id = chunk.id.map(Cow::into_owned);
+            self.model = chunk.model.map(Cow::into_owned);
+            self.created = chunk.created;
         }
-        if choice.get("finish_reason").is_some_and(|f| !f.is_null()) {
-            self.finished = true;
+        // Chat puts the prompt ids at the top level, completions in the choice.
+        let choice = chunk.choices.as_ref().and_then(|c| c.first());
+        if let Some(ids) = chunk.prompt_token_ids.or_else(|| choice.and_then(|c| c.prompt_token_ids.clone())) {
+            self.prompt_ids = ids;
         }
+        if first && self.prompt_ids.is_empty() {
+            return Ok(Observed { pin: Some(PinReason::NoTokenIds), ..Observed::default() });
+        }
+        let Some(choice) = choice else { return Ok(Observed::default()) };
+        if let Some(d) = &choice.delta
+            && (set(&d.reasoning_content) || set(&d.reasoning) || set(&d.tool_calls))
+        {
+            return Ok(Observed { pin: Some(PinReason::ServerParsed), ..Observed::default() });
+        }
+        let text = choice.text.as_deref().or_else(|| choice.delta.as_ref().and_then(|d| d.content.as_deref()));
+        Ok(Observed { tokens: self.follow(choice, text), ..Observed::default() })
     }
 
-    /// A destination completion chunk in the client's shape, with the client's id, model and
-    /// created; token ids are kept only if the client asked for them. Usage (the final chunk)
-    /// counts the original prompt and every generated token.
-    pub fn rewrap(&self, dest: &Value, shape: ClientShape, keep_ids: bool) -> Value {
-        let choice = dest.get("choices").and_then(Value::as_array).and_then(|c| c.first());
-        let mut out = json!({
-            "id": self.id, "created": self.created, "model": self.model,
-            "object": match shape { ClientShape::Chat => "chat.completion.chunk", ClientShape::Completion => "text_completion" },
-        });
-        out["choices"] = match choice {
+    /// Notes a choice's ids, text and finish; returns the tokens it carried.
+    fn follow(&mut self, choice: &ChoiceView<'_>, text: Option<&str>) -> usize {
+        let ids = choice.token_ids.as_deref().unwrap_or_default();
+        self.generated_ids.extend_from_slice(ids);
+        match text {
+            Some(t) if !t.is_empty() => {
+                self.text.push_str(t);
+                self.unseen = 0;
+            }
+            _ => self.unseen += ids.len(),
+        }
+        if set(&choice.finish_reason) {
+            self.finished = true;
+        }
+        ids.len()
+    }
+
+    /// Forgets the trailing ids whose text was never sent, so a continuation generates them
+    /// again; returns how many.
+    pub fn roll_back_unseen(&mut self) -> usize {
+        let n = std::mem::take(&mut self.unseen).min(self.generated_ids.len());
+        self.generated_ids.truncate(self.generated_ids.len() - n);
+        n
+    }
+
+    /// Follows one event of a continuation (a `/v1/completions` stream) and returns it as the
+    /// client's event payload: its shape, its id, model and created; token ids only if the
+    /// client asked for them; usage counting the original prompt and every generated token.
+    pub fn continue_event(&mut self, json: &[u8], shape: ClientShape, keep_ids: bool) -> Result<(Observed, Value), serde_json::Error> {
+        let chunk: ChunkView<'_> = serde_json::from_slice(json)?;
+        if let Some(e) = &chunk.error {
+            return Ok((Observed { error: Some(error_text(e)), ..Observed::default() }, Value::Null));
+        }
+        let mut out = Map::new();
+        out.insert("id".into(), json!(self.id));
+        out.insert(
+            "object".into(),
+            json!(match shape {
+                ClientShape::Chat => "chat.completion.chunk",
+                ClientShape::Completion => "text_completion",
+            }),
+        );
+        out.insert("created".into(), json!(self.created));
+        out.insert("model".into(), json!(self.model));
+        let mut observed = Observed::default();
+        let choices = match chunk.choices.as_ref().and_then(|c| c.first()) {
             None => json!([]),
             Some(c) => {
-                let mut ch = match shape {
-                    ClientShape::Chat => json!({"index": 0, "delta": {"content": c.get("text").cloned().unwrap_or(json!(""))}, "logprobs": null}),
-                    ClientShape::Completion => json!({"index": 0, "text": c.get("text").cloned().unwrap_or(json!("")), "logprobs": null}),
-                };
-                ch["finish_reason"] = c.get("finish_reason").cloned().unwrap_or(Value::Null);
-                if shape == ClientShape::Completion {
-                    ch["stop_reason"] = c.get("stop_reason").cloned().unwrap_or(Value::Null);
-                }
-                if keep_ids && let Some(t) = c.get("token_ids") {
-                    ch["token_ids"] = t.clone();
-                }
-                json!([ch])
+                let text = c.text.as_deref().unwrap_or_default();
+                observed.tokens = self.follow(c, Some(text));
+                json!([self.choice(c, text, shape, keep_ids)])
             }
         };
-        // The destination's usage counts the continuation's prompt; the client's counts its own.
-        if dest.get("usage").is_some_and(|u| !u.is_null()) {
-            let completion = self.generated_ids.len() as u64;
-            let prompt = self.prompt_ids.len() as u64;
-            out["usage"] = json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion});
+        out.insert("choices".into(), choices);
+        if set(&chunk.usage) {
+            let (prompt, completion) = (self.prompt_ids.len() as u64, self.generated_ids.len() as u64);
+            out.insert("usage".into(), json!({"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}));
         }
-        out
+        Ok((observed, Value::Object(out)))
+    }
+
+    fn choice(&self, c: &ChoiceView<'_>, text: &str, shape: ClientShape, keep_ids: bool) -> Value {
+        let finish = c.finish_reason.clone().unwrap_or(Value::Null);
+        let mut ch = match shape {
+            ClientShape::Chat => json!({"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": finish}),
+            ClientShape::Completion => {
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish, "stop_reason": c.stop_reason.clone().unwrap_or(Value::Null)})
+            }
+        };
+        if shape == ClientShape::Chat && set(&c.stop_reason) {
+            ch["stop_reason"] = c.stop_reason.clone().unwrap_or(Value::Null);
+        }
+        if keep_ids && let Some(t) = &c.token_ids {
+            ch["token_ids"] = json!(t);
+        }
+        ch
     }
 }
 
@@ -100,25 +226,31 @@ impl StreamRecord {
 mod tests {
     use super::*;
 
+    fn observe(r: &mut StreamRecord, v: Value) -> Observed {
+        r.observe(v.to_string().as_bytes()).unwrap()
+    }
+
     #[test]
     fn a_chat_stream_is_followed_and_the_destination_looks_like_it() {
         let mut r = StreamRecord::default();
-        r.observe(&json!({"id": "chatcmpl-1", "created": 5, "model": "m", "prompt_token_ids": [1, 2],
-                          "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}));
-        r.observe(&json!({"id": "chatcmpl-1", "choices": [{"delta": {"content": "Hel"}, "token_ids": [10]}]}));
-        r.observe(&json!({"id": "chatcmpl-1", "choices": [{"delta": {"content": "lo"}, "token_ids": [11]}]}));
+        observe(
+            &mut r,
+            json!({"id": "chatcmpl-1", "created": 5, "model": "m", "prompt_token_ids": [1, 2],
+                               "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}),
+        );
+        assert_eq!(observe(&mut r, json!({"id": "chatcmpl-1", "choices": [{"delta": {"content": "Hel"}, "token_ids": [10]}]})).tokens, 1);
+        observe(&mut r, json!({"id": "chatcmpl-1", "prompt_token_ids": null, "choices": [{"delta": {"content": "lo"}, "token_ids": [11]}]}));
         assert_eq!((r.prompt_ids.clone(), r.generated_ids.clone(), r.text.as_str()), (vec![1, 2], vec![10, 11], "Hello"));
-        // The destination continues as a completion.
-        let dest = json!({"id": "cmpl-x", "created": 99, "model": "m", "choices": [{"index": 0, "text": " world", "token_ids": [12], "finish_reason": null}]});
-        r.observe(&dest);
-        let out = r.rewrap(&dest, ClientShape::Chat, false);
-        assert_eq!(out["id"], "chatcmpl-1");
-        assert_eq!(out["created"], 5);
-        assert_eq!(out["object"], "chat.completion.chunk");
+        // The destination continues as a completion, whose first event names its own prompt.
+        let dest = json!({"id": "cmpl-x", "created": 99, "model": "m", "choices": [{"index": 0, "text": " world", "prompt_token_ids": [1, 2, 10, 11], "token_ids": [12], "finish_reason": null}]});
+        let (seen, out) = r.continue_event(dest.to_string().as_bytes(), ClientShape::Chat, false).unwrap();
+        assert_eq!(seen.tokens, 1);
+        assert_eq!(r.prompt_ids, vec![1, 2], "the continuation's prompt is not the client's");
+        assert_eq!((out["id"].clone(), out["created"].clone(), out["object"].clone()), (json!("chatcmpl-1"), json!(5), json!("chat.completion.chunk")));
         assert_eq!(out["choices"][0]["delta"]["content"], " world");
         assert!(out["choices"][0].get("token_ids").is_none(), "ids the client did not ask for are stripped");
         let usage = json!({"id": "cmpl-x", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 1}});
-        let u = r.rewrap(&usage, ClientShape::Chat, false);
+        let (_, u) = r.continue_event(usage.to_string().as_bytes(), ClientShape::Chat, false).unwrap();
         assert_eq!(u["usage"], json!({"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}), "the original prompt, every generated token");
         assert_eq!(u["choices"], json!([]));
     }
@@ -126,14 +258,34 @@ mod tests {
     #[test]
     fn a_completion_stream_keeps_ids_when_asked_and_notes_the_finish() {
         let mut r = StreamRecord::default();
-        r.observe(&json!({"id": "cmpl-1", "created": 1, "model": "m", "choices": [{"text": "a", "prompt_token_ids": [1], "token_ids": [5]}]}));
+        observe(&mut r, json!({"id": "cmpl-1", "created": 1, "model": "m", "choices": [{"text": "a", "prompt_token_ids": [1], "token_ids": [5]}]}));
         let dest = json!({"choices": [{"text": "b", "token_ids": [6], "finish_reason": "length", "stop_reason": null}]});
-        r.observe(&dest);
-        let out = r.rewrap(&dest, ClientShape::Completion, true);
+        let (_, out) = r.continue_event(dest.to_string().as_bytes(), ClientShape::Completion, true).unwrap();
         assert_eq!((out["id"].clone(), out["choices"][0]["text"].clone()), (json!("cmpl-1"), json!("b")));
         assert_eq!(out["choices"][0]["token_ids"], json!([6]));
         assert_eq!(out["choices"][0]["finish_reason"], "length");
         assert!(r.finished);
         assert_eq!((r.prompt_ids.clone(), r.generated_ids.clone()), (vec![1], vec![5, 6]));
+    }
+
+    #[test]
+    fn streams_without_ids_or_with_server_parsing_cannot_move_and_errors_are_seen() {
+        let mut r = StreamRecord::default();
+        assert_eq!(observe(&mut r, json!({"id": "c", "choices": [{"text": "a"}]})).pin, Some(PinReason::NoTokenIds));
+        let mut r = StreamRecord::default();
+        observe(&mut r, json!({"id": "c", "prompt_token_ids": [1], "choices": [{"delta": {"role": "assistant"}}]}));
+        assert_eq!(observe(&mut r, json!({"choices": [{"delta": {"reasoning_content": "hm"}, "token_ids": [2]}]})).pin, Some(PinReason::ServerParsed));
+        assert_eq!(observe(&mut r, json!({"error": {"message": "engine dead", "code": 500}})).error.as_deref(), Some("engine dead"));
+    }
+
+    #[test]
+    fn ids_whose_text_was_held_back_are_rolled_back() {
+        let mut r = StreamRecord::default();
+        observe(&mut r, json!({"id": "c", "choices": [{"text": "a", "prompt_token_ids": [1], "token_ids": [5]}]}));
+        observe(&mut r, json!({"choices": [{"text": "", "token_ids": [200]}]}));
+        observe(&mut r, json!({"choices": [{"text": "", "token_ids": [201]}]}));
+        assert_eq!(r.roll_back_unseen(), 2);
+        assert_eq!(r.generated_ids, vec![5]);
+        assert_eq!(r.roll_back_unseen(), 0);
     }
 }

@@ -36,6 +36,9 @@ pub struct Config {
     /// Retries before the first response byte.
     #[serde(default)]
     pub retries: Retries,
+    /// Moving running streams to another worker (failover, admin moves).
+    #[serde(default)]
+    pub migration: Migration,
     /// Active health checks.
     #[serde(default)]
     pub health: HealthCheck,
@@ -124,6 +127,24 @@ pub struct Retries {
 impl Default for Retries {
     fn default() -> Self {
         Self { max_attempts: 3, on_5xx: true }
+    }
+}
+
+/// Moving a running stream to another worker by continuation (docs/migration.md).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Migration {
+    /// Moves allowed per request (Dynamo's `migration_limit`); 0 turns migration and
+    /// mid-stream failover off.
+    #[serde(alias = "migration_limit")]
+    pub limit: u32,
+    /// Moves in progress at once across the gateway (read at start); more wait their turn.
+    pub max_concurrent: usize,
+}
+
+impl Default for Migration {
+    fn default() -> Self {
+        Self { limit: 3, max_concurrent: 64 }
     }
 }
 

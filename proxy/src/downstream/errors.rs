@@ -46,6 +46,16 @@ impl ClientError {
         Self::new(404, "invalid_request_error", format!("No request `{id}` is in flight or among the recently finished ones."), None)
     }
 
+    /// 409: the request exists but cannot do what was asked now (a move of a pinned request).
+    pub fn conflict(message: impl Into<String>) -> Self {
+        Self::new(409, "conflict_error", message, None)
+    }
+
+    /// 502: a move was tried and failed.
+    pub fn move_failed(message: impl Into<String>) -> Self {
+        Self::new(502, "migration_error", message, None)
+    }
+
     /// 405.
     pub fn method_not_allowed(method: &str, path: &str) -> Self {
         Self::new(405, "invalid_request_error", format!("Method {method} is not allowed on {path}"), None)

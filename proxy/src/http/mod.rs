@@ -4,6 +4,7 @@
 
 pub mod admin;
 pub mod local;
+pub mod migrate;
 
 use crate::downstream::errors::ClientError;
 use crate::gateway::Gateway;

@@ -3,6 +3,7 @@
 //! registry. Every refusal here is a [`GatewayError`] answered before any worker is involved.
 
 use super::endpoint::Endpoint;
+use super::track;
 use super::{Outcome, RequestState};
 use crate::downstream::io::{BodyError, read_body};
 use crate::error::GatewayError;
@@ -25,6 +26,17 @@ pub struct RequestView {
     /// The request's `nvext` object (agent hints), kept whole for plugins.
     #[serde(default)]
     pub nvext: Option<serde_json::Value>,
+    /// `stream_options`.
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+}
+
+/// The part of `stream_options` the gateway reads.
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    /// `include_usage`: a final usage event.
+    #[serde(default)]
+    pub include_usage: Option<bool>,
 }
 
 impl RequestView {
@@ -33,6 +45,11 @@ impl RequestView {
     pub fn priority_jump(&self) -> f64 {
         let hint = |name: &str| self.nvext.as_ref().and_then(|n| n.get("agent_hints")?.get(name)?.as_f64());
         hint("priority").or_else(|| hint("latency_sensitivity")).unwrap_or(0.0).max(0.0)
+    }
+
+    /// Whether the client asked for a final usage event.
+    pub fn include_usage(&self) -> bool {
+        self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false)
     }
 
     /// The client's expected output length (`nvext.agent_hints.osl`).
@@ -83,12 +100,25 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut Session, endpoint: Endpoint,
         return Err(Outcome::Refused(e));
     };
     let stream = view.stream.unwrap_or(false);
-    // The whole body is parsed only when kv routing tokenizes it.
-    let parsed = (endpoint.generates() && model.kv.is_some()).then(|| serde_json::from_slice(&body).ok()).flatten();
+    // The whole body is parsed only when kv routing tokenizes it or a stream may move.
+    let movable = stream && matches!(endpoint, Endpoint::Chat | Endpoint::Completions) && cfg.migration.limit > 0;
+    let mut parsed: Option<serde_json::Value> = ((endpoint.generates() && model.kv.is_some()) || movable).then(|| serde_json::from_slice(&body).ok()).flatten();
+    let (track, body, pinned) = match parsed.as_ref().filter(|_| movable).map(|v| track::start(endpoint == Endpoint::Chat, &body, v)) {
+        Some(Ok((t, sent))) => (Some(t), sent, None),
+        Some(Err(reason)) => (None, body, Some(reason)),
+        None => (None, body, None),
+    };
+    if model.kv.is_none() {
+        parsed = None;
+    }
     let ctx = RequestContext::new(rid);
     let entry =
         RequestEntry::new(ctx.id().to_string(), model.cfg.name.clone(), endpoint.label(), stream, view.priority_jump(), ctx.clone(), model.workers.clone());
     let registered = gw.requests.register(entry);
+    if let Some(reason) = pinned {
+        registered.entry().pin(reason.label());
+        gw.metrics.migration_pinned.with_label_values(&[model.cfg.name.as_str(), reason.label()]).inc();
+    }
     // Taken once and kept for the whole request (retries included).
     let plugin = model.plugin.as_ref().map(|slot| slot.current());
     let plugin_headers = plugin.as_ref().map_or_else(Vec::new, |p| {
@@ -114,5 +144,6 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut Session, endpoint: Endpoint,
         booking: None,
         tried: Vec::new(),
         registered,
+        track,
     })
 }

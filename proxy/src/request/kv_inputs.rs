@@ -4,6 +4,7 @@
 
 use super::RequestState;
 use super::endpoint::Endpoint;
+use crate::kv_routing::KvRouting;
 use kvgate_kv::hash::BlockHash;
 use std::time::{Duration, Instant};
 
@@ -27,10 +28,15 @@ pub async fn prepare(req: &mut RequestState) {
     let (Some(kv), Some(body)) = (req.model.kv.clone(), req.parsed.take()) else { return };
     let chat = req.endpoint == Endpoint::Chat;
     let tokens = super::prompt::tokens(&body, chat, kv.tokenizer.as_ref(), kv.max_tokens()).await.unwrap_or_default();
+    req.kv = Some(from_tokens(req, &kv, &tokens));
+}
+
+/// The inputs for a prompt whose tokens are known (a continuation's: prompt + generated ids).
+pub fn from_tokens(req: &RequestState, kv: &KvRouting, tokens: &[u32]) -> KvInputs {
     let t0 = Instant::now();
-    let chain = kv.chain(&tokens);
+    let chain = kv.chain(tokens);
     // overlap_score_weight 0: pure load balancing, the cache is not consulted.
     let cached = if kv.policy.params().overlap_score_weight > 0.0 { kv.cached(&chain).to_dense(kv.rank_count()) } else { vec![0; kv.rank_count()] };
     let booked = req.model.ledger.overlap(&chain).to_dense(req.model.workers.len());
-    req.kv = Some(KvInputs { tokens: tokens.len(), chain, cached, booked, lookup_time: t0.elapsed() });
+    KvInputs { tokens: tokens.len(), chain, cached, booked, lookup_time: t0.elapsed() }
 }

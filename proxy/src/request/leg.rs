@@ -13,6 +13,7 @@ use crate::downstream::closed::client_closed;
 use crate::error::{LegError, LegErrorKind};
 use crate::fleet::Worker;
 use crate::gateway::Gateway;
+use crate::move_order::MoveOrder;
 use crate::upstream::{self, Exchange, Pool};
 use bytes::Bytes;
 use pingora::http::RequestHeader;
@@ -38,23 +39,48 @@ pub enum LegEnd {
     Failed(LegError),
     /// The client went away meanwhile.
     ClientGone,
+    /// An order moved the request before its first byte: it is sent elsewhere (the leg, and
+    /// with it the worker's copy of the request, is dropped).
+    Reroute(MoveOrder),
+}
+
+/// What a leg sends.
+pub struct Outbound<'a> {
+    /// The worker's path.
+    pub path: &'static str,
+    /// The body.
+    pub body: &'a Bytes,
+    /// The `X-Request-Id` the worker sees (a continuation's differs from the original's, so a
+    /// worker that still holds the aborted original never sees the id twice).
+    pub request_id: std::borrow::Cow<'a, str>,
+    /// Whether a move order ends the wait (a first placement; a continuation is already one).
+    pub orders: bool,
+}
+
+impl<'a> Outbound<'a> {
+    /// The client's request, as admitted.
+    pub fn original(req: &'a RequestState) -> Self {
+        Self { path: req.endpoint.path(), body: &req.body, request_id: req.id().into(), orders: true }
+    }
 }
 
 /// Runs one leg to `worker`. `may_retry`: another worker may still be tried, so a 5xx is
 /// turned into a retryable error (when `retries.on_5xx`) instead of being passed on.
-pub async fn run(gw: &Gateway, session: &mut Session, req: &RequestState, worker: &Arc<Worker>, may_retry: bool) -> LegEnd {
+pub async fn run(gw: &Gateway, session: &mut Session, req: &RequestState, worker: &Arc<Worker>, out: &Outbound<'_>, may_retry: bool) -> LegEnd {
     let cfg = &req.cfg;
-    let header = match upstream::request_header(session.req_header(), worker, req.endpoint.path(), req.body.len(), req.id()) {
+    let header = match upstream::request_header(session.req_header(), worker, out.path, out.body.len(), &out.request_id) {
         Ok(h) => h,
         // Built from the client's own headers: another worker would fail the same way.
         Err(e) => return LegEnd::Failed(LegError::new(LegErrorKind::Send, &worker.url, e.to_string()).final_()),
     };
     let first_byte = (cfg.timeouts.first_byte_ms > 0).then(|| Duration::from_millis(cfg.timeouts.first_byte_ms));
-    let answer = first_bytes(gw, cfg, worker, &header, &req.body, first_byte, may_retry && cfg.retries.on_5xx);
+    let answer = first_bytes(gw, cfg, worker, &header, out.body, first_byte, may_retry && cfg.retries.on_5xx);
+    let mailbox = &req.entry().mailbox;
     let r = tokio::select! {
         biased;
         r = answer => r,
         _ = client_closed(session) => return LegEnd::ClientGone,
+        order = mailbox.next(), if out.orders => return LegEnd::Reroute(order),
     };
     match r {
         Ok(leg) => LegEnd::Answered(Box::new(leg)),

@@ -7,29 +7,35 @@
 //! 3. [`place`]: shedding (busy workers), then routing (built-in mode or plugin) → a worker,
 //!    a route receipt and the booking moved onto it;
 //! 4. [`leg`]: one upstream attempt, up to its first body byte under one deadline;
-//! 5. [`relay`]: the response streamed to the client while watching for a disconnect;
+//! 5. [`relay`]: the response streamed to the client while watching for a disconnect; a
+//!    stream whose worker fails or that an operator moves continues elsewhere ([`migrate`],
+//!    one more leg, followed by [`track`]);
 //! 6. [`record`]: metrics, logs and the registry's final status.
 //!
-//! [`serve`] runs them; the loop over attempts is explicit in [`attempts`], so another leg
-//! (a retry today, a migration later) is one more turn of it.
+//! [`serve`] runs them; the loop over attempts before the first byte is explicit in
+//! [`attempts`] (a retry, or a move ordered while waiting, is one more turn of it).
 
 pub mod admit;
 pub mod endpoint;
 pub mod kv_inputs;
 pub mod leg;
+pub mod migrate;
 pub mod place;
 pub mod prompt;
 pub mod queue;
 pub mod record;
 pub mod relay;
 pub mod state;
+pub mod track;
 
 use crate::downstream::io::respond_error;
 use crate::error::{GatewayError, LegError};
 use crate::gateway::Gateway;
+use crate::move_order::{MoveOrder, MoveReason, MoveRefused, MoveReport};
 pub use endpoint::Endpoint;
 use leg::LegEnd;
 use pingora::proxy::Session;
+use place::Among;
 pub use state::RequestState;
 use std::sync::Arc;
 use std::time::Instant;
@@ -97,23 +103,42 @@ async fn run(gw: &Arc<Gateway>, session: &mut Session, req: &mut RequestState) -
 }
 
 /// Place → leg, once per attempt, until a leg answers or no retry is allowed; then relay.
+/// A move ordered while the worker has not answered yet resends the request where the order
+/// says (the worker's copy is dropped with the leg).
 async fn attempts(gw: &Arc<Gateway>, session: &mut Session, req: &mut RequestState) -> Outcome {
     let max = req.cfg.retries.max_attempts.max(1) as usize;
     let mut last: Option<LegError> = None;
-    while req.tried.len() < max {
-        let worker = match place::place(gw, req) {
-            Ok(w) => w,
-            // No untried worker left: the answer below says why the tried ones failed.
-            Err(GatewayError::NoHealthyWorker(_)) => break,
-            Err(e) => return Outcome::Refused(e),
+    let mut order: Option<MoveOrder> = None;
+    while req.tried.len() < max || order.is_some() {
+        let worker = match order.take() {
+            Some(o) => match reroute(gw, req, o) {
+                Some(w) => w,
+                None => continue,
+            },
+            None => {
+                if !req.tried.is_empty() {
+                    gw.metrics.retries.with_label_values(&[req.model_name()]).inc();
+                }
+                match place::place(gw, req) {
+                    Ok(w) => w,
+                    // No untried worker left: the answer below says why the tried ones failed.
+                    Err(GatewayError::NoHealthyWorker(_)) => break,
+                    Err(e) => return Outcome::Refused(e),
+                }
+            }
         };
         let may_retry = req.tried.len() < max && req.tried.len() < req.model.workers.len();
-        match leg::run(gw, session, req, &worker, may_retry).await {
+        let out = leg::Outbound::original(req);
+        match leg::run(gw, session, req, &worker, &out, may_retry).await {
             LegEnd::Answered(leg) => {
                 req.entry().receipt.lock().leg_ended("ok");
                 return relay::relay(gw, session, req, leg).await;
             }
             LegEnd::ClientGone => return record::cancelled(gw, req),
+            LegEnd::Reroute(o) => {
+                req.entry().receipt.lock().leg_ended("moved");
+                order = Some(o);
+            }
             LegEnd::Failed(e) => {
                 req.entry().receipt.lock().leg_ended(e.kind.label());
                 record::leg_failed(gw, req, &worker, &e);
@@ -127,6 +152,34 @@ async fn attempts(gw: &Arc<Gateway>, session: &mut Session, req: &mut RequestSta
     match last {
         Some(leg) => Outcome::Refused(GatewayError::from_leg(req.model_name(), leg)),
         None => Outcome::Refused(GatewayError::NoHealthyWorker(req.model_name().to_string())),
+    }
+}
+
+/// Places a request an order moved before its first byte: on the aimed worker, else on the
+/// routing mode's choice among the others. `None` (the order refused) when no worker takes
+/// it; the caller then places it as a retry.
+fn reroute(gw: &Gateway, req: &mut RequestState, o: MoveOrder) -> Option<Arc<crate::fleet::Worker>> {
+    let from_idx = req.tried.last().copied().unwrap_or(0);
+    let from = req.model.workers[from_idx].label.clone();
+    let placed = match o.to {
+        Some(t) => place::place_among(gw, req, Among::Only(t)),
+        None => place::place_among(gw, req, Among::Except(&[from_idx])),
+    };
+    let counted = |outcome: &str| gw.metrics.migrations.with_label_values(&[req.model_name(), MoveReason::Admin.label(), outcome]).inc();
+    match placed {
+        Ok(w) => {
+            counted("ok");
+            req.entry().moved();
+            o.answer(Ok(MoveReport { from, to: w.label.clone(), how: "resend", generated: 0 }));
+            Some(w)
+        }
+        Err(e) => {
+            counted("failed");
+            o.answer(Err(MoveRefused::Failed(e.to_string())));
+            // Nothing is running for it now: it is placed again as a retry would be.
+            req.tried.pop();
+            None
+        }
     }
 }
 

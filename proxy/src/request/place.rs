@@ -14,14 +14,33 @@ use kvgate_filters::route::{Candidate, Decision, Policy, RequestSummary};
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Chooses a worker for the next attempt and books the request on it.
+/// Who may take the next attempt.
+#[derive(Debug, Clone, Copy)]
+pub enum Among<'a> {
+    /// Any healthy worker not in the list (a first attempt or a retry: the workers tried).
+    Except(&'a [usize]),
+    /// This worker only (a move an operator aimed), if it is healthy; shedding does not apply.
+    Only(usize),
+}
+
+/// Chooses a worker for the next attempt (any healthy worker not tried yet) and books the
+/// request on it.
 pub fn place(gw: &Gateway, req: &mut RequestState) -> Result<Arc<Worker>, GatewayError> {
+    let tried = req.tried.clone();
+    place_among(gw, req, Among::Except(&tried))
+}
+
+/// [`place`] among the workers `among` allows.
+pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Result<Arc<Worker>, GatewayError> {
     let model = req.model.clone();
-    let (eligible, mut excluded) = eligible(&model, &req.tried);
+    let (eligible, mut excluded) = eligible(&model, among);
     if eligible.is_empty() {
         return Err(GatewayError::NoHealthyWorker(model.cfg.name.clone()));
     }
-    let (eligible, busy) = shed(gw, req, eligible, &mut excluded)?;
+    let (eligible, busy) = match among {
+        Among::Except(_) => shed(gw, req, eligible, &mut excluded)?,
+        Among::Only(_) => (eligible, Vec::new()),
+    };
     let t_decide = Instant::now();
     let candidates: Vec<Candidate> = eligible
         .iter()
@@ -41,9 +60,6 @@ pub fn place(gw: &Gateway, req: &mut RequestState) -> Result<Arc<Worker>, Gatewa
     };
     let idx = eligible[k];
     let worker = model.workers[idx].clone();
-    if !req.tried.is_empty() {
-        gw.metrics.retries.with_label_values(&[model.cfg.name.as_str()]).inc();
-    }
     req.tried.push(idx);
     book(gw, req, idx, &candidates[k], t_decide);
     let prompt = req.kv.as_ref().map_or((0, 0), |k| (k.tokens as u32, k.chain.len() as u32));
@@ -54,13 +70,17 @@ pub fn place(gw: &Gateway, req: &mut RequestState) -> Result<Arc<Worker>, Gatewa
     Ok(worker)
 }
 
-/// Healthy workers not tried yet, and why the others are out.
-fn eligible(model: &Model, tried: &[usize]) -> (Vec<usize>, Vec<(u32, Exclusion)>) {
+/// Healthy workers `among` allows, and why the others are out.
+fn eligible(model: &Model, among: Among<'_>) -> (Vec<usize>, Vec<(u32, Exclusion)>) {
     let mut ok = Vec::with_capacity(model.workers.len());
     let mut out = Vec::new();
     for (i, w) in model.workers.iter().enumerate() {
-        if tried.contains(&i) {
-            out.push((i as u32, Exclusion::Tried));
+        let left_out = match among {
+            Among::Except(list) => list.contains(&i),
+            Among::Only(j) => i != j,
+        };
+        if left_out {
+            out.push((i as u32, if matches!(among, Among::Only(_)) { Exclusion::NotTheTarget } else { Exclusion::Tried }));
         } else if !w.is_healthy() {
             out.push((i as u32, Exclusion::Unhealthy));
         } else {

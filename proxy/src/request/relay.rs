@@ -6,11 +6,14 @@
 //! token events are counted for the registry and output-block bookings.
 
 use super::leg::Leg;
+use super::migrate::{self, Moved, Stop};
+use super::track::Tracker;
 use super::{Outcome, RequestState, record};
 use crate::downstream::closed::client_closed;
 use crate::error::{GatewayError, LegError, LegErrorKind};
 use crate::gateway::Gateway;
 use crate::inflight::Phase;
+use crate::move_order::{MoveOrder, MoveReason, MoveRefused, MoveReport};
 use crate::sse::SseEventCounter;
 use crate::upstream::{self, Exchange};
 use bytes::{Bytes, BytesMut};
@@ -18,17 +21,17 @@ use pingora::proxy::Session;
 use prometheus::Histogram;
 use std::time::{Duration, Instant};
 
-/// Relays an answered leg to the client.
-pub async fn relay(gw: &Gateway, session: &mut Session, req: &mut RequestState, leg: Box<Leg>) -> Outcome {
-    let Leg { mut ex, first, worker } = *leg;
-    let status = ex.header.status.as_u16();
+/// Relays an answered leg to the client; a stream whose worker fails (or that an operator
+/// moves) continues on another worker when it may (`migrate`).
+pub async fn relay(gw: &Gateway, session: &mut Session, req: &mut RequestState, mut leg: Box<Leg>) -> Outcome {
+    let status = leg.ex.header.status.as_u16();
     // Approximate mode learns from requests the worker took on (2xx).
     if (200..300).contains(&status)
         && let (Some(kv), Some(inputs), Some(idx)) = (&req.model.kv, &req.kv, req.tried.last().copied())
     {
         kv.record_decision(idx, &inputs.chain);
     }
-    let header = match upstream::client_response_header(&ex.header, req.id(), &worker.label) {
+    let header = match upstream::client_response_header(&leg.ex.header, req.id(), &leg.worker.label) {
         Ok(h) => h,
         Err(e) => return Outcome::Refused(GatewayError::BadUpstreamResponse(e.to_string())),
     };
@@ -36,44 +39,131 @@ pub async fn relay(gw: &Gateway, session: &mut Session, req: &mut RequestState, 
         return record::cancelled(gw, req);
     }
     let mut progress = Progress::new(gw, req, status);
+    loop {
+        let source = req.tried.last().copied().unwrap_or(0);
+        let (reason, order) = match body(gw, session, req, &mut progress, *leg, status).await {
+            BodyEnd::Done(outcome) => return outcome,
+            BodyEnd::Failed => (MoveReason::Failover, None),
+            BodyEnd::Ordered(order) => (MoveReason::Admin, Some(order)),
+        };
+        let to = order.as_ref().and_then(|o| o.to);
+        let moved = migrate::continue_stream(gw, session, req, reason, source, to).await;
+        let answer = |r: Result<MoveReport, MoveRefused>| {
+            if let Some(o) = order {
+                o.answer(r);
+            }
+        };
+        match moved {
+            Ok(Moved::Leg(next, report)) => {
+                answer(Ok(report));
+                progress.new_leg();
+                leg = next;
+            }
+            Ok(Moved::Finished) => {
+                answer(Err(MoveRefused::NotNow("finished")));
+                let usage = req.track.as_ref().is_some_and(|_| req.view.include_usage());
+                let end = req.track.as_ref().map(|t| t.synthetic_end(usage)).unwrap_or_default();
+                if session.write_response_body(Some(end), true).await.is_err() {
+                    return record::cancelled(gw, req);
+                }
+                return Outcome::Served(status);
+            }
+            Err(Stop::ClientGone) => {
+                answer(Err(MoveRefused::NotNow("the client left")));
+                return record::cancelled(gw, req);
+            }
+            Err(Stop::Refused(why)) => {
+                answer(Err(why));
+                return Outcome::Truncated(status);
+            }
+        }
+    }
+}
+
+/// How relaying one leg's body ended.
+enum BodyEnd {
+    /// The request is over.
+    Done(Outcome),
+    /// The worker failed mid-stream (counted already); the stream may continue elsewhere.
+    Failed,
+    /// An operator ordered a move (checked: the request may move).
+    Ordered(MoveOrder),
+}
+
+/// Relays one leg's body until it ends, fails or is moved.
+async fn body(gw: &Gateway, session: &mut Session, req: &mut RequestState, progress: &mut Progress, leg: Leg, status: u16) -> BodyEnd {
+    let Leg { mut ex, first, worker } = leg;
     let idle = Duration::from_millis(req.cfg.timeouts.upstream_read_idle_ms);
     let keep = Duration::from_millis(req.cfg.timeouts.upstream_idle_ms);
     let mut pending = Some(Ok(first));
     loop {
         let chunk = match pending.take() {
             Some(c) => c,
-            None => match next_chunk(session, &mut ex, &worker.url, idle).await {
-                Some(c) => c,
-                None => return record::cancelled(gw, req),
+            None => match next_chunk(session, &mut ex, req, &worker.url, idle).await {
+                Next::Chunk(c) => c,
+                Next::ClientGone => return BodyEnd::Done(record::cancelled(gw, req)),
+                Next::Order(o) => match migrate::may_move(req) {
+                    Ok(()) => return BodyEnd::Ordered(o),
+                    Err(why) => {
+                        o.answer(Err(why));
+                        continue;
+                    }
+                },
             },
         };
-        match chunk {
+        let e = match chunk {
             Ok(Some(bytes)) => {
                 let (bytes, after) = coalesce(&mut ex, bytes, &worker.url);
                 pending = after;
-                progress.chunk(req, &bytes);
                 // When the worker's body is complete, end the client's in the same write.
                 let end = ex.session.response_done();
-                if session.write_response_body(Some(bytes), end).await.is_err() {
-                    return record::cancelled(gw, req);
+                let (out, failure) = follow(gw, req, &bytes, end);
+                if !out.is_empty() {
+                    progress.chunk(gw, req, &out);
                 }
-                if end {
-                    upstream::release(gw, ex, keep).await;
-                    return Outcome::Served(status);
+                if (!out.is_empty() || end) && session.write_response_body(Some(out), end).await.is_err() {
+                    return BodyEnd::Done(record::cancelled(gw, req));
+                }
+                match failure {
+                    Some(detail) => LegError::new(LegErrorKind::Midstream, &worker.url, detail),
+                    None if end => {
+                        upstream::release(gw, ex, keep).await;
+                        return BodyEnd::Done(Outcome::Served(status));
+                    }
+                    None => continue,
                 }
             }
-            Ok(None) => break,
-            Err(e) => {
-                record::leg_failed(gw, req, &worker, &e);
-                return Outcome::Truncated(status);
+            Ok(None) => {
+                let rest = req.track.as_mut().map(Tracker::finish).unwrap_or_default();
+                if session.write_response_body(Some(rest), true).await.is_err() {
+                    return BodyEnd::Done(record::cancelled(gw, req));
+                }
+                upstream::release(gw, ex, keep).await;
+                return BodyEnd::Done(Outcome::Served(status));
             }
+            Err(e) => e,
+        };
+        record::leg_failed(gw, req, &worker, &e);
+        return BodyEnd::Failed;
+    }
+}
+
+/// Passes a chunk through the stream's tracker, if it has one: the bytes for the client, and
+/// the error the worker reported in the stream, if any.
+fn follow(gw: &Gateway, req: &mut RequestState, bytes: &Bytes, end: bool) -> (Bytes, Option<String>) {
+    let Some(t) = req.track.as_mut() else { return (bytes.clone(), None) };
+    let mut fed = t.feed(bytes);
+    if end && fed.failure.is_none() {
+        let rest = t.finish();
+        if !rest.is_empty() {
+            fed.out = [fed.out, rest].concat().into();
         }
     }
-    if session.write_response_body(None, true).await.is_err() {
-        return record::cancelled(gw, req);
+    if let Some(reason) = fed.pinned {
+        req.entry().pin(reason.label());
+        gw.metrics.migration_pinned.with_label_values(&[req.model_name(), reason.label()]).inc();
     }
-    upstream::release(gw, ex, keep).await;
-    Outcome::Served(status)
+    (fed.out, fed.failure)
 }
 
 /// Most bytes gathered into one client write.
@@ -116,16 +206,30 @@ fn ready_now<F: std::future::Future>(f: F) -> Option<F::Output> {
     }
 }
 
-/// The next body chunk, a stall or failure as a [`LegError`], or `None` when the client left.
-async fn next_chunk(session: &mut Session, ex: &mut Exchange, worker: &crate::config::UpstreamUrl, idle: Duration) -> Option<Result<Option<Bytes>, LegError>> {
+/// What the wait for the next body chunk gave.
+enum Next {
+    /// A chunk, the end, or a stall or failure as a [`LegError`].
+    Chunk(Result<Option<Bytes>, LegError>),
+    /// The client left.
+    ClientGone,
+    /// A move was ordered.
+    Order(MoveOrder),
+}
+
+/// Waits for the next body chunk, the client leaving, or (for a stream that may move) a move
+/// order.
+async fn next_chunk(session: &mut Session, ex: &mut Exchange, req: &RequestState, worker: &crate::config::UpstreamUrl, idle: Duration) -> Next {
+    let movable = req.track.as_ref().is_some_and(Tracker::movable);
+    let mailbox = &req.entry().mailbox;
     tokio::select! {
         biased;
-        r = tokio::time::timeout(idle, ex.session.read_response_body()) => Some(match r {
+        r = tokio::time::timeout(idle, ex.session.read_response_body()) => Next::Chunk(match r {
             Ok(Ok(chunk)) => Ok(chunk),
             Ok(Err(e)) => Err(LegError::new(LegErrorKind::Midstream, worker, e.to_string()).with_source(*e)),
             Err(_) => Err(LegError::new(LegErrorKind::Stalled, worker, "worker stalled past timeouts.upstream_read_idle_ms")),
         }),
-        _ = client_closed(session) => None,
+        _ = client_closed(session) => Next::ClientGone,
+        o = mailbox.next(), if movable => Next::Order(o),
     }
 }
 
@@ -136,6 +240,8 @@ struct Progress {
     start: Instant,
     last: Option<Instant>,
     events: Option<SseEventCounter>,
+    /// The next chunk is a new leg's first (after a move).
+    fresh_leg: bool,
 }
 
 impl Progress {
@@ -148,17 +254,26 @@ impl Progress {
             start: req.start,
             last: None,
             events: req.stream.then(SseEventCounter::default),
+            fresh_leg: true,
         }
     }
 
-    fn chunk(&mut self, req: &mut RequestState, bytes: &[u8]) {
+    /// The stream moved: the next chunk comes from a new worker.
+    fn new_leg(&mut self) {
+        self.fresh_leg = true;
+    }
+
+    fn chunk(&mut self, gw: &Gateway, req: &mut RequestState, bytes: &[u8]) {
         let now = Instant::now();
-        if self.last.is_none() {
+        if std::mem::take(&mut self.fresh_leg) {
             // The first token ends the request's prefill on the worker.
             if let Some(b) = req.booking.as_mut() {
                 b.prefill_done();
             }
             req.entry().set_phase(Phase::Running);
+            if let Some(prev) = self.last {
+                gw.metrics.migration_pause.with_label_values(&[req.model_name()]).observe(now.duration_since(prev).as_secs_f64());
+            }
         }
         if let Some(counter) = self.events.as_mut() {
             let n = counter.feed(bytes);

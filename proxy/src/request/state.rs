@@ -1,10 +1,12 @@
 //! The per-request state carried through the phases (Pingora's `CTX` for a proxied request):
 //! who asked what, the parsed view of the body, the KV inputs, the booking, the worker chosen
-//! and the workers tried, and the request's registration in the in-flight registry.
+//! and the workers tried, the request's registration in the in-flight registry, and the
+//! follower of a stream that may move.
 
 use super::admit::RequestView;
 use super::endpoint::Endpoint;
 use super::kv_inputs::KvInputs;
+use super::track::Tracker;
 use crate::config::Config;
 use crate::fleet::Model;
 use crate::inflight::{Registered, RequestEntry};
@@ -49,6 +51,8 @@ pub struct RequestState {
     pub tried: Vec<usize>,
     /// Its entry in the in-flight registry.
     pub registered: Registered,
+    /// The stream's follower while it may move to another worker (docs/migration.md).
+    pub track: Option<Tracker>,
 }
 
 impl RequestState {

@@ -1,0 +1,163 @@
+//! Server-Sent Events as a moving stream needs them: whole events out of arbitrary body chunks
+//! ([`EventSplitter`]), the JSON payload of an event ([`payload`]), and the token id fields the
+//! gateway asked for removed from an event the client did not ask them for
+//! ([`strip_token_ids`]), byte for byte otherwise.
+//!
+//! vLLM frames every event as one `data: <json>` line followed by a blank line.
+
+use bytes::{Bytes, BytesMut};
+
+/// Longest event kept while waiting for its end (a runaway worker cannot grow it further).
+pub const MAX_EVENT: usize = 4 * 1024 * 1024;
+
+/// Cuts a byte stream into whole events (each ending with its blank line).
+#[derive(Debug, Default)]
+pub struct EventSplitter {
+    buf: BytesMut,
+}
+
+/// An event longer than [`MAX_EVENT`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("a server-sent event exceeded {MAX_EVENT} bytes")]
+pub struct EventTooLong;
+
+impl EventSplitter {
+    /// Appends a body chunk.
+    pub fn push(&mut self, chunk: &[u8]) -> Result<(), EventTooLong> {
+        if self.buf.len() + chunk.len() > MAX_EVENT && end_of_event(&self.buf).is_none() && end_of_event(chunk).is_none() {
+            return Err(EventTooLong);
+        }
+        self.buf.extend_from_slice(chunk);
+        Ok(())
+    }
+
+    /// The next whole event, terminator included.
+    pub fn next_event(&mut self) -> Option<Bytes> {
+        let end = end_of_event(&self.buf)?;
+        Some(self.buf.split_to(end).freeze())
+    }
+
+    /// Bytes of an unfinished event.
+    pub fn pending(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Takes whatever is left (an unfinished event at the end of a body).
+    pub fn take_rest(&mut self) -> Bytes {
+        self.buf.split().freeze()
+    }
+}
+
+/// Where the first event in `b` ends (just past its blank line).
+fn end_of_event(b: &[u8]) -> Option<usize> {
+    let lf = b.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
+    let crlf = b.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
+    match (lf, crlf) {
+        (Some(a), Some(c)) => Some(a.min(c)),
+        (a, c) => a.or(c),
+    }
+}
+
+/// The text after `data:` (one optional space) in an event, without the line end.
+pub fn payload(event: &[u8]) -> Option<&[u8]> {
+    let line = event.strip_prefix(b"data:")?;
+    let line = line.strip_prefix(b" ").unwrap_or(line);
+    let end = line.iter().position(|&b| b == b'\n' || b == b'\r').unwrap_or(line.len());
+    Some(&line[..end])
+}
+
+/// Whether an event is the end marker `data: [DONE]`.
+pub fn is_done(event: &[u8]) -> bool {
+    payload(event).is_some_and(|p| p.trim_ascii() == b"[DONE]")
+}
+
+/// `event` without its `"prompt_token_ids"` and `"token_ids"` members (and their comma).
+/// JSON escapes every quote inside a string, so `"token_ids":` can only be a key.
+pub fn strip_token_ids(event: &[u8]) -> Vec<u8> {
+    const KEY: &[u8] = b"\"token_ids\":";
+    const PROMPT_KEY: &[u8] = b"\"prompt_token_ids\":";
+    let mut out = Vec::with_capacity(event.len());
+    let mut i = 0;
+    while i < event.len() {
+        let key_len = if event[i..].starts_with(KEY) {
+            KEY.len()
+        } else if event[i..].starts_with(PROMPT_KEY) {
+            PROMPT_KEY.len()
+        } else {
+            out.push(event[i]);
+            i += 1;
+            continue;
+        };
+        let value_end = skip_value(event, i + key_len);
+        if out.last() == Some(&b',') {
+            // `,"token_ids":[…]` → nothing.
+            out.pop();
+            i = value_end;
+        } else {
+            // `{"token_ids":[…],` → `{`.
+            i = if event.get(value_end) == Some(&b',') { value_end + 1 } else { value_end };
+        }
+    }
+    out
+}
+
+/// The index just past the JSON value (an id list, `null` or a number) starting at `i`.
+fn skip_value(b: &[u8], mut i: usize) -> usize {
+    while b.get(i).is_some_and(u8::is_ascii_whitespace) {
+        i += 1;
+    }
+    let mut depth = 0usize;
+    while let Some(&c) = b.get(i) {
+        match c {
+            b'[' | b'{' => depth += 1,
+            b']' | b'}' if depth == 0 => return i,
+            b']' | b'}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return i + 1;
+                }
+            }
+            b',' if depth == 0 => return i,
+            _ => {}
+        }
+        i += 1;
+    }
+    i
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_are_cut_whole_across_chunks() {
+        let mut s = EventSplitter::default();
+        s.push(b"data: {\"a\":1}\n\ndata: {\"b\"").unwrap();
+        assert_eq!(s.next_event().as_deref(), Some(&b"data: {\"a\":1}\n\n"[..]));
+        assert_eq!(s.next_event(), None);
+        s.push(b":2}\r\n\r\ndata: [DONE]\n\n").unwrap();
+        assert_eq!(s.next_event().as_deref(), Some(&b"data: {\"b\":2}\r\n\r\n"[..]));
+        let done = s.next_event().unwrap();
+        assert!(is_done(&done));
+        assert_eq!(payload(&done), Some(&b"[DONE]"[..]));
+        assert_eq!(s.pending(), 0);
+    }
+
+    #[test]
+    fn a_runaway_event_is_refused() {
+        let mut s = EventSplitter::default();
+        assert_eq!(s.push(&vec![b'x'; MAX_EVENT + 1]), Err(EventTooLong));
+    }
+
+    #[test]
+    fn token_ids_are_stripped_and_nothing_else_changes() {
+        let e = br#"data: {"id":"c","choices":[{"index":0,"text":"\"token_ids\": no","logprobs":null,"prompt_token_ids":[1,2],"token_ids":[7]}]}"#;
+        let want = br#"data: {"id":"c","choices":[{"index":0,"text":"\"token_ids\": no","logprobs":null}]}"#;
+        assert_eq!(String::from_utf8(strip_token_ids(e)).unwrap(), String::from_utf8(want.to_vec()).unwrap());
+        let chat = br#"data: {"prompt_token_ids":null,"id":"x","choices":[{"delta":{"content":"a"},"token_ids":[3, 4]}]}"#;
+        let want = br#"data: {"id":"x","choices":[{"delta":{"content":"a"}}]}"#;
+        assert_eq!(String::from_utf8(strip_token_ids(chat)).unwrap(), String::from_utf8(want.to_vec()).unwrap());
+        let plain = b"data: {\"id\":\"x\"}\n\n";
+        assert_eq!(strip_token_ids(plain), plain.to_vec());
+    }
+}

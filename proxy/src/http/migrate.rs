@@ -1,0 +1,102 @@
+//! `POST /migrate` on the admin listener: move a request in flight to another worker
+//! (docs/migration.md). Body `{"request_id": "…", "to": "<worker url>"?}`; without `to` the
+//! model's routing mode picks the destination. The answer waits for the move: 200 with
+//! `{request_id, from, to, how, generated}`; 404 for an unknown request or worker; 409 when the
+//! request cannot move (pinned, with the reason; queued or finished; limit reached; already
+//! there; another move pending); 502 when the move failed; 504 when it took too long.
+
+use crate::downstream::errors::ClientError;
+use crate::downstream::io::{read_body, respond_error, respond_json};
+use crate::gateway::Gateway;
+use crate::inflight::{Phase, RequestEntry};
+use crate::move_order::{MoveOrder, MoveRefused};
+use pingora::proxy::Session;
+use serde::Deserialize;
+use serde_json::json;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Longest wait for a move to be done (a continuation waits for the destination's first
+/// token, which may follow a long prefill).
+const MOVE_DEADLINE: Duration = Duration::from_secs(120);
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MoveBody {
+    request_id: String,
+    #[serde(default)]
+    to: Option<String>,
+}
+
+/// Handles `POST /migrate`.
+pub async fn serve(gw: &Arc<Gateway>, session: &mut Session) {
+    let body = match read_body(session, 64 * 1024, Duration::from_secs(10)).await {
+        Ok(b) => b,
+        Err(e) => {
+            if let Some(ce) = e.client_error() {
+                respond_error(session, &ce, &[]).await;
+            }
+            return;
+        }
+    };
+    let req: MoveBody = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return respond_error(session, &ClientError::bad_request(format!("expected {{\"request_id\": \"…\", \"to\": \"<worker url>\"?}}: {e}"), None), &[])
+                .await;
+        }
+    };
+    let (entry, order_rx) = match order(gw, &req) {
+        Ok(x) => x,
+        Err(ce) => return respond_error(session, &ce, &[]).await,
+    };
+    match tokio::time::timeout(MOVE_DEADLINE, order_rx).await {
+        Ok(Ok(Ok(r))) => respond_json(session, 200, &json!({"request_id": entry.id, "from": r.from, "to": r.to, "how": r.how, "generated": r.generated})).await,
+        Ok(Ok(Err(MoveRefused::Failed(m)))) => respond_error(session, &ClientError::move_failed(m), &[]).await,
+        Ok(Ok(Err(why))) => respond_error(session, &ClientError::conflict(why.to_string()), &[]).await,
+        // The request ended before it read the order.
+        Ok(Err(_)) => respond_error(session, &ClientError::conflict("the request ended before it could move"), &[]).await,
+        Err(_) => {
+            entry.mailbox.refuse_pending(MoveRefused::NotNow("timed out"));
+            respond_error(session, &ClientError::internal(format!("the move did not finish within {} s", MOVE_DEADLINE.as_secs())), &[]).await
+        }
+    }
+}
+
+type Reply = tokio::sync::oneshot::Receiver<Result<crate::move_order::MoveReport, MoveRefused>>;
+
+/// Checks what can be checked here and posts the order.
+fn order(gw: &Gateway, req: &MoveBody) -> Result<(Arc<RequestEntry>, Reply), ClientError> {
+    let entry = gw.requests.find(&req.request_id).ok_or_else(|| ClientError::unknown_request(&req.request_id))?;
+    if let Some(reason) = entry.pinned() {
+        return Err(ClientError::conflict(MoveRefused::Pinned(reason).to_string()));
+    }
+    if !entry.stream {
+        return Err(ClientError::conflict(MoveRefused::Pinned("unary").to_string()));
+    }
+    match entry.phase() {
+        Phase::Waiting | Phase::Running => {}
+        p => return Err(ClientError::conflict(format!("the request is {}, not on a worker", p.name()))),
+    }
+    if entry.moves() >= u64::from(gw.config().migration.limit) {
+        return Err(ClientError::conflict("the request reached migration.limit"));
+    }
+    let to = match &req.to {
+        None => None,
+        Some(name) => {
+            let name = name.trim_end_matches('/');
+            let i = entry.workers.iter().position(|w| w.label == name || w.url.to_string().trim_end_matches('/') == name);
+            let i = i.ok_or_else(|| ClientError::bad_request(format!("no worker {name:?} serves model {:?}", entry.model), Some("to")))?;
+            if entry.worker().is_some_and(|w| Arc::ptr_eq(&w, &entry.workers[i])) {
+                return Err(ClientError::conflict(format!("the request is already on {name}")));
+            }
+            if !entry.workers[i].is_healthy() {
+                return Err(ClientError::conflict(format!("worker {name} is unhealthy")));
+            }
+            Some(i)
+        }
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    entry.mailbox.post(MoveOrder { to, reply: tx }).map_err(|_| ClientError::conflict("another move of this request is pending"))?;
+    Ok((entry, rx))
+}

@@ -1,0 +1,130 @@
+//! Orders to move a request to another worker, from outside the request's task (the admin
+//! `POST /migrate`, later the rescheduler), and their answers. Each in-flight request has one
+//! [`Mailbox`] in its registry entry; the request's task watches it while it waits for a
+//! worker's first byte (a move is then a plain resend) and while it relays a stream (a move is
+//! then a continuation, `request::migrate`).
+
+use parking_lot::Mutex;
+use tokio::sync::{Notify, oneshot};
+
+/// Why a request is moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoveReason {
+    /// Its worker failed mid-stream (died, reset, stalled, or reported an error).
+    Failover,
+    /// An operator asked (`POST /migrate`).
+    Admin,
+}
+
+impl MoveReason {
+    /// Metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Failover => "failover",
+            Self::Admin => "admin",
+        }
+    }
+}
+
+/// What a move did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MoveReport {
+    /// The worker it left.
+    pub from: String,
+    /// The worker it continues on.
+    pub to: String,
+    /// `continuation` (running: prompt + generated ids) or `resend` (no token yet).
+    pub how: &'static str,
+    /// Tokens generated before the move (what the continuation's prompt adds).
+    pub generated: usize,
+}
+
+/// Why a move was not done.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MoveRefused {
+    /// The request cannot move (the reason label).
+    #[error("the request is pinned to its worker: {0}")]
+    Pinned(&'static str),
+    /// The request is not on a worker (queued, finished) or another move is pending.
+    #[error("the request cannot move now: {0}")]
+    NotNow(&'static str),
+    /// The move was tried and failed.
+    #[error("the move failed: {0}")]
+    Failed(String),
+}
+
+/// One order: where to (a worker index of the request's model; `None`: the router decides).
+#[derive(Debug)]
+pub struct MoveOrder {
+    /// Destination worker index, if the caller chose one.
+    pub to: Option<usize>,
+    /// Answered once the request moved (or could not).
+    pub reply: oneshot::Sender<Result<MoveReport, MoveRefused>>,
+}
+
+impl MoveOrder {
+    /// Sends the answer (the caller may have gone; nothing to do then).
+    pub fn answer(self, r: Result<MoveReport, MoveRefused>) {
+        let _ = self.reply.send(r);
+    }
+}
+
+/// A request's pending order (at most one).
+#[derive(Debug, Default)]
+pub struct Mailbox {
+    order: Mutex<Option<MoveOrder>>,
+    posted: Notify,
+}
+
+impl Mailbox {
+    /// Posts an order; a second one while the first is pending is refused.
+    pub fn post(&self, order: MoveOrder) -> Result<(), MoveOrder> {
+        let mut slot = self.order.lock();
+        if slot.is_some() {
+            return Err(order);
+        }
+        *slot = Some(order);
+        drop(slot);
+        self.posted.notify_one();
+        Ok(())
+    }
+
+    /// Waits for an order.
+    pub async fn next(&self) -> MoveOrder {
+        loop {
+            if let Some(o) = self.order.lock().take() {
+                return o;
+            }
+            self.posted.notified().await;
+        }
+    }
+
+    /// Refuses a pending order (the request ended or cannot move any more).
+    pub fn refuse_pending(&self, why: MoveRefused) {
+        if let Some(o) = self.order.lock().take() {
+            o.answer(Err(why));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn one_order_at_a_time_and_answers_reach_the_caller() {
+        let m = Mailbox::default();
+        let (tx, rx) = oneshot::channel();
+        m.post(MoveOrder { to: Some(1), reply: tx }).unwrap();
+        let (tx2, _rx2) = oneshot::channel();
+        assert!(m.post(MoveOrder { to: None, reply: tx2 }).is_err(), "a second order waits its turn");
+        let o = m.next().await;
+        assert_eq!(o.to, Some(1));
+        o.answer(Err(MoveRefused::Pinned("unary")));
+        assert_eq!(rx.await.unwrap(), Err(MoveRefused::Pinned("unary")));
+        let (tx3, rx3) = oneshot::channel();
+        m.post(MoveOrder { to: None, reply: tx3 }).unwrap();
+        m.refuse_pending(MoveRefused::NotNow("finished"));
+        assert!(matches!(rx3.await.unwrap(), Err(MoveRefused::NotNow(_))));
+    }
+}

@@ -1,0 +1,185 @@
+//! Moving a running stream to another worker by continuation (docs/migration.md), as one more
+//! leg of the request: the old leg is gone (dropped, so vLLM aborts it), and the destination
+//! gets a `/v1/completions` request whose prompt is the prompt ids plus the ids generated so far,
+//! asking for what remains with the same sampling parameters. Its events are re-wrapped by the
+//! request's tracker, so the client sees one stream.
+//!
+//! The destination is chosen by the request's routing mode over the *whole* continuation
+//! prompt (kv mode prefers the worker that already holds most of it), among healthy workers
+//! other than the one it leaves; an operator may aim at one worker. The booking moves with the
+//! request. Each request moves at most `migration.limit` times; at most
+//! `migration.max_concurrent` moves run at once.
+
+use super::leg::{self, Leg, LegEnd, Outbound};
+use super::place::{self, Among};
+use super::{RequestState, kv_inputs, record};
+use crate::gateway::Gateway;
+use crate::move_order::{MoveReason, MoveRefused, MoveReport};
+use bytes::Bytes;
+use kvgate_filters::migrate::{ClientShape, Continuation, ContinuationError};
+use pingora::proxy::Session;
+use serde_json::Value;
+
+/// A move that went ahead.
+pub enum Moved {
+    /// The stream continues on this leg.
+    Leg(Box<Leg>, MoveReport),
+    /// Every token had been generated already: the stream only needs its end.
+    Finished,
+}
+
+/// A move that did not.
+pub enum Stop {
+    /// The client left meanwhile.
+    ClientGone,
+    /// Not movable, or no destination took it.
+    Refused(MoveRefused),
+}
+
+/// Whether `req` may move now; why not otherwise. Checked before an ordered move drops the
+/// leg it would leave.
+pub fn may_move(req: &RequestState) -> Result<(), MoveRefused> {
+    match &req.track {
+        Some(t) if t.movable() => {}
+        _ => return Err(MoveRefused::Pinned(req.entry().pinned().unwrap_or("not_movable"))),
+    }
+    if req.entry().moves() >= u64::from(req.cfg.migration.limit) {
+        return Err(MoveRefused::NotNow("migration.limit reached"));
+    }
+    Ok(())
+}
+
+/// Continues `req`'s stream elsewhere; `source` is the worker it leaves, `to` a destination an
+/// operator chose.
+pub async fn continue_stream(
+    gw: &Gateway,
+    session: &mut Session,
+    req: &mut RequestState,
+    reason: MoveReason,
+    source: usize,
+    to: Option<usize>,
+) -> Result<Moved, Stop> {
+    let model = req.model_name().to_string();
+    let count = |outcome: &str| gw.metrics.migrations.with_label_values(&[model.as_str(), reason.label(), outcome]).inc();
+    if let Err(why) = may_move(req) {
+        count(if matches!(why, MoveRefused::Pinned(_)) { "pinned" } else { "limit" });
+        return Err(Stop::Refused(why));
+    }
+    let (body, ids, generated) = match continuation(req) {
+        Ok(c) => c,
+        Err(ContinuationError::Finished) => {
+            count("finished");
+            return Ok(Moved::Finished);
+        }
+        Err(e) => {
+            count("failed");
+            return Err(Stop::Refused(MoveRefused::Failed(e.to_string())));
+        }
+    };
+    let _permit = gw.migrations.acquire().await.map_err(|_| Stop::Refused(MoveRefused::NotNow("shutting down")))?;
+    req.entry().moved();
+    if let Some(kv) = req.model.kv.clone() {
+        req.kv = Some(kv_inputs::from_tokens(req, &kv, &ids));
+    }
+    let from = req.model.workers[source].label.clone();
+    let out = Outbound { path: "/v1/completions", body: &body, request_id: format!("{}-m{}", req.id(), req.entry().moves()).into(), orders: false };
+    match destination(gw, session, req, &out, source, to, ids.len()).await {
+        Ok(leg) => {
+            count("ok");
+            if let Some(t) = req.track.as_mut() {
+                t.continuing();
+            }
+            let report = MoveReport { from, to: leg.worker.label.clone(), how: "continuation", generated };
+            tracing::info!(request_id = req.id(), from = report.from.as_str(), to = report.to.as_str(), reason = reason.label(), generated, "stream moved");
+            Ok(Moved::Leg(leg, report))
+        }
+        Err(stop) => {
+            count("failed");
+            Err(stop)
+        }
+    }
+}
+
+/// The continuation's body, its prompt ids (prompt + generated), and how many were generated.
+fn continuation(req: &mut RequestState) -> Result<(Bytes, Vec<u32>, usize), ContinuationError> {
+    let name = req.model_name().to_string();
+    let Some(track) = req.track.as_mut() else { return Err(ContinuationError::Finished) };
+    if track.record.finished {
+        return Err(ContinuationError::Finished);
+    }
+    // Tokens whose text the client has not seen are generated again by the destination.
+    track.record.roll_back_unseen();
+    // Parsed at admission already, so it parses again.
+    let original: Value = serde_json::from_slice(&req.body).unwrap_or(Value::Null);
+    let model = original.get("model").and_then(Value::as_str).unwrap_or(&name).to_string();
+    let r = &track.record;
+    let c = Continuation {
+        original: &original,
+        chat: track.shape == ClientShape::Chat,
+        prompt_ids: &r.prompt_ids,
+        generated_ids: &r.generated_ids,
+        max_model_len: None,
+    };
+    let body = c.request(&model)?;
+    let ids: Vec<u32> = r.prompt_ids.iter().chain(&r.generated_ids).copied().collect();
+    Ok((Bytes::from(body.to_string()), ids, r.generated_ids.len()))
+}
+
+/// Places and sends the continuation until a worker answers it: the aimed worker first (if
+/// any), then the routing mode's choice among the others, each worker at most once.
+async fn destination(
+    gw: &Gateway,
+    session: &mut Session,
+    req: &mut RequestState,
+    out: &Outbound<'_>,
+    source: usize,
+    mut to: Option<usize>,
+    prompt: usize,
+) -> Result<Box<Leg>, Stop> {
+    let mut left_out = vec![source];
+    loop {
+        let among = match to.take() {
+            Some(t) => Among::Only(t),
+            None => Among::Except(&left_out),
+        };
+        let aimed = matches!(among, Among::Only(_));
+        let worker = match place::place_among(gw, req, among) {
+            Ok(w) => w,
+            Err(_) if aimed => continue,
+            Err(e) => return Err(Stop::Refused(MoveRefused::Failed(e.to_string()))),
+        };
+        let idx = req.tried.last().copied().unwrap_or(source);
+        count_recomputed(gw, req, idx, prompt);
+        match leg::run(gw, session, req, &worker, out, true).await {
+            LegEnd::Answered(leg) if leg.ex.header.status.as_u16() == 200 => {
+                req.entry().receipt.lock().leg_ended("ok");
+                return Ok(leg);
+            }
+            LegEnd::Answered(leg) => {
+                // A continuation the worker refuses (e.g. longer than its context) fails the same way elsewhere.
+                req.entry().receipt.lock().leg_ended("status");
+                return Err(Stop::Refused(MoveRefused::Failed(format!("{} answered the continuation with {}", worker.label, leg.ex.header.status.as_u16()))));
+            }
+            LegEnd::ClientGone => return Err(Stop::ClientGone),
+            LegEnd::Reroute(order) => order.answer(Err(MoveRefused::NotNow("already moving"))),
+            LegEnd::Failed(e) => {
+                req.entry().receipt.lock().leg_ended(e.kind.label());
+                record::leg_failed(gw, req, &worker, &e);
+                if !e.retryable {
+                    return Err(Stop::Refused(MoveRefused::Failed(e.to_string())));
+                }
+            }
+        }
+        left_out.push(idx);
+    }
+}
+
+/// Counts the continuation prompt tokens worker `idx` does not hold (kv mode: its cached
+/// leading blocks; otherwise the whole prompt).
+fn count_recomputed(gw: &Gateway, req: &RequestState, idx: usize, prompt: usize) {
+    let cached_blocks = req.kv.as_ref().zip(req.model.kv.as_ref()).map_or(0, |(inputs, kv)| {
+        kv.rank_ids.get(idx).map_or(0, |ranks| ranks.iter().map(|&r| inputs.cached.get(r as usize).copied().unwrap_or(0)).max().unwrap_or(0))
+    });
+    let cached = (cached_blocks as usize * req.model.cfg.block_size as usize).min(prompt);
+    gw.metrics.migration_recomputed.with_label_values(&[req.model_name()]).inc_by((prompt - cached) as u64);
+}

@@ -1,0 +1,251 @@
+//! Following a movable stream event by event, so it can continue on another worker
+//! (docs/migration.md). The source worker was asked for token ids (`return_token_ids`); the
+//! tracker keeps what a continuation needs (`StreamRecord`), strips the ids the client did not
+//! ask for, notices an error the worker reports inside the stream, and after a move re-wraps
+//! the destination's completion events in the client's shape. Only whole events are passed on,
+//! so what the client saw and what the record holds never disagree.
+
+use bytes::{Bytes, BytesMut};
+use kvgate_filters::migrate::events::{self, EventSplitter};
+use kvgate_filters::migrate::{ClientShape, PinReason, StreamRecord, pin_reason};
+use serde_json::Value;
+
+/// At admission: a tracker for a stream that may move, and the body to send its worker (the
+/// client's, asking for token ids); or why it may not move.
+pub fn start(chat: bool, body: &Bytes, parsed: &Value) -> Result<(Tracker, Bytes), PinReason> {
+    if let Some(reason) = pin_reason(chat, parsed) {
+        return Err(reason);
+    }
+    let asked = parsed.get("return_token_ids").and_then(Value::as_bool);
+    let shape = if chat { ClientShape::Chat } else { ClientShape::Completion };
+    let tracker = Tracker::new(shape, asked == Some(true));
+    if asked == Some(true) {
+        return Ok((tracker, body.clone()));
+    }
+    // Appended last so it wins over a `false` the client sent (the last duplicate key wins in
+    // the server's JSON parser). The body parsed as an object, so it ends with `}`.
+    let end = body.iter().rposition(|&b| b == b'}').ok_or(PinReason::NoTokenIds)?;
+    let empty = body[..end].iter().rev().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+    let mut out = BytesMut::with_capacity(body.len() + 26);
+    out.extend_from_slice(&body[..end]);
+    out.extend_from_slice(if empty { &b"\"return_token_ids\":true}"[..] } else { &b",\"return_token_ids\":true}"[..] });
+    Ok((tracker, out.freeze()))
+}
+
+/// Which worker's events are being followed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// The worker the request was placed on: its events go out in their own shape.
+    Source,
+    /// A continuation: `/v1/completions` events re-wrapped in the client's shape.
+    Continuation,
+    /// No longer movable: events pass, ids stripped when `strip`.
+    Pinned { strip: bool },
+}
+
+/// What one body chunk gave.
+#[derive(Debug, Default)]
+pub struct Fed {
+    /// Bytes for the client (possibly empty: an event is still incomplete).
+    pub out: Bytes,
+    /// The worker reported an error in the stream: the leg failed (nothing after it was kept).
+    pub failure: Option<String>,
+    /// The stream just turned out not to be movable.
+    pub pinned: Option<PinReason>,
+}
+
+/// A movable stream's follower.
+#[derive(Debug)]
+pub struct Tracker {
+    /// What the stream has produced so far.
+    pub record: StreamRecord,
+    /// The client's shape.
+    pub shape: ClientShape,
+    /// The client asked for token ids itself: they are passed on.
+    pub keep_ids: bool,
+    splitter: EventSplitter,
+    mode: Mode,
+}
+
+impl Tracker {
+    /// A tracker for a stream the client asked in `shape`.
+    pub fn new(shape: ClientShape, keep_ids: bool) -> Self {
+        Self { record: StreamRecord::default(), shape, keep_ids, splitter: EventSplitter::default(), mode: Mode::Source }
+    }
+
+    /// Whether it may still move.
+    pub fn movable(&self) -> bool {
+        !matches!(self.mode, Mode::Pinned { .. })
+    }
+
+    /// The next events come from a continuation. An unfinished event of the old worker is
+    /// dropped: the client never saw it, and the continuation regenerates its tokens.
+    pub fn continuing(&mut self) {
+        self.splitter.take_rest();
+        self.mode = Mode::Continuation;
+    }
+
+    /// Follows one body chunk.
+    pub fn feed(&mut self, chunk: &[u8]) -> Fed {
+        if self.mode == (Mode::Pinned { strip: false }) {
+            return Fed { out: Bytes::copy_from_slice(chunk), ..Fed::default() };
+        }
+        let mut fed = Fed::default();
+        if self.splitter.push(chunk).is_err() {
+            fed.failure = Some("the worker sent an oversized event".into());
+            return fed;
+        }
+        let mut out = BytesMut::new();
+        while let Some(ev) = self.splitter.next_event() {
+            if let Err(failure) = self.event(&ev, &mut out, &mut fed) {
+                fed.failure = Some(failure);
+                break;
+            }
+        }
+        fed.out = out.freeze();
+        fed
+    }
+
+    /// The end of the worker's body: whatever is left goes out as it is.
+    pub fn finish(&mut self) -> Bytes {
+        self.splitter.take_rest()
+    }
+
+    /// One whole event into `out`; `Err` when the worker reported an error.
+    fn event(&mut self, ev: &[u8], out: &mut BytesMut, fed: &mut Fed) -> Result<(), String> {
+        let json = match events::payload(ev) {
+            Some(p) if !events::is_done(ev) => p,
+            // `[DONE]`, comments and anything that is not a data event pass unchanged.
+            _ => {
+                out.extend_from_slice(ev);
+                return Ok(());
+            }
+        };
+        match self.mode {
+            Mode::Pinned { strip } => self.pass(ev, strip, out),
+            Mode::Source => match self.record.observe(json) {
+                Ok(seen) if seen.error.is_some() => return Err(seen.error.unwrap_or_default()),
+                Ok(seen) => {
+                    if let Some(reason) = seen.pin {
+                        self.pin(reason);
+                        fed.pinned = Some(reason);
+                    }
+                    self.pass(ev, !self.keep_ids, out);
+                }
+                Err(_) => {
+                    // Not the JSON we know: it cannot be followed, so the stream stays put.
+                    self.pin(PinReason::NoTokenIds);
+                    fed.pinned = Some(PinReason::NoTokenIds);
+                    self.pass(ev, !self.keep_ids, out);
+                }
+            },
+            Mode::Continuation => match self.record.continue_event(json, self.shape, self.keep_ids) {
+                Ok((seen, _)) if seen.error.is_some() => return Err(seen.error.unwrap_or_default()),
+                Ok((_, v)) => {
+                    out.extend_from_slice(b"data: ");
+                    out.extend_from_slice(v.to_string().as_bytes());
+                    out.extend_from_slice(b"\n\n");
+                }
+                Err(e) => return Err(format!("unreadable continuation event: {e}")),
+            },
+        }
+        Ok(())
+    }
+
+    fn pin(&mut self, reason: PinReason) {
+        // Without ids from the worker there is nothing to strip.
+        self.mode = Mode::Pinned { strip: !self.keep_ids && reason != PinReason::NoTokenIds };
+    }
+
+    fn pass(&self, ev: &[u8], strip: bool, out: &mut BytesMut) {
+        if strip {
+            out.extend_from_slice(&events::strip_token_ids(ev));
+        } else {
+            out.extend_from_slice(ev);
+        }
+    }
+
+    /// The end of a stream whose tokens were all generated when its worker failed: the usage
+    /// event (if the client asked for it) and `[DONE]`.
+    pub fn synthetic_end(&self, include_usage: bool) -> Bytes {
+        let mut out = String::new();
+        if include_usage {
+            let (p, c) = (self.record.prompt_ids.len(), self.record.generated_ids.len());
+            let object = match self.shape {
+                ClientShape::Chat => "chat.completion.chunk",
+                ClientShape::Completion => "text_completion",
+            };
+            let v = serde_json::json!({"id": self.record.id, "object": object, "created": self.record.created, "model": self.record.model,
+                                       "choices": [], "usage": {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}});
+            out.push_str(&format!("data: {v}\n\n"));
+        }
+        out.push_str("data: [DONE]\n\n");
+        Bytes::from(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admission_asks_for_ids_unless_the_client_did_and_pins_what_cannot_move() {
+        let body = Bytes::from_static(b"{\"prompt\":\"hi\",\"stream\":true,\"return_token_ids\":false} ");
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        let (t, sent) = start(false, &body, &v).unwrap();
+        assert_eq!(&sent[..], b"{\"prompt\":\"hi\",\"stream\":true,\"return_token_ids\":false,\"return_token_ids\":true}");
+        assert!(!t.keep_ids);
+        let body = Bytes::from_static(b"{\"messages\":[],\"stream\":true,\"return_token_ids\":true}");
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        let (t, sent) = start(true, &body, &v).unwrap();
+        assert!(t.keep_ids && sent == body && t.shape == ClientShape::Chat);
+        let body = Bytes::from_static(b"{\"messages\":[],\"stream\":true,\"n\":2}");
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(start(true, &body, &v).unwrap_err(), PinReason::SeveralChoices);
+    }
+
+    #[test]
+    fn source_events_lose_their_ids_and_whole_events_only_go_out() {
+        let mut t = Tracker::new(ClientShape::Completion, false);
+        let a = b"data: {\"id\":\"c\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"a\",\"prompt_token_ids\":[1,2],\"token_ids\":[5]}]}\n\ndata: {\"id\":\"c\",\"choi";
+        let fed = t.feed(a);
+        assert_eq!(&fed.out[..], b"data: {\"id\":\"c\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"a\"}]}\n\n");
+        let fed = t.feed(b"ces\":[{\"index\":0,\"text\":\"b\",\"token_ids\":[6]}]}\n\n");
+        assert_eq!(&fed.out[..], b"data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"text\":\"b\"}]}\n\n");
+        assert_eq!((t.record.prompt_ids.clone(), t.record.generated_ids.clone()), (vec![1, 2], vec![5, 6]));
+        // An unfinished event is dropped when the stream moves; the continuation is re-wrapped.
+        t.feed(b"data: {\"id\":\"c\",\"choices\":[{\"te");
+        t.continuing();
+        let fed =
+            t.feed(b"data: {\"id\":\"cmpl-z\",\"choices\":[{\"index\":0,\"text\":\"c\",\"token_ids\":[7],\"finish_reason\":\"length\"}]}\n\ndata: [DONE]\n\n");
+        let s = std::str::from_utf8(&fed.out).unwrap();
+        assert!(s.starts_with("data: {\"id\":\"c\",\"object\":\"text_completion\",\"created\":1,\"model\":\"m\""), "{s}");
+        assert!(s.contains("\"text\":\"c\"") && !s.contains("token_ids") && s.ends_with("data: [DONE]\n\n"), "{s}");
+        assert_eq!(t.record.generated_ids, vec![5, 6, 7]);
+    }
+
+    #[test]
+    fn a_worker_without_ids_pins_the_stream_and_errors_fail_the_leg() {
+        let mut t = Tracker::new(ClientShape::Chat, false);
+        let ev = b"data: {\"id\":\"x\",\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n";
+        let fed = t.feed(ev);
+        assert_eq!((fed.pinned, &fed.out[..]), (Some(PinReason::NoTokenIds), &ev[..]));
+        assert!(!t.movable());
+        assert_eq!(&t.feed(b"data: {\"x\":1}").out[..], b"data: {\"x\":1}", "pinned without ids: bytes pass as they come");
+        let mut t = Tracker::new(ClientShape::Chat, false);
+        t.feed(b"data: {\"id\":\"x\",\"prompt_token_ids\":[1],\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n");
+        let fed = t.feed(b"data: {\"error\":{\"message\":\"boom\"}}\n\ndata: [DONE]\n\n");
+        assert_eq!(fed.failure.as_deref(), Some("boom"));
+        assert!(fed.out.is_empty());
+    }
+
+    #[test]
+    fn a_finished_stream_is_ended_with_usage_when_asked() {
+        let mut t = Tracker::new(ClientShape::Chat, false);
+        t.feed(b"data: {\"id\":\"x\",\"created\":3,\"model\":\"m\",\"prompt_token_ids\":[1,2],\"choices\":[{\"delta\":{\"content\":\"a\"},\"token_ids\":[9],\"finish_reason\":\"stop\"}]}\n\n");
+        let end = t.synthetic_end(true);
+        let s = std::str::from_utf8(&end).unwrap();
+        assert!(s.contains("\"usage\":{\"prompt_tokens\":2,\"total_tokens\":3,\"completion_tokens\":1}") && s.ends_with("data: [DONE]\n\n"), "{s}");
+        assert_eq!(&t.synthetic_end(false)[..], b"data: [DONE]\n\n");
+    }
+}
