@@ -1,0 +1,292 @@
+//! Moving running streams (issue #13, docs/migration.md): a stream moved mid-way by
+//! `POST /migrate` or by failover is identical to the same request unmoved (text, token ids,
+//! finish, usage, one `[DONE]`), bookings return to 0, and requests that cannot move say why.
+//!
+//! The identity tests run on two in-process vllm-sim workers (deterministic: the next token is
+//! a function of the context) and, under tests/real-vllm/run-suite.sh, on two real vLLM servers
+//! (`KVGATE_TARGET_URL`, `KVGATE_TARGET_URL_2`; greedy sampling). The real-vLLM kill test runs
+//! only when `KVGATE_TARGET_PID_2` names the second server's process.
+
+use futures_util::StreamExt;
+use kvgate_tests::cluster::{Cluster, GatewayOpts, wait_until};
+use kvgate_tests::sse;
+use kvgate_tests::target::{test_sim_config, unique_text};
+use serde_json::{Value, json};
+use std::time::Duration;
+use vllm_sim::SimConfig;
+
+fn sim(time_scale: f64) -> SimConfig {
+    SimConfig { time_scale, ..test_sim_config() }
+}
+
+/// Two workers: the real-vLLM pair when the environment names one, else two simulators.
+async fn pair(opts: GatewayOpts) -> (Cluster, bool) {
+    match (std::env::var("KVGATE_TARGET_URL"), std::env::var("KVGATE_TARGET_URL_2")) {
+        (Ok(a), Ok(b)) => {
+            let model = std::env::var("KVGATE_TARGET_MODEL").unwrap_or_else(|_| "tiny".into());
+            (Cluster::front(&[a, b], GatewayOpts { model, ..opts }).await, true)
+        }
+        _ => (Cluster::sims(2, sim(1.0), opts).await, false),
+    }
+}
+
+/// What must be identical between a moved and an unmoved stream.
+fn essence(b: &sse::SseBody) -> Value {
+    let mut text = String::new();
+    let mut ids = Vec::new();
+    let mut finish = Value::Null;
+    let mut usage = Value::Null;
+    let (mut id, mut created, mut object) = (Value::Null, Value::Null, Value::Null);
+    for e in &b.events {
+        if id.is_null() {
+            (id, created, object) = (e["id"].clone(), e["created"].clone(), e["object"].clone());
+        }
+        assert_eq!((&e["id"], &e["created"], &e["object"]), (&id, &created, &object), "one id, created and shape for the whole stream: {e}");
+        if let Some(c) = e["choices"].as_array().and_then(|c| c.first()) {
+            text.push_str(c["text"].as_str().or(c["delta"]["content"].as_str()).unwrap_or(""));
+            ids.extend(c["token_ids"].as_array().cloned().unwrap_or_default());
+            if !c["finish_reason"].is_null() {
+                finish = c["finish_reason"].clone();
+            }
+        }
+        if !e["usage"].is_null() {
+            usage = e["usage"].clone();
+        }
+    }
+    json!({"text": text, "ids": ids, "finish": finish, "usage": usage, "done": b.done, "object": object})
+}
+
+/// Streams `body` to `path` as request `id`, ordering a move after `after` events when given.
+/// Returns the parsed body and the move's answer.
+async fn run(c: &Cluster, path: &str, body: &Value, id: &str, after: Option<usize>) -> (sse::SseBody, Option<(u16, Value)>) {
+    let r = c.http.post(c.url(path)).header("x-request-id", id).json(body).send().await.expect("sent");
+    assert_eq!(r.status(), 200);
+    let mut raw = Vec::new();
+    let mut s = r.bytes_stream();
+    let mut answer = None;
+    while let Some(chunk) = s.next().await {
+        raw.extend_from_slice(&chunk.expect("the stream is never cut"));
+        let events = raw.windows(2).filter(|w| w == b"\n\n").count();
+        if answer.is_none() && after.is_some_and(|n| events >= n) {
+            let r = c.http.post(c.admin("/migrate")).json(&json!({"request_id": id})).send().await.unwrap();
+            answer = Some((r.status().as_u16(), r.json::<Value>().await.unwrap()));
+        }
+    }
+    (sse::parse(&String::from_utf8(raw).unwrap()), answer)
+}
+
+async fn bookings_are_zero(c: &Cluster) {
+    let zero = wait_until(Duration::from_secs(5), || async {
+        let v: Value = c.http.get(c.admin("/workers")).send().await.unwrap().json().await.unwrap();
+        v["models"][0]["workers"].as_array().unwrap().iter().all(|w| w["in_flight"] == 0 && w["booked_prefill_tokens"] == 0 && w["booked_blocks"] == 0)
+    })
+    .await;
+    assert!(zero.is_some(), "bookings return to 0");
+}
+
+/// A stream moved after a few events equals the unmoved one, for each request shape.
+async fn moved_equals_unmoved(c: &Cluster, real: bool) {
+    let max = if real { 160 } else { 48 };
+    let cases = [
+        ("/v1/completions", json!({"prompt": unique_text(40), "max_tokens": max, "temperature": 0, "ignore_eos": true, "stream": true})),
+        (
+            "/v1/completions",
+            json!({"prompt": unique_text(40), "max_tokens": max, "temperature": 0, "ignore_eos": true, "stream": true,
+                   "return_token_ids": true, "stream_options": {"include_usage": true}}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": unique_text(30)}], "max_tokens": max, "temperature": 0, "ignore_eos": true,
+                   "stream": true, "stream_options": {"include_usage": true}}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": unique_text(30)}], "max_completion_tokens": max, "temperature": 0,
+                   "ignore_eos": true, "stream": true, "return_token_ids": true}),
+        ),
+    ];
+    let model = if real { std::env::var("KVGATE_TARGET_MODEL").unwrap_or_else(|_| "tiny".into()) } else { "sim-model".into() };
+    for (i, (path, mut body)) in cases.into_iter().enumerate() {
+        body["model"] = json!(model);
+        let (reference, _) = run(c, path, &body, &format!("ref-{i}"), None).await;
+        let (moved, answer) = run(c, path, &body, &format!("mv-{i}"), Some(4)).await;
+        let (status, report) = answer.expect("the move was ordered");
+        assert_eq!(status, 200, "{path} {report}");
+        assert_eq!(report["how"], "continuation", "{report}");
+        assert!(report["generated"].as_u64().unwrap() >= 1, "moved mid-way: {report}");
+        assert_ne!(report["from"], report["to"]);
+        let (want, got) = (essence(&reference), essence(&moved));
+        assert_eq!(got, want, "{path} case {i}: moved vs unmoved");
+        let ids = got["ids"].as_array().map_or(0, Vec::len);
+        if body.get("return_token_ids").is_some() {
+            assert_eq!(ids, max as usize, "every token id, once");
+        } else {
+            assert_eq!(ids, 0, "no ids the client did not ask for: {}", moved.raw);
+            assert!(!moved.raw.contains("prompt_token_ids"), "{}", moved.raw);
+        }
+        if body.get("stream_options").is_some() {
+            assert_eq!(got["usage"]["completion_tokens"], max, "{got}");
+        }
+        // The record is written just after the last byte went out.
+        let finished = || async {
+            let v: Value = c.http.get(c.admin(&format!("/requests/mv-{i}"))).send().await.unwrap().json().await.unwrap();
+            (v["status"] == 200).then_some(v)
+        };
+        wait_until(Duration::from_secs(2), || async { finished().await.is_some() }).await.expect("recorded as finished");
+        let v = finished().await.unwrap();
+        assert_eq!(v["moves"], 1, "{v}");
+        assert_eq!(v["route_receipt"].as_array().map(Vec::len), Some(2), "two placements: {v}");
+    }
+    bookings_are_zero(c).await;
+    let m = c.gateway_metrics().await;
+    assert_eq!(m.sum("kvgate_migrations_total", &[("reason", "admin"), ("outcome", "ok")]), 4.0);
+    assert!(m.has("kvgate_migration_pause_seconds_count"));
+}
+
+#[tokio::test]
+async fn a_stream_moved_by_the_admin_is_identical_to_the_unmoved_one() {
+    let (c, real) = pair(GatewayOpts::default()).await;
+    moved_equals_unmoved(&c, real).await;
+}
+
+#[tokio::test]
+async fn moves_that_cannot_happen_say_why() {
+    let c = Cluster::sims(2, sim(1.0), GatewayOpts::default()).await;
+    let migrate = |body: Value| {
+        let (http, url) = (c.http.clone(), c.admin("/migrate"));
+        async move {
+            let r = http.post(url).json(&body).send().await.unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    let (s, v) = migrate(json!({"request_id": "nobody"})).await;
+    assert_eq!(s, 404, "{v}");
+    let (s, v) = migrate(json!({"id": "x"})).await;
+    assert_eq!(s, 400, "{v}");
+    // A stream with two choices is pinned, and says so.
+    let r = c
+        .http
+        .post(c.url("/v1/completions"))
+        .header("x-request-id", "two")
+        .json(&json!({"prompt": "hi", "n": 2, "max_tokens": 40, "ignore_eos": true, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    let mut s2 = r.bytes_stream();
+    s2.next().await.unwrap().unwrap();
+    let (s, v) = migrate(json!({"request_id": "two"})).await;
+    assert_eq!(s, 409, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("pinned to its worker: n"), "{v}");
+    let (s, v) = migrate(json!({"request_id": "two", "to": "http://127.0.0.1:1"})).await;
+    assert!(s == 409 || s == 400, "{v}");
+    while s2.next().await.is_some() {}
+    let m = c.gateway_metrics().await;
+    assert_eq!(m.sum("kvgate_migration_pinned_total", &[("reason", "n")]), 1.0);
+    // A finished request cannot move.
+    let (s, v) = migrate(json!({"request_id": "two"})).await;
+    assert_eq!(s, 409, "{v}");
+}
+
+/// Streams `bodies` at once; returns their essences in order.
+fn streams(c: &Cluster, bodies: &[Value]) -> Vec<tokio::task::JoinHandle<Value>> {
+    bodies
+        .iter()
+        .map(|body| {
+            let (http, url, body) = (c.http.clone(), c.url("/v1/completions"), body.clone());
+            tokio::spawn(async move {
+                let (status, _, b) = sse::stream(&http, &url, &body).await;
+                assert_eq!(status, 200);
+                essence(&b)
+            })
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_worker_killed_mid_stream_loses_no_stream() {
+    let opts = GatewayOpts { mode: "kv".into(), ..GatewayOpts::default() };
+    let c = Cluster::sims_with_events(4, sim(1.0), opts).await;
+    // The same requests undisturbed first (the simulators are deterministic), then again with
+    // worker 0 killed while they stream.
+    let bodies: Vec<Value> = (0..16)
+        .map(|i| {
+            json!({"prompt": format!("failover {i} {}", unique_text(20)), "max_tokens": 40, "ignore_eos": true, "stream": true, "temperature": 0,
+                   "stream_options": {"include_usage": true}})
+        })
+        .collect();
+    let mut want = Vec::new();
+    for h in streams(&c, &bodies) {
+        want.push(h.await.unwrap());
+    }
+    let running = streams(&c, &bodies);
+    wait_until(Duration::from_secs(5), || async { c.sim_metrics(0).await.sum("vllm:generation_tokens_total", &[]) >= 16.0 * 40.0 / 4.0 + 8.0 })
+        .await
+        .expect("worker 0 is streaming");
+    c.sims[0].crash();
+    for (i, h) in running.into_iter().enumerate() {
+        assert_eq!(h.await.unwrap(), want[i], "stream {i} is identical to the undisturbed run");
+    }
+    bookings_are_zero(&c).await;
+    let m = c.gateway_metrics().await;
+    assert!(m.sum("kvgate_migrations_total", &[("reason", "failover"), ("outcome", "ok")]) >= 1.0, "streams moved");
+    assert_eq!(m.sum("kvgate_migrations_total", &[("outcome", "failed")]), 0.0);
+}
+
+#[tokio::test]
+async fn with_migration_off_a_dying_worker_cuts_its_streams() {
+    let opts = GatewayOpts { extra: "migration:\n  limit: 0\n".into(), ..GatewayOpts::default() };
+    let c = Cluster::sims(1, sim(1.0), opts).await;
+    let r = c.http.post(c.url("/v1/completions")).json(&json!({"prompt": "hi", "max_tokens": 200, "ignore_eos": true, "stream": true})).send().await.unwrap();
+    let mut s = r.bytes_stream();
+    s.next().await.unwrap().unwrap();
+    c.sims[0].crash();
+    let mut cut = false;
+    while let Some(chunk) = s.next().await {
+        if chunk.is_err() {
+            cut = true;
+        }
+    }
+    assert!(cut, "the client sees an error, not a clean end");
+}
+
+#[tokio::test]
+async fn a_real_vllm_server_killed_mid_stream_loses_no_stream() {
+    let (Ok(pid), true) = (std::env::var("KVGATE_TARGET_PID_2"), std::env::var("KVGATE_TARGET_URL_2").is_ok()) else {
+        eprintln!("KVGATE_TARGET_PID_2 not set: the real-vLLM kill test runs under tests/real-vllm/run-suite.sh");
+        return;
+    };
+    let (c, real) = pair(GatewayOpts::default()).await;
+    assert!(real);
+    let model = std::env::var("KVGATE_TARGET_MODEL").unwrap_or_else(|_| "tiny".into());
+    let body = |i: usize| {
+        json!({"model": model, "prompt": format!("kill {i} {}", unique_text(20)), "max_tokens": 200, "temperature": 0, "ignore_eos": true, "stream": true,
+               "return_token_ids": true, "stream_options": {"include_usage": true}})
+    };
+    let mut want = Vec::new();
+    for i in 0..4 {
+        let (s, _, b) = sse::stream(&c.http, &c.url("/v1/completions"), &body(i)).await;
+        assert_eq!(s, 200);
+        want.push(essence(&b));
+    }
+    // Round robin puts two of the four on the second server; kill it once they are streaming.
+    let handles: Vec<_> = (0..4)
+        .map(|i| {
+            let (http, url, b) = (c.http.clone(), c.url("/v1/completions"), body(i));
+            tokio::spawn(async move { essence(&sse::stream(&http, &url, &b).await.2) })
+        })
+        .collect();
+    wait_until(Duration::from_secs(10), || async {
+        let v: Value = c.http.get(c.admin("/requests")).send().await.unwrap().json().await.unwrap();
+        v["requests"].as_array().unwrap().iter().filter(|r| r["phase"] == "running" && r["generated_tokens"].as_u64().unwrap_or(0) >= 5).count() == 4
+    })
+    .await
+    .expect("all four are streaming");
+    let killed = std::process::Command::new("kill").args(["-9", &pid]).status().unwrap();
+    assert!(killed.success());
+    for (i, h) in handles.into_iter().enumerate() {
+        assert_eq!(h.await.unwrap(), want[i], "stream {i}");
+    }
+    bookings_are_zero(&c).await;
+    let m = c.gateway_metrics().await;
+    assert!(m.sum("kvgate_migrations_total", &[("reason", "failover"), ("outcome", "ok")]) >= 1.0);
+}
