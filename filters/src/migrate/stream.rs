@@ -140,6 +140,11 @@ impl StreamRecord {
             return Ok(Observed { pin: Some(PinReason::ServerParsed), ..Observed::default() });
         }
         let text = choice.text.as_deref().or_else(|| choice.delta.as_ref().and_then(|d| d.content.as_deref()));
+        // Text without ids: the server hides them (vLLM does behind a reasoning parser), so the
+        // record would miss tokens.
+        if choice.token_ids.is_none() && text.is_some_and(|t| !t.is_empty()) {
+            return Ok(Observed { pin: Some(PinReason::NoTokenIds), ..Observed::default() });
+        }
         Ok(Observed { tokens: self.follow(choice, text), ..Observed::default() })
     }
 
@@ -276,6 +281,9 @@ mod tests {
         observe(&mut r, json!({"id": "c", "prompt_token_ids": [1], "choices": [{"delta": {"role": "assistant"}}]}));
         assert_eq!(observe(&mut r, json!({"choices": [{"delta": {"reasoning_content": "hm"}, "token_ids": [2]}]})).pin, Some(PinReason::ServerParsed));
         assert_eq!(observe(&mut r, json!({"error": {"message": "engine dead", "code": 500}})).error.as_deref(), Some("engine dead"));
+        let mut r = StreamRecord::default();
+        observe(&mut r, json!({"id": "c", "prompt_token_ids": [1], "choices": [{"delta": {"role": "assistant", "content": ""}}]}));
+        assert_eq!(observe(&mut r, json!({"choices": [{"delta": {"content": "hidden ids"}}]})).pin, Some(PinReason::NoTokenIds));
     }
 
     #[test]
