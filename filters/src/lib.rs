@@ -4,8 +4,10 @@
 //!   modes (`round_robin`, `random`), the KV cost (`kv`) and the router queue;
 //! - [`ledger`]: the booking ledger, the load each worker carries from requests in flight,
 //!   read by every routing mode and by shedding;
-//! - [`migrate`]: which streams may move to another worker, and the continuation request
-//!   that moves them (not wired into the request path yet);
+//! - [`migrate`]: which streams may move to another worker, the continuation request that
+//!   moves them, and the re-wrapping of its events;
+//! - [`reschedule`]: the rescheduler's policies (seed 004), pair validation and request
+//!   selection;
 //! - [`shed`]: busy detection (seed 000) and the 503 body sent when every worker is busy.
 //!
 //! Nothing here knows about HTTP or Pingora; the proxy crate calls these filters.
@@ -13,5 +15,6 @@
 pub mod cancel;
 pub mod ledger;
 pub mod migrate;
+pub mod reschedule;
 pub mod route;
 pub mod shed;

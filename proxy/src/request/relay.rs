@@ -112,12 +112,18 @@ async fn body(gw: &Gateway, session: &mut Session, req: &mut RequestState, progr
             },
         };
         let e = match chunk {
-            Ok(Some(bytes)) => {
-                let (bytes, after) = coalesce(&mut ex, bytes, &worker.url);
-                pending = after;
-                // When the worker's body is complete, end the client's in the same write.
-                let end = ex.session.response_done();
+            Ok(body) => {
+                let (bytes, end) = match body {
+                    Some(bytes) => {
+                        let (bytes, after) = coalesce(&mut ex, bytes, &worker.url);
+                        pending = after;
+                        (bytes, ex.session.response_done())
+                    }
+                    None => (Bytes::new(), true),
+                };
                 let (out, failure) = follow(gw, req, &bytes, end);
+                // When the worker's body is complete, end the client's in the same write.
+                let end = end && failure.is_none();
                 if !out.is_empty() {
                     progress.chunk(gw, req, &out);
                 }
@@ -133,14 +139,6 @@ async fn body(gw: &Gateway, session: &mut Session, req: &mut RequestState, progr
                     None => continue,
                 }
             }
-            Ok(None) => {
-                let rest = req.track.as_mut().map(Tracker::finish).unwrap_or_default();
-                if session.write_response_body(Some(rest), true).await.is_err() {
-                    return BodyEnd::Done(record::cancelled(gw, req));
-                }
-                upstream::release(gw, ex, keep).await;
-                return BodyEnd::Done(Outcome::Served(status));
-            }
             Err(e) => e,
         };
         record::leg_failed(gw, req, &worker, &e);
@@ -154,9 +152,14 @@ fn follow(gw: &Gateway, req: &mut RequestState, bytes: &Bytes, end: bool) -> (By
     let Some(t) = req.track.as_mut() else { return (bytes.clone(), None) };
     let mut fed = t.feed(bytes);
     if end && fed.failure.is_none() {
-        let rest = t.finish();
-        if !rest.is_empty() {
-            fed.out = [fed.out, rest].concat().into();
+        if t.movable() && !t.done() {
+            // vLLM always ends a stream with `[DONE]`: a body that ends before it was cut.
+            fed.failure = Some("the worker ended the stream before [DONE]".into());
+        } else {
+            let rest = t.finish();
+            if !rest.is_empty() {
+                fed.out = [fed.out, rest].concat().into();
+            }
         }
     }
     if let Some(reason) = fed.pinned {

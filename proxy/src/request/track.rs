@@ -65,12 +65,18 @@ pub struct Tracker {
     pub keep_ids: bool,
     splitter: EventSplitter,
     mode: Mode,
+    done: bool,
 }
 
 impl Tracker {
     /// A tracker for a stream the client asked in `shape`.
     pub fn new(shape: ClientShape, keep_ids: bool) -> Self {
-        Self { record: StreamRecord::default(), shape, keep_ids, splitter: EventSplitter::default(), mode: Mode::Source }
+        Self { record: StreamRecord::default(), shape, keep_ids, splitter: EventSplitter::default(), mode: Mode::Source, done: false }
+    }
+
+    /// Whether the stream's `[DONE]` went out.
+    pub fn done(&self) -> bool {
+        self.done
     }
 
     /// Whether it may still move.
@@ -117,6 +123,7 @@ impl Tracker {
             Some(p) if !events::is_done(ev) => p,
             // `[DONE]`, comments and anything that is not a data event pass unchanged.
             _ => {
+                self.done |= events::is_done(ev);
                 out.extend_from_slice(ev);
                 return Ok(());
             }
