@@ -33,6 +33,8 @@ pub struct Gateway {
     pub requests: Arc<crate::inflight::RequestRegistry>,
     /// Moves in progress at once (`migration.max_concurrent`).
     pub migrations: tokio::sync::Semaphore,
+    /// The rescheduler's last cycle, for `GET /rescheduling`.
+    pub rescheduling_last: parking_lot::Mutex<serde_json::Value>,
     /// One apply at a time: prepare plugins → build the fleet → swap → commit must not
     /// interleave with another reload's, or the fleet and the plugin registry would disagree.
     applying: parking_lot::Mutex<()>,
@@ -65,6 +67,7 @@ impl Gateway {
             plugins,
             requests: Arc::new(crate::inflight::RequestRegistry::default()),
             migrations: tokio::sync::Semaphore::new(max_moves),
+            rescheduling_last: parking_lot::Mutex::new(serde_json::Value::Null),
             applying: parking_lot::Mutex::new(()),
         }))
     }

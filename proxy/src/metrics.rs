@@ -70,6 +70,8 @@ pub struct Metrics {
     /// `kvgate_migration_recomputed_tokens_total{model}`: continuation prompt tokens the
     /// destination did not hold (as far as the gateway knows).
     pub migration_recomputed: IntCounterVec,
+    /// `kvgate_rescheduling_failed_total{model,policy}`: rescheduler moves that failed.
+    pub rescheduling_failed: IntCounterVec,
 }
 
 impl Metrics {
@@ -162,6 +164,7 @@ impl Metrics {
                 "Continuation prompt tokens the destination had to compute (not cached there as far as the gateway knows).",
                 &["model"],
             ),
+            rescheduling_failed: counter("kvgate_rescheduling_failed_total", "Moves the rescheduler ordered that failed or timed out.", &["model", "policy"]),
             issued: counter("kvgate_tasks_issued_total", "Requests sent to a worker.", &["model"]),
             worker_busy: gauge("kvgate_worker_busy", "1 if the worker was over a busy threshold at the last decision.", &["model", "worker"]),
             queued: gauge("kvgate_queued_requests", "Requests held in the router queue.", &["model"]),

@@ -14,6 +14,8 @@ pub enum MoveReason {
     Failover,
     /// An operator asked (`POST /migrate`).
     Admin,
+    /// A rescheduling policy (its name).
+    Rescheduler(&'static str),
 }
 
 impl MoveReason {
@@ -22,6 +24,7 @@ impl MoveReason {
         match self {
             Self::Failover => "failover",
             Self::Admin => "admin",
+            Self::Rescheduler(policy) => policy,
         }
     }
 }
@@ -58,6 +61,8 @@ pub enum MoveRefused {
 pub struct MoveOrder {
     /// Destination worker index, if the caller chose one.
     pub to: Option<usize>,
+    /// Who asked.
+    pub reason: MoveReason,
     /// Answered once the request moved (or could not).
     pub reply: oneshot::Sender<Result<MoveReport, MoveRefused>>,
 }
@@ -115,15 +120,15 @@ mod tests {
     async fn one_order_at_a_time_and_answers_reach_the_caller() {
         let m = Mailbox::default();
         let (tx, rx) = oneshot::channel();
-        m.post(MoveOrder { to: Some(1), reply: tx }).unwrap();
+        m.post(MoveOrder { to: Some(1), reason: MoveReason::Admin, reply: tx }).unwrap();
         let (tx2, _rx2) = oneshot::channel();
-        assert!(m.post(MoveOrder { to: None, reply: tx2 }).is_err(), "a second order waits its turn");
+        assert!(m.post(MoveOrder { to: None, reason: MoveReason::Admin, reply: tx2 }).is_err(), "a second order waits its turn");
         let o = m.next().await;
         assert_eq!(o.to, Some(1));
         o.answer(Err(MoveRefused::Pinned("unary")));
         assert_eq!(rx.await.unwrap(), Err(MoveRefused::Pinned("unary")));
         let (tx3, rx3) = oneshot::channel();
-        m.post(MoveOrder { to: None, reply: tx3 }).unwrap();
+        m.post(MoveOrder { to: None, reason: MoveReason::Admin, reply: tx3 }).unwrap();
         m.refuse_pending(MoveRefused::NotNow("finished"));
         assert!(matches!(rx3.await.unwrap(), Err(MoveRefused::NotNow(_))));
     }

@@ -290,3 +290,27 @@ async fn a_real_vllm_server_killed_mid_stream_loses_no_stream() {
     let m = c.gateway_metrics().await;
     assert!(m.sum("kvgate_migrations_total", &[("reason", "failover"), ("outcome", "ok")]) >= 1.0);
 }
+
+#[tokio::test]
+async fn the_rescheduler_moves_streams_and_they_stay_identical() {
+    // binpacking_mitigation with a tiny SLO: a worker with a stream violates it, an idle one
+    // takes the stream; each cycle moves it again until migration.limit (3).
+    let extra =
+        "rescheduling:\n  enable_rescheduling: true\n  rescheduling_policies: binpacking_mitigation\n  rescheduling_interval_ms: 100\n  tpot_slo: 0.001\n";
+    let c = Cluster::sims(2, sim(1.0), GatewayOpts { extra: extra.into(), ..GatewayOpts::default() }).await;
+    let body = json!({"prompt": unique_text(30), "max_tokens": 60, "temperature": 0, "ignore_eos": true, "stream": true,
+                      "stream_options": {"include_usage": true}, "return_token_ids": true});
+    let (_, _, first) = sse::stream(&c.http, &c.url("/v1/completions"), &body).await;
+    let want = essence(&first);
+    let m = c.gateway_metrics().await;
+    let moved = m.sum("kvgate_migrations_total", &[("reason", "binpacking_mitigation"), ("outcome", "ok")]);
+    assert!(moved >= 1.0, "the rescheduler moved the stream");
+    // Identity: the same request, unmoved, on a gateway without the rescheduler.
+    let plain = Cluster::sims(2, sim(4.0), GatewayOpts::default()).await;
+    let (_, _, reference) = sse::stream(&plain.http, &plain.url("/v1/completions"), &body).await;
+    assert_eq!(want, essence(&reference), "moved by the rescheduler vs never moved");
+    bookings_are_zero(&c).await;
+    let v: Value = c.http.get(c.admin("/rescheduling")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["enabled"], true, "{v}");
+    assert!(v["last_cycle"]["models"][0]["model"] == "sim-model", "{v}");
+}

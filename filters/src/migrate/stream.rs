@@ -44,6 +44,9 @@ pub struct StreamRecord {
     pub finished: bool,
     /// Whether the first event was seen.
     pub started: bool,
+    /// Rolled-back ids the client already received (with `return_token_ids`): the
+    /// continuation's copies of them are not sent again.
+    pub resent: usize,
 }
 
 /// What one event meant.
@@ -170,6 +173,7 @@ impl StreamRecord {
     pub fn roll_back_unseen(&mut self) -> usize {
         let n = std::mem::take(&mut self.unseen).min(self.generated_ids.len());
         self.generated_ids.truncate(self.generated_ids.len() - n);
+        self.resent += n;
         n
     }
 
@@ -198,7 +202,10 @@ impl StreamRecord {
             Some(c) => {
                 let text = c.text.as_deref().unwrap_or_default();
                 observed.tokens = self.follow(c, Some(text));
-                json!([self.choice(c, text, shape, keep_ids)])
+                let ids = c.token_ids.as_deref().unwrap_or_default();
+                let skip = self.resent.min(ids.len());
+                self.resent -= skip;
+                json!([self.choice(c, text, shape, keep_ids.then_some(&ids[skip..]))])
             }
         };
         out.insert("choices".into(), choices);
@@ -209,7 +216,7 @@ impl StreamRecord {
         Ok((observed, Value::Object(out)))
     }
 
-    fn choice(&self, c: &ChoiceView<'_>, text: &str, shape: ClientShape, keep_ids: bool) -> Value {
+    fn choice(&self, c: &ChoiceView<'_>, text: &str, shape: ClientShape, ids: Option<&[u32]>) -> Value {
         let finish = c.finish_reason.clone().unwrap_or(Value::Null);
         let mut ch = match shape {
             ClientShape::Chat => json!({"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": finish}),
@@ -220,7 +227,7 @@ impl StreamRecord {
         if shape == ClientShape::Chat && set(&c.stop_reason) {
             ch["stop_reason"] = c.stop_reason.clone().unwrap_or(Value::Null);
         }
-        if keep_ids && let Some(t) = &c.token_ids {
+        if let Some(t) = ids.filter(|_| c.token_ids.is_some()) {
             ch["token_ids"] = json!(t);
         }
         ch
@@ -295,5 +302,14 @@ mod tests {
         assert_eq!(r.roll_back_unseen(), 2);
         assert_eq!(r.generated_ids, vec![5]);
         assert_eq!(r.roll_back_unseen(), 0);
+        // The client that asked for ids has 200 and 201 already: the continuation's copies
+        // are not sent again, and its text (the whole character) is.
+        let dest = json!({"choices": [{"text": "é", "token_ids": [200, 201]}]});
+        let (_, out) = r.continue_event(dest.to_string().as_bytes(), ClientShape::Completion, true).unwrap();
+        assert_eq!((out["choices"][0]["text"].clone(), out["choices"][0]["token_ids"].clone()), (json!("é"), json!([])));
+        let dest = json!({"choices": [{"text": "x", "token_ids": [7]}]});
+        let (_, out) = r.continue_event(dest.to_string().as_bytes(), ClientShape::Completion, true).unwrap();
+        assert_eq!(out["choices"][0]["token_ids"], json!([7]));
+        assert_eq!(r.generated_ids, vec![5, 200, 201, 7], "usage counts each token once");
     }
 }

@@ -194,6 +194,7 @@ fn validate(cfg: &Config) -> Result<(), Invalid> {
     if cfg.retries.max_attempts == 0 {
         return Err(("retries.max_attempts must be at least 1 (1 = no retry)".into(), at("max_attempts".into(), 1)));
     }
+    cfg.rescheduling.validate().map_err(|m| (m, at("rescheduling".into(), 1)))?;
     if !(1..=100_000).contains(&cfg.migration.max_concurrent) {
         return Err(("migration.max_concurrent must be within 1..=100000".into(), at("max_concurrent".into(), 1)));
     }

@@ -4,9 +4,11 @@
 //! Every key is documented in conf/kvgate.yaml. Unknown keys are errors.
 
 mod load;
+mod rescheduling;
 mod values;
 
 pub use load::{ConfigError, load_file, load_str};
+pub use rescheduling::{LoadMetric, Rescheduling};
 pub use values::{ByteSize, UpstreamUrl, ZmqEndpoint};
 
 use kvgate_filters::route::Mode;
@@ -39,6 +41,9 @@ pub struct Config {
     /// Moving running streams to another worker (failover, admin moves).
     #[serde(default)]
     pub migration: Migration,
+    /// The rescheduler (seed 004): moves running and waiting requests between workers.
+    #[serde(default)]
+    pub rescheduling: Rescheduling,
     /// Active health checks.
     #[serde(default)]
     pub health: HealthCheck,
@@ -339,6 +344,12 @@ pub struct WorkerConfig {
     /// Data-parallel ranks behind this URL (rank r publishes on port + r).
     #[serde(default = "default_dp_size")]
     pub dp_size: u32,
+    /// Its node (the rescheduler's failure domain `node`).
+    #[serde(default)]
+    pub node: Option<String>,
+    /// Its unit (the rescheduler's scope `unit` and failure domains `*-unit`).
+    #[serde(default)]
+    pub unit: Option<String>,
 }
 
 fn default_listen() -> SocketAddr {

@@ -7,7 +7,8 @@ use kvgate_filters::ledger::WorkerCounters;
 use parking_lot::RwLock;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::Instant;
 
 /// One vLLM server.
 #[derive(Debug)]
@@ -23,8 +24,10 @@ pub struct Worker {
     healthy: AtomicBool,
     consecutive_failures: AtomicU32,
     consecutive_successes: AtomicU32,
-    /// Load the worker reports, per DP rank (from its `/metrics`).
-    reported: RwLock<Vec<ReportedLoad>>,
+    /// Load the worker reports, per DP rank (from its `/metrics`), and when.
+    reported: RwLock<(Vec<ReportedLoad>, Option<Instant>)>,
+    /// Inter-token latency the gateway measures on its streams, µs (EWMA; 0: none yet).
+    itl_us: AtomicU64,
     /// Last resolved address; refreshed by the health task so DNS changes are followed without
     /// a lookup (a blocking-pool hop) on the request path.
     addr: RwLock<Option<SocketAddr>>,
@@ -42,7 +45,8 @@ impl Worker {
             healthy: AtomicBool::new(true),
             consecutive_failures: AtomicU32::new(0),
             consecutive_successes: AtomicU32::new(0),
-            reported: RwLock::new(Vec::new()),
+            reported: RwLock::new((Vec::new(), None)),
+            itl_us: AtomicU64::new(0),
             addr: RwLock::new(None),
         }
     }
@@ -93,12 +97,34 @@ impl Worker {
 
     /// Records what the worker's `/metrics` say (one entry per DP rank).
     pub fn set_reported(&self, ranks: Vec<ReportedLoad>) {
-        *self.reported.write() = ranks;
+        *self.reported.write() = (ranks, Some(Instant::now()));
     }
 
     /// The worker's reported load per DP rank (empty until polled).
     pub fn reported(&self) -> Vec<ReportedLoad> {
-        self.reported.read().clone()
+        self.reported.read().0.clone()
+    }
+
+    /// How old its last report is (`None`: never polled).
+    pub fn report_age(&self) -> Option<std::time::Duration> {
+        self.reported.read().1.map(|t| t.elapsed())
+    }
+
+    /// Notes one inter-token gap seen on a stream it serves (EWMA, weight 1/8: a racy
+    /// read-modify-write between two streams loses one sample, which an average shrugs off).
+    pub fn observe_itl(&self, gap: std::time::Duration) {
+        let us = gap.as_micros().min(u128::from(u32::MAX)) as u64;
+        let old = self.itl_us.load(Ordering::Relaxed);
+        let new = if old == 0 { us } else { (old * 7 + us) / 8 };
+        self.itl_us.store(new.max(1), Ordering::Relaxed);
+    }
+
+    /// The measured inter-token latency, ms (`None` before any stream).
+    pub fn itl_ms(&self) -> Option<f64> {
+        match self.itl_us.load(Ordering::Relaxed) {
+            0 => None,
+            us => Some(us as f64 / 1000.0),
+        }
     }
 }
 

@@ -1,7 +1,7 @@
 //! The admin listener: `/metrics`, `/health`, `GET /workers` (each worker's health and load),
 //! `GET /requests` (the requests in flight) and `GET /requests/{id}` (one request, in flight or
 //! recently finished, with its route receipt), `POST /migrate` (move a request to another
-//! worker; `super::migrate`),
+//! worker; `super::migrate`), `GET /rescheduling` (the rescheduler's last cycle),
 //! `POST /reload` (re-read the config file; a bad file is refused and the old config stays),
 //! `GET /busy_threshold` and `POST /busy_threshold` (seed 000's shapes: read or set a model's
 //! busy thresholds at run time), `GET /plugins` and `POST /plugins/reload` (re-read every
@@ -25,13 +25,18 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut Session, method: &str, path:
         ("GET", p) if p.starts_with("/requests/") => request(gw, session, &p["/requests/".len()..]).await,
         ("POST", "/reload") => reload(gw, session).await,
         ("POST", "/migrate") => super::migrate::serve(gw, session).await,
+        ("GET", "/rescheduling") => {
+            let last = gw.rescheduling_last.lock().clone();
+            respond_json(session, 200, &json!({"enabled": gw.config().rescheduling.enable_rescheduling, "last_cycle": last})).await
+        }
         ("GET", "/busy_threshold") => list_thresholds(gw, session).await,
         ("POST", "/busy_threshold") => set_threshold(gw, session).await,
         ("GET", "/plugins") => list_plugins(gw, session).await,
         ("POST", "/plugins/reload") => reload_plugins(gw, session).await,
-        (_, "/metrics" | "/health" | "/workers" | "/requests" | "/reload" | "/migrate" | "/busy_threshold" | "/plugins" | "/plugins/reload") => {
-            respond_error(session, &ClientError::method_not_allowed(method, path), &[]).await
-        }
+        (
+            _,
+            "/metrics" | "/health" | "/workers" | "/requests" | "/reload" | "/migrate" | "/rescheduling" | "/busy_threshold" | "/plugins" | "/plugins/reload",
+        ) => respond_error(session, &ClientError::method_not_allowed(method, path), &[]).await,
         _ => respond_error(session, &ClientError::not_found(path), &[]).await,
     }
 }

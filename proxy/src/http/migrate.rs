@@ -97,6 +97,9 @@ fn order(gw: &Gateway, req: &MoveBody) -> Result<(Arc<RequestEntry>, Reply), Cli
         }
     };
     let (tx, rx) = tokio::sync::oneshot::channel();
-    entry.mailbox.post(MoveOrder { to, reply: tx }).map_err(|_| ClientError::conflict("another move of this request is pending"))?;
+    entry
+        .mailbox
+        .post(MoveOrder { to, reason: crate::move_order::MoveReason::Admin, reply: tx })
+        .map_err(|_| ClientError::conflict("another move of this request is pending"))?;
     Ok((entry, rx))
 }

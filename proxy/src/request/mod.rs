@@ -31,7 +31,7 @@ pub mod track;
 use crate::downstream::io::respond_error;
 use crate::error::{GatewayError, LegError};
 use crate::gateway::Gateway;
-use crate::move_order::{MoveOrder, MoveReason, MoveRefused, MoveReport};
+use crate::move_order::{MoveOrder, MoveRefused, MoveReport};
 pub use endpoint::Endpoint;
 use leg::LegEnd;
 use pingora::proxy::Session;
@@ -165,7 +165,8 @@ fn reroute(gw: &Gateway, req: &mut RequestState, o: MoveOrder) -> Option<Arc<cra
         Some(t) => place::place_among(gw, req, Among::Only(t)),
         None => place::place_among(gw, req, Among::Except(&[from_idx])),
     };
-    let counted = |outcome: &str| gw.metrics.migrations.with_label_values(&[req.model_name(), MoveReason::Admin.label(), outcome]).inc();
+    let reason = o.reason;
+    let counted = |outcome: &str| gw.metrics.migrations.with_label_values(&[req.model_name(), reason.label(), outcome]).inc();
     match placed {
         Ok(w) => {
             counted("ok");

@@ -44,7 +44,7 @@ pub async fn relay(gw: &Gateway, session: &mut Session, req: &mut RequestState, 
         let (reason, order) = match body(gw, session, req, &mut progress, *leg, status).await {
             BodyEnd::Done(outcome) => return outcome,
             BodyEnd::Failed => (MoveReason::Failover, None),
-            BodyEnd::Ordered(order) => (MoveReason::Admin, Some(order)),
+            BodyEnd::Ordered(order) => (order.reason, Some(order)),
         };
         let to = order.as_ref().and_then(|o| o.to);
         let moved = migrate::continue_stream(gw, session, req, reason, source, to).await;
@@ -288,7 +288,13 @@ impl Progress {
         }
         match (self.last, &self.ttft, &self.itl) {
             (None, Some(ttft), _) => ttft.observe(now.duration_since(self.start).as_secs_f64()),
-            (Some(prev), _, Some(itl)) => itl.observe(now.duration_since(prev).as_secs_f64()),
+            (Some(prev), _, Some(itl)) => {
+                itl.observe(now.duration_since(prev).as_secs_f64());
+                // The rescheduler's TPOT predictor reads it per worker.
+                if let Some(w) = req.tried.last().and_then(|&i| req.model.workers.get(i)) {
+                    w.observe_itl(now.duration_since(prev));
+                }
+            }
             _ => {}
         }
         self.last = Some(now);

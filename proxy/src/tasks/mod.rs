@@ -9,7 +9,8 @@
 //! - [`queue_release`]: releasing router-queue waiters as capacity frees;
 //! - [`ledger_upkeep`]: booking expiry and the ledger gauges;
 //! - [`config_watch`]: config file watch and SIGHUP → reload;
-//! - [`plugin_watch`]: plugin file polling → hot swap.
+//! - [`plugin_watch`]: plugin file polling → hot swap;
+//! - [`rescheduler`]: seed 004's rescheduling loop (moves requests between workers).
 
 pub mod config_watch;
 pub mod health;
@@ -17,6 +18,7 @@ pub mod kv_subscribers;
 pub mod ledger_upkeep;
 pub mod plugin_watch;
 pub mod queue_release;
+pub mod rescheduler;
 pub mod worker_metrics;
 
 use crate::gateway::Gateway;
@@ -49,12 +51,22 @@ pub enum Task {
     ConfigWatch,
     /// [`plugin_watch`].
     PluginWatch,
+    /// [`rescheduler`].
+    Rescheduler,
 }
 
 impl Task {
     /// Every task, in start order.
-    pub const ALL: [Task; 7] =
-        [Task::Health, Task::WorkerMetrics, Task::KvSubscribers, Task::QueueRelease, Task::LedgerUpkeep, Task::ConfigWatch, Task::PluginWatch];
+    pub const ALL: [Task; 8] = [
+        Task::Health,
+        Task::WorkerMetrics,
+        Task::KvSubscribers,
+        Task::QueueRelease,
+        Task::LedgerUpkeep,
+        Task::ConfigWatch,
+        Task::PluginWatch,
+        Task::Rescheduler,
+    ];
 
     /// Name for logs.
     pub fn name(self) -> &'static str {
@@ -66,6 +78,7 @@ impl Task {
             Task::LedgerUpkeep => "ledger_upkeep",
             Task::ConfigWatch => "config_watch",
             Task::PluginWatch => "plugin_watch",
+            Task::Rescheduler => "rescheduler",
         }
     }
 
@@ -78,6 +91,7 @@ impl Task {
             Task::QueueRelease => Box::pin(queue_release::run(gw)),
             Task::LedgerUpkeep => Box::pin(ledger_upkeep::run(gw)),
             Task::ConfigWatch => Box::pin(config_watch::run(gw)),
+            Task::Rescheduler => Box::pin(rescheduler::run(gw)),
             Task::PluginWatch => Box::pin(plugin_watch::run(gw)),
         };
         set.spawn(async move {

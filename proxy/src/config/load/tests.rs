@@ -1,4 +1,5 @@
 use super::*;
+use crate::config::{Migration, Rescheduling};
 
 const GOOD: &str = "\
 listen: 127.0.0.1:8080
@@ -95,4 +96,28 @@ fn bad_overrides_name_the_variable() {
     let env = vec![("KVGATE_MODELS__5__NAME".to_string(), "x".to_string())];
     let e = load_str(GOOD, "kvgate.yaml", env).unwrap_err();
     assert!(e.to_string().contains("out of range"), "{e}");
+}
+
+#[test]
+fn the_shipped_example_config_loads_with_its_documented_defaults() {
+    let c = load(include_str!("../../../../conf/kvgate.yaml")).unwrap();
+    assert_eq!(c.migration, Migration::default(), "conf/kvgate.yaml shows the defaults");
+    assert_eq!(c.rescheduling, Rescheduling::default(), "conf/kvgate.yaml shows the seed's defaults");
+    assert_eq!(c.models[0].workers[0].node.as_deref(), Some("node-a"));
+}
+
+#[test]
+fn migration_and_rescheduling_keys_are_checked() {
+    let c = load(&format!("migration:\n  migration_limit: 0\n{GOOD}")).unwrap();
+    assert_eq!(c.migration.limit, 0, "Dynamo's name is accepted");
+    let e = load(&format!("rescheduling:\n  rescheduling_policies: decode_load,bogus\n{GOOD}")).unwrap_err();
+    assert!(e.to_string().contains("unknown policy \"bogus\""), "{e}");
+    let e = load(&format!("rescheduling:\n  rescheduling_req_select_order: XX\n{GOOD}")).unwrap_err();
+    assert!(e.line.is_some(), "{e}");
+    let e = load(&format!("rescheduling:\n  failover_domain: rack\n{GOOD}")).unwrap_err();
+    assert!(e.to_string().contains("rack"), "{e}");
+    let c =
+        load(&format!("rescheduling:\n  enable_rescheduling: true\n  failover_domain: node-unit\n  rescheduling_req_select_rule: NUM_REQ\n{GOOD}")).unwrap();
+    let names: Vec<&str> = c.rescheduling.policies().unwrap().iter().map(|p| p.name).collect();
+    assert_eq!(names, ["decode_load", "prefill_failover"], "one failover policy while every worker is neutral");
 }

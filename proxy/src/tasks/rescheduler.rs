@@ -1,0 +1,142 @@
+//! The rescheduler (seed 004; docs/migration.md), every `rescheduling_interval_ms` while
+//! `enable_rescheduling` is on: per model, the cluster view (per worker: the load metric, health,
+//! staleness of its polled metrics, node and unit labels, the TPOT the gateway measures on its
+//! streams, the requests booked on it), the configured policies' pairs (validated: no A→B with
+//! B→A), and for each pair the requests that move (rule and order over the source's movable
+//! requests), executed concurrently as moves (`POST /migrate`'s path) under
+//! `llumlet_grpc_timeout_seconds`. Failed moves are counted in
+//! `kvgate_rescheduling_failed_total`; the last cycle is shown by `GET /rescheduling`.
+//!
+//! The TPOT predictor: the mean inter-token gap the gateway measured on the worker's streams
+//! (an EWMA over recent gaps), which already includes the effect of its current batch; a worker
+//! with no stream has nothing to predict and counts as idle.
+
+use crate::config::{LoadMetric, Rescheduling};
+use crate::fleet::Model;
+use crate::gateway::Gateway;
+use crate::inflight::{Phase, RequestEntry};
+use crate::move_order::{MoveOrder, MoveReason};
+use kvgate_filters::reschedule::select::{Candidate, select};
+use kvgate_filters::reschedule::{Instance, Pair, validate};
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Runs until the task is aborted.
+pub async fn run(gw: Arc<Gateway>) {
+    let mut turn = 0usize;
+    loop {
+        let cfg = gw.config();
+        let r = &cfg.rescheduling;
+        tokio::time::sleep(Duration::from_millis(r.rescheduling_interval_ms)).await;
+        if !r.enable_rescheduling {
+            continue;
+        }
+        let fleet = gw.fleet();
+        let mut report = Vec::new();
+        for name in &fleet.order {
+            let model = fleet.models[name].clone();
+            report.push(cycle(&gw, &model, r, &mut turn).await);
+        }
+        *gw.rescheduling_last.lock() = json!({"models": report});
+    }
+}
+
+/// One cycle for one model; returns what it decided and how it went.
+async fn cycle(gw: &Gateway, model: &Model, r: &Rescheduling, turn: &mut usize) -> Value {
+    let Ok(policies) = r.policies() else { return Value::Null };
+    let live: Vec<Arc<RequestEntry>> = gw.requests.snapshot().into_iter().filter(|e| e.model == model.cfg.name).collect();
+    let mut pairs = Vec::new();
+    for c in &policies {
+        let view = view(model, r, c.metric.unwrap_or(LoadMetric::KvCacheUsageRatioProjected));
+        pairs.extend(c.policy.pairs(&view, turn).into_iter().map(|(src, dst)| Pair { policy: c.name.to_string(), src, dst, take: r.take(&c.policy) }));
+    }
+    let pairs = validate(pairs);
+    let deadline = Duration::from_secs(r.llumlet_grpc_timeout_seconds);
+    let mut moves = Vec::new();
+    for p in &pairs {
+        let policy = policies.iter().find(|c| c.name == p.policy).map_or("rescheduler", |c| c.name);
+        for id in chosen(model, &live, p, gw.config().migration.limit) {
+            let Some(entry) = live.iter().find(|e| e.id == id).cloned() else { continue };
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let order = MoveOrder { to: Some(p.dst as usize), reason: MoveReason::Rescheduler(policy), reply: tx };
+            if entry.mailbox.post(order).is_err() {
+                continue;
+            }
+            moves.push((policy, p.src, p.dst, id, entry, rx));
+        }
+    }
+    // The moves run in their requests' own tasks, all at once; the replies are awaited under
+    // one deadline.
+    let until = tokio::time::Instant::now() + deadline;
+    let mut results = Vec::with_capacity(moves.len());
+    for (policy, src, dst, id, entry, rx) in moves {
+        let outcome = match tokio::time::timeout_at(until, rx).await {
+            Ok(Ok(Ok(_))) => "ok".to_string(),
+            Ok(Ok(Err(e))) => e.to_string(),
+            Ok(Err(_)) => "the request ended".to_string(),
+            Err(_) => {
+                entry.mailbox.refuse_pending(crate::move_order::MoveRefused::NotNow("timed out"));
+                "timed out".to_string()
+            }
+        };
+        results.push((policy, src, dst, id, outcome));
+    }
+    let mut done = Vec::new();
+    for (policy, src, dst, id, outcome) in results {
+        if outcome != "ok" {
+            gw.metrics.rescheduling_failed.with_label_values(&[model.cfg.name.as_str(), policy]).inc();
+        }
+        done.push(json!({"policy": policy, "from": src, "to": dst, "request_id": id, "outcome": outcome}));
+    }
+    let planned: Vec<Value> = pairs.iter().map(|p| json!({"policy": p.policy, "from": p.src, "to": p.dst})).collect();
+    json!({"model": model.cfg.name, "pairs": planned, "moves": done})
+}
+
+/// The workers as the policies see them.
+fn view(model: &Model, r: &Rescheduling, metric: LoadMetric) -> Vec<Instance> {
+    let stale_after = Duration::from_secs(r.instance_staleness_seconds);
+    model
+        .workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let reported = w.reported();
+            let usage = reported.iter().map(|x| x.kv_usage).fold(0.0, f64::max);
+            let total_blocks: u64 = reported.iter().map(|x| x.total_blocks).sum();
+            let id = i as u16;
+            // Prefill the gateway booked and the worker has not cached yet.
+            let pending = match (metric, total_blocks) {
+                (LoadMetric::KvCacheUsageRatioProjected, t) if t > 0 => {
+                    model.ledger.prefill_tokens(id) as f64 / (t as f64 * f64::from(model.cfg.block_size.max(1)))
+                }
+                _ => 0.0,
+            };
+            let wc = model.cfg.workers.get(i);
+            Instance {
+                id: i as u32,
+                load: usage + pending,
+                healthy: w.is_healthy(),
+                stale: w.report_age().is_some_and(|a| a > stale_after),
+                node: wc.and_then(|c| c.node.clone()),
+                unit: wc.and_then(|c| c.unit.clone()),
+                tpot_ms: (model.ledger.requests(id) > 0).then(|| w.itl_ms()).flatten(),
+                decode_batch: f64::from(model.ledger.requests(id)),
+            }
+        })
+        .collect()
+}
+
+/// The ids a pair moves: the source's streams that may move, by the pair's rule and order.
+fn chosen(model: &Model, live: &[Arc<RequestEntry>], p: &Pair, limit: u32) -> Vec<String> {
+    let src = &model.workers[p.src as usize];
+    let candidates: Vec<Candidate> = live
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| e.stream && e.pinned().is_none() && e.moves() < u64::from(limit))
+        .filter(|(_, e)| matches!(e.phase(), Phase::Running | Phase::Waiting) && e.worker().is_some_and(|w| Arc::ptr_eq(&w, src)))
+        .map(|(i, e)| Candidate { id: e.id.clone(), tokens: e.tokens(), arrival: i as u64, waiting: e.phase() == Phase::Waiting })
+        .collect();
+    let kv_tokens: u64 = src.reported().iter().map(|x| x.total_blocks).sum::<u64>() * u64::from(model.cfg.block_size);
+    select(&candidates, p.take, kv_tokens)
+}
