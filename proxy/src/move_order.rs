@@ -4,7 +4,9 @@
 //! worker's first byte (a move is then a plain resend) and while it relays a stream (a move is
 //! then a continuation, `request::migrate`).
 
+use crate::fleet::Worker;
 use parking_lot::Mutex;
+use std::sync::Arc;
 use tokio::sync::{Notify, oneshot};
 
 /// Why a request is moved.
@@ -56,11 +58,11 @@ pub enum MoveRefused {
     Failed(String),
 }
 
-/// One order: where to (a worker index of the request's model; `None`: the router decides).
+/// One order: where to (a worker of the fleet in force; `None`: the router decides).
 #[derive(Debug)]
 pub struct MoveOrder {
-    /// Destination worker index, if the caller chose one.
-    pub to: Option<usize>,
+    /// Destination worker, if the caller chose one.
+    pub to: Option<Arc<Worker>>,
     /// Who asked.
     pub reason: MoveReason,
     /// Answered once the request moved (or could not).
@@ -120,11 +122,12 @@ mod tests {
     async fn one_order_at_a_time_and_answers_reach_the_caller() {
         let m = Mailbox::default();
         let (tx, rx) = oneshot::channel();
-        m.post(MoveOrder { to: Some(1), reason: MoveReason::Admin, reply: tx }).unwrap();
+        let w = Arc::new(Worker::new(crate::config::UpstreamUrl::parse("http://127.0.0.1:1").unwrap()));
+        m.post(MoveOrder { to: Some(w.clone()), reason: MoveReason::Admin, reply: tx }).unwrap();
         let (tx2, _rx2) = oneshot::channel();
         assert!(m.post(MoveOrder { to: None, reason: MoveReason::Admin, reply: tx2 }).is_err(), "a second order waits its turn");
         let o = m.next().await;
-        assert_eq!(o.to, Some(1));
+        assert!(o.to.as_ref().is_some_and(|t| Arc::ptr_eq(t, &w)));
         o.answer(Err(MoveRefused::Pinned("unary")));
         assert_eq!(rx.await.unwrap(), Err(MoveRefused::Pinned("unary")));
         let (tx3, rx3) = oneshot::channel();

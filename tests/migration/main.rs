@@ -258,10 +258,13 @@ async fn a_real_vllm_server_killed_mid_stream_loses_no_stream() {
     let (c, real) = pair(GatewayOpts::default()).await;
     assert!(real);
     let model = std::env::var("KVGATE_TARGET_MODEL").unwrap_or_else(|_| "tiny".into());
-    let body = |i: usize| {
-        json!({"model": model, "prompt": format!("kill {i} {}", unique_text(20)), "max_tokens": 200, "temperature": 0, "ignore_eos": true, "stream": true,
-               "return_token_ids": true, "stream_options": {"include_usage": true}})
-    };
+    let bodies: Vec<Value> = (0..4)
+        .map(|i| {
+            json!({"model": model, "prompt": format!("kill {i} {}", unique_text(20)), "max_tokens": 200, "temperature": 0, "ignore_eos": true,
+                   "stream": true, "return_token_ids": true, "stream_options": {"include_usage": true}})
+        })
+        .collect();
+    let body = |i: usize| bodies[i].clone();
     let mut want = Vec::new();
     for i in 0..4 {
         let (s, _, b) = sse::stream(&c.http, &c.url("/v1/completions"), &body(i)).await;
@@ -313,4 +316,39 @@ async fn the_rescheduler_moves_streams_and_they_stay_identical() {
     let v: Value = c.http.get(c.admin("/rescheduling")).send().await.unwrap().json().await.unwrap();
     assert_eq!(v["enabled"], true, "{v}");
     assert!(v["last_cycle"]["models"][0]["model"] == "sim-model", "{v}");
+}
+
+async fn workers_listed(c: &Cluster, n: usize) {
+    wait_until(Duration::from_secs(3), || async {
+        let v: Value = c.http.get(c.admin("/workers")).send().await.unwrap().json().await.unwrap();
+        v["models"][0]["workers"].as_array().unwrap().len() == n
+    })
+    .await
+    .expect("reload applied");
+}
+
+#[tokio::test]
+async fn a_stream_moves_to_a_worker_added_after_it_started() {
+    // Scale-up: the new worker is a destination for streams placed before it existed.
+    let c = Cluster::sims(2, sim(1.0), GatewayOpts::default()).await;
+    std::fs::write(&c.config_path, kvgate_tests::cluster::gateway_yaml(&[c.sims[0].url()], &GatewayOpts::default())).unwrap();
+    workers_listed(&c, 1).await;
+    let body = json!({"prompt": unique_text(30), "max_tokens": 60, "temperature": 0, "ignore_eos": true, "stream": true, "return_token_ids": true});
+    let (reference, _) = run(&c, "/v1/completions", &body, "before", None).await;
+    let r = c.http.post(c.url("/v1/completions")).header("x-request-id", "grow").json(&body).send().await.unwrap();
+    let mut s = r.bytes_stream();
+    let mut raw = Vec::from(s.next().await.unwrap().unwrap().as_ref());
+    std::fs::write(&c.config_path, kvgate_tests::cluster::gateway_yaml(&[c.sims[0].url(), c.sims[1].url()], &GatewayOpts::default())).unwrap();
+    workers_listed(&c, 2).await;
+    let r = c.http.post(c.admin("/migrate")).json(&json!({"request_id": "grow", "to": c.sims[1].url()})).send().await.unwrap();
+    let (status, report) = (r.status().as_u16(), r.json::<Value>().await.unwrap());
+    let workers: Value = c.http.get(c.admin("/workers")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(status, 200, "{report} {workers} {}", c.sims[1].url());
+    assert_eq!(report["to"].as_str().map(|t| t.trim_end_matches('/')), Some(c.sims[1].url().trim_end_matches('/')));
+    while let Some(chunk) = s.next().await {
+        raw.extend_from_slice(&chunk.expect("never cut"));
+    }
+    assert_eq!(essence(&sse::parse(&String::from_utf8(raw).unwrap())), essence(&reference));
+    assert!(c.sim_metrics(1).await.sum("vllm:request_success_total", &[]) >= 1.0, "the new worker finished it");
+    bookings_are_zero(&c).await;
 }

@@ -85,15 +85,18 @@ fn order(gw: &Gateway, req: &MoveBody) -> Result<(Arc<RequestEntry>, Reply), Cli
         None => None,
         Some(name) => {
             let name = name.trim_end_matches('/');
-            let i = entry.workers.iter().position(|w| w.label == name || w.url.to_string().trim_end_matches('/') == name);
-            let i = i.ok_or_else(|| ClientError::bad_request(format!("no worker {name:?} serves model {:?}", entry.model), Some("to")))?;
-            if entry.worker().is_some_and(|w| Arc::ptr_eq(&w, &entry.workers[i])) {
+            // The fleet in force: a worker added since the request arrived is a valid target.
+            let fleet = gw.fleet();
+            let workers = fleet.models.get(&entry.model).map(|m| m.workers.clone()).unwrap_or_else(|| entry.workers.clone());
+            let w = workers.iter().find(|w| w.label == name || w.url.to_string().trim_end_matches('/') == name).cloned();
+            let w = w.ok_or_else(|| ClientError::bad_request(format!("no worker {name:?} serves model {:?}", entry.model), Some("to")))?;
+            if entry.worker().is_some_and(|cur| Arc::ptr_eq(&cur, &w)) {
                 return Err(ClientError::conflict(format!("the request is already on {name}")));
             }
-            if !entry.workers[i].is_healthy() {
+            if !w.is_healthy() {
                 return Err(ClientError::conflict(format!("worker {name} is unhealthy")));
             }
-            Some(i)
+            Some(w)
         }
     };
     let (tx, rx) = tokio::sync::oneshot::channel();

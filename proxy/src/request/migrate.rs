@@ -6,19 +6,22 @@
 //!
 //! The destination is chosen by the request's routing mode over the *whole* continuation
 //! prompt (kv mode prefers the worker that already holds most of it), among healthy workers
-//! other than the one it leaves; an operator may aim at one worker. The booking moves with the
+//! other than the one it leaves, in the fleet in force (a worker added by a reload since the
+//! request arrived is a destination too); an operator may aim at one worker. The booking moves with the
 //! request. Each request moves at most `migration.limit` times; at most
 //! `migration.max_concurrent` moves run at once.
 
 use super::leg::{self, Leg, LegEnd, Outbound};
 use super::place::{self, Among};
 use super::{RequestState, kv_inputs, record};
+use crate::fleet::Worker;
 use crate::gateway::Gateway;
 use crate::move_order::{MoveReason, MoveRefused, MoveReport};
 use bytes::Bytes;
 use kvgate_filters::migrate::{ClientShape, Continuation, ContinuationError};
 use pingora::proxy::Session;
 use serde_json::Value;
+use std::sync::Arc;
 
 /// A move that went ahead.
 pub enum Moved {
@@ -57,7 +60,7 @@ pub async fn continue_stream(
     req: &mut RequestState,
     reason: MoveReason,
     source: usize,
-    to: Option<usize>,
+    to: Option<Arc<Worker>>,
 ) -> Result<Moved, Stop> {
     let model = req.model_name().to_string();
     let count = |outcome: &str| gw.metrics.migrations.with_label_values(&[model.as_str(), reason.label(), outcome]).inc();
@@ -78,10 +81,14 @@ pub async fn continue_stream(
     };
     let _permit = gw.migrations.acquire().await.map_err(|_| Stop::Refused(MoveRefused::NotNow("shutting down")))?;
     req.entry().moved();
+    let leaving = req.model.workers[source].clone();
+    place::adopt_current_model(gw, req);
+    let source = req.model.workers.iter().position(|w| Arc::ptr_eq(w, &leaving));
+    let to = to.and_then(|t| req.model.workers.iter().position(|w| Arc::ptr_eq(w, &t)));
     if let Some(kv) = req.model.kv.clone() {
         req.kv = Some(kv_inputs::from_tokens(req, &kv, &ids));
     }
-    let from = req.model.workers[source].label.clone();
+    let from = leaving.label.clone();
     let out = Outbound { path: "/v1/completions", body: &body, request_id: format!("{}-m{}", req.id(), req.entry().moves()).into(), orders: false };
     match destination(gw, session, req, &out, source, to, ids.len()).await {
         Ok(leg) => {
@@ -132,11 +139,11 @@ async fn destination(
     session: &mut Session,
     req: &mut RequestState,
     out: &Outbound<'_>,
-    source: usize,
+    source: Option<usize>,
     mut to: Option<usize>,
     prompt: usize,
 ) -> Result<Box<Leg>, Stop> {
-    let mut left_out = vec![source];
+    let mut left_out: Vec<usize> = source.into_iter().collect();
     loop {
         let among = match to.take() {
             Some(t) => Among::Only(t),
@@ -148,7 +155,7 @@ async fn destination(
             Err(_) if aimed => continue,
             Err(e) => return Err(Stop::Refused(MoveRefused::Failed(e.to_string()))),
         };
-        let idx = req.tried.last().copied().unwrap_or(source);
+        let Some(idx) = req.tried.last().copied() else { return Err(Stop::Refused(MoveRefused::Failed("no placement".into()))) };
         count_recomputed(gw, req, idx, prompt);
         match leg::run(gw, session, req, &worker, out, true).await {
             LegEnd::Answered(leg) if leg.ex.header.status.as_u16() == 200 => {

@@ -159,11 +159,14 @@ async fn attempts(gw: &Arc<Gateway>, session: &mut Session, req: &mut RequestSta
 /// routing mode's choice among the others. `None` (the order refused) when no worker takes
 /// it; the caller then places it as a retry.
 fn reroute(gw: &Gateway, req: &mut RequestState, o: MoveOrder) -> Option<Arc<crate::fleet::Worker>> {
-    let from_idx = req.tried.last().copied().unwrap_or(0);
-    let from = req.model.workers[from_idx].label.clone();
-    let placed = match o.to {
+    let leaving = req.tried.last().map(|&i| req.model.workers[i].clone());
+    let from = leaving.as_ref().map_or_else(String::new, |w| w.label.clone());
+    place::adopt_current_model(gw, req);
+    let from_idx = leaving.and_then(|l| req.model.workers.iter().position(|w| Arc::ptr_eq(w, &l)));
+    let to = o.to.as_ref().and_then(|t| req.model.workers.iter().position(|w| Arc::ptr_eq(w, t)));
+    let placed = match to {
         Some(t) => place::place_among(gw, req, Among::Only(t)),
-        None => place::place_among(gw, req, Among::Except(&[from_idx])),
+        None => place::place_among(gw, req, Among::Except(&from_idx.into_iter().collect::<Vec<_>>())),
     };
     let reason = o.reason;
     let counted = |outcome: &str| gw.metrics.migrations.with_label_values(&[req.model_name(), reason.label(), outcome]).inc();

@@ -70,6 +70,23 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
     Ok(worker)
 }
 
+/// Moves `req` onto the fleet in force when a reload rebuilt its model since it arrived, so a
+/// move can reach workers added since: the workers tried are carried over by identity (those
+/// gone are dropped), and the booking is released from the old ledger, to be made again on the
+/// new one at the next placement (the counters belong to the workers, so nothing is counted
+/// twice).
+pub fn adopt_current_model(gw: &Gateway, req: &mut RequestState) {
+    let fleet = gw.fleet();
+    let Some(now) = fleet.models.get(req.model_name()).cloned() else { return };
+    if Arc::ptr_eq(&now, &req.model) {
+        return;
+    }
+    let old = std::mem::replace(&mut req.model, now);
+    req.tried = req.tried.iter().filter_map(|&i| req.model.workers.iter().position(|w| Arc::ptr_eq(w, &old.workers[i]))).collect();
+    req.booking = None;
+    req.kv = None;
+}
+
 /// Healthy workers `among` allows, and why the others are out.
 fn eligible(model: &Model, among: Among<'_>) -> (Vec<usize>, Vec<(u32, Exclusion)>) {
     let mut ok = Vec::with_capacity(model.workers.len());

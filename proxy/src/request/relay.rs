@@ -46,7 +46,7 @@ pub async fn relay(gw: &Gateway, session: &mut Session, req: &mut RequestState, 
             BodyEnd::Failed => (MoveReason::Failover, None),
             BodyEnd::Ordered(order) => (order.reason, Some(order)),
         };
-        let to = order.as_ref().and_then(|o| o.to);
+        let to = order.as_ref().and_then(|o| o.to.clone());
         let moved = migrate::continue_stream(gw, session, req, reason, source, to).await;
         let answer = |r: Result<MoveReport, MoveRefused>| {
             if let Some(o) = order {

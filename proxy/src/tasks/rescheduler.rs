@@ -59,7 +59,7 @@ async fn cycle(gw: &Gateway, model: &Model, r: &Rescheduling, turn: &mut usize) 
         for id in chosen(model, &live, p, gw.config().migration.limit) {
             let Some(entry) = live.iter().find(|e| e.id == id).cloned() else { continue };
             let (tx, rx) = tokio::sync::oneshot::channel();
-            let order = MoveOrder { to: Some(p.dst as usize), reason: MoveReason::Rescheduler(policy), reply: tx };
+            let order = MoveOrder { to: Some(model.workers[p.dst as usize].clone()), reason: MoveReason::Rescheduler(policy), reply: tx };
             if entry.mailbox.post(order).is_err() {
                 continue;
             }
