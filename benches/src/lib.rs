@@ -1,10 +1,11 @@
 //! kvgate's benchmarks and load tools. The library holds what the binaries share: a
 //! deterministic generator and percentiles, Mooncake trace loading ([`trace`]), the load
-//! generator behind `kvgate-bench` ([`load`]), and processes for clusters of release binaries
-//! ([`cluster`]).
+//! generator behind `kvgate-bench` ([`load`]), processes for clusters of release binaries
+//! ([`cluster`]), and the rescheduler benchmark ([`reschedule`]).
 
 pub mod cluster;
 pub mod load;
+pub mod reschedule;
 pub mod trace;
 
 use std::time::Duration;

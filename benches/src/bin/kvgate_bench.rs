@@ -70,6 +70,88 @@ enum Cmd {
         #[command(flatten)]
         common: Common,
     },
+    /// The rescheduler on a skewed fleet: a burst of long decodes on the first workers, then a
+    /// scale-out; the same burst without and with `decode_load` (benches/RESULTS.md).
+    Reschedule(RescheduleArgs),
+}
+
+#[derive(Args)]
+struct RescheduleArgs {
+    /// The vllm-sim binary.
+    #[arg(long, default_value = "target/release/vllm-sim")]
+    sim_bin: PathBuf,
+    /// The kvgate binary.
+    #[arg(long, default_value = "target/release/kvgate")]
+    kvgate_bin: PathBuf,
+    /// Workers the burst lands on.
+    #[arg(long, default_value_t = 2)]
+    initial: usize,
+    /// Workers after the scale-out.
+    #[arg(long, default_value_t = 4)]
+    workers: usize,
+    /// Streams in the burst.
+    #[arg(long, default_value_t = 192)]
+    requests: usize,
+    /// Prompt tokens per stream.
+    #[arg(long, default_value_t = 2048)]
+    prompt_tokens: usize,
+    /// Output tokens per stream.
+    #[arg(long, default_value_t = 768)]
+    output_tokens: usize,
+    /// vllm-sim's --time-scale.
+    #[arg(long, default_value_t = 2.0)]
+    time_scale: f64,
+    /// vllm-sim's KV blocks per worker.
+    #[arg(long, default_value_t = 32768)]
+    gpu_blocks: usize,
+    /// The `rescheduling` section of the run with the rescheduler, `;`-separated lines.
+    #[arg(
+        long,
+        default_value = "enable_rescheduling: true;rescheduling_policies: decode_load;rescheduling_interval_ms: 100;rescheduling_decode_load_threshold: 0.3;rescheduling_load_balance_threshold: 0.1;rescheduling_req_select_rule: NUM_REQ;rescheduling_req_select_order: LR;rescheduling_req_select_value: 4"
+    )]
+    rescheduling: String,
+}
+
+async fn reschedule(a: RescheduleArgs) -> i32 {
+    let o = kvgate_bench::reschedule::Options {
+        sim_bin: a.sim_bin,
+        kvgate_bin: a.kvgate_bin,
+        initial: a.initial,
+        total: a.workers,
+        requests: a.requests,
+        prompt_tokens: a.prompt_tokens,
+        output_tokens: a.output_tokens,
+        time_scale: a.time_scale,
+        gpu_blocks: a.gpu_blocks,
+        rescheduling: a.rescheduling.replace(';', "\n"),
+    };
+    let (off, on) = match kvgate_bench::reschedule::run(&o).await {
+        Ok(x) => x,
+        Err(e) => {
+            eprintln!("kvgate-bench: {e}");
+            return 1;
+        }
+    };
+    let prefill = kvgate_bench::reschedule::sim_prefill_ms(o.prompt_tokens + o.output_tokens / 2, o.time_scale);
+    println!(
+        "{} streams of {}+{} tokens on {} of {} workers (vllm-sim --time-scale {}), then a scale-out",
+        o.requests, o.prompt_tokens, o.output_tokens, o.initial, o.total, o.time_scale
+    );
+    println!("| run | ok | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | moves | pause p50 | pause p99 |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for (name, f) in [("without the rescheduler", &off), ("decode_load", &on)] {
+        println!(
+            "| {name} | {} | {:.0} ms | {:.0} ms | {:.1} ms | {:.1} ms | {} | {:.0} ms | {:.0} ms |",
+            f.ok, f.ttft_ms.0, f.ttft_ms.1, f.tpot_ms.0, f.tpot_ms.1, f.moves, f.pause_ms.0, f.pause_ms.1
+        );
+    }
+    let gain = if on.tpot_ms.1 > 0.0 { off.tpot_ms.1 / on.tpot_ms.1 } else { 0.0 };
+    println!(
+        "TPOT p99 ratio (without / with): {gain:.2}x; one prefill of a mid-stream continuation ({} tokens) on an idle destination: {prefill:.0} ms, pause p99 / prefill: {:.2}",
+        o.prompt_tokens + o.output_tokens / 2,
+        on.pause_ms.1 / prefill
+    );
+    0
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -237,6 +319,7 @@ async fn main() {
             let peers = Peers { vllm_router: cluster::which(&vllm_router_bin), smg: cluster::which(&smg_bin) };
             compare(workers, &targets, &sim_bin, &kvgate_bin, &sim_args, &kvgate_routing, &peers, &common).await
         }
+        Cmd::Reschedule(a) => reschedule(a).await,
     };
     std::process::exit(code);
 }
