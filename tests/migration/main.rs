@@ -56,11 +56,19 @@ fn essence(b: &sse::SseBody) -> Value {
     json!({"text": text, "ids": ids, "finish": finish, "usage": usage, "done": b.done, "object": object})
 }
 
-/// Streams `body` to `path` as request `id`, ordering a move after `after` events when given.
-/// Returns the parsed body and the move's answer.
-async fn run(c: &Cluster, path: &str, body: &Value, id: &str, after: Option<usize>) -> (sse::SseBody, Option<(u16, Value)>) {
+/// Streams `body` to `path` as request `id`, ordering a move after `after` events when given
+/// (aimed at the other worker when `aim`, which warms it up first). Returns the parsed body and
+/// the move's answer.
+async fn run_aimed(c: &Cluster, path: &str, body: &Value, id: &str, after: Option<usize>, aim: bool) -> (sse::SseBody, Option<(u16, Value)>) {
     let r = c.http.post(c.url(path)).header("x-request-id", id).json(body).send().await.expect("sent");
     assert_eq!(r.status(), 200);
+    let serving = r.headers().get("x-kvgate-worker").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
+    let mut order = json!({"request_id": id});
+    if aim {
+        let v: Value = c.http.get(c.admin("/workers")).send().await.unwrap().json().await.unwrap();
+        let other = v["models"][0]["workers"].as_array().unwrap().iter().map(|w| w["url"].as_str().unwrap().to_string()).find(|u| *u != serving);
+        order["to"] = json!(other.expect("another worker"));
+    }
     let mut raw = Vec::new();
     let mut s = r.bytes_stream();
     let mut answer = None;
@@ -68,11 +76,15 @@ async fn run(c: &Cluster, path: &str, body: &Value, id: &str, after: Option<usiz
         raw.extend_from_slice(&chunk.expect("the stream is never cut"));
         let events = raw.windows(2).filter(|w| w == b"\n\n").count();
         if answer.is_none() && after.is_some_and(|n| events >= n) {
-            let r = c.http.post(c.admin("/migrate")).json(&json!({"request_id": id})).send().await.unwrap();
+            let r = c.http.post(c.admin("/migrate")).json(&order).send().await.unwrap();
             answer = Some((r.status().as_u16(), r.json::<Value>().await.unwrap()));
         }
     }
     (sse::parse(&String::from_utf8(raw).unwrap()), answer)
+}
+
+async fn run(c: &Cluster, path: &str, body: &Value, id: &str, after: Option<usize>) -> (sse::SseBody, Option<(u16, Value)>) {
+    run_aimed(c, path, body, id, after, false).await
 }
 
 async fn bookings_are_zero(c: &Cluster) {
@@ -109,7 +121,8 @@ async fn moved_equals_unmoved(c: &Cluster, real: bool) {
     for (i, (path, mut body)) in cases.into_iter().enumerate() {
         body["model"] = json!(model);
         let (reference, _) = run(c, path, &body, &format!("ref-{i}"), None).await;
-        let (moved, answer) = run(c, path, &body, &format!("mv-{i}"), Some(4)).await;
+        // Odd cases name the destination, which is warmed up before the move.
+        let (moved, answer) = run_aimed(c, path, &body, &format!("mv-{i}"), Some(4), i % 2 == 1).await;
         let (status, report) = answer.expect("the move was ordered");
         assert_eq!(status, 200, "{path} {report}");
         assert_eq!(report["how"], "continuation", "{report}");

@@ -16,12 +16,16 @@ use super::place::{self, Among};
 use super::{RequestState, kv_inputs, record};
 use crate::fleet::Worker;
 use crate::gateway::Gateway;
-use crate::move_order::{MoveReason, MoveRefused, MoveReport};
+use crate::move_order::{MoveOrder, MoveReason, MoveRefused, MoveReport};
+use crate::upstream::{self, Pool};
 use bytes::Bytes;
 use kvgate_filters::migrate::{ClientShape, Continuation, ContinuationError};
 use pingora::proxy::Session;
 use serde_json::Value;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// A move that went ahead.
 pub enum Moved {
@@ -37,6 +41,44 @@ pub enum Stop {
     ClientGone,
     /// Not movable, or no destination took it.
     Refused(MoveRefused),
+}
+
+/// An ordered move waiting for its destination to be warmed up.
+pub struct Warming<'a> {
+    /// The order, carried out once the warm-up is over.
+    pub order: MoveOrder,
+    /// The warm-up request.
+    pub done: Pin<Box<dyn Future<Output = ()> + Send + 'a>>,
+}
+
+/// Longest wait for a warm-up; the move goes ahead after it either way.
+const WARM_UP_LIMIT: Duration = Duration::from_secs(30);
+
+/// Prefills the destination with a running stream's context (prompt + generated ids so far,
+/// `max_tokens: 1`) while the stream goes on on its worker, so the move that follows finds the
+/// context in the destination's prefix cache and recomputes only the tokens generated since:
+/// the client's pause shrinks from a whole prefill to about one step (docs/migration.md).
+/// `None` when there is nothing to warm (no ids yet).
+pub fn warm_up<'a>(gw: &'a Gateway, req: &RequestState, session: &Session, to: &Arc<Worker>, order: MoveOrder) -> Result<Warming<'a>, MoveOrder> {
+    let Some(r) = req.track.as_ref().map(|t| &t.record).filter(|r| !r.prompt_ids.is_empty()) else { return Err(order) };
+    let ids: Vec<u32> = r.prompt_ids.iter().chain(&r.generated_ids).copied().collect();
+    let model = req.view.model.clone().unwrap_or_else(|| req.model_name().to_string());
+    let body = Bytes::from(serde_json::json!({"model": model, "prompt": ids, "max_tokens": 1, "add_special_tokens": false}).to_string());
+    let Ok(header) = upstream::request_header(session.req_header(), to, "/v1/completions", body.len(), &format!("{}-warm", req.id())) else {
+        return Err(order);
+    };
+    let (cfg, to) = (req.cfg.clone(), to.clone());
+    let done = Box::pin(async move {
+        let warm = async {
+            let Ok(mut ex) = upstream::exchange(gw, &cfg, &to, &header, Some(&body), Pool::Requests, None).await else { return };
+            while let Ok(Some(_)) = ex.session.read_response_body().await {}
+            if ex.session.response_done() {
+                upstream::release(gw, ex, Duration::from_millis(cfg.timeouts.upstream_idle_ms)).await;
+            }
+        };
+        let _ = tokio::time::timeout(WARM_UP_LIMIT, warm).await;
+    });
+    Ok(Warming { order, done })
 }
 
 /// Whether `req` may move now; why not otherwise. Checked before an ordered move drops the

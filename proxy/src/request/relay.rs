@@ -6,7 +6,7 @@
 //! token events are counted for the registry and output-block bookings.
 
 use super::leg::Leg;
-use super::migrate::{self, Moved, Stop};
+use super::migrate::{self, Moved, Stop, Warming};
 use super::track::Tracker;
 use super::{Outcome, RequestState, record};
 use crate::downstream::closed::client_closed;
@@ -39,9 +39,14 @@ pub async fn relay(gw: &Gateway, session: &mut Session, req: &mut RequestState, 
         return record::cancelled(gw, req);
     }
     let mut progress = Progress::new(gw, req, status);
+    let mut warming: Option<Warming<'_>> = None;
     loop {
         let source = req.tried.last().copied().unwrap_or(0);
-        let (reason, order) = match body(gw, session, req, &mut progress, *leg, status).await {
+        let end = body(gw, session, req, &mut progress, *leg, status, &mut warming).await;
+        if let Some(w) = warming.take() {
+            w.order.answer(Err(MoveRefused::NotNow("the stream ended or its worker failed while the destination warmed up")));
+        }
+        let (reason, order) = match end {
             BodyEnd::Done(outcome) => return outcome,
             BodyEnd::Failed => (MoveReason::Failover, None),
             BodyEnd::Ordered(order) => (order.reason, Some(order)),
@@ -91,7 +96,15 @@ enum BodyEnd {
 }
 
 /// Relays one leg's body until it ends, fails or is moved.
-async fn body(gw: &Gateway, session: &mut Session, req: &mut RequestState, progress: &mut Progress, leg: Leg, status: u16) -> BodyEnd {
+async fn body<'g>(
+    gw: &'g Gateway,
+    session: &mut Session,
+    req: &mut RequestState,
+    progress: &mut Progress,
+    leg: Leg,
+    status: u16,
+    warming: &mut Option<Warming<'g>>,
+) -> BodyEnd {
     let Leg { mut ex, first, worker } = leg;
     let idle = Duration::from_millis(req.cfg.timeouts.upstream_read_idle_ms);
     let keep = Duration::from_millis(req.cfg.timeouts.upstream_idle_ms);
@@ -99,11 +112,25 @@ async fn body(gw: &Gateway, session: &mut Session, req: &mut RequestState, progr
     loop {
         let chunk = match pending.take() {
             Some(c) => c,
-            None => match next_chunk(session, &mut ex, req, &worker.url, idle).await {
+            None => match next_chunk(session, &mut ex, req, &worker.url, idle, warming).await {
                 Next::Chunk(c) => c,
                 Next::ClientGone => return BodyEnd::Done(record::cancelled(gw, req)),
+                Next::Warmed => match warming.take() {
+                    Some(w) => return BodyEnd::Ordered(w.order),
+                    None => continue,
+                },
                 Next::Order(o) => match migrate::may_move(req) {
-                    Ok(()) => return BodyEnd::Ordered(o),
+                    // Aimed at a worker: warm it up first while the stream goes on here.
+                    Ok(()) => match o.to.clone() {
+                        Some(to) => match migrate::warm_up(gw, req, session, &to, o) {
+                            Ok(w) => {
+                                *warming = Some(w);
+                                continue;
+                            }
+                            Err(o) => return BodyEnd::Ordered(o),
+                        },
+                        None => return BodyEnd::Ordered(o),
+                    },
                     Err(why) => {
                         o.answer(Err(why));
                         continue;
@@ -217,13 +244,28 @@ enum Next {
     ClientGone,
     /// A move was ordered.
     Order(MoveOrder),
+    /// The destination of the pending move is warm.
+    Warmed,
 }
 
 /// Waits for the next body chunk, the client leaving, or (for a stream that may move) a move
 /// order.
-async fn next_chunk(session: &mut Session, ex: &mut Exchange, req: &RequestState, worker: &crate::config::UpstreamUrl, idle: Duration) -> Next {
-    let movable = req.track.as_ref().is_some_and(Tracker::movable);
+async fn next_chunk(
+    session: &mut Session,
+    ex: &mut Exchange,
+    req: &RequestState,
+    worker: &crate::config::UpstreamUrl,
+    idle: Duration,
+    warming: &mut Option<Warming<'_>>,
+) -> Next {
+    let movable = req.track.as_ref().is_some_and(Tracker::movable) && warming.is_none();
     let mailbox = &req.entry().mailbox;
+    let warm = async {
+        match warming.as_mut() {
+            Some(w) => (&mut w.done).await,
+            None => std::future::pending().await,
+        }
+    };
     tokio::select! {
         biased;
         r = tokio::time::timeout(idle, ex.session.read_response_body()) => Next::Chunk(match r {
@@ -233,6 +275,7 @@ async fn next_chunk(session: &mut Session, ex: &mut Exchange, req: &RequestState
         }),
         _ = client_closed(session) => Next::ClientGone,
         o = mailbox.next(), if movable => Next::Order(o),
+        () = warm => Next::Warmed,
     }
 }
 
