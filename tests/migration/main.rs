@@ -365,3 +365,23 @@ async fn a_stream_moves_to_a_worker_added_after_it_started() {
     assert!(c.sim_metrics(1).await.sum("vllm:request_success_total", &[]) >= 1.0, "the new worker finished it");
     bookings_are_zero(&c).await;
 }
+
+#[tokio::test]
+async fn a_webassembly_rescheduling_policy_moves_streams_the_same_way() {
+    // plugins/examples/load-balance: a worker at or over the threshold is a source, one under
+    // it a destination; the KV usage of a worker running one stream is just over 0.
+    let wasm = kvgate_tests::guests::path("load-balance");
+    let extra = format!(
+        "load:\n  interval_ms: 50\nrescheduling:\n  enable_rescheduling: true\n  rescheduling_policies: \"\"\n  rescheduling_interval_ms: 100\n  plugin:\n    name: lb\n    path: {}\n    config: \"threshold = 0.0001\\nrule = num_req\\norder = sr\\nvalue = 1\\n\"\n",
+        wasm.display()
+    );
+    let c = Cluster::sims(2, sim(1.0), GatewayOpts { extra, ..GatewayOpts::default() }).await;
+    let body = json!({"prompt": unique_text(30), "max_tokens": 120, "temperature": 0, "ignore_eos": true, "stream": true, "return_token_ids": true});
+    let (_, _, moved) = sse::stream(&c.http, &c.url("/v1/completions"), &body).await;
+    let m = c.gateway_metrics().await;
+    assert!(m.sum("kvgate_migrations_total", &[("reason", "plugin"), ("outcome", "ok")]) >= 1.0, "the plugin's pair was executed");
+    let plain = Cluster::sims(2, sim(4.0), GatewayOpts::default()).await;
+    let (_, _, reference) = sse::stream(&plain.http, &plain.url("/v1/completions"), &body).await;
+    assert_eq!(essence(&moved), essence(&reference));
+    bookings_are_zero(&c).await;
+}

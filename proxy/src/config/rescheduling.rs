@@ -46,6 +46,9 @@ pub struct Rescheduling {
     pub instance_staleness_seconds: u64,
     /// `--llumlet-grpc-timeout-seconds`: how long one cycle waits for its moves.
     pub llumlet_grpc_timeout_seconds: u64,
+    /// A WebAssembly rescheduling policy (the `rescheduler` world, plugins/README.md) run each
+    /// cycle besides the built-in ones; its pairs are executed the same way.
+    pub plugin: Option<super::PluginConfig>,
 }
 
 /// A load metric for the load-balance policies.
@@ -81,6 +84,7 @@ impl Default for Rescheduling {
             failover_domain: Domain::Instance,
             instance_staleness_seconds: 60,
             llumlet_grpc_timeout_seconds: 5,
+            plugin: None,
         }
     }
 }

@@ -17,7 +17,8 @@ use crate::gateway::Gateway;
 use crate::inflight::{Phase, RequestEntry};
 use crate::move_order::{MoveOrder, MoveReason};
 use kvgate_filters::reschedule::select::{Candidate, select};
-use kvgate_filters::reschedule::{Instance, Pair, validate};
+use kvgate_filters::reschedule::{Instance, Order, Pair, Rule, Take, validate};
+use kvgate_plugins::ReschedulingPlugin;
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,6 +26,7 @@ use std::time::Duration;
 /// Runs until the task is aborted.
 pub async fn run(gw: Arc<Gateway>) {
     let mut turn = 0usize;
+    let mut plugin = PluginState::default();
     loop {
         let cfg = gw.config();
         let r = &cfg.rescheduling;
@@ -32,18 +34,60 @@ pub async fn run(gw: Arc<Gateway>) {
         if !r.enable_rescheduling {
             continue;
         }
+        let wasm = plugin.current(&gw, r.plugin.as_ref()).await;
         let fleet = gw.fleet();
         let mut report = Vec::new();
         for name in &fleet.order {
             let model = fleet.models[name].clone();
-            report.push(cycle(&gw, &model, r, &mut turn).await);
+            report.push(cycle(&gw, &model, r, wasm.clone(), &mut turn).await);
         }
         *gw.rescheduling_last.lock() = json!({"models": report});
     }
 }
 
+/// The rescheduling plugin as last loaded: reloaded when its config entry or its file's
+/// modification time changes; a module that does not load is logged and counted once, and the
+/// built-in policies go on alone.
+#[derive(Default)]
+struct PluginState {
+    key: Option<(kvgate_plugins::PluginSpec, Option<std::time::SystemTime>)>,
+    loaded: Option<Arc<ReschedulingPlugin>>,
+}
+
+impl PluginState {
+    async fn current(&mut self, gw: &Gateway, entry: Option<&crate::config::PluginConfig>) -> Option<Arc<ReschedulingPlugin>> {
+        let Some(entry) = entry else {
+            self.key = None;
+            self.loaded = None;
+            return None;
+        };
+        let spec = crate::plugins::spec(entry);
+        let mtime = std::fs::metadata(&spec.path).and_then(|m| m.modified()).ok();
+        let key = Some((spec.clone(), mtime));
+        if key != self.key {
+            self.key = key;
+            let name = spec.name.clone();
+            let loaded = tokio::task::spawn_blocking(move || kvgate_plugins::component::compile(&spec).and_then(ReschedulingPlugin::new)).await;
+            match loaded {
+                Ok(Ok(p)) => {
+                    tracing::info!(plugin = name.as_str(), "rescheduling plugin loaded");
+                    gw.metrics.plugin_reloads.with_label_values(&[name.as_str(), "ok"]).inc();
+                    self.loaded = Some(Arc::new(p));
+                }
+                Ok(Err(e)) => {
+                    tracing::error!(plugin = name.as_str(), error = %e, "rescheduling plugin rejected; the built-in policies run without it");
+                    gw.metrics.plugin_reloads.with_label_values(&[name.as_str(), "rejected"]).inc();
+                    self.loaded = None;
+                }
+                Err(e) => tracing::error!(plugin = name.as_str(), error = %e, "rescheduling plugin load panicked"),
+            }
+        }
+        self.loaded.clone()
+    }
+}
+
 /// One cycle for one model; returns what it decided and how it went.
-async fn cycle(gw: &Gateway, model: &Model, r: &Rescheduling, turn: &mut usize) -> Value {
+async fn cycle(gw: &Gateway, model: &Model, r: &Rescheduling, wasm: Option<Arc<ReschedulingPlugin>>, turn: &mut usize) -> Value {
     let Ok(policies) = r.policies() else { return Value::Null };
     let live: Vec<Arc<RequestEntry>> = gw.requests.snapshot().into_iter().filter(|e| e.model == model.cfg.name).collect();
     let mut pairs = Vec::new();
@@ -51,11 +95,14 @@ async fn cycle(gw: &Gateway, model: &Model, r: &Rescheduling, turn: &mut usize) 
         let view = view(model, r, c.metric.unwrap_or(LoadMetric::KvCacheUsageRatioProjected));
         pairs.extend(c.policy.pairs(&view, turn).into_iter().map(|(src, dst)| Pair { policy: c.name.to_string(), src, dst, take: r.take(&c.policy) }));
     }
+    if let Some(p) = wasm {
+        pairs.extend(plugin_pairs(gw, model, r, &live, p).await);
+    }
     let pairs = validate(pairs);
     let deadline = Duration::from_secs(r.llumlet_grpc_timeout_seconds);
     let mut moves = Vec::new();
     for p in &pairs {
-        let policy = policies.iter().find(|c| c.name == p.policy).map_or("rescheduler", |c| c.name);
+        let policy = policies.iter().find(|c| c.name == p.policy).map_or("plugin", |c| c.name);
         for id in chosen(model, &live, p, gw.config().migration.limit) {
             let Some(entry) = live.iter().find(|e| e.id == id).cloned() else { continue };
             let (tx, rx) = tokio::sync::oneshot::channel();
@@ -139,4 +186,77 @@ fn chosen(model: &Model, live: &[Arc<RequestEntry>], p: &Pair, limit: u32) -> Ve
         .collect();
     let kv_tokens: u64 = src.reported().iter().map(|x| x.total_blocks).sum::<u64>() * u64::from(model.cfg.block_size);
     select(&candidates, p.take, kv_tokens)
+}
+
+/// The plugin's pairs for this cycle, on the blocking pool (a call is bounded by the plugin's
+/// `timeout_ms`). A failing call yields none, and is counted as the routing plugins' are.
+async fn plugin_pairs(gw: &Gateway, model: &Model, r: &Rescheduling, live: &[Arc<RequestEntry>], p: Arc<ReschedulingPlugin>) -> Vec<Pair> {
+    let instances = view(model, r, r.rescheduling_neutral_load_metric);
+    let workers = instances
+        .iter()
+        .map(|i| {
+            let w = &model.workers[i.id as usize];
+            let reported = w.reported();
+            let running = live
+                .iter()
+                .filter(|e| e.worker().is_some_and(|cur| Arc::ptr_eq(&cur, w)))
+                .map(|e| kvgate_plugins::Running {
+                    id: e.id.clone(),
+                    tokens: e.tokens().min(u64::from(u32::MAX)) as u32,
+                    age_ms: e.age().as_millis() as u64,
+                    priority: e.priority as i32,
+                    waiting: e.phase() == Phase::Waiting,
+                })
+                .collect();
+            kvgate_plugins::WorkerLoad {
+                id: i.id,
+                load: i.load,
+                kv_usage: reported.iter().map(|x| x.kv_usage).fold(0.0, f64::max),
+                total_blocks: reported.iter().map(|x| x.total_blocks).sum(),
+                active_blocks: model.ledger.active_blocks(i.id as u16),
+                waiting: reported.iter().map(|x| x.waiting).sum::<u64>().min(u64::from(u32::MAX)) as u32,
+                healthy: i.healthy && !i.stale,
+                running,
+            }
+        })
+        .collect();
+    let view = kvgate_plugins::ClusterView { model: model.cfg.name.clone(), workers };
+    let name = p.name().to_string();
+    let answer = tokio::task::spawn_blocking(move || p.reschedule(&view)).await;
+    match answer {
+        Ok(Ok(migrations)) => migrations
+            .into_iter()
+            .map(|m| Pair {
+                policy: "plugin".into(),
+                src: m.source,
+                dst: m.destination,
+                take: Take::Amount { rule: rule(m.rule), order: order(m.order), value: m.value },
+            })
+            .collect(),
+        Ok(Err(f)) => {
+            gw.metrics.plugin_failures.with_label_values(&[name.as_str(), f.kind()]).inc();
+            tracing::debug!(plugin = name.as_str(), error = %f, "rescheduling plugin failed; its pairs are skipped this cycle");
+            Vec::new()
+        }
+        Err(_) => Vec::new(),
+    }
+}
+
+fn rule(r: kvgate_plugins::SelectRule) -> Rule {
+    match r {
+        kvgate_plugins::SelectRule::NumReq => Rule::NumReq,
+        kvgate_plugins::SelectRule::Token => Rule::Token,
+        kvgate_plugins::SelectRule::Ratio => Rule::Ratio,
+    }
+}
+
+fn order(o: kvgate_plugins::SelectOrder) -> Order {
+    match o {
+        kvgate_plugins::SelectOrder::Lcr => Order::Lcr,
+        kvgate_plugins::SelectOrder::Fcr => Order::Fcr,
+        kvgate_plugins::SelectOrder::Lr => Order::Lr,
+        kvgate_plugins::SelectOrder::Sr => Order::Sr,
+        kvgate_plugins::SelectOrder::Fcw => Order::Fcw,
+        kvgate_plugins::SelectOrder::Fcwsr => Order::Fcwsr,
+    }
 }
