@@ -3,8 +3,8 @@
 //! staleness of its polled metrics, node and unit labels, the TPOT the gateway measures on its
 //! streams, the requests booked on it), the configured policies' pairs (validated: no A→B with
 //! B→A), and for each pair the requests that move (rule and order over the source's movable
-//! requests), executed concurrently as moves (`POST /migrate`'s path) under
-//! `llumlet_grpc_timeout_seconds`. Failed moves are counted in
+//! requests), executed as moves (`POST /migrate`'s path, warmed first): pairs concurrently, a
+//! pair's requests one after the other, all under `llumlet_grpc_timeout_seconds`. Failed moves are counted in
 //! `kvgate_rescheduling_failed_total`; the last cycle is shown by `GET /rescheduling`.
 //!
 //! The TPOT predictor: the mean inter-token gap the gateway measured on the worker's streams
@@ -99,35 +99,28 @@ async fn cycle(gw: &Gateway, model: &Model, r: &Rescheduling, wasm: Option<Arc<R
         pairs.extend(plugin_pairs(gw, model, r, &live, p).await);
     }
     let pairs = validate(pairs);
-    let deadline = Duration::from_secs(r.llumlet_grpc_timeout_seconds);
-    let mut moves = Vec::new();
+    // Pairs run at once; within a pair the requests move one after the other (as a llumlet
+    // migrates a pair's requests), so a destination warms and takes one continuation at a time
+    // and no move's pause includes another's prefill. One deadline covers the cycle.
+    let until = tokio::time::Instant::now() + Duration::from_secs(r.llumlet_grpc_timeout_seconds);
+    let mut runs = tokio::task::JoinSet::new();
     for p in &pairs {
         let policy = policies.iter().find(|c| c.name == p.policy).map_or("plugin", |c| c.name);
-        for id in chosen(model, &live, p, gw.config().migration.limit) {
-            let Some(entry) = live.iter().find(|e| e.id == id).cloned() else { continue };
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            let order = MoveOrder { to: Some(model.workers[p.dst as usize].clone()), reason: MoveReason::Rescheduler(policy), reply: tx };
-            if entry.mailbox.post(order).is_err() {
-                continue;
+        let entries: Vec<Arc<RequestEntry>> =
+            chosen(model, &live, p, gw.config().migration.limit).iter().filter_map(|id| live.iter().find(|e| &e.id == id).cloned()).collect();
+        let (src, dst, to) = (p.src, p.dst, model.workers[p.dst as usize].clone());
+        runs.spawn(async move {
+            let mut out = Vec::with_capacity(entries.len());
+            for entry in entries {
+                let outcome = move_one(&entry, &to, policy, until).await;
+                out.push((policy, src, dst, entry.id.clone(), outcome));
             }
-            moves.push((policy, p.src, p.dst, id, entry, rx));
-        }
+            out
+        });
     }
-    // The moves run in their requests' own tasks, all at once; the replies are awaited under
-    // one deadline.
-    let until = tokio::time::Instant::now() + deadline;
-    let mut results = Vec::with_capacity(moves.len());
-    for (policy, src, dst, id, entry, rx) in moves {
-        let outcome = match tokio::time::timeout_at(until, rx).await {
-            Ok(Ok(Ok(_))) => "ok".to_string(),
-            Ok(Ok(Err(e))) => e.to_string(),
-            Ok(Err(_)) => "the request ended".to_string(),
-            Err(_) => {
-                entry.mailbox.refuse_pending(crate::move_order::MoveRefused::NotNow("timed out"));
-                "timed out".to_string()
-            }
-        };
-        results.push((policy, src, dst, id, outcome));
+    let mut results = Vec::new();
+    while let Some(r) = runs.join_next().await {
+        results.extend(r.unwrap_or_default());
     }
     let mut done = Vec::new();
     for (policy, src, dst, id, outcome) in results {
@@ -138,6 +131,24 @@ async fn cycle(gw: &Gateway, model: &Model, r: &Rescheduling, wasm: Option<Arc<R
     }
     let planned: Vec<Value> = pairs.iter().map(|p| json!({"policy": p.policy, "from": p.src, "to": p.dst})).collect();
     json!({"model": model.cfg.name, "pairs": planned, "moves": done})
+}
+
+/// Orders one request to `to` and waits for the answer until `until`.
+async fn move_one(entry: &RequestEntry, to: &Arc<crate::fleet::Worker>, policy: &'static str, until: tokio::time::Instant) -> String {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let order = MoveOrder { to: Some(to.clone()), reason: MoveReason::Rescheduler(policy), reply: tx };
+    if entry.mailbox.post(order).is_err() {
+        return "another move is pending".into();
+    }
+    match tokio::time::timeout_at(until, rx).await {
+        Ok(Ok(Ok(_))) => "ok".into(),
+        Ok(Ok(Err(e))) => e.to_string(),
+        Ok(Err(_)) => "the request ended".into(),
+        Err(_) => {
+            entry.mailbox.refuse_pending(crate::move_order::MoveRefused::NotNow("timed out"));
+            "timed out".into()
+        }
+    }
 }
 
 /// The workers as the policies see them.
