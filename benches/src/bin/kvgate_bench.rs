@@ -84,19 +84,19 @@ struct RescheduleArgs {
     #[arg(long, default_value = "target/release/kvgate")]
     kvgate_bin: PathBuf,
     /// Workers the burst lands on.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 1)]
     initial: usize,
     /// Workers after the scale-out.
     #[arg(long, default_value_t = 4)]
     workers: usize,
     /// Streams in the burst.
-    #[arg(long, default_value_t = 192)]
+    #[arg(long, default_value_t = 160)]
     requests: usize,
     /// Prompt tokens per stream.
     #[arg(long, default_value_t = 2048)]
     prompt_tokens: usize,
     /// Output tokens per stream.
-    #[arg(long, default_value_t = 768)]
+    #[arg(long, default_value_t = 1024)]
     output_tokens: usize,
     /// vllm-sim's --time-scale.
     #[arg(long, default_value_t = 2.0)]
@@ -142,7 +142,7 @@ async fn reschedule(a: RescheduleArgs) -> i32 {
     for (name, f) in [("without the rescheduler", &off), ("decode_load", &on)] {
         println!(
             "| {name} | {} | {:.0} ms | {:.0} ms | {:.1} ms | {:.1} ms | {} | {:.0} ms | {:.0} ms |",
-            f.ok, f.ttft_ms.0, f.ttft_ms.1, f.tpot_ms.0, f.tpot_ms.1, f.moves, f.pause_ms.0, f.pause_ms.1
+            f.ok, f.ttft_ms.0, f.ttft_ms.1, f.tpot_ms.0, f.tpot_ms.1, f.moves + 0.0, f.pause_ms.0, f.pause_ms.1
         );
     }
     let gain = if on.tpot_ms.1 > 0.0 { off.tpot_ms.1 / on.tpot_ms.1 } else { 0.0 };
