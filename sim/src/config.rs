@@ -320,6 +320,7 @@ impl SimArgs {
                 error_rate: self.fail_error_rate,
                 first_token_delay_ms: self.fail_first_token_delay_ms,
                 hang_rate: self.fail_hang_rate,
+                stall: false,
                 drop_kv_batches: 0,
             },
         };

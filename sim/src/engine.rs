@@ -151,6 +151,13 @@ impl EngineTask {
             if stop.is_cancelled() {
                 return;
             }
+            while self.params.faults.stalled() {
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(10)) => {},
+                    _ = stop.cancelled() => return,
+                }
+                clock = Instant::now();
+            }
             let step = self.sched.schedule();
             if step.scheduled.is_empty() {
                 // Nothing fits right now (cannot happen with validated limits): wait for news.

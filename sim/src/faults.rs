@@ -1,6 +1,7 @@
 //! Failure injection, for fault-tolerance tests of whatever sits in front of the simulator:
 //! crash after N generated tokens or at a time (every connection is closed at once and the
-//! server stops), an HTTP 500 rate, a slow first token, and requests that hang forever.
+//! server stops), an HTTP 500 rate, a slow first token, requests that hang forever, and an
+//! engine that stalls mid-stream.
 //!
 //! The knobs can be changed at run time (`POST /sim/faults`, or [`Faults::set`] in-process).
 
@@ -23,6 +24,9 @@ pub struct FaultConfig {
     pub first_token_delay_ms: f64,
     /// Fraction of inference requests that are never answered.
     pub hang_rate: f64,
+    /// The engine stops stepping while set: running streams hang with their connections open
+    /// (a frozen GPU), and resume when it is cleared.
+    pub stall: bool,
     /// The next N KV event batches are not sent on PUB (they keep their sequence numbers and
     /// stay in the replay buffer), as when a PUB socket over its high-water mark drops them.
     pub drop_kv_batches: u64,
@@ -138,6 +142,11 @@ impl Faults {
     /// True if the next KV event batch must not be sent on PUB (consumes one drop).
     pub fn drop_kv_batch(&self) -> bool {
         self.kv_drops.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok()
+    }
+
+    /// Whether the engine is stalled.
+    pub fn stalled(&self) -> bool {
+        self.cfg.read().stall
     }
 
     /// Whether the server crashed (as opposed to a clean shutdown).

@@ -385,3 +385,57 @@ async fn a_webassembly_rescheduling_policy_moves_streams_the_same_way() {
     assert_eq!(essence(&moved), essence(&reference));
     bookings_are_zero(&c).await;
 }
+
+#[tokio::test]
+async fn a_request_still_waiting_for_its_first_token_moves_by_resend() {
+    let c = Cluster::sims(2, sim(4.0), GatewayOpts::default()).await;
+    for s in &c.sims {
+        s.faults().set(vllm_sim::faults::FaultConfig { first_token_delay_ms: 1500.0, ..Default::default() }).unwrap();
+    }
+    let body = json!({"prompt": unique_text(20), "max_tokens": 8, "temperature": 0, "ignore_eos": true, "stream": true});
+    let (http, url) = (c.http.clone(), c.url("/v1/completions"));
+    let b = body.clone();
+    let client = tokio::spawn(async move {
+        let r = http.post(url).header("x-request-id", "early").json(&b).send().await.unwrap();
+        let worker = r.headers().get("x-kvgate-worker").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
+        (worker, sse::parse(&r.text().await.unwrap()))
+    });
+    let from = wait_until(Duration::from_secs(3), || async {
+        let v: Value = c.http.get(c.admin("/requests/early")).send().await.unwrap().json().await.unwrap_or(Value::Null);
+        v["phase"] == "waiting"
+    })
+    .await;
+    assert!(from.is_some(), "the request is waiting for its first token");
+    let r = c.http.post(c.admin("/migrate")).json(&json!({"request_id": "early"})).send().await.unwrap();
+    let (status, report) = (r.status().as_u16(), r.json::<Value>().await.unwrap());
+    assert_eq!((status, report["how"].clone()), (200, json!("resend")), "{report}");
+    let (worker, moved) = client.await.unwrap();
+    assert_eq!(worker, report["to"].as_str().unwrap(), "the destination answered");
+    assert!(moved.done && moved.events.len() == 8, "{}", moved.raw);
+    bookings_are_zero(&c).await;
+}
+
+#[tokio::test]
+async fn a_stalled_worker_fails_over() {
+    // A worker that stops sending past timeouts.upstream_read_idle_ms: its stream continues on
+    // the other worker.
+    let extra = "timeouts:\n  upstream_read_idle_ms: 300\n".to_string();
+    let c = Cluster::sims(2, sim(1.0), GatewayOpts { extra, ..GatewayOpts::default() }).await;
+    let body = json!({"prompt": unique_text(20), "max_tokens": 60, "temperature": 0, "ignore_eos": true, "stream": true, "return_token_ids": true});
+    let (reference, _) = run(&c, "/v1/completions", &body, "ref", None).await;
+    let r = c.http.post(c.url("/v1/completions")).header("x-request-id", "stall").json(&body).send().await.unwrap();
+    let serving = r.headers().get("x-kvgate-worker").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
+    let stalled = c.sims.iter().position(|s| s.url().trim_end_matches('/') == serving.trim_end_matches('/')).expect("a known worker");
+    // Freeze the serving worker's engine: its stream stops mid-way, its connection stays open.
+    let mut s = r.bytes_stream();
+    let mut raw = Vec::from(s.next().await.unwrap().unwrap().as_ref());
+    c.sims[stalled].faults().set(vllm_sim::faults::FaultConfig { stall: true, ..Default::default() }).unwrap();
+    while let Some(chunk) = s.next().await {
+        raw.extend_from_slice(&chunk.expect("never cut"));
+    }
+    c.sims[stalled].faults().set(vllm_sim::faults::FaultConfig::default()).unwrap();
+    let raw = String::from_utf8(raw).unwrap();
+    assert_eq!(essence(&sse::parse(&raw)), essence(&reference));
+    let m = c.gateway_metrics().await;
+    assert!(m.sum("kvgate_migrations_total", &[("reason", "failover"), ("outcome", "ok")]) >= 1.0);
+}

@@ -142,7 +142,14 @@ async fn reschedule(a: RescheduleArgs) -> i32 {
     for (name, f) in [("without the rescheduler", &off), ("decode_load", &on)] {
         println!(
             "| {name} | {} | {:.0} ms | {:.0} ms | {:.1} ms | {:.1} ms | {} | {:.0} ms | {:.0} ms |",
-            f.ok, f.ttft_ms.0, f.ttft_ms.1, f.tpot_ms.0, f.tpot_ms.1, f.moves + 0.0, f.pause_ms.0, f.pause_ms.1
+            f.ok,
+            f.ttft_ms.0,
+            f.ttft_ms.1,
+            f.tpot_ms.0,
+            f.tpot_ms.1,
+            f.moves + 0.0,
+            f.pause_ms.0,
+            f.pause_ms.1
         );
     }
     let gain = if on.tpot_ms.1 > 0.0 { off.tpot_ms.1 / on.tpot_ms.1 } else { 0.0 };
