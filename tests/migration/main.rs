@@ -439,3 +439,29 @@ async fn a_stalled_worker_fails_over() {
     let m = c.gateway_metrics().await;
     assert!(m.sum("kvgate_migrations_total", &[("reason", "failover"), ("outcome", "ok")]) >= 1.0);
 }
+
+#[tokio::test]
+async fn a_stream_too_long_for_a_workers_context_stays_put_and_says_why() {
+    // One worker serves 4,096 tokens of context, the other 96: a 120-token stream cannot move.
+    let mut small = sim(1.0);
+    small.max_model_len = 96;
+    let (a, b) = (vllm_sim::SimServer::start(sim(1.0)).await.unwrap(), vllm_sim::SimServer::start(small).await.unwrap());
+    let extra = "load:\n  interval_ms: 50\n".to_string();
+    let mut c = Cluster::front(&[a.url(), b.url()], GatewayOpts { extra, ..GatewayOpts::default() }).await;
+    c.sims = vec![a, b];
+    wait_until(Duration::from_secs(3), || async { c.sim_metrics(1).await.has("vllm:num_requests_running") }).await;
+    tokio::time::sleep(Duration::from_millis(200)).await; // two polls: /v1/models was read
+    let body = json!({"prompt": (0..100).map(|i| 100 + i).collect::<Vec<u32>>(), "max_tokens": 60, "ignore_eos": true, "stream": true});
+    let r = c.http.post(c.url("/v1/completions")).header("x-request-id", "long").json(&body).send().await.unwrap();
+    let mut s = r.bytes_stream();
+    s.next().await.unwrap().unwrap();
+    let r = c.http.post(c.admin("/migrate")).json(&json!({"request_id": "long"})).send().await.unwrap();
+    let (status, v) = (r.status().as_u16(), r.json::<Value>().await.unwrap());
+    assert_eq!(status, 409, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("context_too_long"), "{v}");
+    let mut raw = Vec::new();
+    while let Some(chunk) = s.next().await {
+        raw.extend_from_slice(&chunk.expect("the stream goes on where it was"));
+    }
+    assert!(sse::parse(&String::from_utf8(raw).unwrap()).done);
+}

@@ -28,6 +28,8 @@ pub struct Worker {
     reported: RwLock<(Vec<ReportedLoad>, Option<Instant>)>,
     /// Inter-token latency the gateway measures on its streams, µs (EWMA; 0: none yet).
     itl_us: AtomicU64,
+    /// Its context length (`max_model_len` from `/v1/models`; 0: not known yet).
+    max_model_len: AtomicU32,
     /// Last resolved address; refreshed by the health task so DNS changes are followed without
     /// a lookup (a blocking-pool hop) on the request path.
     addr: RwLock<Option<SocketAddr>>,
@@ -47,6 +49,7 @@ impl Worker {
             consecutive_successes: AtomicU32::new(0),
             reported: RwLock::new((Vec::new(), None)),
             itl_us: AtomicU64::new(0),
+            max_model_len: AtomicU32::new(0),
             addr: RwLock::new(None),
         }
     }
@@ -103,6 +106,19 @@ impl Worker {
     /// The worker's reported load per DP rank (empty until polled).
     pub fn reported(&self) -> Vec<ReportedLoad> {
         self.reported.read().0.clone()
+    }
+
+    /// Its context length, once read from `/v1/models`.
+    pub fn max_model_len(&self) -> Option<u32> {
+        match self.max_model_len.load(Ordering::Relaxed) {
+            0 => None,
+            n => Some(n),
+        }
+    }
+
+    /// Records its context length.
+    pub fn set_max_model_len(&self, n: u32) {
+        self.max_model_len.store(n, Ordering::Relaxed);
     }
 
     /// How old its last report is (`None`: never polled).

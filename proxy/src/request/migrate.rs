@@ -91,7 +91,17 @@ pub fn may_move(req: &RequestState) -> Result<(), MoveRefused> {
     if req.entry().moves() >= u64::from(req.cfg.migration.limit) {
         return Err(MoveRefused::NotNow("migration.limit reached"));
     }
+    if too_long(req) {
+        return Err(MoveRefused::Pinned("context_too_long"));
+    }
     Ok(())
+}
+
+/// Whether the continuation (prompt + generated + one more token) would exceed the shortest
+/// context among the workers that reported theirs (`/v1/models`).
+fn too_long(req: &RequestState) -> bool {
+    let Some(limit) = req.model.workers.iter().filter_map(|w| w.max_model_len()).min() else { return false };
+    req.track.as_ref().is_some_and(|t| t.record.prompt_ids.len() + t.record.generated_ids.len() + 1 > limit as usize)
 }
 
 /// Continues `req`'s stream elsewhere; `source` is the worker it leaves, `to` a destination an
@@ -116,8 +126,10 @@ pub async fn continue_stream(
             count("finished");
             return Ok(Moved::Finished);
         }
-        Err(e) => {
-            count("failed");
+        Err(e @ ContinuationError::TooLong { .. }) => {
+            count("pinned");
+            req.entry().pin("context_too_long");
+            gw.metrics.migration_pinned.with_label_values(&[model.as_str(), "context_too_long"]).inc();
             return Err(Stop::Refused(MoveRefused::Failed(e.to_string())));
         }
     };
@@ -152,6 +164,8 @@ pub async fn continue_stream(
 /// The continuation's body, its prompt ids (prompt + generated), and how many were generated.
 fn continuation(req: &mut RequestState) -> Result<(Bytes, Vec<u32>, usize), ContinuationError> {
     let name = req.model_name().to_string();
+    // The shortest context among the workers that reported one: the continuation must fit.
+    let max_model_len = req.model.workers.iter().filter_map(|w| w.max_model_len()).min();
     let Some(track) = req.track.as_mut() else { return Err(ContinuationError::Finished) };
     if track.record.finished {
         return Err(ContinuationError::Finished);
@@ -162,13 +176,8 @@ fn continuation(req: &mut RequestState) -> Result<(Bytes, Vec<u32>, usize), Cont
     let original: Value = serde_json::from_slice(&req.body).unwrap_or(Value::Null);
     let model = original.get("model").and_then(Value::as_str).unwrap_or(&name).to_string();
     let r = &track.record;
-    let c = Continuation {
-        original: &original,
-        chat: track.shape == ClientShape::Chat,
-        prompt_ids: &r.prompt_ids,
-        generated_ids: &r.generated_ids,
-        max_model_len: None,
-    };
+    let c =
+        Continuation { original: &original, chat: track.shape == ClientShape::Chat, prompt_ids: &r.prompt_ids, generated_ids: &r.generated_ids, max_model_len };
     let body = c.request(&model)?;
     let ids: Vec<u32> = r.prompt_ids.iter().chain(&r.generated_ids).copied().collect();
     Ok((Bytes::from(body.to_string()), ids, r.generated_ids.len()))

@@ -2,7 +2,8 @@
 //! the request legs use, for the load the worker itself reports, per DP rank (`engine` label):
 //! `vllm:kv_cache_usage_perc`, `vllm:num_requests_waiting`, and the KV capacity from
 //! `vllm:cache_config_info`'s `num_gpu_blocks` label. Shedding and routing combine them with
-//! the gateway's own bookings.
+//! the gateway's own bookings. Once per worker, its `/v1/models` gives its context length
+//! (`max_model_len`), which bounds what a moving stream may send it.
 
 use crate::fleet::ReportedLoad;
 use crate::gateway::Gateway;
@@ -26,7 +27,15 @@ pub async fn run(gw: Arc<Gateway>) {
             let gw = gw.clone();
             polls.spawn(async move {
                 match upstream::get(&gw, &w, "/metrics", timeout, MAX_BODY, true).await {
-                    Ok((200, body)) => w.set_reported(parse(&String::from_utf8_lossy(&body))),
+                    Ok((200, body)) => {
+                        w.set_reported(parse(&String::from_utf8_lossy(&body)));
+                        if w.max_model_len().is_none()
+                            && let Ok((200, models)) = upstream::get(&gw, &w, "/v1/models", timeout, MAX_BODY, true).await
+                            && let Some(n) = max_model_len(&models)
+                        {
+                            w.set_max_model_len(n);
+                        }
+                    }
                     Ok((status, _)) => tracing::debug!(worker = %w.url, status, "worker /metrics answered non-200"),
                     Err(e) => tracing::debug!(worker = %w.url, error = %e, "worker /metrics poll failed"),
                 }
@@ -43,6 +52,12 @@ fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
     let start = labels.find(&pat)? + pat.len();
     let end = labels[start..].find('"')? + start;
     Some(&labels[start..end])
+}
+
+/// The largest `max_model_len` in a `/v1/models` answer (vLLM names it per served model).
+pub fn max_model_len(body: &[u8]) -> Option<u32> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    v.get("data")?.as_array()?.iter().filter_map(|m| m.get("max_model_len")?.as_u64()).max().and_then(|n| u32::try_from(n).ok())
 }
 
 /// Extracts per-rank load from a Prometheus text exposition.
@@ -92,5 +107,13 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 10.0
         assert_eq!(r[0], ReportedLoad { kv_usage: 0.25, waiting: 0, total_blocks: 0 });
         assert_eq!(r[1], ReportedLoad { kv_usage: 0.99, waiting: 3, total_blocks: 4096 });
         assert!(parse("garbage\n{{{ 1\n").is_empty());
+    }
+
+    #[test]
+    fn the_context_length_comes_from_v1_models() {
+        let body = br#"{"object":"list","data":[{"id":"a","max_model_len":2048},{"id":"b","max_model_len":4096}]}"#;
+        assert_eq!(max_model_len(body), Some(4096));
+        assert_eq!(max_model_len(br#"{"data":[{"id":"a"}]}"#), None);
+        assert_eq!(max_model_len(b"not json"), None);
     }
 }
