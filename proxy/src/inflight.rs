@@ -314,6 +314,7 @@ impl Registered {
 
 impl Drop for Registered {
     fn drop(&mut self) {
+        self.entry.mailbox.close();
         self.entry.finish(if self.status == 0 { 500 } else { self.status });
         self.registry.remove(self.key, &self.entry);
     }

@@ -76,40 +76,74 @@ impl MoveOrder {
     }
 }
 
-/// A request's pending order (at most one).
+/// A request's pending order (at most one), closed when the request ends.
 #[derive(Debug, Default)]
 pub struct Mailbox {
-    order: Mutex<Option<MoveOrder>>,
+    slot: Mutex<Slot>,
     posted: Notify,
 }
 
+#[derive(Debug, Default)]
+struct Slot {
+    order: Option<(u64, MoveOrder)>,
+    next_ticket: u64,
+    closed: bool,
+}
+
 impl Mailbox {
-    /// Posts an order; a second one while the first is pending is refused.
-    pub fn post(&self, order: MoveOrder) -> Result<(), MoveOrder> {
-        let mut slot = self.order.lock();
-        if slot.is_some() {
+    /// Posts an order and returns its ticket (for [`Mailbox::withdraw`]); refused while
+    /// another is pending or once the request ended.
+    pub fn post(&self, order: MoveOrder) -> Result<u64, MoveOrder> {
+        let mut slot = self.slot.lock();
+        if slot.order.is_some() || slot.closed {
             return Err(order);
         }
-        *slot = Some(order);
+        slot.next_ticket += 1;
+        let ticket = slot.next_ticket;
+        slot.order = Some((ticket, order));
         drop(slot);
         self.posted.notify_one();
-        Ok(())
+        Ok(ticket)
     }
 
     /// Waits for an order.
     pub async fn next(&self) -> MoveOrder {
         loop {
-            if let Some(o) = self.order.lock().take() {
+            if let Some((_, o)) = self.slot.lock().order.take() {
                 return o;
             }
             self.posted.notified().await;
         }
     }
 
-    /// Refuses a pending order (the request ended or cannot move any more).
+    /// Refuses the pending order, if any (the request cannot move any more).
     pub fn refuse_pending(&self, why: MoveRefused) {
-        if let Some(o) = self.order.lock().take() {
+        let taken = self.slot.lock().order.take();
+        if let Some((_, o)) = taken {
             o.answer(Err(why));
+        }
+    }
+
+    /// Takes back the order with `ticket` if the request has not read it yet (its caller gave
+    /// up); another caller's order is left alone.
+    pub fn withdraw(&self, ticket: u64, why: MoveRefused) {
+        let mut slot = self.slot.lock();
+        if slot.order.as_ref().is_some_and(|(t, _)| *t == ticket) {
+            let (_, o) = slot.order.take().expect("checked");
+            drop(slot);
+            o.answer(Err(why));
+        }
+    }
+
+    /// The request ended: a pending order is refused, and later ones are not accepted.
+    pub fn close(&self) {
+        let taken = {
+            let mut slot = self.slot.lock();
+            slot.closed = true;
+            slot.order.take()
+        };
+        if let Some((_, o)) = taken {
+            o.answer(Err(MoveRefused::NotNow("the request ended")));
         }
     }
 }
@@ -131,8 +165,15 @@ mod tests {
         o.answer(Err(MoveRefused::Pinned("unary")));
         assert_eq!(rx.await.unwrap(), Err(MoveRefused::Pinned("unary")));
         let (tx3, rx3) = oneshot::channel();
-        m.post(MoveOrder { to: None, reason: MoveReason::Admin, reply: tx3 }).unwrap();
-        m.refuse_pending(MoveRefused::NotNow("finished"));
-        assert!(matches!(rx3.await.unwrap(), Err(MoveRefused::NotNow(_))));
+        let ticket = m.post(MoveOrder { to: None, reason: MoveReason::Admin, reply: tx3 }).unwrap();
+        m.withdraw(ticket + 1, MoveRefused::NotNow("not mine"));
+        m.withdraw(ticket, MoveRefused::NotNow("timed out"));
+        assert_eq!(rx3.await.unwrap(), Err(MoveRefused::NotNow("timed out")), "only its own ticket withdraws an order");
+        let (tx4, rx4) = oneshot::channel();
+        m.post(MoveOrder { to: None, reason: MoveReason::Admin, reply: tx4 }).unwrap();
+        m.close();
+        assert_eq!(rx4.await.unwrap(), Err(MoveRefused::NotNow("the request ended")));
+        let (tx5, _rx5) = oneshot::channel();
+        assert!(m.post(MoveOrder { to: None, reason: MoveReason::Admin, reply: tx5 }).is_err(), "an ended request takes no order");
     }
 }

@@ -465,3 +465,18 @@ async fn a_stream_too_long_for_a_workers_context_stays_put_and_says_why() {
     }
     assert!(sse::parse(&String::from_utf8(raw).unwrap()).done);
 }
+
+#[tokio::test]
+async fn a_worker_error_answer_to_a_stream_passes_unchanged() {
+    // A streamed request the worker refuses (too long for its context) gets the worker's JSON
+    // error, not a cut connection or a failover.
+    let c = Cluster::sims(2, sim(4.0), GatewayOpts::default()).await;
+    let body = json!({"prompt": (0..10).map(|i| 100 + i).collect::<Vec<u32>>(), "max_tokens": 5000, "stream": true});
+    let r = c.http.post(c.url("/v1/completions")).json(&body).send().await.unwrap();
+    let status = r.status().as_u16();
+    let v: Value = r.json().await.expect("a JSON error body");
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("max_model_len")), "{v}");
+    let m = c.gateway_metrics().await;
+    assert_eq!(m.sum("kvgate_migrations_total", &[]), 0.0, "no move was tried");
+}

@@ -71,7 +71,16 @@ impl Continuation<'_> {
     pub fn max_tokens(&self) -> Option<u64> {
         let o = self.original;
         let chat_limit = || o.get("max_completion_tokens").and_then(Value::as_u64).or_else(|| o.get("max_tokens").and_then(Value::as_u64));
-        if self.chat { chat_limit() } else { Some(o.get("max_tokens").and_then(Value::as_u64).unwrap_or(COMPLETIONS_DEFAULT_MAX_TOKENS)) }
+        if self.chat {
+            chat_limit()
+        } else {
+            match o.get("max_tokens") {
+                // An explicit null asks the server to fill the context.
+                Some(Value::Null) => None,
+                Some(v) => v.as_u64(),
+                None => Some(COMPLETIONS_DEFAULT_MAX_TOKENS),
+            }
+        }
     }
 
     /// The `/v1/completions` body for the destination, for `model`.
@@ -92,9 +101,15 @@ impl Continuation<'_> {
         body.insert("model".into(), json!(model));
         let prompt: Vec<u32> = self.prompt_ids.iter().chain(self.generated_ids).copied().collect();
         body.insert("prompt".into(), json!(prompt));
-        if let Some(r) = remaining {
-            body.insert("max_tokens".into(), json!(r));
-        }
+        // A `/v1/completions` request without `max_tokens` gets 16: an open-ended stream asks
+        // for what fills the context (explicit null when the context length is not known, which
+        // vLLM reads as the same).
+        let max_tokens = match (remaining, self.max_model_len) {
+            (Some(r), _) => json!(r),
+            (None, Some(limit)) => json!(u64::from(limit).saturating_sub(context)),
+            (None, None) => Value::Null,
+        };
+        body.insert("max_tokens".into(), max_tokens);
         for &k in CARRIED {
             if let Some(v) = self.original.get(k).filter(|v| !v.is_null()) {
                 body.insert(k.into(), v.clone());
@@ -140,7 +155,12 @@ mod tests {
         assert_eq!(c.request("m").unwrap()["max_tokens"], 3, "max_completion_tokens wins");
         let open = json!({"messages": []});
         let c = Continuation { original: &open, chat: true, prompt_ids: &[1], generated_ids: &[2], max_model_len: None };
-        assert!(c.request("m").unwrap().get("max_tokens").is_none(), "no limit: the server fills the context");
+        assert_eq!(c.request("m").unwrap()["max_tokens"], Value::Null, "no limit: the server fills the context");
+        let c = Continuation { original: &open, chat: true, prompt_ids: &[1; 10], generated_ids: &[2; 5], max_model_len: Some(100) };
+        assert_eq!(c.request("m").unwrap()["max_tokens"], 85, "no limit: what fills the context, explicitly");
+        let null = json!({"prompt": "x", "max_tokens": null});
+        let c = Continuation { original: &null, chat: false, prompt_ids: &[1], generated_ids: &[2], max_model_len: Some(50) };
+        assert_eq!(c.request("m").unwrap()["max_tokens"], 48, "an explicit null is no limit too");
         let completion = json!({"prompt": "x"});
         let c = Continuation { original: &completion, chat: false, prompt_ids: &[1], generated_ids: &[2; 6], max_model_len: None };
         assert_eq!(c.request("m").unwrap()["max_tokens"], 10, "completions default to 16");

@@ -44,6 +44,8 @@ pub struct StreamRecord {
     pub finished: bool,
     /// Whether the first event was seen.
     pub started: bool,
+    /// Whether a usage event went to the client.
+    pub usage_seen: bool,
     /// Rolled-back ids the client already received (with `return_token_ids`): the
     /// continuation's copies of them are not sent again.
     pub resent: usize,
@@ -121,6 +123,7 @@ impl StreamRecord {
         if let Some(e) = &chunk.error {
             return Ok(Observed { error: Some(error_text(e)), ..Observed::default() });
         }
+        self.usage_seen |= set(&chunk.usage);
         let first = !self.started;
         if first {
             self.started = true;
@@ -210,6 +213,7 @@ impl StreamRecord {
         };
         out.insert("choices".into(), choices);
         if set(&chunk.usage) {
+            self.usage_seen = true;
             let (prompt, completion) = (self.prompt_ids.len() as u64, self.generated_ids.len() as u64);
             out.insert("usage".into(), json!({"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}));
         }

@@ -51,12 +51,12 @@ pub struct Pair {
     pub take: Take,
 }
 
-/// Keeps pairs in order, dropping any whose reverse (B→A for A→B) or self-move is already in
-/// (or is) the list, so one cycle never moves work back and forth.
+/// Keeps pairs in order, dropping self-moves, repeats of a kept (source, destination) and
+/// reverses of one (B→A for A→B), so one cycle never moves work back and forth.
 pub fn validate(pairs: Vec<Pair>) -> Vec<Pair> {
     let mut kept: Vec<Pair> = Vec::with_capacity(pairs.len());
     for p in pairs {
-        if p.src != p.dst && !kept.iter().any(|k| k.src == p.dst && k.dst == p.src) {
+        if p.src != p.dst && !kept.iter().any(|k| (k.src == p.dst && k.dst == p.src) || (k.src == p.src && k.dst == p.dst)) {
             kept.push(p);
         }
     }
@@ -72,8 +72,8 @@ mod tests {
     }
 
     #[test]
-    fn reverse_pairs_and_self_moves_are_dropped() {
-        let kept = validate(vec![pair(0, 1), pair(1, 0), pair(2, 2), pair(0, 2), pair(2, 3)]);
+    fn reverse_and_repeated_pairs_and_self_moves_are_dropped() {
+        let kept = validate(vec![pair(0, 1), pair(1, 0), pair(2, 2), pair(0, 2), pair(2, 3), pair(0, 1)]);
         assert_eq!(kept.iter().map(|p| (p.src, p.dst)).collect::<Vec<_>>(), vec![(0, 1), (0, 2), (2, 3)]);
     }
 }

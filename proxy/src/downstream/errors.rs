@@ -56,6 +56,11 @@ impl ClientError {
         Self::new(502, "migration_error", message, None)
     }
 
+    /// 504: a move did not finish in time.
+    pub fn move_timeout(secs: u64) -> Self {
+        Self::new(504, "migration_error", format!("the move did not finish within {secs} s"), None)
+    }
+
     /// 405.
     pub fn method_not_allowed(method: &str, path: &str) -> Self {
         Self::new(405, "invalid_request_error", format!("Method {method} is not allowed on {path}"), None)

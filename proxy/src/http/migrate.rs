@@ -1,9 +1,10 @@
 //! `POST /migrate` on the admin listener: move a request in flight to another worker
 //! (docs/migration.md). Body `{"request_id": "…", "to": "<worker url>"?}`; without `to` the
 //! model's routing mode picks the destination. The answer waits for the move: 200 with
-//! `{request_id, from, to, how, generated}`; 404 for an unknown request or worker; 409 when the
-//! request cannot move (pinned, with the reason; queued or finished; limit reached; already
-//! there; another move pending); 502 when the move failed; 504 when it took too long.
+//! `{request_id, from, to, how, generated}`; 404 for an unknown request, 400 for an unknown
+//! worker or a bad body; 409 when the request cannot move (pinned, with the reason; queued or
+//! finished; limit reached; already there; another move pending); 502 when the move failed;
+//! 504 when it took too long.
 
 use crate::downstream::errors::ClientError;
 use crate::downstream::io::{read_body, respond_error, respond_json};
@@ -46,7 +47,7 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut Session) {
                 .await;
         }
     };
-    let (entry, order_rx) = match order(gw, &req) {
+    let (entry, ticket, order_rx) = match order(gw, &req) {
         Ok(x) => x,
         Err(ce) => return respond_error(session, &ce, &[]).await,
     };
@@ -57,8 +58,8 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut Session) {
         // The request ended before it read the order.
         Ok(Err(_)) => respond_error(session, &ClientError::conflict("the request ended before it could move"), &[]).await,
         Err(_) => {
-            entry.mailbox.refuse_pending(MoveRefused::NotNow("timed out"));
-            respond_error(session, &ClientError::internal(format!("the move did not finish within {} s", MOVE_DEADLINE.as_secs())), &[]).await
+            entry.mailbox.withdraw(ticket, MoveRefused::NotNow("timed out"));
+            respond_error(session, &ClientError::move_timeout(MOVE_DEADLINE.as_secs()), &[]).await
         }
     }
 }
@@ -66,7 +67,7 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut Session) {
 type Reply = tokio::sync::oneshot::Receiver<Result<crate::move_order::MoveReport, MoveRefused>>;
 
 /// Checks what can be checked here and posts the order.
-fn order(gw: &Gateway, req: &MoveBody) -> Result<(Arc<RequestEntry>, Reply), ClientError> {
+fn order(gw: &Gateway, req: &MoveBody) -> Result<(Arc<RequestEntry>, u64, Reply), ClientError> {
     let entry = gw.requests.find(&req.request_id).ok_or_else(|| ClientError::unknown_request(&req.request_id))?;
     if let Some(reason) = entry.pinned() {
         return Err(ClientError::conflict(MoveRefused::Pinned(reason).to_string()));
@@ -100,9 +101,9 @@ fn order(gw: &Gateway, req: &MoveBody) -> Result<(Arc<RequestEntry>, Reply), Cli
         }
     };
     let (tx, rx) = tokio::sync::oneshot::channel();
-    entry
+    let ticket = entry
         .mailbox
         .post(MoveOrder { to, reason: crate::move_order::MoveReason::Admin, reply: tx })
-        .map_err(|_| ClientError::conflict("another move of this request is pending"))?;
-    Ok((entry, rx))
+        .map_err(|_| ClientError::conflict("another move of this request is pending, or it ended"))?;
+    Ok((entry, ticket, rx))
 }

@@ -85,7 +85,9 @@ pub fn warm_up<'a>(gw: &'a Gateway, req: &RequestState, session: &Session, to: &
 /// leg it would leave.
 pub fn may_move(req: &RequestState) -> Result<(), MoveRefused> {
     match &req.track {
-        Some(t) if t.movable() => {}
+        Some(t) if t.done() || t.record.finished => return Err(MoveRefused::NotNow("finished")),
+        Some(t) if t.movable() && !t.record.prompt_ids.is_empty() => {}
+        Some(t) if t.movable() => return Err(MoveRefused::NotNow("no event from its worker yet")),
         _ => return Err(MoveRefused::Pinned(req.entry().pinned().unwrap_or("not_movable"))),
     }
     if req.entry().moves() >= u64::from(req.cfg.migration.limit) {
@@ -116,6 +118,11 @@ pub async fn continue_stream(
 ) -> Result<Moved, Stop> {
     let model = req.model_name().to_string();
     let count = |outcome: &str| gw.metrics.migrations.with_label_values(&[model.as_str(), reason.label(), outcome]).inc();
+    // Every token was generated (and maybe `[DONE]` sent): only the end is missing.
+    if req.track.as_ref().is_some_and(|t| t.done() || t.record.finished) {
+        count("finished");
+        return Ok(Moved::Finished);
+    }
     if let Err(why) = may_move(req) {
         count(if matches!(why, MoveRefused::Pinned(_)) { "pinned" } else { "limit" });
         return Err(Stop::Refused(why));
@@ -207,6 +214,10 @@ async fn destination(
             Err(e) => return Err(Stop::Refused(MoveRefused::Failed(e.to_string()))),
         };
         let Some(idx) = req.tried.last().copied() else { return Err(Stop::Refused(MoveRefused::Failed("no placement".into()))) };
+        // The registry counts the client's prompt, not the continuation's (which holds the
+        // generated tokens it counts already).
+        let prompt_len = req.track.as_ref().map_or(0, |t| t.record.prompt_ids.len() as u64);
+        req.entry().placed(&worker, prompt_len);
         count_recomputed(gw, req, idx, prompt);
         match leg::run(gw, session, req, &worker, out, true).await {
             LegEnd::Answered(leg) if leg.ex.header.status.as_u16() == 200 => {

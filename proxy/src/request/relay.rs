@@ -19,6 +19,7 @@ use crate::upstream::{self, Exchange};
 use bytes::{Bytes, BytesMut};
 use pingora::proxy::Session;
 use prometheus::Histogram;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Relays an answered leg to the client; a stream whose worker fails (or that an operator
@@ -38,6 +39,10 @@ pub async fn relay(gw: &Gateway, session: &mut Session, req: &mut RequestState, 
     if session.write_response_header(Box::new(header), false).await.is_err() {
         return record::cancelled(gw, req);
     }
+    // Only a stream that started is followed: an error answer passes as the worker sent it.
+    if status != 200 {
+        req.track = None;
+    }
     let mut progress = Progress::new(gw, req, status);
     let mut warming: Option<Warming<'_>> = None;
     loop {
@@ -53,36 +58,56 @@ pub async fn relay(gw: &Gateway, session: &mut Session, req: &mut RequestState, 
         };
         let to = order.as_ref().and_then(|o| o.to.clone());
         let moved = migrate::continue_stream(gw, session, req, reason, source, to).await;
-        let answer = |r: Result<MoveReport, MoveRefused>| {
-            if let Some(o) = order {
-                o.answer(r);
-            }
-        };
-        match moved {
-            Ok(Moved::Leg(next, report)) => {
-                answer(Ok(report));
+        match settle(gw, session, req, moved, order, status).await {
+            Ok(next) => {
                 progress.new_leg();
                 leg = next;
             }
-            Ok(Moved::Finished) => {
-                answer(Err(MoveRefused::NotNow("finished")));
-                let usage = req.track.as_ref().is_some_and(|_| req.view.include_usage());
-                let end = req.track.as_ref().map(|t| t.synthetic_end(usage)).unwrap_or_default();
-                if session.write_response_body(Some(end), true).await.is_err() {
-                    return record::cancelled(gw, req);
-                }
-                return Outcome::Served(status);
-            }
-            Err(Stop::ClientGone) => {
-                answer(Err(MoveRefused::NotNow("the client left")));
-                return record::cancelled(gw, req);
-            }
-            Err(Stop::Refused(why)) => {
-                answer(Err(why));
-                return Outcome::Truncated(status);
-            }
+            Err(outcome) => return outcome,
         }
     }
+}
+
+/// What a move gave: the next leg, or how the request ends. The order (if one asked for the
+/// move) gets its answer.
+async fn settle(
+    gw: &Gateway,
+    session: &mut Session,
+    req: &mut RequestState,
+    moved: Result<Moved, Stop>,
+    order: Option<MoveOrder>,
+    status: u16,
+) -> Result<Box<Leg>, Outcome> {
+    let answer = |r: Result<MoveReport, MoveRefused>| {
+        if let Some(o) = order {
+            o.answer(r);
+        }
+    };
+    let end = match moved {
+        Ok(Moved::Leg(next, report)) => {
+            answer(Ok(report));
+            return Ok(next);
+        }
+        Ok(Moved::Finished) => {
+            answer(Err(MoveRefused::NotNow("finished")));
+            let usage = req.view.include_usage();
+            req.track.as_ref().map(|t| t.synthetic_end(usage)).unwrap_or_default()
+        }
+        Err(Stop::ClientGone) => {
+            answer(Err(MoveRefused::NotNow("the client left")));
+            return Err(record::cancelled(gw, req));
+        }
+        Err(Stop::Refused(why)) => {
+            answer(Err(why));
+            // The worker's own error event, when it sent one, ends the stream as it would have.
+            let Some(ev) = req.track.as_mut().and_then(Tracker::take_withheld) else { return Err(Outcome::Truncated(status)) };
+            Bytes::from([&ev[..], b"data: [DONE]\n\n"].concat())
+        }
+    };
+    if session.write_response_body(Some(end), true).await.is_err() {
+        return Err(record::cancelled(gw, req));
+    }
+    Err(Outcome::Served(status))
 }
 
 /// How relaying one leg's body ended.
@@ -115,10 +140,19 @@ async fn body<'g>(
             None => match next_chunk(session, &mut ex, req, &worker.url, idle, warming).await {
                 Next::Chunk(c) => c,
                 Next::ClientGone => return BodyEnd::Done(record::cancelled(gw, req)),
-                Next::Warmed => match warming.take() {
-                    Some(w) => return BodyEnd::Ordered(w.order),
+                // The stream may have changed while the destination warmed up: check again.
+                Next::Warmed => match warming.take().map(|w| (migrate::may_move(req), w.order)) {
+                    Some((Ok(()), order)) => return BodyEnd::Ordered(order),
+                    Some((Err(why), order)) => {
+                        order.answer(Err(why));
+                        continue;
+                    }
                     None => continue,
                 },
+                Next::Order(o) if o.to.as_ref().is_some_and(|t| Arc::ptr_eq(t, &worker)) => {
+                    o.answer(Err(MoveRefused::NotNow("the request is on that worker already")));
+                    continue;
+                }
                 Next::Order(o) => match migrate::may_move(req) {
                     // Aimed at a worker: warm it up first while the stream goes on here.
                     Ok(()) => match o.to.clone() {
@@ -191,6 +225,7 @@ fn follow(gw: &Gateway, req: &mut RequestState, bytes: &Bytes, end: bool) -> (By
     }
     if let Some(reason) = fed.pinned {
         req.entry().pin(reason.label());
+        req.entry().mailbox.refuse_pending(MoveRefused::Pinned(reason.label()));
         gw.metrics.migration_pinned.with_label_values(&[req.model_name(), reason.label()]).inc();
     }
     (fed.out, fed.failure)
@@ -311,7 +346,11 @@ impl Progress {
 
     fn chunk(&mut self, gw: &Gateway, req: &mut RequestState, bytes: &[u8]) {
         let now = Instant::now();
-        if std::mem::take(&mut self.fresh_leg) {
+        let fresh = std::mem::take(&mut self.fresh_leg);
+        // The gap before a moved stream's first event is the move's pause, not the new
+        // worker's inter-token latency.
+        let moved_in = fresh && self.last.is_some();
+        if fresh {
             // The first token ends the request's prefill on the worker.
             if let Some(b) = req.booking.as_mut() {
                 b.prefill_done();
@@ -331,7 +370,7 @@ impl Progress {
         }
         match (self.last, &self.ttft, &self.itl) {
             (None, Some(ttft), _) => ttft.observe(now.duration_since(self.start).as_secs_f64()),
-            (Some(prev), _, Some(itl)) => {
+            (Some(prev), _, Some(itl)) if !moved_in => {
                 itl.observe(now.duration_since(prev).as_secs_f64());
                 // The rescheduler's TPOT predictor reads it per worker.
                 if let Some(w) = req.tried.last().and_then(|&i| req.model.workers.get(i)) {

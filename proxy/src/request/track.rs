@@ -66,12 +66,14 @@ pub struct Tracker {
     splitter: EventSplitter,
     mode: Mode,
     done: bool,
+    /// The error event a failing worker sent, held back while the stream may still move.
+    withheld: Option<Bytes>,
 }
 
 impl Tracker {
     /// A tracker for a stream the client asked in `shape`.
     pub fn new(shape: ClientShape, keep_ids: bool) -> Self {
-        Self { record: StreamRecord::default(), shape, keep_ids, splitter: EventSplitter::default(), mode: Mode::Source, done: false }
+        Self { record: StreamRecord::default(), shape, keep_ids, splitter: EventSplitter::default(), mode: Mode::Source, done: false, withheld: None }
     }
 
     /// Whether the stream's `[DONE]` went out.
@@ -105,8 +107,14 @@ impl Tracker {
         while let Some(ev) = self.splitter.next_event() {
             if let Err(failure) = self.event(&ev, &mut out, &mut fed) {
                 fed.failure = Some(failure);
+                self.withheld = Some(ev);
                 break;
             }
+        }
+        // Pinned without stripping, later chunks pass as they come: what is left of an
+        // unfinished event goes first, so nothing is lost or reordered.
+        if self.mode == (Mode::Pinned { strip: false }) {
+            out.extend_from_slice(&self.splitter.take_rest());
         }
         fed.out = out.freeze();
         fed
@@ -172,11 +180,20 @@ impl Tracker {
         }
     }
 
+    /// The error event the failing worker sent, for the client when the stream cannot move.
+    pub fn take_withheld(&mut self) -> Option<Bytes> {
+        self.withheld.take()
+    }
+
     /// The end of a stream whose tokens were all generated when its worker failed: the usage
-    /// event (if the client asked for it) and `[DONE]`.
+    /// event (if the client asked for it and it was not sent yet) and `[DONE]` (nothing once
+    /// `[DONE]` went out).
     pub fn synthetic_end(&self, include_usage: bool) -> Bytes {
+        if self.done {
+            return Bytes::new();
+        }
         let mut out = String::new();
-        if include_usage {
+        if include_usage && !self.record.usage_seen {
             let (p, c) = (self.record.prompt_ids.len(), self.record.generated_ids.len());
             let object = match self.shape {
                 ClientShape::Chat => "chat.completion.chunk",
@@ -239,11 +256,21 @@ mod tests {
         assert_eq!((fed.pinned, &fed.out[..]), (Some(PinReason::NoTokenIds), &ev[..]));
         assert!(!t.movable());
         assert_eq!(&t.feed(b"data: {\"x\":1}").out[..], b"data: {\"x\":1}", "pinned without ids: bytes pass as they come");
+        // An event split across chunks when the pin happens is not lost nor reordered.
+        let mut t = Tracker::new(ClientShape::Completion, false);
+        let fed = t.feed(b"data: {\"id\":\"x\",\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"id\":\"x\",\"cho");
+        assert_eq!(fed.pinned, Some(PinReason::NoTokenIds));
+        let rest = t.feed(b"ices\":[]}\n\n");
+        assert_eq!(
+            [&fed.out[..], &rest.out[..]].concat(),
+            b"data: {\"id\":\"x\",\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"id\":\"x\",\"choices\":[]}\n\n".to_vec()
+        );
         let mut t = Tracker::new(ClientShape::Chat, false);
         t.feed(b"data: {\"id\":\"x\",\"prompt_token_ids\":[1],\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n");
         let fed = t.feed(b"data: {\"error\":{\"message\":\"boom\"}}\n\ndata: [DONE]\n\n");
         assert_eq!(fed.failure.as_deref(), Some("boom"));
         assert!(fed.out.is_empty());
+        assert_eq!(&t.take_withheld().unwrap()[..], b"data: {\"error\":{\"message\":\"boom\"}}\n\n", "kept for the client if the stream cannot move");
     }
 
     #[test]
@@ -254,5 +281,10 @@ mod tests {
         let s = std::str::from_utf8(&end).unwrap();
         assert!(s.contains("\"usage\":{\"prompt_tokens\":2,\"total_tokens\":3,\"completion_tokens\":1}") && s.ends_with("data: [DONE]\n\n"), "{s}");
         assert_eq!(&t.synthetic_end(false)[..], b"data: [DONE]\n\n");
+        // Once usage went out it is not sent again; once [DONE] went out nothing is.
+        t.feed(b"data: {\"id\":\"x\",\"choices\":[],\"usage\":{\"prompt_tokens\":2}}\n\n");
+        assert_eq!(&t.synthetic_end(true)[..], b"data: [DONE]\n\n");
+        t.feed(b"data: [DONE]\n\n");
+        assert!(t.done() && t.synthetic_end(true).is_empty());
     }
 }

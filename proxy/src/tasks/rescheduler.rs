@@ -104,10 +104,12 @@ async fn cycle(gw: &Gateway, model: &Model, r: &Rescheduling, wasm: Option<Arc<R
     // and no move's pause includes another's prefill. One deadline covers the cycle.
     let until = tokio::time::Instant::now() + Duration::from_secs(r.llumlet_grpc_timeout_seconds);
     let mut runs = tokio::task::JoinSet::new();
+    // A request moves at most once per cycle, whichever pairs would take it.
+    let mut taken = std::collections::HashSet::new();
     for p in &pairs {
         let policy = policies.iter().find(|c| c.name == p.policy).map_or("plugin", |c| c.name);
-        let entries: Vec<Arc<RequestEntry>> =
-            chosen(model, &live, p, gw.config().migration.limit).iter().filter_map(|id| live.iter().find(|e| &e.id == id).cloned()).collect();
+        let ids: Vec<String> = chosen(model, &live, p, gw.config().migration.limit).into_iter().filter(|id| taken.insert(id.clone())).collect();
+        let entries: Vec<Arc<RequestEntry>> = ids.iter().filter_map(|id| live.iter().find(|e| &e.id == id).cloned()).collect();
         let (src, dst, to) = (p.src, p.dst, model.workers[p.dst as usize].clone());
         runs.spawn(async move {
             let mut out = Vec::with_capacity(entries.len());
@@ -137,15 +139,16 @@ async fn cycle(gw: &Gateway, model: &Model, r: &Rescheduling, wasm: Option<Arc<R
 async fn move_one(entry: &RequestEntry, to: &Arc<crate::fleet::Worker>, policy: &'static str, until: tokio::time::Instant) -> String {
     let (tx, rx) = tokio::sync::oneshot::channel();
     let order = MoveOrder { to: Some(to.clone()), reason: MoveReason::Rescheduler(policy), reply: tx };
-    if entry.mailbox.post(order).is_err() {
-        return "another move is pending".into();
+    if tokio::time::Instant::now() >= until {
+        return "the cycle's deadline passed".into();
     }
+    let Ok(ticket) = entry.mailbox.post(order) else { return "another move is pending, or the request ended".into() };
     match tokio::time::timeout_at(until, rx).await {
         Ok(Ok(Ok(_))) => "ok".into(),
         Ok(Ok(Err(e))) => e.to_string(),
         Ok(Err(_)) => "the request ended".into(),
         Err(_) => {
-            entry.mailbox.refuse_pending(crate::move_order::MoveRefused::NotNow("timed out"));
+            entry.mailbox.withdraw(ticket, crate::move_order::MoveRefused::NotNow("timed out"));
             "timed out".into()
         }
     }
