@@ -48,8 +48,10 @@ echo "starting a second real vLLM on :$port2 (events :$zport2), log $log2"
 pid2=$(start_server "$port2" "$zport2" "$log2")
 cleanup() {
   for p in "$pid" "$pid2"; do kill "$p" 2>/dev/null || true; pkill -P "$p" 2>/dev/null || true; done
-  # The engine processes of a server killed with -9 outlive it; they hold the model's memory.
+  # The engine processes (renamed "VLLM::EngineCore", "VLLM::Worker") outlive a server killed
+  # with -9, and are not children of the shell; they hold the model's memory and CPU.
   pkill -f "tiny-llama" 2>/dev/null || true
+  pkill -f "VLLM::" 2>/dev/null || true
   wait 2>/dev/null || true
 }
 trap cleanup EXIT
