@@ -11,6 +11,7 @@ use super::track::Tracker;
 use super::{Outcome, RequestState, record};
 use crate::downstream::closed::client_closed;
 use crate::error::{GatewayError, LegError, LegErrorKind};
+use crate::fleet::Worker;
 use crate::gateway::Gateway;
 use crate::inflight::Phase;
 use crate::move_order::{MoveOrder, MoveReason, MoveRefused, MoveReport};
@@ -140,35 +141,17 @@ async fn body<'g>(
             None => match next_chunk(session, &mut ex, req, &worker.url, idle, warming).await {
                 Next::Chunk(c) => c,
                 Next::ClientGone => return BodyEnd::Done(record::cancelled(gw, req)),
-                // The stream may have changed while the destination warmed up: check again.
-                Next::Warmed => match warming.take().map(|w| (migrate::may_move(req), w.order)) {
-                    Some((Ok(()), order)) => return BodyEnd::Ordered(order),
-                    Some((Err(why), order)) => {
-                        order.answer(Err(why));
-                        continue;
-                    }
+                Next::Warmed => match warming.take().and_then(|w| ready_to_move(req, w.order)) {
+                    Some(order) => return BodyEnd::Ordered(order),
                     None => continue,
                 },
-                Next::Order(o) if o.to.as_ref().is_some_and(|t| Arc::ptr_eq(t, &worker)) => {
-                    o.answer(Err(MoveRefused::NotNow("the request is on that worker already")));
-                    continue;
-                }
-                Next::Order(o) => match migrate::may_move(req) {
-                    // Aimed at a worker: warm it up first while the stream goes on here.
-                    Ok(()) => match o.to.clone() {
-                        Some(to) => match migrate::warm_up(gw, req, session, &to, o) {
-                            Ok(w) => {
-                                *warming = Some(w);
-                                continue;
-                            }
-                            Err(o) => return BodyEnd::Ordered(o),
-                        },
-                        None => return BodyEnd::Ordered(o),
-                    },
-                    Err(why) => {
-                        o.answer(Err(why));
+                Next::Order(o) => match accept(gw, session, req, &worker, o) {
+                    Accepted::Move(order) => return BodyEnd::Ordered(order),
+                    Accepted::Warming(w) => {
+                        *warming = Some(w);
                         continue;
                     }
+                    Accepted::Refused => continue,
                 },
             },
         };
@@ -204,6 +187,48 @@ async fn body<'g>(
         };
         record::leg_failed(gw, req, &worker, &e);
         return BodyEnd::Failed;
+    }
+}
+
+/// What became of a move order read mid-stream.
+enum Accepted<'g> {
+    /// Move now.
+    Move(MoveOrder),
+    /// Warm the destination first; the stream goes on meanwhile.
+    Warming(Warming<'g>),
+    /// Answered with a refusal; the stream goes on.
+    Refused,
+}
+
+/// Takes a move order read mid-stream: refused if the stream may not move or is on that worker
+/// already; aimed at a worker, that worker is warmed first.
+fn accept<'g>(gw: &'g Gateway, session: &Session, req: &RequestState, worker: &Arc<Worker>, o: MoveOrder) -> Accepted<'g> {
+    if o.to.as_ref().is_some_and(|t| Arc::ptr_eq(t, worker)) {
+        o.answer(Err(MoveRefused::NotNow("the request is on that worker already")));
+        return Accepted::Refused;
+    }
+    if let Err(why) = migrate::may_move(req) {
+        o.answer(Err(why));
+        return Accepted::Refused;
+    }
+    match o.to.clone() {
+        Some(to) => match migrate::warm_up(gw, req, session, &to, o) {
+            Ok(w) => Accepted::Warming(w),
+            Err(o) => Accepted::Move(o),
+        },
+        None => Accepted::Move(o),
+    }
+}
+
+/// The warmed move's order if the stream may still move (it may have finished or been pinned
+/// while the destination warmed up); otherwise the order is answered and `None`.
+fn ready_to_move(req: &RequestState, order: MoveOrder) -> Option<MoveOrder> {
+    match migrate::may_move(req) {
+        Ok(()) => Some(order),
+        Err(why) => {
+            order.answer(Err(why));
+            None
+        }
     }
 }
 
