@@ -7,6 +7,7 @@
 //!   so every worker's blocks are prefix-closed;
 //! - `find_matches(chain)` gives, per worker, how many leading blocks of the chain it holds.
 
+mod blocks;
 mod flat;
 mod reference;
 mod table;

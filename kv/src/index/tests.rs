@@ -182,3 +182,152 @@ fn readers_and_writers_concurrently_stay_consistent() {
         assert_eq!(flat.block_count(w), reference.block_count(w));
     }
 }
+
+#[test]
+fn growth_across_rebuilds_keeps_answers_and_parents() {
+    // Starts at the smallest table and grows through many sizes (not powers of two). Parents
+    // are kept as table slots, so cascades after rebuilds check that they were rewritten.
+    let workers = 8;
+    let flat = FlatIndex::new(workers, 1);
+    let reference = ReferenceTree::new();
+    let h = Hasher::new(4, DEFAULT_SEED);
+    let mut caps = vec![flat.table_capacity()];
+    let mut chains: Vec<(WorkerId, Vec<BlockHash>)> = Vec::new();
+    for c in 0..600u32 {
+        let w = (c as usize % workers) as WorkerId;
+        // The first 8 blocks are shared by a group of chains of the same worker.
+        let tokens: Vec<u32> = (0..256).map(|t| if t < 32 { c / 64 * 64 + w as u32 } else { c * 1000 + t }).collect();
+        let chain = h.chain(None, &tokens);
+        for idx in [&flat as &dyn KvIndex, &reference] {
+            idx.insert(w, None, &chain[..8]).unwrap();
+            idx.insert(w, Some(chain[7]), &chain[8..]).unwrap();
+        }
+        if caps.last() != Some(&flat.table_capacity()) {
+            caps.push(flat.table_capacity());
+            // Just rebuilt: cut an older chain in the middle (a cascade over its tail).
+            if let Some((ow, old)) = chains.get(chains.len() / 2) {
+                assert_eq!(flat.remove(*ow, &old[30..31]), reference.remove(*ow, &old[30..31]));
+            }
+        }
+        // Drop the chain's leaf: its parent's child count is settled later, possibly after a
+        // rebuild has moved the parent to another slot.
+        assert_eq!(flat.remove(w, &chain[63..]), reference.remove(w, &chain[63..]));
+        chains.push((w, chain));
+    }
+    assert!(caps.len() >= 6, "rebuilt several times: {caps:?}");
+    assert!(caps.iter().any(|c| !c.is_power_of_two()), "{caps:?}");
+    let load = flat.live_blocks() as f64 / flat.table_capacity() as f64;
+    assert!((0.5..=0.8).contains(&load), "load {load}");
+    for (_, c) in &chains {
+        assert_eq!(flat.find_matches(c), reference.find_matches(c));
+    }
+    // Cascades from the shared prefixes' last blocks, then from the roots: every descendant
+    // must be found through its (rewritten) parent slot.
+    for (w, c) in chains.iter().step_by(3) {
+        assert_eq!(flat.remove(*w, &c[40..41]), reference.remove(*w, &c[40..41]));
+        assert_eq!(flat.block_count(*w), reference.block_count(*w));
+    }
+    for (w, c) in &chains {
+        assert_eq!(flat.remove(*w, &c[8..9]), reference.remove(*w, &c[8..9]));
+        assert_eq!(flat.block_count(*w), reference.block_count(*w));
+    }
+    for (w, c) in &chains {
+        assert_eq!(flat.find_matches(c), reference.find_matches(c));
+        remove_all_refs(&flat, &reference, *w, c[0]);
+    }
+    assert_eq!(flat.live_blocks(), 0);
+}
+
+/// Removes every reference to `b` from both indexes.
+fn remove_all_refs(flat: &FlatIndex, reference: &ReferenceTree, w: WorkerId, b: BlockHash) {
+    while reference.block_count(w) > 0 && reference.remove(w, &[b]).is_ok() {
+        flat.remove(w, &[b]).unwrap();
+        assert_eq!(flat.block_count(w), reference.block_count(w));
+    }
+    assert_eq!(flat.block_count(w), reference.block_count(w));
+}
+
+#[test]
+fn memory_stays_under_64_bytes_per_block_worker_while_growing() {
+    let workers = 8;
+    let flat = FlatIndex::new(workers, 1);
+    let mut pairs = 0;
+    for c in 0..6000u64 {
+        let chain: Vec<BlockHash> = (0..32).map(|i| crate::hash::mix((c << 8) | i).max(1)).collect();
+        flat.insert((c % workers as u64) as WorkerId, None, &chain).unwrap();
+        pairs += chain.len();
+        if pairs >= 16_000 {
+            let per_pair = flat.memory_bytes() as f64 / pairs as f64;
+            assert!(per_pair <= 64.0, "{pairs} pairs: {per_pair:.1} bytes each");
+        }
+    }
+}
+
+#[test]
+fn reference_counts_past_u16_stay_exact() {
+    let (a, b) = (10, 11);
+    let n = u16::MAX as usize + 4465;
+    for idx in [&ReferenceTree::new() as &dyn KvIndex, &FlatIndex::new(2, 16)] {
+        idx.insert(1, None, &[a]).unwrap();
+        for _ in 0..n {
+            idx.insert(1, Some(a), &[b]).unwrap();
+        }
+        for _ in 1..n {
+            idx.remove(1, &[b]).unwrap();
+        }
+        assert_eq!(idx.find_matches(&[a, b]).get(1), 2, "one reference left");
+        idx.remove(1, &[b]).unwrap();
+        assert_eq!(idx.find_matches(&[a, b]).get(1), 1);
+        idx.remove(1, &[a]).unwrap();
+        // References past the limit are forgotten with the block (clear, cascade): counting up
+        // to the limit again and back down drops it.
+        let forgets: [fn(&dyn KvIndex); 2] = [|i| i.clear(1), |i| i.remove(1, &[10]).unwrap()];
+        for forget in forgets {
+            idx.insert(1, None, &[a]).unwrap();
+            idx.insert(1, Some(a), &vec![b; n]).unwrap();
+            forget(idx);
+            assert_eq!(idx.block_count(1), 0);
+            idx.insert(1, None, &[a]).unwrap();
+            idx.insert(1, Some(a), &vec![b; u16::MAX as usize]).unwrap();
+            for _ in 0..u16::MAX {
+                idx.remove(1, &[b]).unwrap();
+            }
+            assert_eq!(idx.find_matches(&[a, b]).get(1), 1);
+            idx.remove(1, &[a]).unwrap();
+            assert_eq!(idx.block_count(1), 0);
+        }
+    }
+}
+
+#[test]
+fn held_children_counts_past_u16_still_cascade() {
+    let flat = FlatIndex::new(2, 16);
+    let p = 1;
+    let kids: Vec<BlockHash> = (0..70_000).map(|i| 1_000_000 + i).collect();
+    flat.insert(0, None, &[p]).unwrap();
+    for &k in &kids {
+        flat.insert(0, Some(p), &[k]).unwrap();
+    }
+    flat.insert(0, Some(kids[5]), &[7]).unwrap();
+    // The count stuck at its limit: removing all but one child (one with a grandchild) leaves
+    // `p` looking for children when it goes.
+    for &k in &kids[..kids.len() - 1] {
+        flat.remove(0, &[k]).unwrap();
+    }
+    assert_eq!(flat.block_count(0), 2);
+    assert_eq!(flat.find_matches(&[p, kids[69_999]]).get(0), 2);
+    flat.remove(0, &[p]).unwrap();
+    assert_eq!((flat.block_count(0), flat.live_blocks()), (0, 0));
+    assert_eq!(flat.find_matches(&[p, kids[69_999]]), Matches::default());
+    // Same with the last child still holding a grandchild.
+    flat.insert(0, None, &[p]).unwrap();
+    for &k in &kids {
+        flat.insert(0, Some(p), &[k]).unwrap();
+    }
+    flat.insert(0, Some(kids[69_999]), &[7]).unwrap();
+    for &k in &kids[..kids.len() - 1] {
+        flat.remove(0, &[k]).unwrap();
+    }
+    flat.remove(0, &[p]).unwrap();
+    assert_eq!((flat.block_count(0), flat.live_blocks()), (0, 0));
+}
