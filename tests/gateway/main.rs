@@ -401,8 +401,13 @@ async fn x_request_id_is_honoured_and_propagated() {
     let rid = r.headers().get("x-request-id").unwrap().to_str().unwrap().to_string();
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["id"], format!("cmpl-{rid}"));
+    // A request is recorded just after its last byte went out.
+    let counted = wait_until(Duration::from_secs(2), || async {
+        c.gateway_metrics().await.sum("kvgate_requests_total", &[("model", "sim-model"), ("endpoint", "completions"), ("status", "200")]) == 2.0
+    })
+    .await;
+    assert!(counted.is_some(), "both requests counted");
     let m = c.gateway_metrics().await;
-    assert_eq!(m.sum("kvgate_requests_total", &[("model", "sim-model"), ("endpoint", "completions"), ("status", "200")]), 2.0);
     assert!(m.has("kvgate_request_duration_seconds_bucket"));
     assert!(m.has("kvgate_requests_in_flight"));
 }
@@ -461,7 +466,10 @@ async fn the_admin_listener_shows_requests_in_flight_and_why_they_went_where_the
     assert_eq!(running["model"], "sim-model");
     assert!(running["tokens"].as_u64().unwrap() >= 1);
     while body.next().await.is_some() {}
-    let v: Value = c.http.get(c.admin("/requests/receipt-1")).send().await.unwrap().json().await.unwrap();
+    // The registry records the end just after the last byte went out.
+    let finished = || async { c.http.get(c.admin("/requests/receipt-1")).send().await.unwrap().json::<Value>().await.unwrap() };
+    wait_until(Duration::from_secs(2), || async { finished().await["status"] == 200 }).await;
+    let v = finished().await;
     assert_eq!(v["status"], 200, "{v}");
     assert_eq!(v["phase"], "finished");
     let receipt = &v["route_receipt"][0];
