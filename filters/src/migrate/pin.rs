@@ -3,8 +3,8 @@
 //! is pinned to its worker: the server's parsers (tools, structured output), several choices,
 //! log-probabilities, echo, beam search, penalties that count only output tokens (after a
 //! move the output so far is part of the prompt, so they would count differently), and stop
-//! strings (the server holds back text that may begin one). Two more reasons are found only
-//! once the stream runs (`NoTokenIds`, `ServerParsed`; see `stream`).
+//! strings (the server holds back text that may begin one). Three more reasons are found only
+//! once the stream runs (`NoTokenIds`, `ServerParsed`, see `stream`; `ContextTooLong`).
 
 use serde_json::Value;
 
@@ -36,6 +36,8 @@ pub enum PinReason {
     NoTokenIds,
     /// The server parsed the output (reasoning or tool calls) with state a move cannot carry.
     ServerParsed,
+    /// Prompt + generated + one more token would not fit a worker's context.
+    ContextTooLong,
 }
 
 impl PinReason {
@@ -54,6 +56,7 @@ impl PinReason {
             Self::StopStrings => "stop_strings",
             Self::NoTokenIds => "no_token_ids",
             Self::ServerParsed => "server_parsed",
+            Self::ContextTooLong => "context_too_long",
         }
     }
 }

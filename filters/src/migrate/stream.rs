@@ -23,6 +23,16 @@ pub enum ClientShape {
     Completion,
 }
 
+impl ClientShape {
+    /// The `object` of its stream chunks.
+    pub fn object(self) -> &'static str {
+        match self {
+            Self::Chat => "chat.completion.chunk",
+            Self::Completion => "text_completion",
+        }
+    }
+}
+
 /// A stream as seen so far.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StreamRecord {
@@ -190,13 +200,7 @@ impl StreamRecord {
         }
         let mut out = Map::new();
         out.insert("id".into(), json!(self.id));
-        out.insert(
-            "object".into(),
-            json!(match shape {
-                ClientShape::Chat => "chat.completion.chunk",
-                ClientShape::Completion => "text_completion",
-            }),
-        );
+        out.insert("object".into(), json!(shape.object()));
         out.insert("created".into(), json!(self.created));
         out.insert("model".into(), json!(self.model));
         let mut observed = Observed::default();
@@ -214,10 +218,25 @@ impl StreamRecord {
         out.insert("choices".into(), choices);
         if set(&chunk.usage) {
             self.usage_seen = true;
-            let (prompt, completion) = (self.prompt_ids.len() as u64, self.generated_ids.len() as u64);
-            out.insert("usage".into(), json!({"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}));
+            out.insert("usage".into(), self.usage());
         }
         Ok((observed, Value::Object(out)))
+    }
+
+    /// Usage as the client counts it: its own prompt and every token generated for it.
+    pub fn usage(&self) -> Value {
+        let (prompt, completion) = (self.prompt_ids.len() as u64, self.generated_ids.len() as u64);
+        json!({"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion})
+    }
+
+    /// A usage-only event in the client's shape, for a stream the gateway ends itself.
+    pub fn usage_event(&self, shape: ClientShape) -> Value {
+        json!({"id": self.id, "object": shape.object(), "created": self.created, "model": self.model, "choices": [], "usage": self.usage()})
+    }
+
+    /// The prompt ids followed by the generated ids: the context a continuation sends.
+    pub fn context_ids(&self) -> Vec<u32> {
+        self.prompt_ids.iter().chain(&self.generated_ids).copied().collect()
     }
 
     fn choice(&self, c: &ChoiceView<'_>, text: &str, shape: ClientShape, ids: Option<&[u32]>) -> Value {

@@ -64,6 +64,12 @@ impl Model {
         }
     }
 
+    /// The shortest context length (`max_model_len`) among the workers that reported theirs:
+    /// what a continuation sent to any of them must fit.
+    pub fn shortest_context(&self) -> Option<u32> {
+        self.workers.iter().filter_map(|w| w.max_model_len()).min()
+    }
+
     /// Healthy workers not past the queue threshold.
     pub fn queue_free_workers(&self) -> usize {
         (0..self.workers.len()).filter(|&i| self.workers[i].is_healthy() && !self.queue_busy(i)).count()

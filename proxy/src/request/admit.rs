@@ -4,7 +4,7 @@
 
 use super::endpoint::Endpoint;
 use super::track;
-use super::{Outcome, RequestState};
+use super::{Outcome, RequestState, record};
 use crate::downstream::io::{BodyError, read_body};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
@@ -116,8 +116,7 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut Session, endpoint: Endpoint,
         RequestEntry::new(ctx.id().to_string(), model.cfg.name.clone(), endpoint.label(), stream, view.priority_jump(), ctx.clone(), model.workers.clone());
     let registered = gw.requests.register(entry);
     if let Some(reason) = pinned {
-        registered.entry().pin(reason.label());
-        gw.metrics.migration_pinned.with_label_values(&[model.cfg.name.as_str(), reason.label()]).inc();
+        record::pinned(gw, registered.entry(), &model.cfg.name, reason);
     }
     // Taken once and kept for the whole request (retries included).
     let plugin = model.plugin.as_ref().map(|slot| slot.current());

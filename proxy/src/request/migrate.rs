@@ -19,7 +19,7 @@ use crate::gateway::Gateway;
 use crate::move_order::{MoveOrder, MoveReason, MoveRefused, MoveReport};
 use crate::upstream::{self, Pool};
 use bytes::Bytes;
-use kvgate_filters::migrate::{ClientShape, Continuation, ContinuationError};
+use kvgate_filters::migrate::{ClientShape, Continuation, ContinuationError, PinReason};
 use pingora::proxy::Session;
 use serde_json::Value;
 use std::future::Future;
@@ -58,10 +58,10 @@ const WARM_UP_LIMIT: Duration = Duration::from_secs(30);
 /// `max_tokens: 1`) while the stream goes on on its worker, so the move that follows finds the
 /// context in the destination's prefix cache and recomputes only the tokens generated since:
 /// the client's pause shrinks from a whole prefill to about one step (docs/migration.md).
-/// `None` when there is nothing to warm (no ids yet).
+/// The order comes back (`Err`) when there is nothing to warm (no ids yet).
 pub fn warm_up<'a>(gw: &'a Gateway, req: &RequestState, session: &Session, to: &Arc<Worker>, order: MoveOrder) -> Result<Warming<'a>, MoveOrder> {
     let Some(r) = req.track.as_ref().map(|t| &t.record).filter(|r| !r.prompt_ids.is_empty()) else { return Err(order) };
-    let ids: Vec<u32> = r.prompt_ids.iter().chain(&r.generated_ids).copied().collect();
+    let ids = r.context_ids();
     let model = req.view.model.clone().unwrap_or_else(|| req.model_name().to_string());
     let body = Bytes::from(serde_json::json!({"model": model, "prompt": ids, "max_tokens": 1, "add_special_tokens": false}).to_string());
     let Ok(header) = upstream::request_header(session.req_header(), to, "/v1/completions", body.len(), &format!("{}-warm", req.id())) else {
@@ -94,7 +94,7 @@ pub fn may_move(req: &RequestState) -> Result<(), MoveRefused> {
         return Err(MoveRefused::NotNow("migration.limit reached"));
     }
     if too_long(req) {
-        return Err(MoveRefused::Pinned("context_too_long"));
+        return Err(MoveRefused::Pinned(PinReason::ContextTooLong.label()));
     }
     Ok(())
 }
@@ -102,7 +102,7 @@ pub fn may_move(req: &RequestState) -> Result<(), MoveRefused> {
 /// Whether the continuation (prompt + generated + one more token) would exceed the shortest
 /// context among the workers that reported theirs (`/v1/models`).
 fn too_long(req: &RequestState) -> bool {
-    let Some(limit) = req.model.workers.iter().filter_map(|w| w.max_model_len()).min() else { return false };
+    let Some(limit) = req.model.shortest_context() else { return false };
     req.track.as_ref().is_some_and(|t| t.record.prompt_ids.len() + t.record.generated_ids.len() + 1 > limit as usize)
 }
 
@@ -124,6 +124,9 @@ pub async fn continue_stream(
         return Ok(Moved::Finished);
     }
     if let Err(why) = may_move(req) {
+        if why == MoveRefused::Pinned(PinReason::ContextTooLong.label()) {
+            record::pinned(gw, req.entry(), &model, PinReason::ContextTooLong);
+        }
         count(if matches!(why, MoveRefused::Pinned(_)) { "pinned" } else { "limit" });
         return Err(Stop::Refused(why));
     }
@@ -133,10 +136,9 @@ pub async fn continue_stream(
             count("finished");
             return Ok(Moved::Finished);
         }
+        // `may_move` refused a context that does not fit, and the rollback only shortens it.
         Err(e @ ContinuationError::TooLong { .. }) => {
-            count("pinned");
-            req.entry().pin("context_too_long");
-            gw.metrics.migration_pinned.with_label_values(&[model.as_str(), "context_too_long"]).inc();
+            count("failed");
             return Err(Stop::Refused(MoveRefused::Failed(e.to_string())));
         }
     };
@@ -171,12 +173,8 @@ pub async fn continue_stream(
 /// The continuation's body, its prompt ids (prompt + generated), and how many were generated.
 fn continuation(req: &mut RequestState) -> Result<(Bytes, Vec<u32>, usize), ContinuationError> {
     let name = req.model_name().to_string();
-    // The shortest context among the workers that reported one: the continuation must fit.
-    let max_model_len = req.model.workers.iter().filter_map(|w| w.max_model_len()).min();
+    let max_model_len = req.model.shortest_context();
     let Some(track) = req.track.as_mut() else { return Err(ContinuationError::Finished) };
-    if track.record.finished {
-        return Err(ContinuationError::Finished);
-    }
     // Tokens whose text the client has not seen are generated again by the destination.
     track.record.roll_back_unseen();
     // Parsed at admission already, so it parses again.
@@ -186,7 +184,7 @@ fn continuation(req: &mut RequestState) -> Result<(Bytes, Vec<u32>, usize), Cont
     let c =
         Continuation { original: &original, chat: track.shape == ClientShape::Chat, prompt_ids: &r.prompt_ids, generated_ids: &r.generated_ids, max_model_len };
     let body = c.request(&model)?;
-    let ids: Vec<u32> = r.prompt_ids.iter().chain(&r.generated_ids).copied().collect();
+    let ids = r.context_ids();
     Ok((Bytes::from(body.to_string()), ids, r.generated_ids.len()))
 }
 

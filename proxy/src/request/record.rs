@@ -6,6 +6,9 @@ use super::{Outcome, RequestState};
 use crate::error::{GatewayError, LegError};
 use crate::fleet::Worker;
 use crate::gateway::Gateway;
+use crate::inflight::RequestEntry;
+use crate::move_order::MoveRefused;
+use kvgate_filters::migrate::PinReason;
 
 /// A request refused before it was admitted (no model known yet): a body that is not JSON or
 /// names no served model is counted under `model=""`; draining, size and time limits are not.
@@ -51,4 +54,12 @@ pub fn cancelled(gw: &Gateway, req: &RequestState) -> Outcome {
 pub fn leg_failed(gw: &Gateway, req: &RequestState, worker: &Worker, e: &LegError) {
     gw.metrics.upstream_errors.with_label_values(&[req.model_name(), worker.label.as_str(), e.kind.label()]).inc();
     tracing::warn!(request_id = req.id(), worker = %worker.url, kind = e.kind.label(), retryable = e.retryable, detail = e.detail.as_str(), "upstream leg failed");
+}
+
+/// The request cannot move to another worker, for `reason`: shown in the registry, a pending
+/// move order refused, and counted (`kvgate_migration_pinned_total`).
+pub fn pinned(gw: &Gateway, entry: &RequestEntry, model: &str, reason: PinReason) {
+    entry.pin(reason.label());
+    entry.mailbox.refuse_pending(MoveRefused::Pinned(reason.label()));
+    gw.metrics.migration_pinned.with_label_values(&[model, reason.label()]).inc();
 }

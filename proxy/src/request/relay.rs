@@ -207,10 +207,7 @@ fn accept<'g>(gw: &'g Gateway, session: &Session, req: &RequestState, worker: &A
         o.answer(Err(MoveRefused::NotNow("the request is on that worker already")));
         return Accepted::Refused;
     }
-    if let Err(why) = migrate::may_move(req) {
-        o.answer(Err(why));
-        return Accepted::Refused;
-    }
+    let Some(o) = ready_to_move(req, o) else { return Accepted::Refused };
     match o.to.clone() {
         Some(to) => match migrate::warm_up(gw, req, session, &to, o) {
             Ok(w) => Accepted::Warming(w),
@@ -220,8 +217,9 @@ fn accept<'g>(gw: &'g Gateway, session: &Session, req: &RequestState, worker: &A
     }
 }
 
-/// The warmed move's order if the stream may still move (it may have finished or been pinned
-/// while the destination warmed up); otherwise the order is answered and `None`.
+/// The order if the stream may move now (checked when it arrives, and again after a warm-up:
+/// the stream may have finished or been pinned meanwhile); otherwise the order is answered and
+/// `None`.
 fn ready_to_move(req: &RequestState, order: MoveOrder) -> Option<MoveOrder> {
     match migrate::may_move(req) {
         Ok(()) => Some(order),
@@ -249,9 +247,7 @@ fn follow(gw: &Gateway, req: &mut RequestState, bytes: &Bytes, end: bool) -> (By
         }
     }
     if let Some(reason) = fed.pinned {
-        req.entry().pin(reason.label());
-        req.entry().mailbox.refuse_pending(MoveRefused::Pinned(reason.label()));
-        gw.metrics.migration_pinned.with_label_values(&[req.model_name(), reason.label()]).inc();
+        record::pinned(gw, req.entry(), req.model_name(), reason);
     }
     (fed.out, fed.failure)
 }

@@ -194,14 +194,7 @@ impl Tracker {
         }
         let mut out = String::new();
         if include_usage && !self.record.usage_seen {
-            let (p, c) = (self.record.prompt_ids.len(), self.record.generated_ids.len());
-            let object = match self.shape {
-                ClientShape::Chat => "chat.completion.chunk",
-                ClientShape::Completion => "text_completion",
-            };
-            let v = serde_json::json!({"id": self.record.id, "object": object, "created": self.record.created, "model": self.record.model,
-                                       "choices": [], "usage": {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}});
-            out.push_str(&format!("data: {v}\n\n"));
+            out.push_str(&format!("data: {}\n\n", self.record.usage_event(self.shape)));
         }
         out.push_str("data: [DONE]\n\n");
         Bytes::from(out)

@@ -162,27 +162,23 @@ fn view(model: &Model, r: &Rescheduling, metric: LoadMetric) -> Vec<Instance> {
         .iter()
         .enumerate()
         .map(|(i, w)| {
-            let reported = w.reported();
-            let usage = reported.iter().map(|x| x.kv_usage).fold(0.0, f64::max);
-            let total_blocks: u64 = reported.iter().map(|x| x.total_blocks).sum();
-            let id = i as u16;
+            // What routing sees of it: reported usage (fullest rank), capacity, bookings.
+            let c = model.candidate(i, false);
             // Prefill the gateway booked and the worker has not cached yet.
-            let pending = match (metric, total_blocks) {
-                (LoadMetric::KvCacheUsageRatioProjected, t) if t > 0 => {
-                    model.ledger.prefill_tokens(id) as f64 / (t as f64 * f64::from(model.cfg.block_size.max(1)))
-                }
+            let pending = match (metric, c.total_blocks) {
+                (LoadMetric::KvCacheUsageRatioProjected, t) if t > 0 => c.active_prefill_tokens as f64 / (t as f64 * f64::from(model.cfg.block_size.max(1))),
                 _ => 0.0,
             };
             let wc = model.cfg.workers.get(i);
             Instance {
                 id: i as u32,
-                load: usage + pending,
-                healthy: w.is_healthy(),
+                load: c.kv_usage + pending,
+                healthy: c.healthy,
                 stale: w.report_age().is_some_and(|a| a > stale_after),
                 node: wc.and_then(|c| c.node.clone()),
                 unit: wc.and_then(|c| c.unit.clone()),
-                tpot_ms: (model.ledger.requests(id) > 0).then(|| w.itl_ms()).flatten(),
-                decode_batch: f64::from(model.ledger.requests(id)),
+                tpot_ms: (c.in_flight > 0).then(|| w.itl_ms()).flatten(),
+                decode_batch: f64::from(c.in_flight),
             }
         })
         .collect()
@@ -198,7 +194,7 @@ fn chosen(model: &Model, live: &[Arc<RequestEntry>], p: &Pair, limit: u32) -> Ve
         .filter(|(_, e)| matches!(e.phase(), Phase::Running | Phase::Waiting) && e.worker().is_some_and(|w| Arc::ptr_eq(&w, src)))
         .map(|(i, e)| Candidate { id: e.id.clone(), tokens: e.tokens(), arrival: i as u64, waiting: e.phase() == Phase::Waiting })
         .collect();
-    let kv_tokens: u64 = src.reported().iter().map(|x| x.total_blocks).sum::<u64>() * u64::from(model.cfg.block_size);
+    let kv_tokens = model.candidate(p.src as usize, false).total_blocks * u64::from(model.cfg.block_size);
     select(&candidates, p.take, kv_tokens)
 }
 
@@ -210,7 +206,7 @@ async fn plugin_pairs(gw: &Gateway, model: &Model, r: &Rescheduling, live: &[Arc
         .iter()
         .map(|i| {
             let w = &model.workers[i.id as usize];
-            let reported = w.reported();
+            let c = model.candidate(i.id as usize, false);
             let running = live
                 .iter()
                 .filter(|e| e.worker().is_some_and(|cur| Arc::ptr_eq(&cur, w)))
@@ -225,10 +221,10 @@ async fn plugin_pairs(gw: &Gateway, model: &Model, r: &Rescheduling, live: &[Arc
             kvgate_plugins::WorkerLoad {
                 id: i.id,
                 load: i.load,
-                kv_usage: reported.iter().map(|x| x.kv_usage).fold(0.0, f64::max),
-                total_blocks: reported.iter().map(|x| x.total_blocks).sum(),
-                active_blocks: model.ledger.active_blocks(i.id as u16),
-                waiting: reported.iter().map(|x| x.waiting).sum::<u64>().min(u64::from(u32::MAX)) as u32,
+                kv_usage: c.kv_usage,
+                total_blocks: c.total_blocks,
+                active_blocks: c.active_blocks,
+                waiting: c.waiting,
                 healthy: i.healthy && !i.stale,
                 running,
             }
