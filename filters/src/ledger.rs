@@ -2,7 +2,9 @@
 //! booked it. One ledger per model serves every routing mode, shedding and the router queue.
 //!
 //! Per worker it counts requests in flight, prefill tokens (released when the request's first
-//! token arrives) and active KV blocks. Prompt blocks are kept as a prefix index of the booked
+//! token arrives), the predicted moment the worker will have computed the prefill booked on it
+//! (so booked prefill decays with predicted progress instead of staying whole until a first
+//! token; see [`Ledger::prefill_backlog`]) and active KV blocks. Prompt blocks are kept as a prefix index of the booked
 //! chains with reference counts, so a prefix shared by several requests counts once
 //! (`assume_kv_reuse`) and "how much of this request is already active here" is one
 //! `find_matches`. Modes that do not tokenize book an estimate instead (`private_blocks`,
@@ -66,6 +68,15 @@ pub struct WorkerCounters {
     /// Weighted output blocks, in thousandths of a block. Signed: a release may subtract a
     /// contribution before a concurrent update has added it.
     output_milli: AtomicI64,
+    /// When the prefill booked on it is predicted done, µs on [`clock_us`]'s clock.
+    prefill_done_at: AtomicU64,
+}
+
+/// Microseconds since the first call in this process: the ledger's clock for predicted
+/// progress (monotonic, and fits an atomic).
+pub fn clock_us() -> u64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_micros() as u64
 }
 
 /// Per-worker load booked by the gateway for one model.
@@ -88,6 +99,8 @@ struct Release {
     expected_output: Option<u64>,
     output: Mutex<Output>,
     prefill_released: AtomicBool,
+    /// When its prefill was predicted done ([`clock_us`]), and the predicted time it takes, µs.
+    prefill_due: (u64, u64),
     released: AtomicBool,
     /// The request count is released by the guard only (never by expiry).
     counted: AtomicBool,
@@ -115,6 +128,9 @@ pub struct Footprint {
     pub prompt_tokens: u64,
     /// Expected output tokens (`nvext.agent_hints.osl`), if the client said.
     pub expected_output: Option<u64>,
+    /// Predicted time the worker takes to compute this prefill once it starts (0: not
+    /// predicted; the routing mode's cost says, see `route::time`).
+    pub prefill_time: Duration,
 }
 
 impl Ledger {
@@ -169,19 +185,32 @@ impl Ledger {
         }
     }
 
-    fn release_prefill(&self, r: &Release) {
-        if !r.prefill_released.swap(true, Ordering::AcqRel)
-            && let Some(l) = self.worker(r.worker)
-        {
-            l.prefill.fetch_sub(r.prefill, Ordering::Relaxed);
+    /// Releases `r`'s prefill tokens, once. `computed`: its first token arrived, so the worker
+    /// is exactly as far as that token says and the prediction for whatever was booked after
+    /// it moves by the same error; otherwise (cancelled, failed) its predicted time is taken
+    /// out of what is left.
+    fn release_prefill(&self, r: &Release, computed: bool) {
+        if r.prefill_released.swap(true, Ordering::AcqRel) {
+            return;
         }
+        let Some(l) = self.worker(r.worker) else { return };
+        l.prefill.fetch_sub(r.prefill, Ordering::Relaxed);
+        let (due, time) = r.prefill_due;
+        if time == 0 {
+            return;
+        }
+        let now = clock_us();
+        let _ = l.prefill_done_at.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |at| {
+            let at = if computed { (at + now).saturating_sub(due) } else { at.saturating_sub(time.min(due.saturating_sub(now))) };
+            Some(at.max(now))
+        });
     }
 
     fn release(&self, r: &Release) {
         if r.released.swap(true, Ordering::AcqRel) {
             return;
         }
-        self.release_prefill(r);
+        self.release_prefill(r, false);
         {
             let mut o = r.output.lock();
             o.closed = true;
@@ -236,6 +265,17 @@ impl Ledger {
         self.worker(w).map_or(0, |l| l.prefill.load(Ordering::Relaxed))
     }
 
+    /// Predicted time until `w` has computed the prefill booked on it: each booking adds its
+    /// predicted prefill time after whatever was predicted ahead of it, and the clock runs it
+    /// down; zero once no booked prefill is left (every booking saw its first token).
+    pub fn prefill_backlog(&self, w: WorkerId) -> Duration {
+        let Some(l) = self.worker(w) else { return Duration::ZERO };
+        if l.prefill.load(Ordering::Relaxed) == 0 {
+            return Duration::ZERO;
+        }
+        Duration::from_micros(l.prefill_done_at.load(Ordering::Relaxed).saturating_sub(clock_us()))
+    }
+
     /// Blocks booked on `w`: distinct prompt blocks (or all of them when shared prefixes are
     /// not assumed to be reused), estimated blocks of untokenized requests, and weighted output
     /// blocks, rounded.
@@ -261,9 +301,16 @@ impl Ledger {
 
     /// Adds `load` to `w`'s counters and returns what releasing it takes.
     fn reserve(&self, w: WorkerId, load: Footprint) -> Arc<Release> {
-        let Footprint { prefill_tokens, chain, private_blocks, prompt_tokens, expected_output } = load;
+        let Footprint { prefill_tokens, chain, private_blocks, prompt_tokens, expected_output, prefill_time } = load;
         let chain = if self.tracking.active_blocks { chain } else { Vec::new() };
+        let time = if prefill_tokens > 0 { prefill_time.as_micros() as u64 } else { 0 };
+        let mut due = 0;
         if let Some(l) = self.worker(w) {
+            if time > 0 {
+                let now = clock_us();
+                let before = l.prefill_done_at.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |at| Some(at.max(now) + time));
+                due = before.unwrap_or(now).max(now) + time;
+            }
             l.requests.fetch_add(1, Ordering::Relaxed);
             l.prefill.fetch_add(prefill_tokens, Ordering::Relaxed);
             l.raw_blocks.fetch_add(chain.len() as u64, Ordering::Relaxed);
@@ -286,6 +333,7 @@ impl Ledger {
             expected_output,
             output: Mutex::new(Output::default()),
             prefill_released: AtomicBool::new(false),
+            prefill_due: (due, time),
             released: AtomicBool::new(false),
             counted: AtomicBool::new(true),
         })
@@ -302,7 +350,7 @@ pub struct Booking {
 impl Booking {
     /// The request produced its first token: its prefill load is gone.
     pub fn prefill_done(&mut self) {
-        self.ledger.release_prefill(&self.release);
+        self.ledger.release_prefill(&self.release, true);
     }
 
     /// Whether [`Booking::generated`] does anything (output blocks are tracked).
@@ -587,5 +635,38 @@ mod tests {
         assert_eq!((s.requests(0), s.requests(1), s.prefill_tokens(1)), (0, 1, 20));
         drop(b);
         assert_eq!((s.requests(1), s.prefill_tokens(1), s.active_blocks(1)), (0, 0, 0));
+    }
+
+    #[test]
+    fn booked_prefill_backlog_follows_predicted_progress_and_first_tokens() {
+        let s = Ledger::new(1, Tracking::default());
+        let second = Duration::from_secs(1);
+        let fp = |t| Footprint { prefill_tokens: 1000, prefill_time: t, ..Footprint::default() };
+        let mut a = s.book(0, fp(second));
+        let b = s.book(0, fp(second));
+        let backlog = s.prefill_backlog(0);
+        assert!(backlog > Duration::from_millis(1900) && backlog <= 2 * second, "{backlog:?}");
+        // `a` was due in 1 s and produced its first token now: `b` moves up by as much.
+        a.prefill_done();
+        let backlog = s.prefill_backlog(0);
+        assert!(backlog > Duration::from_millis(900) && backlog <= second, "{backlog:?}");
+        // Cancelled before its first token: nothing is left.
+        drop(b);
+        assert_eq!(s.prefill_backlog(0), Duration::ZERO);
+        // Time runs a backlog down.
+        let _c = s.book(0, fp(Duration::from_millis(40)));
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(s.prefill_backlog(0) <= Duration::from_millis(21), "{:?}", s.prefill_backlog(0));
+    }
+
+    #[test]
+    fn a_cancelled_booking_takes_only_its_own_time_out_of_the_backlog() {
+        let s = Ledger::new(1, Tracking::default());
+        let fp = |ms| Footprint { prefill_tokens: 10, prefill_time: Duration::from_millis(ms), ..Footprint::default() };
+        let _a = s.book(0, fp(500));
+        let b = s.book(0, fp(300));
+        drop(b);
+        let left = s.prefill_backlog(0);
+        assert!(left > Duration::from_millis(450) && left <= Duration::from_millis(500), "{left:?}");
     }
 }

@@ -25,8 +25,10 @@ pub struct Gateway {
     pub metrics: Metrics,
     /// KV ingestion metrics (same registry).
     pub kv_metrics: kvgate_kv::metrics::KvMetrics,
-    /// Upstream HTTP/1.1 connector with keep-alive pools.
+    /// Upstream HTTP/1.1 connector with keep-alive pools (the probes').
     pub connector: Connector,
+    /// Opens the request legs' connections (their keep-alive pool is each worker's own).
+    pub transport: pingora::connectors::TransportConnector,
     /// Loaded WebAssembly plugins.
     pub plugins: crate::plugins::PluginRegistry,
     /// Every inference request past admission, and the recently finished ones.
@@ -64,6 +66,7 @@ impl Gateway {
             metrics,
             kv_metrics,
             connector: Connector::new(None),
+            transport: pingora::connectors::TransportConnector::new(None),
             plugins,
             requests: Arc::new(crate::inflight::RequestRegistry::default()),
             migrations: tokio::sync::Semaphore::new(max_moves),

@@ -6,6 +6,7 @@
 //! (`tasks::kv_subscribers`), keyed by this state, so a reload replaces them.
 
 use crate::config::{ModelConfig, UpstreamUrl};
+use kvgate_filters::route::time::TimePriors;
 use kvgate_filters::route::{Candidate, KvParams, KvPolicy};
 use kvgate_kv::approx::{ApproxConfig, ApproxIndex};
 use kvgate_kv::hash::{BlockHash, DEFAULT_SEED, Hasher};
@@ -69,9 +70,9 @@ impl KvRouting {
             let mut ranks = Vec::new();
             for rank in 0..w.dp_size {
                 ranks.push(next);
-                // Weight 0 never consults the cache: no subscribers either.
+                // A cost that never consults the cache needs no subscribers either.
                 if r.kv_events
-                    && r.overlap_score_weight > 0.0
+                    && r.uses_cache()
                     && let Some(ep) = &w.kv_events
                 {
                     sources.push(Source {
@@ -103,6 +104,12 @@ impl KvRouting {
             rank_ids,
             sources,
             policy: KvPolicy::new(KvParams {
+                cost: r.cost,
+                priors: TimePriors {
+                    chunk_tokens: m.shedding.max_num_batched_tokens.map_or(TimePriors::default().chunk_tokens, |n| n as f64),
+                    ..TimePriors::default()
+                },
+                credit_in_flight_prefix: r.credit_in_flight_prefix,
                 overlap_score_weight: r.overlap_score_weight,
                 temperature: r.temperature,
                 block_size: m.block_size,

@@ -5,7 +5,7 @@
 //! go there?" while it runs and after it finished.
 
 use crate::fleet::Worker;
-use kvgate_filters::route::{Candidate, KvParams, KvPolicy, RequestSummary};
+use kvgate_filters::route::{Candidate, KvParams, KvPolicy, RequestSummary, Terms};
 use serde_json::{Value, json};
 use std::sync::Arc;
 
@@ -101,9 +101,20 @@ impl Placement {
                     "active_blocks": c.active_blocks, "kv_usage": c.kv_usage, "waiting": c.waiting, "busy": c.busy,
                 });
                 if let Some(p) = &policy {
-                    let (prefill, decode, cost) = p.cost(&req, c);
-                    v["prefill_blocks"] = json!(prefill);
-                    v["decode_blocks"] = json!(decode);
+                    let (cost, terms) = p.cost(&req, c);
+                    match terms {
+                        Terms::Blocks { prefill_blocks, decode_blocks } => {
+                            v["prefill_blocks"] = json!(prefill_blocks);
+                            v["decode_blocks"] = json!(decode_blocks);
+                        }
+                        Terms::Time(t) => {
+                            v["prefill_backlog_ms"] = json!(c.prefill_backlog_ms);
+                            v["new_tokens"] = json!(t.new_tokens);
+                            v["wait_ms"] = json!(t.wait_ms);
+                            v["prefill_ms"] = json!(t.prefill_ms);
+                            v["steps_ms"] = json!(t.steps_ms);
+                        }
+                    }
                     v["cost"] = json!(cost);
                 }
                 v
@@ -141,7 +152,7 @@ mod tests {
             ],
             excluded: vec![(1, Exclusion::Unhealthy)],
             chosen: Some(0),
-            kv: Some(KvParams { block_size: 16, ..KvParams::default() }),
+            kv: Some(KvParams { block_size: 16, cost: kvgate_filters::route::Cost::Blocks, ..KvParams::default() }),
             prompt: (64, 4),
             outcome: None,
         });

@@ -49,6 +49,7 @@ fn main() {
             waiting: (rng.next_u64() % 4) as u32,
             busy: false,
             healthy: true,
+            ..Candidate::default()
         })
         .collect();
     let with_session = vec![("x-session-id".to_string(), "user-42".to_string())];

@@ -1,4 +1,6 @@
-//! `kv` mode: the KV-cache-aware cost of seed 001.
+//! `kv` mode: a KV-cache-aware cost per worker, lowest wins. Two costs: `time` (the default;
+//! predicted time to first token, see [`super::time`]) and `blocks`, seed 001's cost in KV
+//! blocks, unchanged:
 //!
 //! ```text
 //! prefill_blocks = (active_prefill_tokens + prompt_tokens − overlap_blocks · block_size) / block_size
@@ -15,12 +17,54 @@
 //! softmax over costs normalized by their range, `p ∝ exp(−(cost / (max − min)) / T)`; equal
 //! costs give a uniform choice.
 
+use super::time::{Prediction, TimePriors};
 use super::{Candidate, Decision, Policy, RequestSummary};
 use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Which cost `kv` mode minimizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Cost {
+    /// Predicted time to first token ([`super::time`]).
+    #[default]
+    Time,
+    /// Seed 001: `overlap_score_weight · prefill_blocks + decode_blocks`.
+    Blocks,
+}
+
+impl Cost {
+    /// Its config name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Cost::Time => "time",
+            Cost::Blocks => "blocks",
+        }
+    }
+}
+
+/// One candidate's cost and the terms it is made of.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Terms {
+    /// The `blocks` cost's terms.
+    Blocks {
+        /// Prefill blocks (booked + uncached prompt).
+        prefill_blocks: f64,
+        /// Decode blocks (booked + the prompt's new ones).
+        decode_blocks: f64,
+    },
+    /// The `time` cost's prediction.
+    Time(Prediction),
+}
 
 /// Parameters of the cost.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KvParams {
+    /// Which cost.
+    pub cost: Cost,
+    /// The `time` cost's priors.
+    pub priors: TimePriors,
+    /// `time`: a prefix being computed on a worker for a request in flight counts as cached.
+    pub credit_in_flight_prefix: bool,
     /// Weight of the prefill term (0 = ignore the cache).
     pub overlap_score_weight: f64,
     /// Softmax temperature (0 = argmin).
@@ -33,7 +77,15 @@ pub struct KvParams {
 
 impl Default for KvParams {
     fn default() -> Self {
-        Self { overlap_score_weight: 1.0, temperature: 0.0, block_size: 16, track_active_blocks: true }
+        Self {
+            cost: Cost::default(),
+            priors: TimePriors::default(),
+            credit_in_flight_prefix: true,
+            overlap_score_weight: 1.0,
+            temperature: 0.0,
+            block_size: 16,
+            track_active_blocks: true,
+        }
     }
 }
 
@@ -56,8 +108,23 @@ impl KvPolicy {
         self.params
     }
 
-    /// (prefill_blocks, decode_blocks, cost) of one candidate.
-    pub fn cost(&self, req: &RequestSummary<'_>, c: &Candidate) -> (f64, f64, f64) {
+    /// One candidate's cost (lower is better) and its terms.
+    pub fn cost(&self, req: &RequestSummary<'_>, c: &Candidate) -> (f64, Terms) {
+        match self.params.cost {
+            Cost::Blocks => {
+                let (prefill_blocks, decode_blocks, cost) = self.blocks_cost(req, c);
+                (cost, Terms::Blocks { prefill_blocks, decode_blocks })
+            }
+            Cost::Time => {
+                let req = RequestSummary { block_size: self.params.block_size, ..req.clone() };
+                let p = self.params.priors.predict(&req, c, self.params.credit_in_flight_prefix);
+                (p.ttft_ms(), Terms::Time(p))
+            }
+        }
+    }
+
+    /// (prefill_blocks, decode_blocks, cost) of one candidate under seed 001's cost.
+    pub fn blocks_cost(&self, req: &RequestSummary<'_>, c: &Candidate) -> (f64, f64, f64) {
         let bs = f64::from(self.params.block_size.max(1));
         let cached_tokens = (f64::from(c.overlap_blocks) * bs).min(f64::from(req.prompt_tokens));
         let prefill_tokens = c.active_prefill_tokens as f64 + f64::from(req.prompt_tokens) - cached_tokens;
@@ -79,21 +146,22 @@ impl Policy for KvPolicy {
     }
 
     fn choose(&self, req: &RequestSummary<'_>, candidates: &[Candidate]) -> Decision {
-        let costs: Vec<(f64, f64, f64)> = candidates.iter().map(|c| self.cost(req, c)).collect();
-        if tracing::enabled!(tracing::Level::DEBUG) {
-            let terms: Vec<String> = candidates
-                .iter()
-                .zip(&costs)
-                .map(|(c, (p, d, cost))| format!("worker {}: overlap {} prefill {p:.1} decode {d:.1} cost {cost:.1}", c.id, c.overlap_blocks))
-                .collect();
-            tracing::debug!(request_id = req.request_id, prompt_blocks = req.prompt_blocks, "kv routing: {}", terms.join("; "));
-        }
+        let costs: Vec<f64> = candidates
+            .iter()
+            .map(|c| {
+                let (cost, terms) = self.cost(req, c);
+                if tracing::enabled!(tracing::Level::DEBUG) {
+                    tracing::debug!(request_id = req.request_id, worker = c.id, overlap = c.overlap_blocks, ?terms, cost, "kv routing");
+                }
+                cost
+            })
+            .collect();
         let t = self.params.temperature;
         if t > 0.0 {
-            let (min, max) = costs.iter().fold((f64::MAX, f64::MIN), |(lo, hi), c| (lo.min(c.2), hi.max(c.2)));
+            let (min, max) = costs.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &c| (lo.min(c), hi.max(c)));
             let range = max - min;
             if range > 0.0 {
-                let w: Vec<f64> = costs.iter().map(|c| (-((c.2 - min) / range) / t).exp()).collect();
+                let w: Vec<f64> = costs.iter().map(|&c| (-((c - min) / range) / t).exp()).collect();
                 let total: f64 = w.iter().sum();
                 let mut x = self.uniform() * total;
                 for (i, wi) in w.iter().enumerate() {
@@ -105,8 +173,8 @@ impl Policy for KvPolicy {
                 return Decision::Worker(w.len() - 1);
             }
         }
-        let best = costs.iter().map(|c| c.2).fold(f64::MAX, f64::min);
-        let tied: Vec<usize> = (0..candidates.len()).filter(|&i| costs[i].2 <= best + 1e-9).collect();
+        let best = costs.iter().copied().fold(f64::MAX, f64::min);
+        let tied: Vec<usize> = (0..candidates.len()).filter(|&i| costs[i] <= best + 1e-9).collect();
         let least = tied.iter().map(|&i| candidates[i].in_flight).min().unwrap_or(0);
         let tied: Vec<usize> = tied.into_iter().filter(|&i| candidates[i].in_flight == least).collect();
         let pick = tied[(self.uniform() * tied.len() as f64) as usize % tied.len()];
@@ -130,6 +198,11 @@ mod tests {
         }
     }
 
+    /// Seed 001's cost.
+    fn blocks() -> KvParams {
+        KvParams { cost: Cost::Blocks, ..KvParams::default() }
+    }
+
     fn cand(id: u32, overlap: u32, prefill: u64, active: u64) -> Candidate {
         Candidate { id, overlap_blocks: overlap, active_prefill_tokens: prefill, active_blocks: active, ..Default::default() }
     }
@@ -138,17 +211,17 @@ mod tests {
     fn matches_the_seed_example() {
         // Seed 001: worker costs 18, 10, 11 → worker 2 (index 1). Build candidates whose terms
         // are (prefill 8, decode 10), (5, 5), (2, 9) for a 0-block request.
-        let p = KvPolicy::new(KvParams { block_size: 1, ..Default::default() });
+        let p = KvPolicy::new(KvParams { block_size: 1, ..blocks() });
         let r = RequestSummary { prompt_tokens: 0, prompt_blocks: 0, ..req(0) };
         let c = [cand(1, 0, 8, 10), cand(2, 0, 5, 5), cand(3, 0, 2, 9)];
-        let costs: Vec<f64> = c.iter().map(|c| p.cost(&r, c).2).collect();
+        let costs: Vec<f64> = c.iter().map(|c| p.cost(&r, c).0).collect();
         assert_eq!(costs, vec![18.0, 10.0, 11.0]);
         assert_eq!(p.choose(&r, &c), Decision::Worker(1));
     }
 
     #[test]
     fn cached_prefix_wins_until_its_worker_is_loaded() {
-        let p = KvPolicy::new(KvParams::default());
+        let p = KvPolicy::new(blocks());
         let r = req(1024); // 64 blocks
         // Worker 0 holds 60 of them.
         assert_eq!(p.choose(&r, &[cand(0, 60, 0, 0), cand(1, 0, 0, 0)]), Decision::Worker(0));
@@ -158,23 +231,23 @@ mod tests {
 
     #[test]
     fn weight_zero_is_pure_load_balancing() {
-        let p = KvPolicy::new(KvParams { overlap_score_weight: 0.0, ..Default::default() });
+        let p = KvPolicy::new(KvParams { overlap_score_weight: 0.0, ..blocks() });
         let r = req(1024);
         assert_eq!(p.choose(&r, &[cand(0, 64, 0, 10), cand(1, 0, 0, 5)]), Decision::Worker(1));
     }
 
     #[test]
     fn without_active_block_tracking_only_prefill_counts() {
-        let p = KvPolicy::new(KvParams { track_active_blocks: false, ..Default::default() });
+        let p = KvPolicy::new(KvParams { track_active_blocks: false, ..blocks() });
         let r = req(1024);
-        assert_eq!(p.cost(&r, &cand(0, 0, 0, 500)).1, 0.0);
+        assert_eq!(p.blocks_cost(&r, &cand(0, 0, 0, 500)).1, 0.0);
         // 500 active blocks would lose without the switch; prefill alone decides.
         assert_eq!(p.choose(&r, &[cand(0, 32, 0, 500), cand(1, 0, 0, 0)]), Decision::Worker(0));
     }
 
     #[test]
     fn ties_spread_over_equal_workers() {
-        let p = KvPolicy::new(KvParams::default());
+        let p = KvPolicy::new(blocks());
         let mut seen = [0; 3];
         for _ in 0..300 {
             let Decision::Worker(i) = p.choose(&req(160), &[cand(0, 0, 0, 0), cand(1, 0, 0, 0), cand(2, 0, 0, 0)]) else { panic!() };
@@ -189,7 +262,7 @@ mod tests {
 
     #[test]
     fn temperature_samples_cheaper_workers_more_often() {
-        let p = KvPolicy::new(KvParams { temperature: 0.5, ..Default::default() });
+        let p = KvPolicy::new(KvParams { temperature: 0.5, ..blocks() });
         let c = [cand(0, 60, 0, 0), cand(1, 0, 0, 0)];
         let mut n0 = 0;
         for _ in 0..2000 {
@@ -198,6 +271,54 @@ mod tests {
             }
         }
         // Normalized costs 0 and 1 → p0 = 1 / (1 + e^-2) ≈ 0.88.
+        assert!((1600..1900).contains(&n0), "{n0}");
+    }
+
+    #[test]
+    fn time_prefers_the_cached_worker_while_its_queue_is_comparable() {
+        let p = KvPolicy::new(KvParams::default());
+        let r = req(4096);
+        // Worker 0 holds 3,072 of the prompt's tokens and has a little more queued.
+        let cached = Candidate { overlap_blocks: 192, active_prefill_tokens: 2000, prefill_backlog_ms: 70.0, ..cand(0, 192, 2000, 0) };
+        let cold = Candidate { prefill_backlog_ms: 52.0, ..cand(1, 0, 1500, 0) };
+        assert_eq!(p.choose(&r, &[cached.clone(), cold.clone()]), Decision::Worker(0));
+        // A queue far longer than the prefill the cache saves sends it to the cold worker.
+        let swamped = Candidate { active_prefill_tokens: 40_000, prefill_backlog_ms: 1400.0, ..cached };
+        assert_eq!(p.choose(&r, &[swamped, cold]), Decision::Worker(1));
+    }
+
+    #[test]
+    fn time_spreads_a_hot_prefix_once_its_worker_is_saturated() {
+        // 60 requests sharing an 8,192-token prefix that worker 0 caches, each with 512 new
+        // tokens. Each choice is booked the way the gateway books it (its new tokens and its
+        // predicted prefill time on the chosen worker; the prefix then counts as being computed
+        // there).
+        let p = KvPolicy::new(KvParams::default());
+        let r = req(8192 + 512);
+        let mut c: Vec<Candidate> = (0..4).map(|i| cand(i, if i == 0 { 512 } else { 0 }, 0, 0)).collect();
+        let mut chosen = [0; 4];
+        for _ in 0..60 {
+            let Decision::Worker(i) = p.choose(&r, &c) else { panic!() };
+            let (_, Terms::Time(t)) = p.cost(&r, &c[i]) else { panic!() };
+            chosen[i] += 1;
+            c[i].in_flight += 1;
+            c[i].active_prefill_tokens += t.new_tokens as u64;
+            c[i].prefill_backlog_ms += t.own_ms;
+            // The shared prefix is booked there now; each request's own 512 tokens differ.
+            c[i].active_overlap_blocks = 512;
+            c[i].active_blocks += u64::from(r.prompt_blocks);
+        }
+        assert!(chosen[0] >= 20, "the cached worker takes the first requests: {chosen:?}");
+        assert!(chosen.iter().all(|&n| n > 0), "then the prefix spreads: {chosen:?}");
+        // Cache-greedy routing would have sent all 60 to worker 0; balance without the cache,
+        // 15 each.
+    }
+
+    #[test]
+    fn temperature_applies_to_the_time_cost_too() {
+        let p = KvPolicy::new(KvParams { temperature: 0.5, ..KvParams::default() });
+        let c = [cand(0, 60, 0, 0), cand(1, 0, 0, 0)];
+        let n0 = (0..2000).filter(|_| p.choose(&req(1024), &c) == Decision::Worker(0)).count();
         assert!((1600..1900).contains(&n0), "{n0}");
     }
 }

@@ -9,8 +9,9 @@ mod policy;
 mod queue;
 mod random;
 mod round_robin;
+pub mod time;
 
-pub use kv::{KvParams, KvPolicy};
+pub use kv::{Cost, KvParams, KvPolicy, Terms};
 pub use policy::{Candidate, Decision, Policy, RequestSummary};
 pub use queue::{QueueError, RouterQueue};
 pub use random::Random;
@@ -24,7 +25,8 @@ pub enum Mode {
     RoundRobin,
     /// Uniformly random worker.
     Random,
-    /// KV-cache aware: lowest `overlap_score_weight · prefill_blocks + decode_blocks`.
+    /// KV-cache aware: the lowest cost (`time`: predicted time to first token; `blocks`:
+    /// seed 001's `overlap_score_weight · prefill_blocks + decode_blocks`).
     Kv,
     /// A WebAssembly policy decides, with a built-in mode as its fallback.
     Plugin,

@@ -34,6 +34,14 @@ pub struct Candidate {
     pub active_overlap_blocks: u32,
     /// Prefill tokens booked on it and not yet started decoding.
     pub active_prefill_tokens: u64,
+    /// Predicted time until it has computed the prefill booked on it, ms (the ledger's
+    /// `prefill_backlog`: decays as it makes progress).
+    pub prefill_backlog_ms: f64,
+    /// Its prefill time per uncached prompt token as the gateway measured it, ms (0: not
+    /// measured yet; the `time` cost's prior applies).
+    pub ms_per_prefill_token: f64,
+    /// Its decode step time as the gateway measured it (inter-token latency), ms (0: not yet).
+    pub step_ms: f64,
     /// KV blocks booked on it.
     pub active_blocks: u64,
     /// Its KV capacity in blocks (0 = unknown).

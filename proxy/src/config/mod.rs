@@ -253,7 +253,14 @@ pub struct Routing {
     /// plugin: the built-in mode used when the plugin fails or has no opinion (`kv` also gives
     /// the plugin each worker's cache overlap).
     pub fallback: Mode,
-    /// kv: weight of the prefill term; 0 = ignore the cache (pure load balancing).
+    /// kv: the cost minimized: `time` (predicted time to first token, calibrated per worker)
+    /// or `blocks` (seed 001's `overlap_score_weight · prefill_blocks + decode_blocks`).
+    pub cost: kvgate_filters::route::Cost,
+    /// kv, `time` cost: a prefix being computed on a worker for a request in flight counts as
+    /// cached there.
+    pub credit_in_flight_prefix: bool,
+    /// kv, `blocks` cost: weight of the prefill term; 0 = ignore the cache (pure load
+    /// balancing).
     #[serde(alias = "router_kv_overlap_score_weight", alias = "kv_overlap_score_weight")]
     pub overlap_score_weight: f64,
     /// kv: softmax temperature over costs; 0 = always the cheapest worker.
@@ -303,6 +310,12 @@ impl Routing {
     pub fn builtin(&self) -> Mode {
         if self.mode == Mode::Plugin { self.fallback } else { self.mode }
     }
+
+    /// kv: whether the cost reads the workers' KV caches (the `blocks` cost at weight 0 does
+    /// not, so it needs no event subscribers).
+    pub fn uses_cache(&self) -> bool {
+        self.cost == kvgate_filters::route::Cost::Time || self.overlap_score_weight > 0.0
+    }
 }
 
 impl Default for Routing {
@@ -311,6 +324,8 @@ impl Default for Routing {
             mode: Mode::RoundRobin,
             plugin: None,
             fallback: Mode::RoundRobin,
+            cost: kvgate_filters::route::Cost::Time,
+            credit_in_flight_prefix: true,
             overlap_score_weight: 1.0,
             temperature: 0.0,
             kv_events: true,

@@ -1,12 +1,14 @@
 //! The live set of models and their workers, built from a validated config and swapped as a
 //! whole on reload:
 //! - [`worker`]: one vLLM server (health, resolved address, the load it reports);
+//! - [`calibration`]: how fast a worker prefills and steps, as the gateway measured it;
 //! - [`model`]: a served model (its workers, routing policy, booking ledger, queue);
 //! - [`registry`]: keeps workers across reloads, keyed by URL, and builds the next fleet.
 //!
 //! A request holds `Arc`s to the model and worker it started with, so a reload that removes
 //! them never disturbs it.
 
+pub mod calibration;
 mod model;
 mod registry;
 mod worker;

@@ -7,7 +7,8 @@ use crate::config::ModelConfig;
 use crate::kv_routing::KvRouting;
 use crate::metrics::{Metrics, ModelMetrics};
 use kvgate_filters::ledger::{Ledger, Tracking};
-use kvgate_filters::route::{Candidate, Policy};
+use kvgate_filters::route::time::TimePriors;
+use kvgate_filters::route::{Candidate, Cost, Policy};
 use kvgate_filters::shed::{RankLoad, Thresholds, worker_busy};
 use std::sync::{Arc, OnceLock};
 
@@ -103,10 +104,11 @@ impl Model {
         let w = &self.workers[i];
         let id = i as u16;
         let ranks = w.reported();
-        Candidate {
+        let mut c = Candidate {
             id: i as u32,
             in_flight: self.ledger.requests(id),
             active_prefill_tokens: self.ledger.prefill_tokens(id),
+            prefill_backlog_ms: self.ledger.prefill_backlog(id).as_secs_f64() * 1000.0,
             active_blocks: self.ledger.active_blocks(id),
             total_blocks: ranks.iter().map(|r| r.total_blocks).sum(),
             kv_usage: ranks.iter().map(|r| r.kv_usage).fold(0.0, f64::max),
@@ -114,6 +116,22 @@ impl Model {
             healthy: w.is_healthy(),
             busy,
             ..Candidate::default()
+        };
+        if let Some(priors) = self.time_priors() {
+            let k = &w.calibration;
+            if k.has_prefill() {
+                c.ms_per_prefill_token = k.prefill() * priors.ms_per_prefill_token;
+            }
+            if k.has_step() {
+                c.step_ms = k.step() * priors.step_ms(&c, self.cfg.block_size);
+            }
         }
+        c
+    }
+
+    /// The `time` cost's priors, when this model routes by it.
+    pub fn time_priors(&self) -> Option<TimePriors> {
+        let p = self.kv.as_ref()?.policy.params();
+        (p.cost == Cost::Time).then_some(p.priors)
     }
 }

@@ -33,6 +33,11 @@ pub struct Worker {
     /// Last resolved address; refreshed by the health task so DNS changes are followed without
     /// a lookup (a blocking-pool hop) on the request path.
     addr: RwLock<Option<SocketAddr>>,
+    /// Idle keep-alive connections of the request legs (docs/architecture.md, "Upstream
+    /// connections").
+    pub idle: Arc<crate::upstream::pool::IdlePool>,
+    /// How fast it prefills and steps against the `time` cost's priors, as measured.
+    pub calibration: super::calibration::Calibration,
 }
 
 impl Worker {
@@ -51,6 +56,8 @@ impl Worker {
             itl_us: AtomicU64::new(0),
             max_model_len: AtomicU32::new(0),
             addr: RwLock::new(None),
+            idle: Arc::default(),
+            calibration: Default::default(),
         }
     }
 

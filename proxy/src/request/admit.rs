@@ -144,5 +144,6 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut Session, endpoint: Endpoint,
         tried: Vec::new(),
         registered,
         track,
+        predicted: None,
     })
 }

@@ -35,8 +35,8 @@ pub async fn prepare(req: &mut RequestState) {
 pub fn from_tokens(req: &RequestState, kv: &KvRouting, tokens: &[u32]) -> KvInputs {
     let t0 = Instant::now();
     let chain = kv.chain(tokens);
-    // overlap_score_weight 0: pure load balancing, the cache is not consulted.
-    let cached = if kv.policy.params().overlap_score_weight > 0.0 { kv.cached(&chain).to_dense(kv.rank_count()) } else { vec![0; kv.rank_count()] };
+    // The blocks cost at weight 0 is pure load balancing: the cache is not consulted.
+    let cached = if req.model.cfg.routing.uses_cache() { kv.cached(&chain).to_dense(kv.rank_count()) } else { vec![0; kv.rank_count()] };
     let booked = req.model.ledger.overlap(&chain).to_dense(req.model.workers.len());
     KvInputs { tokens: tokens.len(), chain, cached, booked, lookup_time: t0.elapsed() }
 }

@@ -10,9 +10,9 @@ use crate::fleet::{Model, Worker};
 use crate::gateway::Gateway;
 use crate::receipt::{DecidedBy, Exclusion, Placement};
 use kvgate_filters::ledger::Footprint;
-use kvgate_filters::route::{Candidate, Decision, Policy, RequestSummary};
+use kvgate_filters::route::{Candidate, Decision, Policy, RequestSummary, Terms};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Who may take the next attempt.
 #[derive(Debug, Clone, Copy)]
@@ -52,12 +52,21 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
             }
         })
         .collect();
-    let (decision, decided_by) = decide(gw, req, &candidates);
+    let summary = summary(req);
+    let (decision, decided_by) = decide(gw, req, &summary, &candidates);
     let k = match decision {
         Decision::Worker(k) if k < eligible.len() => k,
         Decision::Worker(_) => 0,
         Decision::Reject { status, message } => return Err(GatewayError::PluginRejected { status, message }),
     };
+    let predicted = match &model.kv {
+        Some(kv) if model.time_priors().is_some() => match kv.policy.cost(&summary, &candidates[k]).1 {
+            Terms::Time(p) => Some(p),
+            Terms::Blocks { .. } => None,
+        },
+        _ => None,
+    };
+    req.predicted = predicted;
     let idx = eligible[k];
     let worker = model.workers[idx].clone();
     req.tried.push(idx);
@@ -133,14 +142,10 @@ fn shed(gw: &Gateway, req: &RequestState, eligible: Vec<usize>, excluded: &mut V
     Ok((free, Vec::new()))
 }
 
-/// Asks the plugin (if any, with the built-in mode as its fallback) or the built-in mode.
-fn decide(gw: &Gateway, req: &RequestState, candidates: &[Candidate]) -> (Decision, DecidedBy) {
+/// What routing knows about `req`.
+fn summary(req: &RequestState) -> RequestSummary<'_> {
     let model = &req.model;
-    let builtin: &dyn Policy = match &model.kv {
-        Some(k) => &k.policy,
-        None => model.policy.as_ref(),
-    };
-    let summary = RequestSummary {
+    RequestSummary {
         model: model.cfg.name.as_str(),
         endpoint: req.endpoint.label(),
         request_id: req.id(),
@@ -149,11 +154,20 @@ fn decide(gw: &Gateway, req: &RequestState, candidates: &[Candidate]) -> (Decisi
         block_size: model.cfg.block_size,
         headers: &req.plugin_headers,
         nvext: req.plugin_nvext.as_deref(),
+    }
+}
+
+/// Asks the plugin (if any, with the built-in mode as its fallback) or the built-in mode.
+fn decide(gw: &Gateway, req: &RequestState, summary: &RequestSummary<'_>, candidates: &[Candidate]) -> (Decision, DecidedBy) {
+    let model = &req.model;
+    let builtin: &dyn Policy = match &model.kv {
+        Some(k) => &k.policy,
+        None => model.policy.as_ref(),
     };
     let Some(p) = &req.plugin else {
-        return (builtin.choose(&summary, candidates), DecidedBy::Builtin(builtin.name()));
+        return (builtin.choose(summary, candidates), DecidedBy::Builtin(builtin.name()));
     };
-    let routed = kvgate_plugins::route(p, &summary, candidates, builtin);
+    let routed = kvgate_plugins::route(p, summary, candidates, builtin);
     let by = match &routed.failure {
         None if routed.by_plugin => DecidedBy::Plugin(p.name().to_string()),
         None => DecidedBy::Fallback { plugin: p.name().to_string(), mode: builtin.name(), failure: "no opinion".into() },
@@ -191,7 +205,8 @@ fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, t_
             mm.overlap.observe(f64::from(chosen.overlap_blocks));
             mm.decision_time.observe((t_decide.elapsed() + k.lookup_time).as_secs_f64());
             let expected_output = req.view.expected_output();
-            Footprint { prefill_tokens: prompt_tokens - cached_tokens, chain: k.chain.clone(), private_blocks: 0, prompt_tokens, expected_output }
+            let prefill_time = req.predicted.map_or(Duration::ZERO, |p| Duration::from_secs_f64(p.own_ms.max(0.0) / 1000.0));
+            Footprint { prefill_tokens: prompt_tokens - cached_tokens, chain: k.chain.clone(), private_blocks: 0, prompt_tokens, expected_output, prefill_time }
         }
         None => Footprint { prefill_tokens: prompt_tokens - cached_tokens, private_blocks: prompt_tokens / bs, prompt_tokens, ..Footprint::default() },
     };

@@ -44,7 +44,7 @@ pub async fn relay(gw: &Gateway, session: &mut Session, req: &mut RequestState, 
     if status != 200 {
         req.track = None;
     }
-    let mut progress = Progress::new(gw, req, status);
+    let mut progress = Progress::new(gw, req, status, leg.ex.sent_at);
     let mut warming: Option<Warming<'_>> = None;
     loop {
         let source = req.tried.last().copied().unwrap_or(0);
@@ -177,7 +177,7 @@ async fn body<'g>(
                 match failure {
                     Some(detail) => LegError::new(LegErrorKind::Midstream, &worker.url, detail),
                     None if end => {
-                        upstream::release(gw, ex, keep).await;
+                        upstream::release(gw, &worker, ex, keep).await;
                         return BodyEnd::Done(Outcome::Served(status));
                     }
                     None => continue,
@@ -340,6 +340,8 @@ struct Progress {
     ttft: Option<Histogram>,
     itl: Option<Histogram>,
     start: Instant,
+    /// When the first leg's request went to its worker (its TTFT calibrates that worker).
+    sent: Instant,
     last: Option<Instant>,
     events: Option<SseEventCounter>,
     /// The next chunk is a new leg's first (after a move).
@@ -347,13 +349,14 @@ struct Progress {
 }
 
 impl Progress {
-    fn new(gw: &Gateway, req: &RequestState, status: u16) -> Self {
+    fn new(gw: &Gateway, req: &RequestState, status: u16, sent: Instant) -> Self {
         let timed = req.stream && status == 200;
         let m = &req.model.metrics(&gw.metrics).endpoints[req.endpoint.index()];
         Self {
             ttft: timed.then(|| m.ttft.clone()),
             itl: timed.then(|| m.itl.clone()),
             start: req.start,
+            sent,
             last: None,
             events: req.stream.then(SseEventCounter::default),
             fresh_leg: true,
@@ -390,16 +393,38 @@ impl Progress {
             }
         }
         match (self.last, &self.ttft, &self.itl) {
-            (None, Some(ttft), _) => ttft.observe(now.duration_since(self.start).as_secs_f64()),
+            (None, Some(ttft), _) => {
+                ttft.observe(now.duration_since(self.start).as_secs_f64());
+                calibrate_prefill(req, now.duration_since(self.sent));
+            }
             (Some(prev), _, Some(itl)) if !moved_in => {
                 itl.observe(now.duration_since(prev).as_secs_f64());
                 // The rescheduler's TPOT predictor reads it per worker.
                 if let Some(w) = req.tried.last().and_then(|&i| req.model.workers.get(i)) {
                     w.observe_itl(now.duration_since(prev));
                 }
+                calibrate_step(req, now.duration_since(prev));
             }
             _ => {}
         }
         self.last = Some(now);
     }
+}
+
+/// The `time` cost learns the worker's prefill speed from a stream's first token on the
+/// worker it was placed on (docs/routing.md, "The time cost").
+fn calibrate_prefill(req: &RequestState, ttft: std::time::Duration) {
+    let (Some(p), Some(w)) = (req.predicted, req.tried.last().and_then(|&i| req.model.workers.get(i))) else { return };
+    w.calibration.observe_prefill(ttft.as_secs_f64() * 1000.0, p.wait_ms + p.prefill_ms, p.steps_ms);
+}
+
+/// The `time` cost learns the worker's step time from each inter-token gap, against what its
+/// priors predict for the load booked there now.
+fn calibrate_step(req: &RequestState, gap: std::time::Duration) {
+    let (Some(priors), Some(&i)) = (req.model.time_priors(), req.tried.last()) else { return };
+    let Some(w) = req.model.workers.get(i) else { return };
+    let id = i as u16;
+    let load =
+        kvgate_filters::route::Candidate { in_flight: req.model.ledger.requests(id), active_blocks: req.model.ledger.active_blocks(id), ..Default::default() };
+    w.calibration.observe_step(gap.as_secs_f64() * 1000.0, priors.step_ms(&load, req.model.cfg.block_size));
 }

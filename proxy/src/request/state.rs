@@ -53,6 +53,9 @@ pub struct RequestState {
     pub registered: Registered,
     /// The stream's follower while it may move to another worker (docs/migration.md).
     pub track: Option<Tracker>,
+    /// What the `time` cost predicted on the worker it was placed on (its first token then
+    /// calibrates that worker).
+    pub predicted: Option<kvgate_filters::route::time::Prediction>,
 }
 
 impl RequestState {

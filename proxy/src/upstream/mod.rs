@@ -5,7 +5,10 @@
 //!
 //! Pingora's own proxy pipeline cannot forward a body over 64 KiB that was read before the
 //! upstream was chosen (docs/pingora.md, "Why a manual upstream leg"), so inference
-//! requests are sent by hand through here.
+//! requests are sent by hand through here. Their keep-alive connections wait in each worker's
+//! own [`pool::IdlePool`]; the probes use Pingora's pool.
+
+pub mod pool;
 
 use crate::config::Config;
 use crate::error::{LegError, LegErrorKind};
@@ -32,6 +35,8 @@ pub struct Exchange {
     pub sent_at: Instant,
     /// Where it goes (for releasing to the pool).
     pub peer: HttpPeer,
+    /// Which pool the connection returns to.
+    pub pool: Pool,
 }
 
 /// The worker request header for a client's request: the client's headers minus hop-by-hop
@@ -96,17 +101,16 @@ pub async fn exchange(
 ) -> Result<Exchange, LegError> {
     let addr = worker.addr().await.map_err(|e| LegError::new(LegErrorKind::Resolve, &worker.url, e.to_string()).with_source(e))?;
     let mut peer = HttpPeer::new(addr, false, String::new());
-    let connect = Duration::from_millis(cfg.timeouts.connect_ms);
-    peer.options.connection_timeout = Some(connect);
-    peer.options.total_connection_timeout = Some(connect);
+    let connect_limit = Duration::from_millis(cfg.timeouts.connect_ms);
+    peer.options.connection_timeout = Some(connect_limit);
+    peer.options.total_connection_timeout = Some(connect_limit);
     peer.options.idle_timeout = Some(Duration::from_millis(cfg.timeouts.upstream_idle_ms));
     if pool == Pool::Probes {
         peer.group_key = PROBE_GROUP;
     }
     let mut fresh_try = 0;
     loop {
-        let (up, reused) =
-            gw.connector.get_http_session(&peer).await.map_err(|e| LegError::new(LegErrorKind::Connect, &worker.url, e.to_string()).with_source(*e))?;
+        let (up, reused) = connect(gw, worker, &peer, pool, fresh_try > 0).await?;
         let (mut up, sent) = send(up, &peer, header, body).await;
         let failed = match sent {
             Err(e) => LegError::new(LegErrorKind::Send, &worker.url, e.to_string()).with_source(*e),
@@ -124,7 +128,7 @@ pub async fn exchange(
                     None => read.await,
                 };
                 match r.map(|()| up.response_header().cloned()) {
-                    Ok(Some(header)) => return Ok(Exchange { session: up, header, peer, sent_at }),
+                    Ok(Some(header)) => return Ok(Exchange { session: up, header, peer, sent_at, pool }),
                     Ok(None) => LegError::new(LegErrorKind::Response, &worker.url, "no response header"),
                     Err(e) => LegError::new(LegErrorKind::Response, &worker.url, e.to_string()).with_source(*e),
                 }
@@ -134,6 +138,23 @@ pub async fn exchange(
             return Err(failed);
         }
         fresh_try += 1;
+    }
+}
+
+/// A connection to `worker`: an idle one from the pool `pool` names unless `fresh`, else a new
+/// one. Returns whether it was reused.
+async fn connect(gw: &Gateway, worker: &Worker, peer: &HttpPeer, pool: Pool, fresh: bool) -> Result<(HttpSession, bool), LegError> {
+    let failed = |e: Box<pingora::Error>| LegError::new(LegErrorKind::Connect, &worker.url, e.to_string()).with_source(*e);
+    match pool {
+        Pool::Probes => gw.connector.get_http_session(peer).await.map_err(failed),
+        Pool::Requests => {
+            let idle = peer.options.idle_timeout.unwrap_or_default();
+            let (stream, reused) = match worker.idle.take(idle).filter(|_| !fresh) {
+                Some(s) => (s, true),
+                None => (gw.transport.new_stream(peer).await.map_err(failed)?, false),
+            };
+            Ok((HttpSession::H1(Http1Session::new_with_options(stream, peer)), reused))
+        }
     }
 }
 
@@ -219,14 +240,24 @@ pub async fn get(gw: &Gateway, worker: &Worker, path: &str, timeout: Duration, m
             }
         }
         if keep_alive {
-            release(gw, ex, Duration::from_millis(cfg.timeouts.upstream_idle_ms)).await;
+            release(gw, worker, ex, Duration::from_millis(cfg.timeouts.upstream_idle_ms)).await;
         }
         Ok((status, body.freeze()))
     };
     tokio::time::timeout(timeout, attempt).await.unwrap_or(Err(ProbeError::Timeout(timeout)))
 }
 
-/// Returns a finished connection to the keep-alive pool, idle for at most `idle`.
-pub async fn release(gw: &Gateway, ex: Exchange, idle: Duration) {
-    gw.connector.release_http_session(ex.session, &ex.peer, Some(idle)).await;
+/// Returns a finished connection to its keep-alive pool (`worker`'s own for a request leg),
+/// idle for at most `idle`; one the worker asked to close, or whose body was not read whole,
+/// is closed instead.
+pub async fn release(gw: &Gateway, worker: &Worker, ex: Exchange, idle: Duration) {
+    match (ex.pool, ex.session) {
+        (Pool::Requests, HttpSession::H1(mut h1)) => {
+            h1.respect_keepalive();
+            if let Some(stream) = h1.reuse().await {
+                worker.idle.put(stream);
+            }
+        }
+        (_, session) => gw.connector.release_http_session(session, &ex.peer, Some(idle)).await,
+    }
 }

@@ -1,0 +1,169 @@
+//! The `time` cost of `kv` mode: a worker costs the time the request would wait there for its
+//! first token, predicted from what the gateway knows (the worker's KV cache, the prefill
+//! booked on it, its running requests) and calibrated by what it measures (each worker's
+//! time to first token and inter-token latency). Milliseconds price a cached prefix, a queue
+//! and a busy decode batch in one unit, so one default serves short chat and 16k-token
+//! documents alike (docs/routing.md, "The time cost").
+//!
+//! ```text
+//! ttft    = wait + prefill + steps · step
+//! wait    = min(prefill_backlog, a · active_prefill_tokens)        the prefill booked ahead
+//! prefill = a · new · (1 + (cached + new/2) / attention_tokens)    GEMMs + attention over the context
+//! steps   = ⌈(active_prefill_tokens + new) / chunk_tokens⌉          chunked prefill: one engine step per chunk
+//! step    = step_overhead + seq · in_flight + ctx · booked context tokens
+//! a       = ms_per_prefill_token
+//! ```
+//! `new` is the prompt minus its cached prefix: the longer of the prefix in the worker's KV
+//! cache and the prefix booked on it by requests in flight (being computed now, so in its cache
+//! by the time this request is scheduled behind them). Each step of a chunked prefill also
+//! carries the worker's running decodes, so a busy decode batch slows a prefill there.
+//!
+//! Priors ([`TimePriors::default`]) are Llama-3.1-8B on one H100 under vLLM (about 28k prefill
+//! tokens/s, 6 ms per step, KV reads of 128 KiB per context token at 3 TB/s). The gateway
+//! corrects `a` and `step` per worker from the TTFT and ITL it observes (the `Candidate`'s
+//! `ms_per_prefill_token` and `step_ms`, when set, are the calibrated values), so other
+//! models and hardware need no hand-set constants.
+
+use super::{Candidate, RequestSummary};
+
+/// The model's prior constants, in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TimePriors {
+    /// Prefill time per new token (the GEMMs), ms.
+    pub ms_per_prefill_token: f64,
+    /// Context length at which a new token's attention costs as much as its GEMMs.
+    pub attention_tokens: f64,
+    /// Fixed time of one engine step, ms.
+    pub step_overhead_ms: f64,
+    /// Step time per running sequence, ms.
+    pub step_ms_per_seq: f64,
+    /// Step time per context token the running sequences attend over, ms.
+    pub step_ms_per_ctx_token: f64,
+    /// Prefill tokens per engine step (vLLM's `max_num_batched_tokens`).
+    pub chunk_tokens: f64,
+}
+
+impl Default for TimePriors {
+    fn default() -> Self {
+        Self {
+            ms_per_prefill_token: 0.035,
+            attention_tokens: 27_000.0,
+            step_overhead_ms: 6.0,
+            step_ms_per_seq: 0.03,
+            step_ms_per_ctx_token: 4.0e-5,
+            chunk_tokens: 8192.0,
+        }
+    }
+}
+
+/// One candidate's predicted time to first token, by term (ms).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Prediction {
+    /// Tokens it would compute (not cached, not being computed).
+    pub new_tokens: f64,
+    /// Waiting for the prefill booked ahead of it.
+    pub wait_ms: f64,
+    /// Its own prefill.
+    pub prefill_ms: f64,
+    /// The running decodes carried by the steps until its first token.
+    pub steps_ms: f64,
+    /// How long its own prefill keeps the worker busy once started (its prefill and its own
+    /// steps): what it adds to the worker's prefill backlog.
+    pub own_ms: f64,
+}
+
+impl Prediction {
+    /// The cost: predicted time to first token, ms.
+    pub fn ttft_ms(&self) -> f64 {
+        self.wait_ms + self.prefill_ms + self.steps_ms
+    }
+}
+
+impl TimePriors {
+    /// The uncalibrated decode step time of a worker carrying `c`'s booked load, ms.
+    pub fn step_ms(&self, c: &Candidate, block_size: u32) -> f64 {
+        let ctx = c.active_blocks as f64 * f64::from(block_size.max(1));
+        self.step_overhead_ms + self.step_ms_per_seq * f64::from(c.in_flight) + self.step_ms_per_ctx_token * ctx
+    }
+
+    /// Predicted time to first token of `req` on `c`. `credit_booked`: a prefix being
+    /// computed there for a request in flight counts as cached.
+    pub fn predict(&self, req: &RequestSummary<'_>, c: &Candidate, credit_booked: bool) -> Prediction {
+        let bs = f64::from(req.block_size.max(1));
+        let prompt = f64::from(req.prompt_tokens);
+        let reused = if credit_booked { c.overlap_blocks.max(c.active_overlap_blocks) } else { c.overlap_blocks };
+        let cached = (f64::from(reused) * bs).min(prompt);
+        let new = prompt - cached;
+        let a = if c.ms_per_prefill_token > 0.0 { c.ms_per_prefill_token } else { self.ms_per_prefill_token };
+        let queued = c.active_prefill_tokens as f64;
+        let wait_ms = c.prefill_backlog_ms.min(a * queued);
+        let prefill_ms = a * new * (1.0 + (cached + new / 2.0) / self.attention_tokens);
+        let step = if c.step_ms > 0.0 { c.step_ms } else { self.step_ms(c, req.block_size) };
+        let chunk = self.chunk_tokens.max(1.0);
+        let steps = ((queued + new) / chunk).ceil().max(1.0);
+        let own_ms = prefill_ms + (new / chunk).ceil().max(1.0) * step;
+        Prediction { new_tokens: new, wait_ms, prefill_ms, steps_ms: steps * step, own_ms }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(tokens: u32) -> RequestSummary<'static> {
+        RequestSummary { prompt_tokens: tokens, prompt_blocks: tokens / 16, block_size: 16, ..Default::default() }
+    }
+
+    #[test]
+    fn an_idle_worker_predicts_the_prefill_of_what_it_lacks() {
+        let p = TimePriors::default();
+        let cold = p.predict(&req(4096), &Candidate::default(), true);
+        // 4k tokens ≈ 160 ms on the priors' H100 (docs/routing.md), plus one 6 ms step.
+        assert!((140.0..200.0).contains(&cold.ttft_ms()), "{cold:?}");
+        let warm = p.predict(&req(4096), &Candidate { overlap_blocks: 192, ..Default::default() }, true);
+        assert_eq!(warm.new_tokens, 1024.0);
+        assert!(warm.ttft_ms() < cold.ttft_ms() / 3.0, "{warm:?}");
+    }
+
+    #[test]
+    fn attention_makes_long_contexts_cost_more_than_linear() {
+        let p = TimePriors::default();
+        let t = |n: u32| p.predict(&req(n), &Candidate::default(), true).prefill_ms;
+        assert!(t(16_384) > 4.0 * t(4096) * 1.1);
+    }
+
+    #[test]
+    fn a_prefix_being_computed_counts_only_with_credit() {
+        let p = TimePriors::default();
+        let c = Candidate { active_overlap_blocks: 100, ..Default::default() };
+        assert_eq!(p.predict(&req(1600), &c, true).new_tokens, 0.0);
+        assert_eq!(p.predict(&req(1600), &c, false).new_tokens, 1600.0);
+    }
+
+    #[test]
+    fn the_wait_is_the_smaller_of_the_decayed_backlog_and_the_booked_tokens() {
+        let p = TimePriors::default();
+        let booked = Candidate { active_prefill_tokens: 10_000, prefill_backlog_ms: 50.0, ..Default::default() };
+        assert_eq!(p.predict(&req(16), &booked, true).wait_ms, 50.0);
+        let fresh = Candidate { active_prefill_tokens: 1000, prefill_backlog_ms: 5000.0, ..Default::default() };
+        assert!((p.predict(&req(16), &fresh, true).wait_ms - 35.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn measured_figures_replace_the_priors() {
+        let p = TimePriors::default();
+        let c = Candidate { ms_per_prefill_token: 0.1, step_ms: 30.0, ..Default::default() };
+        let x = p.predict(&req(1000), &c, true);
+        assert!((x.prefill_ms - 0.1 * 1000.0 * (1.0 + 500.0 / 27_000.0)).abs() < 1e-9);
+        assert_eq!(x.steps_ms, 30.0);
+    }
+
+    #[test]
+    fn a_busy_decode_batch_slows_the_steps() {
+        let p = TimePriors::default();
+        let idle = p.predict(&req(20_000), &Candidate::default(), true);
+        let busy = p.predict(&req(20_000), &Candidate { in_flight: 64, active_blocks: 64 * 128, ..Default::default() }, true);
+        assert_eq!(idle.prefill_ms, busy.prefill_ms);
+        assert!(busy.steps_ms > idle.steps_ms * 1.5, "{idle:?} {busy:?}");
+    }
+}

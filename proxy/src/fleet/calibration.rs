@@ -1,0 +1,129 @@
+//! What the gateway learns about one worker's speed, for `kv` mode's `time` cost
+//! (docs/routing.md, "The time cost"): two correction factors on the cost's priors, each an
+//! exponentially weighted average of measured ÷ predicted.
+//!
+//! - `prefill`: from each streamed request's time to first token on its first worker, after
+//!   the part the steps explain, against the wait and prefill that were predicted for it.
+//! - `step`: from each inter-token gap, against the step time the priors predict for the load
+//!   booked on the worker at that moment.
+//!
+//! A single sample moves a factor by at most a bounded ratio, so a request stuck behind load the
+//! gateway did not book (another gateway's, a stalled engine) bends the estimate without
+//! breaking it. Relaxed atomics: two racing samples lose one, which an average shrugs off.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Weight of a new prefill sample (one per streamed request).
+const PREFILL_WEIGHT: f64 = 1.0 / 8.0;
+/// Weight of a new step sample (one per token gap, so many more).
+const STEP_WEIGHT: f64 = 1.0 / 32.0;
+/// A sample's ratio is clamped to [1/CLAMP, CLAMP] of the current factor.
+const CLAMP: f64 = 4.0;
+/// Predictions shorter than this (ms) say too little to learn from: timer and network noise.
+const MIN_PREDICTED_MS: f64 = 2.0;
+
+/// The two factors (f64 bits; 0 = nothing learned yet, the priors apply as they are).
+#[derive(Debug, Default)]
+pub struct Calibration {
+    prefill: AtomicU64,
+    step: AtomicU64,
+}
+
+impl Calibration {
+    /// The prefill factor learned so far (1.0 before any sample).
+    pub fn prefill(&self) -> f64 {
+        load(&self.prefill)
+    }
+
+    /// The step factor learned so far (1.0 before any sample).
+    pub fn step(&self) -> f64 {
+        load(&self.step)
+    }
+
+    /// Whether any prefill sample was taken.
+    pub fn has_prefill(&self) -> bool {
+        self.prefill.load(Ordering::Relaxed) != 0
+    }
+
+    /// Whether any step sample was taken.
+    pub fn has_step(&self) -> bool {
+        self.step.load(Ordering::Relaxed) != 0
+    }
+
+    /// A request's first token took `ttft_ms` after it was sent; `predicted_ms` of it was the
+    /// wait and prefill predicted with the prefill factor in force then, `steps_ms` what the
+    /// steps explain.
+    pub fn observe_prefill(&self, ttft_ms: f64, predicted_ms: f64, steps_ms: f64) {
+        if predicted_ms < MIN_PREDICTED_MS || !ttft_ms.is_finite() {
+            return;
+        }
+        let ratio = ((ttft_ms - steps_ms).max(0.0) / predicted_ms).clamp(1.0 / CLAMP, CLAMP);
+        update(&self.prefill, ratio, PREFILL_WEIGHT);
+    }
+
+    /// One inter-token gap of `gap_ms` where the priors predict a step of `prior_step_ms`.
+    pub fn observe_step(&self, gap_ms: f64, prior_step_ms: f64) {
+        if prior_step_ms <= 0.0 || !gap_ms.is_finite() {
+            return;
+        }
+        let now = load(&self.step);
+        let ratio = (gap_ms / (prior_step_ms * now)).clamp(1.0 / CLAMP, CLAMP);
+        update(&self.step, ratio, STEP_WEIGHT);
+    }
+}
+
+fn load(a: &AtomicU64) -> f64 {
+    match a.load(Ordering::Relaxed) {
+        0 => 1.0,
+        bits => f64::from_bits(bits),
+    }
+}
+
+/// Moves the factor toward `factor · ratio` (the first sample sets it).
+fn update(a: &AtomicU64, ratio: f64, weight: f64) {
+    let first = a.load(Ordering::Relaxed) == 0;
+    let now = load(a);
+    let sample = now * ratio;
+    let next = if first { sample } else { now + weight * (sample - now) };
+    a.store(next.max(1e-6).to_bits(), Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn converges_on_a_worker_three_times_slower_than_the_priors() {
+        let c = Calibration::default();
+        assert_eq!(c.prefill(), 1.0);
+        for _ in 0..60 {
+            // The gateway predicts with the factor in force; the worker takes 3× the prior.
+            let predicted = 100.0 * c.prefill();
+            c.observe_prefill(300.0 + 6.0, predicted, 6.0);
+            let prior_step = 10.0;
+            c.observe_step(30.0, prior_step);
+        }
+        assert!((c.prefill() - 3.0).abs() < 0.05, "{}", c.prefill());
+        for _ in 0..200 {
+            c.observe_step(30.0, 10.0);
+        }
+        assert!((c.step() - 3.0).abs() < 0.1, "{}", c.step());
+    }
+
+    #[test]
+    fn one_outlier_bends_the_estimate_without_breaking_it() {
+        let c = Calibration::default();
+        for _ in 0..20 {
+            c.observe_prefill(100.0, 100.0 * c.prefill(), 0.0);
+        }
+        c.observe_prefill(60_000.0, 100.0 * c.prefill(), 0.0);
+        assert!(c.prefill() < 1.5, "{}", c.prefill());
+    }
+
+    #[test]
+    fn tiny_predictions_teach_nothing() {
+        let c = Calibration::default();
+        c.observe_prefill(50.0, 0.5, 0.0);
+        assert!(!c.has_prefill());
+    }
+}
