@@ -2,7 +2,7 @@
 //! listeners. Where seed 003 names a metric (`dynamo_frontend_model_cancellation_total`), the
 //! kvgate equivalent keeps its labels.
 
-use prometheus::{Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
 const LATENCY_BUCKETS: &[f64] = &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0];
 const ITL_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0];
@@ -47,6 +47,11 @@ pub struct Metrics {
     pub active_prefill: IntGaugeVec,
     /// `kvgate_worker_active_blocks{model,worker}`.
     pub active_blocks: IntGaugeVec,
+    /// `kvgate_worker_prefill_factor{model,worker}`: the worker's measured prefill time over
+    /// the `time` cost's prior (1 until measured).
+    pub prefill_factor: GaugeVec,
+    /// `kvgate_worker_step_factor{model,worker}`: its measured step time over the prior.
+    pub step_factor: GaugeVec,
     /// `kvgate_frontend_model_rejection_total{model,endpoint}`: 503s because every worker was busy.
     pub rejections: IntCounterVec,
     /// `kvgate_tasks_issued_total{model}`: requests sent to a worker.
@@ -85,6 +90,11 @@ impl Metrics {
         };
         let gauge = |name: &str, help: &str, labels: &[&str]| {
             let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+            registry.register(Box::new(g.clone())).expect("unique metric");
+            g
+        };
+        let fgauge = |name: &str, help: &str, labels: &[&str]| {
+            let g = GaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
             registry.register(Box::new(g.clone())).expect("unique metric");
             g
         };
@@ -142,6 +152,16 @@ impl Metrics {
             },
             active_prefill: gauge("kvgate_worker_active_prefill_tokens", "Prefill tokens booked on the worker (kv routing).", &["model", "worker"]),
             active_blocks: gauge("kvgate_worker_active_blocks", "KV blocks booked on the worker (kv routing).", &["model", "worker"]),
+            prefill_factor: fgauge(
+                "kvgate_worker_prefill_factor",
+                "The worker's measured prefill time over the time cost's prior (kv routing; 1 until measured).",
+                &["model", "worker"],
+            ),
+            step_factor: fgauge(
+                "kvgate_worker_step_factor",
+                "The worker's measured step time over the time cost's prior (kv routing; 1 until measured).",
+                &["model", "worker"],
+            ),
             rejections: counter(
                 "kvgate_frontend_model_rejection_total",
                 "Requests refused with 503 because every worker was busy (also counted in kvgate_tasks_rejected_total).",

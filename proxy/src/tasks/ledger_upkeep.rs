@@ -1,7 +1,8 @@
 //! Booking upkeep, every `health.interval_ms`: bookings older than `routing.booking_max_age_s`
 //! are released (a request that never ends, or a leaked guard), and the ledger gauges
 //! (`kvgate_worker_requests_in_flight`, `kvgate_worker_active_prefill_tokens`,
-//! `kvgate_worker_active_blocks`) are refreshed.
+//! `kvgate_worker_active_blocks`) and, for the `time` cost, each worker's calibration
+//! (`kvgate_worker_prefill_factor`, `kvgate_worker_step_factor`) are refreshed.
 
 use crate::gateway::Gateway;
 use std::sync::Arc;
@@ -23,6 +24,10 @@ pub async fn run(gw: Arc<Gateway>) {
                 gw.metrics.worker_in_flight.with_label_values(&labels).set(i64::from(m.ledger.requests(id)));
                 gw.metrics.active_prefill.with_label_values(&labels).set(m.ledger.prefill_tokens(id) as i64);
                 gw.metrics.active_blocks.with_label_values(&labels).set(m.ledger.active_blocks(id) as i64);
+                if m.time_priors().is_some() {
+                    gw.metrics.prefill_factor.with_label_values(&labels).set(w.calibration.prefill());
+                    gw.metrics.step_factor.with_label_values(&labels).set(w.calibration.step());
+                }
             }
         }
         drop(fleet);
