@@ -110,6 +110,7 @@ impl KvRouting {
                     ..TimePriors::default()
                 },
                 credit_in_flight_prefix: r.credit_in_flight_prefix,
+                price_slowdown: r.price_slowdown,
                 overlap_score_weight: r.overlap_score_weight,
                 temperature: r.temperature,
                 block_size: m.block_size,

@@ -113,6 +113,7 @@ impl Placement {
                             v["wait_ms"] = json!(t.wait_ms);
                             v["prefill_ms"] = json!(t.prefill_ms);
                             v["steps_ms"] = json!(t.steps_ms);
+                            v["slowdown_ms"] = json!(t.slowdown_ms);
                         }
                     }
                     v["cost"] = json!(cost);

@@ -466,3 +466,47 @@ async fn output_blocks_are_booked_as_tokens_stream_and_decay_toward_the_osl_hint
     let off = peak_active_blocks(&untracked, &p, 480, json!({})).await;
     assert_eq!(off, 2.0, "off by default: only the prompt's blocks");
 }
+
+/// The `time` cost learns each worker's speed from what it measures: on workers four times
+/// slower than the cost's priors (vllm-sim's timing model is those priors; `time_scale: 0.25`
+/// runs it at a quarter of real speed), the learned prefill and step factors both approach 4.
+#[tokio::test]
+async fn the_time_cost_calibrates_to_the_workers_measured_speed() {
+    let slow = SimConfig { time_scale: 0.25, ..sim() };
+    let c = kv_cluster_on(slow, GatewayOpts { mode: "kv".into(), health_interval_ms: 50, ..Default::default() }).await;
+    let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(4));
+    let mut tasks = Vec::new();
+    for i in 0..48u32 {
+        let permit = sem.clone().acquire_owned().await.unwrap();
+        let (http, url) = (c.http.clone(), c.url("/v1/completions"));
+        // Unique 1,024-token prompts (no cache hits), streamed so TTFT and ITL are measured.
+        let p = prompt(1000 + i, i, 60);
+        tasks.push(tokio::spawn(async move {
+            let r = http.post(url).json(&json!({"prompt": p, "max_tokens": 8, "ignore_eos": true, "stream": true})).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            r.bytes().await.unwrap();
+            drop(permit);
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    // The gauges are refreshed every health interval.
+    let read = || async {
+        let m = c.gateway_metrics().await;
+        ["kvgate_worker_prefill_factor", "kvgate_worker_step_factor"]
+            .iter()
+            .flat_map(|name| m.samples.iter().filter(|s| s.name == *name).map(|s| (name.to_string(), s.value)).collect::<Vec<_>>())
+            .collect::<Vec<_>>()
+    };
+    let settled = wait_until(Duration::from_secs(5), || async {
+        let f = read().await;
+        f.len() == 8 && f.iter().all(|(_, v)| *v != 1.0)
+    })
+    .await;
+    let factors = read().await;
+    assert!(settled.is_some(), "every worker measured: {factors:?}");
+    for (name, v) in &factors {
+        assert!((2.5..6.0).contains(v), "{name} = {v}, want about 4: {factors:?}");
+    }
+}

@@ -65,6 +65,8 @@ pub struct KvParams {
     pub priors: TimePriors,
     /// `time`: a prefix being computed on a worker for a request in flight counts as cached.
     pub credit_in_flight_prefix: bool,
+    /// `time`: price the stall a prefill causes the decodes running on the worker.
+    pub price_slowdown: bool,
     /// Weight of the prefill term (0 = ignore the cache).
     pub overlap_score_weight: f64,
     /// Softmax temperature (0 = argmin).
@@ -81,6 +83,7 @@ impl Default for KvParams {
             cost: Cost::default(),
             priors: TimePriors::default(),
             credit_in_flight_prefix: true,
+            price_slowdown: false,
             overlap_score_weight: 1.0,
             temperature: 0.0,
             block_size: 16,
@@ -117,8 +120,8 @@ impl KvPolicy {
             }
             Cost::Time => {
                 let req = RequestSummary { block_size: self.params.block_size, ..req.clone() };
-                let p = self.params.priors.predict(&req, c, self.params.credit_in_flight_prefix);
-                (p.ttft_ms(), Terms::Time(p))
+                let p = self.params.priors.predict(&req, c, self.params.credit_in_flight_prefix, self.params.price_slowdown);
+                (p.cost_ms(), Terms::Time(p))
             }
         }
     }

@@ -259,6 +259,8 @@ pub struct Routing {
     /// kv, `time` cost: a prefix being computed on a worker for a request in flight counts as
     /// cached there.
     pub credit_in_flight_prefix: bool,
+    /// kv, `time` cost: add the stall a prefill causes the decodes running on the worker.
+    pub price_slowdown: bool,
     /// kv, `blocks` cost: weight of the prefill term; 0 = ignore the cache (pure load
     /// balancing).
     #[serde(alias = "router_kv_overlap_score_weight", alias = "kv_overlap_score_weight")]
@@ -326,6 +328,7 @@ impl Default for Routing {
             fallback: Mode::RoundRobin,
             cost: kvgate_filters::route::Cost::Time,
             credit_in_flight_prefix: true,
+            price_slowdown: false,
             overlap_score_weight: 1.0,
             temperature: 0.0,
             kv_events: true,

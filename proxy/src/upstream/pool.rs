@@ -114,9 +114,10 @@ mod tests {
         (Box::new(pingora::protocols::l4::stream::Stream::from(client)), server)
     }
 
-    fn id(s: &Stream) -> std::os::fd::RawFd {
-        use std::os::fd::AsRawFd;
-        s.as_raw_fd()
+    /// The connection's identity (its file descriptor).
+    fn id(s: &Stream) -> pingora::protocols::UniqueIDType {
+        use pingora::protocols::UniqueID;
+        s.id()
     }
 
     #[tokio::test]
