@@ -58,6 +58,8 @@ pub struct SimOptions {
     pub model: String,
     /// Extra command-line arguments for every worker (e.g. `--time-scale 10`).
     pub args: Vec<String>,
+    /// Environment variables of every worker (e.g. `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
+    pub env: Vec<(String, String)>,
 }
 
 /// Starts `n` workers and waits until they are healthy.
@@ -67,13 +69,14 @@ pub async fn start_sims(procs: &mut Procs, o: &SimOptions, n: usize) -> Result<V
     let mut workers = Vec::with_capacity(n);
     for w in 0..n {
         let (port, ev, rp) = (ports[3 * w], ports[3 * w + 1], ports[3 * w + 2]);
-        // As in vLLM, a `*` endpoint binds; without it the engine would connect.
-        let kv =
-            format!(r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{ev}","replay_endpoint":"tcp://*:{rp}","topic":"kv-events"}}"#);
+        // As in vLLM, a `*` endpoint binds; without it the engine would connect. The topic is
+        // vLLM's default, "": vllm-router's static event sources subscribe to exactly that.
+        let kv = format!(r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{ev}","replay_endpoint":"tcp://*:{rp}","topic":""}}"#);
         let child = Command::new(&o.bin)
             .args(["--model", &o.model, "--host", "127.0.0.1", "--port", &port.to_string(), "--seed", &(w + 1).to_string()])
             .args(["--kv-events-config", &kv])
             .args(&o.args)
+            .envs(o.env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

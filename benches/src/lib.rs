@@ -1,10 +1,12 @@
 //! kvgate's benchmarks and load tools. The library holds what the binaries share: a
 //! deterministic generator and percentiles, Mooncake trace loading ([`trace`]), the load
 //! generator behind `kvgate-bench` ([`load`]), processes for clusters of release binaries
-//! ([`cluster`]), and the rescheduler benchmark ([`reschedule`]).
+//! ([`cluster`]), the peer routers `compare` runs ([`peers`]), and the rescheduler benchmark
+//! ([`reschedule`]).
 
 pub mod cluster;
 pub mod load;
+pub mod peers;
 pub mod reschedule;
 pub mod trace;
 

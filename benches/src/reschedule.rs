@@ -63,6 +63,7 @@ pub async fn run(o: &Options) -> Result<(Figures, Figures), String> {
             .iter()
             .map(|s| s.to_string())
             .collect(),
+        env: Vec::new(),
     };
     let workers = start_sims(&mut procs, &sim, o.total).await?;
     let off = burst(o, &workers, "", 1).await?;

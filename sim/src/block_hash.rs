@@ -1,11 +1,13 @@
 //! vLLM's `sha256_cbor` prefix-caching block hash, bit for bit.
 //!
 //! Each full block is hashed as `sha256(cbor([parent_digest, [token ids], extra_keys]))`, chained
-//! through the parent's full 32-byte digest; the first block's parent is
-//! `NONE_HASH = sha256(cbor("vllm-none-hash"))`. What vLLM puts on the wire (with its default
-//! `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`) is the last 8 bytes of the digest read big-endian,
-//! so a consumer of the simulator's events sees the same integers a real vLLM run with
-//! `--prefix-caching-hash-algo sha256_cbor` would publish.
+//! through the parent's full 32-byte digest; the first block's parent is `NONE_HASH`, the
+//! digest of the CBOR text `PYTHONHASHSEED` when that is set and of `"vllm-none-hash"` otherwise
+//! ([`root_hash`]). What vLLM puts on the wire is either the last 8 bytes of the digest read
+//! big-endian ([`BlockHash::wire_id`], its default `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`) or
+//! the whole 32-byte digest (`=0`); `events::HashFormat` chooses. Either way a consumer of the
+//! simulator's events sees what a real vLLM run with `--prefix-caching-hash-algo sha256_cbor`
+//! and the same `PYTHONHASHSEED` would publish.
 //!
 //! This module owns only the hash function; which blocks get hashed is the KV cache's business.
 
@@ -31,21 +33,36 @@ impl std::fmt::Debug for BlockHash {
     }
 }
 
-/// The chain root: `sha256(cbor_text("vllm-none-hash"))` (no `PYTHONHASHSEED`).
+/// The chain root without `PYTHONHASHSEED`: `sha256(cbor_text("vllm-none-hash"))`.
 pub fn none_hash() -> BlockHash {
     static ROOT: OnceLock<BlockHash> = OnceLock::new();
-    *ROOT.get_or_init(|| {
-        let seed = b"vllm-none-hash";
-        let mut buf = Vec::with_capacity(seed.len() + 1);
-        cbor_head(&mut buf, 3, seed.len() as u64);
-        buf.extend_from_slice(seed);
-        BlockHash(Sha256::digest(&buf).into())
-    })
+    *ROOT.get_or_init(|| text_digest("vllm-none-hash"))
 }
 
-/// Hashes one full block of tokens chained to `parent` (`None` for the first block).
+/// The chain root vLLM's `init_none_hash` derives: `sha256_cbor(PYTHONHASHSEED)`, the seed
+/// hashed verbatim as a CBOR text string (`"0"` and `"00"` differ), or [`none_hash`] unset.
+pub fn root_hash(python_hash_seed: Option<&str>) -> BlockHash {
+    match python_hash_seed {
+        Some(seed) => text_digest(seed),
+        None => none_hash(),
+    }
+}
+
+fn text_digest(text: &str) -> BlockHash {
+    let mut buf = Vec::with_capacity(text.len() + 9);
+    cbor_head(&mut buf, 3, text.len() as u64);
+    buf.extend_from_slice(text.as_bytes());
+    BlockHash(Sha256::digest(&buf).into())
+}
+
+/// Hashes one full block of tokens chained to `parent` (`None` for the first block, chained to
+/// [`none_hash`]).
 pub fn hash_block(parent: Option<&BlockHash>, tokens: &[u32]) -> BlockHash {
-    let parent = parent.copied().unwrap_or_else(none_hash);
+    hash_block_from(&parent.copied().unwrap_or_else(none_hash), tokens)
+}
+
+/// Hashes one full block of tokens chained to `parent` (the chain root for the first block).
+pub fn hash_block_from(parent: &BlockHash, tokens: &[u32]) -> BlockHash {
     // 1 + 34 (bytes head + digest) + 9 (array head) + 5 per token + 1 (null)
     let mut buf = Vec::with_capacity(48 + tokens.len() * 5);
     cbor_head(&mut buf, 4, 3);
@@ -95,6 +112,16 @@ mod tests {
         assert_eq!(b0.wire_id(), 9561501211280363793);
         let b1 = hash_block(Some(&b0), &[5, 6, 7, 8]);
         assert_eq!(b1.wire_id(), 15292913576410714033);
+    }
+
+    #[test]
+    fn python_hash_seed_changes_the_root_as_in_vllm() {
+        // docs/vllm-interface.md: with PYTHONHASHSEED=0 the first block's wire int is this.
+        let root = root_hash(Some("0"));
+        assert_eq!((&root.0[..4], &root.0[28..]), (&[0x4e, 0x11, 0x95, 0xdf][..], &[0xf2, 0xe6, 0x1c, 0x3e][..]));
+        assert_eq!(hash_block_from(&root, &[1, 2, 3, 4]).wire_id(), 2164874634404590027);
+        assert_eq!(root_hash(None), none_hash());
+        assert_ne!(root_hash(Some("00")), root);
     }
 
     #[test]

@@ -81,6 +81,12 @@ pub struct SimConfig {
     pub kv_events: KvEventsConfig,
     /// Events as tagged maps (vLLM ≥ 0.26) or positional arrays (older vLLM).
     pub kv_events_format: crate::events::EventFormat,
+    /// Block hashes in events as 64-bit ints or 32-byte digests (vLLM's
+    /// `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`, read by [`SimArgs::into_config`]).
+    pub kv_events_hash_format: crate::events::HashFormat,
+    /// vLLM's `PYTHONHASHSEED`: the seed of every block-hash chain (`None`: vLLM's fixed
+    /// `"vllm-none-hash"`), read by [`SimArgs::into_config`].
+    pub python_hash_seed: Option<String>,
     /// Number of engines behind the one HTTP server (DP ranks).
     pub data_parallel_size: usize,
     /// Seed of token generation.
@@ -114,6 +120,8 @@ impl Default for SimConfig {
             enable_prefix_caching: true,
             kv_events: KvEventsConfig::default(),
             kv_events_format: crate::events::EventFormat::Map,
+            kv_events_hash_format: crate::events::HashFormat::Int,
+            python_hash_seed: None,
             data_parallel_size: 1,
             seed: 0,
             timing: TimingModel::default(),
@@ -211,6 +219,13 @@ pub struct SimArgs {
     /// Disable prefix caching.
     #[arg(long)]
     pub no_enable_prefix_caching: bool,
+    /// Block hash algorithm. vllm-sim computes `sha256_cbor` only (vLLM's default `sha256`
+    /// pickles Python objects and cannot be reproduced outside Python; the xxhash variants are
+    /// not simulated), so the others are refused. Events carry 64-bit ints unless the
+    /// environment has VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 (32-byte digests); PYTHONHASHSEED
+    /// seeds the chains, as in vLLM.
+    #[arg(long, default_value = "sha256_cbor", value_parser = ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])]
+    pub prefix_caching_hash_algo: String,
     /// KV events config as JSON, with vLLM's keys.
     #[arg(long)]
     pub kv_events_config: Option<String>,
@@ -273,8 +288,21 @@ pub struct SimArgs {
 }
 
 impl SimArgs {
-    /// Builds and validates the configuration.
+    /// Builds and validates the configuration, reading vLLM's environment variables
+    /// (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`, `PYTHONHASHSEED`) from the process.
     pub fn into_config(self) -> Result<SimConfig, String> {
+        self.into_config_with_env(&|name| std::env::var(name).ok())
+    }
+
+    /// [`SimArgs::into_config`] with the environment given by `env`.
+    pub fn into_config_with_env(self, env: &dyn Fn(&str) -> Option<String>) -> Result<SimConfig, String> {
+        if self.prefix_caching_hash_algo != "sha256_cbor" {
+            return Err(format!(
+                "--prefix-caching-hash-algo {}: vllm-sim computes only sha256_cbor block hashes (the only algorithm a consumer outside Python can reproduce); use --prefix-caching-hash-algo sha256_cbor",
+                self.prefix_caching_hash_algo
+            ));
+        }
+        let kv_events_hash_format = crate::events::HashFormat::from_env_value(env(crate::events::HashFormat::ENV).as_deref())?;
         let host: std::net::IpAddr = self.host.parse().map_err(|_| format!("--host: not an IP address: {}", self.host))?;
         let model = self.model.or(self.model_pos).unwrap_or_else(|| "sim-model".into());
         let kv_events = match &self.kv_events_config {
@@ -307,6 +335,8 @@ impl SimArgs {
             enable_prefix_caching: !self.no_enable_prefix_caching || self.enable_prefix_caching,
             kv_events,
             kv_events_format: if self.kv_events_format == "array" { crate::events::EventFormat::Array } else { crate::events::EventFormat::Map },
+            kv_events_hash_format,
+            python_hash_seed: env("PYTHONHASHSEED"),
             data_parallel_size: self.data_parallel_size,
             seed: self.seed,
             timing,
@@ -360,6 +390,23 @@ mod tests {
         assert!(c.kv_events.publishes());
         assert_eq!(c.kv_events.topic, "kv");
         assert_eq!(c.kv_events.buffer_steps, 10_000);
+    }
+
+    #[test]
+    fn hash_settings_follow_vllms_flag_and_environment() {
+        let with_env = |args: &[&str], vars: &[(&str, &str)]| {
+            let mut v = vec!["vllm-sim"];
+            v.extend_from_slice(args);
+            let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            SimArgs::try_parse_from(v).map_err(|e| e.to_string())?.into_config_with_env(&|k| vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()))
+        };
+        let c = with_env(&[], &[]).unwrap();
+        assert_eq!((c.kv_events_hash_format, c.python_hash_seed), (crate::events::HashFormat::Int, None));
+        let c = with_env(&["--prefix-caching-hash-algo", "sha256_cbor"], &[("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0"), ("PYTHONHASHSEED", "0")]).unwrap();
+        assert_eq!((c.kv_events_hash_format, c.python_hash_seed.as_deref()), (crate::events::HashFormat::Bytes, Some("0")));
+        assert!(with_env(&[], &[("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "yes")]).unwrap_err().contains("not an integer"));
+        assert!(with_env(&["--prefix-caching-hash-algo", "sha256"], &[]).unwrap_err().contains("only sha256_cbor"));
+        assert!(with_env(&["--prefix-caching-hash-algo", "md5"], &[]).is_err());
     }
 
     #[test]

@@ -143,8 +143,8 @@ impl BlockPool {
             self.cached.entry(*hash).or_default().push(id);
         }
         self.events.push(KvEvent::BlockStored {
-            block_hashes: hashes.iter().map(BlockHash::wire_id).collect(),
-            parent_block_hash: parent.map(BlockHash::wire_id),
+            block_hashes: hashes.to_vec(),
+            parent_block_hash: parent.copied(),
             token_ids: token_ids.to_vec(),
             block_size: self.block_size as u32,
         });
@@ -179,7 +179,7 @@ impl BlockPool {
                 self.cached.remove(&hash);
             }
         }
-        self.events.push(KvEvent::BlockRemoved { block_hashes: vec![hash.wire_id()] });
+        self.events.push(KvEvent::BlockRemoved { block_hashes: vec![hash] });
     }
 
     fn unlink(&mut self, id: BlockId) {
@@ -258,7 +258,7 @@ mod tests {
         let got = p.allocate(1).unwrap();
         assert_eq!(got, vec![a[3]]);
         let ev = p.take_events();
-        assert_eq!(ev, vec![KvEvent::BlockRemoved { block_hashes: vec![h(4).wire_id()] }]);
+        assert_eq!(ev, vec![KvEvent::BlockRemoved { block_hashes: vec![h(4)] }]);
         assert_eq!(p.lookup(&h(4)), None);
         assert_eq!(p.lookup(&h(1)), Some(a[0]));
     }

@@ -10,7 +10,7 @@
 //! is dropped and counted, so a stuck publisher never stalls the engine.
 
 use crate::config::KvEventsConfig;
-use crate::events::{EventFormat, KvEvent, encode_batch};
+use crate::events::{EventFormat, HashFormat, KvEvent, encode_batch};
 use bytes::Bytes;
 use std::collections::VecDeque;
 use tokio::sync::mpsc;
@@ -63,6 +63,7 @@ pub async fn start(
     cfg: &KvEventsConfig,
     rank: u32,
     format: EventFormat,
+    hashes: HashFormat,
     faults: std::sync::Arc<crate::faults::Faults>,
     stop: CancellationToken,
 ) -> Result<PublisherHandle, String> {
@@ -90,6 +91,7 @@ pub async fn start(
         topic: Bytes::from(cfg.topic.clone().into_bytes()),
         rank,
         format,
+        hashes,
         buffer: VecDeque::new(),
         buffer_steps: cfg.buffer_steps.max(1),
         seq: 0,
@@ -103,6 +105,7 @@ struct PublisherTask {
     topic: Bytes,
     rank: u32,
     format: EventFormat,
+    hashes: HashFormat,
     buffer: VecDeque<(u64, Bytes)>,
     buffer_steps: usize,
     seq: u64,
@@ -139,7 +142,7 @@ impl PublisherTask {
                 _ = stop.cancelled() => break,
                 batch = rx.recv() => {
                     let Some((ts, events)) = batch else { break };
-                    let payload = Bytes::from(encode_batch(ts, &events, self.rank, self.format));
+                    let payload = Bytes::from(encode_batch(ts, &events, self.rank, self.format, self.hashes));
                     let seq = self.seq;
                     self.seq += 1;
                     let frames = vec![self.topic.clone(), Bytes::copy_from_slice(&seq.to_be_bytes()), payload.clone()];

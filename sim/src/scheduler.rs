@@ -17,7 +17,7 @@
 //!
 //! Time, channels and HTTP are not this module's business (see `engine`).
 
-use crate::block_hash::{BlockHash, hash_block};
+use crate::block_hash::{BlockHash, hash_block_from};
 use crate::events::KvEvent;
 use crate::kv_cache::{BlockId, BlockPool};
 use crate::sampler::{ContextHash, Sampler};
@@ -42,6 +42,8 @@ pub struct SchedulerConfig {
     pub max_model_len: usize,
     /// Prefix caching on/off.
     pub enable_prefix_caching: bool,
+    /// Parent of every prompt's first block (vLLM's `NONE_HASH`, from `PYTHONHASHSEED`).
+    pub hash_root: BlockHash,
 }
 
 /// A request as handed to the engine.
@@ -141,10 +143,10 @@ impl Request {
     }
 
     /// Extends `block_hashes` to cover the first `n` full blocks.
-    fn ensure_hashes(&mut self, n: usize, bs: usize) {
+    fn ensure_hashes(&mut self, n: usize, bs: usize, root: &BlockHash) {
         while self.block_hashes.len() < n {
             let i = self.block_hashes.len();
-            let h = hash_block(self.block_hashes.last(), &self.tokens[i * bs..(i + 1) * bs]);
+            let h = hash_block_from(self.block_hashes.last().unwrap_or(root), &self.tokens[i * bs..(i + 1) * bs]);
             self.block_hashes.push(h);
         }
     }
@@ -199,7 +201,7 @@ impl Scheduler {
             num_cached_tokens: None,
         };
         if self.cfg.enable_prefix_caching {
-            req.ensure_hashes(req.tokens.len() / bs, bs);
+            req.ensure_hashes(req.tokens.len() / bs, bs, &self.cfg.hash_root);
         }
         self.requests.insert(r.id, req);
         self.waiting.push_back(r.id);
@@ -390,7 +392,7 @@ impl Scheduler {
     /// Gives the request blocks for `n` more tokens (after taking `hits` from the cache) and
     /// registers its newly full blocks. All or nothing.
     fn allocate(&mut self, id: ReqId, n: usize, hits: &[BlockId]) -> bool {
-        let bs = self.cfg.block_size;
+        let (bs, root) = (self.cfg.block_size, self.cfg.hash_root);
         let req = self.requests.get_mut(&id).expect("scheduled ids are live");
         let computed = req.num_computed + hits.len() * bs;
         let need = ceil_div(computed + n, bs);
@@ -410,7 +412,7 @@ impl Scheduler {
         let from = req.num_cached_blocks;
         if full > from {
             if self.cfg.enable_prefix_caching {
-                req.ensure_hashes(full, bs);
+                req.ensure_hashes(full, bs, &root);
                 let parent = from.checked_sub(1).map(|p| req.block_hashes[p]);
                 self.pool.cache_full_blocks(&req.blocks[from..full], &req.block_hashes[from..full], parent.as_ref(), &req.tokens[from * bs..full * bs]);
             }

@@ -62,11 +62,16 @@ impl SimServer {
             max_num_batched_tokens: cfg.max_num_batched_tokens,
             max_model_len: cfg.max_model_len,
             enable_prefix_caching: cfg.enable_prefix_caching,
+            hash_root: crate::block_hash::root_hash(cfg.python_hash_seed.as_deref()),
         };
         let mut engines: Vec<Arc<EngineHandle>> = Vec::with_capacity(cfg.data_parallel_size);
         for rank in 0..cfg.data_parallel_size as u32 {
             let publisher = if cfg.kv_events.publishes() {
-                Some(crate::publisher::start(&cfg.kv_events, rank, cfg.kv_events_format, faults.clone(), stop.clone()).await.map_err(SimError::Bind)?)
+                Some(
+                    crate::publisher::start(&cfg.kv_events, rank, cfg.kv_events_format, cfg.kv_events_hash_format, faults.clone(), stop.clone())
+                        .await
+                        .map_err(SimError::Bind)?,
+                )
             } else {
                 None
             };

@@ -70,3 +70,70 @@ async fn the_index_reports_a_requests_full_blocks_then_none_after_reset() {
     assert_eq!(index.block_count(1), 0);
     task.abort();
 }
+
+/// kvgate in front of workers that publish vLLM's full 32-byte block hashes
+/// (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`, as vllm-router's `kv_aware` documents): the
+/// gateway reduces them to the same 64-bit ids, so stores apply, evictions find the blocks they
+/// remove, and a prompt cached on one worker is routed to it.
+#[tokio::test]
+async fn full_byte_block_hashes_index_evict_and_route_like_int_ones() {
+    use kvgate_tests::cluster::{Cluster, GatewayOpts, wait_until};
+    use vllm_sim::SimConfig;
+    use vllm_sim::events::HashFormat;
+
+    // 159 usable blocks of 16 tokens: a few 40-block prompts evict earlier ones.
+    let sim = SimConfig { kv_events_hash_format: HashFormat::Bytes, num_gpu_blocks: 160, max_model_len: 2048, ..kvgate_tests::target::test_sim_config() };
+    let c = Cluster::sims_with_events(2, sim, GatewayOpts { mode: "kv".into(), ..Default::default() }).await;
+    let prompt = |seed: u32| -> Vec<u32> { (0..40 * 16).map(|t| (seed * 7919 + t * 31) % 4000 + 10).collect() };
+    let direct = |i: usize, p: Vec<u32>| {
+        let (http, url) = (c.http.clone(), format!("{}/v1/completions", c.sims[i].url()));
+        async move {
+            let r = http.post(url).json(&json!({"model": "sim-model", "prompt": p, "max_tokens": 1})).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+        }
+    };
+    let applied = |ty: &'static str| {
+        let c = &c;
+        async move { c.gateway_metrics().await.sum("kvgate_kv_events_total", &[("type", ty), ("result", "applied")]) }
+    };
+    // Subscriptions come up in the background: probe both workers until both streams apply.
+    let ready = wait_until(Duration::from_secs(15), || async {
+        for i in 0..2 {
+            direct(i, prompt(1000 + i as u32)).await;
+        }
+        let m = c.gateway_metrics().await;
+        let sources: std::collections::HashSet<_> = m
+            .samples
+            .iter()
+            .filter(|s| s.name == "kvgate_kv_events_total" && s.labels.get("result").is_some_and(|r| r == "applied"))
+            .filter_map(|s| s.labels.get("source").cloned())
+            .collect();
+        sources.len() == 2
+    })
+    .await;
+    assert!(ready.is_some(), "the gateway applies full-byte events from both workers");
+
+    // A prompt cached on worker 1 only goes to worker 1.
+    let blocks = || async { c.gateway_metrics().await.sum("kvgate_kv_index_blocks", &[]) };
+    let before = blocks().await;
+    let hot = prompt(7);
+    direct(1, hot.clone()).await;
+    let indexed = wait_until(Duration::from_secs(10), || async { blocks().await >= before + 40.0 }).await;
+    assert!(indexed.is_some(), "the hot prompt's 40 blocks are indexed");
+    for _ in 0..3 {
+        let r = c.http.post(c.url("/v1/completions")).json(&json!({"model": "sim-model", "prompt": hot, "max_tokens": 1})).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers().get("x-kvgate-worker").and_then(|v| v.to_str().ok()), Some(c.sims[1].url().as_str()));
+    }
+
+    // Evictions on worker 0 name 32-byte digests the gateway must recognise.
+    for seed in 20..26 {
+        direct(0, prompt(seed)).await;
+    }
+    let evicted = wait_until(Duration::from_secs(10), || async { applied("removed").await >= 40.0 }).await;
+    assert!(evicted.is_some(), "removals applied");
+    let m = c.gateway_metrics().await;
+    assert_eq!(m.sum("kvgate_kv_unknown_removals_total", &[]), 0.0, "every removed digest matched a stored one");
+    assert_eq!(m.sum("kvgate_kv_batches_malformed_total", &[]), 0.0);
+    assert_eq!(m.sum("kvgate_kv_events_total", &[("result", "ignored")]), 0.0);
+}

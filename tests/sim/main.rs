@@ -189,6 +189,42 @@ async fn array_event_format_option() {
 }
 
 #[tokio::test]
+async fn full_byte_block_hash_option() {
+    // What VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 does to vLLM: 32-byte digests as msgpack bin,
+    // whose last 8 bytes are the ints the default mode publishes.
+    use vllm_sim::block_hash::hash_block;
+    let mut cfg = test_sim_config();
+    cfg.kv_events_hash_format = vllm_sim::events::HashFormat::Bytes;
+    let t = Target::sim(cfg).await;
+    let mut sub = EventSub::connect(t.zmq.as_deref().unwrap(), "kv").await;
+    let prompt = t.tokenize(&unique_text(60)).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let b = loop {
+        assert!(Instant::now() < deadline);
+        let (s, _) = t.post("/v1/completions", &json!({"prompt": prompt, "max_tokens": 1})).await;
+        assert_eq!(s, 200);
+        if let Some(b) = sub.next(Duration::from_millis(300)).await {
+            break b;
+        }
+    };
+    let Event::Stored { hashes, parent, tokens, .. } = &b.events[0] else { panic!("{:?}", b.events) };
+    assert_eq!(*parent, None);
+    let mut want = Vec::new();
+    let mut prev = None;
+    for block in tokens.chunks(16) {
+        let h = hash_block(prev.as_ref(), block);
+        want.push(h);
+        prev = Some(h);
+    }
+    assert_eq!(*hashes, want.iter().map(|h| h.wire_id()).collect::<Vec<_>>(), "the bin's last 8 bytes are the int form");
+    for h in &want {
+        let mut bin = vec![0xc4, 0x20];
+        bin.extend_from_slice(&h.0);
+        assert!(b.payload.windows(34).any(|w| w == bin.as_slice()), "each digest is a 32-byte msgpack bin");
+    }
+}
+
+#[tokio::test]
 async fn preemption_under_kv_pressure_completes_every_request() {
     let mut cfg = test_sim_config();
     cfg.num_gpu_blocks = 64; // 63 usable blocks of 16 tokens

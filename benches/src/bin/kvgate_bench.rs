@@ -12,6 +12,7 @@ use kvgate_bench::cluster::{self, Procs, SimOptions};
 use kvgate_bench::load::report::{self, Report, Slo};
 use kvgate_bench::load::workload::{self, Workload};
 use kvgate_bench::load::{RunOptions, run};
+use kvgate_bench::peers::{self, Peer};
 use kvgate_bench::trace;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -44,9 +45,21 @@ enum Cmd {
         /// Workers in the cluster.
         #[arg(long, default_value_t = 8)]
         workers: usize,
-        /// Targets, comma-separated: kvgate-kv, kvgate-round_robin, kvgate-random,
-        /// vllm-router-round_robin, vllm-router-cache_aware, vllm-router-kv_aware, smg-cache_aware.
-        /// A kvgate target may carry routing keys: `kvgate-kv@overlap_score_weight=8`.
+        /// Targets, comma-separated: kvgate-<mode> (kv, round_robin, random),
+        /// vllm-router-<policy> (round_robin, cache_aware, kv_aware, ...), smg-<policy>
+        /// (cache_aware, ...). Options follow `@`, `;`-separated. A kvgate target takes routing
+        /// keys: `kvgate-kv@overlap_score_weight=8`. A peer takes its own command-line options,
+        /// `key=value` as `--key value` and a bare `key` as `--key`
+        /// (`vllm-router-cache_aware@cache-threshold=0.5;balance-abs-threshold=32`), and `docs`
+        /// for the configuration its documentation recommends: vllm-router cache_aware
+        /// `--cache-threshold 0.5 --balance-abs-threshold 32 --balance-rel-threshold 1.1` (its
+        /// load-balancing guide; vllm-router 0.1.17 defaults to 0.3 / 64 / 1.5), SMG cache_aware
+        /// `--cache-threshold 0.5 --balance-abs-threshold 32 --balance-rel-threshold 1.5
+        /// --eviction-interval-secs 120 --max-tree-size 67108864` (the SGLang Model Gateway
+        /// guide; sglang-router 0.3.2 defaults to 0.3 / 64 / 1.5 / 60 s); sources in
+        /// benches/RESULTS.md. vllm-router kv_aware's workers run as its documentation requires:
+        /// sha256_cbor hashes published as 32-byte digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0),
+        /// PYTHONHASHSEED=0, event topic "".
         #[arg(long, value_delimiter = ',', default_value = "kvgate-kv,kvgate-round_robin,vllm-router-cache_aware,vllm-router-kv_aware,smg-cache_aware")]
         targets: Vec<String>,
         /// The vllm-sim binary.
@@ -345,11 +358,34 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
             return 2;
         }
     };
-    let sims = SimOptions { bin: sim_bin.to_path_buf(), model: common.model.clone(), args: sim_args.split_whitespace().map(String::from).collect() };
+    // Every target is checked before anything starts.
+    let mut parsed = Vec::with_capacity(targets.len());
+    for t in targets {
+        match Peer::parse(t) {
+            Ok(p) => parsed.push(p),
+            Err(e) => {
+                eprintln!("kvgate-bench: {e}");
+                return 2;
+            }
+        }
+    }
+    let base =
+        SimOptions { bin: sim_bin.to_path_buf(), model: common.model.clone(), args: sim_args.split_whitespace().map(String::from).collect(), env: Vec::new() };
     let mut reports = Vec::new();
     let mut notes = vec![note, format!("Cluster: {n} vllm-sim workers ({}), fresh for every target.", if sim_args.is_empty() { "defaults" } else { sim_args })];
-    for t in targets {
+    let logs = common.out.join("logs");
+    for (t, peer) in targets.iter().zip(&parsed) {
         let mut procs = Procs::default();
+        // The workers as this target needs them (vllm-router kv_aware: full 32-byte hashes).
+        let mut sims = base.clone();
+        if let Some(p) = peer {
+            sims.env.extend(p.worker_env());
+            sims.args.extend(p.worker_args());
+            if !p.worker_env().is_empty() || !p.worker_args().is_empty() {
+                let env: Vec<String> = p.worker_env().iter().map(|(k, v)| format!("{k}={v}")).collect();
+                notes.push(format!("{t}: workers run with {} {}.", env.join(" "), p.worker_args().join(" ")));
+            }
+        }
         let workers = match cluster::start_sims(&mut procs, &sims, n).await {
             Ok(w) => w,
             Err(e) => {
@@ -357,10 +393,10 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
                 return 1;
             }
         };
-        // `kvgate-kv@overlap_score_weight=4;temperature=0.1`: per-target routing keys.
-        let (name, keys) = t.split_once('@').unwrap_or((t.as_str(), ""));
-        let started = match name {
-            "kvgate-kv" | "kvgate-round_robin" | "kvgate-random" => {
+        let started = match peer {
+            None => {
+                // `kvgate-kv@overlap_score_weight=4;temperature=0.1`: per-target routing keys.
+                let (name, keys) = t.split_once('@').unwrap_or((t.as_str(), ""));
                 let mode = name.trim_start_matches("kvgate-");
                 let mut routing = format!("mode: {mode}");
                 let extra = if keys.is_empty() && mode == "kv" { kvgate_routing.to_string() } else { keys.replace('=', ": ") };
@@ -368,14 +404,19 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
                     routing.push('\n');
                     routing.push_str(line.trim());
                 }
-                // The workers' own tokenizer (vllm-sim's built-in one), so chat prompts hash
+                // The workers' own tokenizer (vllm-sim's built-in one), so text prompts hash
                 // to the blocks the workers cache.
-                cluster::start_kvgate(&mut procs, kvgate_bin, &common.model, &routing, &workers, "tokenizer: builtin").await.map(|g| Some(g.url))
+                cluster::start_kvgate(&mut procs, kvgate_bin, &common.model, &routing, &workers, "tokenizer: builtin").await.map(|g| Some((g.url, None)))
             }
-            other => start_peer(&mut procs, other, peers, &common.model, &workers).await,
+            Some(p) => start_peer(&mut procs, t, p, peers, &common.model, &workers, peers::block_size(&sims.args), &logs).await.map(|o| {
+                o.map(|(url, prom, line)| {
+                    notes.push(format!("{t}: `{line}`"));
+                    (url, Some(prom))
+                })
+            }),
         };
-        let url = match started {
-            Ok(Some(url)) => url,
+        let (url, prom) = match started {
+            Ok(Some(x)) => x,
             Ok(None) => {
                 notes.push(format!("{t}: skipped (not installed)."));
                 eprintln!("kvgate-bench: {t} skipped: not installed");
@@ -397,55 +438,82 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
             progress: !common.quiet,
         };
         reports.push(run(&o, &w).await);
+        if let (Some(Peer { router: peers::Router::VllmRouter, policy, .. }), Some(prom)) = (peer, prom)
+            && policy == "kv_aware"
+            && let Some(line) = kv_lookups(&prom).await
+        {
+            eprintln!("kvgate-bench: {t}: {line}");
+            notes.push(format!("{t}: {line}"));
+        }
         drop(procs);
     }
     finish(&reports, common, &notes.join("\n"));
     0
 }
 
-/// Starts a peer router; `Ok(None)` when it is not installed.
+/// vllm-router's own count of KV placement lookups by result, read from its Prometheus port.
+async fn kv_lookups(prom: &str) -> Option<String> {
+    let text = reqwest::get(format!("{prom}/metrics")).await.ok()?.text().await.ok()?;
+    let m = kvgate_tests::prom::Metrics::parse(&text);
+    let mut by: Vec<(String, f64)> = Vec::new();
+    for s in m.samples.iter().filter(|s| s.name == "vllm_router_kv_placement_lookups_total") {
+        by.push((s.labels.get("result").cloned().unwrap_or_default(), s.value));
+    }
+    by.sort_by(|a, b| a.0.cmp(&b.0));
+    let list: Vec<String> = by.iter().map(|(r, v)| format!("{r} {v}")).collect();
+    Some(format!("KV placement lookups (vllm_router_kv_placement_lookups_total): {}", if list.is_empty() { "none".into() } else { list.join(", ") }))
+}
+
+/// Starts a peer router; `Ok(None)` when it is not installed, else its URL, its Prometheus
+/// URL and the command line it was started with.
 ///
-/// vllm-router: `--policy round_robin|cache_aware|kv_aware`; kv_aware gets each worker's KV
-/// event and replay endpoints. SMG (sglang-router): `smg launch --policy …`. Both expose their
-/// own Prometheus port, given a free one so they do not clash on their default.
-async fn start_peer(procs: &mut Procs, target: &str, peers: &Peers, model: &str, workers: &[cluster::SimWorker]) -> Result<Option<String>, String> {
+/// vllm-router: `--policy <policy>`; kv_aware gets each worker's KV event and replay endpoints
+/// (static sources, which subscribe to the topic "", vLLM's default), the workers' block size
+/// and the model. SMG (sglang-router): `smg launch --policy …`. Both expose their own
+/// Prometheus port, given a free one so they do not clash on their default. The peer's output
+/// goes to `logs/<target>.log`.
+#[allow(clippy::too_many_arguments)]
+async fn start_peer(
+    procs: &mut Procs,
+    target: &str,
+    peer: &Peer,
+    peers: &Peers,
+    model: &str,
+    workers: &[cluster::SimWorker],
+    block_size: usize,
+    logs: &Path,
+) -> Result<Option<(String, String, String)>, String> {
     let ports = cluster::free_ports(2);
     let (port, prom) = (ports[0].to_string(), ports[1].to_string());
     let urls: Vec<&str> = workers.iter().map(|w| w.url.as_str()).collect();
-    let mut cmd;
-    if let Some(policy) = target.strip_prefix("vllm-router-") {
-        let Some(bin) = &peers.vllm_router else { return Ok(None) };
-        cmd = std::process::Command::new(bin);
-        cmd.args(["--host", "127.0.0.1", "--port", &port, "--prometheus-port", &prom, "--policy", policy, "--worker-urls"]).args(&urls);
-        if policy == "kv_aware" {
-            for w in workers {
-                cmd.arg("--kv-event-source").arg(format!("{}={}", w.url, w.kv_events));
-                cmd.arg("--kv-event-replay-source").arg(format!("{}={}", w.url, w.replay));
-            }
-            cmd.args(["--kv-event-block-size", "16", "--kv-event-model", model]);
+    let (bin, mut args): (&PathBuf, Vec<String>) = match peer.router {
+        peers::Router::VllmRouter => {
+            let Some(bin) = &peers.vllm_router else { return Ok(None) };
+            (bin, vec![])
         }
-    } else if let Some(policy) = target.strip_prefix("smg-") {
-        let Some(bin) = &peers.smg else { return Ok(None) };
-        cmd = std::process::Command::new(bin);
-        cmd.args([
-            "launch",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            &port,
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            &prom,
-            "--policy",
-            policy,
-            "--worker-urls",
-        ])
-        .args(&urls);
-    } else {
-        return Err(format!("unknown target {target:?}"));
+        peers::Router::Smg => {
+            let Some(bin) = &peers.smg else { return Ok(None) };
+            (bin, vec!["launch".into(), "--prometheus-host".into(), "127.0.0.1".into()])
+        }
+    };
+    args.extend(["--host", "127.0.0.1", "--port", &port, "--prometheus-port", &prom, "--policy", &peer.policy, "--worker-urls"].map(String::from));
+    args.extend(urls.iter().map(|u| u.to_string()));
+    if peer.router == peers::Router::VllmRouter && peer.policy == "kv_aware" {
+        for w in workers {
+            args.extend(["--kv-event-source".into(), format!("{}={}", w.url, w.kv_events)]);
+            args.extend(["--kv-event-replay-source".into(), format!("{}={}", w.url, w.replay)]);
+        }
+        args.extend(["--kv-event-block-size".into(), block_size.to_string(), "--kv-event-model".into(), model.to_string()]);
     }
-    cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
+    args.extend(peer.args.iter().cloned());
+    let line = format!("{} {}", bin.file_name().map(|f| f.to_string_lossy()).unwrap_or_default(), args.join(" "));
+    let mut cmd = std::process::Command::new(bin);
+    cmd.args(&args).stdout(std::process::Stdio::null());
+    let log = std::fs::create_dir_all(logs).and_then(|()| std::fs::File::create(logs.join(format!("{}.log", target.replace(['/', ' '], "_")))));
+    cmd.stderr(match log {
+        Ok(f) => std::process::Stdio::from(f),
+        Err(_) => std::process::Stdio::null(),
+    });
     procs.0.push(cmd.spawn().map_err(|e| format!("{target}: {e}"))?);
     let url = format!("http://127.0.0.1:{port}");
     // Routers register workers after they start listening: ready once a request goes through.
@@ -457,7 +525,7 @@ async fn start_peer(procs: &mut Procs, target: &str, peers: &Peers, model: &str,
     let mut last = String::from("no answer");
     while start.elapsed() < Duration::from_secs(60) {
         match http.post(format!("{url}/v1/completions")).json(&probe).send().await {
-            Ok(r) if r.status().is_success() => return Ok(Some(url)),
+            Ok(r) if r.status().is_success() => return Ok(Some((url, format!("http://127.0.0.1:{prom}"), line))),
             Ok(r) => {
                 let status = r.status();
                 let body = r.text().await.unwrap_or_default();
@@ -472,7 +540,7 @@ async fn start_peer(procs: &mut Procs, target: &str, peers: &Peers, model: &str,
         if let Some(child) = procs.0.last_mut()
             && let Ok(Some(status)) = child.try_wait()
         {
-            return Err(format!("{target} exited ({status})"));
+            return Err(format!("{target} exited ({status}); see {}", logs.display()));
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }

@@ -71,6 +71,7 @@ async fn run(args: &Args, setting: &str) -> Outcome {
         bin: args.sim_bin.clone().into(),
         model: "sim-model".into(),
         args: vec!["--num-gpu-blocks-override".into(), args.num_gpu_blocks.to_string(), "--max-model-len".into(), "8192".into()],
+        env: Vec::new(),
     };
     let workers = cluster::start_sims(&mut procs, &sims, 4).await.expect("vllm-sim workers start");
     let sim_urls: Vec<String> = workers.iter().map(|w| w.url.clone()).collect();

@@ -1,5 +1,5 @@
 use super::*;
-use crate::block_hash::hash_block;
+use crate::block_hash::{hash_block, none_hash, root_hash};
 
 fn cfg(blocks: usize, budget: usize, seqs: usize) -> SchedulerConfig {
     SchedulerConfig {
@@ -9,6 +9,7 @@ fn cfg(blocks: usize, budget: usize, seqs: usize) -> SchedulerConfig {
         max_num_batched_tokens: budget,
         max_model_len: 1024,
         enable_prefix_caching: true,
+        hash_root: none_hash(),
     }
 }
 
@@ -39,7 +40,9 @@ fn stored(events: &[KvEvent]) -> Vec<(Vec<u64>, Option<u64>, Vec<u32>)> {
     events
         .iter()
         .filter_map(|e| match e {
-            KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, .. } => Some((block_hashes.clone(), *parent_block_hash, token_ids.clone())),
+            KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, .. } => {
+                Some((block_hashes.iter().map(BlockHash::wire_id).collect(), parent_block_hash.map(|p| p.wire_id()), token_ids.clone()))
+            }
             _ => None,
         })
         .collect()
@@ -170,6 +173,19 @@ fn events_cover_prompt_and_decode_blocks_with_chained_parents() {
 }
 
 #[test]
+fn a_python_hash_seed_roots_every_chain() {
+    let root = root_hash(Some("0"));
+    let mut s = sched(SchedulerConfig { hash_root: root, ..cfg(64, 1024, 8) });
+    let prompt: Vec<u32> = (1..=8).collect();
+    s.add(req(1, prompt.clone(), 1));
+    run(&mut s);
+    let b0 = hash_block_from(&root, &prompt[0..4]);
+    let b1 = hash_block_from(&b0, &prompt[4..8]);
+    assert_eq!(stored(&s.take_events())[0].0, vec![b0.wire_id(), b1.wire_id()]);
+    assert_ne!(b0, hash_block(None, &prompt[0..4]));
+}
+
+#[test]
 fn eviction_emits_one_removed_per_hash_tail_blocks_first() {
     let mut s = sched(cfg(5, 1024, 8)); // 4 usable blocks
     s.add(req(1, (1..=13).collect(), 1)); // 3 full + 1 partial block, then done
@@ -187,7 +203,7 @@ fn eviction_emits_one_removed_per_hash_tail_blocks_first() {
     let removed: Vec<u64> = ev
         .iter()
         .filter_map(|e| match e {
-            KvEvent::BlockRemoved { block_hashes } => Some(block_hashes.clone()),
+            KvEvent::BlockRemoved { block_hashes } => Some(block_hashes.iter().map(BlockHash::wire_id).collect::<Vec<_>>()),
             _ => None,
         })
         .flatten()
