@@ -116,7 +116,6 @@ mod tests {
 
     /// The connection's identity (its file descriptor).
     fn id(s: &Stream) -> pingora::protocols::UniqueIDType {
-        use pingora::protocols::UniqueID;
         s.id()
     }
 
