@@ -16,6 +16,18 @@ use std::time::Duration;
 pub struct Rng(pub u64);
 
 impl Rng {
+    /// The generator of a user-given seed. Its state is 2·seed − 41: odd, as xorshift needs a
+    /// non-zero state, different for different seeds below 2^63, and 43 for the default seed 42,
+    /// the state the workloads have always started from.
+    pub fn seeded(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(2).wrapping_sub(41))
+    }
+
+    /// An independent generator for the sub-stream `stream` of `seed` (e.g. one per document).
+    pub fn stream(seed: u64, stream: u64) -> Rng {
+        Rng(splitmix64(seed ^ splitmix64(stream)) | 1)
+    }
+
     /// The next 64 pseudo-random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
@@ -25,8 +37,31 @@ impl Rng {
     }
 }
 
+/// splitmix64's finalizer: a bijection that spreads every input bit.
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 /// The `p` quantile (0..=1, nearest rank below) of `v`, which it sorts.
 pub fn percentile(v: &mut [Duration], p: f64) -> Duration {
     v.sort_unstable();
     v[((v.len() - 1) as f64 * p) as usize]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seeds_give_distinct_generators_and_42_keeps_its_old_state() {
+        assert_eq!(Rng::seeded(42).0, 43);
+        let firsts: std::collections::HashSet<u64> = (0..1000).map(|s| Rng::seeded(s).next_u64()).collect();
+        assert_eq!(firsts.len(), 1000);
+        let streams: std::collections::HashSet<u64> =
+            (0..1000).map(|d| Rng::stream(42, d).next_u64()).chain((0..1000).map(|d| Rng::stream(43, d).next_u64())).collect();
+        assert_eq!(streams.len(), 2000);
+    }
 }

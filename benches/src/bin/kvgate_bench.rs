@@ -176,12 +176,36 @@ async fn reschedule(a: RescheduleArgs) -> i32 {
 
 #[derive(Clone, Copy, ValueEnum)]
 enum Kind {
-    /// Replay a Mooncake trace.
+    /// Replay a Mooncake trace (token ids).
     Trace,
-    /// Synthetic shared-prefix traffic.
+    /// Synthetic shared-prefix traffic: --groups prefixes of --prefix-tokens plus
+    /// --suffix-tokens of each request's own (default: 32 prefixes of 384 + 128, short prompts),
+    /// Poisson at --rate.
     SharedPrefix,
-    /// Multi-turn chat sessions.
+    /// Multi-turn chat sessions (text), each turn after the previous answer.
     Chat,
+    /// Short chat-like prompts (--short-tokens, continuing --conversations conversations) mixed
+    /// with long documents (--long-fraction of the requests, --doc-tokens, --docs distinct
+    /// documents, each re-asked), Poisson at --rate.
+    Mixed,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
+enum Prompts {
+    /// Token-id prompts.
+    Ids,
+    /// Text prompts (every router accepts them; SMG refuses token ids).
+    Text,
+}
+
+/// `A-B`: an inclusive range of token counts.
+fn token_range(s: &str) -> Result<(usize, usize), String> {
+    let (a, b) = s.split_once('-').ok_or_else(|| format!("{s:?}: expected MIN-MAX"))?;
+    let (a, b): (usize, usize) = (a.trim().parse().map_err(|e| format!("{a:?}: {e}"))?, b.trim().parse().map_err(|e| format!("{b:?}: {e}"))?);
+    if a == 0 || a > b {
+        return Err(format!("{s:?}: expected 0 < MIN <= MAX"));
+    }
+    Ok((a, b))
 }
 
 #[derive(Args, Clone)]
@@ -198,7 +222,7 @@ struct Common {
     /// trace: arrivals this many times faster.
     #[arg(long, default_value_t = 1.0)]
     speedup: f64,
-    /// trace / shared-prefix: at most this many requests.
+    /// trace / shared-prefix / mixed: at most this many requests.
     #[arg(long, default_value_t = usize::MAX)]
     max_requests: usize,
     /// trace: prompts cut to this many tokens (a prefix, so sharing is kept).
@@ -210,22 +234,47 @@ struct Common {
     /// Token ids are drawn below this (the target's vocabulary size).
     #[arg(long, default_value_t = 4000)]
     vocab: u32,
+    /// shared-prefix / mixed: token-id or text prompts (default text: every router accepts it;
+    /// a text prompt of n tokens is n words that are one token each in vllm-sim's built-in
+    /// tokenizer). The trace is token ids, chat is text.
+    #[arg(long, value_enum)]
+    prompts: Option<Prompts>,
+    /// shared-prefix / chat / mixed: seed of the texts, ids and arrivals.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
     /// shared-prefix: prefixes.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 32)]
     groups: u32,
     /// shared-prefix: prefix length, tokens.
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = 384)]
     prefix_tokens: usize,
     /// shared-prefix: unique suffix length, tokens.
     #[arg(long, default_value_t = 128)]
     suffix_tokens: usize,
-    /// shared-prefix / chat: output tokens per request.
+    /// mixed: fraction of requests that are long documents.
+    #[arg(long, default_value_t = 0.2)]
+    long_fraction: f64,
+    /// mixed: short prompts' length, tokens (MIN-MAX).
+    #[arg(long, default_value = "100-500", value_parser = token_range)]
+    short_tokens: (usize, usize),
+    /// mixed: conversations the short prompts continue (each prompt extends its
+    /// conversation's previous one, until it would outgrow --short-tokens).
+    #[arg(long, default_value_t = 32)]
+    conversations: usize,
+    /// mixed: documents' length, tokens (MIN-MAX), question included.
+    #[arg(long, default_value = "4096-16384", value_parser = token_range)]
+    doc_tokens: (usize, usize),
+    /// mixed: distinct documents (questions pick one uniformly, so each is re-asked; the
+    /// default 48 average 480k tokens, more than one default worker's KV cache holds).
+    #[arg(long, default_value_t = 48)]
+    docs: u32,
+    /// shared-prefix / chat / mixed: output tokens per request.
     #[arg(long, default_value_t = 64)]
     output_tokens: u32,
-    /// shared-prefix: requests (chat: sessions).
+    /// shared-prefix / mixed: requests (chat: sessions).
     #[arg(long, default_value_t = 400)]
     requests: usize,
-    /// shared-prefix: requests per second (chat: sessions started per second).
+    /// shared-prefix / mixed: requests per second (chat: sessions started per second).
     #[arg(long, default_value_t = 10.0)]
     rate: f64,
     /// chat: turns per session.
@@ -249,7 +298,20 @@ struct Common {
 }
 
 impl Common {
+    /// The prompt format: `--prompts`, or the workload's default.
+    fn format(&self) -> Result<workload::PromptFormat, String> {
+        let p = match (self.workload, self.prompts) {
+            (Kind::Trace, Some(Prompts::Text)) => return Err("--prompts text: the trace workload replays token ids".into()),
+            (Kind::Chat, Some(Prompts::Ids)) => return Err("--prompts ids: the chat workload sends text".into()),
+            (Kind::Trace, _) => Prompts::Ids,
+            (_, p) => p.unwrap_or(Prompts::Text),
+        };
+        Ok(if p == Prompts::Ids { workload::PromptFormat::Ids } else { workload::PromptFormat::Text })
+    }
+
     fn workload(&self) -> Result<(Workload, String), String> {
+        let format = self.format()?;
+        let as_text = |f| if f == workload::PromptFormat::Text { "text" } else { "token-id" };
         Ok(match self.workload {
             Kind::Trace => {
                 let t = trace::load(&self.trace)?;
@@ -267,6 +329,7 @@ impl Common {
             Kind::SharedPrefix => {
                 let n = self.requests.min(self.max_requests);
                 let w = workload::shared_prefix(workload::SharedPrefix {
+                    format,
                     groups: self.groups,
                     prefix_tokens: self.prefix_tokens,
                     suffix_tokens: self.suffix_tokens,
@@ -274,13 +337,51 @@ impl Common {
                     requests: n,
                     rate: self.rate,
                     vocab: self.vocab,
-                    seed: 42,
+                    seed: self.seed,
                 });
                 let note = format!(
-                    "Workload: {n} requests over {} shared prefixes of {} tokens (+{} unique), {}/s Poisson.",
-                    self.groups, self.prefix_tokens, self.suffix_tokens, self.rate
+                    "Workload: {n} {} requests over {} shared prefixes of {} tokens (+{} unique), {} output tokens, {}/s Poisson, seed {}.",
+                    as_text(format),
+                    self.groups,
+                    self.prefix_tokens,
+                    self.suffix_tokens,
+                    self.output_tokens,
+                    self.rate,
+                    self.seed
                 );
                 (w, note)
+            }
+            Kind::Mixed => {
+                let n = self.requests.min(self.max_requests);
+                let m = workload::Mixed {
+                    format,
+                    requests: n,
+                    rate: self.rate,
+                    long_fraction: self.long_fraction.clamp(0.0, 1.0),
+                    short_tokens: self.short_tokens,
+                    conversations: self.conversations,
+                    doc_tokens: self.doc_tokens,
+                    docs: self.docs,
+                    output_tokens: self.output_tokens as usize,
+                    vocab: self.vocab,
+                    seed: self.seed,
+                };
+                let note = format!(
+                    "Workload: {n} {} requests, {}/s Poisson, seed {}: {:.0}% short prompts of {}-{} tokens continuing {} conversations, {:.0}% questions about {} documents of {}-{} tokens; {} output tokens.",
+                    as_text(format),
+                    self.rate,
+                    self.seed,
+                    100.0 * (1.0 - m.long_fraction),
+                    m.short_tokens.0,
+                    m.short_tokens.1,
+                    m.conversations,
+                    100.0 * m.long_fraction,
+                    m.docs,
+                    m.doc_tokens.0,
+                    m.doc_tokens.1,
+                    self.output_tokens
+                );
+                (workload::mixed(m), note)
             }
             Kind::Chat => {
                 let w = workload::chat_sessions(workload::ChatSessions {
@@ -291,7 +392,7 @@ impl Common {
                     output_tokens: self.output_tokens,
                     rate: self.rate,
                     think: Duration::from_millis(self.think_ms),
-                    seed: 42,
+                    seed: self.seed,
                 });
                 let note = format!("Workload: {} chat sessions of {} turns, {} sessions/s.", self.requests, self.turns, self.rate);
                 (w, note)
