@@ -60,6 +60,8 @@ impl Default for Tracking {
 #[derive(Debug, Default)]
 pub struct WorkerCounters {
     requests: AtomicU32,
+    /// Requests booked with prefill outstanding (no first token yet).
+    prefilling: AtomicU32,
     prefill: AtomicU64,
     /// Chain blocks booked without dedup (used when `assume_kv_reuse` is off).
     raw_blocks: AtomicU64,
@@ -195,6 +197,9 @@ impl Ledger {
         }
         let Some(l) = self.worker(r.worker) else { return };
         l.prefill.fetch_sub(r.prefill, Ordering::Relaxed);
+        if r.prefill > 0 {
+            l.prefilling.fetch_sub(1, Ordering::Relaxed);
+        }
         let (due, time) = r.prefill_due;
         if time == 0 {
             return;
@@ -260,6 +265,11 @@ impl Ledger {
         self.worker(w).map_or(0, |l| l.requests.load(Ordering::Relaxed))
     }
 
+    /// Requests booked on `w` whose prefill is outstanding (no first token yet).
+    pub fn prefilling(&self, w: WorkerId) -> u32 {
+        self.worker(w).map_or(0, |l| l.prefilling.load(Ordering::Relaxed))
+    }
+
     /// Prefill tokens booked on `w` and not started decoding.
     pub fn prefill_tokens(&self, w: WorkerId) -> u64 {
         self.worker(w).map_or(0, |l| l.prefill.load(Ordering::Relaxed))
@@ -312,6 +322,9 @@ impl Ledger {
                 due = before.unwrap_or(now).max(now) + time;
             }
             l.requests.fetch_add(1, Ordering::Relaxed);
+            if prefill_tokens > 0 {
+                l.prefilling.fetch_add(1, Ordering::Relaxed);
+            }
             l.prefill.fetch_add(prefill_tokens, Ordering::Relaxed);
             l.raw_blocks.fetch_add(chain.len() as u64, Ordering::Relaxed);
             l.private_blocks.fetch_add(private_blocks, Ordering::Relaxed);

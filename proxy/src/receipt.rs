@@ -114,6 +114,7 @@ impl Placement {
                             v["prefill_ms"] = json!(t.prefill_ms);
                             v["steps_ms"] = json!(t.steps_ms);
                             v["slowdown_ms"] = json!(t.slowdown_ms);
+                            v["behind_ms"] = json!(t.behind_ms);
                         }
                     }
                     v["cost"] = json!(cost);

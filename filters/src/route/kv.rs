@@ -67,6 +67,8 @@ pub struct KvParams {
     pub credit_in_flight_prefix: bool,
     /// `time`: price the stall a prefill causes the decodes running on the worker.
     pub price_slowdown: bool,
+    /// `time`: price the delay a prefill causes the requests that queue behind it.
+    pub price_queue: bool,
     /// Weight of the prefill term (0 = ignore the cache).
     pub overlap_score_weight: f64,
     /// Softmax temperature (0 = argmin).
@@ -84,6 +86,7 @@ impl Default for KvParams {
             priors: TimePriors::default(),
             credit_in_flight_prefix: true,
             price_slowdown: false,
+            price_queue: true,
             overlap_score_weight: 1.0,
             temperature: 0.0,
             block_size: 16,
@@ -120,7 +123,7 @@ impl KvPolicy {
             }
             Cost::Time => {
                 let req = RequestSummary { block_size: self.params.block_size, ..req.clone() };
-                let p = self.params.priors.predict(&req, c, self.params.credit_in_flight_prefix, self.params.price_slowdown);
+                let p = self.params.priors.predict(&req, c, self.params.credit_in_flight_prefix, self.params.price_slowdown, self.params.price_queue);
                 (p.cost_ms(), Terms::Time(p))
             }
         }
@@ -305,6 +308,7 @@ mod tests {
             let (_, Terms::Time(t)) = p.cost(&r, &c[i]) else { panic!() };
             chosen[i] += 1;
             c[i].in_flight += 1;
+            c[i].prefilling += 1;
             c[i].active_prefill_tokens += t.new_tokens as u64;
             c[i].prefill_backlog_ms += t.own_ms;
             // The shared prefix is booked there now; each request's own 512 tokens differ.
@@ -323,5 +327,19 @@ mod tests {
         let c = [cand(0, 60, 0, 0), cand(1, 0, 0, 0)];
         let n0 = (0..2000).filter(|_| p.choose(&req(1024), &c) == Decision::Worker(0)).count();
         assert!((1600..1900).contains(&n0), "{n0}");
+    }
+
+    #[test]
+    fn near_saturation_a_prefix_stays_where_it_is_cached_but_an_idle_worker_takes_it() {
+        let p = KvPolicy::new(KvParams::default());
+        let myopic = KvPolicy::new(KvParams { price_queue: false, ..KvParams::default() });
+        let r = req(4096);
+        // Both workers have 10 requests queued; the cached one a longer wait.
+        let cached = Candidate { prefilling: 10, prefill_backlog_ms: 300.0, ..cand(0, 192, 20_000, 0) };
+        let cold = Candidate { prefilling: 10, prefill_backlog_ms: 100.0, ..cand(1, 0, 20_000, 0) };
+        assert_eq!(myopic.choose(&r, &[cached.clone(), cold.clone()]), Decision::Worker(1), "its own TTFT alone says move");
+        assert_eq!(p.choose(&r, &[cached.clone(), cold]), Decision::Worker(0), "computing the prefix again delays the 10 queued there");
+        let idle = cand(1, 0, 0, 0);
+        assert_eq!(p.choose(&r, &[cached, idle]), Decision::Worker(1));
     }
 }

@@ -34,6 +34,8 @@ pub struct Candidate {
     pub active_overlap_blocks: u32,
     /// Prefill tokens booked on it and not yet started decoding.
     pub active_prefill_tokens: u64,
+    /// Requests booked on it still waiting for their first token.
+    pub prefilling: u32,
     /// Predicted time until it has computed the prefill booked on it, ms (the ledger's
     /// `prefill_backlog`: decays as it makes progress).
     pub prefill_backlog_ms: f64,

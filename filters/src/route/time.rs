@@ -75,6 +75,10 @@ pub struct Prediction {
     /// What its prefill costs the requests already running there: each of their decodes
     /// stalls while its chunks run (its prefill time × those requests).
     pub slowdown_ms: f64,
+    /// What its prefill costs the requests that will queue behind it there: as many as are
+    /// queued now (a queue in a steady state is replaced as fast as it drains), each waiting
+    /// its prefill time longer.
+    pub behind_ms: f64,
 }
 
 impl Prediction {
@@ -86,7 +90,7 @@ impl Prediction {
     /// The cost: its time to first token plus the time it takes from the requests running
     /// there, ms.
     pub fn cost_ms(&self) -> f64 {
-        self.ttft_ms() + self.slowdown_ms
+        self.ttft_ms() + self.slowdown_ms + self.behind_ms
     }
 }
 
@@ -99,7 +103,7 @@ impl TimePriors {
 
     /// Predicted time to first token of `req` on `c`. `credit_booked`: a prefix being
     /// computed there for a request in flight counts as cached.
-    pub fn predict(&self, req: &RequestSummary<'_>, c: &Candidate, credit_booked: bool, slowdown: bool) -> Prediction {
+    pub fn predict(&self, req: &RequestSummary<'_>, c: &Candidate, credit_booked: bool, slowdown: bool, behind: bool) -> Prediction {
         let bs = f64::from(req.block_size.max(1));
         let prompt = f64::from(req.prompt_tokens);
         let reused = if credit_booked { c.overlap_blocks.max(c.active_overlap_blocks) } else { c.overlap_blocks };
@@ -114,7 +118,8 @@ impl TimePriors {
         let steps = ((queued + new) / chunk).ceil().max(1.0);
         let own_ms = prefill_ms + (new / chunk).ceil().max(1.0) * step;
         let slowdown_ms = if slowdown { prefill_ms * f64::from(c.in_flight) } else { 0.0 };
-        Prediction { new_tokens: new, wait_ms, prefill_ms, steps_ms: steps * step, own_ms, slowdown_ms }
+        let behind_ms = if behind { prefill_ms * f64::from(c.prefilling) } else { 0.0 };
+        Prediction { new_tokens: new, wait_ms, prefill_ms, steps_ms: steps * step, own_ms, slowdown_ms, behind_ms }
     }
 }
 
@@ -129,10 +134,10 @@ mod tests {
     #[test]
     fn an_idle_worker_predicts_the_prefill_of_what_it_lacks() {
         let p = TimePriors::default();
-        let cold = p.predict(&req(4096), &Candidate::default(), true, true);
+        let cold = p.predict(&req(4096), &Candidate::default(), true, true, false);
         // 4k tokens ≈ 160 ms on the priors' H100 (docs/routing.md), plus one 6 ms step.
         assert!((140.0..200.0).contains(&cold.ttft_ms()), "{cold:?}");
-        let warm = p.predict(&req(4096), &Candidate { overlap_blocks: 192, ..Default::default() }, true, true);
+        let warm = p.predict(&req(4096), &Candidate { overlap_blocks: 192, ..Default::default() }, true, true, false);
         assert_eq!(warm.new_tokens, 1024.0);
         assert!(warm.ttft_ms() < cold.ttft_ms() / 3.0, "{warm:?}");
     }
@@ -140,7 +145,7 @@ mod tests {
     #[test]
     fn attention_makes_long_contexts_cost_more_than_linear() {
         let p = TimePriors::default();
-        let t = |n: u32| p.predict(&req(n), &Candidate::default(), true, true).prefill_ms;
+        let t = |n: u32| p.predict(&req(n), &Candidate::default(), true, true, false).prefill_ms;
         assert!(t(16_384) > 4.0 * t(4096) * 1.1);
     }
 
@@ -148,24 +153,24 @@ mod tests {
     fn a_prefix_being_computed_counts_only_with_credit() {
         let p = TimePriors::default();
         let c = Candidate { active_overlap_blocks: 100, ..Default::default() };
-        assert_eq!(p.predict(&req(1600), &c, true, true).new_tokens, 0.0);
-        assert_eq!(p.predict(&req(1600), &c, false, true).new_tokens, 1600.0);
+        assert_eq!(p.predict(&req(1600), &c, true, true, false).new_tokens, 0.0);
+        assert_eq!(p.predict(&req(1600), &c, false, true, false).new_tokens, 1600.0);
     }
 
     #[test]
     fn the_wait_is_the_smaller_of_the_decayed_backlog_and_the_booked_tokens() {
         let p = TimePriors::default();
         let booked = Candidate { active_prefill_tokens: 10_000, prefill_backlog_ms: 50.0, ..Default::default() };
-        assert_eq!(p.predict(&req(16), &booked, true, true).wait_ms, 50.0);
+        assert_eq!(p.predict(&req(16), &booked, true, true, false).wait_ms, 50.0);
         let fresh = Candidate { active_prefill_tokens: 1000, prefill_backlog_ms: 5000.0, ..Default::default() };
-        assert!((p.predict(&req(16), &fresh, true, true).wait_ms - 35.0).abs() < 1e-9);
+        assert!((p.predict(&req(16), &fresh, true, true, false).wait_ms - 35.0).abs() < 1e-9);
     }
 
     #[test]
     fn measured_figures_replace_the_priors() {
         let p = TimePriors::default();
         let c = Candidate { ms_per_prefill_token: 0.1, step_ms: 30.0, ..Default::default() };
-        let x = p.predict(&req(1000), &c, true, true);
+        let x = p.predict(&req(1000), &c, true, true, false);
         assert!((x.prefill_ms - 0.1 * 1000.0 * (1.0 + 500.0 / 27_000.0)).abs() < 1e-9);
         assert_eq!(x.steps_ms, 30.0);
     }
@@ -173,8 +178,8 @@ mod tests {
     #[test]
     fn a_busy_decode_batch_slows_the_steps() {
         let p = TimePriors::default();
-        let idle = p.predict(&req(20_000), &Candidate::default(), true, true);
-        let busy = p.predict(&req(20_000), &Candidate { in_flight: 64, active_blocks: 64 * 128, ..Default::default() }, true, true);
+        let idle = p.predict(&req(20_000), &Candidate::default(), true, true, false);
+        let busy = p.predict(&req(20_000), &Candidate { in_flight: 64, active_blocks: 64 * 128, ..Default::default() }, true, true, false);
         assert_eq!(idle.prefill_ms, busy.prefill_ms);
         assert!(busy.steps_ms > idle.steps_ms * 1.5, "{idle:?} {busy:?}");
         // Its prefill stalls the 64 running decodes.

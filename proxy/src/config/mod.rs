@@ -261,6 +261,8 @@ pub struct Routing {
     pub credit_in_flight_prefix: bool,
     /// kv, `time` cost: add the stall a prefill causes the decodes running on the worker.
     pub price_slowdown: bool,
+    /// kv, `time` cost: add the delay a prefill causes the requests that queue behind it.
+    pub price_queue: bool,
     /// kv, `blocks` cost: weight of the prefill term; 0 = ignore the cache (pure load
     /// balancing).
     #[serde(alias = "router_kv_overlap_score_weight", alias = "kv_overlap_score_weight")]
@@ -329,6 +331,7 @@ impl Default for Routing {
             cost: kvgate_filters::route::Cost::Time,
             credit_in_flight_prefix: true,
             price_slowdown: false,
+            price_queue: true,
             overlap_score_weight: 1.0,
             temperature: 0.0,
             kv_events: true,

@@ -108,6 +108,7 @@ impl Model {
             id: i as u32,
             in_flight: self.ledger.requests(id),
             active_prefill_tokens: self.ledger.prefill_tokens(id),
+            prefilling: self.ledger.prefilling(id),
             prefill_backlog_ms: self.ledger.prefill_backlog(id).as_secs_f64() * 1000.0,
             active_blocks: self.ledger.active_blocks(id),
             total_blocks: ranks.iter().map(|r| r.total_blocks).sum(),
