@@ -42,7 +42,7 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
         Among::Only(_) => (eligible, Vec::new()),
     };
     let t_decide = Instant::now();
-    let candidates: Vec<Candidate> = eligible
+    let mut candidates: Vec<Candidate> = eligible
         .iter()
         .map(|&i| {
             let c = model.candidate(i, busy.contains(&i));
@@ -52,6 +52,10 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
             }
         })
         .collect();
+    let mean = candidates.iter().map(|c| f64::from(c.prefilling)).sum::<f64>() / candidates.len().max(1) as f64;
+    for c in candidates.iter_mut() {
+        c.fleet_prefilling = mean;
+    }
     let summary = summary(req);
     let (decision, decided_by) = decide(gw, req, &summary, &candidates);
     let k = match decision {
