@@ -279,11 +279,17 @@ impl Ledger {
     /// predicted prefill time after whatever was predicted ahead of it, and the clock runs it
     /// down; zero once no booked prefill is left (every booking saw its first token).
     pub fn prefill_backlog(&self, w: WorkerId) -> Duration {
+        self.prefill_backlog_at(w, clock_us())
+    }
+
+    /// [`Ledger::prefill_backlog`] as of `now` on [`clock_us`]'s clock (one clock read serves
+    /// every worker of a decision).
+    pub fn prefill_backlog_at(&self, w: WorkerId, now: u64) -> Duration {
         let Some(l) = self.worker(w) else { return Duration::ZERO };
         if l.prefill.load(Ordering::Relaxed) == 0 {
             return Duration::ZERO;
         }
-        Duration::from_micros(l.prefill_done_at.load(Ordering::Relaxed).saturating_sub(clock_us()))
+        Duration::from_micros(l.prefill_done_at.load(Ordering::Relaxed).saturating_sub(now))
     }
 
     /// Blocks booked on `w`: distinct prompt blocks (or all of them when shared prefixes are

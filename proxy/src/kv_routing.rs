@@ -107,7 +107,6 @@ impl KvRouting {
                 cost: r.cost,
                 priors: TimePriors {
                     chunk_tokens: m.shedding.max_num_batched_tokens.map_or(TimePriors::default().chunk_tokens, |n| n as f64),
-                    fleet_queue: r.fleet_queue,
                     ..TimePriors::default()
                 },
                 credit_in_flight_prefix: r.credit_in_flight_prefix,

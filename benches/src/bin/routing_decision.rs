@@ -54,6 +54,7 @@ fn main() {
         let chain = h.chain(None, black_box(&prompt));
         let cached = index.find_matches(&chain).to_dense(WORKERS);
         let booked = active.overlap(&chain).to_dense(WORKERS);
+        let now = kvgate_filters::ledger::clock_us();
         let cands: Vec<Candidate> = (0..WORKERS)
             .map(|w| Candidate {
                 id: w as u32,
@@ -61,7 +62,7 @@ fn main() {
                 overlap_blocks: cached[w],
                 active_overlap_blocks: booked[w],
                 active_prefill_tokens: active.prefill_tokens(w as u16),
-                prefill_backlog_ms: active.prefill_backlog(w as u16).as_secs_f64() * 1000.0,
+                prefill_backlog_ms: active.prefill_backlog_at(w as u16, now).as_secs_f64() * 1000.0,
                 active_blocks: active.active_blocks(w as u16),
                 ..Default::default()
             })

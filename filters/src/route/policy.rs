@@ -36,8 +36,6 @@ pub struct Candidate {
     pub active_prefill_tokens: u64,
     /// Requests booked on it still waiting for their first token.
     pub prefilling: u32,
-    /// The mean of `prefilling` over the workers offered with it.
-    pub fleet_prefilling: f64,
     /// Predicted time until it has computed the prefill booked on it, ms (the ledger's
     /// `prefill_backlog`: decays as it makes progress).
     pub prefill_backlog_ms: f64,

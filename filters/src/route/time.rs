@@ -43,8 +43,6 @@ pub struct TimePriors {
     pub step_ms_per_ctx_token: f64,
     /// Prefill tokens per engine step (vLLM's `max_num_batched_tokens`).
     pub chunk_tokens: f64,
-    /// EXPERIMENT: the queue behind counts at least the fleet's mean.
-    pub fleet_queue: bool,
 }
 
 impl Default for TimePriors {
@@ -56,7 +54,6 @@ impl Default for TimePriors {
             step_ms_per_seq: 0.03,
             step_ms_per_ctx_token: 4.0e-5,
             chunk_tokens: 8192.0,
-            fleet_queue: false,
         }
     }
 }
@@ -121,8 +118,7 @@ impl TimePriors {
         let steps = ((queued + new) / chunk).ceil().max(1.0);
         let own_ms = prefill_ms + (new / chunk).ceil().max(1.0) * step;
         let slowdown_ms = if slowdown { prefill_ms * f64::from(c.in_flight) } else { 0.0 };
-        let queued_behind = if self.fleet_queue { f64::from(c.prefilling).max(c.fleet_prefilling) } else { f64::from(c.prefilling) };
-        let behind_ms = if behind { prefill_ms * queued_behind } else { 0.0 };
+        let behind_ms = if behind { prefill_ms * f64::from(c.prefilling) } else { 0.0 };
         Prediction { new_tokens: new, wait_ms, prefill_ms, steps_ms: steps * step, own_ms, slowdown_ms, behind_ms }
     }
 }

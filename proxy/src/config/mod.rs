@@ -263,8 +263,6 @@ pub struct Routing {
     pub price_slowdown: bool,
     /// kv, `time` cost: add the delay a prefill causes the requests that queue behind it.
     pub price_queue: bool,
-    /// EXPERIMENT.
-    pub fleet_queue: bool,
     /// kv, `blocks` cost: weight of the prefill term; 0 = ignore the cache (pure load
     /// balancing).
     #[serde(alias = "router_kv_overlap_score_weight", alias = "kv_overlap_score_weight")]
@@ -334,7 +332,6 @@ impl Default for Routing {
             credit_in_flight_prefix: true,
             price_slowdown: false,
             price_queue: true,
-            fleet_queue: false,
             overlap_score_weight: 1.0,
             temperature: 0.0,
             kv_events: true,

@@ -99,8 +99,9 @@ impl Model {
     }
 
     /// Worker `i` as a routing candidate without prefix knowledge: its booked load, what it
-    /// reports about itself (summed over DP ranks; usage of the fullest), health and busy state.
-    pub fn candidate(&self, i: usize, busy: bool) -> Candidate {
+    /// reports about itself (summed over DP ranks; usage of the fullest), health and busy state,
+    /// as of `now` on the ledger's clock (`ledger::clock_us`).
+    pub fn candidate(&self, i: usize, busy: bool, now: u64) -> Candidate {
         let w = &self.workers[i];
         let id = i as u16;
         let ranks = w.reported();
@@ -109,7 +110,7 @@ impl Model {
             in_flight: self.ledger.requests(id),
             active_prefill_tokens: self.ledger.prefill_tokens(id),
             prefilling: self.ledger.prefilling(id),
-            prefill_backlog_ms: self.ledger.prefill_backlog(id).as_secs_f64() * 1000.0,
+            prefill_backlog_ms: self.ledger.prefill_backlog_at(id, now).as_secs_f64() * 1000.0,
             active_blocks: self.ledger.active_blocks(id),
             total_blocks: ranks.iter().map(|r| r.total_blocks).sum(),
             kv_usage: ranks.iter().map(|r| r.kv_usage).fold(0.0, f64::max),

@@ -42,20 +42,17 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
         Among::Only(_) => (eligible, Vec::new()),
     };
     let t_decide = Instant::now();
-    let mut candidates: Vec<Candidate> = eligible
+    let now = kvgate_filters::ledger::clock_us();
+    let candidates: Vec<Candidate> = eligible
         .iter()
         .map(|&i| {
-            let c = model.candidate(i, busy.contains(&i));
+            let c = model.candidate(i, busy.contains(&i), now);
             match (&model.kv, &req.kv) {
                 (Some(kv), Some(inputs)) => kv.with_prefix(c, &inputs.cached, &inputs.booked),
                 _ => c,
             }
         })
         .collect();
-    let mean = candidates.iter().map(|c| f64::from(c.prefilling)).sum::<f64>() / candidates.len().max(1) as f64;
-    for c in candidates.iter_mut() {
-        c.fleet_prefilling = mean;
-    }
     let summary = summary(req);
     let (decision, decided_by) = decide(gw, req, &summary, &candidates);
     let k = match decision {

@@ -163,7 +163,7 @@ fn view(model: &Model, r: &Rescheduling, metric: LoadMetric) -> Vec<Instance> {
         .enumerate()
         .map(|(i, w)| {
             // What routing sees of it: reported usage (fullest rank), capacity, bookings.
-            let c = model.candidate(i, false);
+            let c = model.candidate(i, false, kvgate_filters::ledger::clock_us());
             // Prefill the gateway booked and the worker has not cached yet.
             let pending = match (metric, c.total_blocks) {
                 (LoadMetric::KvCacheUsageRatioProjected, t) if t > 0 => c.active_prefill_tokens as f64 / (t as f64 * f64::from(model.cfg.block_size.max(1))),
@@ -194,7 +194,7 @@ fn chosen(model: &Model, live: &[Arc<RequestEntry>], p: &Pair, limit: u32) -> Ve
         .filter(|(_, e)| matches!(e.phase(), Phase::Running | Phase::Waiting) && e.worker().is_some_and(|w| Arc::ptr_eq(&w, src)))
         .map(|(i, e)| Candidate { id: e.id.clone(), tokens: e.tokens(), arrival: i as u64, waiting: e.phase() == Phase::Waiting })
         .collect();
-    let kv_tokens = model.candidate(p.src as usize, false).total_blocks * u64::from(model.cfg.block_size);
+    let kv_tokens = model.candidate(p.src as usize, false, kvgate_filters::ledger::clock_us()).total_blocks * u64::from(model.cfg.block_size);
     select(&candidates, p.take, kv_tokens)
 }
 
@@ -206,7 +206,7 @@ async fn plugin_pairs(gw: &Gateway, model: &Model, r: &Rescheduling, live: &[Arc
         .iter()
         .map(|i| {
             let w = &model.workers[i.id as usize];
-            let c = model.candidate(i.id as usize, false);
+            let c = model.candidate(i.id as usize, false, kvgate_filters::ledger::clock_us());
             let running = live
                 .iter()
                 .filter(|e| e.worker().is_some_and(|cur| Arc::ptr_eq(&cur, w)))
