@@ -4,7 +4,7 @@
 
 use futures_util::StreamExt;
 use kvgate_tests::Target;
-use kvgate_tests::events::{Event, EventSub};
+use kvgate_tests::events::{Batch, Event, EventSub};
 use kvgate_tests::target::{test_sim_config, unique_text};
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
@@ -166,22 +166,28 @@ async fn dp_ranks_publish_on_their_own_ports_and_header_pins_rank() {
     assert_eq!(r.status(), 400);
 }
 
+/// The first event batch `t` publishes for a fresh prompt (the request is resent until the
+/// subscription is live, so no event is missed to the subscribe race).
+async fn first_batch_after_a_request(t: &Target) -> Batch {
+    let mut sub = EventSub::connect(t.zmq.as_deref().unwrap(), "kv").await;
+    let prompt = t.tokenize(&unique_text(60)).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        assert!(Instant::now() < deadline);
+        let (s, _) = t.post("/v1/completions", &json!({"prompt": prompt, "max_tokens": 1})).await;
+        assert_eq!(s, 200);
+        if let Some(b) = sub.next(Duration::from_millis(300)).await {
+            return b;
+        }
+    }
+}
+
 #[tokio::test]
 async fn array_event_format_option() {
     let mut cfg = test_sim_config();
     cfg.kv_events_format = vllm_sim::events::EventFormat::Array;
     let t = Target::sim(cfg).await;
-    let mut sub = EventSub::connect(t.zmq.as_deref().unwrap(), "kv").await;
-    let prompt = t.tokenize(&unique_text(60)).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let b = loop {
-        assert!(Instant::now() < deadline);
-        let (s, _) = t.post("/v1/completions", &json!({"prompt": prompt, "max_tokens": 1})).await;
-        assert_eq!(s, 200);
-        if let Some(b) = sub.next(Duration::from_millis(300)).await {
-            break b;
-        }
-    };
+    let b = first_batch_after_a_request(&t).await;
     // [fixarray 3][f64 ts][array of events][event = array16 header 0xdc]
     let ev_start = 1 + 9 + 1;
     assert_eq!(b.payload[ev_start], 0xdc, "legacy events are positional arrays");
@@ -196,17 +202,7 @@ async fn full_byte_block_hash_option() {
     let mut cfg = test_sim_config();
     cfg.kv_events_hash_format = vllm_sim::events::HashFormat::Bytes;
     let t = Target::sim(cfg).await;
-    let mut sub = EventSub::connect(t.zmq.as_deref().unwrap(), "kv").await;
-    let prompt = t.tokenize(&unique_text(60)).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let b = loop {
-        assert!(Instant::now() < deadline);
-        let (s, _) = t.post("/v1/completions", &json!({"prompt": prompt, "max_tokens": 1})).await;
-        assert_eq!(s, 200);
-        if let Some(b) = sub.next(Duration::from_millis(300)).await {
-            break b;
-        }
-    };
+    let b = first_batch_after_a_request(&t).await;
     let Event::Stored { hashes, parent, tokens, .. } = &b.events[0] else { panic!("{:?}", b.events) };
     assert_eq!(*parent, None);
     let mut want = Vec::new();
