@@ -197,14 +197,16 @@ impl Ledger {
         }
         let Some(l) = self.worker(r.worker) else { return };
         l.prefill.fetch_sub(r.prefill, Ordering::Relaxed);
-        if r.prefill > 0 {
-            l.prefilling.fetch_sub(1, Ordering::Relaxed);
+        let now = clock_us();
+        if r.prefill > 0 && l.prefilling.fetch_sub(1, Ordering::Relaxed) == 1 {
+            // Nothing left to prefill: no prediction error may carry over to the next booking.
+            l.prefill_done_at.store(now, Ordering::Relaxed);
+            return;
         }
         let (due, time) = r.prefill_due;
         if time == 0 {
             return;
         }
-        let now = clock_us();
         let _ = l.prefill_done_at.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |at| {
             let at = if computed { (at + now).saturating_sub(due) } else { at.saturating_sub(time.min(due.saturating_sub(now))) };
             Some(at.max(now))
@@ -367,9 +369,12 @@ pub struct Booking {
 }
 
 impl Booking {
-    /// The request produced its first token: its prefill load is gone.
-    pub fn prefill_done(&mut self) {
-        self.ledger.release_prefill(&self.release, true);
+    /// The request's prefill is over: its prefill load is gone. `first_token`: a streamed
+    /// first token says when (the worker's predicted backlog is re-anchored on it); an answer
+    /// that arrives whole (unary, an error) says nothing about when its prefill ended, so its
+    /// predicted time is only taken out of what is left.
+    pub fn prefill_done(&mut self, first_token: bool) {
+        self.ledger.release_prefill(&self.release, first_token);
     }
 
     /// Whether [`Booking::generated`] does anything (output blocks are tracked).
@@ -520,8 +525,8 @@ mod tests {
         assert_eq!(s.prefill_tokens(0), 150);
         assert_eq!(s.active_blocks(0), 5, "blocks 1 and 2 shared");
         assert_eq!(s.overlap(&[1, 2, 4, 9]).get(0), 3);
-        b.prefill_done();
-        b.prefill_done();
+        b.prefill_done(true);
+        b.prefill_done(true);
         assert_eq!(s.prefill_tokens(0), 100);
         drop(a);
         assert_eq!(s.active_blocks(0), 4);
@@ -581,7 +586,7 @@ mod tests {
         let s = Ledger::new(2, Tracking { output_blocks: true, block_size: 2, ..Tracking::default() });
         let mut b = s.book(0, Footprint { prefill_tokens: 30, prompt_tokens: 30, chain: vec![1, 2, 3], ..Footprint::default() });
         let other = s.book(1, prompt(10, vec![1, 2]));
-        b.prefill_done();
+        b.prefill_done(true);
         b.generated(4);
         assert_eq!((s.requests(0), s.prefill_tokens(0), s.active_blocks(0)), (1, 0, 5));
         // The continuation (prompt + generated) is prefilled on worker 1, which shares 2 blocks.
@@ -666,7 +671,7 @@ mod tests {
         let backlog = s.prefill_backlog(0);
         assert!(backlog > Duration::from_millis(1900) && backlog <= 2 * second, "{backlog:?}");
         // `a` was due in 1 s and produced its first token now: `b` moves up by as much.
-        a.prefill_done();
+        a.prefill_done(true);
         let backlog = s.prefill_backlog(0);
         assert!(backlog > Duration::from_millis(900) && backlog <= second, "{backlog:?}");
         // Cancelled before its first token: nothing is left.
@@ -687,5 +692,19 @@ mod tests {
         drop(b);
         let left = s.prefill_backlog(0);
         assert!(left > Duration::from_millis(450) && left <= Duration::from_millis(500), "{left:?}");
+    }
+
+    #[test]
+    fn no_prediction_error_outlives_the_last_prefill() {
+        let s = Ledger::new(1, Tracking::default());
+        let fp = |ms| Footprint { prefill_tokens: 10, prefill_time: Duration::from_millis(ms), ..Footprint::default() };
+        // Booked for 500 ms, answered whole at once (a unary answer or an error): nothing left.
+        let mut a = s.book(0, fp(500));
+        a.prefill_done(false);
+        assert_eq!(s.prefill_backlog(0), Duration::ZERO);
+        // The next booking starts from now, not from the first one's predicted end.
+        let _b = s.book(0, fp(100));
+        let left = s.prefill_backlog(0);
+        assert!(left > Duration::from_millis(90) && left <= Duration::from_millis(100), "{left:?}");
     }
 }

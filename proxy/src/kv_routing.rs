@@ -7,7 +7,7 @@
 
 use crate::config::{ModelConfig, UpstreamUrl};
 use kvgate_filters::route::time::TimePriors;
-use kvgate_filters::route::{Candidate, KvParams, KvPolicy};
+use kvgate_filters::route::{Candidate, Cost, KvParams, KvPolicy};
 use kvgate_kv::approx::{ApproxConfig, ApproxIndex};
 use kvgate_kv::hash::{BlockHash, DEFAULT_SEED, Hasher};
 use kvgate_kv::index::{FlatIndex, KvIndex, Matches, WorkerId};
@@ -97,6 +97,9 @@ impl KvRouting {
                 prune_target_ratio: r.prune_target_ratio,
             }))
         };
+        if r.cost == Cost::Time && r.overlap_score_weight != 1.0 {
+            tracing::warn!(model = %m.name, weight = r.overlap_score_weight, "routing.overlap_score_weight applies to cost: blocks only; the time cost (the default) ignores it");
+        }
         Ok(Self {
             hasher,
             tokenizer,

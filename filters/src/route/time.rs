@@ -6,9 +6,10 @@
 //! documents alike (docs/routing.md, "The time cost").
 //!
 //! ```text
-//! cost    = ttft + slowdown
+//! cost     = ttft + behind (+ slowdown, off by default)
+//! behind   = prefill · prefilling                                  the requests that will queue behind it
 //! slowdown = prefill · in_flight                                   its chunks stall the running decodes
-//! ttft    = wait + prefill + steps · step
+//! ttft     = wait + prefill + steps · step
 //! wait    = min(prefill_backlog, a · active_prefill_tokens)        the prefill booked ahead
 //! prefill = a · new · (1 + (cached + new/2) / attention_tokens)    GEMMs + attention over the context
 //! steps   = ⌈(active_prefill_tokens + new) / chunk_tokens⌉          chunked prefill: one engine step per chunk

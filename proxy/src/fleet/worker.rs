@@ -78,7 +78,11 @@ impl Worker {
                 .next()
                 .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, format!("{} does not resolve", self.url)))?,
         };
-        *self.addr.write() = Some(a);
+        let before = self.addr.write().replace(a);
+        if before.is_some_and(|b| b != a) {
+            // Pooled connections go to the old address.
+            self.idle.clear();
+        }
         Ok(a)
     }
 

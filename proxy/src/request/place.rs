@@ -207,7 +207,10 @@ fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, t_
             mm.decision_time.observe((t_decide.elapsed() + k.lookup_time).as_secs_f64());
             let expected_output = req.view.expected_output();
             let prefill_time = req.predicted.map_or(Duration::ZERO, |p| Duration::from_secs_f64(p.own_ms.max(0.0) / 1000.0));
-            Footprint { prefill_tokens: prompt_tokens - cached_tokens, chain: k.chain.clone(), private_blocks: 0, prompt_tokens, expected_output, prefill_time }
+            // The time cost also counts a prefix being computed there as cached: book what it
+            // predicted the worker computes, so a shared prefix is not booked once per follower.
+            let prefill_tokens = req.predicted.map_or(prompt_tokens - cached_tokens, |p| (p.new_tokens.max(0.0) as u64).min(prompt_tokens));
+            Footprint { prefill_tokens, chain: k.chain.clone(), private_blocks: 0, prompt_tokens, expected_output, prefill_time }
         }
         None => Footprint { prefill_tokens: prompt_tokens - cached_tokens, private_blocks: prompt_tokens / bs, prompt_tokens, ..Footprint::default() },
     };

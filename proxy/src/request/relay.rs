@@ -177,7 +177,7 @@ async fn body<'g>(
                 match failure {
                     Some(detail) => LegError::new(LegErrorKind::Midstream, &worker.url, detail),
                     None if end => {
-                        upstream::release(gw, &worker, ex, keep).await;
+                        upstream::release(gw, ex, keep).await;
                         return BodyEnd::Done(Outcome::Served(status));
                     }
                     None => continue,
@@ -377,15 +377,17 @@ impl Progress {
         if fresh {
             // The first token ends the request's prefill on the worker.
             if let Some(b) = req.booking.as_mut() {
-                b.prefill_done();
+                b.prefill_done(self.ttft.is_some());
             }
             req.entry().set_phase(Phase::Running);
             if let Some(prev) = self.last {
                 gw.metrics.migration_pause.with_label_values(&[req.model_name()]).observe(now.duration_since(prev).as_secs_f64());
             }
         }
+        let mut events = 1;
         if let Some(counter) = self.events.as_mut() {
             let n = counter.feed(bytes);
+            events = n.max(1);
             req.entry().generated(n);
             // Output blocks are booked in kv mode only, where prompt blocks are real.
             if let (Some(b), Some(_)) = (req.booking.as_ref(), &req.kv) {
@@ -403,7 +405,9 @@ impl Progress {
                 if let Some(w) = req.tried.last().and_then(|&i| req.model.workers.get(i)) {
                     w.observe_itl(now.duration_since(prev));
                 }
-                calibrate_step(req, now.duration_since(prev));
+                // A read can carry several events (coalesced, or vLLM's --stream-interval):
+                // a step is the gap per event.
+                calibrate_step(req, now.duration_since(prev) / events as u32);
             }
             _ => {}
         }

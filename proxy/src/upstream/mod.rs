@@ -10,6 +10,9 @@
 
 pub mod pool;
 
+use pool::IdlePool;
+use std::sync::Arc;
+
 use crate::config::Config;
 use crate::error::{LegError, LegErrorKind};
 use crate::fleet::Worker;
@@ -35,8 +38,8 @@ pub struct Exchange {
     pub sent_at: Instant,
     /// Where it goes (for releasing to the pool).
     pub peer: HttpPeer,
-    /// Which pool the connection returns to.
-    pub pool: Pool,
+    /// The request leg's keep-alive pool it returns to (its worker's); `None`: the probes'.
+    pub home: Option<Arc<IdlePool>>,
 }
 
 /// The worker request header for a client's request: the client's headers minus hop-by-hop
@@ -88,8 +91,9 @@ pub enum Pool {
 }
 
 /// Sends `header` (and `body`, if any) to `worker` and reads the response header, waiting at
-/// most `header_timeout` after the request was sent. A pooled connection the worker closed
-/// meanwhile processed nothing, so one fresh connection is tried before giving up.
+/// most `header_timeout` after the request was sent. A pooled connection that fails before any
+/// response header was most likely closed by the worker while idle, so one fresh connection is
+/// tried before giving up (the request may then run twice if the worker had in fact taken it).
 pub async fn exchange(
     gw: &Gateway,
     cfg: &Config,
@@ -128,7 +132,10 @@ pub async fn exchange(
                     None => read.await,
                 };
                 match r.map(|()| up.response_header().cloned()) {
-                    Ok(Some(header)) => return Ok(Exchange { session: up, header, peer, sent_at, pool }),
+                    Ok(Some(header)) => {
+                        let home = (pool == Pool::Requests).then(|| worker.idle.clone());
+                        return Ok(Exchange { session: up, header, peer, sent_at, home });
+                    }
                     Ok(None) => LegError::new(LegErrorKind::Response, &worker.url, "no response header"),
                     Err(e) => LegError::new(LegErrorKind::Response, &worker.url, e.to_string()).with_source(*e),
                 }
@@ -149,7 +156,8 @@ async fn connect(gw: &Gateway, worker: &Worker, peer: &HttpPeer, pool: Pool, fre
         Pool::Probes => gw.connector.get_http_session(peer).await.map_err(failed),
         Pool::Requests => {
             let idle = peer.options.idle_timeout.unwrap_or_default();
-            let (stream, reused) = match worker.idle.take(idle).filter(|_| !fresh) {
+            let pooled = if fresh { None } else { worker.idle.take(idle) };
+            let (stream, reused) = match pooled {
                 Some(s) => (s, true),
                 None => (gw.transport.new_stream(peer).await.map_err(failed)?, false),
             };
@@ -240,22 +248,22 @@ pub async fn get(gw: &Gateway, worker: &Worker, path: &str, timeout: Duration, m
             }
         }
         if keep_alive {
-            release(gw, worker, ex, Duration::from_millis(cfg.timeouts.upstream_idle_ms)).await;
+            release(gw, ex, Duration::from_millis(cfg.timeouts.upstream_idle_ms)).await;
         }
         Ok((status, body.freeze()))
     };
     tokio::time::timeout(timeout, attempt).await.unwrap_or(Err(ProbeError::Timeout(timeout)))
 }
 
-/// Returns a finished connection to its keep-alive pool (`worker`'s own for a request leg),
-/// idle for at most `idle`; one the worker asked to close, or whose body was not read whole,
-/// is closed instead.
-pub async fn release(gw: &Gateway, worker: &Worker, ex: Exchange, idle: Duration) {
-    match (ex.pool, ex.session) {
-        (Pool::Requests, HttpSession::H1(mut h1)) => {
+/// Returns a finished connection to the keep-alive pool it came from (its worker's own for a
+/// request leg), idle for at most `idle`; one the worker asked to close, or whose body was not
+/// read whole, is closed instead.
+pub async fn release(gw: &Gateway, ex: Exchange, idle: Duration) {
+    match (ex.home, ex.session) {
+        (Some(home), HttpSession::H1(mut h1)) => {
             h1.respect_keepalive();
             if let Some(stream) = h1.reuse().await {
-                worker.idle.put(stream);
+                home.put(stream);
             }
         }
         (_, session) => gw.connector.release_http_session(session, &ex.peer, Some(idle)).await,

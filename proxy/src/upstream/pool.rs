@@ -6,8 +6,10 @@
 //! connection back — two task wake-ups and a timer per request, about a fifth of the gateway's
 //! CPU on a fast upstream (benches/RESULTS.md, "The data plane against nginx"). Here a return
 //! is a push and a reuse is a pop under a lock held for neither I/O nor allocation; a
-//! connection the worker closed while it sat idle is found when it is taken (one non-blocking
-//! read) and an idle one past its time is dropped when met or by [`IdlePool::sweep`].
+//! connection the worker closed while it sat idle is found when it is taken, if the runtime
+//! has seen the close (one non-blocking read), and otherwise by the request failing before any
+//! response byte, which `exchange` retries once on a fresh connection; an idle one past its
+//! time is dropped when met or by [`IdlePool::sweep`].
 
 use parking_lot::Mutex;
 use pingora::protocols::Stream;
@@ -74,7 +76,7 @@ impl IdlePool {
         expired.len()
     }
 
-    /// Closes every idle connection (the worker restarted or left the fleet).
+    /// Closes every idle connection (the worker turned unhealthy, or its address changed).
     pub fn clear(&self) {
         let all = std::mem::take(&mut *self.idle.lock());
         drop(all);
