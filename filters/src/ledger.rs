@@ -4,8 +4,9 @@
 //! Per worker it counts requests in flight, prefill tokens (released when the request's first
 //! token arrives), the predicted moment the worker will have computed the prefill booked on it
 //! (so booked prefill decays with predicted progress instead of staying whole until a first
-//! token; see [`Ledger::prefill_backlog`]) and active KV blocks. Prompt blocks are kept as a prefix index of the booked
-//! chains with reference counts, so a prefix shared by several requests counts once
+//! token; see [`Ledger::prefill_backlog`]) and active KV blocks. Prompt blocks are kept as a
+//! prefix index of the booked chains with reference counts, so a prefix shared by several
+//! requests counts once
 //! (`assume_kv_reuse`) and "how much of this request is already active here" is one
 //! `find_matches`. Modes that do not tokenize book an estimate instead (`private_blocks`,
 //! never shared).

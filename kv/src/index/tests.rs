@@ -304,30 +304,28 @@ fn held_children_counts_past_u16_still_cascade() {
     let flat = FlatIndex::new(2, 16);
     let p = 1;
     let kids: Vec<BlockHash> = (0..70_000).map(|i| 1_000_000 + i).collect();
-    flat.insert(0, None, &[p]).unwrap();
-    for &k in &kids {
-        flat.insert(0, Some(p), &[k]).unwrap();
-    }
-    flat.insert(0, Some(kids[5]), &[7]).unwrap();
+    // `p` with 70,000 children (its count stuck at the 16-bit limit), a grandchild under child
+    // `holder`, then every child but the last removed.
+    let all_but_one_child_gone = |holder: usize| {
+        flat.insert(0, None, &[p]).unwrap();
+        for &k in &kids {
+            flat.insert(0, Some(p), &[k]).unwrap();
+        }
+        flat.insert(0, Some(kids[holder]), &[7]).unwrap();
+        for &k in &kids[..kids.len() - 1] {
+            flat.remove(0, &[k]).unwrap();
+        }
+    };
     // The count stuck at its limit: removing all but one child (one with a grandchild) leaves
     // `p` looking for children when it goes.
-    for &k in &kids[..kids.len() - 1] {
-        flat.remove(0, &[k]).unwrap();
-    }
+    all_but_one_child_gone(5);
     assert_eq!(flat.block_count(0), 2);
     assert_eq!(flat.find_matches(&[p, kids[69_999]]).get(0), 2);
     flat.remove(0, &[p]).unwrap();
     assert_eq!((flat.block_count(0), flat.live_blocks()), (0, 0));
     assert_eq!(flat.find_matches(&[p, kids[69_999]]), Matches::default());
     // Same with the last child still holding a grandchild.
-    flat.insert(0, None, &[p]).unwrap();
-    for &k in &kids {
-        flat.insert(0, Some(p), &[k]).unwrap();
-    }
-    flat.insert(0, Some(kids[69_999]), &[7]).unwrap();
-    for &k in &kids[..kids.len() - 1] {
-        flat.remove(0, &[k]).unwrap();
-    }
+    all_but_one_child_gone(69_999);
     flat.remove(0, &[p]).unwrap();
     assert_eq!((flat.block_count(0), flat.live_blocks()), (0, 0));
 }

@@ -60,14 +60,11 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
         Decision::Worker(_) => 0,
         Decision::Reject { status, message } => return Err(GatewayError::PluginRejected { status, message }),
     };
-    let predicted = match &model.kv {
-        Some(kv) if model.time_priors().is_some() => match kv.policy.cost(&summary, &candidates[k]).1 {
-            Terms::Time(p) => Some(p),
-            Terms::Blocks { .. } => None,
-        },
-        _ => None,
-    };
-    req.predicted = predicted;
+    // The time cost's prediction for the chosen worker (its first token calibrates it).
+    req.predicted = model.kv.as_ref().and_then(|kv| match kv.policy.cost(&summary, &candidates[k]).1 {
+        Terms::Time(p) => Some(p),
+        Terms::Blocks { .. } => None,
+    });
     let idx = eligible[k];
     let worker = model.workers[idx].clone();
     req.tried.push(idx);

@@ -401,13 +401,13 @@ impl Progress {
             }
             (Some(prev), _, Some(itl)) if !moved_in => {
                 itl.observe(now.duration_since(prev).as_secs_f64());
-                // The rescheduler's TPOT predictor reads it per worker.
-                if let Some(w) = req.tried.last().and_then(|&i| req.model.workers.get(i)) {
+                if let Some((i, w)) = req.serving() {
+                    // The rescheduler's TPOT predictor reads it per worker.
                     w.observe_itl(now.duration_since(prev));
+                    // A read can carry several events (coalesced, or vLLM's --stream-interval):
+                    // a step is the gap per event.
+                    calibrate_step(req, i, w, now.duration_since(prev) / events as u32);
                 }
-                // A read can carry several events (coalesced, or vLLM's --stream-interval):
-                // a step is the gap per event.
-                calibrate_step(req, now.duration_since(prev) / events as u32);
             }
             _ => {}
         }
@@ -418,15 +418,14 @@ impl Progress {
 /// The `time` cost learns the worker's prefill speed from a stream's first token on the
 /// worker it was placed on (docs/routing.md, "The time cost").
 fn calibrate_prefill(req: &RequestState, ttft: std::time::Duration) {
-    let (Some(p), Some(w)) = (req.predicted, req.tried.last().and_then(|&i| req.model.workers.get(i))) else { return };
+    let (Some(p), Some((_, w))) = (req.predicted, req.serving()) else { return };
     w.calibration.observe_prefill(ttft.as_secs_f64() * 1000.0, p.wait_ms + p.prefill_ms, p.steps_ms);
 }
 
 /// The `time` cost learns the worker's step time from each inter-token gap, against what its
-/// priors predict for the load booked there now.
-fn calibrate_step(req: &RequestState, gap: std::time::Duration) {
-    let (Some(priors), Some(&i)) = (req.model.time_priors(), req.tried.last()) else { return };
-    let Some(w) = req.model.workers.get(i) else { return };
+/// priors predict for the load booked there now (`w`, worker `i` of the model).
+fn calibrate_step(req: &RequestState, i: usize, w: &Worker, gap: std::time::Duration) {
+    let Some(priors) = req.model.time_priors() else { return };
     let id = i as u16;
     let load =
         kvgate_filters::route::Candidate { in_flight: req.model.ledger.requests(id), active_blocks: req.model.ledger.active_blocks(id), ..Default::default() };

@@ -8,7 +8,7 @@ use super::endpoint::Endpoint;
 use super::kv_inputs::KvInputs;
 use super::track::Tracker;
 use crate::config::Config;
-use crate::fleet::Model;
+use crate::fleet::{Model, Worker};
 use crate::inflight::{Registered, RequestEntry};
 use bytes::Bytes;
 use kvgate_filters::cancel::RequestContext;
@@ -67,6 +67,12 @@ impl RequestState {
     /// The model's name.
     pub fn model_name(&self) -> &str {
         &self.model.cfg.name
+    }
+
+    /// The worker serving it now (the last one tried) and its index among the model's workers.
+    pub fn serving(&self) -> Option<(usize, &Arc<Worker>)> {
+        let &i = self.tried.last()?;
+        Some((i, self.model.workers.get(i)?))
     }
 
     /// Its registry entry.

@@ -1,7 +1,7 @@
-//! Talking HTTP/1.1 to workers over Pingora's connector (keep-alive pools): one exchange —
-//! connect (from the pool when possible), send a request, read the response header — shared by
-//! the request path's legs and the background probes (health, worker metrics), plus the header
-//! rules for what crosses the gateway.
+//! Talking HTTP/1.1 to workers: one exchange — connect (from a keep-alive pool when possible),
+//! send a request, read the response header — shared by the request path's legs and the
+//! background probes (health, worker metrics), plus the header rules for what crosses the
+//! gateway.
 //!
 //! Pingora's own proxy pipeline cannot forward a body over 64 KiB that was read before the
 //! upstream was chosen (docs/pingora.md, "Why a manual upstream leg"), so inference
@@ -9,9 +9,6 @@
 //! own [`pool::IdlePool`]; the probes use Pingora's pool.
 
 pub mod pool;
-
-use pool::IdlePool;
-use std::sync::Arc;
 
 use crate::config::Config;
 use crate::error::{LegError, LegErrorKind};
@@ -22,6 +19,8 @@ use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::client::HttpSession;
 use pingora::protocols::http::v1::client::{HttpSession as Http1Session, http_req_header_to_wire};
 use pingora::upstreams::peer::HttpPeer;
+use pool::IdlePool;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Headers that describe one hop and are never forwarded.
@@ -79,9 +78,10 @@ pub fn client_response_header(up: &ResponseHeader, request_id: &str, worker: &st
     Ok(h)
 }
 
-/// Which pool a connection comes from: the request legs' keep-alive pool, or the probes' own
-/// (a probe must never ride on a connection a request opened, or a worker that stopped
-/// accepting connections would still look healthy).
+/// Which pool a connection comes from: the request legs' (each worker's own [`IdlePool`]), or
+/// the probes' (Pingora's connector, which holds nothing else): a probe never rides on a
+/// connection a request opened, or a worker that stopped accepting connections would still
+/// look healthy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pool {
     /// Request legs.
@@ -109,9 +109,6 @@ pub async fn exchange(
     peer.options.connection_timeout = Some(connect_limit);
     peer.options.total_connection_timeout = Some(connect_limit);
     peer.options.idle_timeout = Some(Duration::from_millis(cfg.timeouts.upstream_idle_ms));
-    if pool == Pool::Probes {
-        peer.group_key = PROBE_GROUP;
-    }
     let mut fresh_try = 0;
     loop {
         let (up, reused) = connect(gw, worker, &peer, pool, fresh_try > 0).await?;
@@ -201,9 +198,6 @@ async fn send(up: HttpSession, peer: &HttpPeer, header: &RequestHeader, body: Op
         }
     }
 }
-
-/// The probes' connection pool key (request legs use the default, 0).
-const PROBE_GROUP: u64 = 0x6b76_6761_7465_7072;
 
 /// Why a probe got no usable answer.
 #[derive(Debug, thiserror::Error)]
