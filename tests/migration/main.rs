@@ -232,10 +232,28 @@ async fn a_worker_killed_mid_stream_loses_no_stream() {
         want.push(h.await.unwrap());
     }
     let running = streams(&c, &bodies);
-    wait_until(Duration::from_secs(5), || async { c.sim_metrics(0).await.sum("vllm:generation_tokens_total", &[]) >= 16.0 * 40.0 / 4.0 + 8.0 })
-        .await
-        .expect("worker 0 is streaming");
-    c.sims[0].crash();
+    // The victim is the worker carrying the most of the second run's streams once all of them
+    // stream (the first run's token counts cannot tell that: they include its own tokens).
+    let victim = std::cell::Cell::new(None);
+    wait_until(Duration::from_secs(5), || async {
+        let v: Value = c.http.get(c.admin("/requests")).send().await.unwrap().json().await.unwrap();
+        let streaming: Vec<&str> = v["requests"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["phase"] == "running" && r["generated_tokens"].as_u64().unwrap_or(0) >= 2)
+            .filter_map(|r| r["worker"].as_str())
+            .collect();
+        if streaming.len() < bodies.len() {
+            return false;
+        }
+        let busiest = streaming.iter().max_by_key(|w| streaming.iter().filter(|x| x == w).count()).unwrap();
+        victim.set(c.sims.iter().position(|s| s.url() == *busiest));
+        victim.get().is_some()
+    })
+    .await
+    .expect("all streams are streaming");
+    c.sims[victim.get().unwrap()].crash();
     for (i, h) in running.into_iter().enumerate() {
         assert_eq!(h.await.unwrap(), want[i], "stream {i} is identical to the undisturbed run");
     }
