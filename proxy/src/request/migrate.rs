@@ -73,7 +73,7 @@ pub fn warm_up<'a>(gw: &'a Gateway, req: &RequestState, session: &Session, to: &
             let Ok(mut ex) = upstream::exchange(gw, &cfg, &to, &header, Some(&body), Pool::Requests, None).await else { return };
             while let Ok(Some(_)) = ex.session.read_response_body().await {}
             if ex.session.response_done() {
-                upstream::release(gw, ex, Duration::from_millis(cfg.timeouts.upstream_idle_ms)).await;
+                upstream::release(ex);
             }
         };
         let _ = tokio::time::timeout(WARM_UP_LIMIT, warm).await;

@@ -58,8 +58,10 @@ pub async fn relay(gw: &Gateway, session: &mut Session, req: &mut RequestState, 
             BodyEnd::Ordered(order) => (order.reason, Some(order)),
         };
         let to = order.as_ref().and_then(|o| o.to.clone());
-        let moved = migrate::continue_stream(gw, session, req, reason, source, to).await;
-        match settle(gw, session, req, moved, order, status).await {
+        // Boxed: a move is rare and its futures are large; inline, they would grow every
+        // request's future (docs/architecture.md, "Future sizes").
+        let moved = Box::pin(migrate::continue_stream(gw, session, req, reason, source, to)).await;
+        match Box::pin(settle(gw, session, req, moved, order, status)).await {
             Ok(next) => {
                 progress.new_leg();
                 leg = next;
@@ -133,7 +135,6 @@ async fn body<'g>(
 ) -> BodyEnd {
     let Leg { mut ex, first, worker } = leg;
     let idle = Duration::from_millis(req.cfg.timeouts.upstream_read_idle_ms);
-    let keep = Duration::from_millis(req.cfg.timeouts.upstream_idle_ms);
     let mut pending = Some(Ok(first));
     loop {
         let chunk = match pending.take() {
@@ -177,7 +178,7 @@ async fn body<'g>(
                 match failure {
                     Some(detail) => LegError::new(LegErrorKind::Midstream, &worker.url, detail),
                     None if end => {
-                        upstream::release(gw, ex, keep).await;
+                        upstream::release(ex);
                         return BodyEnd::Done(Outcome::Served(status));
                     }
                     None => continue,

@@ -272,3 +272,17 @@ async fn a_client_that_leaves_mid_stream_is_cleaned_up() {
     assert_eq!(gw.requests.find("gone-1").unwrap().status(), Some(499));
     assert!(live.ctx.is_killed(), "its context was cancelled");
 }
+
+/// Every request's future is copied when Pingora boxes it, and again where each phase's
+/// future is built: rare paths (moves, probes, fresh connects) are boxed so they do not grow
+/// it (docs/architecture.md, "Future sizes"). It was 12 KB before they were.
+#[tokio::test]
+async fn the_request_future_stays_small() {
+    let w = fake_worker(Script::Stream(1)).await;
+    let gw = gateway(&[&w], "", true);
+    let (mut session, _client) = client(&post("{}")).await;
+    let f = serve(&gw, &mut session, Endpoint::Completions);
+    let size = std::mem::size_of_val(&f);
+    assert!(size <= 8 * 1024, "the request future is {size} bytes");
+    f.await;
+}

@@ -20,7 +20,9 @@ use pingora::protocols::http::client::HttpSession;
 use pingora::protocols::http::v1::client::{HttpSession as Http1Session, http_req_header_to_wire};
 use pingora::upstreams::peer::HttpPeer;
 use pool::IdlePool;
+use std::future::Future;
 use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 /// Headers that describe one hop and are never forwarded.
@@ -150,13 +152,16 @@ pub async fn exchange(
 async fn connect(gw: &Gateway, worker: &Worker, peer: &HttpPeer, pool: Pool, fresh: bool) -> Result<(HttpSession, bool), LegError> {
     let failed = |e: Box<pingora::Error>| LegError::new(LegErrorKind::Connect, &worker.url, e.to_string()).with_source(*e);
     match pool {
-        Pool::Probes => gw.connector.get_http_session(peer).await.map_err(failed),
+        // Boxed (probes only): Pingora's connect future is large, and inline it would grow
+        // every request's future (docs/architecture.md, "Future sizes").
+        Pool::Probes => Box::pin(gw.connector.get_http_session(peer)).await.map_err(failed),
         Pool::Requests => {
             let idle = peer.options.idle_timeout.unwrap_or_default();
             let pooled = if fresh { None } else { worker.idle.take(idle) };
             let (stream, reused) = match pooled {
                 Some(s) => (s, true),
-                None => (gw.transport.new_stream(peer).await.map_err(failed)?, false),
+                // Boxed: with keep-alive a new connection is rare, and its future is large.
+                None => (Box::pin(gw.transport.new_stream(peer)).await.map_err(failed)?, false),
             };
             Ok((HttpSession::H1(Http1Session::new_with_options(stream, peer)), reused))
         }
@@ -185,13 +190,14 @@ async fn send(up: HttpSession, peer: &HttpPeer, header: &RequestHeader, body: Op
             (up, written.map_err(|e| pingora::Error::because(pingora::ErrorType::WriteError, "writing the request", e)))
         }
         (mut up, body) => {
-            let sent = async {
+            // Probes only (no body); boxed as in `connect`.
+            let sent = Box::pin(async {
                 up.write_request_header(Box::new(header.clone())).await?;
                 if let Some(b) = body {
                     up.write_request_body(b.clone(), true).await?;
                 }
                 up.finish_request_body().await
-            }
+            })
             .await
             .map(|_| ());
             (up, sent)
@@ -242,24 +248,30 @@ pub async fn get(gw: &Gateway, worker: &Worker, path: &str, timeout: Duration, m
             }
         }
         if keep_alive {
-            release(gw, ex, Duration::from_millis(cfg.timeouts.upstream_idle_ms)).await;
+            release_probe(gw, ex, Duration::from_millis(cfg.timeouts.upstream_idle_ms)).await;
         }
         Ok((status, body.freeze()))
     };
     tokio::time::timeout(timeout, attempt).await.unwrap_or(Err(ProbeError::Timeout(timeout)))
 }
 
-/// Returns a finished connection to the keep-alive pool it came from (its worker's own for a
-/// request leg), idle for at most `idle`; one the worker asked to close, or whose body was not
-/// read whole, is closed instead.
-pub async fn release(gw: &Gateway, ex: Exchange, idle: Duration) {
-    match (ex.home, ex.session) {
-        (Some(home), HttpSession::H1(mut h1)) => {
-            h1.respect_keepalive();
-            if let Some(stream) = h1.reuse().await {
-                home.put(stream);
-            }
-        }
-        (_, session) => gw.connector.release_http_session(session, &ex.peer, Some(idle)).await,
+/// Returns a request leg's finished connection to its worker's keep-alive pool; one the worker
+/// asked to close, or whose body was not read whole, is closed instead. Synchronous: on the
+/// request path an `async` release would carry Pingora's shutdown future inside every
+/// request's future (docs/architecture.md, "Future sizes").
+pub fn release(ex: Exchange) {
+    let (Some(home), HttpSession::H1(mut h1)) = (ex.home, ex.session) else { return };
+    h1.respect_keepalive();
+    // `reuse` is ready at once when the connection may be kept; otherwise it would shut the
+    // connection down, which dropping it does as well (plain TCP).
+    let mut reuse = std::pin::pin!(h1.reuse());
+    if let Poll::Ready(Some(stream)) = reuse.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+        home.put(stream);
     }
+}
+
+/// Returns a probe's finished connection to Pingora's pool (the probes' own), idle for at most
+/// `idle`.
+async fn release_probe(gw: &Gateway, ex: Exchange, idle: Duration) {
+    gw.connector.release_http_session(ex.session, &ex.peer, Some(idle)).await
 }
