@@ -16,6 +16,7 @@ use crate::fleet::Worker;
 use crate::gateway::Gateway;
 use bytes::{Bytes, BytesMut};
 use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::protocols::Stream;
 use pingora::protocols::http::client::HttpSession;
 use pingora::protocols::http::v1::client::{HttpSession as Http1Session, http_req_header_to_wire};
 use pingora::upstreams::peer::HttpPeer;
@@ -31,16 +32,23 @@ const HOP_BY_HOP: &[&str] =
 
 /// An upstream connection whose response header has arrived.
 pub struct Exchange {
-    /// The session (dropping it closes the connection; see [`release`]).
-    pub session: HttpSession,
+    /// The session (dropping it closes the connection; see [`release`]). Boxed: an
+    /// exchange moves through every phase of a request (docs/architecture.md, "Future sizes").
+    pub session: Box<HttpSession>,
     /// The response header.
     pub header: ResponseHeader,
     /// When the request was sent (the start of the first-byte deadline).
     pub sent_at: Instant,
-    /// Where it goes (for releasing to the pool).
-    pub peer: HttpPeer,
-    /// The request leg's keep-alive pool it returns to (its worker's); `None`: the probes'.
-    pub home: Option<Arc<IdlePool>>,
+    /// The keep-alive pool it returns to.
+    pub home: Home,
+}
+
+/// The keep-alive pool a connection returns to.
+pub enum Home {
+    /// A request leg's: its worker's own.
+    Worker(Arc<IdlePool>),
+    /// A probe's: Pingora's pool, keyed by the peer.
+    Probes(Box<HttpPeer>),
 }
 
 /// The worker request header for a client's request: the client's headers minus hop-by-hop
@@ -132,8 +140,11 @@ pub async fn exchange(
                 };
                 match r.map(|()| up.response_header().cloned()) {
                     Ok(Some(header)) => {
-                        let home = (pool == Pool::Requests).then(|| worker.idle.clone());
-                        return Ok(Exchange { session: up, header, peer, sent_at, home });
+                        let home = match pool {
+                            Pool::Requests => Home::Worker(worker.idle.clone()),
+                            Pool::Probes => Home::Probes(Box::new(peer)),
+                        };
+                        return Ok(Exchange { session: up, header, sent_at, home });
                     }
                     Ok(None) => LegError::new(LegErrorKind::Response, &worker.url, "no response header"),
                     Err(e) => LegError::new(LegErrorKind::Response, &worker.url, e.to_string()).with_source(*e),
@@ -147,14 +158,21 @@ pub async fn exchange(
     }
 }
 
+/// A connection before its request is sent: a request leg's bare stream, or a probe's session
+/// from Pingora's pool.
+enum Conn {
+    Stream(Stream),
+    Session(Box<HttpSession>),
+}
+
 /// A connection to `worker`: an idle one from the pool `pool` names unless `fresh`, else a new
 /// one. Returns whether it was reused.
-async fn connect(gw: &Gateway, worker: &Worker, peer: &HttpPeer, pool: Pool, fresh: bool) -> Result<(HttpSession, bool), LegError> {
+async fn connect(gw: &Gateway, worker: &Worker, peer: &HttpPeer, pool: Pool, fresh: bool) -> Result<(Conn, bool), LegError> {
     let failed = |e: Box<pingora::Error>| LegError::new(LegErrorKind::Connect, &worker.url, e.to_string()).with_source(*e);
     match pool {
         // Boxed (probes only): Pingora's connect future is large, and inline it would grow
         // every request's future (docs/architecture.md, "Future sizes").
-        Pool::Probes => Box::pin(gw.connector.get_http_session(peer)).await.map_err(failed),
+        Pool::Probes => Box::pin(gw.connector.get_http_session(peer)).await.map(|(s, reused)| (Conn::Session(Box::new(s)), reused)).map_err(failed),
         Pool::Requests => {
             let idle = peer.options.idle_timeout.unwrap_or_default();
             let pooled = if fresh { None } else { worker.idle.take(idle) };
@@ -163,34 +181,21 @@ async fn connect(gw: &Gateway, worker: &Worker, peer: &HttpPeer, pool: Pool, fre
                 // Boxed: with keep-alive a new connection is rare, and its future is large.
                 None => (Box::pin(gw.transport.new_stream(peer)).await.map_err(failed)?, false),
             };
-            Ok((HttpSession::H1(Http1Session::new_with_options(stream, peer)), reused))
+            Ok((Conn::Stream(stream), reused))
         }
     }
 }
 
-/// Sends the request. A request with a body goes out in one write (header and body together):
+/// Sends the request. A request leg's goes out in one write (header and body together):
 /// Pingora's HTTP/1 client flushes the header on its own, which costs a second `send` per
 /// request, and on loopback a send carries the receiver's network processing too. The
-/// session that reads the response is made afresh over the same connection.
-async fn send(up: HttpSession, peer: &HttpPeer, header: &RequestHeader, body: Option<&Bytes>) -> (HttpSession, pingora::Result<()>) {
+/// session that reads the response is then made over the same connection.
+async fn send(conn: Conn, peer: &HttpPeer, header: &RequestHeader, body: Option<&Bytes>) -> (Box<HttpSession>, pingora::Result<()>) {
     use tokio::io::AsyncWriteExt;
-    match (up, body) {
-        (HttpSession::H1(h1), Some(body)) => {
-            let Some(mut wire) = http_req_header_to_wire(header) else {
-                let e = pingora::Error::explain(pingora::ErrorType::InvalidHTTPHeader, "request header cannot be written");
-                return (HttpSession::H1(h1), Err(e));
-            };
-            wire.extend_from_slice(body);
-            let mut stream = h1.into_inner();
-            let written = match stream.write_all(&wire).await {
-                Ok(()) => stream.flush().await,
-                Err(e) => Err(e),
-            };
-            let up = HttpSession::H1(Http1Session::new_with_options(stream, peer));
-            (up, written.map_err(|e| pingora::Error::because(pingora::ErrorType::WriteError, "writing the request", e)))
-        }
-        (mut up, body) => {
-            // Probes only (no body); boxed as in `connect`.
+    let mut stream = match conn {
+        Conn::Stream(stream) => stream,
+        // Probes only (no body); boxed as in `connect`.
+        Conn::Session(mut up) => {
             let sent = Box::pin(async {
                 up.write_request_header(Box::new(header.clone())).await?;
                 if let Some(b) = body {
@@ -200,9 +205,22 @@ async fn send(up: HttpSession, peer: &HttpPeer, header: &RequestHeader, body: Op
             })
             .await
             .map(|_| ());
-            (up, sent)
+            return (up, sent);
         }
+    };
+    let session = |stream| Box::new(HttpSession::H1(Http1Session::new_with_options(stream, peer)));
+    let Some(mut wire) = http_req_header_to_wire(header) else {
+        let e = pingora::Error::explain(pingora::ErrorType::InvalidHTTPHeader, "request header cannot be written");
+        return (session(stream), Err(e));
+    };
+    if let Some(body) = body {
+        wire.extend_from_slice(body);
     }
+    let written = match stream.write_all(&wire).await {
+        Ok(()) => stream.flush().await,
+        Err(e) => Err(e),
+    };
+    (session(stream), written.map_err(|e| pingora::Error::because(pingora::ErrorType::WriteError, "writing the request", e)))
 }
 
 /// Why a probe got no usable answer.
@@ -260,7 +278,7 @@ pub async fn get(gw: &Gateway, worker: &Worker, path: &str, timeout: Duration, m
 /// request path an `async` release would carry Pingora's shutdown future inside every
 /// request's future (docs/architecture.md, "Future sizes").
 pub fn release(ex: Exchange) {
-    let (Some(home), HttpSession::H1(mut h1)) = (ex.home, ex.session) else { return };
+    let (Home::Worker(home), HttpSession::H1(mut h1)) = (ex.home, *ex.session) else { return };
     h1.respect_keepalive();
     // `reuse` is ready at once when the connection may be kept; otherwise it would shut the
     // connection down, which dropping it does as well (plain TCP).
@@ -273,5 +291,7 @@ pub fn release(ex: Exchange) {
 /// Returns a probe's finished connection to Pingora's pool (the probes' own), idle for at most
 /// `idle`.
 async fn release_probe(gw: &Gateway, ex: Exchange, idle: Duration) {
-    gw.connector.release_http_session(ex.session, &ex.peer, Some(idle)).await
+    if let Home::Probes(peer) = ex.home {
+        gw.connector.release_http_session(*ex.session, &*peer, Some(idle)).await
+    }
 }
