@@ -220,7 +220,7 @@ async fn a_worker_killed_mid_stream_loses_no_stream() {
     let opts = GatewayOpts { mode: "kv".into(), ..GatewayOpts::default() };
     let c = Cluster::sims_with_events(4, sim(1.0), opts).await;
     // The same requests undisturbed first (the simulators are deterministic), then again with
-    // worker 0 killed while they stream.
+    // the worker carrying most of them killed while they stream.
     let bodies: Vec<Value> = (0..16)
         .map(|i| {
             json!({"prompt": format!("failover {i} {}", unique_text(20)), "max_tokens": 40, "ignore_eos": true, "stream": true, "temperature": 0,
@@ -232,8 +232,9 @@ async fn a_worker_killed_mid_stream_loses_no_stream() {
         want.push(h.await.unwrap());
     }
     let running = streams(&c, &bodies);
-    // The victim is the worker carrying the most of the second run's streams once all of them
-    // stream (the first run's token counts cannot tell that: they include its own tokens).
+    // The victim is the worker carrying the most of the second run's streams once half of them
+    // stream (the first run's token counts cannot tell that: they include its own tokens; half,
+    // so a slow machine where the first streams end before the last start still gets there).
     let victim = std::cell::Cell::new(None);
     wait_until(Duration::from_secs(5), || async {
         let v: Value = c.http.get(c.admin("/requests")).send().await.unwrap().json().await.unwrap();
@@ -244,7 +245,7 @@ async fn a_worker_killed_mid_stream_loses_no_stream() {
             .filter(|r| r["phase"] == "running" && r["generated_tokens"].as_u64().unwrap_or(0) >= 2)
             .filter_map(|r| r["worker"].as_str())
             .collect();
-        if streaming.len() < bodies.len() {
+        if streaming.len() < bodies.len() / 2 {
             return false;
         }
         let busiest = streaming.iter().max_by_key(|w| streaming.iter().filter(|x| x == w).count()).unwrap();
@@ -252,7 +253,7 @@ async fn a_worker_killed_mid_stream_loses_no_stream() {
         victim.get().is_some()
     })
     .await
-    .expect("all streams are streaming");
+    .expect("the streams are streaming");
     c.sims[victim.get().unwrap()].crash();
     for (i, h) in running.into_iter().enumerate() {
         assert_eq!(h.await.unwrap(), want[i], "stream {i} is identical to the undisturbed run");

@@ -26,19 +26,23 @@ enum Script {
     Stream(usize),
 }
 
-/// A fake worker on an ephemeral port; counts the requests it read.
+/// A fake worker on an ephemeral port; counts the requests it read and the connections it
+/// accepted.
 struct FakeWorker {
     url: String,
     requests: Arc<AtomicUsize>,
+    connections: Arc<AtomicUsize>,
 }
 
 async fn fake_worker(script: Script) -> FakeWorker {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let requests = Arc::new(AtomicUsize::new(0));
-    let count = requests.clone();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let (count, accepted) = (requests.clone(), connections.clone());
     tokio::spawn(async move {
         while let Ok((mut sock, _)) = listener.accept().await {
+            accepted.fetch_add(1, Ordering::SeqCst);
             let count = count.clone();
             tokio::spawn(async move {
                 while read_request(&mut sock).await {
@@ -50,7 +54,7 @@ async fn fake_worker(script: Script) -> FakeWorker {
             });
         }
     });
-    FakeWorker { url, requests }
+    FakeWorker { url, requests, connections }
 }
 
 /// Reads one request (header and Content-Length body); false at EOF.
@@ -185,6 +189,22 @@ async fn success_names_the_worker_and_leaves_nothing_behind() {
     let receipt = done.to_json(true)["route_receipt"].clone();
     assert_eq!(receipt[0]["chosen"]["url"], w.url.as_str());
     assert_eq!(receipt[0]["outcome"], "ok");
+}
+
+/// A finished leg's connection goes back to its worker's pool (`upstream::release` takes it
+/// only when Pingora's `reuse` is ready at once), and the next request rides it.
+#[tokio::test]
+async fn a_finished_leg_returns_its_connection_and_the_next_reuses_it() {
+    let w = fake_worker(Script::Answer).await;
+    let gw = gateway(&[&w], "", false);
+    let worker = gw.fleet().model("m").cloned().unwrap().workers[0].clone();
+    for _ in 0..3 {
+        let (_, resp) = serve_one(&gw, &post(r#"{"model":"m","prompt":"x"}"#)).await;
+        assert_eq!(status_of(&resp), 200, "{resp}");
+        assert_eq!(worker.idle.len(), 1, "the connection is back in the pool");
+    }
+    assert_eq!(w.requests.load(Ordering::SeqCst), 3);
+    assert_eq!(w.connections.load(Ordering::SeqCst), 1, "one connection served all three");
 }
 
 #[tokio::test]

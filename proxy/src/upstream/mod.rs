@@ -208,6 +208,10 @@ async fn send(conn: Conn, peer: &HttpPeer, header: &RequestHeader, body: Option<
             return (up, sent);
         }
     };
+    // Request legs always carry a body. The session below never sees the request it answers, so
+    // a bodiless request that depends on it (HEAD framing, the request's own `Connection: close`)
+    // must go through Pingora's write path, as probes do.
+    debug_assert!(body.is_some(), "a request leg without a body");
     let session = |stream| Box::new(HttpSession::H1(Http1Session::new_with_options(stream, peer)));
     let Some(mut wire) = http_req_header_to_wire(header) else {
         let e = pingora::Error::explain(pingora::ErrorType::InvalidHTTPHeader, "request header cannot be written");
