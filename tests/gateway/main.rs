@@ -40,24 +40,11 @@ fn essence(v: &Value) -> Value {
            "finish": c["finish_reason"], "usage": v["usage"]})
 }
 
+/// A stream's essence (`SseBody::essence`) and its number of events.
 fn stream_essence(b: &sse::SseBody) -> Value {
-    let mut text = String::new();
-    let mut ids = Vec::new();
-    let mut finish = Value::Null;
-    let mut usage = Value::Null;
-    for e in &b.events {
-        if let Some(c) = e["choices"].as_array().and_then(|c| c.first()) {
-            text.push_str(c["text"].as_str().or(c["delta"]["content"].as_str()).unwrap_or(""));
-            ids.extend(c["token_ids"].as_array().cloned().unwrap_or_default());
-            if !c["finish_reason"].is_null() {
-                finish = c["finish_reason"].clone();
-            }
-        }
-        if !e["usage"].is_null() {
-            usage = e["usage"].clone();
-        }
-    }
-    json!({"text": text, "ids": ids, "finish": finish, "usage": usage, "done": b.done, "n": b.events.len()})
+    let mut v = b.essence();
+    v["n"] = json!(b.events.len());
+    v
 }
 
 #[tokio::test]

@@ -30,30 +30,18 @@ async fn pair(opts: GatewayOpts) -> (Cluster, bool) {
     }
 }
 
-/// What must be identical between a moved and an unmoved stream.
+/// What must be identical between a moved and an unmoved stream: what the client reassembles
+/// (`SseBody::essence`) and the stream's object; every event carries the same id, created and
+/// object.
 fn essence(b: &sse::SseBody) -> Value {
-    let mut text = String::new();
-    let mut ids = Vec::new();
-    let mut finish = Value::Null;
-    let mut usage = Value::Null;
-    let (mut id, mut created, mut object) = (Value::Null, Value::Null, Value::Null);
+    let first = b.events.first().map(|e| (e["id"].clone(), e["created"].clone(), e["object"].clone()));
+    let (id, created, object) = first.unwrap_or_default();
     for e in &b.events {
-        if id.is_null() {
-            (id, created, object) = (e["id"].clone(), e["created"].clone(), e["object"].clone());
-        }
         assert_eq!((&e["id"], &e["created"], &e["object"]), (&id, &created, &object), "one id, created and shape for the whole stream: {e}");
-        if let Some(c) = e["choices"].as_array().and_then(|c| c.first()) {
-            text.push_str(c["text"].as_str().or(c["delta"]["content"].as_str()).unwrap_or(""));
-            ids.extend(c["token_ids"].as_array().cloned().unwrap_or_default());
-            if !c["finish_reason"].is_null() {
-                finish = c["finish_reason"].clone();
-            }
-        }
-        if !e["usage"].is_null() {
-            usage = e["usage"].clone();
-        }
     }
-    json!({"text": text, "ids": ids, "finish": finish, "usage": usage, "done": b.done, "object": object})
+    let mut v = b.essence();
+    v["object"] = object;
+    v
 }
 
 /// Streams `body` to `path` as request `id`, ordering a move after `after` events when given

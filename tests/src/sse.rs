@@ -15,6 +15,30 @@ pub struct SseBody {
     pub done: bool,
 }
 
+impl SseBody {
+    /// What a client reassembles from the stream, for comparing two streams: the text (or chat
+    /// content) and token ids concatenated, the finish reason, the usage, whether `[DONE]` came.
+    pub fn essence(&self) -> Value {
+        let mut text = String::new();
+        let mut ids = Vec::new();
+        let mut finish = Value::Null;
+        let mut usage = Value::Null;
+        for e in &self.events {
+            if let Some(c) = e["choices"].as_array().and_then(|c| c.first()) {
+                text.push_str(c["text"].as_str().or(c["delta"]["content"].as_str()).unwrap_or(""));
+                ids.extend(c["token_ids"].as_array().cloned().unwrap_or_default());
+                if !c["finish_reason"].is_null() {
+                    finish = c["finish_reason"].clone();
+                }
+            }
+            if !e["usage"].is_null() {
+                usage = e["usage"].clone();
+            }
+        }
+        serde_json::json!({"text": text, "ids": ids, "finish": finish, "usage": usage, "done": self.done})
+    }
+}
+
 /// Splits a raw SSE body into events; panics on framing errors (tests want to see them).
 pub fn parse(raw: &str) -> SseBody {
     let mut events = Vec::new();
