@@ -157,13 +157,14 @@ async fn move_one(entry: &RequestEntry, to: &Arc<crate::fleet::Worker>, policy: 
 /// The workers as the policies see them.
 fn view(model: &Model, r: &Rescheduling, metric: LoadMetric) -> Vec<Instance> {
     let stale_after = Duration::from_secs(r.instance_staleness_seconds);
+    let now = kvgate_filters::ledger::clock_us();
     model
         .workers
         .iter()
         .enumerate()
         .map(|(i, w)| {
             // What routing sees of it: reported usage (fullest rank), capacity, bookings.
-            let c = model.candidate(i, false, kvgate_filters::ledger::clock_us());
+            let c = model.candidate(i, false, now);
             // Prefill the gateway booked and the worker has not cached yet.
             let pending = match (metric, c.total_blocks) {
                 (LoadMetric::KvCacheUsageRatioProjected, t) if t > 0 => c.active_prefill_tokens as f64 / (t as f64 * f64::from(model.cfg.block_size.max(1))),
@@ -202,11 +203,12 @@ fn chosen(model: &Model, live: &[Arc<RequestEntry>], p: &Pair, limit: u32) -> Ve
 /// `timeout_ms`). A failing call yields none, and is counted as the routing plugins' are.
 async fn plugin_pairs(gw: &Gateway, model: &Model, r: &Rescheduling, live: &[Arc<RequestEntry>], p: Arc<ReschedulingPlugin>) -> Vec<Pair> {
     let instances = view(model, r, r.rescheduling_neutral_load_metric);
+    let now = kvgate_filters::ledger::clock_us();
     let workers = instances
         .iter()
         .map(|i| {
             let w = &model.workers[i.id as usize];
-            let c = model.candidate(i.id as usize, false, kvgate_filters::ledger::clock_us());
+            let c = model.candidate(i.id as usize, false, now);
             let running = live
                 .iter()
                 .filter(|e| e.worker().is_some_and(|cur| Arc::ptr_eq(&cur, w)))
