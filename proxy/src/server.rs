@@ -7,12 +7,13 @@
 
 use crate::config::Config;
 use crate::gateway::Gateway;
-use crate::http::{GatewayService, Role};
+use crate::http::{GatewayApp, Role};
 use async_trait::async_trait;
 use pingora::prelude::*;
 use pingora::server::configuration::ServerConf;
 use pingora::server::{RunArgs, ShutdownSignal, ShutdownSignalWatch, ShutdownWatch};
 use pingora::services::background::{BackgroundService, background_service};
+use pingora::services::listening::Service;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -89,9 +90,9 @@ fn build(gw: Arc<Gateway>, cfg: &Config, manual: watch::Receiver<Option<Stop>>) 
     };
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
-    let mut public = pingora::proxy::http_proxy_service_with_name(&server.configuration, GatewayService { gw: gw.clone(), role: Role::Public }, "kvgate");
+    let mut public = Service::new("kvgate".to_string(), GatewayApp::new(gw.clone(), Role::Public));
     public.add_tcp(&cfg.listen.to_string());
-    let mut admin = pingora::proxy::http_proxy_service_with_name(&server.configuration, GatewayService { gw: gw.clone(), role: Role::Admin }, "kvgate-admin");
+    let mut admin = Service::new("kvgate-admin".to_string(), GatewayApp::new(gw.clone(), Role::Admin));
     admin.threads = Some(1);
     admin.add_tcp(&cfg.admin_listen.to_string());
     server.add_service(public);

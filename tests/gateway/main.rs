@@ -471,3 +471,47 @@ async fn the_admin_listener_shows_requests_in_flight_and_why_they_went_where_the
     let now: Value = c.http.get(c.admin("/requests")).send().await.unwrap().json().await.unwrap();
     assert_eq!(now["in_flight"], 0, "{now}");
 }
+
+/// Sends raw bytes on a fresh connection; returns everything the gateway wrote until it closed
+/// the connection (or 5 s passed).
+async fn raw_exchange(c: &Cluster, bytes: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = c.url("").trim_start_matches("http://").trim_end_matches('/').to_string();
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(bytes).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out)).await.expect("the gateway closes the connection").unwrap();
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[tokio::test]
+async fn malformed_http_and_connect_get_an_openai_shaped_error_and_a_closed_connection() {
+    let c = Cluster::sims(1, sim(10.0), GatewayOpts::default()).await;
+    let body = |out: &str| serde_json::from_str::<Value>(out.split_once("\r\n\r\n").map_or("", |(_, b)| b)).unwrap_or(Value::Null);
+    let out = raw_exchange(&c, b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nBad Header Without Colon\r\n\r\n").await;
+    assert!(out.starts_with("HTTP/1.1 400"), "{out}");
+    error_shape(400, 400, &body(&out));
+    let out = raw_exchange(&c, b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n").await;
+    assert!(out.starts_with("HTTP/1.1 405"), "{out}");
+    error_shape(405, 405, &body(&out));
+    // Well-formed requests share one kept-alive connection.
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+    let addr = c.url("").trim_start_matches("http://").trim_end_matches('/').to_string();
+    let mut s = tokio::io::BufReader::new(tokio::net::TcpStream::connect(addr).await.unwrap());
+    for _ in 0..3 {
+        s.get_mut().write_all(b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n").await.unwrap();
+        let (mut status, mut len, mut line) = (String::new(), 0usize, String::new());
+        s.read_line(&mut status).await.unwrap();
+        assert!(status.starts_with("HTTP/1.1 200"), "{status}");
+        while {
+            line.clear();
+            s.read_line(&mut line).await.unwrap() > 2
+        } {
+            if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                len = v.trim().parse().unwrap();
+            }
+        }
+        let mut body = vec![0; len];
+        s.read_exact(&mut body).await.unwrap();
+    }
+}

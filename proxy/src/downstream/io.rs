@@ -4,7 +4,7 @@
 use super::errors::ClientError;
 use bytes::{Bytes, BytesMut};
 use pingora::http::ResponseHeader;
-use pingora::proxy::Session;
+use pingora::protocols::http::ServerSession;
 use std::time::Duration;
 
 /// Why a request body could not be read.
@@ -31,7 +31,7 @@ impl BodyError {
 
 /// Reads the whole request body, refusing more than `limit` bytes or a body slower than
 /// `deadline`. Pingora enforces neither.
-pub async fn read_body(session: &mut Session, limit: u64, deadline: Duration) -> Result<Bytes, BodyError> {
+pub async fn read_body(session: &mut ServerSession, limit: u64, deadline: Duration) -> Result<Bytes, BodyError> {
     if let Some(len) = session.req_header().headers.get("content-length").and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
         && len > limit
     {
@@ -39,7 +39,7 @@ pub async fn read_body(session: &mut Session, limit: u64, deadline: Duration) ->
     }
     // Clients that ask first (`Expect: 100-continue`, e.g. curl for large bodies) get the go-ahead.
     let expects = session.req_header().headers.get("expect").and_then(|v| v.to_str().ok()).is_some_and(|v| v.eq_ignore_ascii_case("100-continue"));
-    if expects && session.as_downstream_mut().write_continue_response().await.is_err() {
+    if expects && session.write_continue_response().await.is_err() {
         return Err(BodyError::Gone);
     }
     let read = async {
@@ -61,20 +61,20 @@ pub async fn read_body(session: &mut Session, limit: u64, deadline: Duration) ->
 }
 
 /// Writes a complete response with a body. Errors mean the client is gone; they are ignored.
-pub async fn respond(session: &mut Session, status: u16, content_type: &str, body: Bytes, extra: &[(&str, String)]) {
+pub async fn respond(session: &mut ServerSession, status: u16, content_type: &str, body: Bytes, extra: &[(&str, String)]) {
     let Ok(mut h) = ResponseHeader::build(status, Some(4 + extra.len())) else { return };
     let _ = h.insert_header("content-type", content_type);
     let _ = h.insert_header("content-length", body.len().to_string());
     for (k, v) in extra {
         let _ = h.insert_header(k.to_string(), v.as_str());
     }
-    if session.write_response_header(Box::new(h), false).await.is_ok() {
-        let _ = session.write_response_body(Some(body), true).await;
+    if session.write_response_header(Box::new(h)).await.is_ok() {
+        let _ = session.write_response_body(body, true).await;
     }
 }
 
 /// Sends an OpenAI-shaped error.
-pub async fn respond_error(session: &mut Session, e: &ClientError, extra: &[(&str, String)]) {
+pub async fn respond_error(session: &mut ServerSession, e: &ClientError, extra: &[(&str, String)]) {
     match e.retry_after {
         Some(s) => {
             let mut all = extra.to_vec();
@@ -86,6 +86,6 @@ pub async fn respond_error(session: &mut Session, e: &ClientError, extra: &[(&st
 }
 
 /// Sends JSON.
-pub async fn respond_json(session: &mut Session, status: u16, v: &serde_json::Value) {
+pub async fn respond_json(session: &mut ServerSession, status: u16, v: &serde_json::Value) {
     respond(session, status, "application/json", Bytes::from(v.to_string()), &[]).await;
 }

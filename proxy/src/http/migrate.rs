@@ -11,7 +11,7 @@ use crate::downstream::io::{read_body, respond_error, respond_json};
 use crate::gateway::Gateway;
 use crate::inflight::{Phase, RequestEntry};
 use crate::move_order::{MoveOrder, MoveRefused};
-use pingora::proxy::Session;
+use pingora::protocols::http::ServerSession;
 use serde::Deserialize;
 use serde_json::json;
 use std::sync::Arc;
@@ -30,7 +30,7 @@ struct MoveBody {
 }
 
 /// Handles `POST /migrate`.
-pub async fn serve(gw: &Arc<Gateway>, session: &mut Session) {
+pub async fn serve(gw: &Arc<Gateway>, session: &mut ServerSession) {
     let body = match read_body(session, 64 * 1024, Duration::from_secs(10)).await {
         Ok(b) => b,
         Err(e) => {

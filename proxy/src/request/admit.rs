@@ -10,7 +10,7 @@ use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::inflight::RequestEntry;
 use kvgate_filters::cancel::RequestContext;
-use pingora::proxy::Session;
+use pingora::protocols::http::ServerSession;
 use serde::Deserialize;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -59,7 +59,7 @@ impl RequestView {
 }
 
 /// A request id: the client's X-Request-Id when it is sane, else a fresh one.
-pub fn request_id(session: &Session) -> String {
+pub fn request_id(session: &ServerSession) -> String {
     session
         .req_header()
         .headers
@@ -78,7 +78,7 @@ fn new_id() -> String {
 }
 
 /// Admits a request, or says how it ended.
-pub async fn admit(gw: &Arc<Gateway>, session: &mut Session, endpoint: Endpoint, rid: String, start: Instant) -> Result<RequestState, Outcome> {
+pub async fn admit(gw: &Arc<Gateway>, session: &mut ServerSession, endpoint: Endpoint, rid: String, start: Instant) -> Result<RequestState, Outcome> {
     if gw.is_draining() {
         return Err(Outcome::Refused(GatewayError::Draining));
     }

@@ -17,10 +17,10 @@ use super::{RequestState, kv_inputs, record};
 use crate::fleet::Worker;
 use crate::gateway::Gateway;
 use crate::move_order::{MoveOrder, MoveReason, MoveRefused, MoveReport};
-use crate::upstream::{self, Pool};
+use crate::upstream::{self, Outgoing};
 use bytes::Bytes;
 use kvgate_filters::migrate::{ClientShape, Continuation, ContinuationError, PinReason};
-use pingora::proxy::Session;
+use pingora::protocols::http::ServerSession;
 use serde_json::Value;
 use std::future::Future;
 use std::pin::Pin;
@@ -59,18 +59,18 @@ const WARM_UP_LIMIT: Duration = Duration::from_secs(30);
 /// context in the destination's prefix cache and recomputes only the tokens generated since:
 /// the client's pause shrinks from a whole prefill to about one step (docs/migration.md).
 /// The order comes back (`Err`) when there is nothing to warm (no ids yet).
-pub fn warm_up<'a>(gw: &'a Gateway, req: &RequestState, session: &Session, to: &Arc<Worker>, order: MoveOrder) -> Result<Warming<'a>, MoveOrder> {
+pub fn warm_up<'a>(gw: &'a Gateway, req: &RequestState, session: &ServerSession, to: &Arc<Worker>, order: MoveOrder) -> Result<Warming<'a>, MoveOrder> {
     let Some(r) = req.track.as_ref().map(|t| &t.record).filter(|r| !r.prompt_ids.is_empty()) else { return Err(order) };
     let ids = r.context_ids();
     let model = req.view.model.clone().unwrap_or_else(|| req.model_name().to_string());
     let body = Bytes::from(serde_json::json!({"model": model, "prompt": ids, "max_tokens": 1, "add_special_tokens": false}).to_string());
-    let Ok(header) = upstream::request_header(session.req_header(), to, "/v1/completions", body.len(), &format!("{}-warm", req.id())) else {
+    let Ok(wire) = upstream::request_wire(session.req_header(), to, "/v1/completions", &body, &format!("{}-warm", req.id())) else {
         return Err(order);
     };
     let (cfg, to) = (req.cfg.clone(), to.clone());
     let done = Box::pin(async move {
         let warm = async {
-            let Ok(mut ex) = upstream::exchange(gw, &cfg, &to, &header, Some(&body), Pool::Requests, None).await else { return };
+            let Ok(mut ex) = upstream::exchange(gw, &cfg, &to, Outgoing::Leg(&wire), None).await else { return };
             while let Ok(Some(_)) = ex.session.read_response_body().await {}
             if ex.session.response_done() {
                 upstream::release(ex);
@@ -110,7 +110,7 @@ fn too_long(req: &RequestState) -> bool {
 /// operator chose.
 pub async fn continue_stream(
     gw: &Gateway,
-    session: &mut Session,
+    session: &mut ServerSession,
     req: &mut RequestState,
     reason: MoveReason,
     source: usize,
@@ -192,7 +192,7 @@ fn continuation(req: &mut RequestState) -> Result<(Bytes, Vec<u32>, usize), Cont
 /// any), then the routing mode's choice among the others, each worker at most once.
 async fn destination(
     gw: &Gateway,
-    session: &mut Session,
+    session: &mut ServerSession,
     req: &mut RequestState,
     out: &Outbound<'_>,
     source: Option<usize>,
@@ -218,14 +218,14 @@ async fn destination(
         req.entry().placed(&worker, prompt_len);
         count_recomputed(gw, req, idx, prompt);
         match leg::run(gw, session, req, &worker, out, true).await {
-            LegEnd::Answered(leg) if leg.ex.header.status.as_u16() == 200 => {
+            LegEnd::Answered(leg) if leg.ex.status == 200 => {
                 req.entry().receipt.lock().leg_ended("ok");
                 return Ok(leg);
             }
             LegEnd::Answered(leg) => {
                 // A continuation the worker refuses (e.g. longer than its context) fails the same way elsewhere.
                 req.entry().receipt.lock().leg_ended("status");
-                return Err(Stop::Refused(MoveRefused::Failed(format!("{} answered the continuation with {}", worker.label, leg.ex.header.status.as_u16()))));
+                return Err(Stop::Refused(MoveRefused::Failed(format!("{} answered the continuation with {}", worker.label, leg.ex.status))));
             }
             LegEnd::ClientGone => return Err(Stop::ClientGone),
             LegEnd::Reroute(order) => order.answer(Err(MoveRefused::NotNow("already moving"))),

@@ -108,10 +108,10 @@ fn gateway(workers: &[&FakeWorker], extra: &str, round_robin: bool) -> Arc<Gatew
 }
 
 /// A client connection: the gateway's session and the client's end of the pipe.
-async fn client(request: &str) -> (Session, DuplexStream) {
+async fn client(request: &str) -> (ServerSession, DuplexStream) {
     let (mut client, server) = tokio::io::duplex(1 << 20);
     client.write_all(request.as_bytes()).await.unwrap();
-    let mut session = Session::new_h1(Box::new(server));
+    let mut session = ServerSession::new_http1(Box::new(server));
     assert!(session.read_request().await.unwrap());
     (session, client)
 }

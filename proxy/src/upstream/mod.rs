@@ -18,7 +18,7 @@ use bytes::{Bytes, BytesMut};
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::Stream;
 use pingora::protocols::http::client::HttpSession;
-use pingora::protocols::http::v1::client::{HttpSession as Http1Session, http_req_header_to_wire};
+use pingora::protocols::http::v1::client::HttpSession as Http1Session;
 use pingora::upstreams::peer::HttpPeer;
 use pool::IdlePool;
 use std::future::Future;
@@ -35,8 +35,9 @@ pub struct Exchange {
     /// The session (dropping it closes the connection; see [`release`]). Boxed: an
     /// exchange moves through every phase of a request (docs/architecture.md, "Future sizes").
     pub session: Box<HttpSession>,
-    /// The response header.
-    pub header: ResponseHeader,
+    /// The response status (the whole header stays in the session: copying it out costs two
+    /// header maps per request).
+    pub status: u16,
     /// When the request was sent (the start of the first-byte deadline).
     pub sent_at: Instant,
     /// The keep-alive pool it returns to.
@@ -51,29 +52,74 @@ pub enum Home {
     Probes(Box<HttpPeer>),
 }
 
-/// The worker request header for a client's request: the client's headers minus hop-by-hop
-/// ones, with the worker's `Host`, the body's length and the request id.
-pub fn request_header(client: &RequestHeader, worker: &Worker, path: &str, body_len: usize, request_id: &str) -> pingora::Result<RequestHeader> {
-    let mut h = RequestHeader::build("POST", path.as_bytes(), Some(client.headers.len() + 3))?;
-    for (name, value) in client.headers.iter() {
-        if !HOP_BY_HOP.contains(&name.as_str()) && name.as_str() != "x-request-id" {
-            h.append_header(name.clone(), value.clone())?;
+/// A worker request written out for the wire: its head (the client's headers minus hop-by-hop
+/// ones, with the worker's `Host`, the body's length and the request id) and its body, in one
+/// buffer so that it goes out in one write. Written straight from the client's header: building
+/// a Pingora header first costs two header maps and a copy of every name and value per request
+/// (docs/architecture.md, "The hot path's allocations").
+pub fn request_wire(client: &RequestHeader, worker: &Worker, path: &str, body: &[u8], request_id: &str) -> Result<Vec<u8>, BadHeader> {
+    if path.is_empty() || path.bytes().any(|c| c == b' ') || has_forbidden_byte(path.as_bytes()) {
+        return Err(BadHeader("the request path"));
+    }
+    if has_forbidden_byte(request_id.as_bytes()) {
+        return Err(BadHeader("the request id"));
+    }
+    let mut w = Vec::with_capacity(256 + body.len());
+    w.extend_from_slice(b"POST ");
+    w.extend_from_slice(path.as_bytes());
+    w.extend_from_slice(b" HTTP/1.1\r\n");
+    let mut typed = false;
+    let mut forward = |name: &[u8], value: &[u8]| {
+        let skip = HOP_BY_HOP.iter().any(|h| h.as_bytes().eq_ignore_ascii_case(name)) || name.eq_ignore_ascii_case(b"x-request-id");
+        if !skip {
+            typed |= name.eq_ignore_ascii_case(b"content-type");
+            line(&mut w, name, value);
         }
+    };
+    if client.has_case() {
+        client.case_header_iter().for_each(|(n, v)| forward(n.as_slice(), v.as_bytes()));
+    } else {
+        client.headers.iter().for_each(|(n, v)| forward(n.as_str().as_bytes(), v.as_bytes()));
     }
-    h.insert_header("host", worker.host_header.as_str())?;
-    h.insert_header("content-length", body_len.to_string())?;
-    h.insert_header("x-request-id", request_id)?;
-    if !h.headers.contains_key("content-type") {
-        h.insert_header("content-type", "application/json")?;
+    if !typed {
+        line(&mut w, b"Content-Type", b"application/json");
     }
-    Ok(h)
+    line(&mut w, b"Host", worker.host_header.as_bytes());
+    line(&mut w, b"Content-Length", body.len().to_string().as_bytes());
+    line(&mut w, b"X-Request-Id", request_id.as_bytes());
+    w.extend_from_slice(b"\r\n");
+    w.extend_from_slice(body);
+    Ok(w)
 }
 
-/// Copies a worker's response header for the client (hop-by-hop headers dropped; Pingora frames
-/// the body itself: chunked for streams, Content-Length when the worker gave one), with the
-/// request id and the worker that answered (`x-kvgate-worker`).
-pub fn client_response_header(up: &ResponseHeader, request_id: &str, worker: &str) -> pingora::Result<ResponseHeader> {
-    let mut h = ResponseHeader::build(up.status, Some(up.headers.len() + 2))?;
+/// A worker request that could not be written: the part that held a byte HTTP/1.1 forbids.
+#[derive(Debug, thiserror::Error)]
+#[error("{0} holds a byte HTTP/1.1 forbids (NUL, CR or LF)")]
+pub struct BadHeader(&'static str);
+
+/// Whether `b` holds a byte no header value may carry (a request target may not hold a space
+/// either).
+fn has_forbidden_byte(b: &[u8]) -> bool {
+    b.iter().any(|&c| matches!(c, 0 | b'\r' | b'\n'))
+}
+
+/// Appends one `name: value` header line.
+fn line(w: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    w.extend_from_slice(name);
+    w.extend_from_slice(b": ");
+    w.extend_from_slice(value);
+    w.extend_from_slice(b"\r\n");
+}
+
+/// The client's response header for a worker's answer: the worker's headers minus hop-by-hop
+/// ones (Pingora frames the body itself: chunked for streams, Content-Length when the worker
+/// gave one), with the request id and the worker that answered (`x-kvgate-worker`). Built
+/// without a case map: names go out in their usual capitalisation (Pingora titles known ones).
+pub fn client_response_header(ex: &Exchange, request_id: &str, worker: &str) -> pingora::Result<ResponseHeader> {
+    let Some(up) = ex.session.response_header() else {
+        return pingora::Error::e_explain(pingora::ErrorType::InvalidHTTPHeader, "no response header");
+    };
+    let mut h = ResponseHeader::build_no_case(up.status, Some(up.headers.len() + 3))?;
     for (name, value) in up.headers.iter() {
         let n = name.as_str();
         if n == "content-length" || !HOP_BY_HOP.contains(&n) {
@@ -88,31 +134,22 @@ pub fn client_response_header(up: &ResponseHeader, request_id: &str, worker: &st
     Ok(h)
 }
 
-/// Which pool a connection comes from: the request legs' (each worker's own [`IdlePool`]), or
-/// the probes' (Pingora's connector, which holds nothing else): a probe never rides on a
-/// connection a request opened, or a worker that stopped accepting connections would still
-/// look healthy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Pool {
-    /// Request legs.
-    Requests,
-    /// Health and metrics probes.
-    Probes,
+/// What an exchange sends; it also decides the pool the connection comes from.
+#[derive(Clone, Copy)]
+pub enum Outgoing<'a> {
+    /// A request leg's whole request ([`request_wire`]), over its worker's own [`IdlePool`].
+    Leg(&'a [u8]),
+    /// A health or metrics probe's bodiless request, over the probes' pool (Pingora's
+    /// connector, which holds nothing else): a probe never rides on a connection a request
+    /// opened, or a worker that stopped accepting connections would still look healthy.
+    Probe(&'a RequestHeader),
 }
 
-/// Sends `header` (and `body`, if any) to `worker` and reads the response header, waiting at
+/// Sends `out` to `worker` and reads the response header, waiting at
 /// most `header_timeout` after the request was sent. A pooled connection that fails before any
 /// response header was most likely closed by the worker while idle, so one fresh connection is
 /// tried before giving up (the request may then run twice if the worker had in fact taken it).
-pub async fn exchange(
-    gw: &Gateway,
-    cfg: &Config,
-    worker: &Worker,
-    header: &RequestHeader,
-    body: Option<&Bytes>,
-    pool: Pool,
-    header_timeout: Option<Duration>,
-) -> Result<Exchange, LegError> {
+pub async fn exchange(gw: &Gateway, cfg: &Config, worker: &Worker, out: Outgoing<'_>, header_timeout: Option<Duration>) -> Result<Exchange, LegError> {
     let addr = worker.addr().await.map_err(|e| LegError::new(LegErrorKind::Resolve, &worker.url, e.to_string()).with_source(e))?;
     let mut peer = HttpPeer::new(addr, false, String::new());
     let connect_limit = Duration::from_millis(cfg.timeouts.connect_ms);
@@ -121,8 +158,8 @@ pub async fn exchange(
     peer.options.idle_timeout = Some(Duration::from_millis(cfg.timeouts.upstream_idle_ms));
     let mut fresh_try = 0;
     loop {
-        let (up, reused) = connect(gw, worker, &peer, pool, fresh_try > 0).await?;
-        let (mut up, sent) = send(up, &peer, header, body).await;
+        let (up, reused) = connect(gw, worker, &peer, out, fresh_try > 0).await?;
+        let (mut up, sent) = send(up, &peer, out).await;
         let failed = match sent {
             Err(e) => LegError::new(LegErrorKind::Send, &worker.url, e.to_string()).with_source(*e),
             Ok(_) => {
@@ -138,13 +175,13 @@ pub async fn exchange(
                     },
                     None => read.await,
                 };
-                match r.map(|()| up.response_header().cloned()) {
-                    Ok(Some(header)) => {
-                        let home = match pool {
-                            Pool::Requests => Home::Worker(worker.idle.clone()),
-                            Pool::Probes => Home::Probes(Box::new(peer)),
+                match r.map(|()| up.response_header().map(|h| h.status.as_u16())) {
+                    Ok(Some(status)) => {
+                        let home = match out {
+                            Outgoing::Leg(_) => Home::Worker(worker.idle.clone()),
+                            Outgoing::Probe(_) => Home::Probes(Box::new(peer)),
                         };
-                        return Ok(Exchange { session: up, header, sent_at, home });
+                        return Ok(Exchange { session: up, status, sent_at, home });
                     }
                     Ok(None) => LegError::new(LegErrorKind::Response, &worker.url, "no response header"),
                     Err(e) => LegError::new(LegErrorKind::Response, &worker.url, e.to_string()).with_source(*e),
@@ -165,15 +202,15 @@ enum Conn {
     Session(Box<HttpSession>),
 }
 
-/// A connection to `worker`: an idle one from the pool `pool` names unless `fresh`, else a new
-/// one. Returns whether it was reused.
-async fn connect(gw: &Gateway, worker: &Worker, peer: &HttpPeer, pool: Pool, fresh: bool) -> Result<(Conn, bool), LegError> {
+/// A connection to `worker`: an idle one from the pool `out` goes over unless `fresh`, else a
+/// new one. Returns whether it was reused.
+async fn connect(gw: &Gateway, worker: &Worker, peer: &HttpPeer, out: Outgoing<'_>, fresh: bool) -> Result<(Conn, bool), LegError> {
     let failed = |e: Box<pingora::Error>| LegError::new(LegErrorKind::Connect, &worker.url, e.to_string()).with_source(*e);
-    match pool {
+    match out {
         // Boxed (probes only): Pingora's connect future is large, and inline it would grow
         // every request's future (docs/architecture.md, "Future sizes").
-        Pool::Probes => Box::pin(gw.connector.get_http_session(peer)).await.map(|(s, reused)| (Conn::Session(Box::new(s)), reused)).map_err(failed),
-        Pool::Requests => {
+        Outgoing::Probe(_) => Box::pin(gw.connector.get_http_session(peer)).await.map(|(s, reused)| (Conn::Session(Box::new(s)), reused)).map_err(failed),
+        Outgoing::Leg(_) => {
             let idle = peer.options.idle_timeout.unwrap_or_default();
             let pooled = if fresh { None } else { worker.idle.take(idle) };
             let (stream, reused) = match pooled {
@@ -189,42 +226,35 @@ async fn connect(gw: &Gateway, worker: &Worker, peer: &HttpPeer, pool: Pool, fre
 /// Sends the request. A request leg's goes out in one write (header and body together):
 /// Pingora's HTTP/1 client flushes the header on its own, which costs a second `send` per
 /// request, and on loopback a send carries the receiver's network processing too. The
-/// session that reads the response is then made over the same connection.
-async fn send(conn: Conn, peer: &HttpPeer, header: &RequestHeader, body: Option<&Bytes>) -> (Box<HttpSession>, pingora::Result<()>) {
+/// session that reads the response is then made over the same connection; it never sees the
+/// request, which is why legs are always `POST`s with a body (no HEAD framing, no
+/// `Connection: close` of their own).
+async fn send(conn: Conn, peer: &HttpPeer, out: Outgoing<'_>) -> (Box<HttpSession>, pingora::Result<()>) {
     use tokio::io::AsyncWriteExt;
-    let mut stream = match conn {
-        Conn::Stream(stream) => stream,
-        // Probes only (no body); boxed as in `connect`.
-        Conn::Session(mut up) => {
+    let (mut stream, wire) = match (conn, out) {
+        (Conn::Stream(stream), Outgoing::Leg(wire)) => (stream, wire),
+        // Probes only; boxed as in `connect`.
+        (Conn::Session(mut up), Outgoing::Probe(header)) => {
             let sent = Box::pin(async {
                 up.write_request_header(Box::new(header.clone())).await?;
-                if let Some(b) = body {
-                    up.write_request_body(b.clone(), true).await?;
-                }
                 up.finish_request_body().await
             })
             .await
             .map(|_| ());
             return (up, sent);
         }
+        (Conn::Session(up), Outgoing::Leg(_)) => return (up, pingora::Error::e_explain(pingora::ErrorType::InternalError, "a leg on a probe's connection")),
+        (Conn::Stream(stream), Outgoing::Probe(_)) => {
+            let e = pingora::Error::e_explain(pingora::ErrorType::InternalError, "a probe on a leg's connection");
+            return (Box::new(HttpSession::H1(Http1Session::new_with_options(stream, peer))), e);
+        }
     };
-    // Request legs always carry a body. The session below never sees the request it answers, so
-    // a bodiless request that depends on it (HEAD framing, the request's own `Connection: close`)
-    // must go through Pingora's write path, as probes do.
-    debug_assert!(body.is_some(), "a request leg without a body");
-    let session = |stream| Box::new(HttpSession::H1(Http1Session::new_with_options(stream, peer)));
-    let Some(mut wire) = http_req_header_to_wire(header) else {
-        let e = pingora::Error::explain(pingora::ErrorType::InvalidHTTPHeader, "request header cannot be written");
-        return (session(stream), Err(e));
-    };
-    if let Some(body) = body {
-        wire.extend_from_slice(body);
-    }
-    let written = match stream.write_all(&wire).await {
+    let written = match stream.write_all(wire).await {
         Ok(()) => stream.flush().await,
         Err(e) => Err(e),
     };
-    (session(stream), written.map_err(|e| pingora::Error::because(pingora::ErrorType::WriteError, "writing the request", e)))
+    let session = Box::new(HttpSession::H1(Http1Session::new_with_options(stream, peer)));
+    (session, written.map_err(|e| pingora::Error::because(pingora::ErrorType::WriteError, "writing the request", e)))
 }
 
 /// Why a probe got no usable answer.
@@ -258,8 +288,8 @@ pub async fn get(gw: &Gateway, worker: &Worker, path: &str, timeout: Duration, m
             h.insert_header("connection", "close").map_err(bad)?;
         }
         let cfg = gw.config();
-        let mut ex = exchange(gw, &cfg, worker, &h, None, Pool::Probes, None).await?;
-        let status = ex.header.status.as_u16();
+        let mut ex = exchange(gw, &cfg, worker, Outgoing::Probe(&h), None).await?;
+        let status = ex.status;
         let mut body = BytesMut::new();
         loop {
             match ex.session.read_response_body().await {
@@ -297,5 +327,63 @@ pub fn release(ex: Exchange) {
 async fn release_probe(gw: &Gateway, ex: Exchange, idle: Duration) {
     if let Home::Probes(peer) = ex.home {
         gw.connector.release_http_session(*ex.session, &*peer, Some(idle)).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::UpstreamUrl;
+
+    fn worker() -> Worker {
+        Worker::new(UpstreamUrl::parse("http://10.0.0.7:8000").unwrap())
+    }
+
+    fn client(headers: &[(&str, &str)]) -> RequestHeader {
+        let mut h = RequestHeader::build("POST", b"/v1/completions", None).unwrap();
+        for (n, v) in headers {
+            h.append_header(n.to_string(), *v).unwrap();
+        }
+        h
+    }
+
+    #[test]
+    fn a_worker_request_keeps_end_to_end_headers_and_replaces_the_hop_by_hop_ones() {
+        let c = client(&[
+            ("Authorization", "Bearer k"),
+            ("Connection", "keep-alive"),
+            ("Keep-Alive", "timeout=5"),
+            ("Host", "gateway.example"),
+            ("Content-Length", "999"),
+            ("Transfer-Encoding", "chunked"),
+            ("X-Request-Id", "from-client"),
+            ("X-Trace", "t1"),
+        ]);
+        let wire = request_wire(&c, &worker(), "/v1/completions", b"{}", "req-1").unwrap();
+        let text = String::from_utf8(wire).unwrap();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap();
+        assert_eq!(body, "{}");
+        let mut lines = head.split("\r\n");
+        assert_eq!(lines.next(), Some("POST /v1/completions HTTP/1.1"));
+        let mut got: Vec<&str> = lines.collect();
+        got.sort();
+        let want =
+            ["Authorization: Bearer k", "Content-Length: 2", "Content-Type: application/json", "Host: 10.0.0.7:8000", "X-Request-Id: req-1", "X-Trace: t1"];
+        assert_eq!(got, want, "{head}");
+    }
+
+    #[test]
+    fn the_client_content_type_is_kept_and_not_doubled() {
+        let c = client(&[("content-type", "application/json; charset=utf-8")]);
+        let text = String::from_utf8(request_wire(&c, &worker(), "/v1/chat/completions", b"{}", "r").unwrap()).unwrap();
+        assert_eq!(text.matches("ontent-").count(), 2, "content-type and content-length once each: {text}");
+        assert!(text.contains("content-type: application/json; charset=utf-8\r\n"), "{text}");
+    }
+
+    #[test]
+    fn a_request_id_or_path_that_would_split_the_head_is_refused() {
+        let c = client(&[]);
+        assert!(request_wire(&c, &worker(), "/v1/completions", b"{}", "a\r\nX-Evil: 1").is_err());
+        assert!(request_wire(&c, &worker(), "/v1/x y\n", b"{}", "r").is_err());
     }
 }
