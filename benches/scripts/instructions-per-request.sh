@@ -9,6 +9,9 @@
 #   cargo build --release -p kvgate
 #   benches/scripts/instructions-per-request.sh target/release/kvgate [seconds] [connections]
 #
+# KIND=stream answers a streamed request with 16 token events and [DONE] in one body (the
+# case of a worker that flushed several events at once).
+#
 # Prints the requests served, the instructions counted, and their ratio; leaves the callgrind
 # profile in $OUT (default: a temporary directory) for `callgrind_annotate`.
 set -euo pipefail
@@ -16,6 +19,7 @@ BIN=$(realpath "${1:?usage: $0 <kvgate binary> [seconds] [connections]}")
 SECS=${2:-10}
 CONNS=${3:-16}
 OUT=${OUT:-$(mktemp -d)}
+KIND=${KIND:-unary}
 for tool in valgrind callgrind_control nginx wrk curl python3; do
     command -v "$tool" >/dev/null || { echo "needs $tool (apt-get install -y valgrind nginx wrk curl)" >&2; exit 2; }
 done
@@ -23,6 +27,15 @@ read -r UP GW ADMIN < <(python3 -c 'import socket
 s=[socket.socket() for _ in range(3)]
 [x.bind(("127.0.0.1",0)) for x in s]
 print(*[x.getsockname()[1] for x in s])')
+if [ "$KIND" = stream ]; then
+    TYPE=text/event-stream
+    ANSWER=$(for i in $(seq 16); do printf 'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":" t%d","logprobs":null,"finish_reason":null}]}\n\n' "$i"; done; printf 'data: [DONE]\n\n')
+    STREAM=true
+else
+    TYPE=application/json
+    ANSWER='{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":" ok","finish_reason":"length"}],"usage":{"prompt_tokens":40,"completion_tokens":1,"total_tokens":41}}'
+    STREAM=false
+fi
 cat >"$OUT/nginx.conf" <<CONF
 worker_processes 1;
 pid $OUT/nginx.pid;
@@ -33,8 +46,8 @@ http {
   server {
     listen 127.0.0.1:$UP;
     location / {
-      default_type application/json;
-      return 200 '{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":" ok","finish_reason":"length"}],"usage":{"prompt_tokens":40,"completion_tokens":1,"total_tokens":41}}';
+      default_type $TYPE;
+      return 200 '$ANSWER';
     }
   }
 }
@@ -49,9 +62,9 @@ models:
     workers:
       - url: http://127.0.0.1:$UP
 CONF
-cat >"$OUT/post.lua" <<'LUA'
+cat >"$OUT/post.lua" <<LUA
 wrk.method = "POST"
-wrk.body = '{"model":"m","prompt":"You are a helpful assistant. Summarize the following report in three sentences, keeping every figure: the gateway forwarded the request to the worker that already held most of its prompt in its KV cache.","max_tokens":1}'
+wrk.body = '{"model":"m","prompt":"You are a helpful assistant. Summarize the following report in three sentences, keeping every figure: the gateway forwarded the request to the worker that already held most of its prompt in its KV cache.","max_tokens":16,"stream":$STREAM}'
 wrk.headers["Content-Type"] = "application/json"
 LUA
 nginx -c "$OUT/nginx.conf"

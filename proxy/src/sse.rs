@@ -20,7 +20,7 @@ impl SseEventCounter {
     pub fn feed(&mut self, chunk: &[u8]) -> u64 {
         let mut n = 0;
         let mut rest = chunk;
-        while let Some(i) = rest.iter().position(|&b| b == b'\n') {
+        while let Some(i) = memchr::memchr(b'\n', rest) {
             let line = &rest[..i];
             n += if self.carry.is_empty() {
                 u64::from(is_token_event(line))
@@ -42,13 +42,14 @@ impl SseEventCounter {
 }
 
 fn is_token_event(line: &[u8]) -> bool {
+    use memchr::memmem::Finder;
+    use std::sync::LazyLock;
+    // Built once: building a searcher costs more than searching one event.
+    static NO_CHOICES: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"choices\":[]"));
+    static ROLE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"role\":"));
     let Some(data) = line.strip_prefix(b"data:") else { return false };
     let data = data.trim_ascii_start();
-    !data.starts_with(b"[DONE]") && !contains(data, b"\"choices\":[]") && !contains(data, b"\"role\":")
-}
-
-fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    haystack.windows(needle.len()).any(|w| w == needle)
+    !data.starts_with(b"[DONE]") && NO_CHOICES.find(data).is_none() && ROLE.find(data).is_none()
 }
 
 #[cfg(test)]

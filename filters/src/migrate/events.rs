@@ -48,27 +48,34 @@ impl EventSplitter {
     }
 }
 
-/// Where the first event in `b` ends (just past its blank line).
+/// Where the first event in `b` ends (just past its blank line: a line end, `\n` or `\r\n`,
+/// followed by an empty line). One pass over the bytes: a chunk can hold many events, and this
+/// runs once per event.
 fn end_of_event(b: &[u8]) -> Option<usize> {
-    let lf = b.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
-    let crlf = b.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
-    match (lf, crlf) {
-        (Some(a), Some(c)) => Some(a.min(c)),
-        (a, c) => a.or(c),
+    let mut from = 0;
+    while let Some(i) = memchr::memchr(b'\n', &b[from..]).map(|i| from + i) {
+        match (b.get(i + 1), b.get(i + 2)) {
+            (Some(b'\n'), _) => return Some(i + 2),
+            (Some(b'\r'), Some(b'\n')) => return Some(i + 3),
+            _ => from = i + 1,
+        }
     }
+    None
 }
 
 /// The text after `data:` (one optional space) in an event, without the line end.
 pub fn payload(event: &[u8]) -> Option<&[u8]> {
     let line = event.strip_prefix(b"data:")?;
     let line = line.strip_prefix(b" ").unwrap_or(line);
-    let end = line.iter().position(|&b| b == b'\n' || b == b'\r').unwrap_or(line.len());
+    let end = memchr::memchr2(b'\n', b'\r', line).unwrap_or(line.len());
     Some(&line[..end])
 }
 
-/// Whether an event is the end marker `data: [DONE]`.
+/// Whether an event is the end marker `data: [DONE]` (blanks around it allowed). Looks only
+/// at the event's start: this runs once per event.
 pub fn is_done(event: &[u8]) -> bool {
-    payload(event).is_some_and(|p| p.trim_ascii() == b"[DONE]")
+    let Some(rest) = event.strip_prefix(b"data:").map(<[u8]>::trim_ascii_start).and_then(|p| p.strip_prefix(b"[DONE]")) else { return false };
+    rest.iter().take_while(|&&b| b != b'\n' && b != b'\r').all(u8::is_ascii_whitespace)
 }
 
 /// `event` without its `"prompt_token_ids"` and `"token_ids"` members (and their comma).
@@ -139,8 +146,20 @@ mod tests {
         assert_eq!(s.next_event().as_deref(), Some(&b"data: {\"b\":2}\r\n\r\n"[..]));
         let done = s.next_event().unwrap();
         assert!(is_done(&done));
+        assert!(is_done(b"data:[DONE]\r\n\r\n") && is_done(b"data:  [DONE] \n\n") && is_done(b"data: [DONE]"));
+        assert!(!is_done(b"data: [DONE]x\n\n") && !is_done(b"data: {\"t\":\"[DONE]\"}\n\n") && !is_done(b": [DONE]\n\n"));
         assert_eq!(payload(&done), Some(&b"[DONE]"[..]));
         assert_eq!(s.pending(), 0);
+    }
+
+    #[test]
+    fn the_earliest_blank_line_ends_an_event_whatever_its_line_ends() {
+        let mut s = EventSplitter::default();
+        s.push(b"data: 1\r\n\r\ndata: 2\n\ndata: 3\n\r\ndata: 4\r\n\ndata: 5\n").unwrap();
+        let got: Vec<Bytes> = std::iter::from_fn(|| s.next_event()).collect();
+        let want: [&[u8]; 4] = [b"data: 1\r\n\r\n", b"data: 2\n\n", b"data: 3\n\r\n", b"data: 4\r\n\n"];
+        assert_eq!(got, want);
+        assert_eq!(&s.take_rest()[..], b"data: 5\n");
     }
 
     #[test]

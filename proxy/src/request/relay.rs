@@ -234,7 +234,7 @@ fn ready_to_move(req: &RequestState, order: MoveOrder) -> Option<MoveOrder> {
 /// Passes a chunk through the stream's tracker, if it has one: the bytes for the client, and
 /// the error the worker reported in the stream, if any.
 fn follow(gw: &Gateway, req: &mut RequestState, bytes: &Bytes, end: bool) -> (Bytes, Option<String>) {
-    let Some(t) = req.track.as_mut() else { return (bytes.clone(), None) };
+    let Some(t) = req.track.as_mut().filter(|t| !t.passes_through()) else { return (bytes.clone(), None) };
     let mut fed = t.feed(bytes);
     if end && fed.failure.is_none() {
         if t.movable() && !t.done() {

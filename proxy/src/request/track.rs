@@ -93,9 +93,15 @@ impl Tracker {
         self.mode = Mode::Continuation;
     }
 
+    /// Whether chunks now pass as they come (pinned, with nothing to strip): the caller may
+    /// then hand them on without feeding them.
+    pub fn passes_through(&self) -> bool {
+        self.mode == (Mode::Pinned { strip: false })
+    }
+
     /// Follows one body chunk.
     pub fn feed(&mut self, chunk: &[u8]) -> Fed {
-        if self.mode == (Mode::Pinned { strip: false }) {
+        if self.passes_through() {
             return Fed { out: Bytes::copy_from_slice(chunk), ..Fed::default() };
         }
         let mut fed = Fed::default();
@@ -249,6 +255,7 @@ mod tests {
         assert_eq!((fed.pinned, &fed.out[..]), (Some(PinReason::NoTokenIds), &ev[..]));
         assert!(!t.movable());
         assert_eq!(&t.feed(b"data: {\"x\":1}").out[..], b"data: {\"x\":1}", "pinned without ids: bytes pass as they come");
+        assert!(t.passes_through());
         // An event split across chunks when the pin happens is not lost nor reordered.
         let mut t = Tracker::new(ClientShape::Completion, false);
         let fed = t.feed(b"data: {\"id\":\"x\",\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"id\":\"x\",\"cho");
