@@ -488,9 +488,10 @@ async fn raw_exchange(c: &Cluster, bytes: &[u8]) -> String {
 async fn malformed_http_and_connect_get_an_openai_shaped_error_and_a_closed_connection() {
     let c = Cluster::sims(1, sim(10.0), GatewayOpts::default()).await;
     let body = |out: &str| serde_json::from_str::<Value>(out.split_once("\r\n\r\n").map_or("", |(_, b)| b)).unwrap_or(Value::Null);
-    let out = raw_exchange(&c, b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nBad Header Without Colon\r\n\r\n").await;
+    let out = raw_exchange(&c, b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer sk-secret\r\nBad Header Without Colon\r\n\r\n").await;
     assert!(out.starts_with("HTTP/1.1 400"), "{out}");
     error_shape(400, 400, &body(&out));
+    assert!(!out.contains("sk-secret"), "the request is not echoed back: {out}");
     let out = raw_exchange(&c, b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n").await;
     assert!(out.starts_with("HTTP/1.1 405"), "{out}");
     error_shape(405, 405, &body(&out));
@@ -498,8 +499,12 @@ async fn malformed_http_and_connect_get_an_openai_shaped_error_and_a_closed_conn
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
     let addr = c.url("").trim_start_matches("http://").trim_end_matches('/').to_string();
     let mut s = tokio::io::BufReader::new(tokio::net::TcpStream::connect(addr).await.unwrap());
-    for _ in 0..3 {
-        s.get_mut().write_all(b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n").await.unwrap();
+    let post = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: 33\r\n\r\n{}",
+        r#"{"prompt":"hello","max_tokens":1}"#
+    );
+    for request in ["GET /health HTTP/1.1\r\nHost: gw\r\n\r\n", &post, "GET /health HTTP/1.1\r\nHost: gw\r\n\r\n", &post] {
+        s.get_mut().write_all(request.as_bytes()).await.unwrap();
         let (mut status, mut len, mut line) = (String::new(), 0usize, String::new());
         s.read_line(&mut status).await.unwrap();
         assert!(status.starts_with("HTTP/1.1 200"), "{status}");

@@ -103,6 +103,9 @@ pub struct Timeouts {
     /// How long an idle pooled upstream connection is kept. Keep it below the workers'
     /// keep-alive (uvicorn: 5 s) so a reused connection is never already closed.
     pub upstream_idle_ms: u64,
+    /// How long a client's kept-alive connection may wait idle for its next request (whole
+    /// seconds, rounded up): without it an idle HTTP/1.1 connection would be held forever.
+    pub client_idle_ms: u64,
     /// How long a client may take to send its request body.
     pub request_body_ms: u64,
     /// Upper bound on the wait for a worker's response header and first body byte (0 = none:
@@ -115,7 +118,7 @@ pub struct Timeouts {
 
 impl Default for Timeouts {
     fn default() -> Self {
-        Self { connect_ms: 2_000, upstream_idle_ms: 4_000, request_body_ms: 30_000, first_byte_ms: 0, upstream_read_idle_ms: 300_000 }
+        Self { connect_ms: 2_000, upstream_idle_ms: 4_000, client_idle_ms: 60_000, request_body_ms: 30_000, first_byte_ms: 0, upstream_read_idle_ms: 300_000 }
     }
 }
 

@@ -22,8 +22,13 @@ use pingora::http::Method;
 use pingora::protocols::http::ServerSession;
 use pingora::server::ShutdownWatch;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use tokio::sync::Notify;
+
+/// Shards of the stop signal. Every connection waiting for its next request registers with one;
+/// a single `Notify` would put one lock shared by all threads on every request (Pingora's proxy
+/// shards its own the same way).
+const STOP_SHARDS: usize = 16;
 
 /// Which listener a service answers on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,21 +47,31 @@ pub struct GatewayApp {
     pub role: Role,
     /// Set when Pingora stops the service: connections waiting for their next request close.
     stopping: AtomicBool,
-    /// Wakes the connections waiting for their next request when the service stops.
-    stopped: Notify,
+    /// Wakes the connections waiting for their next request when the service stops; one per
+    /// thread (modulo [`STOP_SHARDS`]).
+    stopped: [Notify; STOP_SHARDS],
+}
+
+/// This thread's shard of [`GatewayApp::stopped`].
+fn stop_shard() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static SHARD: usize = NEXT.fetch_add(1, Ordering::Relaxed) % STOP_SHARDS;
+    }
+    SHARD.with(|s| *s)
 }
 
 impl GatewayApp {
     /// The application for `role`'s listener.
     pub fn new(gw: Arc<Gateway>, role: Role) -> Self {
-        Self { gw, role, stopping: AtomicBool::new(false), stopped: Notify::new() }
+        Self { gw, role, stopping: AtomicBool::new(false), stopped: std::array::from_fn(|_| Notify::new()) }
     }
 
     /// Reads the next request's header. False: there is none to serve (the client closed, the
     /// service is stopping, or the request was refused here and the connection closed).
     async fn read_request(&self, session: &mut ServerSession) -> bool {
         let stopping = async {
-            let woken = self.stopped.notified();
+            let woken = self.stopped[stop_shard()].notified();
             if !self.stopping.load(Ordering::Acquire) {
                 woken.await
             }
@@ -68,12 +83,20 @@ impl GatewayApp {
             () = stopping => return false,
         };
         let refusal = match read {
-            Ok(true) if session.req_header().method != Method::CONNECT => return true,
+            Ok(true) if session.req_header().method != Method::CONNECT => {
+                self.bound_idle(session);
+                return true;
+            }
             Ok(true) => ClientError::method_not_allowed("CONNECT", "a tunnel"),
             Ok(false) => return false,
-            Err(e) if e.etype == pingora::ErrorType::InvalidHTTPHeader => ClientError::bad_request(format!("malformed HTTP request: {e}"), None),
+            // Not `e` itself: Pingora's parse error quotes the raw request, credentials included.
+            Err(e) if e.etype == pingora::ErrorType::InvalidHTTPHeader => {
+                tracing::debug!(error = e.etype.as_str(), "malformed request header refused");
+                ClientError::bad_request("malformed HTTP request header", None)
+            }
             // A broken connection: nobody to answer.
-            Err(_) => {
+            Err(e) => {
+                tracing::debug!(error = e.etype.as_str(), "client connection failed before a request");
                 session.shutdown().await;
                 return false;
             }
@@ -86,6 +109,15 @@ impl GatewayApp {
         }
         session.shutdown().await;
         false
+    }
+
+    /// Bounds how long a kept-alive connection waits for its next request: Pingora keeps an
+    /// HTTP/1.1 connection with no `Keep-Alive` timeout open without limit.
+    fn bound_idle(&self, session: &mut ServerSession) {
+        if session.get_keepalive() == Some(0) {
+            let ms = self.gw.config().timeouts.client_idle_ms;
+            session.set_keepalive(Some(ms.div_ceil(1000).max(1)));
+        }
     }
 
     /// Answers a public-listener request. True when the client connection must be closed (the
@@ -145,6 +177,6 @@ impl HttpServerApp for GatewayApp {
 
     async fn http_cleanup(&self) {
         self.stopping.store(true, Ordering::Release);
-        self.stopped.notify_waiters();
+        self.stopped.iter().for_each(Notify::notify_waiters);
     }
 }

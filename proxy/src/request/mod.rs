@@ -191,11 +191,11 @@ fn reroute(gw: &Gateway, req: &mut RequestState, o: MoveOrder) -> Option<Arc<cra
 async fn respond(session: &mut ServerSession, outcome: &Outcome, rid: &str) {
     let Outcome::Refused(e) = outcome else { return };
     let ce = e.client_error();
-    let mut extra = vec![("x-request-id", rid.to_string())];
     if matches!(e, GatewayError::Draining) {
-        extra.push(("connection", "close".to_string()));
+        // Pingora writes `Connection` itself, from whether the session keeps alive.
+        session.set_keepalive(None);
     }
-    respond_error(session, &ce, &extra).await;
+    respond_error(session, &ce, &[("x-request-id", rid.to_string())]).await;
 }
 
 #[cfg(test)]

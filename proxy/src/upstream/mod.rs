@@ -26,9 +26,30 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-/// Headers that describe one hop and are never forwarded.
-const HOP_BY_HOP: &[&str] =
-    &["connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade", "host", "content-length", "expect"];
+/// Headers that describe one hop and are never forwarded (besides those a `Connection` header
+/// names). `Host` and `Content-Length` are the gateway's to write; the proxy credentials are
+/// the gateway's to read, never a worker's.
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authorization",
+    "proxy-authenticate",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "host",
+    "content-length",
+    "expect",
+];
+
+/// Whether a header named `name` crosses the gateway: not hop-by-hop, and not named by the
+/// message's own `Connection` header (`connection`, its value).
+fn forwarded(name: &[u8], connection: Option<&[u8]>) -> bool {
+    let named = |list: &[u8]| list.split(|&b| b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(name));
+    !HOP_BY_HOP.iter().any(|h| h.as_bytes().eq_ignore_ascii_case(name)) && !connection.is_some_and(named)
+}
 
 /// An upstream connection whose response header has arrived.
 pub struct Exchange {
@@ -69,9 +90,9 @@ pub fn request_wire(client: &RequestHeader, worker: &Worker, path: &str, body: &
     w.extend_from_slice(path.as_bytes());
     w.extend_from_slice(b" HTTP/1.1\r\n");
     let mut typed = false;
+    let connection = client.headers.get("connection").map(|v| v.as_bytes());
     let mut forward = |name: &[u8], value: &[u8]| {
-        let skip = HOP_BY_HOP.iter().any(|h| h.as_bytes().eq_ignore_ascii_case(name)) || name.eq_ignore_ascii_case(b"x-request-id");
-        if !skip {
+        if forwarded(name, connection) && !name.eq_ignore_ascii_case(b"x-request-id") {
             typed |= name.eq_ignore_ascii_case(b"content-type");
             line(&mut w, name, value);
         }
@@ -94,7 +115,7 @@ pub fn request_wire(client: &RequestHeader, worker: &Worker, path: &str, body: &
 
 /// A worker request that could not be written: the part that held a byte HTTP/1.1 forbids.
 #[derive(Debug, thiserror::Error)]
-#[error("{0} holds a byte HTTP/1.1 forbids (NUL, CR or LF)")]
+#[error("{0} holds a byte HTTP/1.1 forbids there (NUL, CR, LF, or a space in the path)")]
 pub struct BadHeader(&'static str);
 
 /// Whether `b` holds a byte no header value may carry (a request target may not hold a space
@@ -120,9 +141,10 @@ pub fn client_response_header(ex: &Exchange, request_id: &str, worker: &str) -> 
         return pingora::Error::e_explain(pingora::ErrorType::InvalidHTTPHeader, "no response header");
     };
     let mut h = ResponseHeader::build_no_case(up.status, Some(up.headers.len() + 3))?;
+    let connection = up.headers.get("connection").map(|v| v.as_bytes());
     for (name, value) in up.headers.iter() {
         let n = name.as_str();
-        if n == "content-length" || !HOP_BY_HOP.contains(&n) {
+        if n == "content-length" || forwarded(n.as_bytes(), connection) {
             h.append_header(name.clone(), value.clone())?;
         }
     }
@@ -158,8 +180,18 @@ pub async fn exchange(gw: &Gateway, cfg: &Config, worker: &Worker, out: Outgoing
     peer.options.idle_timeout = Some(Duration::from_millis(cfg.timeouts.upstream_idle_ms));
     let mut fresh_try = 0;
     loop {
-        let (up, reused) = connect(gw, worker, &peer, out, fresh_try > 0).await?;
-        let (mut up, sent) = send(up, &peer, out).await;
+        let (mut up, sent, reused) = match out {
+            Outgoing::Leg(wire) => {
+                let (stream, reused) = connect_leg(gw, worker, &peer, fresh_try > 0).await?;
+                let (up, sent) = send_leg(stream, &peer, wire).await;
+                (up, sent, reused)
+            }
+            Outgoing::Probe(header) => {
+                let (up, reused) = connect_probe(gw, worker, &peer).await?;
+                let (up, sent) = send_probe(up, header).await;
+                (up, sent, reused)
+            }
+        };
         let failed = match sent {
             Err(e) => LegError::new(LegErrorKind::Send, &worker.url, e.to_string()).with_source(*e),
             Ok(_) => {
@@ -195,66 +227,54 @@ pub async fn exchange(gw: &Gateway, cfg: &Config, worker: &Worker, out: Outgoing
     }
 }
 
-/// A connection before its request is sent: a request leg's bare stream, or a probe's session
-/// from Pingora's pool.
-enum Conn {
-    Stream(Stream),
-    Session(Box<HttpSession>),
+/// A connect error as a leg error.
+fn connect_failed(worker: &Worker, e: Box<pingora::Error>) -> LegError {
+    LegError::new(LegErrorKind::Connect, &worker.url, e.to_string()).with_source(*e)
 }
 
-/// A connection to `worker`: an idle one from the pool `out` goes over unless `fresh`, else a
-/// new one. Returns whether it was reused.
-async fn connect(gw: &Gateway, worker: &Worker, peer: &HttpPeer, out: Outgoing<'_>, fresh: bool) -> Result<(Conn, bool), LegError> {
-    let failed = |e: Box<pingora::Error>| LegError::new(LegErrorKind::Connect, &worker.url, e.to_string()).with_source(*e);
-    match out {
-        // Boxed (probes only): Pingora's connect future is large, and inline it would grow
-        // every request's future (docs/architecture.md, "Future sizes").
-        Outgoing::Probe(_) => Box::pin(gw.connector.get_http_session(peer)).await.map(|(s, reused)| (Conn::Session(Box::new(s)), reused)).map_err(failed),
-        Outgoing::Leg(_) => {
-            let idle = peer.options.idle_timeout.unwrap_or_default();
-            let pooled = if fresh { None } else { worker.idle.take(idle) };
-            let (stream, reused) = match pooled {
-                Some(s) => (s, true),
-                // Boxed: with keep-alive a new connection is rare, and its future is large.
-                None => (Box::pin(gw.transport.new_stream(peer)).await.map_err(failed)?, false),
-            };
-            Ok((Conn::Stream(stream), reused))
-        }
+/// A request leg's connection to `worker`: an idle one from its pool unless `fresh`, else a new
+/// one. Returns whether it was reused.
+async fn connect_leg(gw: &Gateway, worker: &Worker, peer: &HttpPeer, fresh: bool) -> Result<(Stream, bool), LegError> {
+    let idle = peer.options.idle_timeout.unwrap_or_default();
+    match if fresh { None } else { worker.idle.take(idle) } {
+        Some(s) => Ok((s, true)),
+        // Boxed: with keep-alive a new connection is rare, and its future is large
+        // (docs/architecture.md, "Future sizes").
+        None => Ok((Box::pin(gw.transport.new_stream(peer)).await.map_err(|e| connect_failed(worker, e))?, false)),
     }
 }
 
-/// Sends the request. A request leg's goes out in one write (header and body together):
-/// Pingora's HTTP/1 client flushes the header on its own, which costs a second `send` per
-/// request, and on loopback a send carries the receiver's network processing too. The
-/// session that reads the response is then made over the same connection; it never sees the
-/// request, which is why legs are always `POST`s with a body (no HEAD framing, no
-/// `Connection: close` of their own).
-async fn send(conn: Conn, peer: &HttpPeer, out: Outgoing<'_>) -> (Box<HttpSession>, pingora::Result<()>) {
+/// A probe's connection, from the probes' pool. Boxed: Pingora's connect future is large, and
+/// inline it would grow every request's future.
+async fn connect_probe(gw: &Gateway, worker: &Worker, peer: &HttpPeer) -> Result<(Box<HttpSession>, bool), LegError> {
+    Box::pin(gw.connector.get_http_session(peer)).await.map(|(s, reused)| (Box::new(s), reused)).map_err(|e| connect_failed(worker, e))
+}
+
+/// Sends a request leg in one write (header and body together): Pingora's HTTP/1 client
+/// flushes the header on its own, which costs a second `send` per request, and on loopback a
+/// send carries the receiver's network processing too. The session that reads the response is
+/// then made over the same connection; it never sees the request, which is why legs are always
+/// `POST`s with a body (no HEAD framing, no `Connection: close` of their own).
+async fn send_leg(mut stream: Stream, peer: &HttpPeer, wire: &[u8]) -> (Box<HttpSession>, pingora::Result<()>) {
     use tokio::io::AsyncWriteExt;
-    let (mut stream, wire) = match (conn, out) {
-        (Conn::Stream(stream), Outgoing::Leg(wire)) => (stream, wire),
-        // Probes only; boxed as in `connect`.
-        (Conn::Session(mut up), Outgoing::Probe(header)) => {
-            let sent = Box::pin(async {
-                up.write_request_header(Box::new(header.clone())).await?;
-                up.finish_request_body().await
-            })
-            .await
-            .map(|_| ());
-            return (up, sent);
-        }
-        (Conn::Session(up), Outgoing::Leg(_)) => return (up, pingora::Error::e_explain(pingora::ErrorType::InternalError, "a leg on a probe's connection")),
-        (Conn::Stream(stream), Outgoing::Probe(_)) => {
-            let e = pingora::Error::e_explain(pingora::ErrorType::InternalError, "a probe on a leg's connection");
-            return (Box::new(HttpSession::H1(Http1Session::new_with_options(stream, peer))), e);
-        }
-    };
     let written = match stream.write_all(wire).await {
         Ok(()) => stream.flush().await,
         Err(e) => Err(e),
     };
     let session = Box::new(HttpSession::H1(Http1Session::new_with_options(stream, peer)));
     (session, written.map_err(|e| pingora::Error::because(pingora::ErrorType::WriteError, "writing the request", e)))
+}
+
+/// Sends a probe's bodiless request through Pingora's HTTP/1 client. Boxed as in
+/// [`connect_probe`].
+async fn send_probe(mut up: Box<HttpSession>, header: &RequestHeader) -> (Box<HttpSession>, pingora::Result<()>) {
+    let sent = Box::pin(async {
+        up.write_request_header(Box::new(header.clone())).await?;
+        up.finish_request_body().await
+    })
+    .await
+    .map(|_| ());
+    (up, sent)
 }
 
 /// Why a probe got no usable answer.
@@ -381,9 +401,42 @@ mod tests {
     }
 
     #[test]
+    fn headers_a_connection_header_names_and_other_hop_by_hop_ones_stay_behind() {
+        let c = client(&[
+            ("Connection", "keep-alive, X-Hop, x-other"),
+            ("X-Hop", "1"),
+            ("X-Other", "2"),
+            ("Proxy-Authorization", "Basic c2VjcmV0"),
+            ("Expect", "100-continue"),
+            ("TE", "trailers"),
+            ("Trailer", "X-T"),
+            ("Upgrade", "websocket"),
+            ("Proxy-Connection", "keep-alive"),
+            ("Accept", "a"),
+            ("Accept", "b"),
+        ]);
+        let text = String::from_utf8(request_wire(&c, &worker(), "/v1/completions", b"{}", "r").unwrap()).unwrap();
+        let names: Vec<&str> = text.split("\r\n").skip(1).take_while(|l| !l.is_empty()).filter_map(|l| l.split_once(':')).map(|(n, _)| n).collect();
+        assert_eq!(names, ["Accept", "Accept", "Content-Type", "Host", "Content-Length", "X-Request-Id"], "{text}");
+        assert!(text.find("Accept: a").unwrap() < text.find("Accept: b").unwrap(), "repeated headers keep their order");
+    }
+
+    #[test]
+    fn a_header_without_recorded_case_goes_out_as_parsed() {
+        let mut c = RequestHeader::build_no_case("POST", b"/v1/completions", None).unwrap();
+        c.append_header("x-trace", "t").unwrap();
+        let text = String::from_utf8(request_wire(&c, &worker(), "/v1/completions", b"{}", "r").unwrap()).unwrap();
+        assert!(text.contains("\r\nx-trace: t\r\n"), "{text}");
+    }
+
+    #[test]
     fn a_request_id_or_path_that_would_split_the_head_is_refused() {
         let c = client(&[]);
-        assert!(request_wire(&c, &worker(), "/v1/completions", b"{}", "a\r\nX-Evil: 1").is_err());
-        assert!(request_wire(&c, &worker(), "/v1/x y\n", b"{}", "r").is_err());
+        let refused = |path: &str, id: &str| request_wire(&c, &worker(), path, b"{}", id).is_err();
+        assert!(refused("/v1/completions", "a\r\nX-Evil: 1"));
+        assert!(refused("/v1/completions", "a\0b"));
+        assert!(refused("/v1/x y", "r"));
+        assert!(refused("/v1/x\n", "r"));
+        assert!(!refused("/v1/completions", "r-1"));
     }
 }
