@@ -115,6 +115,7 @@ impl KvRouting {
                 credit_in_flight_prefix: r.credit_in_flight_prefix,
                 price_slowdown: r.price_slowdown,
                 price_queue: r.price_queue,
+                price_duplicates: r.price_duplicates,
                 overlap_score_weight: r.overlap_score_weight,
                 temperature: r.temperature,
                 block_size: m.block_size,

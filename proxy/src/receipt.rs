@@ -90,7 +90,7 @@ impl Placement {
     fn to_json(&self, workers: &[Arc<Worker>]) -> Value {
         let url = |id: u32| workers.get(id as usize).map(|w| w.label.clone());
         let policy = self.kv.map(KvPolicy::new);
-        let req = RequestSummary { prompt_tokens: self.prompt.0, prompt_blocks: self.prompt.1, ..RequestSummary::default() };
+        let req = RequestSummary { prompt_tokens: self.prompt.0, prompt_blocks: self.prompt.1, ..RequestSummary::default() }.among(&self.candidates);
         let candidates: Vec<Value> = self
             .candidates
             .iter()
@@ -113,6 +113,7 @@ impl Placement {
                             v["wait_ms"] = json!(t.wait_ms);
                             v["prefill_ms"] = json!(t.prefill_ms);
                             v["steps_ms"] = json!(t.steps_ms);
+                            v["duplicate_ms"] = json!(t.duplicate_ms);
                             v["slowdown_ms"] = json!(t.slowdown_ms);
                             v["behind_ms"] = json!(t.behind_ms);
                         }

@@ -17,7 +17,7 @@
 //! softmax over costs normalized by their range, `p ∝ exp(−(cost / (max − min)) / T)`; equal
 //! costs give a uniform choice.
 
-use super::time::{Prediction, TimePriors};
+use super::time::{Prediction, Pricing, TimePriors};
 use super::{Candidate, Decision, Policy, RequestSummary};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -69,6 +69,8 @@ pub struct KvParams {
     pub price_slowdown: bool,
     /// `time`: price the delay a prefill causes the requests that queue behind it.
     pub price_queue: bool,
+    /// `time`: price a second copy of a prefix another worker holds.
+    pub price_duplicates: bool,
     /// Weight of the prefill term (0 = ignore the cache).
     pub overlap_score_weight: f64,
     /// Softmax temperature (0 = argmin).
@@ -87,6 +89,7 @@ impl Default for KvParams {
             credit_in_flight_prefix: true,
             price_slowdown: false,
             price_queue: true,
+            price_duplicates: true,
             overlap_score_weight: 1.0,
             temperature: 0.0,
             block_size: 16,
@@ -123,7 +126,13 @@ impl KvPolicy {
             }
             Cost::Time => {
                 let req = RequestSummary { block_size: self.params.block_size, ..req.clone() };
-                let p = self.params.priors.predict(&req, c, self.params.credit_in_flight_prefix, self.params.price_slowdown, self.params.price_queue);
+                let pricing = Pricing {
+                    credit_booked: self.params.credit_in_flight_prefix,
+                    slowdown: self.params.price_slowdown,
+                    queue: self.params.price_queue,
+                    duplicates: self.params.price_duplicates,
+                };
+                let p = self.params.priors.predict(&req, c, pricing);
                 (p.cost_ms(), Terms::Time(p))
             }
         }
@@ -152,6 +161,7 @@ impl Policy for KvPolicy {
     }
 
     fn choose(&self, req: &RequestSummary<'_>, candidates: &[Candidate]) -> Decision {
+        let req = &req.among(candidates);
         let costs: Vec<f64> = candidates
             .iter()
             .map(|c| {
@@ -332,7 +342,7 @@ mod tests {
     #[test]
     fn near_saturation_a_prefix_stays_where_it_is_cached_but_an_idle_worker_takes_it() {
         let p = KvPolicy::new(KvParams::default());
-        let myopic = KvPolicy::new(KvParams { price_queue: false, ..KvParams::default() });
+        let myopic = KvPolicy::new(KvParams { price_queue: false, price_duplicates: false, ..KvParams::default() });
         let r = req(4096);
         // Both workers have 10 requests queued; the cached one a longer wait.
         let cached = Candidate { prefilling: 10, prefill_backlog_ms: 300.0, ..cand(0, 192, 20_000, 0) };
@@ -341,5 +351,25 @@ mod tests {
         assert_eq!(p.choose(&r, &[cached.clone(), cold]), Decision::Worker(0), "computing the prefix again delays the 10 queued there");
         let idle = cand(1, 0, 0, 0);
         assert_eq!(p.choose(&r, &[cached, idle]), Decision::Worker(1));
+    }
+
+    #[test]
+    fn a_prefix_is_not_copied_to_a_worker_only_a_little_less_busy() {
+        let p = KvPolicy::new(KvParams::default());
+        let copying = KvPolicy::new(KvParams { price_duplicates: false, ..KvParams::default() });
+        let r = req(4096);
+        // Nothing queued anywhere; the worker holding 3,072 of the 4,096 tokens has 40 ms more
+        // prefill booked than an empty one. Its own TTFT alone says copy the prefix over (the
+        // copy is ~110 ms of prefill against the 40 ms wait plus ~36 ms for the rest); the caches
+        // would then hold it twice.
+        let holder = Candidate { prefill_backlog_ms: 40.0, ..cand(0, 192, 2_000, 0) };
+        let empty = cand(1, 0, 0, 0);
+        assert_eq!(copying.choose(&r, &[holder.clone(), empty.clone()]), Decision::Worker(0), "even without the price, a short wait keeps it");
+        let long = Candidate { prefill_backlog_ms: 120.0, ..cand(0, 192, 6_000, 0) };
+        assert_eq!(copying.choose(&r, &[long.clone(), empty.clone()]), Decision::Worker(1), "its own TTFT alone: copy it");
+        assert_eq!(p.choose(&r, &[long.clone(), empty.clone()]), Decision::Worker(0), "the copy's price keeps it where it is cached");
+        // A wait longer than a prefill there plus the copy's price sends it elsewhere anyway.
+        let swamped = Candidate { prefill_backlog_ms: 600.0, ..cand(0, 192, 30_000, 0) };
+        assert_eq!(p.choose(&r, &[swamped, empty]), Decision::Worker(1));
     }
 }

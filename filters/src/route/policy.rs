@@ -15,10 +15,21 @@ pub struct RequestSummary<'a> {
     pub prompt_blocks: u32,
     /// Tokens per KV block of the model.
     pub block_size: u32,
+    /// The longest prefix of the prompt cached on any candidate, in blocks: what a worker
+    /// lacking it would compute a second copy of.
+    pub fleet_overlap_blocks: u32,
     /// Request headers a plugin policy is allowed to see (lower-case names).
     pub headers: &'a [(String, String)],
     /// The request's `nvext` object as JSON text, if any.
     pub nvext: Option<&'a str>,
+}
+
+impl RequestSummary<'_> {
+    /// The summary with [`RequestSummary::fleet_overlap_blocks`] taken from `candidates`.
+    pub fn among(&self, candidates: &[Candidate]) -> Self {
+        let fleet_overlap_blocks = candidates.iter().map(|c| c.overlap_blocks).max().unwrap_or(0);
+        Self { fleet_overlap_blocks, ..self.clone() }
+    }
 }
 
 /// One eligible worker and its load, as the gateway sees it at decision time.

@@ -6,8 +6,9 @@
 //! documents alike (docs/routing.md, "The time cost").
 //!
 //! ```text
-//! cost     = ttft + behind (+ slowdown, off by default)
-//! behind   = prefill · prefilling                                  the requests that will queue behind it
+//! cost      = ttft + behind + duplicate (+ slowdown, off by default)
+//! behind    = prefill · prefilling                                 the requests that will queue behind it
+//! duplicate = a · (fleet_cached − cached)                          a second copy of a prefix another worker holds
 //! slowdown = prefill · in_flight                                   its chunks stall the running decodes
 //! ttft     = wait + prefill + steps · step
 //! wait    = min(prefill_backlog, a · active_prefill_tokens)        the prefill booked ahead
@@ -20,6 +21,13 @@
 //! cache and the prefix booked on it by requests in flight (being computed now, so in its cache
 //! by the time this request is scheduled behind them). Each step of a chunked prefill also
 //! carries the worker's running decodes, so a busy decode batch slows a prefill there.
+//!
+//! `duplicate` prices what the fleet's caches lose when a prefix another worker already holds
+//! (`fleet_cached`, the longest cached prefix among the candidates) is computed again here:
+//! once caches are full, every block of the second copy evicts a block some later request would
+//! have found, so the copy costs about its own prefill again, later, to someone else. Without
+//! it, requests leave the worker holding their prefix as soon as its queue is a little longer,
+//! and on a cache-bound fleet the copies halve what the caches hold (docs/routing.md).
 //!
 //! Priors ([`TimePriors::default`]) are Llama-3.1-8B on one H100 under vLLM (about 28k prefill
 //! tokens/s, 6 ms per step, KV reads of 128 KiB per context token at 3 TB/s). The gateway
@@ -80,6 +88,9 @@ pub struct Prediction {
     /// queued now (a queue in a steady state is replaced as fast as it drains), each waiting
     /// its prefill time longer.
     pub behind_ms: f64,
+    /// What a second copy of a prefix another worker holds costs the fleet's caches: its
+    /// prefill time, paid again later by the requests whose blocks it evicts.
+    pub duplicate_ms: f64,
 }
 
 impl Prediction {
@@ -88,10 +99,29 @@ impl Prediction {
         self.wait_ms + self.prefill_ms + self.steps_ms
     }
 
-    /// The cost: its time to first token plus the time it takes from the requests running
-    /// there, ms.
+    /// The cost: its time to first token plus the time it takes from other requests (those
+    /// running there, those queuing behind it, those a duplicated prefix evicts), ms.
     pub fn cost_ms(&self) -> f64 {
-        self.ttft_ms() + self.slowdown_ms + self.behind_ms
+        self.ttft_ms() + self.slowdown_ms + self.behind_ms + self.duplicate_ms
+    }
+}
+
+/// Which of the `time` cost's optional terms are priced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pricing {
+    /// A prefix being computed on the worker for a request in flight counts as cached.
+    pub credit_booked: bool,
+    /// The stall its prefill causes the decodes running there (`slowdown`).
+    pub slowdown: bool,
+    /// The delay its prefill causes the requests that will queue behind it (`behind`).
+    pub queue: bool,
+    /// A second copy of a prefix another worker holds (`duplicate`).
+    pub duplicates: bool,
+}
+
+impl Default for Pricing {
+    fn default() -> Self {
+        Self { credit_booked: true, slowdown: false, queue: true, duplicates: true }
     }
 }
 
@@ -102,12 +132,11 @@ impl TimePriors {
         self.step_overhead_ms + self.step_ms_per_seq * f64::from(c.in_flight) + self.step_ms_per_ctx_token * ctx
     }
 
-    /// Predicted time to first token of `req` on `c`. `credit_booked`: a prefix being
-    /// computed there for a request in flight counts as cached.
-    pub fn predict(&self, req: &RequestSummary<'_>, c: &Candidate, credit_booked: bool, slowdown: bool, behind: bool) -> Prediction {
+    /// Predicted time to first token of `req` on `c`, and the terms `pricing` adds to it.
+    pub fn predict(&self, req: &RequestSummary<'_>, c: &Candidate, pricing: Pricing) -> Prediction {
         let bs = f64::from(req.block_size.max(1));
         let prompt = f64::from(req.prompt_tokens);
-        let reused = if credit_booked { c.overlap_blocks.max(c.active_overlap_blocks) } else { c.overlap_blocks };
+        let reused = if pricing.credit_booked { c.overlap_blocks.max(c.active_overlap_blocks) } else { c.overlap_blocks };
         let cached = (f64::from(reused) * bs).min(prompt);
         let new = prompt - cached;
         let a = if c.ms_per_prefill_token > 0.0 { c.ms_per_prefill_token } else { self.ms_per_prefill_token };
@@ -118,9 +147,13 @@ impl TimePriors {
         let chunk = self.chunk_tokens.max(1.0);
         let steps = ((queued + new) / chunk).ceil().max(1.0);
         let own_ms = prefill_ms + (new / chunk).ceil().max(1.0) * step;
-        let slowdown_ms = if slowdown { prefill_ms * f64::from(c.in_flight) } else { 0.0 };
-        let behind_ms = if behind { prefill_ms * f64::from(c.prefilling) } else { 0.0 };
-        Prediction { new_tokens: new, wait_ms, prefill_ms, steps_ms: steps * step, own_ms, slowdown_ms, behind_ms }
+        let slowdown_ms = if pricing.slowdown { prefill_ms * f64::from(c.in_flight) } else { 0.0 };
+        let behind_ms = if pricing.queue { prefill_ms * f64::from(c.prefilling) } else { 0.0 };
+        // What this worker's cache holds against the best one's (blocks in its cache only: a
+        // prefix merely being computed here is no copy yet).
+        let held = |blocks: u32| (f64::from(blocks) * bs).min(prompt);
+        let duplicate_ms = if pricing.duplicates { a * (held(req.fleet_overlap_blocks) - held(c.overlap_blocks)).max(0.0) } else { 0.0 };
+        Prediction { new_tokens: new, wait_ms, prefill_ms, steps_ms: steps * step, own_ms, slowdown_ms, behind_ms, duplicate_ms }
     }
 }
 
@@ -128,17 +161,39 @@ impl TimePriors {
 mod tests {
     use super::*;
 
+    /// The priced terms the tests below were written for: credit, slowdown, no queue, no
+    /// duplicates.
+    const ON: Pricing = Pricing { credit_booked: true, slowdown: true, queue: false, duplicates: false };
+
     fn req(tokens: u32) -> RequestSummary<'static> {
         RequestSummary { prompt_tokens: tokens, prompt_blocks: tokens / 16, block_size: 16, ..Default::default() }
     }
 
     #[test]
+    fn a_second_copy_of_a_prefix_another_worker_holds_costs_its_prefill() {
+        let p = TimePriors::default();
+        let pricing = Pricing::default();
+        // 4096 tokens, 3072 of them cached on the best worker.
+        let r = RequestSummary { fleet_overlap_blocks: 192, ..req(4096) };
+        let holder = p.predict(&r, &Candidate { overlap_blocks: 192, ..Default::default() }, pricing);
+        let cold = p.predict(&r, &Candidate::default(), pricing);
+        assert_eq!(holder.duplicate_ms, 0.0);
+        assert!((cold.duplicate_ms - 0.035 * 3072.0).abs() < 1e-9, "{cold:?}");
+        // A worker holding part of it copies only the rest.
+        let part = p.predict(&r, &Candidate { overlap_blocks: 64, ..Default::default() }, pricing);
+        assert!((part.duplicate_ms - 0.035 * 2048.0).abs() < 1e-9, "{part:?}");
+        // Nobody holds anything: nothing is a copy.
+        assert_eq!(p.predict(&req(4096), &Candidate::default(), pricing).duplicate_ms, 0.0);
+        assert_eq!(p.predict(&r, &Candidate::default(), Pricing { duplicates: false, ..pricing }).duplicate_ms, 0.0);
+    }
+
+    #[test]
     fn an_idle_worker_predicts_the_prefill_of_what_it_lacks() {
         let p = TimePriors::default();
-        let cold = p.predict(&req(4096), &Candidate::default(), true, true, false);
+        let cold = p.predict(&req(4096), &Candidate::default(), ON);
         // 4k tokens ≈ 160 ms on the priors' H100 (docs/routing.md), plus one 6 ms step.
         assert!((140.0..200.0).contains(&cold.ttft_ms()), "{cold:?}");
-        let warm = p.predict(&req(4096), &Candidate { overlap_blocks: 192, ..Default::default() }, true, true, false);
+        let warm = p.predict(&req(4096), &Candidate { overlap_blocks: 192, ..Default::default() }, ON);
         assert_eq!(warm.new_tokens, 1024.0);
         assert!(warm.ttft_ms() < cold.ttft_ms() / 3.0, "{warm:?}");
     }
@@ -146,7 +201,7 @@ mod tests {
     #[test]
     fn attention_makes_long_contexts_cost_more_than_linear() {
         let p = TimePriors::default();
-        let t = |n: u32| p.predict(&req(n), &Candidate::default(), true, true, false).prefill_ms;
+        let t = |n: u32| p.predict(&req(n), &Candidate::default(), ON).prefill_ms;
         assert!(t(16_384) > 4.0 * t(4096) * 1.1);
     }
 
@@ -154,24 +209,24 @@ mod tests {
     fn a_prefix_being_computed_counts_only_with_credit() {
         let p = TimePriors::default();
         let c = Candidate { active_overlap_blocks: 100, ..Default::default() };
-        assert_eq!(p.predict(&req(1600), &c, true, true, false).new_tokens, 0.0);
-        assert_eq!(p.predict(&req(1600), &c, false, true, false).new_tokens, 1600.0);
+        assert_eq!(p.predict(&req(1600), &c, ON).new_tokens, 0.0);
+        assert_eq!(p.predict(&req(1600), &c, Pricing { credit_booked: false, ..ON }).new_tokens, 1600.0);
     }
 
     #[test]
     fn the_wait_is_the_smaller_of_the_decayed_backlog_and_the_booked_tokens() {
         let p = TimePriors::default();
         let booked = Candidate { active_prefill_tokens: 10_000, prefill_backlog_ms: 50.0, ..Default::default() };
-        assert_eq!(p.predict(&req(16), &booked, true, true, false).wait_ms, 50.0);
+        assert_eq!(p.predict(&req(16), &booked, ON).wait_ms, 50.0);
         let fresh = Candidate { active_prefill_tokens: 1000, prefill_backlog_ms: 5000.0, ..Default::default() };
-        assert!((p.predict(&req(16), &fresh, true, true, false).wait_ms - 35.0).abs() < 1e-9);
+        assert!((p.predict(&req(16), &fresh, ON).wait_ms - 35.0).abs() < 1e-9);
     }
 
     #[test]
     fn measured_figures_replace_the_priors() {
         let p = TimePriors::default();
         let c = Candidate { ms_per_prefill_token: 0.1, step_ms: 30.0, ..Default::default() };
-        let x = p.predict(&req(1000), &c, true, true, false);
+        let x = p.predict(&req(1000), &c, ON);
         assert!((x.prefill_ms - 0.1 * 1000.0 * (1.0 + 500.0 / 27_000.0)).abs() < 1e-9);
         assert_eq!(x.steps_ms, 30.0);
     }
@@ -179,8 +234,8 @@ mod tests {
     #[test]
     fn a_busy_decode_batch_slows_the_steps() {
         let p = TimePriors::default();
-        let idle = p.predict(&req(20_000), &Candidate::default(), true, true, false);
-        let busy = p.predict(&req(20_000), &Candidate { in_flight: 64, active_blocks: 64 * 128, ..Default::default() }, true, true, false);
+        let idle = p.predict(&req(20_000), &Candidate::default(), ON);
+        let busy = p.predict(&req(20_000), &Candidate { in_flight: 64, active_blocks: 64 * 128, ..Default::default() }, ON);
         assert_eq!(idle.prefill_ms, busy.prefill_ms);
         assert!(busy.steps_ms > idle.steps_ms * 1.5, "{idle:?} {busy:?}");
         // Its prefill stalls the 64 running decodes.

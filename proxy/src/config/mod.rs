@@ -266,6 +266,9 @@ pub struct Routing {
     pub price_slowdown: bool,
     /// kv, `time` cost: add the delay a prefill causes the requests that queue behind it.
     pub price_queue: bool,
+    /// kv, `time` cost: add the prefill of a second copy of a prefix another worker holds
+    /// (what the fleet's caches lose to the copy).
+    pub price_duplicates: bool,
     /// kv, `blocks` cost: weight of the prefill term; 0 = ignore the cache (pure load
     /// balancing).
     #[serde(alias = "router_kv_overlap_score_weight", alias = "kv_overlap_score_weight")]
@@ -335,6 +338,7 @@ impl Default for Routing {
             credit_in_flight_prefix: true,
             price_slowdown: false,
             price_queue: true,
+            price_duplicates: true,
             overlap_score_weight: 1.0,
             temperature: 0.0,
             kv_events: true,

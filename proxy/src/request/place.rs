@@ -53,7 +53,7 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
             }
         })
         .collect();
-    let summary = summary(req);
+    let summary = summary(req).among(&candidates);
     let (decision, decided_by) = decide(gw, req, &summary, &candidates);
     let k = match decision {
         Decision::Worker(k) if k < eligible.len() => k,
@@ -150,6 +150,7 @@ fn summary(req: &RequestState) -> RequestSummary<'_> {
         prompt_tokens: req.prompt_tokens() as u32,
         prompt_blocks: req.kv.as_ref().map_or(0, |k| k.chain.len() as u32),
         block_size: model.cfg.block_size,
+        fleet_overlap_blocks: 0,
         headers: &req.plugin_headers,
         nvext: req.plugin_nvext.as_deref(),
     }
