@@ -25,7 +25,17 @@ fn candidates(n: u32) -> Vec<Candidate> {
 }
 
 fn request<'a>(headers: &'a [(String, String)]) -> RequestSummary<'a> {
-    RequestSummary { model: "m", endpoint: "completions", request_id: "r1", prompt_tokens: 64, prompt_blocks: 4, block_size: 16, headers, nvext: None }
+    RequestSummary {
+        model: "m",
+        endpoint: "completions",
+        request_id: "r1",
+        prompt_tokens: 64,
+        prompt_blocks: 4,
+        block_size: 16,
+        fleet_overlap_blocks: 0,
+        headers,
+        nvext: None,
+    }
 }
 
 #[test]

@@ -60,6 +60,7 @@ fn main() {
         prompt_tokens: 8192,
         prompt_blocks: 512,
         block_size: 16,
+        fleet_overlap_blocks: 0,
         headers,
         nvext: None,
     };
