@@ -77,6 +77,9 @@ pub struct Metrics {
     pub migration_recomputed: IntCounterVec,
     /// `kvgate_rescheduling_failed_total{model,policy}`: rescheduler moves that failed.
     pub rescheduling_failed: IntCounterVec,
+    /// `kvgate_refused_connections_total{reason}`: client connections answered and closed
+    /// before any routing (reason: malformed | connect).
+    pub refused_connections: IntCounterVec,
 }
 
 impl Metrics {
@@ -185,6 +188,11 @@ impl Metrics {
                 &["model"],
             ),
             rescheduling_failed: counter("kvgate_rescheduling_failed_total", "Moves the rescheduler ordered that failed or timed out.", &["model", "policy"]),
+            refused_connections: counter(
+                "kvgate_refused_connections_total",
+                "Client connections answered with an error and closed before any routing (malformed request header, CONNECT).",
+                &["reason"],
+            ),
             issued: counter("kvgate_tasks_issued_total", "Requests sent to a worker.", &["model"]),
             worker_busy: gauge("kvgate_worker_busy", "1 if the worker was over a busy threshold at the last decision.", &["model", "worker"]),
             queued: gauge("kvgate_queued_requests", "Requests held in the router queue.", &["model"]),

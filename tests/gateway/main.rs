@@ -495,6 +495,10 @@ async fn malformed_http_and_connect_get_an_openai_shaped_error_and_a_closed_conn
     let out = raw_exchange(&c, b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n").await;
     assert!(out.starts_with("HTTP/1.1 405"), "{out}");
     error_shape(405, 405, &body(&out));
+    let metrics = c.http.get(c.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    for reason in ["malformed", "connect"] {
+        assert!(metrics.contains(&format!("kvgate_refused_connections_total{{reason=\"{reason}\"}} 1")), "{metrics}");
+    }
     // Well-formed requests share one kept-alive connection.
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
     let addr = c.url("").trim_start_matches("http://").trim_end_matches('/').to_string();

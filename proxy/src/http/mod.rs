@@ -87,11 +87,15 @@ impl GatewayApp {
                 self.bound_idle(session);
                 return true;
             }
-            Ok(true) => ClientError::method_not_allowed("CONNECT", "a tunnel"),
+            Ok(true) => {
+                self.gw.metrics.refused_connections.with_label_values(&["connect"]).inc();
+                ClientError::method_not_allowed("CONNECT", "a tunnel")
+            }
             Ok(false) => return false,
             // Not `e` itself: Pingora's parse error quotes the raw request, credentials included.
             Err(e) if e.etype == pingora::ErrorType::InvalidHTTPHeader => {
                 tracing::debug!(error = e.etype.as_str(), "malformed request header refused");
+                self.gw.metrics.refused_connections.with_label_values(&["malformed"]).inc();
                 ClientError::bad_request("malformed HTTP request header", None)
             }
             // A broken connection: nobody to answer.
