@@ -6,7 +6,7 @@
 //! (`tasks::kv_subscribers`), keyed by this state, so a reload replaces them.
 
 use crate::config::{ModelConfig, UpstreamUrl};
-use kvgate_filters::route::time::TimePriors;
+use kvgate_filters::route::time::{Pricing, TimePriors};
 use kvgate_filters::route::{Candidate, Cost, KvParams, KvPolicy};
 use kvgate_kv::approx::{ApproxConfig, ApproxIndex};
 use kvgate_kv::hash::{BlockHash, DEFAULT_SEED, Hasher};
@@ -112,10 +112,7 @@ impl KvRouting {
                     chunk_tokens: m.shedding.max_num_batched_tokens.map_or(TimePriors::default().chunk_tokens, |n| n as f64),
                     ..TimePriors::default()
                 },
-                credit_in_flight_prefix: r.credit_in_flight_prefix,
-                price_slowdown: r.price_slowdown,
-                price_queue: r.price_queue,
-                price_duplicates: r.price_duplicates,
+                pricing: Pricing { credit_booked: r.credit_in_flight_prefix, slowdown: r.price_slowdown, queue: r.price_queue, duplicates: r.price_duplicates },
                 overlap_score_weight: r.overlap_score_weight,
                 temperature: r.temperature,
                 block_size: m.block_size,

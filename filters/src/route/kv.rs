@@ -63,14 +63,8 @@ pub struct KvParams {
     pub cost: Cost,
     /// The `time` cost's priors.
     pub priors: TimePriors,
-    /// `time`: a prefix being computed on a worker for a request in flight counts as cached.
-    pub credit_in_flight_prefix: bool,
-    /// `time`: price the stall a prefill causes the decodes running on the worker.
-    pub price_slowdown: bool,
-    /// `time`: price the delay a prefill causes the requests that queue behind it.
-    pub price_queue: bool,
-    /// `time`: price a second copy of a prefix another worker holds.
-    pub price_duplicates: bool,
+    /// `time`: which optional terms are priced.
+    pub pricing: Pricing,
     /// Weight of the prefill term (0 = ignore the cache).
     pub overlap_score_weight: f64,
     /// Softmax temperature (0 = argmin).
@@ -86,10 +80,7 @@ impl Default for KvParams {
         Self {
             cost: Cost::default(),
             priors: TimePriors::default(),
-            credit_in_flight_prefix: true,
-            price_slowdown: false,
-            price_queue: true,
-            price_duplicates: true,
+            pricing: Pricing::default(),
             overlap_score_weight: 1.0,
             temperature: 0.0,
             block_size: 16,
@@ -126,13 +117,7 @@ impl KvPolicy {
             }
             Cost::Time => {
                 let req = RequestSummary { block_size: self.params.block_size, ..req.clone() };
-                let pricing = Pricing {
-                    credit_booked: self.params.credit_in_flight_prefix,
-                    slowdown: self.params.price_slowdown,
-                    queue: self.params.price_queue,
-                    duplicates: self.params.price_duplicates,
-                };
-                let p = self.params.priors.predict(&req, c, pricing);
+                let p = self.params.priors.predict(&req, c, self.params.pricing);
                 (p.cost_ms(), Terms::Time(p))
             }
         }
@@ -342,7 +327,7 @@ mod tests {
     #[test]
     fn near_saturation_a_prefix_stays_where_it_is_cached_but_an_idle_worker_takes_it() {
         let p = KvPolicy::new(KvParams::default());
-        let myopic = KvPolicy::new(KvParams { price_queue: false, price_duplicates: false, ..KvParams::default() });
+        let myopic = KvPolicy::new(KvParams { pricing: Pricing { queue: false, duplicates: false, ..Pricing::default() }, ..KvParams::default() });
         let r = req(4096);
         // Both workers have 10 requests queued; the cached one a longer wait.
         let cached = Candidate { prefilling: 10, prefill_backlog_ms: 300.0, ..cand(0, 192, 20_000, 0) };
@@ -356,7 +341,7 @@ mod tests {
     #[test]
     fn a_prefix_is_not_copied_to_a_worker_only_a_little_less_busy() {
         let p = KvPolicy::new(KvParams::default());
-        let copying = KvPolicy::new(KvParams { price_duplicates: false, ..KvParams::default() });
+        let copying = KvPolicy::new(KvParams { pricing: Pricing { duplicates: false, ..Pricing::default() }, ..KvParams::default() });
         let r = req(4096);
         // Nothing queued anywhere; the worker holding 3,072 of the 4,096 tokens has 40 ms more
         // prefill booked than an empty one. Its own TTFT alone says copy the prefix over (the

@@ -330,15 +330,17 @@ impl Routing {
 
 impl Default for Routing {
     fn default() -> Self {
+        // The time cost's terms default as the filter's own defaults say.
+        let pricing = kvgate_filters::route::time::Pricing::default();
         Self {
             mode: Mode::RoundRobin,
             plugin: None,
             fallback: Mode::RoundRobin,
             cost: kvgate_filters::route::Cost::Time,
-            credit_in_flight_prefix: true,
-            price_slowdown: false,
-            price_queue: true,
-            price_duplicates: true,
+            credit_in_flight_prefix: pricing.credit_booked,
+            price_slowdown: pricing.slowdown,
+            price_queue: pricing.queue,
+            price_duplicates: pricing.duplicates,
             overlap_score_weight: 1.0,
             temperature: 0.0,
             kv_events: true,

@@ -13,6 +13,7 @@ pub mod local;
 pub mod migrate;
 
 use crate::downstream::errors::ClientError;
+use crate::downstream::io::respond_error;
 use crate::gateway::Gateway;
 use crate::request::Endpoint;
 use async_trait::async_trait;
@@ -129,7 +130,6 @@ impl GatewayApp {
     async fn public(&self, session: &mut ServerSession) -> bool {
         let header = session.req_header();
         let (method, endpoint) = (header.method.clone(), Endpoint::from_path(header.uri.path()));
-        let respond_error = crate::downstream::io::respond_error;
         match (method == Method::POST, endpoint) {
             (true, Some(ep)) => return crate::request::serve(&self.gw, session, ep).await,
             (false, Some(_)) => {

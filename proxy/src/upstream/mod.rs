@@ -79,10 +79,10 @@ pub enum Home {
 /// a Pingora header first costs two header maps and a copy of every name and value per request
 /// (docs/architecture.md, "The hot path's allocations").
 pub fn request_wire(client: &RequestHeader, worker: &Worker, path: &str, body: &[u8], request_id: &str) -> Result<Vec<u8>, BadHeader> {
-    if path.is_empty() || path.bytes().any(|c| c == b' ') || has_forbidden_byte(path.as_bytes()) {
+    if path.is_empty() || path.bytes().any(|c| c == b' ' || forbidden(c)) {
         return Err(BadHeader("the request path"));
     }
-    if has_forbidden_byte(request_id.as_bytes()) {
+    if request_id.bytes().any(forbidden) {
         return Err(BadHeader("the request id"));
     }
     let mut w = Vec::with_capacity(256 + body.len());
@@ -118,10 +118,9 @@ pub fn request_wire(client: &RequestHeader, worker: &Worker, path: &str, body: &
 #[error("{0} holds a byte HTTP/1.1 forbids there (NUL, CR, LF, or a space in the path)")]
 pub struct BadHeader(&'static str);
 
-/// Whether `b` holds a byte no header value may carry (a request target may not hold a space
-/// either).
-fn has_forbidden_byte(b: &[u8]) -> bool {
-    b.iter().any(|&c| matches!(c, 0 | b'\r' | b'\n'))
+/// Whether no header value (nor request target) may carry byte `c`.
+fn forbidden(c: u8) -> bool {
+    matches!(c, 0 | b'\r' | b'\n')
 }
 
 /// Appends one `name: value` header line.
