@@ -110,14 +110,24 @@ impl KvPolicy {
 
     /// One candidate's cost (lower is better) and its terms.
     pub fn cost(&self, req: &RequestSummary<'_>, c: &Candidate) -> (f64, Terms) {
+        self.priced(&self.sized(req), c)
+    }
+
+    /// `req` with this model's block size, which the `time` cost reads from it.
+    fn sized<'a>(&self, req: &RequestSummary<'a>) -> RequestSummary<'a> {
+        RequestSummary { block_size: self.params.block_size, ..req.clone() }
+    }
+
+    /// [`Self::cost`] for a request already [`Self::sized`]: `choose` sizes it once, not per
+    /// candidate.
+    fn priced(&self, req: &RequestSummary<'_>, c: &Candidate) -> (f64, Terms) {
         match self.params.cost {
             Cost::Blocks => {
                 let (prefill_blocks, decode_blocks, cost) = self.blocks_cost(req, c);
                 (cost, Terms::Blocks { prefill_blocks, decode_blocks })
             }
             Cost::Time => {
-                let req = RequestSummary { block_size: self.params.block_size, ..req.clone() };
-                let p = self.params.priors.predict(&req, c, self.params.pricing);
+                let p = self.params.priors.predict(req, c, self.params.pricing);
                 (p.cost_ms(), Terms::Time(p))
             }
         }
@@ -146,40 +156,55 @@ impl Policy for KvPolicy {
     }
 
     fn choose(&self, req: &RequestSummary<'_>, candidates: &[Candidate]) -> Decision {
-        let req = &req.among(candidates);
+        let req = &self.sized(&req.among(candidates));
+        let debug = tracing::enabled!(tracing::Level::DEBUG);
         let costs: Vec<f64> = candidates
             .iter()
             .map(|c| {
-                let (cost, terms) = self.cost(req, c);
-                if tracing::enabled!(tracing::Level::DEBUG) {
+                let (cost, terms) = self.priced(req, c);
+                if debug {
                     tracing::debug!(request_id = req.request_id, worker = c.id, overlap = c.overlap_blocks, ?terms, cost, "kv routing");
                 }
                 cost
             })
             .collect();
-        let t = self.params.temperature;
-        if t > 0.0 {
-            let (min, max) = costs.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &c| (lo.min(c), hi.max(c)));
-            let range = max - min;
-            if range > 0.0 {
-                let w: Vec<f64> = costs.iter().map(|&c| (-((c - min) / range) / t).exp()).collect();
-                let total: f64 = w.iter().sum();
-                let mut x = self.uniform() * total;
-                for (i, wi) in w.iter().enumerate() {
-                    x -= wi;
-                    if x <= 0.0 {
-                        return Decision::Worker(i);
-                    }
-                }
-                return Decision::Worker(w.len() - 1);
+        match self.params.temperature {
+            t if t > 0.0 => self.sample(&costs, t).unwrap_or_else(|| self.cheapest(candidates, &costs)),
+            _ => self.cheapest(candidates, &costs),
+        }
+    }
+}
+
+impl KvPolicy {
+    /// A softmax draw over the normalised costs at temperature `t`; `None` when every cost is
+    /// the same.
+    fn sample(&self, costs: &[f64], t: f64) -> Option<Decision> {
+        let (min, max) = costs.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &c| (lo.min(c), hi.max(c)));
+        let range = max - min;
+        if range <= 0.0 {
+            return None;
+        }
+        let weight = |c: f64| (-((c - min) / range) / t).exp();
+        let mut x = self.uniform() * costs.iter().map(|&c| weight(c)).sum::<f64>();
+        for (i, &c) in costs.iter().enumerate() {
+            x -= weight(c);
+            if x <= 0.0 {
+                return Some(Decision::Worker(i));
             }
         }
+        Some(Decision::Worker(costs.len() - 1))
+    }
+
+    /// The cheapest candidate; among equal costs the one with the fewest requests in flight,
+    /// and among those a uniform pick (no allocation: it runs on every request).
+    fn cheapest(&self, candidates: &[Candidate], costs: &[f64]) -> Decision {
         let best = costs.iter().copied().fold(f64::MAX, f64::min);
-        let tied: Vec<usize> = (0..candidates.len()).filter(|&i| costs[i] <= best + 1e-9).collect();
-        let least = tied.iter().map(|&i| candidates[i].in_flight).min().unwrap_or(0);
-        let tied: Vec<usize> = tied.into_iter().filter(|&i| candidates[i].in_flight == least).collect();
-        let pick = tied[(self.uniform() * tied.len() as f64) as usize % tied.len()];
-        Decision::Worker(pick)
+        let tied = |i: &usize| costs[*i] <= best + 1e-9;
+        let least = (0..costs.len()).filter(tied).map(|i| candidates[i].in_flight).min().unwrap_or(0);
+        let pool = || (0..costs.len()).filter(tied).filter(|&i| candidates[i].in_flight == least);
+        let n = pool().count().max(1);
+        let k = (self.uniform() * n as f64) as usize % n;
+        Decision::Worker(pool().nth(k).unwrap_or(0))
     }
 }
 
