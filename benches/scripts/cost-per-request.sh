@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# What one proxied unary request costs the proxy, kvgate against nginx, under the same load:
+# CPU time (and the kernel's share of it, from perf samples), context switches, syscalls and
+# TCP segments per request. It answers "is the gap in kvgate's code or in the kernel?" where
+# wall-clock ratios on a shared 2-core machine cannot.
+#
+# nginx (one worker, a fixed JSON answer) is the upstream of both proxies: nginx as a reverse
+# proxy (one worker, keep-alive upstream pool, buffering off) and kvgate (round_robin). wrk (one
+# thread) drives each in turn for the same time.
+#
+#   sudo apt-get install -y nginx wrk linux-perf
+#   cargo build --release -p kvgate
+#   benches/scripts/cost-per-request.sh target/release/kvgate [seconds] [connections] [threads]
+#
+# Needs perf with access to tracepoints (root, or kernel.perf_event_paranoid <= -1).
+set -euo pipefail
+BIN=$(realpath "${1:?usage: $0 <kvgate binary> [seconds] [connections] [kvgate threads]}")
+SECS=${2:-5}
+CONNS=${3:-64}
+THREADS=${4:-}
+OUT=${OUT:-$(mktemp -d)}
+for tool in nginx wrk perf nstat curl python3; do
+    command -v "$tool" >/dev/null || { echo "needs $tool (apt-get install -y nginx wrk linux-perf iproute2 curl)" >&2; exit 2; }
+done
+read -r UP GW ADMIN NG < <(python3 -c 'import socket
+s=[socket.socket() for _ in range(4)]
+[x.bind(("127.0.0.1",0)) for x in s]
+print(*[x.getsockname()[1] for x in s])')
+ANSWER='{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":" ok","finish_reason":"length"}],"usage":{"prompt_tokens":40,"completion_tokens":1,"total_tokens":41}}'
+cat >"$OUT/upstream.conf" <<CONF
+worker_processes 1;
+pid $OUT/upstream.pid;
+error_log $OUT/upstream-error.log;
+events { worker_connections 1024; }
+http {
+  access_log off;
+  server { listen 127.0.0.1:$UP; location / { default_type application/json; return 200 '$ANSWER'; } }
+}
+CONF
+cat >"$OUT/nginx.conf" <<CONF
+worker_processes 1;
+pid $OUT/nginx.pid;
+error_log $OUT/nginx-error.log;
+events { worker_connections 1024; }
+http {
+  access_log off;
+  upstream up { server 127.0.0.1:$UP; keepalive 128; }
+  server {
+    listen 127.0.0.1:$NG;
+    location / { proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; }
+  }
+}
+CONF
+cat >"$OUT/kvgate.yaml" <<CONF
+listen: 127.0.0.1:$GW
+admin_listen: 127.0.0.1:$ADMIN
+${THREADS:+threads: $THREADS}
+models:
+  - name: m
+    routing:
+      mode: round_robin
+    workers:
+      - url: http://127.0.0.1:$UP
+CONF
+cat >"$OUT/post.lua" <<'LUA'
+wrk.method = "POST"
+wrk.body = '{"model":"m","prompt":"You are a helpful assistant. Summarize the following report in three sentences, keeping every figure: the gateway forwarded the request to the worker that already held most of its prompt in its KV cache.","max_tokens":16,"stream":false}'
+wrk.headers["Content-Type"] = "application/json"
+LUA
+nginx -c "$OUT/upstream.conf"
+nginx -c "$OUT/nginx.conf"
+"$BIN" --config "$OUT/kvgate.yaml" >"$OUT/kvgate.log" 2>&1 &
+KV=$!
+cleanup() { kill "$KV" "$(cat "$OUT/upstream.pid")" "$(cat "$OUT/nginx.pid")" 2>/dev/null || true; }
+trap cleanup EXIT
+for _ in $(seq 100); do
+    curl -s -o /dev/null -XPOST -d '{"model":"m","prompt":"x"}' "http://127.0.0.1:$GW/v1/completions" && break
+    sleep 0.1
+done
+
+# One measured run against a proxy whose processes are $2 (comma-separated pids).
+measure() {
+    local name=$1 pids=$2 url=$3
+    wrk -t1 -c"$CONNS" -d2s -s "$OUT/post.lua" "$url" >/dev/null
+    nstat -n
+    perf stat -x, -e task-clock,context-switches,raw_syscalls:sys_enter -p "$pids" -o "$OUT/$name.stat" -- sleep "$SECS" &
+    local stat=$!
+    perf record -q -F 999 -o "$OUT/$name.perf" -p "$pids" -- sleep "$SECS" >/dev/null 2>&1 &
+    local rec=$!
+    local run
+    run=$(wrk -t1 -c"$CONNS" -d"${SECS}s" -s "$OUT/post.lua" "$url")
+    wait "$stat" "$rec"
+    local n segs kernel
+    n=$(awk '/requests in/ {print $1}' <<<"$run")
+    segs=$(nstat | awk '$1 == "TcpOutSegs" {print $2}')
+    kernel=$(perf report -i "$OUT/$name.perf" --sort dso --stdio 2>/dev/null | awk '/\[kernel/ {gsub("%", "", $1); print $1}')
+    awk -F, -v name="$name" -v n="$n" -v secs="$SECS" -v segs="$segs" -v kernel="${kernel:-0}" '
+        $3 == "task-clock" { cpu = $1 }
+        $3 == "context-switches" { cs = $1 }
+        $3 == "raw_syscalls:sys_enter" { sc = $1 }
+        END {
+            us = cpu * 1000 / n
+            printf "| %s | %.0f | %.1f | %.1f (%.0f%%) | %.1f | %.3f | %.2f | %.2f |\n", name, n / secs, us, us * kernel / 100, kernel, us * (100 - kernel) / 100, cs / n, sc / n, segs / n
+        }' "$OUT/$name.stat"
+}
+
+echo "| proxy | req/s | CPU µs/request | of which kernel | user | context switches/request | syscalls/request | TCP segments sent/request (all processes) |"
+echo "|---|---:|---:|---:|---:|---:|---:|---:|"
+NGINX_PIDS="$(cat "$OUT/nginx.pid"),$(pgrep -P "$(cat "$OUT/nginx.pid")" | paste -sd,)"
+measure nginx "$NGINX_PIDS" "http://127.0.0.1:$NG/v1/completions"
+measure kvgate "$KV" "http://127.0.0.1:$GW/v1/completions"
+echo "(profiles and logs: $OUT)"
