@@ -524,3 +524,62 @@ async fn malformed_http_and_connect_get_an_openai_shaped_error_and_a_closed_conn
         s.read_exact(&mut body).await.unwrap();
     }
 }
+
+/// A worker that answers every probe with 200 and every completion with one SSE body of
+/// `events`, framed by Content-Length (as a buffering proxy in front of a server would).
+async fn length_framed_stream_worker(events: &'static str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 65536];
+                let mut have = Vec::new();
+                while let Ok(n) = s.read(&mut buf).await {
+                    if n == 0 {
+                        return;
+                    }
+                    have.extend_from_slice(&buf[..n]);
+                    let Some(head_end) = have.windows(4).position(|w| w == b"\r\n\r\n") else { continue };
+                    let head = String::from_utf8_lossy(&have[..head_end]).to_ascii_lowercase();
+                    let len = head.lines().find_map(|l| l.strip_prefix("content-length:")).map_or(0, |v| v.trim().parse().unwrap());
+                    if have.len() < head_end + 4 + len {
+                        continue;
+                    }
+                    have.drain(..head_end + 4 + len);
+                    let (kind, body) = if head.starts_with("post") { ("text/event-stream", events) } else { ("application/json", "{}") };
+                    let answer = format!("HTTP/1.1 200 OK\r\ncontent-type: {kind}\r\ncontent-length: {}\r\n\r\n{body}", body.len());
+                    if s.write_all(answer.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    url
+}
+
+#[tokio::test]
+async fn a_followed_stream_the_worker_framed_by_length_goes_out_chunked_and_whole() {
+    // The gateway asked for token ids and strips them, so the worker's length is not the
+    // client's: relaying it would leave the client waiting for bytes that never come.
+    const EVENTS: &str = concat!(
+        "data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\" a\",\"token_ids\":[11],\"finish_reason\":null}],\"prompt_token_ids\":[1,2,3]}\n\n",
+        "data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\" b\",\"token_ids\":[12],\"finish_reason\":\"length\"}]}\n\n",
+        "data: [DONE]\n\n"
+    );
+    let c = Cluster::front(&[length_framed_stream_worker(EVENTS).await], GatewayOpts::default()).await;
+    let r = tokio::time::timeout(Duration::from_secs(5), async {
+        let r = c.http.post(c.url("/v1/completions")).json(&json!({"prompt": "x", "max_tokens": 2, "stream": true})).send().await.unwrap();
+        let chunked = r.headers().get("transfer-encoding").map(|v| v.to_str().unwrap().to_string());
+        (chunked, r.text().await.unwrap())
+    })
+    .await
+    .expect("the client gets the whole stream, not a length the body does not have");
+    assert_eq!(r.0.as_deref(), Some("chunked"));
+    let body = sse::parse(&r.1);
+    assert!(body.done, "{}", r.1);
+    assert_eq!(body.essence()["text"], " a b", "{}", r.1);
+    assert!(!r.1.contains("token_ids"), "ids the client did not ask for are stripped: {}", r.1);
+}

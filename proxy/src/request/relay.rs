@@ -33,16 +33,16 @@ pub async fn relay(gw: &Gateway, session: &mut ServerSession, req: &mut RequestS
     {
         kv.record_decision(idx, &inputs.chain);
     }
-    let header = match upstream::client_response_header(&leg.ex, req.id(), &leg.worker.label) {
+    // Only a stream that started is followed: an error answer passes as the worker sent it.
+    if status != 200 {
+        req.track = None;
+    }
+    let header = match upstream::client_response_header(&leg.ex, req.id(), &leg.worker.label, req.track.is_some()) {
         Ok(h) => h,
         Err(e) => return Outcome::Refused(GatewayError::BadUpstreamResponse(e.to_string())),
     };
     if session.write_response_header(Box::new(header)).await.is_err() {
         return record::cancelled(gw, req);
-    }
-    // Only a stream that started is followed: an error answer passes as the worker sent it.
-    if status != 200 {
-        req.track = None;
     }
     let mut progress = Progress::new(gw, req, status, leg.ex.sent_at);
     let mut warming: Option<Warming<'_>> = None;

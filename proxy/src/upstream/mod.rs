@@ -133,9 +133,12 @@ fn line(w: &mut Vec<u8>, name: &[u8], value: &[u8]) {
 
 /// The client's response header for a worker's answer: the worker's headers minus hop-by-hop
 /// ones (Pingora frames the body itself: chunked for streams, Content-Length when the worker
-/// gave one), with the request id and the worker that answered (`x-kvgate-worker`). Built
-/// without a case map: names go out in their usual capitalisation (Pingora titles known ones).
-pub fn client_response_header(ex: &Exchange, request_id: &str, worker: &str) -> pingora::Result<ResponseHeader> {
+/// gave one and `rewritten` is false), with the request id and the worker that answered
+/// (`x-kvgate-worker`). A body the gateway may rewrite (a followed stream: ids stripped,
+/// continued on another worker) always goes out chunked, since the worker's length would no
+/// longer be its length. Built without a case map: names go out in their usual capitalisation
+/// (Pingora titles known ones).
+pub fn client_response_header(ex: &Exchange, request_id: &str, worker: &str, rewritten: bool) -> pingora::Result<ResponseHeader> {
     let Some(up) = ex.session.response_header() else {
         return pingora::Error::e_explain(pingora::ErrorType::InvalidHTTPHeader, "no response header");
     };
@@ -143,7 +146,7 @@ pub fn client_response_header(ex: &Exchange, request_id: &str, worker: &str) -> 
     let connection = up.headers.get("connection").map(|v| v.as_bytes());
     for (name, value) in up.headers.iter() {
         let n = name.as_str();
-        if n == "content-length" || forwarded(n.as_bytes(), connection) {
+        if (n == "content-length" && !rewritten) || forwarded(n.as_bytes(), connection) {
             h.append_header(name.clone(), value.clone())?;
         }
     }
