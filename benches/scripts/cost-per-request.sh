@@ -6,7 +6,7 @@
 #
 # nginx (one worker, a fixed JSON answer) is the upstream of both proxies: nginx as a reverse
 # proxy (one worker, keep-alive upstream pool, buffering off) and kvgate (round_robin). wrk (one
-# thread) drives each in turn for the same time.
+# thread) drives each in turn for the same time. KIND=stream measures 16-event streams instead.
 #
 #   sudo apt-get install -y nginx wrk linux-perf
 #   cargo build --release -p kvgate
@@ -22,21 +22,12 @@ OUT=${OUT:-$(mktemp -d)}
 for tool in nginx wrk perf nstat curl python3; do
     command -v "$tool" >/dev/null || { echo "needs $tool (apt-get install -y nginx wrk linux-perf iproute2 curl)" >&2; exit 2; }
 done
-read -r UP GW ADMIN NG < <(python3 -c 'import socket
-s=[socket.socket() for _ in range(4)]
-[x.bind(("127.0.0.1",0)) for x in s]
-print(*[x.getsockname()[1] for x in s])')
-ANSWER='{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":" ok","finish_reason":"length"}],"usage":{"prompt_tokens":40,"completion_tokens":1,"total_tokens":41}}'
-cat >"$OUT/upstream.conf" <<CONF
-worker_processes 1;
-pid $OUT/upstream.pid;
-error_log $OUT/upstream-error.log;
-events { worker_connections 1024; }
-http {
-  access_log off;
-  server { listen 127.0.0.1:$UP; location / { default_type application/json; return 200 '$ANSWER'; } }
-}
-CONF
+. "$(dirname "$0")/fixed-upstream.sh"
+read -r UP GW ADMIN NG < <(free_ports 4)
+fixed_answer
+write_upstream_conf "$UP"
+write_kvgate_conf "$GW" "$ADMIN" "$UP" "${THREADS:+threads: $THREADS}"
+write_post_lua
 cat >"$OUT/nginx.conf" <<CONF
 worker_processes 1;
 pid $OUT/nginx.pid;
@@ -51,32 +42,13 @@ http {
   }
 }
 CONF
-cat >"$OUT/kvgate.yaml" <<CONF
-listen: 127.0.0.1:$GW
-admin_listen: 127.0.0.1:$ADMIN
-${THREADS:+threads: $THREADS}
-models:
-  - name: m
-    routing:
-      mode: round_robin
-    workers:
-      - url: http://127.0.0.1:$UP
-CONF
-cat >"$OUT/post.lua" <<'LUA'
-wrk.method = "POST"
-wrk.body = '{"model":"m","prompt":"You are a helpful assistant. Summarize the following report in three sentences, keeping every figure: the gateway forwarded the request to the worker that already held most of its prompt in its KV cache.","max_tokens":16,"stream":false}'
-wrk.headers["Content-Type"] = "application/json"
-LUA
 nginx -c "$OUT/upstream.conf"
 nginx -c "$OUT/nginx.conf"
 "$BIN" --config "$OUT/kvgate.yaml" >"$OUT/kvgate.log" 2>&1 &
 KV=$!
 cleanup() { kill "$KV" "$(cat "$OUT/upstream.pid")" "$(cat "$OUT/nginx.pid")" 2>/dev/null || true; }
 trap cleanup EXIT
-for _ in $(seq 100); do
-    curl -s -o /dev/null -XPOST -d '{"model":"m","prompt":"x"}' "http://127.0.0.1:$GW/v1/completions" && break
-    sleep 0.1
-done
+wait_ready "http://127.0.0.1:$GW/v1/completions"
 
 # One measured run against a proxy whose processes are $2 (comma-separated pids).
 measure() {

@@ -23,60 +23,19 @@ KIND=${KIND:-unary}
 for tool in valgrind callgrind_control nginx wrk curl python3; do
     command -v "$tool" >/dev/null || { echo "needs $tool (apt-get install -y valgrind nginx wrk curl)" >&2; exit 2; }
 done
-read -r UP GW ADMIN < <(python3 -c 'import socket
-s=[socket.socket() for _ in range(3)]
-[x.bind(("127.0.0.1",0)) for x in s]
-print(*[x.getsockname()[1] for x in s])')
-if [ "$KIND" = stream ]; then
-    TYPE=text/event-stream
-    ANSWER=$(for i in $(seq 16); do printf 'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":" t%d","logprobs":null,"finish_reason":null}]}\n\n' "$i"; done; printf 'data: [DONE]\n\n')
-    STREAM=true
-else
-    TYPE=application/json
-    ANSWER='{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":" ok","finish_reason":"length"}],"usage":{"prompt_tokens":40,"completion_tokens":1,"total_tokens":41}}'
-    STREAM=false
-fi
-cat >"$OUT/nginx.conf" <<CONF
-worker_processes 1;
-pid $OUT/nginx.pid;
-error_log $OUT/nginx-error.log;
-events { worker_connections 1024; }
-http {
-  access_log off;
-  server {
-    listen 127.0.0.1:$UP;
-    location / {
-      default_type $TYPE;
-      return 200 '$ANSWER';
-    }
-  }
-}
-CONF
-cat >"$OUT/kvgate.yaml" <<CONF
-listen: 127.0.0.1:$GW
-admin_listen: 127.0.0.1:$ADMIN
-models:
-  - name: m
-    routing:
-      mode: round_robin
-    workers:
-      - url: http://127.0.0.1:$UP
-CONF
-cat >"$OUT/post.lua" <<LUA
-wrk.method = "POST"
-wrk.body = '{"model":"m","prompt":"You are a helpful assistant. Summarize the following report in three sentences, keeping every figure: the gateway forwarded the request to the worker that already held most of its prompt in its KV cache.","max_tokens":16,"stream":$STREAM}'
-wrk.headers["Content-Type"] = "application/json"
-LUA
-nginx -c "$OUT/nginx.conf"
+. "$(dirname "$0")/fixed-upstream.sh"
+read -r UP GW ADMIN < <(free_ports 3)
+fixed_answer
+write_upstream_conf "$UP"
+write_kvgate_conf "$GW" "$ADMIN" "$UP"
+write_post_lua
+nginx -c "$OUT/upstream.conf"
 valgrind --tool=callgrind --callgrind-out-file="$OUT/callgrind.out" --instr-atstart=no "$BIN" --config "$OUT/kvgate.yaml" >"$OUT/kvgate.log" 2>&1 &
 VG=$!
-cleanup() { kill "$VG" 2>/dev/null || true; kill "$(cat "$OUT/nginx.pid")" 2>/dev/null || true; }
+cleanup() { kill "$VG" 2>/dev/null || true; kill "$(cat "$OUT/upstream.pid")" 2>/dev/null || true; }
 trap cleanup EXIT
 URL=http://127.0.0.1:$GW/v1/completions
-for _ in $(seq 300); do
-    curl -s -o /dev/null -XPOST -H 'content-type: application/json' -d '{"model":"m","prompt":"x","max_tokens":1}' "$URL" && break
-    sleep 0.2
-done
+wait_ready "$URL"
 wrk -t1 -c"$CONNS" -d2s -s "$OUT/post.lua" "$URL" >/dev/null
 callgrind_control -i on "$VG" >/dev/null 2>&1
 RUN=$(wrk -t1 -c"$CONNS" -d"${SECS}s" -s "$OUT/post.lua" "$URL")

@@ -9,6 +9,7 @@ use crate::config::Config;
 use crate::gateway::Gateway;
 use crate::http::{GatewayApp, Role};
 use async_trait::async_trait;
+use pingora::listeners::{L4BufferSettings, ListenerConfig};
 use pingora::prelude::*;
 use pingora::server::configuration::ServerConf;
 use pingora::server::{RunArgs, ShutdownSignal, ShutdownSignalWatch, ShutdownWatch};
@@ -80,6 +81,14 @@ impl BackgroundService for Background {
     }
 }
 
+/// Bytes a client connection's writes gather before a send. Pingora's default (1,460) sends a
+/// response header alone whenever the body written after it is longer than the rest, so a
+/// completion of a few KiB, or a stream's first read of several events, cost two sends and two
+/// TCP segments instead of one. 8 KiB holds the header and a typical completion body. Nothing
+/// waits in it: chunked bodies (streams) are flushed after every write, and a known-length body
+/// when it is complete (benches/RESULTS.md, "One send per response").
+const CLIENT_WRITE_BUFFER: usize = 8 * 1024;
+
 fn build(gw: Arc<Gateway>, cfg: &Config, manual: watch::Receiver<Option<Stop>>) -> (Server, RunArgs) {
     let conf = ServerConf {
         threads: cfg.threads,
@@ -91,7 +100,7 @@ fn build(gw: Arc<Gateway>, cfg: &Config, manual: watch::Receiver<Option<Stop>>) 
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
     let mut public = Service::new("kvgate".to_string(), GatewayApp::new(gw.clone(), Role::Public));
-    public.add_tcp(&cfg.listen.to_string());
+    public.add_listener(ListenerConfig::tcp(cfg.listen.to_string()).l4_buffer(L4BufferSettings::default().write(CLIENT_WRITE_BUFFER)));
     let mut admin = Service::new("kvgate-admin".to_string(), GatewayApp::new(gw.clone(), Role::Admin));
     admin.threads = Some(1);
     admin.add_tcp(&cfg.admin_listen.to_string());
