@@ -188,6 +188,18 @@ mod tests {
     }
 
     #[test]
+    fn a_prefill_is_charged_to_the_requests_waiting_behind_it() {
+        let p = TimePriors::default();
+        let pricing = Pricing::default();
+        let busy = p.predict(&req(4096), &Candidate { prefilling: 3, ..Default::default() }, pricing);
+        assert!(busy.prefill_ms > 0.0 && (busy.behind_ms - 3.0 * busy.prefill_ms).abs() < 1e-9, "{busy:?}");
+        // Nobody waiting there: nobody to delay.
+        assert_eq!(p.predict(&req(4096), &Candidate::default(), pricing).behind_ms, 0.0);
+        let off = Pricing { queue: false, ..pricing };
+        assert_eq!(p.predict(&req(4096), &Candidate { prefilling: 3, ..Default::default() }, off).behind_ms, 0.0);
+    }
+
+    #[test]
     fn an_idle_worker_predicts_the_prefill_of_what_it_lacks() {
         let p = TimePriors::default();
         let cold = p.predict(&req(4096), &Candidate::default(), ON);
