@@ -110,12 +110,12 @@ impl KvPolicy {
 
     /// One candidate's cost (lower is better) and its terms.
     pub fn cost(&self, req: &RequestSummary<'_>, c: &Candidate) -> (f64, Terms) {
-        self.priced(&self.sized(req), c)
+        self.priced(&self.sized(req.clone()), c)
     }
 
     /// `req` with this model's block size, which the `time` cost reads from it.
-    fn sized<'a>(&self, req: &RequestSummary<'a>) -> RequestSummary<'a> {
-        RequestSummary { block_size: self.params.block_size, ..req.clone() }
+    fn sized<'a>(&self, req: RequestSummary<'a>) -> RequestSummary<'a> {
+        RequestSummary { block_size: self.params.block_size, ..req }
     }
 
     /// [`Self::cost`] for a request already [`Self::sized`]: `choose` sizes it once, not per
@@ -156,7 +156,7 @@ impl Policy for KvPolicy {
     }
 
     fn choose(&self, req: &RequestSummary<'_>, candidates: &[Candidate]) -> Decision {
-        let req = &self.sized(&req.among(candidates));
+        let req = &self.sized(req.among(candidates));
         let debug = tracing::enabled!(tracing::Level::DEBUG);
         let costs: Vec<f64> = candidates
             .iter()
@@ -184,15 +184,15 @@ impl KvPolicy {
         if range <= 0.0 {
             return None;
         }
-        let weight = |c: f64| (-((c - min) / range) / t).exp();
-        let mut x = self.uniform() * costs.iter().map(|&c| weight(c)).sum::<f64>();
-        for (i, &c) in costs.iter().enumerate() {
-            x -= weight(c);
+        let weights: Vec<f64> = costs.iter().map(|&c| (-((c - min) / range) / t).exp()).collect();
+        let mut x = self.uniform() * weights.iter().sum::<f64>();
+        for (i, w) in weights.iter().enumerate() {
+            x -= w;
             if x <= 0.0 {
                 return Some(Decision::Worker(i));
             }
         }
-        Some(Decision::Worker(costs.len() - 1))
+        Some(Decision::Worker(weights.len() - 1))
     }
 
     /// The cheapest candidate; among equal costs the one with the fewest requests in flight,
