@@ -28,20 +28,11 @@ fixed_answer
 write_upstream_conf "$UP"
 write_kvgate_conf "$GW" "$ADMIN" "$UP" "${THREADS:+threads: $THREADS}"
 write_post_lua
-cat >"$OUT/nginx.conf" <<CONF
-worker_processes 1;
-pid $OUT/nginx.pid;
-error_log $OUT/nginx-error.log;
-events { worker_connections 1024; }
-http {
-  access_log off;
-  upstream up { server 127.0.0.1:$UP; keepalive 128; }
+write_nginx_conf nginx "  upstream up { server 127.0.0.1:$UP; keepalive 128; }
   server {
     listen 127.0.0.1:$NG;
-    location / { proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; }
-  }
-}
-CONF
+    location / { proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection \"\"; proxy_buffering off; }
+  }"
 nginx -c "$OUT/upstream.conf"
 nginx -c "$OUT/nginx.conf"
 "$BIN" --config "$OUT/kvgate.yaml" >"$OUT/kvgate.log" 2>&1 &

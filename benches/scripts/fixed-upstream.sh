@@ -24,25 +24,31 @@ fixed_answer() {
     fi
 }
 
-# Writes $OUT/upstream.conf: nginx (one worker) answering every request on port $1 with the
-# fixed answer (call fixed_answer first).
-write_upstream_conf() {
-    cat >"$OUT/upstream.conf" <<CONF
+# Writes $OUT/$1.conf: one nginx worker (pid $OUT/$1.pid, no access log) serving the http
+# block's contents $2.
+write_nginx_conf() {
+    cat >"$OUT/$1.conf" <<CONF
 worker_processes 1;
-pid $OUT/upstream.pid;
-error_log $OUT/upstream-error.log;
+pid $OUT/$1.pid;
+error_log $OUT/$1-error.log;
 events { worker_connections 1024; }
 http {
   access_log off;
-  server {
+$2
+}
+CONF
+}
+
+# Writes $OUT/upstream.conf: nginx answering every request on port $1 with the fixed answer
+# (call fixed_answer first).
+write_upstream_conf() {
+    write_nginx_conf upstream "  server {
     listen 127.0.0.1:$1;
     location / {
       default_type $TYPE;
       return 200 '$ANSWER';
     }
-  }
-}
-CONF
+  }"
 }
 
 # Writes $OUT/kvgate.yaml: kvgate on port $1 (admin $2), round_robin over the upstream on
