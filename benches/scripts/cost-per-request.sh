@@ -7,10 +7,13 @@
 # nginx (one worker, a fixed JSON answer) is the upstream of both proxies: nginx as a reverse
 # proxy (one worker, keep-alive upstream pool, buffering off) and kvgate (round_robin). wrk (one
 # thread) drives each in turn for the same time. KIND=stream measures 16-event streams instead.
+# FLOOR=<floor-proxy binary> adds the floor of a tokio proxy (benches/src/bin/floor_proxy.rs):
+# the least any HTTP/1 forwarder on tokio spends here, so the gap to nginx splits into what is
+# the runtime's and what is the gateway's.
 #
 #   sudo apt-get install -y nginx wrk linux-perf
-#   cargo build --release -p kvgate
-#   benches/scripts/cost-per-request.sh target/release/kvgate [seconds] [connections] [threads]
+#   cargo build --release -p kvgate -p kvgate-bench
+#   FLOOR=target/release/floor-proxy benches/scripts/cost-per-request.sh target/release/kvgate [seconds] [connections] [threads]
 #
 # Needs perf with access to tracepoints (root, or kernel.perf_event_paranoid <= -1).
 set -euo pipefail
@@ -23,7 +26,7 @@ for tool in nginx wrk perf nstat curl python3; do
     command -v "$tool" >/dev/null || { echo "needs $tool (apt-get install -y nginx wrk linux-perf iproute2 curl)" >&2; exit 2; }
 done
 . "$(dirname "$0")/fixed-upstream.sh"
-read -r UP GW ADMIN NG < <(free_ports 4)
+read -r UP GW ADMIN NG FL < <(free_ports 5)
 fixed_answer
 write_upstream_conf "$UP"
 write_kvgate_conf "$GW" "$ADMIN" "$UP" "${THREADS:+threads: $THREADS}"
@@ -37,7 +40,12 @@ nginx -c "$OUT/upstream.conf"
 nginx -c "$OUT/nginx.conf"
 "$BIN" --config "$OUT/kvgate.yaml" >"$OUT/kvgate.log" 2>&1 &
 KV=$!
-cleanup() { kill "$KV" "$(cat "$OUT/upstream.pid")" "$(cat "$OUT/nginx.pid")" 2>/dev/null || true; }
+FP=
+if [ -n "${FLOOR:-}" ]; then
+    "$(realpath "$FLOOR")" --listen "127.0.0.1:$FL" --upstream "127.0.0.1:$UP" ${THREADS:+--threads "$THREADS"} &
+    FP=$!
+fi
+cleanup() { kill "$KV" $FP "$(cat "$OUT/upstream.pid")" "$(cat "$OUT/nginx.pid")" 2>/dev/null || true; }
 trap cleanup EXIT
 wait_ready "http://127.0.0.1:$GW/v1/completions"
 
@@ -72,4 +80,8 @@ echo "|---|---:|---:|---:|---:|---:|---:|---:|"
 NGINX_PIDS="$(cat "$OUT/nginx.pid"),$(pgrep -P "$(cat "$OUT/nginx.pid")" | paste -sd,)"
 measure nginx "$NGINX_PIDS" "http://127.0.0.1:$NG/v1/completions"
 measure kvgate "$KV" "http://127.0.0.1:$GW/v1/completions"
+if [ -n "$FP" ]; then
+    wait_ready "http://127.0.0.1:$FL/v1/completions"
+    measure floor "$FP" "http://127.0.0.1:$FL/v1/completions"
+fi
 echo "(profiles and logs: $OUT)"

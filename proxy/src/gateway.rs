@@ -1,12 +1,11 @@
 //! The gateway's shared state: the live configuration and fleet (swapped atomically on reload),
-//! the upstream connector (keep-alive pools), metrics, the in-flight registry, the loaded
+//! the upstream connector, metrics, the in-flight registry, the loaded
 //! plugins and the drain switch.
 
 use crate::config::{Config, ConfigError};
 use crate::fleet::{Fleet, WorkerRegistry};
 use crate::metrics::Metrics;
 use arc_swap::ArcSwap;
-use pingora::connectors::http::Connector;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -25,9 +24,7 @@ pub struct Gateway {
     pub metrics: Metrics,
     /// KV ingestion metrics (same registry).
     pub kv_metrics: kvgate_kv::metrics::KvMetrics,
-    /// Upstream HTTP/1.1 connector with keep-alive pools (the probes').
-    pub connector: Connector,
-    /// Opens the request legs' connections (their keep-alive pool is each worker's own).
+    /// Opens connections to workers (their keep-alive pools are each worker's own).
     pub transport: pingora::connectors::TransportConnector,
     /// Loaded WebAssembly plugins.
     pub plugins: crate::plugins::PluginRegistry,
@@ -65,7 +62,6 @@ impl Gateway {
             open: AtomicUsize::new(0),
             metrics,
             kv_metrics,
-            connector: Connector::new(None),
             transport: pingora::connectors::TransportConnector::new(None),
             plugins,
             requests: Arc::new(crate::inflight::RequestRegistry::default()),

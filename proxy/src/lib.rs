@@ -2,7 +2,7 @@
 //! whole; the modules:
 //!
 //! - [`config`]: the YAML configuration, validation, environment overrides;
-//! - [`gateway`]: shared state (config and fleet swapped on reload, connector, metrics,
+//! - [`gateway`]: shared state (config and fleet swapped on reload, upstream connector, metrics,
 //!   in-flight registry, plugins, drain switch);
 //! - [`fleet`]: models and workers as routing sees them, and each model's booking ledger;
 //! - [`request`]: the life of an inference request as phases (admit, queue, place, leg, relay,

@@ -36,6 +36,8 @@ pub struct Worker {
     /// Idle keep-alive connections of the request legs (docs/architecture.md, "Upstream
     /// connections").
     pub idle: Arc<crate::upstream::pool::IdlePool>,
+    /// Idle keep-alive connections of its health and metrics probes, apart from the legs'.
+    pub probe_idle: Arc<crate::upstream::pool::IdlePool>,
     /// How fast it prefills and steps against the `time` cost's priors, as measured.
     pub calibration: super::calibration::Calibration,
 }
@@ -57,6 +59,7 @@ impl Worker {
             max_model_len: AtomicU32::new(0),
             addr: RwLock::new(None),
             idle: Arc::default(),
+            probe_idle: Arc::default(),
             calibration: Default::default(),
         }
     }
@@ -82,6 +85,7 @@ impl Worker {
         if before.is_some_and(|b| b != a) {
             // Pooled connections go to the old address.
             self.idle.clear();
+            self.probe_idle.clear();
         }
         Ok(a)
     }

@@ -104,7 +104,7 @@ async fn first_bytes(gw: &Gateway, cfg: &Config, worker: &Arc<Worker>, wire: &[u
         // Dropping `ex` closes that connection.
         return Err(LegError::new(LegErrorKind::Status5xx, &worker.url, format!("answered {status}")));
     }
-    let read = ex.session.read_response_body();
+    let read = ex.response.read_body();
     let first = match first_byte {
         Some(limit) => match tokio::time::timeout_at((ex.sent_at + limit).into(), read).await {
             Ok(r) => r,
@@ -114,6 +114,6 @@ async fn first_bytes(gw: &Gateway, cfg: &Config, worker: &Arc<Worker>, wire: &[u
     };
     match first {
         Ok(first) => Ok(Leg { ex, first, worker: worker.clone() }),
-        Err(e) => Err(LegError::new(LegErrorKind::BeforeFirstByte, &worker.url, e.to_string()).with_source(*e)),
+        Err(e) => Err(LegError::new(LegErrorKind::BeforeFirstByte, &worker.url, e.to_string()).with_source(e)),
     }
 }

@@ -71,10 +71,8 @@ pub fn warm_up<'a>(gw: &'a Gateway, req: &RequestState, session: &ServerSession,
     let done = Box::pin(async move {
         let warm = async {
             let Ok(mut ex) = upstream::exchange(gw, &cfg, &to, Outgoing::Leg(&wire), None).await else { return };
-            while let Ok(Some(_)) = ex.session.read_response_body().await {}
-            if ex.session.response_done() {
-                upstream::release(ex);
-            }
+            while let Ok(Some(_)) = ex.response.read_body().await {}
+            upstream::release(ex);
         };
         let _ = tokio::time::timeout(WARM_UP_LIMIT, warm).await;
     });

@@ -162,7 +162,7 @@ async fn body<'g>(
                     Some(bytes) => {
                         let (bytes, after) = coalesce(&mut ex, bytes, &worker.url);
                         pending = after;
-                        (bytes, ex.session.response_done())
+                        (bytes, ex.response.is_done())
                     }
                     None => (Bytes::new(), true),
                 };
@@ -264,8 +264,8 @@ const MAX_COALESCED: usize = 64 * 1024;
 fn coalesce(ex: &mut Exchange, first: Bytes, worker: &crate::config::UpstreamUrl) -> (Bytes, Option<Result<Option<Bytes>, LegError>>) {
     let mut gathered: Option<BytesMut> = None;
     let mut after = None;
-    while !ex.session.response_done() && gathered.as_ref().map_or(first.len(), BytesMut::len) < MAX_COALESCED {
-        match ready_now(ex.session.read_response_body()) {
+    while !ex.response.is_done() && gathered.as_ref().map_or(first.len(), BytesMut::len) < MAX_COALESCED {
+        match ready_now(ex.response.read_body()) {
             None => break,
             Some(Ok(Some(more))) => gathered.get_or_insert_with(|| BytesMut::from(&first[..])).extend_from_slice(&more),
             Some(Ok(None)) => {
@@ -273,7 +273,7 @@ fn coalesce(ex: &mut Exchange, first: Bytes, worker: &crate::config::UpstreamUrl
                 break;
             }
             Some(Err(e)) => {
-                after = Some(Err(LegError::new(LegErrorKind::Midstream, worker, e.to_string()).with_source(*e)));
+                after = Some(Err(LegError::new(LegErrorKind::Midstream, worker, e.to_string()).with_source(e)));
                 break;
             }
         }
@@ -282,7 +282,7 @@ fn coalesce(ex: &mut Exchange, first: Bytes, worker: &crate::config::UpstreamUrl
 }
 
 /// Polls `f` once: its output if it is ready now. A read that is not ready consumed nothing
-/// (Pingora's body reader keeps its parse state in the session, not in the future), so
+/// (the response keeps its parse state in itself, not in the future: upstream/response.rs), so
 /// dropping it loses no data.
 fn ready_now<F: std::future::Future>(f: F) -> Option<F::Output> {
     let mut f = std::pin::pin!(f);
@@ -325,9 +325,9 @@ async fn next_chunk(
     };
     tokio::select! {
         biased;
-        r = tokio::time::timeout(idle, ex.session.read_response_body()) => Next::Chunk(match r {
+        r = tokio::time::timeout(idle, ex.response.read_body()) => Next::Chunk(match r {
             Ok(Ok(chunk)) => Ok(chunk),
-            Ok(Err(e)) => Err(LegError::new(LegErrorKind::Midstream, worker, e.to_string()).with_source(*e)),
+            Ok(Err(e)) => Err(LegError::new(LegErrorKind::Midstream, worker, e.to_string()).with_source(e)),
             Err(_) => Err(LegError::new(LegErrorKind::Stalled, worker, "worker stalled past timeouts.upstream_read_idle_ms")),
         }),
         _ = client_closed(session) => Next::ClientGone,

@@ -34,11 +34,13 @@ pub async fn run(gw: Arc<Gateway>) {
                     Some(true) => tracing::info!(worker = %w.url, model, "worker healthy again"),
                     Some(false) => {
                         w.idle.clear();
+                        w.probe_idle.clear();
                         tracing::warn!(worker = %w.url, model, "worker unhealthy; removed from routing")
                     }
                     None => {}
                 }
                 w.idle.sweep(idle);
+                w.probe_idle.sweep(idle);
                 gw.metrics.worker_healthy.with_label_values(&[model.as_str(), w.label.as_str()]).set(i64::from(w.is_healthy()));
             });
         }

@@ -1,14 +1,17 @@
 //! Talking HTTP/1.1 to workers: one exchange — connect (from a keep-alive pool when possible),
-//! send a request, read the response header — shared by the request path's legs and the
+//! send a request, read the response head — shared by the request path's legs and the
 //! background probes (health, worker metrics), plus the header rules for what crosses the
 //! gateway.
 //!
-//! Pingora's own proxy pipeline cannot forward a body over 64 KiB that was read before the
-//! upstream was chosen (docs/pingora.md, "Why a manual upstream leg"), so inference
-//! requests are sent by hand through here. Their keep-alive connections wait in each worker's
-//! own [`pool::IdlePool`]; the probes use Pingora's pool.
+//! The gateway writes its requests and reads the responses itself ([`response`]): Pingora's
+//! proxy pipeline cannot forward a body over 64 KiB that was read before the upstream was
+//! chosen (docs/pingora.md, "Why a manual upstream leg"), and its HTTP/1 client built header
+//! maps for every response. Connections wait in each worker's own keep-alive pools
+//! ([`pool::IdlePool`]): one for request legs, one for probes.
 
+pub mod chunked;
 pub mod pool;
+pub mod response;
 
 use crate::config::Config;
 use crate::error::{LegError, LegErrorKind};
@@ -17,13 +20,10 @@ use crate::gateway::Gateway;
 use bytes::{Bytes, BytesMut};
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::Stream;
-use pingora::protocols::http::client::HttpSession;
-use pingora::protocols::http::v1::client::HttpSession as Http1Session;
 use pingora::upstreams::peer::HttpPeer;
 use pool::IdlePool;
-use std::future::Future;
+use response::WorkerResponse;
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 /// Headers that describe one hop and are never forwarded (besides those a `Connection` header
@@ -51,26 +51,16 @@ fn forwarded(name: &[u8], connection: Option<&[u8]>) -> bool {
     !HOP_BY_HOP.iter().any(|h| h.as_bytes().eq_ignore_ascii_case(name)) && !connection.is_some_and(named)
 }
 
-/// An upstream connection whose response header has arrived.
+/// An upstream connection whose response head has arrived.
 pub struct Exchange {
-    /// The session (dropping it closes the connection; see [`release`]). Boxed: an
-    /// exchange moves through every phase of a request (docs/architecture.md, "Future sizes").
-    pub session: Box<HttpSession>,
-    /// The response status (the whole header stays in the session: copying it out costs two
-    /// header maps per request).
+    /// The response (dropping it closes the connection; see [`release`]).
+    pub response: WorkerResponse,
+    /// The response status.
     pub status: u16,
     /// When the request was sent (the start of the first-byte deadline).
     pub sent_at: Instant,
-    /// The keep-alive pool it returns to.
-    pub home: Home,
-}
-
-/// The keep-alive pool a connection returns to.
-pub enum Home {
-    /// A request leg's: its worker's own.
-    Worker(Arc<IdlePool>),
-    /// A probe's: Pingora's pool, keyed by the peer.
-    Probes(Box<HttpPeer>),
+    /// The keep-alive pool the connection returns to.
+    pub home: Arc<IdlePool>,
 }
 
 /// A worker request written out for the wire: its head (the client's headers minus hop-by-hop
@@ -139,18 +129,18 @@ fn line(w: &mut Vec<u8>, name: &[u8], value: &[u8]) {
 /// longer be its length. Built without a case map: names go out in their usual capitalisation
 /// (Pingora titles known ones).
 pub fn client_response_header(ex: &Exchange, request_id: &str, worker: &str, rewritten: bool) -> pingora::Result<ResponseHeader> {
-    let Some(up) = ex.session.response_header() else {
-        return pingora::Error::e_explain(pingora::ErrorType::InvalidHTTPHeader, "no response header");
-    };
-    let mut h = ResponseHeader::build_no_case(up.status, Some(up.headers.len() + 3))?;
-    let connection = up.headers.get("connection").map(|v| v.as_bytes());
-    for (name, value) in up.headers.iter() {
-        let n = name.as_str();
-        if (n == "content-length" && !rewritten) || forwarded(n.as_bytes(), connection) {
-            h.append_header(name.clone(), value.clone())?;
+    let up = &ex.response;
+    let mut h = ResponseHeader::build_no_case(up.status(), Some(up.headers().count() + 3))?;
+    let connection = up.header("connection");
+    let mut length = false;
+    for (name, value) in up.headers() {
+        let is_length = name.eq_ignore_ascii_case(b"content-length");
+        if (is_length && !rewritten && up.framed_by_length()) || forwarded(name, connection) {
+            length |= is_length;
+            h.append_header(up.head_slice(name), value)?;
         }
     }
-    if !h.headers.contains_key("content-length") {
+    if !length {
         h.insert_header("transfer-encoding", "chunked")?;
     }
     h.insert_header("x-request-id", request_id)?;
@@ -161,44 +151,58 @@ pub fn client_response_header(ex: &Exchange, request_id: &str, worker: &str, rew
 /// What an exchange sends; it also decides the pool the connection comes from.
 #[derive(Clone, Copy)]
 pub enum Outgoing<'a> {
-    /// A request leg's whole request ([`request_wire`]), over its worker's own [`IdlePool`].
+    /// A request leg's whole request ([`request_wire`]), over its worker's legs' pool.
     Leg(&'a [u8]),
-    /// A health or metrics probe's bodiless request, over the probes' pool (Pingora's
-    /// connector, which holds nothing else): a probe never rides on a connection a request
+    /// A health or metrics probe's bodiless `GET` ([`probe_wire`]), over its worker's probes'
+    /// pool (`reuse`) or a fresh connection: a probe never rides on a connection a request
     /// opened, or a worker that stopped accepting connections would still look healthy.
-    Probe(&'a RequestHeader),
+    Probe {
+        /// The request.
+        wire: &'a [u8],
+        /// Whether an idle connection may carry it.
+        reuse: bool,
+    },
 }
 
-/// Sends `out` to `worker` and reads the response header, waiting at
-/// most `header_timeout` after the request was sent. A pooled connection that fails before any
-/// response header was most likely closed by the worker while idle, so one fresh connection is
-/// tried before giving up (the request may then run twice if the worker had in fact taken it).
+impl Outgoing<'_> {
+    fn wire(&self) -> &[u8] {
+        match self {
+            Outgoing::Leg(w) | Outgoing::Probe { wire: w, .. } => w,
+        }
+    }
+
+    fn pool<'w>(&self, worker: &'w Worker) -> &'w Arc<IdlePool> {
+        match self {
+            Outgoing::Leg(_) => &worker.idle,
+            Outgoing::Probe { .. } => &worker.probe_idle,
+        }
+    }
+
+    fn reuses(&self) -> bool {
+        !matches!(self, Outgoing::Probe { reuse: false, .. })
+    }
+}
+
+/// Sends `out` to `worker` and reads the response head, waiting at most `header_timeout`
+/// after the request was sent. A pooled connection that fails before any response byte was
+/// most likely closed by the worker while idle, so one fresh connection is tried before giving
+/// up (the request may then run twice if the worker had in fact taken it).
 pub async fn exchange(gw: &Gateway, cfg: &Config, worker: &Worker, out: Outgoing<'_>, header_timeout: Option<Duration>) -> Result<Exchange, LegError> {
     let addr = worker.addr().await.map_err(|e| LegError::new(LegErrorKind::Resolve, &worker.url, e.to_string()).with_source(e))?;
     let mut peer = HttpPeer::new(addr, false, String::new());
     let connect_limit = Duration::from_millis(cfg.timeouts.connect_ms);
     peer.options.connection_timeout = Some(connect_limit);
     peer.options.total_connection_timeout = Some(connect_limit);
-    peer.options.idle_timeout = Some(Duration::from_millis(cfg.timeouts.upstream_idle_ms));
+    let idle = Duration::from_millis(cfg.timeouts.upstream_idle_ms);
+    let home = out.pool(worker);
     let mut fresh_try = 0;
     loop {
-        let (mut up, sent, reused) = match out {
-            Outgoing::Leg(wire) => {
-                let (stream, reused) = connect_leg(gw, worker, &peer, fresh_try > 0).await?;
-                let (up, sent) = send_leg(stream, &peer, wire).await;
-                (up, sent, reused)
-            }
-            Outgoing::Probe(header) => {
-                let (up, reused) = connect_probe(gw, worker, &peer).await?;
-                let (up, sent) = send_probe(up, header).await;
-                (up, sent, reused)
-            }
-        };
-        let failed = match sent {
-            Err(e) => LegError::new(LegErrorKind::Send, &worker.url, e.to_string()).with_source(*e),
-            Ok(_) => {
+        let (stream, reused) = connect(gw, worker, &peer, home, idle, fresh_try > 0 || !out.reuses()).await?;
+        let failed = match send(stream, out.wire()).await {
+            Err(e) => LegError::new(LegErrorKind::Send, &worker.url, e.to_string()).with_source(e),
+            Ok(stream) => {
                 let sent_at = Instant::now();
-                let read = up.read_response_header();
+                let read = WorkerResponse::read(stream, false);
                 let r = match header_timeout {
                     Some(limit) => match tokio::time::timeout(limit, read).await {
                         Ok(r) => r,
@@ -209,16 +213,9 @@ pub async fn exchange(gw: &Gateway, cfg: &Config, worker: &Worker, out: Outgoing
                     },
                     None => read.await,
                 };
-                match r.map(|()| up.response_header().map(|h| h.status.as_u16())) {
-                    Ok(Some(status)) => {
-                        let home = match out {
-                            Outgoing::Leg(_) => Home::Worker(worker.idle.clone()),
-                            Outgoing::Probe(_) => Home::Probes(Box::new(peer)),
-                        };
-                        return Ok(Exchange { session: up, status, sent_at, home });
-                    }
-                    Ok(None) => LegError::new(LegErrorKind::Response, &worker.url, "no response header"),
-                    Err(e) => LegError::new(LegErrorKind::Response, &worker.url, e.to_string()).with_source(*e),
+                match r {
+                    Ok(response) => return Ok(Exchange { status: response.status(), response, sent_at, home: home.clone() }),
+                    Err(e) => LegError::new(LegErrorKind::Response, &worker.url, e.to_string()).with_source(e),
                 }
             }
         };
@@ -229,54 +226,45 @@ pub async fn exchange(gw: &Gateway, cfg: &Config, worker: &Worker, out: Outgoing
     }
 }
 
-/// A connect error as a leg error.
-fn connect_failed(worker: &Worker, e: Box<pingora::Error>) -> LegError {
-    LegError::new(LegErrorKind::Connect, &worker.url, e.to_string()).with_source(*e)
-}
-
-/// A request leg's connection to `worker`: an idle one from its pool unless `fresh`, else a new
-/// one. Returns whether it was reused.
-async fn connect_leg(gw: &Gateway, worker: &Worker, peer: &HttpPeer, fresh: bool) -> Result<(Stream, bool), LegError> {
-    let idle = peer.options.idle_timeout.unwrap_or_default();
-    match if fresh { None } else { worker.idle.take(idle) } {
+/// A connection to `worker`: an idle one from `pool` unless `fresh`, else a new one. Returns
+/// whether it was reused.
+async fn connect(gw: &Gateway, worker: &Worker, peer: &HttpPeer, pool: &IdlePool, idle: Duration, fresh: bool) -> Result<(Stream, bool), LegError> {
+    match if fresh { None } else { pool.take(idle) } {
         Some(s) => Ok((s, true)),
         // Boxed: with keep-alive a new connection is rare, and its future is large
         // (docs/architecture.md, "Future sizes").
-        None => Ok((Box::pin(gw.transport.new_stream(peer)).await.map_err(|e| connect_failed(worker, e))?, false)),
+        None => Ok((
+            Box::pin(gw.transport.new_stream(peer)).await.map_err(|e| LegError::new(LegErrorKind::Connect, &worker.url, e.to_string()).with_source(*e))?,
+            false,
+        )),
     }
 }
 
-/// A probe's connection, from the probes' pool. Boxed: Pingora's connect future is large, and
-/// inline it would grow every request's future.
-async fn connect_probe(gw: &Gateway, worker: &Worker, peer: &HttpPeer) -> Result<(Box<HttpSession>, bool), LegError> {
-    Box::pin(gw.connector.get_http_session(peer)).await.map(|(s, reused)| (Box::new(s), reused)).map_err(|e| connect_failed(worker, e))
-}
-
-/// Sends a request leg in one write (header and body together): Pingora's HTTP/1 client
-/// flushes the header on its own, which costs a second `send` per request, and on loopback a
-/// send carries the receiver's network processing too. The session that reads the response is
-/// then made over the same connection; it never sees the request, which is why legs are always
-/// `POST`s with a body (no HEAD framing, no `Connection: close` of their own).
-async fn send_leg(mut stream: Stream, peer: &HttpPeer, wire: &[u8]) -> (Box<HttpSession>, pingora::Result<()>) {
+/// Sends a request in one write (head and body together): a second send per request would
+/// carry the receiver's network processing again on loopback.
+async fn send(mut stream: Stream, wire: &[u8]) -> std::io::Result<Stream> {
     use tokio::io::AsyncWriteExt;
-    let written = match stream.write_all(wire).await {
-        Ok(()) => stream.flush().await,
-        Err(e) => Err(e),
-    };
-    let session = Box::new(HttpSession::H1(Http1Session::new_with_options(stream, peer)));
-    (session, written.map_err(|e| pingora::Error::because(pingora::ErrorType::WriteError, "writing the request", e)))
+    stream.write_all(wire).await?;
+    stream.flush().await?;
+    Ok(stream)
 }
 
-/// Sends a probe's bodiless request through Pingora's HTTP/1 client. Boxed as in
-/// [`connect_probe`].
-async fn send_probe(mut up: Box<HttpSession>, header: &RequestHeader) -> (Box<HttpSession>, pingora::Result<()>) {
-    let sent = Box::pin(async {
-        up.write_request_header(Box::new(header.clone())).await?;
-        up.finish_request_body().await
-    })
-    .await
-    .map(|_| ());
-    (up, sent)
+/// A probe's `GET path` for the wire; `keep_alive: false` asks the worker to close after it.
+pub fn probe_wire(worker: &Worker, path: &str, keep_alive: bool) -> Result<Vec<u8>, BadHeader> {
+    if path.is_empty() || path.bytes().any(|c| c == b' ' || forbidden(c)) {
+        return Err(BadHeader("the request path"));
+    }
+    let mut w = Vec::with_capacity(96 + path.len());
+    w.extend_from_slice(b"GET ");
+    w.extend_from_slice(path.as_bytes());
+    w.extend_from_slice(b" HTTP/1.1\r\n");
+    line(&mut w, b"Host", worker.host_header.as_bytes());
+    line(&mut w, b"User-Agent", b"kvgate");
+    if !keep_alive {
+        line(&mut w, b"Connection", b"close");
+    }
+    w.extend_from_slice(b"\r\n");
+    Ok(w)
 }
 
 /// Why a probe got no usable answer.
@@ -296,59 +284,37 @@ pub enum ProbeError {
     Body(String),
 }
 
-/// `GET path` on `worker` within `timeout`, over the probes' pool: the status and up to
+/// `GET path` on `worker` within `timeout`, over its probes' pool: the status and up to
 /// `max_body` bytes of body. `keep_alive: false` asks for a fresh connection every time
 /// (`Connection: close`); otherwise the connection goes back to the probes' pool when the body
 /// was read whole.
 pub async fn get(gw: &Gateway, worker: &Worker, path: &str, timeout: Duration, max_body: usize, keep_alive: bool) -> Result<(u16, Bytes), ProbeError> {
     let attempt = async {
-        let bad = |e: Box<pingora::Error>| ProbeError::Exchange(LegError::new(LegErrorKind::Send, &worker.url, e.to_string()));
-        let mut h = RequestHeader::build("GET", path.as_bytes(), Some(3)).map_err(bad)?;
-        h.insert_header("host", worker.host_header.as_str()).map_err(bad)?;
-        h.insert_header("user-agent", "kvgate").map_err(bad)?;
-        if !keep_alive {
-            h.insert_header("connection", "close").map_err(bad)?;
-        }
+        let wire = probe_wire(worker, path, keep_alive).map_err(|e| ProbeError::Exchange(LegError::new(LegErrorKind::Send, &worker.url, e.to_string())))?;
         let cfg = gw.config();
-        let mut ex = exchange(gw, &cfg, worker, Outgoing::Probe(&h), None).await?;
-        let status = ex.status;
+        let mut ex = exchange(gw, &cfg, worker, Outgoing::Probe { wire: &wire, reuse: keep_alive }, None).await?;
         let mut body = BytesMut::new();
         loop {
-            match ex.session.read_response_body().await {
+            match ex.response.read_body().await {
                 Ok(Some(chunk)) if body.len() + chunk.len() <= max_body => body.extend_from_slice(&chunk),
                 Ok(Some(_)) => return Err(ProbeError::TooLarge(max_body)),
                 Ok(None) => break,
                 Err(e) => return Err(ProbeError::Body(e.to_string())),
             }
         }
-        if keep_alive {
-            release_probe(gw, ex, Duration::from_millis(cfg.timeouts.upstream_idle_ms)).await;
-        }
+        let status = ex.status;
+        release(ex);
         Ok((status, body.freeze()))
     };
     tokio::time::timeout(timeout, attempt).await.unwrap_or(Err(ProbeError::Timeout(timeout)))
 }
 
-/// Returns a request leg's finished connection to its worker's keep-alive pool; one the worker
-/// asked to close, or whose body was not read whole, is closed instead. Synchronous: on the
-/// request path an `async` release would carry Pingora's shutdown future inside every
-/// request's future (docs/architecture.md, "Future sizes").
+/// Returns a finished connection to the keep-alive pool it came from; one the worker asked to
+/// close, or whose body was not read whole, is closed instead. Synchronous, so that it costs
+/// a request's future nothing (docs/architecture.md, "Future sizes").
 pub fn release(ex: Exchange) {
-    let (Home::Worker(home), HttpSession::H1(mut h1)) = (ex.home, *ex.session) else { return };
-    h1.respect_keepalive();
-    // `reuse` is ready at once when the connection may be kept; otherwise it would shut the
-    // connection down, which dropping it does as well (plain TCP).
-    let mut reuse = std::pin::pin!(h1.reuse());
-    if let Poll::Ready(Some(stream)) = reuse.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
-        home.put(stream);
-    }
-}
-
-/// Returns a probe's finished connection to Pingora's pool (the probes' own), idle for at most
-/// `idle`.
-async fn release_probe(gw: &Gateway, ex: Exchange, idle: Duration) {
-    if let Home::Probes(peer) = ex.home {
-        gw.connector.release_http_session(*ex.session, &*peer, Some(idle)).await
+    if let Some(stream) = ex.response.into_reusable() {
+        ex.home.put(stream);
     }
 }
 

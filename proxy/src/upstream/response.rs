@@ -1,0 +1,395 @@
+//! A worker's HTTP/1.1 response, read straight off its connection: the head parsed once
+//! (`httparse`, no header maps), the body handed on as its bytes arrive, framed by
+//! `Content-Length`, chunked coding ([`super::chunked`]) or the connection's close
+//! (RFC 9112 §6.3). Pingora's HTTP/1 client built two header maps per response and kept its
+//! own read state around them; this is the part of a request's CPU that was its engine's, not
+//! the gateway's (benches/RESULTS.md, "The floor of a tokio proxy").
+//!
+//! Every read is cancel-safe: the only await is one read into the buffer, and decoding happens
+//! after it, so a read dropped by a `select!` or polled once and abandoned loses no byte.
+
+use super::chunked::{ChunkError, Chunked};
+use bytes::{Bytes, BytesMut};
+use pingora::protocols::Stream;
+use tokio::io::AsyncReadExt;
+
+/// Largest response head accepted (status line and headers).
+pub const MAX_HEAD: usize = 64 * 1024;
+/// Most headers a response head may carry.
+const MAX_HEADERS: usize = 256;
+/// Header slots parsed into on the stack first: a worker's answer carries a handful, and every
+/// slot is initialised per parse.
+const FEW_HEADERS: usize = 16;
+/// Room made in the buffer before each read.
+const READ_SIZE: usize = 16 * 1024;
+
+/// Why a worker's response could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ResponseError {
+    /// Reading the connection failed.
+    #[error("reading the response: {0}")]
+    Io(#[from] std::io::Error),
+    /// The worker closed the connection before the response was complete.
+    #[error("the worker closed the connection {0}")]
+    Closed(&'static str),
+    /// The head is not valid HTTP/1.x.
+    #[error("malformed response head: {0}")]
+    Head(String),
+    /// The head is over [`MAX_HEAD`] bytes or [`MAX_HEADERS`] headers.
+    #[error("response head over {MAX_HEAD} bytes or {MAX_HEADERS} headers")]
+    HeadTooLarge,
+    /// The chunked body is malformed.
+    #[error("chunked body: {0}")]
+    Chunked(#[from] ChunkError),
+}
+
+/// How the rest of the body is framed.
+#[derive(Debug)]
+enum Body {
+    /// This many bytes are still to come.
+    Length(u64),
+    /// Chunked coding.
+    Chunked(Chunked),
+    /// Until the worker closes the connection.
+    UntilClose,
+    /// Nothing more.
+    Done,
+}
+
+/// A response whose head has arrived, and its connection.
+#[derive(Debug)]
+pub struct WorkerResponse {
+    stream: Stream,
+    /// Bytes read and not yet handed on.
+    buf: BytesMut,
+    /// The head as it came (status line and headers).
+    head: Bytes,
+    /// Each header's name and value as offsets into `head`.
+    headers: Vec<[u32; 4]>,
+    status: u16,
+    body: Body,
+    /// The body is framed by `Content-Length`.
+    by_length: bool,
+    /// Whether the connection may carry another request once the body is read.
+    keep_alive: bool,
+}
+
+impl WorkerResponse {
+    /// Reads the head of the response to the request just sent on `stream` (`head_request`:
+    /// it was a `HEAD`, so no body follows). Interim `1xx` answers are skipped.
+    pub async fn read(mut stream: Stream, head_request: bool) -> Result<Self, ResponseError> {
+        let mut buf = BytesMut::with_capacity(READ_SIZE);
+        loop {
+            if let Some(parsed) = parse_head(&mut buf, head_request)? {
+                if (100..200).contains(&parsed.status) && parsed.status != 101 {
+                    continue;
+                }
+                let Parsed { head, headers, status, body, by_length, keep_alive } = parsed;
+                return Ok(Self { stream, buf, head, headers, status, body, by_length, keep_alive });
+            }
+            if buf.len() >= MAX_HEAD {
+                return Err(ResponseError::HeadTooLarge);
+            }
+            buf.reserve(READ_SIZE);
+            if stream.read_buf(&mut buf).await? == 0 {
+                return Err(ResponseError::Closed("before the response head"));
+            }
+        }
+    }
+
+    /// The status code.
+    pub fn status(&self) -> u16 {
+        self.status
+    }
+
+    /// The headers as they came: names (ASCII, any case) and values.
+    pub fn headers(&self) -> impl Iterator<Item = (&[u8], &[u8])> + '_ {
+        self.headers.iter().map(|&[ns, ne, vs, ve]| (&self.head[ns as usize..ne as usize], &self.head[vs as usize..ve as usize]))
+    }
+
+    /// `part` (a slice of [`Self::headers`]) as shared bytes, without a copy.
+    pub fn head_slice(&self, part: &[u8]) -> Bytes {
+        self.head.slice_ref(part)
+    }
+
+    /// The first value of header `name` (any case).
+    pub fn header(&self, name: &str) -> Option<&[u8]> {
+        self.headers().find(|(n, _)| n.eq_ignore_ascii_case(name.as_bytes())).map(|(_, v)| v)
+    }
+
+    /// Whether the body is framed by its `Content-Length` (not by chunked coding, nor the
+    /// connection's close, nor absent because of the status).
+    pub fn framed_by_length(&self) -> bool {
+        self.by_length
+    }
+
+    /// Whether the whole body has been handed on.
+    pub fn is_done(&self) -> bool {
+        matches!(self.body, Body::Done)
+    }
+
+    /// The next run of body bytes, as soon as any have arrived; `None` once the body is
+    /// complete.
+    pub async fn read_body(&mut self) -> Result<Option<Bytes>, ResponseError> {
+        loop {
+            if let Some(data) = self.buffered()? {
+                return Ok(Some(data));
+            }
+            if self.is_done() {
+                return Ok(None);
+            }
+            self.buf.reserve(READ_SIZE);
+            if self.stream.read_buf(&mut self.buf).await? == 0 {
+                return match self.body {
+                    Body::UntilClose => {
+                        self.body = Body::Done;
+                        Ok(None)
+                    }
+                    _ => Err(ResponseError::Closed("before the end of the body")),
+                };
+            }
+        }
+    }
+
+    /// Body bytes already read, framing removed.
+    fn buffered(&mut self) -> Result<Option<Bytes>, ResponseError> {
+        let data = match &mut self.body {
+            Body::Length(left) => {
+                let n = (self.buf.len() as u64).min(*left) as usize;
+                *left -= n as u64;
+                let data = (n > 0).then(|| self.buf.split_to(n).freeze());
+                if *left == 0 {
+                    self.body = Body::Done;
+                }
+                data
+            }
+            Body::Chunked(c) => {
+                let data = c.next(&mut self.buf)?;
+                if c.is_done() {
+                    self.body = Body::Done;
+                }
+                data
+            }
+            Body::UntilClose => (!self.buf.is_empty()).then(|| self.buf.split().freeze()),
+            Body::Done => None,
+        };
+        Ok(data)
+    }
+
+    /// The connection, when it can carry another request: the body was read whole, the worker
+    /// did not ask to close, and it sent nothing past the response.
+    pub fn into_reusable(self) -> Option<Stream> {
+        (self.is_done() && self.keep_alive && self.buf.is_empty()).then_some(self.stream)
+    }
+}
+
+/// A parsed response head.
+struct Parsed {
+    head: Bytes,
+    headers: Vec<[u32; 4]>,
+    status: u16,
+    body: Body,
+    by_length: bool,
+    keep_alive: bool,
+}
+
+/// Parses the head at the front of `buf` and takes it off; `None` while it is incomplete.
+fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Parsed>, ResponseError> {
+    let mut few = [httparse::EMPTY_HEADER; FEW_HEADERS];
+    let parsed = match parse_into(buf, &mut few, head_request) {
+        Err(ResponseError::HeadTooLarge) => parse_into(buf, &mut vec![httparse::EMPTY_HEADER; MAX_HEADERS], head_request),
+        parsed => parsed,
+    };
+    Ok(parsed?.map(|(len, p)| Parsed { head: buf.split_to(len).freeze(), ..p }))
+}
+
+/// [`parse_head`] with `slots` for the headers, leaving the head in `buf` (`head` is empty):
+/// its length and what it says. [`ResponseError::HeadTooLarge`] when the slots are too few.
+fn parse_into<'b>(buf: &'b [u8], slots: &mut [httparse::Header<'b>], head_request: bool) -> Result<Option<(usize, Parsed)>, ResponseError> {
+    let mut r = httparse::Response::new(slots);
+    let len = match r.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(httparse::Error::TooManyHeaders) => return Err(ResponseError::HeadTooLarge),
+        Err(e) => return Err(ResponseError::Head(e.to_string())),
+    };
+    let status = r.code.unwrap_or(0);
+    let base = buf.as_ptr() as usize;
+    let at = |s: &[u8]| (s.as_ptr() as usize - base) as u32;
+    let headers: Vec<[u32; 4]> = r
+        .headers
+        .iter()
+        .map(|h| [at(h.name.as_bytes()), at(h.name.as_bytes()) + h.name.len() as u32, at(h.value), at(h.value) + h.value.len() as u32])
+        .collect();
+    let (framing, by_length, close) = framing(r.headers, status, head_request)?;
+    let http10 = r.version == Some(0);
+    let keep_alive = !close && if http10 { connection_has(r.headers, b"keep-alive") } else { !connection_has(r.headers, b"close") };
+    let keep_alive = keep_alive && !matches!(framing, Body::UntilClose) && status != 101;
+    Ok(Some((len, Parsed { head: Bytes::new(), headers, status, body: framing, by_length, keep_alive })))
+}
+
+/// How the body is framed (RFC 9112 §6.3), whether by its `Content-Length`, and whether the
+/// connection must close after it (a message framed two ways is read by its transfer coding,
+/// and never trusted for reuse).
+fn framing(headers: &[httparse::Header<'_>], status: u16, head_request: bool) -> Result<(Body, bool, bool), ResponseError> {
+    if head_request || (100..200).contains(&status) || status == 204 || status == 304 {
+        return Ok((Body::Done, false, false));
+    }
+    let mut length: Option<u64> = None;
+    let mut coding: Option<&[u8]> = None;
+    for h in headers {
+        if h.name.eq_ignore_ascii_case("transfer-encoding") {
+            coding = Some(h.value);
+        } else if h.name.eq_ignore_ascii_case("content-length") {
+            let n = std::str::from_utf8(h.value).ok().map(str::trim).filter(|v| v.bytes().all(|b| b.is_ascii_digit())).and_then(|v| v.parse::<u64>().ok());
+            match (n, length) {
+                (None, _) => return Err(ResponseError::Head("invalid Content-Length".into())),
+                (Some(n), Some(before)) if n != before => return Err(ResponseError::Head("conflicting Content-Length headers".into())),
+                (Some(n), _) => length = Some(n),
+            }
+        }
+    }
+    Ok(match (coding, length) {
+        (Some(c), _) => {
+            let chunked = c.rsplit(|&b| b == b',').next().is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+            (if chunked { Body::Chunked(Chunked::default()) } else { Body::UntilClose }, false, length.is_some())
+        }
+        (None, Some(0)) => (Body::Done, true, false),
+        (None, Some(n)) => (Body::Length(n), true, false),
+        (None, None) => (Body::UntilClose, false, false),
+    })
+}
+
+/// Whether a `Connection` header lists `token`.
+fn connection_has(headers: &[httparse::Header<'_>], token: &[u8]) -> bool {
+    headers
+        .iter()
+        .filter(|h| h.name.eq_ignore_ascii_case("connection"))
+        .any(|h| h.value.split(|&b| b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(token)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    /// A response read from `wire`, written in pieces of `step` bytes by a peer that then
+    /// keeps the connection open (`close`: closes it).
+    async fn respond(wire: &'static [u8], step: usize, close: bool) -> Result<(u16, Vec<u8>, bool), ResponseError> {
+        let (ours, mut theirs) = tokio::io::duplex(64);
+        tokio::spawn(async move {
+            for piece in wire.chunks(step) {
+                if theirs.write_all(piece).await.is_err() {
+                    return;
+                }
+            }
+            if !close {
+                std::future::pending::<()>().await;
+            }
+        });
+        let mut r = WorkerResponse::read(Box::new(ours), false).await?;
+        let mut body = Vec::new();
+        while let Some(b) = r.read_body().await? {
+            body.extend_from_slice(&b);
+        }
+        let status = r.status();
+        Ok((status, body, r.into_reusable().is_some()))
+    }
+
+    #[tokio::test]
+    async fn a_length_framed_body_is_read_whole_and_the_connection_kept() {
+        let wire = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nContent-Length: 11\r\n\r\n{\"ok\":true}";
+        for step in [1, 7, 4096] {
+            assert_eq!(respond(wire, step, false).await.unwrap(), (200, b"{\"ok\":true}".to_vec(), true), "step {step}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_chunked_body_is_decoded_and_the_connection_kept() {
+        let wire = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n6\r\ndata: \r\n2\r\nx\n\r\n0\r\n\r\n";
+        for step in [1, 5, 4096] {
+            assert_eq!(respond(wire, step, false).await.unwrap(), (200, b"data: x\n".to_vec(), true), "step {step}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_body_without_length_runs_to_the_close_and_the_connection_is_not_kept() {
+        assert_eq!(respond(b"HTTP/1.1 200 OK\r\n\r\nall of it", 3, true).await.unwrap(), (200, b"all of it".to_vec(), false));
+    }
+
+    #[tokio::test]
+    async fn the_worker_asking_to_close_is_respected() {
+        let (_, _, kept) = respond(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok", 64, false).await.unwrap();
+        assert!(!kept);
+        let (_, _, kept) = respond(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok", 64, false).await.unwrap();
+        assert!(!kept, "HTTP/1.0 closes unless asked not to");
+        let (_, _, kept) = respond(b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok", 64, false).await.unwrap();
+        assert!(kept);
+    }
+
+    #[tokio::test]
+    async fn interim_answers_are_skipped_and_bodiless_statuses_end_at_once() {
+        assert_eq!(
+            respond(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nx", 64, false).await.unwrap(),
+            (200, b"x".to_vec(), true)
+        );
+        assert_eq!(respond(b"HTTP/1.1 204 No Content\r\n\r\n", 64, false).await.unwrap(), (204, vec![], true));
+    }
+
+    #[tokio::test]
+    async fn a_body_cut_short_is_an_error_not_a_short_answer() {
+        assert!(matches!(respond(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", 64, true).await, Err(ResponseError::Closed(_))));
+        assert!(matches!(respond(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab", 64, true).await, Err(ResponseError::Closed(_))));
+        assert!(matches!(respond(b"HTTP/1.1 200 O", 64, true).await, Err(ResponseError::Closed(_))));
+    }
+
+    #[tokio::test]
+    async fn malformed_or_ambiguous_heads_are_refused_or_not_reused() {
+        assert!(matches!(respond(b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n", 64, true).await, Err(ResponseError::Head(_))));
+        assert!(matches!(respond(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 64, true).await, Err(ResponseError::Head(_))));
+        assert!(matches!(respond(b"HTTP/1.1 200 OK\r\nContent-Length: +1\r\n\r\n", 64, true).await, Err(ResponseError::Head(_))));
+        assert!(matches!(respond(b"NOT HTTP\r\n\r\n", 64, true).await, Err(ResponseError::Head(_))));
+        // Framed two ways: read as chunked, never reused.
+        let both = b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nz\r\n0\r\n\r\n";
+        assert_eq!(respond(both, 64, false).await.unwrap(), (200, b"z".to_vec(), false));
+    }
+
+    #[tokio::test]
+    async fn headers_are_kept_as_they_came() {
+        let (ours, mut theirs) = tokio::io::duplex(4096);
+        theirs.write_all(b"HTTP/1.1 200 OK\r\nX-Request-Id: r1\r\ncontent-type: text/event-stream\r\nContent-Length: 0\r\n\r\n").await.unwrap();
+        let r = WorkerResponse::read(Box::new(ours), false).await.unwrap();
+        let names: Vec<&[u8]> = r.headers().map(|(n, _)| n).collect();
+        assert_eq!(names, [&b"X-Request-Id"[..], b"content-type", b"Content-Length"]);
+        assert_eq!(r.header("x-request-id"), Some(&b"r1"[..]));
+        assert!(r.is_done());
+    }
+
+    #[tokio::test]
+    async fn a_head_with_many_headers_is_read_and_one_with_too_many_refused() {
+        let head = |n: usize| {
+            let mut h = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n".to_vec();
+            (0..n).for_each(|i| h.extend_from_slice(format!("X-H{i}: v\r\n").as_bytes()));
+            h.extend_from_slice(b"\r\n");
+            h
+        };
+        let (ours, mut theirs) = tokio::io::duplex(1 << 16);
+        theirs.write_all(&head(100)).await.unwrap();
+        let r = WorkerResponse::read(Box::new(ours), false).await.unwrap();
+        assert_eq!((r.headers().count(), r.header("x-h99")), (101, Some(&b"v"[..])));
+        let (ours, mut theirs) = tokio::io::duplex(1 << 16);
+        theirs.write_all(&head(MAX_HEADERS)).await.unwrap();
+        assert!(matches!(WorkerResponse::read(Box::new(ours), false).await, Err(ResponseError::HeadTooLarge)));
+    }
+
+    #[tokio::test]
+    async fn a_head_that_never_ends_is_refused_once_over_its_cap() {
+        let (ours, mut theirs) = tokio::io::duplex(1 << 16);
+        tokio::spawn(async move {
+            let _ = theirs.write_all(b"HTTP/1.1 200 OK\r\n").await;
+            let line = b"X-Filler: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n";
+            while theirs.write_all(line).await.is_ok() {}
+        });
+        assert!(matches!(WorkerResponse::read(Box::new(ours), false).await, Err(ResponseError::HeadTooLarge)));
+    }
+}
