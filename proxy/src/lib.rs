@@ -10,10 +10,12 @@
 //! - [`inflight`]: the registry of requests in flight, with their route receipts;
 //! - [`move_order`]: orders to move a request to another worker, and their answers;
 //! - [`upstream`]: HTTP exchanges with workers over the keep-alive pools;
+//! - [`h1`]: HTTP/1.1 wire pieces both sides share (chunked coding);
 //! - [`error`]: typed leg errors and the gateway's error answers;
 //! - [`kv_routing`]: per-model KV routing state (tokenizer, index, cost);
 //! - [`receipt`]: route receipts, why each request went where it went;
-//! - [`downstream`]: the client side (bodies, answers, disconnects, client-facing errors);
+//! - [`downstream`]: the client side (its HTTP/1.1 connection, bodies, answers, disconnects,
+//!   client-facing errors);
 //! - [`sse`]: reading a worker's Server-Sent Events stream;
 //! - [`http`]: the Pingora services (public API, admin);
 //! - [`tasks`]: background work under one supervisor;
@@ -28,6 +30,7 @@ pub(crate) mod downstream;
 pub(crate) mod error;
 pub(crate) mod fleet;
 pub mod gateway;
+pub(crate) mod h1;
 pub mod http;
 pub(crate) mod inflight;
 pub(crate) mod kv_routing;

@@ -61,6 +61,16 @@ impl ClientError {
         Self::new(504, "migration_error", format!("the move did not finish within {secs} s"), None)
     }
 
+    /// 431: the request head is over the gateway's limits.
+    pub fn header_too_large() -> Self {
+        Self::new(
+            431,
+            "invalid_request_error",
+            format!("The request head is over {} bytes or {} headers.", crate::downstream::conn::MAX_HEAD, crate::downstream::conn::MAX_HEADERS),
+            None,
+        )
+    }
+
     /// 405.
     pub fn method_not_allowed(method: &str, path: &str) -> Self {
         Self::new(405, "invalid_request_error", format!("Method {method} is not allowed on {path}"), None)

@@ -1,10 +1,9 @@
-//! Small pieces of HTTP plumbing on Pingora sessions: reading a body with a cap and a
+//! Small pieces of HTTP plumbing on the client's connection: reading a body with a cap and a
 //! deadline, and writing a complete local response.
 
+use super::conn::{ClientConn, ResponseHead};
 use super::errors::ClientError;
 use bytes::{Bytes, BytesMut};
-use pingora::http::ResponseHeader;
-use pingora::protocols::http::ServerSession;
 use std::time::Duration;
 
 /// Why a request body could not be read.
@@ -30,22 +29,21 @@ impl BodyError {
 }
 
 /// Reads the whole request body, refusing more than `limit` bytes or a body slower than
-/// `deadline`. Pingora enforces neither.
-pub async fn read_body(session: &mut ServerSession, limit: u64, deadline: Duration) -> Result<Bytes, BodyError> {
-    if let Some(len) = session.req_header().headers.get("content-length").and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+/// `deadline`.
+pub async fn read_body(session: &mut ClientConn, limit: u64, deadline: Duration) -> Result<Bytes, BodyError> {
+    if let Some(len) = session.req().header_str("content-length").and_then(|v| v.trim().parse::<u64>().ok())
         && len > limit
     {
         return Err(BodyError::TooLarge(limit));
     }
     // Clients that ask first (`Expect: 100-continue`, e.g. curl for large bodies) get the go-ahead.
-    let expects = session.req_header().headers.get("expect").and_then(|v| v.to_str().ok()).is_some_and(|v| v.eq_ignore_ascii_case("100-continue"));
-    if expects && session.write_continue_response().await.is_err() {
+    if session.expects_continue() && session.write_continue().await.is_err() {
         return Err(BodyError::Gone);
     }
     let read = async {
         let mut buf = BytesMut::new();
         loop {
-            match session.read_request_body().await {
+            match session.read_body().await {
                 Ok(Some(chunk)) => {
                     if buf.len() as u64 + chunk.len() as u64 > limit {
                         return Err(BodyError::TooLarge(limit));
@@ -61,20 +59,21 @@ pub async fn read_body(session: &mut ServerSession, limit: u64, deadline: Durati
 }
 
 /// Writes a complete response with a body. Errors mean the client is gone; they are ignored.
-pub async fn respond(session: &mut ServerSession, status: u16, content_type: &str, body: Bytes, extra: &[(&str, String)]) {
-    let Ok(mut h) = ResponseHeader::build(status, Some(4 + extra.len())) else { return };
-    let _ = h.insert_header("content-type", content_type);
-    let _ = h.insert_header("content-length", body.len().to_string());
+/// An `extra` header that would split the head is left out.
+pub async fn respond(session: &mut ClientConn, status: u16, content_type: &str, body: Bytes, extra: &[(&str, String)]) {
+    let mut h = ResponseHead::new(status);
+    let _ = h.header(b"Content-Type", content_type.as_bytes());
     for (k, v) in extra {
-        let _ = h.insert_header(k.to_string(), v.as_str());
+        let _ = h.header(k.as_bytes(), v.as_bytes());
     }
-    if session.write_response_header(Box::new(h)).await.is_ok() {
-        let _ = session.write_response_body(body, true).await;
+    h.length(body.len() as u64);
+    if session.write_head(&h).await.is_ok() {
+        let _ = session.write_body(body, true).await;
     }
 }
 
 /// Sends an OpenAI-shaped error.
-pub async fn respond_error(session: &mut ServerSession, e: &ClientError, extra: &[(&str, String)]) {
+pub async fn respond_error(session: &mut ClientConn, e: &ClientError, extra: &[(&str, String)]) {
     match e.retry_after {
         Some(s) => {
             let mut all = extra.to_vec();
@@ -86,6 +85,6 @@ pub async fn respond_error(session: &mut ServerSession, e: &ClientError, extra: 
 }
 
 /// Sends JSON.
-pub async fn respond_json(session: &mut ServerSession, status: u16, v: &serde_json::Value) {
+pub async fn respond_json(session: &mut ClientConn, status: u16, v: &serde_json::Value) {
     respond(session, status, "application/json", Bytes::from(v.to_string()), &[]).await;
 }

@@ -1,7 +1,8 @@
-//! The client side of a request (Pingora's "downstream"), shared by the request phases and the
-//! local and admin answers: reading a body with a cap and a deadline, writing complete answers,
-//! watching for a client that left, and the client-facing errors.
+//! The client side of a request ("downstream"), shared by the request phases and the local and
+//! admin answers: the client's HTTP/1.1 connection, reading a body with a cap and a deadline,
+//! writing complete answers, watching for a client that left, and the client-facing errors.
 
 pub mod closed;
+pub mod conn;
 pub mod errors;
 pub mod io;

@@ -8,15 +8,15 @@
 //! plugin file now; a module that does not load is refused and the old one keeps serving).
 
 use super::local;
+use crate::downstream::conn::ClientConn;
 use crate::downstream::errors::ClientError;
 use crate::downstream::io::{respond_error, respond_json};
 use crate::gateway::Gateway;
-use pingora::protocols::http::ServerSession;
 use serde_json::json;
 use std::sync::Arc;
 
 /// Dispatches an admin request.
-pub async fn serve(gw: &Arc<Gateway>, session: &mut ServerSession, method: &str, path: &str) {
+pub async fn serve(gw: &Arc<Gateway>, session: &mut ClientConn, method: &str, path: &str) {
     match (method, path) {
         ("GET", "/metrics") => local::metrics(gw, session).await,
         ("GET", "/health") => local::health(gw, session).await,
@@ -41,7 +41,7 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut ServerSession, method: &str,
     }
 }
 
-async fn workers(gw: &Arc<Gateway>, session: &mut ServerSession) {
+async fn workers(gw: &Arc<Gateway>, session: &mut ClientConn) {
     let fleet = gw.fleet();
     let models: Vec<_> = fleet
         .order
@@ -68,21 +68,21 @@ async fn workers(gw: &Arc<Gateway>, session: &mut ServerSession) {
 }
 
 /// `{"in_flight": n, "requests": [...]}`, oldest first.
-async fn requests(gw: &Arc<Gateway>, session: &mut ServerSession) {
+async fn requests(gw: &Arc<Gateway>, session: &mut ClientConn) {
     let list: Vec<_> = gw.requests.snapshot().iter().map(|e| e.to_json(false)).collect();
     respond_json(session, 200, &json!({"in_flight": list.len(), "requests": list})).await;
 }
 
 /// One request with its route receipt; 404 when it is neither in flight nor kept as finished.
-async fn request(gw: &Arc<Gateway>, session: &mut ServerSession, id: &str) {
+async fn request(gw: &Arc<Gateway>, session: &mut ClientConn, id: &str) {
     match gw.requests.find(id) {
         Some(e) => respond_json(session, 200, &e.to_json(true)).await,
         None => respond_error(session, &ClientError::unknown_request(id), &[]).await,
     }
 }
 
-async fn reload(gw: &Arc<Gateway>, session: &mut ServerSession) {
-    let _ = session.drain_request_body().await;
+async fn reload(gw: &Arc<Gateway>, session: &mut ClientConn) {
+    let _ = session.drain_body().await;
     // Reloading may compile plugins and load tokenizers: not on an async worker.
     let gw2 = gw.clone();
     let result = tokio::task::spawn_blocking(move || gw2.reload())
@@ -97,7 +97,7 @@ async fn reload(gw: &Arc<Gateway>, session: &mut ServerSession) {
     }
 }
 
-async fn list_plugins(gw: &Arc<Gateway>, session: &mut ServerSession) {
+async fn list_plugins(gw: &Arc<Gateway>, session: &mut ClientConn) {
     let list: Vec<_> = gw
         .plugins
         .slots()
@@ -109,8 +109,8 @@ async fn list_plugins(gw: &Arc<Gateway>, session: &mut ServerSession) {
 
 /// `{"plugins": [{"name", "status": "reloaded" | "unchanged" | "rejected", "sha256" | "error"}]}`;
 /// 200 when every plugin is serving its file, 422 when one was rejected.
-async fn reload_plugins(gw: &Arc<Gateway>, session: &mut ServerSession) {
-    let _ = session.drain_request_body().await;
+async fn reload_plugins(gw: &Arc<Gateway>, session: &mut ClientConn) {
+    let _ = session.drain_body().await;
     let gw2 = gw.clone();
     let results = match tokio::task::spawn_blocking(move || gw2.plugins.reload_all(&gw2.metrics)).await {
         Ok(r) => r,
@@ -137,14 +137,14 @@ fn threshold_json(model: &str, t: &kvgate_filters::shed::Thresholds) -> serde_js
            "active_prefill_tokens_threshold_frac": t.active_prefill_tokens_threshold_frac})
 }
 
-async fn list_thresholds(gw: &Arc<Gateway>, session: &mut ServerSession) {
+async fn list_thresholds(gw: &Arc<Gateway>, session: &mut ClientConn) {
     let list: Vec<_> = gw.all_thresholds().iter().map(|(m, t)| threshold_json(m, t)).collect();
     respond_json(session, 200, &json!({"thresholds": list})).await;
 }
 
 /// `{"model": …, <threshold>: value | null, …}`: a field that is present sets (null clears)
 /// that threshold; absent fields stay; only `model` reads the current values.
-async fn set_threshold(gw: &Arc<Gateway>, session: &mut ServerSession) {
+async fn set_threshold(gw: &Arc<Gateway>, session: &mut ClientConn) {
     let body = match crate::downstream::io::read_body(session, 64 * 1024, std::time::Duration::from_secs(10)).await {
         Ok(b) => b,
         Err(e) => {

@@ -1,14 +1,14 @@
 //! Answers the gateway gives itself: the model list, its health, its metrics.
 
+use crate::downstream::conn::ClientConn;
 use crate::downstream::io::{respond, respond_json};
 use crate::gateway::Gateway;
 use bytes::Bytes;
-use pingora::protocols::http::ServerSession;
 use serde_json::json;
 use std::sync::Arc;
 
 /// `GET /v1/models`: the configured models.
-pub async fn models(gw: &Arc<Gateway>, session: &mut ServerSession) {
+pub async fn models(gw: &Arc<Gateway>, session: &mut ClientConn) {
     let fleet = gw.fleet();
     let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let data: Vec<_> = fleet.order.iter().map(|m| json!({"id": m, "object": "model", "created": created, "owned_by": "kvgate"})).collect();
@@ -17,7 +17,7 @@ pub async fn models(gw: &Arc<Gateway>, session: &mut ServerSession) {
 
 /// `GET /health`: 200 while some worker of every model is healthy, else 503 (load balancers
 /// should stop sending); 503 while draining.
-pub async fn health(gw: &Arc<Gateway>, session: &mut ServerSession) {
+pub async fn health(gw: &Arc<Gateway>, session: &mut ClientConn) {
     let fleet = gw.fleet();
     let mut unavailable = Vec::new();
     for name in &fleet.order {
@@ -36,6 +36,6 @@ pub async fn health(gw: &Arc<Gateway>, session: &mut ServerSession) {
 }
 
 /// `GET /metrics`.
-pub async fn metrics(gw: &Arc<Gateway>, session: &mut ServerSession) {
+pub async fn metrics(gw: &Arc<Gateway>, session: &mut ClientConn) {
     respond(session, 200, "text/plain; version=0.0.4; charset=utf-8", Bytes::from(gw.metrics.render()), &[]).await;
 }

@@ -6,12 +6,12 @@
 //! finished; limit reached; already there; another move pending); 502 when the move failed;
 //! 504 when it took too long.
 
+use crate::downstream::conn::ClientConn;
 use crate::downstream::errors::ClientError;
 use crate::downstream::io::{read_body, respond_error, respond_json};
 use crate::gateway::Gateway;
 use crate::inflight::{Phase, RequestEntry};
 use crate::move_order::{MoveOrder, MoveRefused};
-use pingora::protocols::http::ServerSession;
 use serde::Deserialize;
 use serde_json::json;
 use std::sync::Arc;
@@ -30,7 +30,7 @@ struct MoveBody {
 }
 
 /// Handles `POST /migrate`.
-pub async fn serve(gw: &Arc<Gateway>, session: &mut ServerSession) {
+pub async fn serve(gw: &Arc<Gateway>, session: &mut ClientConn) {
     let body = match read_body(session, 64 * 1024, Duration::from_secs(10)).await {
         Ok(b) => b,
         Err(e) => {

@@ -1,26 +1,26 @@
-//! The HTTP face of the gateway: one Pingora `HttpServerApp` per listener role. Pingora accepts
-//! connections, parses each request's header and keeps the connection alive between requests;
-//! everything in between is the gateway's: local answers here, model-scoped paths by the request
-//! phases (`crate::request`).
+//! The HTTP face of the gateway: one Pingora `ServerApp` per listener role. Pingora accepts
+//! connections and hands each over; the gateway serves its requests in turn on its own HTTP/1.1
+//! connection (`downstream::conn`): local answers here, model-scoped paths by the request phases
+//! (`crate::request`).
 //!
-//! Pingora's proxy pipeline (`ProxyHttp`) is not used. The gateway never used its upstream
-//! phase (docs/architecture.md, "Why a manual upstream leg"), and its per-request session (cache,
-//! compression and module state) and its boxed phase futures cost more CPU than the gateway's
-//! own phases (docs/architecture.md, "The hot path's allocations").
+//! Neither Pingora's proxy pipeline (`ProxyHttp`) nor its HTTP/1 server session is used. The
+//! gateway never used the pipeline's upstream phase (docs/architecture.md, "Why a manual
+//! upstream leg"), and the session's header maps, its per-request boxed future and its
+//! per-request connection hand-back cost more CPU than the gateway's own phases
+//! (docs/architecture.md, "The hot path's allocations").
 
 pub mod admin;
 pub mod local;
 pub mod migrate;
 
+use crate::downstream::conn::{ClientConn, HeadError};
 use crate::downstream::errors::ClientError;
 use crate::downstream::io::respond_error;
 use crate::gateway::Gateway;
 use crate::request::Endpoint;
 use async_trait::async_trait;
-use bytes::Bytes;
-use pingora::apps::{HttpPersistentSettings, HttpServerApp, ReusedHttpStream};
-use pingora::http::Method;
-use pingora::protocols::http::ServerSession;
+use pingora::apps::ServerApp;
+use pingora::protocols::Stream;
 use pingora::server::ShutdownWatch;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -68,76 +68,65 @@ impl GatewayApp {
         Self { gw, role, stopping: AtomicBool::new(false), stopped: std::array::from_fn(|_| Notify::new()) }
     }
 
-    /// Reads the next request's header. False: there is none to serve (the client closed, the
-    /// service is stopping, or the request was refused here and the connection closed).
-    async fn read_request(&self, session: &mut ServerSession) -> bool {
+    /// Reads the next request's head. False: there is none to serve (the client closed or was
+    /// idle past `timeouts.client_idle_ms`, the service is stopping, or the request was refused
+    /// here and the connection closed).
+    async fn read_request(&self, session: &mut ClientConn) -> bool {
         let stopping = async {
             let woken = self.stopped[stop_shard()].notified();
             if !self.stopping.load(Ordering::Acquire) {
                 woken.await
             }
         };
+        let idle = std::time::Duration::from_millis(self.gw.config().timeouts.client_idle_ms);
         let read = tokio::select! {
             // Biased: a request already buffered is served before a stop is noticed.
             biased;
-            r = session.read_request() => r,
+            r = session.read_request(idle) => r,
             () = stopping => return false,
         };
         let refusal = match read {
-            Ok(true) if session.req_header().method != Method::CONNECT => {
-                self.bound_idle(session);
-                return true;
-            }
+            Ok(true) if session.req().method() != "CONNECT" => return true,
             Ok(true) => {
                 self.gw.metrics.refused_connections.with_label_values(&["connect"]).inc();
                 ClientError::method_not_allowed("CONNECT", "a tunnel")
             }
             Ok(false) => return false,
-            // Not `e` itself: Pingora's parse error quotes the raw request, credentials included.
-            Err(e) if e.etype == pingora::ErrorType::InvalidHTTPHeader => {
-                tracing::debug!(error = e.etype.as_str(), "malformed request header refused");
+            // Not the request itself: it may carry credentials.
+            Err(HeadError::Malformed(why)) => {
+                tracing::debug!(why, "malformed request head refused");
                 self.gw.metrics.refused_connections.with_label_values(&["malformed"]).inc();
-                ClientError::bad_request("malformed HTTP request header", None)
+                ClientError::bad_request(format!("malformed HTTP request: {why}"), None)
+            }
+            Err(HeadError::TooLarge) => {
+                self.gw.metrics.refused_connections.with_label_values(&["malformed"]).inc();
+                ClientError::header_too_large()
             }
             // A broken connection: nobody to answer.
-            Err(e) => {
-                tracing::debug!(error = e.etype.as_str(), "client connection failed before a request");
-                session.shutdown().await;
+            Err(HeadError::Io(e)) => {
+                tracing::debug!(error = %e, "client connection failed before a request");
                 return false;
             }
         };
         // The request's framing cannot be trusted: answer and close.
-        let mut header = ServerSession::generate_error(refusal.status);
-        let body = Bytes::from(refusal.body());
-        if header.insert_header("content-type", "application/json").is_ok() && header.set_content_length(body.len()).is_ok() {
-            let _ = session.write_error_response(header, body).await;
-        }
+        session.close_after();
+        respond_error(session, &refusal, &[]).await;
         session.shutdown().await;
         false
     }
 
-    /// Bounds how long a kept-alive connection waits for its next request: Pingora keeps an
-    /// HTTP/1.1 connection with no `Keep-Alive` timeout open without limit.
-    fn bound_idle(&self, session: &mut ServerSession) {
-        if session.get_keepalive() == Some(0) {
-            let ms = self.gw.config().timeouts.client_idle_ms;
-            session.set_keepalive(Some(ms.div_ceil(1000).max(1)));
-        }
-    }
-
     /// Answers a public-listener request. True when the client connection must be closed (the
     /// response was cut by a failing worker).
-    async fn public(&self, session: &mut ServerSession) -> bool {
-        let header = session.req_header();
-        let (method, endpoint) = (header.method.clone(), Endpoint::from_path(header.uri.path()));
-        match (method == Method::POST, endpoint) {
+    async fn public(&self, session: &mut ClientConn) -> bool {
+        let (method, endpoint) = (session.req().method(), Endpoint::from_path(session.req().path()));
+        match (method == "POST", endpoint) {
             (true, Some(ep)) => return crate::request::serve(&self.gw, session, ep).await,
             (false, Some(_)) => {
-                let e = ClientError::method_not_allowed(method.as_str(), session.req_header().uri.path());
+                let e = ClientError::method_not_allowed(method, session.req().path());
                 respond_error(session, &e, &[]).await
             }
             (_, None) => {
-                let path = session.req_header().uri.path().to_string();
+                let (method, path) = (method.to_string(), session.req().path().to_string());
                 match (method.as_str(), path.as_str()) {
                     ("GET", "/v1/models") => local::models(&self.gw, session).await,
                     ("GET", "/health") => local::health(&self.gw, session).await,
@@ -151,35 +140,42 @@ impl GatewayApp {
     }
 }
 
-#[async_trait]
-impl HttpServerApp for GatewayApp {
-    async fn process_new_http(self: &Arc<Self>, mut session: ServerSession, shutdown: &ShutdownWatch) -> Option<ReusedHttpStream> {
-        if !self.read_request(&mut session).await {
-            return None;
+impl GatewayApp {
+    /// Serves one request. False when the connection cannot carry another.
+    async fn serve_one(self: &Arc<Self>, session: &mut ClientConn, shutdown: &ShutdownWatch) -> bool {
+        if !self.read_request(session).await {
+            return false;
         }
         if *shutdown.borrow() {
             // The server is stopping: this connection serves no further request.
-            session.set_keepalive(None);
+            session.close_after();
         }
         let abort = match self.role {
-            Role::Public => self.public(&mut session).await,
+            Role::Public => self.public(session).await,
             Role::Admin => {
-                let header = session.req_header();
-                let (method, path) = (header.method.clone(), header.uri.path().to_string());
-                admin::serve(&self.gw, &mut session, method.as_str(), &path).await;
+                let (method, path) = (session.req().method().to_string(), session.req().path().to_string());
+                admin::serve(&self.gw, session, &method, &path).await;
                 false
             }
         };
-        if abort {
-            // The response already started and was cut: closing the connection is how the client
-            // learns it is incomplete.
-            return None;
-        }
-        let settings = HttpPersistentSettings::for_session(&session);
-        session.finish().await.ok().flatten().map(|s| ReusedHttpStream::from_reusable_stream(s, settings))
+        // A response cut by a failing worker: closing the connection is how the client learns
+        // it is incomplete.
+        !abort && session.reusable()
+    }
+}
+
+#[async_trait]
+impl ServerApp for GatewayApp {
+    /// Serves the connection's requests in turn, until it cannot carry another: one task and
+    /// one boxed future per connection, not per request.
+    async fn process_new(self: &Arc<Self>, stream: Stream, shutdown: &ShutdownWatch) -> Option<Stream> {
+        let mut session = ClientConn::new(stream);
+        while self.serve_one(&mut session, shutdown).await {}
+        session.shutdown().await;
+        None
     }
 
-    async fn http_cleanup(&self) {
+    async fn cleanup(&self) {
         self.stopping.store(true, Ordering::Release);
         self.stopped.iter().for_each(Notify::notify_waiters);
     }

@@ -5,12 +5,12 @@
 use super::endpoint::Endpoint;
 use super::track;
 use super::{Outcome, RequestState, record};
+use crate::downstream::conn::ClientConn;
 use crate::downstream::io::{BodyError, read_body};
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::inflight::RequestEntry;
 use kvgate_filters::cancel::RequestContext;
-use pingora::protocols::http::ServerSession;
 use serde::Deserialize;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -59,12 +59,10 @@ impl RequestView {
 }
 
 /// A request id: the client's X-Request-Id when it is sane, else a fresh one.
-pub fn request_id(session: &ServerSession) -> String {
+pub fn request_id(session: &ClientConn) -> String {
     session
-        .req_header()
-        .headers
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
+        .req()
+        .header_str("x-request-id")
         .filter(|s| !s.is_empty() && s.len() <= 256 && s.bytes().all(|b| b.is_ascii_graphic()))
         .map(str::to_owned)
         .unwrap_or_else(new_id)
@@ -78,7 +76,7 @@ fn new_id() -> String {
 }
 
 /// Admits a request, or says how it ended.
-pub async fn admit(gw: &Arc<Gateway>, session: &mut ServerSession, endpoint: Endpoint, rid: String, start: Instant) -> Result<RequestState, Outcome> {
+pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoint, rid: String, start: Instant) -> Result<RequestState, Outcome> {
     if gw.is_draining() {
         return Err(Outcome::Refused(GatewayError::Draining));
     }
@@ -121,8 +119,8 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ServerSession, endpoint: End
     // Taken once and kept for the whole request (retries included).
     let plugin = model.plugin.as_ref().map(|slot| slot.current());
     let plugin_headers = plugin.as_ref().map_or_else(Vec::new, |p| {
-        let h = &session.req_header().headers;
-        p.headers().iter().filter_map(|name| h.get(name.as_str()).and_then(|v| v.to_str().ok()).map(|v| (name.clone(), v.to_string()))).collect()
+        let h = session.req();
+        p.headers().iter().filter_map(|name| h.header_str(name).map(|v| (name.clone(), v.to_string()))).collect()
     });
     // Serialized only for a plugin: other modes never read it.
     let plugin_nvext = plugin.as_ref().and(view.nvext.as_ref()).map(|v| v.to_string());

@@ -10,13 +10,13 @@
 use super::RequestState;
 use crate::config::Config;
 use crate::downstream::closed::client_closed;
+use crate::downstream::conn::ClientConn;
 use crate::error::{LegError, LegErrorKind};
 use crate::fleet::Worker;
 use crate::gateway::Gateway;
 use crate::move_order::MoveOrder;
 use crate::upstream::{self, Exchange, Outgoing};
 use bytes::Bytes;
-use pingora::protocols::http::ServerSession;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -65,9 +65,9 @@ impl<'a> Outbound<'a> {
 
 /// Runs one leg to `worker`. `may_retry`: another worker may still be tried, so a 5xx is
 /// turned into a retryable error (when `retries.on_5xx`) instead of being passed on.
-pub async fn run(gw: &Gateway, session: &mut ServerSession, req: &RequestState, worker: &Arc<Worker>, out: &Outbound<'_>, may_retry: bool) -> LegEnd {
+pub async fn run(gw: &Gateway, session: &mut ClientConn, req: &RequestState, worker: &Arc<Worker>, out: &Outbound<'_>, may_retry: bool) -> LegEnd {
     let cfg = &req.cfg;
-    let wire = match upstream::request_wire(session.req_header(), worker, out.path, out.body, &out.request_id) {
+    let wire = match upstream::request_wire(session.req(), worker, out.path, out.body, &out.request_id) {
         Ok(w) => w,
         // Built from the client's own headers: another worker would fail the same way.
         Err(e) => return LegEnd::Failed(LegError::new(LegErrorKind::Send, &worker.url, e.to_string()).final_()),

@@ -14,13 +14,13 @@
 use super::leg::{self, Leg, LegEnd, Outbound};
 use super::place::{self, Among};
 use super::{RequestState, kv_inputs, record};
+use crate::downstream::conn::ClientConn;
 use crate::fleet::Worker;
 use crate::gateway::Gateway;
 use crate::move_order::{MoveOrder, MoveReason, MoveRefused, MoveReport};
 use crate::upstream::{self, Outgoing};
 use bytes::Bytes;
 use kvgate_filters::migrate::{ClientShape, Continuation, ContinuationError, PinReason};
-use pingora::protocols::http::ServerSession;
 use serde_json::Value;
 use std::future::Future;
 use std::pin::Pin;
@@ -59,12 +59,12 @@ const WARM_UP_LIMIT: Duration = Duration::from_secs(30);
 /// context in the destination's prefix cache and recomputes only the tokens generated since:
 /// the client's pause shrinks from a whole prefill to about one step (docs/migration.md).
 /// The order comes back (`Err`) when there is nothing to warm (no ids yet).
-pub fn warm_up<'a>(gw: &'a Gateway, req: &RequestState, session: &ServerSession, to: &Arc<Worker>, order: MoveOrder) -> Result<Warming<'a>, MoveOrder> {
+pub fn warm_up<'a>(gw: &'a Gateway, req: &RequestState, session: &ClientConn, to: &Arc<Worker>, order: MoveOrder) -> Result<Warming<'a>, MoveOrder> {
     let Some(r) = req.track.as_ref().map(|t| &t.record).filter(|r| !r.prompt_ids.is_empty()) else { return Err(order) };
     let ids = r.context_ids();
     let model = req.view.model.clone().unwrap_or_else(|| req.model_name().to_string());
     let body = Bytes::from(serde_json::json!({"model": model, "prompt": ids, "max_tokens": 1, "add_special_tokens": false}).to_string());
-    let Ok(wire) = upstream::request_wire(session.req_header(), to, "/v1/completions", &body, &format!("{}-warm", req.id())) else {
+    let Ok(wire) = upstream::request_wire(session.req(), to, "/v1/completions", &body, &format!("{}-warm", req.id())) else {
         return Err(order);
     };
     let (cfg, to) = (req.cfg.clone(), to.clone());
@@ -108,7 +108,7 @@ fn too_long(req: &RequestState) -> bool {
 /// operator chose.
 pub async fn continue_stream(
     gw: &Gateway,
-    session: &mut ServerSession,
+    session: &mut ClientConn,
     req: &mut RequestState,
     reason: MoveReason,
     source: usize,
@@ -190,7 +190,7 @@ fn continuation(req: &mut RequestState) -> Result<(Bytes, Vec<u32>, usize), Cont
 /// any), then the routing mode's choice among the others, each worker at most once.
 async fn destination(
     gw: &Gateway,
-    session: &mut ServerSession,
+    session: &mut ClientConn,
     req: &mut RequestState,
     out: &Outbound<'_>,
     source: Option<usize>,

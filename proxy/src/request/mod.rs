@@ -28,13 +28,13 @@ pub mod relay;
 pub mod state;
 pub mod track;
 
+use crate::downstream::conn::ClientConn;
 use crate::downstream::io::respond_error;
 use crate::error::{GatewayError, LegError};
 use crate::gateway::Gateway;
 use crate::move_order::{MoveOrder, MoveRefused, MoveReport};
 pub use endpoint::Endpoint;
 use leg::LegEnd;
-use pingora::protocols::http::ServerSession;
 use place::Among;
 pub use state::RequestState;
 use std::sync::Arc;
@@ -67,7 +67,7 @@ impl Outcome {
 
 /// Serves one request end to end. Returns true when the client connection must be aborted
 /// (the response was cut by a failing worker).
-pub async fn serve(gw: &Arc<Gateway>, session: &mut ServerSession, endpoint: Endpoint) -> bool {
+pub async fn serve(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoint) -> bool {
     let start = Instant::now();
     let rid = admit::request_id(session);
     // Counted for draining from the first byte, before the model is known.
@@ -87,7 +87,7 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut ServerSession, endpoint: End
 }
 
 /// The phases after admission.
-async fn run(gw: &Arc<Gateway>, session: &mut ServerSession, req: &mut RequestState) -> Outcome {
+async fn run(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestState) -> Outcome {
     let model = req.model.clone();
     let gauge = &model.metrics(&gw.metrics).requests_in_flight;
     gauge.inc();
@@ -105,7 +105,7 @@ async fn run(gw: &Arc<Gateway>, session: &mut ServerSession, req: &mut RequestSt
 /// Place → leg, once per attempt, until a leg answers or no retry is allowed; then relay.
 /// A move ordered while the worker has not answered yet resends the request where the order
 /// says (the worker's copy is dropped with the leg).
-async fn attempts(gw: &Arc<Gateway>, session: &mut ServerSession, req: &mut RequestState) -> Outcome {
+async fn attempts(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestState) -> Outcome {
     let max = req.cfg.retries.max_attempts.max(1) as usize;
     let mut last: Option<LegError> = None;
     let mut order: Option<MoveOrder> = None;
@@ -188,12 +188,12 @@ fn reroute(gw: &Gateway, req: &mut RequestState, o: MoveOrder) -> Option<Arc<cra
 }
 
 /// Answers a refusal; other outcomes were answered (or cut) by the relay.
-async fn respond(session: &mut ServerSession, outcome: &Outcome, rid: &str) {
+async fn respond(session: &mut ClientConn, outcome: &Outcome, rid: &str) {
     let Outcome::Refused(e) = outcome else { return };
     let ce = e.client_error();
     if matches!(e, GatewayError::Draining) {
-        // Pingora writes `Connection` itself, from whether the session keeps alive.
-        session.set_keepalive(None);
+        // The connection writes `Connection: close` itself.
+        session.close_after();
     }
     respond_error(session, &ce, &[("x-request-id", rid.to_string())]).await;
 }

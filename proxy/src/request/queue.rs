@@ -4,14 +4,14 @@
 
 use super::{Outcome, RequestState};
 use crate::downstream::closed::client_closed;
+use crate::downstream::conn::ClientConn;
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use kvgate_filters::route::QueueError;
-use pingora::protocols::http::ServerSession;
 use std::sync::Arc;
 
 /// Waits in the queue when it must; `Err` when the request ends here.
-pub async fn wait(gw: &Arc<Gateway>, session: &mut ServerSession, req: &RequestState) -> Result<(), Outcome> {
+pub async fn wait(gw: &Arc<Gateway>, session: &mut ClientConn, req: &RequestState) -> Result<(), Outcome> {
     let model = &req.model;
     let Some(queue) = model.queue.as_ref() else { return Ok(()) };
     if !req.endpoint.generates() || (model.queue_free_workers() > 0 && queue.is_empty()) {

@@ -10,6 +10,7 @@ use super::migrate::{self, Moved, Stop, Warming};
 use super::track::Tracker;
 use super::{Outcome, RequestState, record};
 use crate::downstream::closed::client_closed;
+use crate::downstream::conn::ClientConn;
 use crate::error::{GatewayError, LegError, LegErrorKind};
 use crate::fleet::Worker;
 use crate::gateway::Gateway;
@@ -18,14 +19,13 @@ use crate::move_order::{MoveOrder, MoveReason, MoveRefused, MoveReport};
 use crate::sse::SseEventCounter;
 use crate::upstream::{self, Exchange};
 use bytes::{Bytes, BytesMut};
-use pingora::protocols::http::ServerSession;
 use prometheus::Histogram;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Relays an answered leg to the client; a stream whose worker fails (or that an operator
 /// moves) continues on another worker when it may (`migrate`).
-pub async fn relay(gw: &Gateway, session: &mut ServerSession, req: &mut RequestState, mut leg: Box<Leg>) -> Outcome {
+pub async fn relay(gw: &Gateway, session: &mut ClientConn, req: &mut RequestState, mut leg: Box<Leg>) -> Outcome {
     let status = leg.ex.status;
     // Approximate mode learns from requests the worker took on (2xx).
     if (200..300).contains(&status)
@@ -41,7 +41,7 @@ pub async fn relay(gw: &Gateway, session: &mut ServerSession, req: &mut RequestS
         Ok(h) => h,
         Err(e) => return Outcome::Refused(GatewayError::BadUpstreamResponse(e.to_string())),
     };
-    if session.write_response_header(Box::new(header)).await.is_err() {
+    if session.write_head(&header).await.is_err() {
         return record::cancelled(gw, req);
     }
     let mut progress = Progress::new(gw, req, status, leg.ex.sent_at);
@@ -75,7 +75,7 @@ pub async fn relay(gw: &Gateway, session: &mut ServerSession, req: &mut RequestS
 /// move) gets its answer.
 async fn settle(
     gw: &Gateway,
-    session: &mut ServerSession,
+    session: &mut ClientConn,
     req: &mut RequestState,
     moved: Result<Moved, Stop>,
     order: Option<MoveOrder>,
@@ -107,7 +107,7 @@ async fn settle(
             Bytes::from([&ev[..], b"data: [DONE]\n\n"].concat())
         }
     };
-    if session.write_response_body(end, true).await.is_err() {
+    if session.write_body(end, true).await.is_err() {
         return Err(record::cancelled(gw, req));
     }
     Err(Outcome::Served(status))
@@ -126,7 +126,7 @@ enum BodyEnd {
 /// Relays one leg's body until it ends, fails or is moved.
 async fn body<'g>(
     gw: &'g Gateway,
-    session: &mut ServerSession,
+    session: &mut ClientConn,
     req: &mut RequestState,
     progress: &mut Progress,
     leg: Leg,
@@ -172,7 +172,7 @@ async fn body<'g>(
                 if !out.is_empty() {
                     progress.chunk(gw, req, &out);
                 }
-                if (!out.is_empty() || end) && session.write_response_body(out, end).await.is_err() {
+                if (!out.is_empty() || end) && session.write_body(out, end).await.is_err() {
                     return BodyEnd::Done(record::cancelled(gw, req));
                 }
                 match failure {
@@ -203,7 +203,7 @@ enum Accepted<'g> {
 
 /// Takes a move order read mid-stream: refused if the stream may not move or is on that worker
 /// already; aimed at a worker, that worker is warmed first.
-fn accept<'g>(gw: &'g Gateway, session: &ServerSession, req: &RequestState, worker: &Arc<Worker>, o: MoveOrder) -> Accepted<'g> {
+fn accept<'g>(gw: &'g Gateway, session: &ClientConn, req: &RequestState, worker: &Arc<Worker>, o: MoveOrder) -> Accepted<'g> {
     if o.to.as_ref().is_some_and(|t| Arc::ptr_eq(t, worker)) {
         o.answer(Err(MoveRefused::NotNow("the request is on that worker already")));
         return Accepted::Refused;
@@ -308,7 +308,7 @@ enum Next {
 /// Waits for the next body chunk, the client leaving, or (for a stream that may move) a move
 /// order.
 async fn next_chunk(
-    session: &mut ServerSession,
+    session: &mut ClientConn,
     ex: &mut Exchange,
     req: &RequestState,
     worker: &crate::config::UpstreamUrl,

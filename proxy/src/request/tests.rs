@@ -108,11 +108,11 @@ fn gateway(workers: &[&FakeWorker], extra: &str, round_robin: bool) -> Arc<Gatew
 }
 
 /// A client connection: the gateway's session and the client's end of the pipe.
-async fn client(request: &str) -> (ServerSession, DuplexStream) {
+async fn client(request: &str) -> (ClientConn, DuplexStream) {
     let (mut client, server) = tokio::io::duplex(1 << 20);
     client.write_all(request.as_bytes()).await.unwrap();
-    let mut session = ServerSession::new_http1(Box::new(server));
-    assert!(session.read_request().await.unwrap());
+    let mut session = ClientConn::new(Box::new(server));
+    assert!(session.read_request(std::time::Duration::from_secs(5)).await.unwrap());
     (session, client)
 }
 
@@ -130,7 +130,7 @@ fn post_with_id(body: &str, id: &str) -> String {
 async fn serve_one(gw: &Arc<Gateway>, request: &str) -> (bool, String) {
     let (mut session, mut client) = client(request).await;
     let aborted = serve(gw, &mut session, Endpoint::Completions).await;
-    let _ = session.finish_body().await;
+    session.shutdown().await;
     drop(session);
     let mut out = Vec::new();
     let _ = client.read_to_end(&mut out).await;

@@ -9,16 +9,15 @@
 //! maps for every response. Connections wait in each worker's own keep-alive pools
 //! ([`pool::IdlePool`]): one for request legs, one for probes.
 
-pub mod chunked;
 pub mod pool;
 pub mod response;
 
 use crate::config::Config;
+use crate::downstream::conn::{BadHeader as ClientBadHeader, RequestHead, ResponseHead};
 use crate::error::{LegError, LegErrorKind};
 use crate::fleet::Worker;
 use crate::gateway::Gateway;
 use bytes::{Bytes, BytesMut};
-use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::Stream;
 use pingora::upstreams::peer::HttpPeer;
 use pool::IdlePool;
@@ -68,7 +67,7 @@ pub struct Exchange {
 /// buffer so that it goes out in one write. Written straight from the client's header: building
 /// a Pingora header first costs two header maps and a copy of every name and value per request
 /// (docs/architecture.md, "The hot path's allocations").
-pub fn request_wire(client: &RequestHeader, worker: &Worker, path: &str, body: &[u8], request_id: &str) -> Result<Vec<u8>, BadHeader> {
+pub fn request_wire(client: &RequestHead, worker: &Worker, path: &str, body: &[u8], request_id: &str) -> Result<Vec<u8>, BadHeader> {
     if path.is_empty() || path.bytes().any(|c| c == b' ' || forbidden(c)) {
         return Err(BadHeader("the request path"));
     }
@@ -80,17 +79,12 @@ pub fn request_wire(client: &RequestHeader, worker: &Worker, path: &str, body: &
     w.extend_from_slice(path.as_bytes());
     w.extend_from_slice(b" HTTP/1.1\r\n");
     let mut typed = false;
-    let connection = client.headers.get("connection").map(|v| v.as_bytes());
-    let mut forward = |name: &[u8], value: &[u8]| {
+    let connection = client.header("connection");
+    for (name, value) in client.headers() {
         if forwarded(name, connection) && !name.eq_ignore_ascii_case(b"x-request-id") {
             typed |= name.eq_ignore_ascii_case(b"content-type");
             line(&mut w, name, value);
         }
-    };
-    if client.has_case() {
-        client.case_header_iter().for_each(|(n, v)| forward(n.as_slice(), v.as_bytes()));
-    } else {
-        client.headers.iter().for_each(|(n, v)| forward(n.as_str().as_bytes(), v.as_bytes()));
     }
     if !typed {
         line(&mut w, b"Content-Type", b"application/json");
@@ -121,30 +115,28 @@ fn line(w: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     w.extend_from_slice(b"\r\n");
 }
 
-/// The client's response header for a worker's answer: the worker's headers minus hop-by-hop
-/// ones (Pingora frames the body itself: chunked for streams, Content-Length when the worker
-/// gave one and `rewritten` is false), with the request id and the worker that answered
-/// (`x-kvgate-worker`). A body the gateway may rewrite (a followed stream: ids stripped,
-/// continued on another worker) always goes out chunked, since the worker's length would no
-/// longer be its length. Built without a case map: names go out in their usual capitalisation
-/// (Pingora titles known ones).
-pub fn client_response_header(ex: &Exchange, request_id: &str, worker: &str, rewritten: bool) -> pingora::Result<ResponseHeader> {
+/// The client's response head for a worker's answer: the worker's headers minus hop-by-hop
+/// ones (the client's connection frames the body itself: chunked for streams, the worker's
+/// `Content-Length` when it framed the body by it and `rewritten` is false), with the request id
+/// and the worker that answered (`x-kvgate-worker`) in place of any the worker sent. A body the gateway may rewrite (a followed
+/// stream: ids stripped, continued on another worker) always goes out chunked, since the
+/// worker's length would no longer be its length. Names go out as the worker wrote them.
+pub fn client_response_header(ex: &Exchange, request_id: &str, worker: &str, rewritten: bool) -> Result<ResponseHead, ClientBadHeader> {
     let up = &ex.response;
-    let mut h = ResponseHeader::build_no_case(up.status(), Some(up.headers().count() + 3))?;
+    let mut h = ResponseHead::new(up.status());
     let connection = up.header("connection");
-    let mut length = false;
     for (name, value) in up.headers() {
-        let is_length = name.eq_ignore_ascii_case(b"content-length");
-        if (is_length && !rewritten && up.framed_by_length()) || forwarded(name, connection) {
-            length |= is_length;
-            h.append_header(up.head_slice(name), value)?;
+        if name.eq_ignore_ascii_case(b"content-length") {
+            if !rewritten && up.framed_by_length() {
+                let n = std::str::from_utf8(value).ok().and_then(|v| v.trim().parse().ok());
+                h.length(n.ok_or_else(|| ClientBadHeader("content-length".into()))?);
+            }
+        } else if forwarded(name, connection) && !name.eq_ignore_ascii_case(b"x-request-id") && !name.eq_ignore_ascii_case(b"x-kvgate-worker") {
+            h.header(name, value)?;
         }
     }
-    if !length {
-        h.insert_header("transfer-encoding", "chunked")?;
-    }
-    h.insert_header("x-request-id", request_id)?;
-    h.insert_header("x-kvgate-worker", worker)?;
+    h.header(b"x-request-id", request_id.as_bytes())?;
+    h.header(b"x-kvgate-worker", worker.as_bytes())?;
     Ok(h)
 }
 
@@ -327,12 +319,32 @@ mod tests {
         Worker::new(UpstreamUrl::parse("http://10.0.0.7:8000").unwrap())
     }
 
-    fn client(headers: &[(&str, &str)]) -> RequestHeader {
-        let mut h = RequestHeader::build("POST", b"/v1/completions", None).unwrap();
-        for (n, v) in headers {
-            h.append_header(n.to_string(), *v).unwrap();
-        }
-        h
+    fn client(headers: &[(&str, &str)]) -> RequestHead {
+        let lines: String = headers.iter().map(|(n, v)| format!("{n}: {v}\r\n")).collect();
+        RequestHead::parse(format!("POST /v1/completions HTTP/1.1\r\n{lines}\r\n").into()).unwrap()
+    }
+
+    /// The client's head for a worker answer `wire`, `rewritten` or not.
+    async fn client_head(wire: &'static [u8], rewritten: bool) -> ResponseHead {
+        use tokio::io::AsyncWriteExt;
+        let (ours, mut theirs) = tokio::io::duplex(4096);
+        theirs.write_all(wire).await.unwrap();
+        let response = WorkerResponse::read(Box::new(ours), false).await.unwrap();
+        let ex = Exchange { status: response.status(), response, sent_at: Instant::now(), home: Arc::default() };
+        client_response_header(&ex, "gw-id", "http://w:1", rewritten).unwrap()
+    }
+
+    #[tokio::test]
+    async fn the_client_head_keeps_the_workers_end_to_end_headers_and_states_who_answered() {
+        let wire = b"HTTP/1.1 200 OK\r\nServer: uvicorn\r\nConnection: keep-alive, X-Hop\r\nX-Hop: 1\r\nX-Request-Id: worker-id\r\ncontent-type: application/json\r\nContent-Length: 2\r\n\r\nok";
+        let h = client_head(wire, false).await;
+        let text = String::from_utf8(h.lines().to_vec()).unwrap();
+        assert_eq!(text, "Server: uvicorn\r\ncontent-type: application/json\r\nx-request-id: gw-id\r\nx-kvgate-worker: http://w:1\r\n");
+        assert_eq!((h.status(), h.body_length()), (200, Some(2)));
+        // A body the gateway may rewrite goes out chunked: the worker's length is not kept.
+        assert_eq!(client_head(wire, true).await.body_length(), None);
+        let chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n";
+        assert_eq!(client_head(chunked, false).await.body_length(), None);
     }
 
     #[test]
@@ -390,9 +402,8 @@ mod tests {
     }
 
     #[test]
-    fn a_header_without_recorded_case_goes_out_as_parsed() {
-        let mut c = RequestHeader::build_no_case("POST", b"/v1/completions", None).unwrap();
-        c.append_header("x-trace", "t").unwrap();
+    fn header_names_go_out_as_the_client_wrote_them() {
+        let c = client(&[("x-trace", "t")]);
         let text = String::from_utf8(request_wire(&c, &worker(), "/v1/completions", b"{}", "r").unwrap()).unwrap();
         assert!(text.contains("\r\nx-trace: t\r\n"), "{text}");
     }

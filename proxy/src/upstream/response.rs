@@ -1,6 +1,6 @@
 //! A worker's HTTP/1.1 response, read straight off its connection: the head parsed once
 //! (`httparse`, no header maps), the body handed on as its bytes arrive, framed by
-//! `Content-Length`, chunked coding ([`super::chunked`]) or the connection's close
+//! `Content-Length`, chunked coding ([`crate::h1::chunked`]) or the connection's close
 //! (RFC 9112 §6.3). Pingora's HTTP/1 client built two header maps per response and kept its
 //! own read state around them; this is the part of a request's CPU that was its engine's, not
 //! the gateway's (benches/RESULTS.md, "The floor of a tokio proxy").
@@ -8,7 +8,7 @@
 //! Every read is cancel-safe: the only await is one read into the buffer, and decoding happens
 //! after it, so a read dropped by a `select!` or polled once and abandoned loses no byte.
 
-use super::chunked::{ChunkError, Chunked};
+use crate::h1::chunked::{ChunkError, Chunked};
 use bytes::{Bytes, BytesMut};
 use pingora::protocols::Stream;
 use tokio::io::AsyncReadExt;
@@ -105,11 +105,6 @@ impl WorkerResponse {
     /// The headers as they came: names (ASCII, any case) and values.
     pub fn headers(&self) -> impl Iterator<Item = (&[u8], &[u8])> + '_ {
         self.headers.iter().map(|&[ns, ne, vs, ve]| (&self.head[ns as usize..ne as usize], &self.head[vs as usize..ve as usize]))
-    }
-
-    /// `part` (a slice of [`Self::headers`]) as shared bytes, without a copy.
-    pub fn head_slice(&self, part: &[u8]) -> Bytes {
-        self.head.slice_ref(part)
     }
 
     /// The first value of header `name` (any case).

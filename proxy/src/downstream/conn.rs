@@ -1,0 +1,760 @@
+//! A client's HTTP/1.1 connection, served by the gateway itself: request heads parsed once with
+//! `httparse` (no header maps), bodies framed by `Content-Length` or chunked coding, responses
+//! written straight into one buffer (a unary answer leaves in one send, head and body
+//! together), keep-alive and pipelining. Pingora accepts the connection and hands it over
+//! (`http::GatewayApp`); its HTTP/1 server session cost more CPU per request than the
+//! gateway's own phases (benches/RESULTS.md, "The client side without Pingora's session").
+//!
+//! Reads are cancel-safe (one read into the buffer is the only await; parsing follows it), so
+//! [`ClientConn::closed`] can race a worker in a `select!` and lose no pipelined byte.
+
+use crate::h1::chunked::{ChunkError, Chunked};
+use bytes::{Bytes, BytesMut};
+use pingora::protocols::Stream;
+use std::mem::MaybeUninit;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Largest request head accepted (request line and headers).
+pub const MAX_HEAD: usize = 64 * 1024;
+/// Most headers a request may carry.
+pub const MAX_HEADERS: usize = 128;
+/// Room made in the read buffer before each read.
+const READ_SIZE: usize = 16 * 1024;
+/// Bodies larger than this are written from their own buffer instead of copied behind the
+/// chunk framing.
+const COPY_LIMIT: usize = 16 * 1024;
+
+/// Why no request could be read.
+#[derive(Debug, thiserror::Error)]
+pub enum HeadError {
+    /// The connection failed or closed mid-head: nobody to answer.
+    #[error("the client connection failed: {0}")]
+    Io(#[from] std::io::Error),
+    /// Not valid HTTP/1.x, or framed in a way that cannot be trusted: answer 400 and close.
+    #[error("malformed HTTP request: {0}")]
+    Malformed(&'static str),
+    /// Over [`MAX_HEAD`] bytes or [`MAX_HEADERS`] headers: answer 431 and close.
+    #[error("request head over {MAX_HEAD} bytes or {MAX_HEADERS} headers")]
+    TooLarge,
+}
+
+/// Why a request body could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum BodyReadError {
+    /// The connection failed or closed mid-body.
+    #[error("reading the request body: {0}")]
+    Io(#[from] std::io::Error),
+    /// The client closed the connection mid-body.
+    #[error("the client closed the connection mid-body")]
+    Closed,
+    /// The chunked body is malformed.
+    #[error("chunked request body: {0}")]
+    Chunked(#[from] ChunkError),
+}
+
+/// A request's head: method, target, version and headers, as bytes with offsets.
+#[derive(Debug, Default)]
+pub struct RequestHead {
+    raw: Bytes,
+    method: [u32; 2],
+    target: [u32; 2],
+    /// HTTP/1.`minor`.
+    minor: u8,
+    headers: Vec<[u32; 4]>,
+}
+
+impl RequestHead {
+    fn part(&self, [s, e]: [u32; 2]) -> &str {
+        // Method and target are tokens and URI characters: ASCII, checked by httparse.
+        std::str::from_utf8(&self.raw[s as usize..e as usize]).unwrap_or_default()
+    }
+
+    /// Parses a whole request head (request line, headers and the blank line).
+    pub fn parse(raw: Bytes) -> Result<Self, HeadError> {
+        match parse_request(&raw)? {
+            Some((head, len)) if len == raw.len() => Ok(Self { raw, ..head }),
+            _ => Err(HeadError::Malformed("not one whole request head")),
+        }
+    }
+
+    /// The method, as sent.
+    pub fn method(&self) -> &str {
+        self.part(self.method)
+    }
+
+    /// The request target, as sent.
+    pub fn target(&self) -> &str {
+        self.part(self.target)
+    }
+
+    /// The target's path: without the query, and without scheme and authority when the target
+    /// is in absolute form.
+    pub fn path(&self) -> &str {
+        let t = self.target();
+        let t = match t.find("://") {
+            Some(i) if !t.starts_with('/') => t[i + 3..].find('/').map_or("/", |j| &t[i + 3 + j..]),
+            _ => t,
+        };
+        t.split(['?', '#']).next().unwrap_or(t)
+    }
+
+    /// Whether the request is HTTP/1.0.
+    pub fn is_http10(&self) -> bool {
+        self.minor == 0
+    }
+
+    /// The headers as they came: names (any case) and values.
+    pub fn headers(&self) -> impl Iterator<Item = (&[u8], &[u8])> + '_ {
+        self.headers.iter().map(|&[ns, ne, vs, ve]| (&self.raw[ns as usize..ne as usize], &self.raw[vs as usize..ve as usize]))
+    }
+
+    /// The first value of header `name` (any case).
+    pub fn header(&self, name: &str) -> Option<&[u8]> {
+        self.headers().find(|(n, _)| n.eq_ignore_ascii_case(name.as_bytes())).map(|(_, v)| v)
+    }
+
+    /// The first value of header `name` as text, when it is visible ASCII.
+    pub fn header_str(&self, name: &str) -> Option<&str> {
+        self.header(name).and_then(|v| std::str::from_utf8(v).ok())
+    }
+
+    /// Whether the `Connection` headers list `token`.
+    fn connection_has(&self, token: &[u8]) -> bool {
+        self.headers()
+            .filter(|(n, _)| n.eq_ignore_ascii_case(b"connection"))
+            .any(|(_, v)| v.split(|&b| b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(token)))
+    }
+}
+
+/// How the request body is framed, and how much of it is left.
+#[derive(Debug)]
+enum BodyIn {
+    Length(u64),
+    Chunked(Chunked),
+    Done,
+}
+
+/// How the response body is framed, once its head is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BodyOut {
+    /// No head written yet.
+    NotStarted,
+    /// This many bytes are still owed.
+    Length(u64),
+    /// Chunked coding.
+    Chunked,
+    /// Until the connection closes (an HTTP/1.0 client of a response of unknown length).
+    UntilClose,
+    /// Complete.
+    Done,
+}
+
+/// A response head to write: status, headers, and the body's length when known (chunked
+/// coding otherwise). Framing headers (`Content-Length`, `Transfer-Encoding`, `Connection`) are
+/// the connection's to write.
+#[derive(Debug)]
+pub struct ResponseHead {
+    status: u16,
+    lines: Vec<u8>,
+    length: Option<u64>,
+    dated: bool,
+}
+
+/// A header value or name that would split the head (CR, LF or NUL), or a name that is empty.
+#[derive(Debug, thiserror::Error)]
+#[error("header {0:?} holds a byte HTTP/1.1 forbids there")]
+pub struct BadHeader(pub String);
+
+impl ResponseHead {
+    /// A head with `status`.
+    pub fn new(status: u16) -> Self {
+        Self { status, lines: Vec::with_capacity(256), length: None, dated: false }
+    }
+
+    /// Adds a header line.
+    pub fn header(&mut self, name: &[u8], value: &[u8]) -> Result<&mut Self, BadHeader> {
+        let bad = |b: &u8| matches!(b, 0 | b'\r' | b'\n');
+        if name.is_empty() || name.iter().any(|b| bad(b) || *b == b':' || *b == b' ') || value.iter().any(bad) {
+            return Err(BadHeader(String::from_utf8_lossy(name).into_owned()));
+        }
+        self.dated |= name.eq_ignore_ascii_case(b"date");
+        self.lines.extend_from_slice(name);
+        self.lines.extend_from_slice(b": ");
+        self.lines.extend_from_slice(value);
+        self.lines.extend_from_slice(b"\r\n");
+        Ok(self)
+    }
+
+    /// The body's length: sent with `Content-Length` instead of chunked.
+    pub fn length(&mut self, n: u64) -> &mut Self {
+        self.length = Some(n);
+        self
+    }
+
+    /// The status.
+    pub fn status(&self) -> u16 {
+        self.status
+    }
+
+    /// The body's length, when it was given.
+    pub fn body_length(&self) -> Option<u64> {
+        self.length
+    }
+
+    /// The header lines added so far, as they will go out.
+    pub fn lines(&self) -> &[u8] {
+        &self.lines
+    }
+}
+
+/// The client's connection.
+pub struct ClientConn {
+    stream: Stream,
+    rbuf: BytesMut,
+    head: RequestHead,
+    body: BodyIn,
+    continue_owed: bool,
+    wbuf: Vec<u8>,
+    out: BodyOut,
+    head_only: bool,
+    keep_alive: bool,
+}
+
+impl std::fmt::Debug for ClientConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientConn").field("head", &self.head).field("out", &self.out).field("keep_alive", &self.keep_alive).finish()
+    }
+}
+
+impl ClientConn {
+    /// A connection over `stream`, no request read yet.
+    pub fn new(stream: Stream) -> Self {
+        Self {
+            stream,
+            rbuf: BytesMut::new(),
+            head: RequestHead::default(),
+            body: BodyIn::Done,
+            continue_owed: false,
+            wbuf: Vec::with_capacity(1024),
+            out: BodyOut::Done,
+            head_only: false,
+            keep_alive: true,
+        }
+    }
+
+    /// The current request's head.
+    pub fn req(&self) -> &RequestHead {
+        &self.head
+    }
+
+    /// Whether bytes of a next request have arrived already (a pipelining client).
+    pub fn has_buffered(&self) -> bool {
+        !self.rbuf.is_empty()
+    }
+
+    /// Reads the next request's head, waiting at most `idle` for it to arrive whole. `Ok(false)`:
+    /// the client closed the connection between requests, or was idle that long.
+    pub async fn read_request(&mut self, idle: Duration) -> Result<bool, HeadError> {
+        // A head that is refused still gets an answer (and then the connection closes).
+        (self.out, self.head_only, self.body) = (BodyOut::NotStarted, false, BodyIn::Done);
+        match tokio::time::timeout(idle, self.read_head()).await {
+            Ok(r) => r,
+            Err(_) => Ok(false),
+        }
+    }
+
+    async fn read_head(&mut self) -> Result<bool, HeadError> {
+        loop {
+            if !self.rbuf.is_empty() {
+                if let Some((head, len)) = parse_request(&self.rbuf)? {
+                    let raw = self.rbuf.split_to(len).freeze();
+                    self.start(RequestHead { raw, ..head })?;
+                    return Ok(true);
+                }
+                if self.rbuf.len() >= MAX_HEAD {
+                    return Err(HeadError::TooLarge);
+                }
+            }
+            self.rbuf.reserve(READ_SIZE);
+            if self.stream.read_buf(&mut self.rbuf).await? == 0 {
+                return if self.rbuf.is_empty() { Ok(false) } else { Err(HeadError::Io(std::io::ErrorKind::UnexpectedEof.into())) };
+            }
+        }
+    }
+
+    /// Sets up the request's body framing and the response's state.
+    fn start(&mut self, head: RequestHead) -> Result<(), HeadError> {
+        let mut length: Option<u64> = None;
+        let mut coding: Option<&[u8]> = None;
+        for (n, v) in head.headers() {
+            if n.eq_ignore_ascii_case(b"transfer-encoding") {
+                if coding.is_some() {
+                    return Err(HeadError::Malformed("more than one Transfer-Encoding header"));
+                }
+                coding = Some(v);
+            } else if n.eq_ignore_ascii_case(b"content-length") {
+                let parsed =
+                    std::str::from_utf8(v).ok().map(str::trim).filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit())).and_then(|s| s.parse().ok());
+                match (parsed, length) {
+                    (None, _) => return Err(HeadError::Malformed("invalid Content-Length")),
+                    (Some(a), Some(b)) if a != b => return Err(HeadError::Malformed("conflicting Content-Length headers")),
+                    (Some(a), _) => length = Some(a),
+                }
+            }
+        }
+        // A request framed two ways is how requests are smuggled past proxies: refused.
+        self.body = match (coding, length) {
+            (Some(_), Some(_)) => return Err(HeadError::Malformed("both Transfer-Encoding and Content-Length")),
+            (Some(c), None) if c.trim_ascii().eq_ignore_ascii_case(b"chunked") => BodyIn::Chunked(Chunked::default()),
+            (Some(_), None) => return Err(HeadError::Malformed("a Transfer-Encoding other than chunked")),
+            (None, Some(n)) if n > 0 => BodyIn::Length(n),
+            (None, _) => BodyIn::Done,
+        };
+        self.continue_owed = !matches!(self.body, BodyIn::Done)
+            && !head.is_http10()
+            && head.header("expect").is_some_and(|v| v.trim_ascii().eq_ignore_ascii_case(b"100-continue"));
+        self.keep_alive = if head.is_http10() { head.connection_has(b"keep-alive") } else { !head.connection_has(b"close") };
+        self.head_only = head.method() == "HEAD";
+        self.out = BodyOut::NotStarted;
+        self.wbuf.clear();
+        self.head = head;
+        Ok(())
+    }
+
+    /// Whether the client asked for `100 Continue` before sending its body and has not had it.
+    pub fn expects_continue(&self) -> bool {
+        self.continue_owed
+    }
+
+    /// Sends `100 Continue`.
+    pub async fn write_continue(&mut self) -> std::io::Result<()> {
+        self.continue_owed = false;
+        self.stream.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await?;
+        self.stream.flush().await
+    }
+
+    /// The next run of request body bytes; `None` once the body is complete.
+    pub async fn read_body(&mut self) -> Result<Option<Bytes>, BodyReadError> {
+        loop {
+            let data = match &mut self.body {
+                BodyIn::Length(left) => {
+                    let n = (self.rbuf.len() as u64).min(*left) as usize;
+                    *left -= n as u64;
+                    let data = (n > 0).then(|| self.rbuf.split_to(n).freeze());
+                    if *left == 0 {
+                        self.body = BodyIn::Done;
+                    }
+                    data
+                }
+                BodyIn::Chunked(c) => {
+                    let data = c.next(&mut self.rbuf)?;
+                    if c.is_done() {
+                        self.body = BodyIn::Done;
+                    }
+                    data
+                }
+                BodyIn::Done => return Ok(None),
+            };
+            if data.is_some() {
+                return Ok(data);
+            }
+            if matches!(self.body, BodyIn::Done) {
+                return Ok(None);
+            }
+            self.rbuf.reserve(READ_SIZE);
+            if self.stream.read_buf(&mut self.rbuf).await? == 0 {
+                return Err(BodyReadError::Closed);
+            }
+        }
+    }
+
+    /// Reads and drops what is left of the request body.
+    pub async fn drain_body(&mut self) -> Result<(), BodyReadError> {
+        while self.read_body().await?.is_some() {}
+        Ok(())
+    }
+
+    /// The connection will close after this response.
+    pub fn close_after(&mut self) {
+        self.keep_alive = false;
+    }
+
+    /// Writes the response head. A chunked response's head goes out at once (the client sees
+    /// the status before the first token); one with a length waits for its body, so a unary
+    /// answer leaves in one send.
+    pub async fn write_head(&mut self, head: &ResponseHead) -> std::io::Result<()> {
+        if self.out != BodyOut::NotStarted {
+            return Err(std::io::Error::other("the response head was written already"));
+        }
+        let bodiless = self.head_only || head.status == 204 || head.status == 304 || (100..200).contains(&head.status);
+        self.out = match head.length {
+            _ if bodiless => BodyOut::Done,
+            Some(0) => BodyOut::Done,
+            Some(n) => BodyOut::Length(n),
+            None if self.head.is_http10() => {
+                self.keep_alive = false;
+                BodyOut::UntilClose
+            }
+            None => BodyOut::Chunked,
+        };
+        let w = &mut self.wbuf;
+        w.extend_from_slice(b"HTTP/1.1 ");
+        w.extend_from_slice(head.status.to_string().as_bytes());
+        w.push(b' ');
+        w.extend_from_slice(reason(head.status).as_bytes());
+        w.extend_from_slice(b"\r\n");
+        w.extend_from_slice(&head.lines);
+        if !head.dated {
+            w.extend_from_slice(b"Date: ");
+            w.extend_from_slice(pingora::protocols::http::date::get_cached_date().as_bytes());
+            w.extend_from_slice(b"\r\n");
+        }
+        match (head.length, self.out) {
+            // No length on a 1xx or 204 (RFC 9110 §8.6); a HEAD answer may state the GET's.
+            (Some(n), _) if !(head.status == 204 || (100..200).contains(&head.status)) && (!self.head_only || n > 0) => {
+                w.extend_from_slice(b"Content-Length: ");
+                w.extend_from_slice(n.to_string().as_bytes());
+                w.extend_from_slice(b"\r\n");
+            }
+            (None, BodyOut::Chunked) => w.extend_from_slice(b"Transfer-Encoding: chunked\r\n"),
+            _ => {}
+        }
+        match (self.keep_alive, self.head.is_http10()) {
+            (false, _) => w.extend_from_slice(b"Connection: close\r\n"),
+            (true, true) => w.extend_from_slice(b"Connection: keep-alive\r\n"),
+            (true, false) => {}
+        }
+        w.extend_from_slice(b"\r\n");
+        if matches!(self.out, BodyOut::Chunked | BodyOut::Done) { self.flush().await } else { Ok(()) }
+    }
+
+    /// Writes body bytes (`end`: the last ones). Bytes past a declared length are an error, and
+    /// a body that ends short of it leaves the connection to be closed.
+    pub async fn write_body(&mut self, data: Bytes, end: bool) -> std::io::Result<()> {
+        let mut own: Option<Bytes> = None;
+        match self.out {
+            BodyOut::NotStarted => return Err(std::io::Error::other("body before the response head")),
+            BodyOut::Done => {
+                if !data.is_empty() && !self.head_only {
+                    return Err(std::io::Error::other("body past the end of the response"));
+                }
+            }
+            BodyOut::Length(left) => {
+                if data.len() as u64 > left {
+                    self.keep_alive = false;
+                    return Err(std::io::Error::other("body longer than its Content-Length"));
+                }
+                let left = left - data.len() as u64;
+                self.out = if left == 0 { BodyOut::Done } else { BodyOut::Length(left) };
+                if end && left > 0 {
+                    self.keep_alive = false;
+                }
+                own = Some(data);
+            }
+            BodyOut::UntilClose => {
+                if end {
+                    self.out = BodyOut::Done;
+                }
+                own = Some(data);
+            }
+            BodyOut::Chunked => {
+                if !data.is_empty() {
+                    self.wbuf.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+                    if data.len() > COPY_LIMIT {
+                        self.flush().await?;
+                        self.stream.write_all(&data).await?;
+                    } else {
+                        self.wbuf.extend_from_slice(&data);
+                    }
+                    self.wbuf.extend_from_slice(b"\r\n");
+                }
+                if end {
+                    self.wbuf.extend_from_slice(b"0\r\n\r\n");
+                    self.out = BodyOut::Done;
+                }
+            }
+        }
+        if let Some(d) = own.filter(|d| !d.is_empty()) {
+            if d.len() > COPY_LIMIT {
+                self.flush().await?;
+                self.stream.write_all(&d).await?;
+            } else {
+                self.wbuf.extend_from_slice(&d);
+            }
+        }
+        self.flush().await
+    }
+
+    /// Writes out whatever is buffered.
+    async fn flush(&mut self) -> std::io::Result<()> {
+        if !self.wbuf.is_empty() {
+            self.stream.write_all(&self.wbuf).await?;
+            self.wbuf.clear();
+        }
+        self.stream.flush().await
+    }
+
+    /// Completes when the client has gone away (FIN or reset). Bytes it sends meanwhile (a
+    /// pipelined request) are kept for later; once any are, it can no longer tell, and waits
+    /// forever. Call only after the request body was read.
+    pub async fn closed(&mut self) {
+        loop {
+            if !self.rbuf.is_empty() || !matches!(self.body, BodyIn::Done) {
+                return std::future::pending().await;
+            }
+            self.rbuf.reserve(1024);
+            match self.stream.read_buf(&mut self.rbuf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    }
+
+    /// Whether the connection can carry the next request: the response was complete, the
+    /// request body read whole, and neither side asked to close.
+    pub fn reusable(&self) -> bool {
+        self.keep_alive && self.out == BodyOut::Done && matches!(self.body, BodyIn::Done) && self.wbuf.is_empty()
+    }
+
+    /// Closes the connection's sending side, after writing what is buffered.
+    pub async fn shutdown(&mut self) {
+        let _ = self.flush().await;
+        let _ = self.stream.shutdown().await;
+    }
+}
+
+/// Parses a request head at the front of `buf`: the head with offsets (its `raw` left empty)
+/// and its length, or `None` while it is incomplete.
+fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadError> {
+    let mut slots = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let mut r = httparse::Request::new(&mut []);
+    let len = match r.parse_with_uninit_headers(buf, &mut slots) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooLarge),
+        Err(_) => return Err(HeadError::Malformed("not a valid HTTP/1.x request head")),
+    };
+    let base = buf.as_ptr() as usize;
+    let at = |s: &[u8]| (s.as_ptr() as usize - base) as u32;
+    let span = |s: &[u8]| [at(s), at(s) + s.len() as u32];
+    let (Some(method), Some(target), Some(minor)) = (r.method, r.path, r.version) else {
+        return Err(HeadError::Malformed("an incomplete request line"));
+    };
+    let headers = r
+        .headers
+        .iter()
+        .map(|h| {
+            let ([ns, ne], [vs, ve]) = (span(h.name.as_bytes()), span(h.value));
+            [ns, ne, vs, ve]
+        })
+        .collect();
+    Ok(Some((RequestHead { raw: Bytes::new(), method: span(method.as_bytes()), target: span(target.as_bytes()), minor, headers }, len)))
+}
+
+/// The reason phrase for `status`.
+fn reason(status: u16) -> &'static str {
+    pingora::http::StatusCode::from_u16(status).ok().and_then(|s| s.canonical_reason()).unwrap_or("Unknown")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::DuplexStream;
+
+    fn conn() -> (ClientConn, DuplexStream) {
+        let (ours, theirs) = tokio::io::duplex(1 << 20);
+        (ClientConn::new(Box::new(ours)), theirs)
+    }
+
+    async fn send(peer: &mut DuplexStream, bytes: &[u8]) {
+        peer.write_all(bytes).await.unwrap();
+    }
+
+    /// What the peer has received so far.
+    async fn received(peer: &mut DuplexStream) -> String {
+        let mut buf = vec![0; 1 << 16];
+        let n = tokio::time::timeout(Duration::from_secs(1), peer.read(&mut buf)).await.unwrap().unwrap();
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    }
+
+    const IDLE: Duration = Duration::from_secs(5);
+
+    #[tokio::test]
+    async fn a_request_with_a_length_body_is_read_and_answered_in_one_send() {
+        let (mut c, mut peer) = conn();
+        send(&mut peer, b"POST /v1/completions?x=1 HTTP/1.1\r\nHost: g\r\nX-Trace: A\r\nContent-Length: 5\r\n\r\nhello").await;
+        assert!(c.read_request(IDLE).await.unwrap());
+        assert_eq!((c.req().method(), c.req().target(), c.req().path()), ("POST", "/v1/completions?x=1", "/v1/completions"));
+        assert_eq!(c.req().header("x-trace"), Some(&b"A"[..]));
+        assert_eq!(c.read_body().await.unwrap().as_deref(), Some(&b"hello"[..]));
+        assert_eq!(c.read_body().await.unwrap(), None);
+        let mut h = ResponseHead::new(200);
+        h.header(b"Content-Type", b"application/json").unwrap().length(2);
+        c.write_head(&h).await.unwrap();
+        c.write_body(Bytes::from_static(b"{}"), true).await.unwrap();
+        let got = received(&mut peer).await;
+        assert!(got.starts_with("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nDate: "), "{got}");
+        assert!(got.ends_with("\r\nContent-Length: 2\r\n\r\n{}"), "{got}");
+        assert!(c.reusable());
+    }
+
+    #[tokio::test]
+    async fn a_chunked_body_in_and_a_chunked_stream_out() {
+        let (mut c, mut peer) = conn();
+        send(&mut peer, b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n").await;
+        assert!(c.read_request(IDLE).await.unwrap());
+        let mut body = Vec::new();
+        while let Some(b) = c.read_body().await.unwrap() {
+            body.extend_from_slice(&b);
+        }
+        assert_eq!(body, b"abcde");
+        c.write_head(&ResponseHead::new(200)).await.unwrap();
+        assert!(received(&mut peer).await.ends_with("Transfer-Encoding: chunked\r\n\r\n"), "the head goes out before the first token");
+        c.write_body(Bytes::from_static(b"data: 1\n\n"), false).await.unwrap();
+        c.write_body(Bytes::from_static(b"data: [DONE]\n\n"), true).await.unwrap();
+        let got = received(&mut peer).await;
+        assert_eq!(got, "9\r\ndata: 1\n\n\r\ne\r\ndata: [DONE]\n\n\r\n0\r\n\r\n");
+        assert!(c.reusable());
+    }
+
+    #[tokio::test]
+    async fn pipelined_requests_are_served_in_turn() {
+        let (mut c, mut peer) = conn();
+        send(&mut peer, b"GET /health HTTP/1.1\r\n\r\nPOST /a HTTP/1.1\r\nContent-Length: 1\r\n\r\nxGET /b HTTP/1.1\r\n\r\n").await;
+        for (path, body) in [("/health", None), ("/a", Some(&b"x"[..])), ("/b", None)] {
+            assert!(c.read_request(IDLE).await.unwrap());
+            assert_eq!(c.req().path(), path);
+            assert_eq!(c.read_body().await.unwrap().as_deref(), body);
+            let mut h = ResponseHead::new(204);
+            c.write_head(h.length(0)).await.unwrap();
+            assert!(c.reusable(), "{path}");
+        }
+        drop(peer);
+        assert!(!c.read_request(IDLE).await.unwrap(), "a close between requests is no error");
+    }
+
+    #[tokio::test]
+    async fn requests_framed_so_they_could_be_smuggled_are_refused() {
+        for head in [
+            &b"POST / HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n"[..],
+            b"POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\n",
+            b"POST / HTTP/1.1\r\nContent-Length: -3\r\n\r\n",
+            b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n",
+            b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n",
+            b"NOT HTTP AT ALL\r\n\r\n",
+            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+        ] {
+            let (mut c, mut peer) = conn();
+            send(&mut peer, head).await;
+            assert!(matches!(c.read_request(IDLE).await, Err(HeadError::Malformed(_))), "{}", String::from_utf8_lossy(head));
+        }
+    }
+
+    #[tokio::test]
+    async fn an_oversized_head_is_refused() {
+        let (mut c, mut peer) = conn();
+        let mut head = b"GET / HTTP/1.1\r\n".to_vec();
+        (0..MAX_HEADERS + 1).for_each(|i| head.extend_from_slice(format!("X-{i}: v\r\n").as_bytes()));
+        head.extend_from_slice(b"\r\n");
+        send(&mut peer, &head).await;
+        assert!(matches!(c.read_request(IDLE).await, Err(HeadError::TooLarge)));
+        let (mut c, mut peer) = conn();
+        send(&mut peer, b"GET / HTTP/1.1\r\nX-Long: ").await;
+        send(&mut peer, &vec![b'a'; MAX_HEAD]).await;
+        assert!(matches!(c.read_request(IDLE).await, Err(HeadError::TooLarge)));
+    }
+
+    #[tokio::test]
+    async fn http10_and_connection_close_end_the_connection() {
+        let (mut c, mut peer) = conn();
+        send(&mut peer, b"GET /health HTTP/1.0\r\n\r\n").await;
+        assert!(c.read_request(IDLE).await.unwrap());
+        c.write_head(&ResponseHead::new(200)).await.unwrap();
+        c.write_body(Bytes::from_static(b"ok"), true).await.unwrap();
+        let got = received(&mut peer).await;
+        assert!(got.contains("Connection: close\r\n") && !got.contains("chunked") && got.ends_with("\r\n\r\nok"), "{got}");
+        assert!(!c.reusable());
+        let (mut c, mut peer) = conn();
+        send(&mut peer, b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n").await;
+        assert!(c.read_request(IDLE).await.unwrap());
+        let mut h = ResponseHead::new(200);
+        c.write_head(h.length(0)).await.unwrap();
+        assert!(received(&mut peer).await.contains("Connection: close\r\n"));
+        assert!(!c.reusable());
+    }
+
+    #[tokio::test]
+    async fn expect_continue_is_owed_until_sent() {
+        let (mut c, mut peer) = conn();
+        send(&mut peer, b"POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n").await;
+        assert!(c.read_request(IDLE).await.unwrap());
+        assert!(c.expects_continue());
+        c.write_continue().await.unwrap();
+        assert_eq!(received(&mut peer).await, "HTTP/1.1 100 Continue\r\n\r\n");
+        send(&mut peer, b"ok").await;
+        assert_eq!(c.read_body().await.unwrap().as_deref(), Some(&b"ok"[..]));
+    }
+
+    #[tokio::test]
+    async fn a_body_cut_short_or_overlong_leaves_the_connection_unusable() {
+        let (mut c, mut peer) = conn();
+        send(&mut peer, b"POST / HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc").await;
+        assert!(c.read_request(IDLE).await.unwrap());
+        assert_eq!(c.read_body().await.unwrap().as_deref(), Some(&b"abc"[..]));
+        drop(peer);
+        assert!(matches!(c.read_body().await, Err(BodyReadError::Closed)));
+        let (mut c, mut peer) = conn();
+        send(&mut peer, b"GET / HTTP/1.1\r\n\r\n").await;
+        assert!(c.read_request(IDLE).await.unwrap());
+        let mut h = ResponseHead::new(200);
+        c.write_head(h.length(4)).await.unwrap();
+        assert!(c.write_body(Bytes::from_static(b"toolong"), true).await.is_err());
+        assert!(!c.reusable());
+        let (mut c, mut peer) = conn();
+        send(&mut peer, b"GET / HTTP/1.1\r\n\r\n").await;
+        assert!(c.read_request(IDLE).await.unwrap());
+        let mut h = ResponseHead::new(200);
+        c.write_head(h.length(4)).await.unwrap();
+        c.write_body(Bytes::from_static(b"ab"), true).await.unwrap();
+        assert!(!c.reusable(), "a short body can only be told by closing");
+    }
+
+    #[tokio::test]
+    async fn a_client_leaving_is_noticed_and_pipelined_bytes_are_kept() {
+        let (mut c, mut peer) = conn();
+        send(&mut peer, b"GET /a HTTP/1.1\r\n\r\n").await;
+        assert!(c.read_request(IDLE).await.unwrap());
+        send(&mut peer, b"GET /b HTTP/1.1\r\n\r\n").await;
+        assert!(tokio::time::timeout(Duration::from_millis(50), c.closed()).await.is_err(), "a pipelined request is not a close");
+        let mut h = ResponseHead::new(204);
+        c.write_head(h.length(0)).await.unwrap();
+        assert!(c.read_request(IDLE).await.unwrap());
+        assert_eq!(c.req().path(), "/b");
+        drop(peer);
+        tokio::time::timeout(Duration::from_secs(1), c.closed()).await.expect("the close is seen");
+    }
+
+    #[test]
+    fn paths_come_out_of_every_target_form() {
+        let head = |t: &str| {
+            let raw = format!("GET {t} HTTP/1.1\r\n\r\n");
+            let (h, _) = parse_request(raw.as_bytes()).unwrap().unwrap();
+            (RequestHead { raw: Bytes::from(raw), ..h }).path().to_string()
+        };
+        assert_eq!(head("/v1/models"), "/v1/models");
+        assert_eq!(head("/v1/models?a=b#c"), "/v1/models");
+        assert_eq!(head("http://gw:8080/v1/completions?x"), "/v1/completions");
+        assert_eq!(head("http://gw:8080"), "/");
+        assert_eq!(head("*"), "*");
+    }
+
+    #[test]
+    fn header_lines_that_would_split_the_head_are_refused() {
+        let mut h = ResponseHead::new(200);
+        assert!(h.header(b"X-A", b"ok").is_ok());
+        assert!(h.header(b"X-B", b"a\r\nX-Evil: 1").is_err());
+        assert!(h.header(b"X C", b"v").is_err());
+        assert!(h.header(b"", b"v").is_err());
+    }
+}
