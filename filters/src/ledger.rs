@@ -88,7 +88,7 @@ pub struct Ledger {
     workers: Box<[Arc<WorkerCounters>]>,
     tracking: Tracking,
     next_salt: AtomicU64,
-    live: Mutex<HashMap<u64, (Instant, Arc<Release>)>>,
+    live: Mutex<HashMap<u64, (Instant, Arc<Release>), kvgate_kv::hash::BuildIdHasher>>,
     expired: AtomicU64,
 }
 
@@ -150,7 +150,7 @@ impl Ledger {
             workers,
             tracking,
             next_salt: AtomicU64::new(1),
-            live: Mutex::new(HashMap::new()),
+            live: Mutex::new(HashMap::default()),
             expired: AtomicU64::new(0),
         })
     }

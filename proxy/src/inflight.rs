@@ -216,7 +216,7 @@ impl RequestEntry {
 }
 
 /// One shard of the live map: registration key → entry.
-type Shard = Mutex<HashMap<u64, Arc<RequestEntry>>>;
+type Shard = Mutex<HashMap<u64, Arc<RequestEntry>, kvgate_kv::hash::BuildIdHasher>>;
 
 /// Every request in flight, and the last [`FINISHED_KEPT`] finished ones.
 pub struct RequestRegistry {
@@ -236,7 +236,7 @@ impl RequestRegistry {
     /// A registry keeping `keep` finished requests.
     pub fn with_capacity(keep: usize) -> Self {
         Self {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::default())).collect(),
             next: AtomicU64::new(0),
             finished: Mutex::new(VecDeque::with_capacity(keep)),
             keep,

@@ -59,6 +59,8 @@ pub struct RequestHead {
     raw: Bytes,
     method: [u32; 2],
     target: [u32; 2],
+    /// The target's path (see [`Self::path`]).
+    path: [u32; 2],
     /// HTTP/1.`minor`.
     minor: u8,
     headers: Vec<[u32; 4]>,
@@ -91,12 +93,7 @@ impl RequestHead {
     /// The target's path: without the query, and without scheme and authority when the target
     /// is in absolute form.
     pub fn path(&self) -> &str {
-        let t = self.target();
-        let t = match t.find("://") {
-            Some(i) if !t.starts_with('/') => t[i + 3..].find('/').map_or("/", |j| &t[i + 3 + j..]),
-            _ => t,
-        };
-        t.split(['?', '#']).next().unwrap_or(t)
+        if self.path == [0, 0] { "/" } else { self.part(self.path) }
     }
 
     /// Whether the request is HTTP/1.0.
@@ -174,8 +171,8 @@ impl ResponseHead {
 
     /// Adds a header line.
     pub fn header(&mut self, name: &[u8], value: &[u8]) -> Result<&mut Self, BadHeader> {
-        let bad = |b: &u8| matches!(b, 0 | b'\r' | b'\n');
-        if name.is_empty() || name.iter().any(|b| bad(b) || *b == b':' || *b == b' ') || value.iter().any(bad) {
+        let splits = |b: &[u8]| memchr::memchr3(0, b'\r', b'\n', b).is_some();
+        if name.is_empty() || splits(name) || memchr::memchr2(b':', b' ', name).is_some() || splits(value) {
             return Err(BadHeader(String::from_utf8_lossy(name).into_owned()));
         }
         self.dated |= name.eq_ignore_ascii_case(b"date");
@@ -549,7 +546,22 @@ fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadError> 
             [ns, ne, vs, ve]
         })
         .collect();
-    Ok(Some((RequestHead { raw: Bytes::new(), method: span(method.as_bytes()), target: span(target.as_bytes()), minor, headers }, len)))
+    // [0, 0] stands for the root: an absolute target with no path has none to point at.
+    let path = match path_of(target) {
+        "" => [0, 0],
+        p => span(p.as_bytes()),
+    };
+    Ok(Some((RequestHead { raw: Bytes::new(), method: span(method.as_bytes()), target: span(target.as_bytes()), path, minor, headers }, len)))
+}
+
+/// The path in a request target: without the query, and without scheme and authority in
+/// absolute form (`http://host/p` is `/p`; `http://host` is empty: the root).
+fn path_of(t: &str) -> &str {
+    let t = match t.find("://") {
+        Some(i) if !t.starts_with('/') => t[i + 3..].find('/').map_or("", |j| &t[i + 3 + j..]),
+        _ => t,
+    };
+    t.split(['?', '#']).next().unwrap_or(t)
 }
 
 /// The reason phrase for `status`.

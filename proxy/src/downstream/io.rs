@@ -41,16 +41,27 @@ pub async fn read_body(session: &mut ClientConn, limit: u64, deadline: Duration)
         return Err(BodyError::Gone);
     }
     let read = async {
-        let mut buf = BytesMut::new();
+        // A body that arrived in one piece (the usual case) is handed on without a copy.
+        let (mut first, mut rest): (Option<Bytes>, Option<BytesMut>) = (None, None);
+        let mut len = 0u64;
         loop {
             match session.read_body().await {
                 Ok(Some(chunk)) => {
-                    if buf.len() as u64 + chunk.len() as u64 > limit {
+                    len += chunk.len() as u64;
+                    if len > limit {
                         return Err(BodyError::TooLarge(limit));
                     }
-                    buf.extend_from_slice(&chunk);
+                    match (first.take(), rest.as_mut()) {
+                        (None, None) => first = Some(chunk),
+                        (Some(f), _) => {
+                            let mut buf = BytesMut::from(f);
+                            buf.extend_from_slice(&chunk);
+                            rest = Some(buf);
+                        }
+                        (None, Some(buf)) => buf.extend_from_slice(&chunk),
+                    }
                 }
-                Ok(None) => return Ok(buf.freeze()),
+                Ok(None) => return Ok(rest.map_or_else(|| first.unwrap_or_default(), BytesMut::freeze)),
                 Err(_) => return Err(BodyError::Gone),
             }
         }

@@ -72,7 +72,12 @@ fn new_id() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
     let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
-    format!("kvg-{:016x}", kvgate_kv::hash::mix(t ^ N.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed)))
+    let x = kvgate_kv::hash::mix(t ^ N.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed));
+    // "kvg-" and 16 hex digits, written without the formatting machinery (it runs per request).
+    let mut id = String::with_capacity(20);
+    id.push_str("kvg-");
+    (0..16).rev().for_each(|i| id.push(char::from(b"0123456789abcdef"[(x >> (4 * i)) as usize & 15])));
+    id
 }
 
 /// Admits a request, or says how it ended.
