@@ -8,6 +8,7 @@
 //! Reads are cancel-safe (one read into the buffer is the only await; parsing follows it), so
 //! [`ClientConn::closed`] can race a worker in a `select!` and lose no pipelined byte.
 
+use crate::h1::body::Framing;
 use crate::h1::chunked::{ChunkError, Chunked};
 use bytes::{Bytes, BytesMut};
 use pingora::protocols::Stream;
@@ -124,14 +125,6 @@ impl RequestHead {
     }
 }
 
-/// How the request body is framed, and how much of it is left.
-#[derive(Debug)]
-enum BodyIn {
-    Length(u64),
-    Chunked(Chunked),
-    Done,
-}
-
 /// How the response body is framed, once its head is written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum BodyOut {
@@ -210,7 +203,7 @@ pub struct ClientConn {
     stream: Stream,
     rbuf: BytesMut,
     head: RequestHead,
-    body: BodyIn,
+    body: Framing,
     continue_owed: bool,
     wbuf: Vec<u8>,
     out: BodyOut,
@@ -231,7 +224,7 @@ impl ClientConn {
             stream,
             rbuf: BytesMut::new(),
             head: RequestHead::default(),
-            body: BodyIn::Done,
+            body: Framing::Done,
             continue_owed: false,
             wbuf: Vec::with_capacity(1024),
             out: BodyOut::Done,
@@ -254,7 +247,7 @@ impl ClientConn {
     /// the client closed the connection between requests, or was idle that long.
     pub async fn read_request(&mut self, idle: Duration) -> Result<bool, HeadError> {
         // A head that is refused still gets an answer (and then the connection closes).
-        (self.out, self.head_only, self.body) = (BodyOut::NotStarted, false, BodyIn::Done);
+        (self.out, self.head_only, self.body) = (BodyOut::NotStarted, false, Framing::Done);
         match tokio::time::timeout(idle, self.read_head()).await {
             Ok(r) => r,
             Err(_) => Ok(false),
@@ -303,14 +296,13 @@ impl ClientConn {
         // A request framed two ways is how requests are smuggled past proxies: refused.
         self.body = match (coding, length) {
             (Some(_), Some(_)) => return Err(HeadError::Malformed("both Transfer-Encoding and Content-Length")),
-            (Some(c), None) if c.trim_ascii().eq_ignore_ascii_case(b"chunked") => BodyIn::Chunked(Chunked::default()),
+            (Some(c), None) if c.trim_ascii().eq_ignore_ascii_case(b"chunked") => Framing::Chunked(Chunked::default()),
             (Some(_), None) => return Err(HeadError::Malformed("a Transfer-Encoding other than chunked")),
-            (None, Some(n)) if n > 0 => BodyIn::Length(n),
-            (None, _) => BodyIn::Done,
+            (None, Some(n)) if n > 0 => Framing::Length(n),
+            (None, _) => Framing::Done,
         };
-        self.continue_owed = !matches!(self.body, BodyIn::Done)
-            && !head.is_http10()
-            && head.header("expect").is_some_and(|v| v.trim_ascii().eq_ignore_ascii_case(b"100-continue"));
+        self.continue_owed =
+            !self.body.is_done() && !head.is_http10() && head.header("expect").is_some_and(|v| v.trim_ascii().eq_ignore_ascii_case(b"100-continue"));
         self.keep_alive = if head.is_http10() { head.connection_has(b"keep-alive") } else { !head.connection_has(b"close") };
         self.head_only = head.method() == "HEAD";
         self.out = BodyOut::NotStarted;
@@ -334,29 +326,10 @@ impl ClientConn {
     /// The next run of request body bytes; `None` once the body is complete.
     pub async fn read_body(&mut self) -> Result<Option<Bytes>, BodyReadError> {
         loop {
-            let data = match &mut self.body {
-                BodyIn::Length(left) => {
-                    let n = (self.rbuf.len() as u64).min(*left) as usize;
-                    *left -= n as u64;
-                    let data = (n > 0).then(|| self.rbuf.split_to(n).freeze());
-                    if *left == 0 {
-                        self.body = BodyIn::Done;
-                    }
-                    data
-                }
-                BodyIn::Chunked(c) => {
-                    let data = c.next(&mut self.rbuf)?;
-                    if c.is_done() {
-                        self.body = BodyIn::Done;
-                    }
-                    data
-                }
-                BodyIn::Done => return Ok(None),
-            };
-            if data.is_some() {
-                return Ok(data);
+            if let Some(data) = self.body.take(&mut self.rbuf)? {
+                return Ok(Some(data));
             }
-            if matches!(self.body, BodyIn::Done) {
+            if self.body.is_done() {
                 return Ok(None);
             }
             self.rbuf.reserve(READ_SIZE);
@@ -497,7 +470,7 @@ impl ClientConn {
     /// forever. Call only after the request body was read.
     pub async fn closed(&mut self) {
         loop {
-            if !self.rbuf.is_empty() || !matches!(self.body, BodyIn::Done) {
+            if !self.rbuf.is_empty() || !self.body.is_done() {
                 return std::future::pending().await;
             }
             self.rbuf.reserve(1024);
@@ -511,7 +484,7 @@ impl ClientConn {
     /// Whether the connection can carry the next request: the response was complete, the
     /// request body read whole, and neither side asked to close.
     pub fn reusable(&self) -> bool {
-        self.keep_alive && self.out == BodyOut::Done && matches!(self.body, BodyIn::Done) && self.wbuf.is_empty()
+        self.keep_alive && self.out == BodyOut::Done && self.body.is_done() && self.wbuf.is_empty()
     }
 
     /// Closes the connection's sending side, after writing what is buffered.

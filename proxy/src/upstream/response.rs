@@ -8,6 +8,7 @@
 //! Every read is cancel-safe: the only await is one read into the buffer, and decoding happens
 //! after it, so a read dropped by a `select!` or polled once and abandoned loses no byte.
 
+use crate::h1::body::Framing;
 use crate::h1::chunked::{ChunkError, Chunked};
 use bytes::{Bytes, BytesMut};
 use pingora::protocols::Stream;
@@ -43,35 +44,13 @@ pub enum ResponseError {
     Chunked(#[from] ChunkError),
 }
 
-/// How the rest of the body is framed.
-#[derive(Debug)]
-enum Body {
-    /// This many bytes are still to come.
-    Length(u64),
-    /// Chunked coding.
-    Chunked(Chunked),
-    /// Until the worker closes the connection.
-    UntilClose,
-    /// Nothing more.
-    Done,
-}
-
 /// A response whose head has arrived, and its connection.
 #[derive(Debug)]
 pub struct WorkerResponse {
     stream: Stream,
     /// Bytes read and not yet handed on.
     buf: BytesMut,
-    /// The head as it came (status line and headers).
-    head: Bytes,
-    /// Each header's name and value as offsets into `head`.
-    headers: Vec<[u32; 4]>,
-    status: u16,
-    body: Body,
-    /// The body is framed by `Content-Length`.
-    by_length: bool,
-    /// Whether the connection may carry another request once the body is read.
-    keep_alive: bool,
+    head: Head,
 }
 
 impl WorkerResponse {
@@ -84,8 +63,7 @@ impl WorkerResponse {
                 if (100..200).contains(&parsed.status) && parsed.status != 101 {
                     continue;
                 }
-                let Parsed { head, headers, status, body, by_length, keep_alive } = parsed;
-                return Ok(Self { stream, buf, head, headers, status, body, by_length, keep_alive });
+                return Ok(Self { stream, buf, head: parsed });
             }
             if buf.len() >= MAX_HEAD {
                 return Err(ResponseError::HeadTooLarge);
@@ -99,12 +77,13 @@ impl WorkerResponse {
 
     /// The status code.
     pub fn status(&self) -> u16 {
-        self.status
+        self.head.status
     }
 
     /// The headers as they came: names (ASCII, any case) and values.
     pub fn headers(&self) -> impl Iterator<Item = (&[u8], &[u8])> + '_ {
-        self.headers.iter().map(|&[ns, ne, vs, ve]| (&self.head[ns as usize..ne as usize], &self.head[vs as usize..ve as usize]))
+        let raw = &self.head.raw;
+        self.head.headers.iter().map(|&[ns, ne, vs, ve]| (&raw[ns as usize..ne as usize], &raw[vs as usize..ve as usize]))
     }
 
     /// The first value of header `name` (any case).
@@ -115,19 +94,19 @@ impl WorkerResponse {
     /// Whether the body is framed by its `Content-Length` (not by chunked coding, nor the
     /// connection's close, nor absent because of the status).
     pub fn framed_by_length(&self) -> bool {
-        self.by_length
+        self.head.by_length
     }
 
     /// Whether the whole body has been handed on.
     pub fn is_done(&self) -> bool {
-        matches!(self.body, Body::Done)
+        self.head.body.is_done()
     }
 
     /// The next run of body bytes, as soon as any have arrived; `None` once the body is
     /// complete.
     pub async fn read_body(&mut self) -> Result<Option<Bytes>, ResponseError> {
         loop {
-            if let Some(data) = self.buffered()? {
+            if let Some(data) = self.head.body.take(&mut self.buf)? {
                 return Ok(Some(data));
             }
             if self.is_done() {
@@ -135,9 +114,9 @@ impl WorkerResponse {
             }
             self.buf.reserve(READ_SIZE);
             if self.stream.read_buf(&mut self.buf).await? == 0 {
-                return match self.body {
-                    Body::UntilClose => {
-                        self.body = Body::Done;
+                return match self.head.body {
+                    Framing::UntilClose => {
+                        self.head.body = Framing::Done;
                         Ok(None)
                     }
                     _ => Err(ResponseError::Closed("before the end of the body")),
@@ -146,61 +125,42 @@ impl WorkerResponse {
         }
     }
 
-    /// Body bytes already read, framing removed.
-    fn buffered(&mut self) -> Result<Option<Bytes>, ResponseError> {
-        let data = match &mut self.body {
-            Body::Length(left) => {
-                let n = (self.buf.len() as u64).min(*left) as usize;
-                *left -= n as u64;
-                let data = (n > 0).then(|| self.buf.split_to(n).freeze());
-                if *left == 0 {
-                    self.body = Body::Done;
-                }
-                data
-            }
-            Body::Chunked(c) => {
-                let data = c.next(&mut self.buf)?;
-                if c.is_done() {
-                    self.body = Body::Done;
-                }
-                data
-            }
-            Body::UntilClose => (!self.buf.is_empty()).then(|| self.buf.split().freeze()),
-            Body::Done => None,
-        };
-        Ok(data)
-    }
-
     /// The connection, when it can carry another request: the body was read whole, the worker
     /// did not ask to close, and it sent nothing past the response.
     pub fn into_reusable(self) -> Option<Stream> {
-        (self.is_done() && self.keep_alive && self.buf.is_empty()).then_some(self.stream)
+        (self.is_done() && self.head.keep_alive && self.buf.is_empty()).then_some(self.stream)
     }
 }
 
-/// A parsed response head.
-struct Parsed {
-    head: Bytes,
+/// A parsed response head and what it says about the body and the connection.
+#[derive(Debug)]
+struct Head {
+    /// The head as it came (status line and headers).
+    raw: Bytes,
+    /// Each header's name and value as offsets into `raw`.
     headers: Vec<[u32; 4]>,
     status: u16,
-    body: Body,
+    /// The rest of the body.
+    body: Framing,
+    /// The body is framed by `Content-Length`.
     by_length: bool,
+    /// Whether the connection may carry another request once the body is read.
     keep_alive: bool,
 }
 
 /// Parses the head at the front of `buf` and takes it off; `None` while it is incomplete.
-fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Parsed>, ResponseError> {
+fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>, ResponseError> {
     let mut few = [httparse::EMPTY_HEADER; FEW_HEADERS];
     let parsed = match parse_into(buf, &mut few, head_request) {
         Err(ResponseError::HeadTooLarge) => parse_into(buf, &mut vec![httparse::EMPTY_HEADER; MAX_HEADERS], head_request),
         parsed => parsed,
     };
-    Ok(parsed?.map(|(len, p)| Parsed { head: buf.split_to(len).freeze(), ..p }))
+    Ok(parsed?.map(|(len, p)| Head { raw: buf.split_to(len).freeze(), ..p }))
 }
 
-/// [`parse_head`] with `slots` for the headers, leaving the head in `buf` (`head` is empty):
+/// [`parse_head`] with `slots` for the headers, leaving the head in `buf` (`raw` is empty):
 /// its length and what it says. [`ResponseError::HeadTooLarge`] when the slots are too few.
-fn parse_into<'b>(buf: &'b [u8], slots: &mut [httparse::Header<'b>], head_request: bool) -> Result<Option<(usize, Parsed)>, ResponseError> {
+fn parse_into<'b>(buf: &'b [u8], slots: &mut [httparse::Header<'b>], head_request: bool) -> Result<Option<(usize, Head)>, ResponseError> {
     let mut r = httparse::Response::new(slots);
     let len = match r.parse(buf) {
         Ok(httparse::Status::Complete(n)) => n,
@@ -219,16 +179,16 @@ fn parse_into<'b>(buf: &'b [u8], slots: &mut [httparse::Header<'b>], head_reques
     let (framing, by_length, close) = framing(r.headers, status, head_request)?;
     let http10 = r.version == Some(0);
     let keep_alive = !close && if http10 { connection_has(r.headers, b"keep-alive") } else { !connection_has(r.headers, b"close") };
-    let keep_alive = keep_alive && !matches!(framing, Body::UntilClose) && status != 101;
-    Ok(Some((len, Parsed { head: Bytes::new(), headers, status, body: framing, by_length, keep_alive })))
+    let keep_alive = keep_alive && !matches!(framing, Framing::UntilClose) && status != 101;
+    Ok(Some((len, Head { raw: Bytes::new(), headers, status, body: framing, by_length, keep_alive })))
 }
 
 /// How the body is framed (RFC 9112 §6.3), whether by its `Content-Length`, and whether the
 /// connection must close after it (a message framed two ways is read by its transfer coding,
 /// and never trusted for reuse).
-fn framing(headers: &[httparse::Header<'_>], status: u16, head_request: bool) -> Result<(Body, bool, bool), ResponseError> {
+fn framing(headers: &[httparse::Header<'_>], status: u16, head_request: bool) -> Result<(Framing, bool, bool), ResponseError> {
     if head_request || (100..200).contains(&status) || status == 204 || status == 304 {
-        return Ok((Body::Done, false, false));
+        return Ok((Framing::Done, false, false));
     }
     let mut length: Option<u64> = None;
     let mut coding: Option<&[u8]> = None;
@@ -247,11 +207,11 @@ fn framing(headers: &[httparse::Header<'_>], status: u16, head_request: bool) ->
     Ok(match (coding, length) {
         (Some(c), _) => {
             let chunked = c.rsplit(|&b| b == b',').next().is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
-            (if chunked { Body::Chunked(Chunked::default()) } else { Body::UntilClose }, false, length.is_some())
+            (if chunked { Framing::Chunked(Chunked::default()) } else { Framing::UntilClose }, false, length.is_some())
         }
-        (None, Some(0)) => (Body::Done, true, false),
-        (None, Some(n)) => (Body::Length(n), true, false),
-        (None, None) => (Body::UntilClose, false, false),
+        (None, Some(0)) => (Framing::Done, true, false),
+        (None, Some(n)) => (Framing::Length(n), true, false),
+        (None, None) => (Framing::UntilClose, false, false),
     })
 }
 
