@@ -721,6 +721,27 @@ mod tests {
     }
 
     #[test]
+    fn random_heads_never_panic() {
+        let mut s = 3u64;
+        let mut next = move || {
+            s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            kvgate_kv::hash::mix(s)
+        };
+        let pieces: [&[u8]; 10] =
+            [b"GET ", b"POST ", b"/v1/x", b"http://h", b" HTTP/1.1", b"\r\n", b"Content-Length: 5", b"Transfer-Encoding: chunked", b": ", b"\xff"];
+        for _ in 0..5000 {
+            let mut raw = Vec::new();
+            (0..next() % 12).for_each(|_| raw.extend_from_slice(pieces[(next() % pieces.len() as u64) as usize]));
+            if next().is_multiple_of(2) {
+                raw.extend_from_slice(b"\r\n\r\n");
+            }
+            if let Ok(h) = RequestHead::parse(Bytes::from(raw)) {
+                let _ = (h.method(), h.target(), h.path(), h.headers().count(), h.header("content-length"));
+            }
+        }
+    }
+
+    #[test]
     fn paths_come_out_of_every_target_form() {
         let head = |t: &str| {
             let raw = format!("GET {t} HTTP/1.1\r\n\r\n");
