@@ -168,12 +168,22 @@ impl ResponseHead {
         if name.is_empty() || splits(name) || memchr::memchr2(b':', b' ', name).is_some() || splits(value) {
             return Err(BadHeader(String::from_utf8_lossy(name).into_owned()));
         }
+        Ok(self.line(name, value))
+    }
+
+    /// Adds a header line a peer sent and `httparse` accepted (a token name; a value without
+    /// CR, LF, NUL or other control bytes), without checking it again.
+    pub fn parsed_header(&mut self, name: &[u8], value: &[u8]) -> &mut Self {
+        self.line(name, value)
+    }
+
+    fn line(&mut self, name: &[u8], value: &[u8]) -> &mut Self {
         self.dated |= name.eq_ignore_ascii_case(b"date");
         self.lines.extend_from_slice(name);
         self.lines.extend_from_slice(b": ");
         self.lines.extend_from_slice(value);
         self.lines.extend_from_slice(b"\r\n");
-        Ok(self)
+        self
     }
 
     /// The body's length: sent with `Content-Length` instead of chunked.

@@ -132,7 +132,8 @@ pub fn client_response_header(ex: &Exchange, request_id: &str, worker: &str, rew
                 h.length(n.ok_or_else(|| ClientBadHeader("content-length".into()))?);
             }
         } else if forwarded(name, connection) && !name.eq_ignore_ascii_case(b"x-request-id") && !name.eq_ignore_ascii_case(b"x-kvgate-worker") {
-            h.header(name, value)?;
+            // Parsed by httparse from the worker's head: no byte in it can split the client's.
+            h.parsed_header(name, value);
         }
     }
     h.header(b"x-request-id", request_id.as_bytes())?;
