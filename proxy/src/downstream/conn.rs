@@ -367,6 +367,11 @@ impl ClientConn {
         if self.out != BodyOut::NotStarted {
             return Err(std::io::Error::other("the response head was written already"));
         }
+        // Answered before its body was read (413, 408): the unread rest would be taken for the
+        // next request, so the connection ends after this answer, and says so.
+        if !self.body.is_done() {
+            self.keep_alive = false;
+        }
         let bodiless = self.head_only || head.status == 204 || head.status == 304 || (100..200).contains(&head.status);
         self.out = match head.length {
             _ if bodiless => BodyOut::Done,
@@ -675,6 +680,18 @@ mod tests {
         assert!(c.read_request(IDLE).await.unwrap());
         let mut h = ResponseHead::new(200);
         c.write_head(h.length(0)).await.unwrap();
+        assert!(received(&mut peer).await.contains("Connection: close\r\n"));
+        assert!(!c.reusable());
+    }
+
+    #[tokio::test]
+    async fn an_answer_before_the_body_was_read_closes_the_connection_and_says_so() {
+        let (mut c, mut peer) = conn();
+        send(&mut peer, b"POST / HTTP/1.1\r\nContent-Length: 100000\r\n\r\npartial").await;
+        assert!(c.read_request(IDLE).await.unwrap());
+        let mut h = ResponseHead::new(413);
+        c.write_head(h.length(2)).await.unwrap();
+        c.write_body(Bytes::from_static(b"no"), true).await.unwrap();
         assert!(received(&mut peer).await.contains("Connection: close\r\n"));
         assert!(!c.reusable());
     }
