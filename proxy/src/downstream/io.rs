@@ -1,7 +1,7 @@
 //! Small pieces of HTTP plumbing on the client's connection: reading a body with a cap and a
 //! deadline, and writing a complete local response.
 
-use super::conn::{ClientConn, ResponseHead};
+use super::conn::{BodyReadError, ClientConn, ResponseHead};
 use super::errors::ClientError;
 use bytes::{Bytes, BytesMut};
 use std::time::Duration;
@@ -13,6 +13,8 @@ pub enum BodyError {
     TooLarge(u64),
     /// Not received in time: answer 408.
     Timeout,
+    /// Its chunked framing is malformed: answer 400 (and close: the rest cannot be framed).
+    Malformed(String),
     /// The client went away or sent garbage: nothing to answer.
     Gone,
 }
@@ -23,6 +25,7 @@ impl BodyError {
         match self {
             BodyError::TooLarge(l) => Some(ClientError::too_large(*l)),
             BodyError::Timeout => Some(ClientError::body_timeout()),
+            BodyError::Malformed(why) => Some(ClientError::bad_request(format!("malformed request body: {why}"), None)),
             BodyError::Gone => None,
         }
     }
@@ -62,6 +65,7 @@ pub async fn read_body(session: &mut ClientConn, limit: u64, deadline: Duration)
                     }
                 }
                 Ok(None) => return Ok(rest.map_or_else(|| first.unwrap_or_default(), BytesMut::freeze)),
+                Err(BodyReadError::Chunked(e)) => return Err(BodyError::Malformed(e.to_string())),
                 Err(_) => return Err(BodyError::Gone),
             }
         }

@@ -90,6 +90,9 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
         Ok(b) => b,
         Err(BodyError::TooLarge(limit)) => return Err(Outcome::Refused(GatewayError::TooLarge(limit))),
         Err(BodyError::Timeout) => return Err(Outcome::Refused(GatewayError::BodyTimeout)),
+        Err(BodyError::Malformed(why)) => {
+            return Err(Outcome::Refused(GatewayError::BadRequest { message: format!("Malformed request body: {why}"), param: None }));
+        }
         Err(BodyError::Gone) => return Err(Outcome::Cancelled),
     };
     let view: RequestView =

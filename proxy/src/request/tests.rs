@@ -165,6 +165,11 @@ async fn admission_errors_are_answered_before_any_worker() {
         assert_eq!(status_of(&resp), status, "{resp}");
         assert!(resp.contains(text) && resp.contains(r#""error":"#), "{resp}");
     }
+    // A chunked body whose framing breaks: a 400 that says why, and the connection ends.
+    let bad_chunks = "POST /v1/completions HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n5\r\n{\"a\":1}\r\n0\r\n\r\n";
+    let (_, resp) = serve_one(&gw, bad_chunks).await;
+    assert_eq!(status_of(&resp), 400, "{resp}");
+    assert!(resp.contains("Malformed request body") && resp.to_ascii_lowercase().contains("connection: close"), "{resp}");
     gw.start_draining();
     let (_, resp) = serve_one(&gw, &post(r#"{"model":"m","prompt":"x"}"#)).await;
     assert_eq!(status_of(&resp), 503);
