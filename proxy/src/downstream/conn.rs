@@ -303,7 +303,11 @@ impl ClientConn {
                 }
             }
         }
-        // A request framed two ways is how requests are smuggled past proxies: refused.
+        // A request framed two ways is how requests are smuggled past proxies: refused. So is
+        // chunked coding from an HTTP/1.0 client, which has none (RFC 9112 §6.1).
+        if coding.is_some() && head.is_http10() {
+            return Err(HeadError::Malformed("Transfer-Encoding in an HTTP/1.0 request"));
+        }
         self.body = match (coding, length) {
             (Some(_), Some(_)) => return Err(HeadError::Malformed("both Transfer-Encoding and Content-Length")),
             (Some(c), None) if c.trim_ascii().eq_ignore_ascii_case(b"chunked") => Framing::Chunked(Chunked::default()),
@@ -347,12 +351,6 @@ impl ClientConn {
                 return Err(BodyReadError::Closed);
             }
         }
-    }
-
-    /// Reads and drops what is left of the request body.
-    pub async fn drain_body(&mut self) -> Result<(), BodyReadError> {
-        while self.read_body().await?.is_some() {}
-        Ok(())
     }
 
     /// The connection will close after this response.
@@ -644,6 +642,7 @@ mod tests {
             b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n",
             b"NOT HTTP AT ALL\r\n\r\n",
             b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+            b"POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n",
         ] {
             let (mut c, mut peer) = conn();
             send(&mut peer, head).await;

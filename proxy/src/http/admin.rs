@@ -81,8 +81,24 @@ async fn request(gw: &Arc<Gateway>, session: &mut ClientConn, id: &str) {
     }
 }
 
+/// Reads and drops an admin request's body (at most 64 KiB, within 10 s, like the bodies the
+/// admin API reads); false when it was refused, which was answered.
+async fn drained(session: &mut ClientConn) -> bool {
+    match crate::downstream::io::read_body(session, 64 * 1024, std::time::Duration::from_secs(10)).await {
+        Ok(_) => true,
+        Err(e) => {
+            if let Some(ce) = e.client_error() {
+                respond_error(session, &ce, &[]).await;
+            }
+            false
+        }
+    }
+}
+
 async fn reload(gw: &Arc<Gateway>, session: &mut ClientConn) {
-    let _ = session.drain_body().await;
+    if !drained(session).await {
+        return;
+    }
     // Reloading may compile plugins and load tokenizers: not on an async worker.
     let gw2 = gw.clone();
     let result = tokio::task::spawn_blocking(move || gw2.reload())
@@ -110,7 +126,9 @@ async fn list_plugins(gw: &Arc<Gateway>, session: &mut ClientConn) {
 /// `{"plugins": [{"name", "status": "reloaded" | "unchanged" | "rejected", "sha256" | "error"}]}`;
 /// 200 when every plugin is serving its file, 422 when one was rejected.
 async fn reload_plugins(gw: &Arc<Gateway>, session: &mut ClientConn) {
-    let _ = session.drain_body().await;
+    if !drained(session).await {
+        return;
+    }
     let gw2 = gw.clone();
     let results = match tokio::task::spawn_blocking(move || gw2.plugins.reload_all(&gw2.metrics)).await {
         Ok(r) => r,

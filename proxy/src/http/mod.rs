@@ -78,7 +78,8 @@ impl GatewayApp {
                 woken.await
             }
         };
-        let idle = std::time::Duration::from_millis(self.gw.config().timeouts.client_idle_ms);
+        // At least a second, as before: 0 would drop every connection before its first request.
+        let idle = std::time::Duration::from_millis(self.gw.config().timeouts.client_idle_ms.max(1000));
         let read = tokio::select! {
             // Biased: a request already buffered is served before a stop is noticed.
             biased;
