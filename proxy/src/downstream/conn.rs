@@ -119,9 +119,7 @@ impl RequestHead {
 
     /// Whether the `Connection` headers list `token`.
     fn connection_has(&self, token: &[u8]) -> bool {
-        self.headers()
-            .filter(|(n, _)| n.eq_ignore_ascii_case(b"connection"))
-            .any(|(_, v)| v.split(|&b| b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(token)))
+        self.headers().filter(|(n, _)| n.eq_ignore_ascii_case(b"connection")).any(|(_, v)| crate::h1::list_has(v, token))
     }
 }
 
@@ -294,8 +292,7 @@ impl ClientConn {
                 }
                 coding = Some(v);
             } else if n.eq_ignore_ascii_case(b"content-length") {
-                let parsed =
-                    std::str::from_utf8(v).ok().map(str::trim).filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit())).and_then(|s| s.parse().ok());
+                let parsed = crate::h1::content_length(v);
                 match (parsed, length) {
                     (None, _) => return Err(HeadError::Malformed("invalid Content-Length")),
                     (Some(a), Some(b)) if a != b => return Err(HeadError::Malformed("conflicting Content-Length headers")),

@@ -46,8 +46,7 @@ const HOP_BY_HOP: &[&str] = &[
 /// Whether a header named `name` crosses the gateway: not hop-by-hop, and not named by the
 /// message's own `Connection` header (`connection`, its value).
 fn forwarded(name: &[u8], connection: Option<&[u8]>) -> bool {
-    let named = |list: &[u8]| list.split(|&b| b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(name));
-    !HOP_BY_HOP.iter().any(|h| h.as_bytes().eq_ignore_ascii_case(name)) && !connection.is_some_and(named)
+    !HOP_BY_HOP.iter().any(|h| h.as_bytes().eq_ignore_ascii_case(name)) && !connection.is_some_and(|list| crate::h1::list_has(list, name))
 }
 
 /// An upstream connection whose response head has arrived.
@@ -68,9 +67,7 @@ pub struct Exchange {
 /// a Pingora header first costs two header maps and a copy of every name and value per request
 /// (docs/architecture.md, "The hot path's allocations").
 pub fn request_wire(client: &RequestHead, worker: &Worker, path: &str, body: &[u8], request_id: &str) -> Result<Vec<u8>, BadHeader> {
-    if path.is_empty() || path.bytes().any(|c| c == b' ' || forbidden(c)) {
-        return Err(BadHeader("the request path"));
-    }
+    check_path(path)?;
     if request_id.bytes().any(forbidden) {
         return Err(BadHeader("the request id"));
     }
@@ -102,6 +99,14 @@ pub fn request_wire(client: &RequestHead, worker: &Worker, path: &str, body: &[u
 #[error("{0} holds a byte HTTP/1.1 forbids there (NUL, CR, LF, or a space in the path)")]
 pub struct BadHeader(&'static str);
 
+/// A request target fit for the wire: not empty, no space, no byte that would split the head.
+fn check_path(path: &str) -> Result<(), BadHeader> {
+    if path.is_empty() || path.bytes().any(|c| c == b' ' || forbidden(c)) {
+        return Err(BadHeader("the request path"));
+    }
+    Ok(())
+}
+
 /// Whether no header value (nor request target) may carry byte `c`.
 fn forbidden(c: u8) -> bool {
     matches!(c, 0 | b'\r' | b'\n')
@@ -128,7 +133,7 @@ pub fn client_response_header(ex: &Exchange, request_id: &str, worker: &str, rew
     for (name, value) in up.headers() {
         if name.eq_ignore_ascii_case(b"content-length") {
             if !rewritten && up.framed_by_length() {
-                let n = std::str::from_utf8(value).ok().and_then(|v| v.trim().parse().ok());
+                let n = crate::h1::content_length(value);
                 h.length(n.ok_or_else(|| ClientBadHeader("content-length".into()))?);
             }
         } else if forwarded(name, connection) && !name.eq_ignore_ascii_case(b"x-request-id") && !name.eq_ignore_ascii_case(b"x-kvgate-worker") {
@@ -244,9 +249,7 @@ async fn send(mut stream: Stream, wire: &[u8]) -> std::io::Result<Stream> {
 
 /// A probe's `GET path` for the wire; `keep_alive: false` asks the worker to close after it.
 pub fn probe_wire(worker: &Worker, path: &str, keep_alive: bool) -> Result<Vec<u8>, BadHeader> {
-    if path.is_empty() || path.bytes().any(|c| c == b' ' || forbidden(c)) {
-        return Err(BadHeader("the request path"));
-    }
+    check_path(path)?;
     let mut w = Vec::with_capacity(96 + path.len());
     w.extend_from_slice(b"GET ");
     w.extend_from_slice(path.as_bytes());

@@ -196,7 +196,7 @@ fn framing(headers: &[httparse::Header<'_>], status: u16, head_request: bool) ->
         if h.name.eq_ignore_ascii_case("transfer-encoding") {
             coding = Some(h.value);
         } else if h.name.eq_ignore_ascii_case("content-length") {
-            let n = std::str::from_utf8(h.value).ok().map(str::trim).filter(|v| v.bytes().all(|b| b.is_ascii_digit())).and_then(|v| v.parse::<u64>().ok());
+            let n = crate::h1::content_length(h.value);
             match (n, length) {
                 (None, _) => return Err(ResponseError::Head("invalid Content-Length".into())),
                 (Some(n), Some(before)) if n != before => return Err(ResponseError::Head("conflicting Content-Length headers".into())),
@@ -217,10 +217,7 @@ fn framing(headers: &[httparse::Header<'_>], status: u16, head_request: bool) ->
 
 /// Whether a `Connection` header lists `token`.
 fn connection_has(headers: &[httparse::Header<'_>], token: &[u8]) -> bool {
-    headers
-        .iter()
-        .filter(|h| h.name.eq_ignore_ascii_case("connection"))
-        .any(|h| h.value.split(|&b| b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(token)))
+    headers.iter().filter(|h| h.name.eq_ignore_ascii_case("connection")).any(|h| crate::h1::list_has(h.value, token))
 }
 
 #[cfg(test)]
