@@ -9,45 +9,70 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 bash "$here/setup.sh"
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-# The replay endpoint is ZMQ_PORT+1, so look for two consecutive free ports.
-free_pair() {
-  python3 - <<'PY'
-import socket
-for _ in range(200):
-    a = socket.socket(); a.bind(("127.0.0.1", 0)); p = a.getsockname()[1]
-    b = socket.socket()
+# Ports come from below the kernel's ephemeral range (ip_local_port_range, 32768+ by default):
+# vLLM binds the KV-event ports a minute after they are picked, and in between its own internal
+# sockets (and every outgoing connection) take ephemeral ports, so a port picked from that range
+# can be gone by then and the engine core dies on start-up ("Address already in use").
+# Each pick is a run of three free ports: HTTP, events, replay (events + 1).
+taken=""
+pick_ports() {
+  python3 - "$taken" <<'PY'
+import random, socket, sys
+taken = set(int(p) for p in sys.argv[1].split())
+lo = 20000
+hi = min(32000, int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0]) - 3)
+for _ in range(500):
+    p = random.randrange(lo, hi)
+    if {p, p + 1, p + 2} & taken:
+        continue
+    socks = []
     try:
-        b.bind(("127.0.0.1", p + 1)); print(p); break
+        for q in (p, p + 1, p + 2):
+            s = socket.socket(); s.bind(("127.0.0.1", q)); socks.append(s)
+        print(p); break
     except OSError:
         pass
     finally:
-        a.close(); b.close()
+        for s in socks: s.close()
+else:
+    sys.exit("no three consecutive free ports below the ephemeral range")
 PY
 }
-start_server() { # PORT ZPORT LOG → prints the pid
-  bash "$here/run.sh" "$1" "$2" > "$3" 2>&1 &
+start_server() { # PORT LOG → starts real vLLM (events on PORT+1, replay PORT+2), prints the pid
+  bash "$here/run.sh" "$1" "$(($1 + 1))" > "$2" 2>&1 &
   echo $!
 }
-wait_healthy() { # PORT PID LOG
+wait_healthy() { # PORT PID LOG → 0 up, 1 exited during start-up, 2 not up in time
   for i in $(seq 1 300); do
     if curl -sf "http://127.0.0.1:$1/health" >/dev/null; then echo "real vLLM on :$1 is up after ${i}s"; return 0; fi
-    if ! kill -0 "$2" 2>/dev/null; then echo "real vLLM on :$1 exited during start-up:"; tail -50 "$3"; return 1; fi
+    if ! kill -0 "$2" 2>/dev/null; then
+      echo "real vLLM on :$1 exited during start-up; the errors in its log ($3):"
+      grep -n -E "Error|error:|Exception|Traceback" "$3" | grep -v "^.*File \"" | head -20 || true
+      echo "... and its last lines:"; tail -15 "$3"
+      return 1
+    fi
     sleep 1
   done
-  echo "real vLLM on :$1 not healthy after 300 s"; tail -50 "$3"; return 1
+  echo "real vLLM on :$1 not healthy after 300 s"; tail -50 "$3"; return 2
 }
-port=$(free_port); zport=$(free_pair)
-log=$(mktemp -t real-vllm.XXXXXX.log)
-echo "starting real vLLM on :$port (events :$zport, replay :$((zport+1))), log $log"
-pid=$(start_server "$port" "$zport" "$log")
-port2=$(free_port); zport2=$(free_pair)
-while [ "$port2" = "$port" ] || [ "$zport2" = "$zport" ] || [ "$zport2" = "$((zport+1))" ] || [ "$((zport2+1))" = "$zport" ]; do port2=$(free_port); zport2=$(free_pair); done
-log2=$(mktemp -t real-vllm.XXXXXX.log)
-echo "starting a second real vLLM on :$port2 (events :$zport2), log $log2"
-pid2=$(start_server "$port2" "$zport2" "$log2")
+# Starts one server and waits for it; a server that dies during start-up is started once more on
+# fresh ports, as a second failure in a row is a real one. Sets $port and $pid.
+launch() { # LOG
+  local attempt
+  for attempt in 1 2; do
+    port=$(pick_ports); taken="$taken $port $((port+1)) $((port+2))"
+    echo "starting real vLLM on :$port (events :$((port+1)), replay :$((port+2))), log $1"
+    pid=$(start_server "$port" "$1")
+    pids="$pids $pid"
+    local rc=0; wait_healthy "$port" "$pid" "$1" || rc=$?
+    [ "$rc" = 0 ] && return 0
+    [ "$rc" = 1 ] && [ "$attempt" = 1 ] && { echo "starting it again on other ports"; continue; }
+    return 1
+  done
+}
+pids=""
 cleanup() {
-  for p in "$pid" "$pid2"; do kill "$p" 2>/dev/null || true; pkill -P "$p" 2>/dev/null || true; done
+  for p in $pids; do kill "$p" 2>/dev/null || true; pkill -P "$p" 2>/dev/null || true; done
   # The engine processes (renamed "VLLM::EngineCore", "VLLM::Worker") outlive a server killed
   # with -9, and are not children of the shell; they hold the model's memory and CPU.
   pkill -f "tiny-llama" 2>/dev/null || true
@@ -55,8 +80,11 @@ cleanup() {
   wait 2>/dev/null || true
 }
 trap cleanup EXIT
-wait_healthy "$port" "$pid" "$log"
-wait_healthy "$port2" "$pid2" "$log2"
+# The two start one after the other: on 2 cores two concurrent start-ups take as long as two
+# serial ones, and a failure is then attributable to one server.
+launch "$(mktemp -t real-vllm.XXXXXX.log)"; port1=$port; pid1=$pid
+launch "$(mktemp -t real-vllm.XXXXXX.log)"; port2=$port; pid2=$pid
+port=$port1; zport=$((port1 + 1))
 
 export KVGATE_TARGET_URL="http://127.0.0.1:$port" KVGATE_TARGET_MODEL=tiny KVGATE_TARGET_TOPIC=kv \
        KVGATE_TARGET_ZMQ="tcp://127.0.0.1:$zport" KVGATE_TARGET_REPLAY="tcp://127.0.0.1:$((zport+1))"
