@@ -147,6 +147,66 @@ async fn a_disconnect_mid_stream_aborts_the_worker_request_within_100ms() {
     assert_eq!(c.sim_metrics(0).await.sum("vllm:num_requests_running", &[]), 0.0);
 }
 
+/// A client still sending a body the gateway refused (413) reads the refusal whole: the
+/// gateway drains what keeps arriving for a moment before closing, as closing on unread bytes
+/// would reset the connection and could discard the answer before the client reads it.
+#[tokio::test]
+async fn a_refused_body_still_arriving_does_not_reset_the_answer() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let c = Cluster::sims(1, sim(4.0), GatewayOpts { extra: "max_body_bytes: 64KiB\n".into(), ..Default::default() }).await;
+    for _ in 0..3 {
+        let client = tokio::net::TcpStream::connect(c.gw().listen.to_string().replace("0.0.0.0", "127.0.0.1")).await.unwrap();
+        let (mut rd, mut wr) = client.into_split();
+        let body = vec![b'x'; 4 << 20];
+        let sender = tokio::spawn(async move {
+            let head = format!("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n", body.len());
+            let _ = wr.write_all(head.as_bytes()).await;
+            // Slowly enough that the answer is out while the body is still coming.
+            for piece in body.chunks(64 << 10) {
+                wr.write_all(piece).await?;
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            Ok::<(), std::io::Error>(())
+        });
+        let mut answer = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(10), rd.read_to_end(&mut answer)).await.expect("the gateway closes after its answer");
+        let text = String::from_utf8_lossy(&answer);
+        assert!(read.is_ok(), "the connection was reset ({read:?}) after {} bytes of answer: {text}", answer.len());
+        assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+        assert!(text.contains("\"error\""), "the OpenAI-shaped body arrived whole: {text}");
+        // The gateway closed its side and drained: the client's sending met no reset.
+        sender.await.unwrap().expect("the rest of the body was taken, not reset");
+    }
+}
+
+/// A client that stops reading mid-stream (a hung app, a stalled proxy) holds no worker slot
+/// past `timeouts.client_write_ms`: it is taken as gone and the worker's request is aborted.
+#[tokio::test]
+async fn a_client_that_stops_reading_is_taken_as_gone_after_client_write_ms() {
+    use tokio::io::AsyncWriteExt;
+    let long = SimConfig { max_model_len: 100_000, num_gpu_blocks: 10_000, time_scale: 20.0, ..test_sim_config() };
+    let c = Cluster::sims(1, long, GatewayOpts { extra: "timeouts:\n  client_write_ms: 1000\n".into(), ..Default::default() }).await;
+    // A small receive window, never read: the gateway's writes stall once it and the
+    // gateway's send buffer are full, long before the 60,000 tokens are out.
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.set_recv_buffer_size(4096).unwrap();
+    let mut client = sock.connect(c.gw().listen.to_string().replace("0.0.0.0", "127.0.0.1").parse().unwrap()).await.unwrap();
+    let body = json!({"prompt": unique_text(30), "max_tokens": 60_000, "ignore_eos": true, "stream": true}).to_string();
+    let head = format!("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n", body.len());
+    client.write_all(format!("{head}{body}").as_bytes()).await.unwrap();
+    let start = Instant::now();
+    let took = wait_until(Duration::from_secs(10), || async { c.sim_metrics(0).await.sum("vllm_sim:aborted_requests_total", &[]) == 1.0 }).await;
+    if took.is_none() {
+        let m = c.sim_metrics(0).await;
+        let (running, tokens) = (m.sum("vllm:num_requests_running", &[]), m.sum("vllm:generation_tokens_total", &[]));
+        panic!("the worker's request was never aborted ({running} running, {tokens} tokens generated): a client that stopped reading held it");
+    }
+    assert!(start.elapsed() >= Duration::from_millis(1000), "aborted before the write limit: {:?}", start.elapsed());
+    wait_until(Duration::from_secs(1), || async { cancellations(&c, "completions", "stream").await == 1.0 }).await.expect("counted as a cancellation");
+    assert_eq!(c.sim_metrics(0).await.sum("vllm:num_requests_running", &[]), 0.0);
+    drop(client);
+}
+
 #[tokio::test]
 async fn a_disconnect_during_a_long_prefill_aborts_the_worker_request_within_100ms() {
     // A long prefill is many short chunked steps (64-token budget, ~17 ms each, ~50 steps);

@@ -108,6 +108,9 @@ pub struct Timeouts {
     pub client_idle_ms: u64,
     /// How long a client may take to send its request body.
     pub request_body_ms: u64,
+    /// How long a client may go without accepting any of a response's bytes before it is taken
+    /// as gone (its request cancelled, as on a disconnect); at least a second.
+    pub client_write_ms: u64,
     /// Upper bound on the wait for a worker's response header and first body byte (0 = none:
     /// long prefills are legitimate). On expiry: 504, or a retry elsewhere if the header came.
     pub first_byte_ms: u64,
@@ -118,7 +121,15 @@ pub struct Timeouts {
 
 impl Default for Timeouts {
     fn default() -> Self {
-        Self { connect_ms: 2_000, upstream_idle_ms: 4_000, client_idle_ms: 60_000, request_body_ms: 30_000, first_byte_ms: 0, upstream_read_idle_ms: 300_000 }
+        Self {
+            connect_ms: 2_000,
+            upstream_idle_ms: 4_000,
+            client_idle_ms: 60_000,
+            request_body_ms: 30_000,
+            client_write_ms: 60_000,
+            first_byte_ms: 0,
+            upstream_read_idle_ms: 300_000,
+        }
     }
 }
 

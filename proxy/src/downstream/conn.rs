@@ -21,6 +21,9 @@ pub const MAX_HEAD: usize = 64 * 1024;
 /// Most headers a request may carry.
 pub const MAX_HEADERS: usize = 128;
 /// Room made in the read buffer before each read.
+/// How long [`ClientConn::linger`] keeps reading after the answer went out.
+pub const LINGER: Duration = Duration::from_secs(2);
+
 const READ_SIZE: usize = 16 * 1024;
 /// Bodies larger than this are written from their own buffer instead of copied behind the
 /// chunk framing.
@@ -217,6 +220,7 @@ pub struct ClientConn {
     out: BodyOut,
     head_only: bool,
     keep_alive: bool,
+    write_limit: Option<Duration>,
 }
 
 impl std::fmt::Debug for ClientConn {
@@ -238,7 +242,15 @@ impl ClientConn {
             out: BodyOut::Done,
             head_only: false,
             keep_alive: true,
+            write_limit: None,
         }
+    }
+
+    /// Bounds each write to the client: a client that accepts none of a write's bytes for
+    /// this long is taken as gone (the write fails with `TimedOut`), so a reader that stopped
+    /// reading cannot hold a worker's stream and its slot forever. `None`: no bound.
+    pub fn set_write_limit(&mut self, limit: Option<Duration>) {
+        self.write_limit = limit;
     }
 
     /// The current request's head.
@@ -330,8 +342,8 @@ impl ClientConn {
     /// Sends `100 Continue`.
     pub async fn write_continue(&mut self) -> std::io::Result<()> {
         self.continue_owed = false;
-        self.stream.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await?;
-        self.stream.flush().await
+        self.wbuf.extend_from_slice(b"HTTP/1.1 100 Continue\r\n\r\n");
+        self.flush().await
     }
 
     /// The next run of request body bytes; `None` once the body is complete.
@@ -443,7 +455,7 @@ impl ClientConn {
                     self.wbuf.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
                     if data.len() > COPY_LIMIT {
                         self.flush().await?;
-                        self.stream.write_all(&data).await?;
+                        self.send(&data).await?;
                     } else {
                         self.wbuf.extend_from_slice(&data);
                     }
@@ -458,7 +470,7 @@ impl ClientConn {
         if let Some(d) = own.filter(|d| !d.is_empty()) {
             if d.len() > COPY_LIMIT {
                 self.flush().await?;
-                self.stream.write_all(&d).await?;
+                self.send(&d).await?;
             } else {
                 self.wbuf.extend_from_slice(&d);
             }
@@ -468,18 +480,38 @@ impl ClientConn {
 
     /// Writes out whatever is buffered.
     async fn flush(&mut self) -> std::io::Result<()> {
-        if !self.wbuf.is_empty() {
-            self.stream.write_all(&self.wbuf).await?;
-            self.wbuf.clear();
+        // Taken out for the write so `send` can borrow the connection; put back for reuse.
+        let wbuf = std::mem::take(&mut self.wbuf);
+        let sent = self.send(&wbuf).await;
+        self.wbuf = wbuf;
+        self.wbuf.clear();
+        sent
+    }
+
+    /// Writes `data` whole and flushes, within the write limit.
+    async fn send(&mut self, data: &[u8]) -> std::io::Result<()> {
+        let write = async {
+            self.stream.write_all(data).await?;
+            self.stream.flush().await
+        };
+        match self.write_limit {
+            None => write.await,
+            // The write is polled first: one that completes at once never arms the timer.
+            Some(limit) => tokio::time::timeout(limit, write).await.unwrap_or_else(|_| {
+                Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the client accepted none of the response for timeouts.client_write_ms"))
+            }),
         }
-        self.stream.flush().await
     }
 
     /// Completes when the client has gone away (FIN or reset). Bytes it sends meanwhile (a
     /// pipelined request) are kept for later; once any are, it can no longer tell, and waits
-    /// forever. Call only after the request body was read.
+    /// forever. Empty lines are not a request: clients may send a CRLF after a body, and the
+    /// next request's parse skips them anyway (RFC 9112 section 2.2), so they are dropped
+    /// rather than taken as a reason to stop watching. Call only after the request body was read.
     pub async fn closed(&mut self) {
         loop {
+            let blank = self.rbuf.iter().take_while(|b| matches!(b, b'\r' | b'\n')).count();
+            let _ = self.rbuf.split_to(blank);
             if !self.rbuf.is_empty() || !self.body.is_done() {
                 return std::future::pending().await;
             }
@@ -501,6 +533,26 @@ impl ClientConn {
     pub async fn shutdown(&mut self) {
         let _ = self.flush().await;
         let _ = self.stream.shutdown().await;
+    }
+
+    /// After [`shutdown`](Self::shutdown) on a connection whose request body was not read
+    /// (an early 413 or 408): reads and drops what the client still sends, for at most
+    /// [`LINGER`], so the close does not meet unread bytes. Closing on unread bytes resets
+    /// the connection, and a reset can make the client discard the answer before reading it.
+    pub async fn linger(&mut self) {
+        if self.body.is_done() {
+            return;
+        }
+        let drain = async {
+            loop {
+                self.rbuf.clear();
+                self.rbuf.reserve(READ_SIZE);
+                if !matches!(self.stream.read_buf(&mut self.rbuf).await, Ok(n) if n > 0) {
+                    return;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(LINGER, drain).await;
     }
 }
 
@@ -741,6 +793,17 @@ mod tests {
         assert_eq!(c.req().path(), "/b");
         drop(peer);
         tokio::time::timeout(Duration::from_secs(1), c.closed()).await.expect("the close is seen");
+    }
+
+    #[tokio::test]
+    async fn a_blank_line_after_a_body_does_not_hide_the_client_leaving() {
+        let (mut c, mut peer) = conn();
+        send(&mut peer, b"POST /a HTTP/1.1\r\nContent-Length: 2\r\n\r\nhi\r\n").await;
+        assert!(c.read_request(IDLE).await.unwrap());
+        assert_eq!(c.read_body().await.unwrap().as_deref(), Some(&b"hi"[..]));
+        assert_eq!(c.read_body().await.unwrap(), None);
+        drop(peer);
+        tokio::time::timeout(Duration::from_secs(1), c.closed()).await.expect("the close is seen past the CRLF");
     }
 
     #[test]

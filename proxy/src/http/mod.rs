@@ -78,8 +78,11 @@ impl GatewayApp {
                 woken.await
             }
         };
-        // At least a second, as before: 0 would drop every connection before its first request.
-        let idle = std::time::Duration::from_millis(self.gw.config().timeouts.client_idle_ms.max(1000));
+        // At least a second, as before: 0 would drop every connection before its first request
+        // (and every response before its first byte).
+        let timeouts = &self.gw.config().timeouts;
+        let idle = std::time::Duration::from_millis(timeouts.client_idle_ms.max(1000));
+        session.set_write_limit(Some(std::time::Duration::from_millis(timeouts.client_write_ms.max(1000))));
         let read = tokio::select! {
             // Biased: a request already buffered is served before a stop is noticed.
             biased;
@@ -173,6 +176,7 @@ impl ServerApp for GatewayApp {
         let mut session = ClientConn::new(stream);
         while self.serve_one(&mut session, shutdown).await {}
         session.shutdown().await;
+        session.linger().await;
         None
     }
 
