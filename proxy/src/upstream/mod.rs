@@ -49,6 +49,12 @@ fn forwarded(name: &[u8], connection: Option<&[u8]>) -> bool {
     !HOP_BY_HOP.iter().any(|h| h.as_bytes().eq_ignore_ascii_case(name)) && !connection.is_some_and(|list| crate::h1::list_has(list, name))
 }
 
+/// The `Connection` value to look each header up in: `None` when it names no header beyond
+/// `keep-alive` and `close` (the usual case), so the per-header lookup is skipped.
+fn naming(connection: Option<&[u8]>) -> Option<&[u8]> {
+    connection.filter(|c| crate::h1::names_headers(c))
+}
+
 /// An upstream connection whose response head has arrived.
 pub struct Exchange {
     /// The response (dropping it closes the connection; see [`release`]).
@@ -76,7 +82,7 @@ pub fn request_wire(client: &RequestHead, worker: &Worker, path: &str, body: &[u
     w.extend_from_slice(path.as_bytes());
     w.extend_from_slice(b" HTTP/1.1\r\n");
     let mut typed = false;
-    let connection = client.header("connection");
+    let connection = naming(client.header("connection"));
     for (name, value) in client.headers() {
         if forwarded(name, connection) && !name.eq_ignore_ascii_case(b"x-request-id") {
             typed |= name.eq_ignore_ascii_case(b"content-type");
@@ -129,7 +135,7 @@ fn line(w: &mut Vec<u8>, name: &[u8], value: &[u8]) {
 pub fn client_response_header(ex: &Exchange, request_id: &str, worker: &str, rewritten: bool) -> Result<ResponseHead, ClientBadHeader> {
     let up = &ex.response;
     let mut h = ResponseHead::new(up.status());
-    let connection = up.header("connection");
+    let connection = naming(up.header("connection"));
     for (name, value) in up.headers() {
         if name.eq_ignore_ascii_case(b"content-length") {
             if !rewritten && up.framed_by_length() {
