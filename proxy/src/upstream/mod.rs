@@ -25,28 +25,33 @@ use response::WorkerResponse;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Headers that describe one hop and are never forwarded (besides those a `Connection` header
-/// names). `Host` and `Content-Length` are the gateway's to write; the proxy credentials are
-/// the gateway's to read, never a worker's.
-const HOP_BY_HOP: &[&str] = &[
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authorization",
-    "proxy-authenticate",
-    "transfer-encoding",
-    "te",
-    "trailer",
-    "upgrade",
-    "host",
-    "content-length",
-    "expect",
-];
-
 /// Whether a header named `name` crosses the gateway: not hop-by-hop, and not named by the
 /// message's own `Connection` header (`connection`, its value).
 fn forwarded(name: &[u8], connection: Option<&[u8]>) -> bool {
-    !HOP_BY_HOP.iter().any(|h| h.as_bytes().eq_ignore_ascii_case(name)) && !connection.is_some_and(|list| crate::h1::list_has(list, name))
+    !hop_by_hop(name) && !connection.is_some_and(|list| crate::h1::list_has(list, name))
+}
+
+/// Whether header `name` (any case) describes one hop and is never forwarded, besides those a
+/// `Connection` header names: the hop-by-hop headers of RFC 9110 section 7.6.1 and their legacy
+/// kin. `Host` and `Content-Length` are the gateway's to write; the proxy credentials are the
+/// gateway's to read, never a worker's. The names' lengths are nearly all distinct, so the
+/// length picks the one or two to compare: this runs for every header of every request and
+/// response.
+fn hop_by_hop(name: &[u8]) -> bool {
+    let is = |h: &[u8]| name.eq_ignore_ascii_case(h);
+    match name.len() {
+        2 => is(b"te"),
+        4 => is(b"host"),
+        6 => is(b"expect"),
+        7 => is(b"trailer") || is(b"upgrade"),
+        10 => is(b"connection") || is(b"keep-alive"),
+        14 => is(b"content-length"),
+        16 => is(b"proxy-connection"),
+        17 => is(b"transfer-encoding"),
+        18 => is(b"proxy-authenticate"),
+        19 => is(b"proxy-authorization"),
+        _ => false,
+    }
 }
 
 /// The `Connection` value to look each header up in: `None` when it names no header beyond
@@ -323,6 +328,31 @@ pub fn release(ex: Exchange) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const HOP_BY_HOP: &[&str] = &[
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authorization",
+        "proxy-authenticate",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "host",
+        "content-length",
+        "expect",
+    ];
+
+    #[test]
+    fn the_hop_by_hop_check_knows_exactly_the_listed_names() {
+        for h in HOP_BY_HOP {
+            assert!(hop_by_hop(h.as_bytes()) && hop_by_hop(h.to_ascii_uppercase().as_bytes()), "{h}");
+        }
+        for other in ["content-type", "x-request-id", "authorization", "tea", "hosts", "date", "", "connectio"] {
+            assert!(!hop_by_hop(other.as_bytes()), "{other}");
+        }
+    }
     use crate::config::UpstreamUrl;
 
     fn worker() -> Worker {
