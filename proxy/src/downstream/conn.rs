@@ -270,6 +270,9 @@ impl ClientConn {
     pub async fn read_request(&mut self, idle: Duration) -> Result<bool, HeadError> {
         // A head that is refused still gets an answer (and then the connection closes).
         (self.out, self.head_only, self.body) = (BodyOut::NotStarted, false, Framing::Done);
+        // The last head shares the read buffer: let it go first, so the buffer is this
+        // connection's alone again and the next read reuses it instead of allocating another.
+        self.head = RequestHead::default();
         match tokio::time::timeout(idle, self.read_head()).await {
             Ok(r) => r,
             Err(_) => Ok(false),

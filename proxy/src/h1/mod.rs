@@ -5,6 +5,7 @@
 
 pub mod body;
 pub mod chunked;
+pub mod spare;
 
 /// Whether a comma-separated header value (`Connection: keep-alive, X-Hop`) lists `token`, in
 /// any case.

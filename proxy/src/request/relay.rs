@@ -166,7 +166,9 @@ async fn body<'g>(
                     }
                     None => (Bytes::new(), true),
                 };
-                let (out, failure) = follow(gw, req, &bytes, end);
+                // Handed on, not shared: once written, nothing holds the read buffer, which can
+                // then be reused for the next response (h1::spare).
+                let (out, failure) = follow(gw, req, bytes, end);
                 // When the worker's body is complete, end the client's in the same write.
                 let end = end && failure.is_none();
                 if !out.is_empty() {
@@ -233,9 +235,9 @@ fn ready_to_move(req: &RequestState, order: MoveOrder) -> Option<MoveOrder> {
 
 /// Passes a chunk through the stream's tracker, if it has one: the bytes for the client, and
 /// the error the worker reported in the stream, if any.
-fn follow(gw: &Gateway, req: &mut RequestState, bytes: &Bytes, end: bool) -> (Bytes, Option<String>) {
-    let Some(t) = req.track.as_mut().filter(|t| !t.passes_through()) else { return (bytes.clone(), None) };
-    let mut fed = t.feed(bytes);
+fn follow(gw: &Gateway, req: &mut RequestState, bytes: Bytes, end: bool) -> (Bytes, Option<String>) {
+    let Some(t) = req.track.as_mut().filter(|t| !t.passes_through()) else { return (bytes, None) };
+    let mut fed = t.feed(&bytes);
     if end && fed.failure.is_none() {
         if t.movable() && !t.done() {
             // vLLM always ends a stream with `[DONE]`: a body that ends before it was cut.

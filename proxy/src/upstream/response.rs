@@ -10,6 +10,7 @@
 
 use crate::h1::body::Framing;
 use crate::h1::chunked::{ChunkError, Chunked};
+use crate::h1::spare::{READ_SIZE, ReadBuffer};
 use bytes::{Bytes, BytesMut};
 use pingora::protocols::Stream;
 use tokio::io::AsyncReadExt;
@@ -21,9 +22,6 @@ const MAX_HEADERS: usize = 256;
 /// Header slots parsed into on the stack first: a worker's answer carries a handful, and every
 /// slot is initialised per parse.
 const FEW_HEADERS: usize = 16;
-/// Room made in the buffer before each read.
-const READ_SIZE: usize = 16 * 1024;
-
 /// Why a worker's response could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum ResponseError {
@@ -48,16 +46,18 @@ pub enum ResponseError {
 #[derive(Debug)]
 pub struct WorkerResponse {
     stream: Stream,
-    /// Bytes read and not yet handed on.
-    buf: BytesMut,
+    // Before `buf`: fields drop in order, and the head shares the buffer's memory, which can
+    // only go back to the spares once the head is gone.
     head: Head,
+    /// Bytes read and not yet handed on.
+    buf: ReadBuffer,
 }
 
 impl WorkerResponse {
     /// Reads the head of the response to the request just sent on `stream` (`head_request`:
     /// it was a `HEAD`, so no body follows). Interim `1xx` answers are skipped.
     pub async fn read(mut stream: Stream, head_request: bool) -> Result<Self, ResponseError> {
-        let mut buf = BytesMut::with_capacity(READ_SIZE);
+        let mut buf = ReadBuffer::take();
         loop {
             if let Some(parsed) = parse_head(&mut buf, head_request)? {
                 if (100..200).contains(&parsed.status) && parsed.status != 101 {
@@ -69,7 +69,7 @@ impl WorkerResponse {
                 return Err(ResponseError::HeadTooLarge);
             }
             buf.reserve(READ_SIZE);
-            if stream.read_buf(&mut buf).await? == 0 {
+            if stream.read_buf(&mut *buf).await? == 0 {
                 return Err(ResponseError::Closed("before the response head"));
             }
         }
@@ -113,7 +113,7 @@ impl WorkerResponse {
                 return Ok(None);
             }
             self.buf.reserve(READ_SIZE);
-            if self.stream.read_buf(&mut self.buf).await? == 0 {
+            if self.stream.read_buf(&mut *self.buf).await? == 0 {
                 return match self.head.body {
                     Framing::UntilClose => {
                         self.head.body = Framing::Done;
