@@ -15,8 +15,9 @@ use serde::Deserialize;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// The fields routing reads; everything else is forwarded untouched.
-#[derive(Debug, Default, Deserialize)]
+/// The fields routing reads; everything else is forwarded untouched. Read by
+/// [`fields::read`](super::fields::read).
+#[derive(Debug, Default, PartialEq, Deserialize)]
 pub struct RequestView {
     /// `model`.
     pub model: Option<String>,
@@ -32,7 +33,7 @@ pub struct RequestView {
 }
 
 /// The part of `stream_options` the gateway reads.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, PartialEq, Deserialize)]
 pub struct StreamOptions {
     /// `include_usage`: a final usage event.
     #[serde(default)]
@@ -95,8 +96,8 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
         }
         Err(BodyError::Gone) => return Err(Outcome::Cancelled),
     };
-    let view: RequestView =
-        serde_json::from_slice(&body).map_err(|e| Outcome::Refused(GatewayError::BadRequest { message: format!("Invalid request body: {e}"), param: None }))?;
+    let view =
+        super::fields::read(&body).map_err(|e| Outcome::Refused(GatewayError::BadRequest { message: format!("Invalid request body: {e}"), param: None }))?;
     let fleet = gw.fleet();
     let Some(model) = fleet.resolve(view.model.as_deref()).cloned() else {
         let e = match &view.model {

@@ -17,6 +17,7 @@
 
 pub mod admit;
 pub mod endpoint;
+pub mod fields;
 pub mod kv_inputs;
 pub mod leg;
 pub mod migrate;

@@ -1,0 +1,419 @@
+//! The request body's routing fields ([`RequestView`]) read in one pass over the bytes.
+//!
+//! serde_json, deserializing the view, spent about 2,600 instructions on a 250-byte body, most
+//! of it checking every string it read (benches/RESULTS.md, "A one-pass read of the routing
+//! fields"). This reader validates the whole body as JSON as strictly as serde_json does, or more
+//! so, and reads the few top-level fields routing needs. Whatever it does not handle itself (a
+//! key or `model` with escapes, a repeated field, a value of the wrong type, nesting deeper than
+//! serde_json allows, anything malformed) it hands to serde_json, so a body it accepts is one
+//! serde_json accepts with the same fields, and every refusal carries serde_json's message.
+
+use super::admit::RequestView;
+
+/// serde_json's own nesting limit: deeper bodies are its to refuse.
+const MAX_DEPTH: u32 = 128;
+
+/// The view of `body`, or serde_json's reason it is not a valid request body.
+pub fn read(body: &[u8]) -> Result<RequestView, serde_json::Error> {
+    match scan(body) {
+        Some(view) => Ok(view),
+        None => serde_json::from_slice(body),
+    }
+}
+
+/// The view, when the body is a JSON object this reader handles whole; `None` hands it to
+/// serde_json.
+fn scan(body: &[u8]) -> Option<RequestView> {
+    // One pass for the whole body, so strings need no check of their own; a body of ASCII
+    // (the usual one) is known valid from a faster word-at-a-time test.
+    if !body.is_ascii() {
+        std::str::from_utf8(body).ok()?;
+    }
+    let mut s = Scanner { b: body, i: 0 };
+    let mut view = RequestView::default();
+    let mut seen = 0u8;
+    s.ws();
+    s.eat(b'{')?;
+    s.ws();
+    if s.peek()? == b'}' {
+        s.i += 1;
+    } else {
+        loop {
+            s.ws();
+            let (key, escaped) = s.string()?;
+            if escaped {
+                return None;
+            }
+            s.ws();
+            s.eat(b':')?;
+            s.ws();
+            let start = s.i;
+            s.value(1)?;
+            let raw = &body[start..s.i];
+            let field = match key {
+                b"model" => 1,
+                b"stream" => 2,
+                b"nvext" => 4,
+                b"stream_options" => 8,
+                _ => 0,
+            };
+            // A field given twice is an error to serde_json: its to report.
+            if seen & field != 0 {
+                return None;
+            }
+            seen |= field;
+            match field {
+                1 => view.model = model(raw)?,
+                2 => view.stream = flag(raw)?,
+                4 => view.nvext = serde_json::from_slice(raw).ok()?,
+                8 => view.stream_options = serde_json::from_slice(raw).ok()?,
+                _ => {}
+            }
+            s.ws();
+            match s.next()? {
+                b',' => {}
+                b'}' => break,
+                _ => return None,
+            }
+        }
+    }
+    s.ws();
+    (s.i == body.len()).then_some(view)
+}
+
+/// Where the first byte a string cannot simply hold (`"`, `\\` or a control character) is in
+/// `s`, eight bytes at a time: most strings are a prompt's plain text.
+fn special(s: &[u8]) -> Option<usize> {
+    const ONES: u64 = u64::from_ne_bytes([1; 8]);
+    const HIGH: u64 = ONES << 7;
+    let mut at = 0;
+    for chunk in s.chunks_exact(8) {
+        let w = u64::from_le_bytes(chunk.try_into().unwrap_or_default());
+        let (quote, slash) = (w ^ (ONES * u64::from(b'"')), w ^ (ONES * u64::from(b'\\')));
+        // A byte's high bit is set where it is zero (or below 0x20, for `w` itself); a borrow
+        // can only mark bytes above the first true one, so the lowest mark is exact.
+        let marks = (quote.wrapping_sub(ONES) & !quote | slash.wrapping_sub(ONES) & !slash | w.wrapping_sub(ONES * 0x20) & !w) & HIGH;
+        if marks != 0 {
+            return Some(at + (marks.trailing_zeros() / 8) as usize);
+        }
+        at += 8;
+    }
+    s[at..].iter().position(|&c| c == b'"' || c == b'\\' || c < 0x20).map(|k| at + k)
+}
+
+/// `model`: a string without escapes, or `null`.
+fn model(raw: &[u8]) -> Option<Option<String>> {
+    match raw {
+        b"null" => Some(None),
+        [b'"', inner @ .., b'"'] if !inner.contains(&b'\\') => Some(Some(std::str::from_utf8(inner).ok()?.to_owned())),
+        _ => None,
+    }
+}
+
+/// `stream`: a boolean, or `null`.
+fn flag(raw: &[u8]) -> Option<Option<bool>> {
+    match raw {
+        b"true" => Some(Some(true)),
+        b"false" => Some(Some(false)),
+        b"null" => Some(None),
+        _ => None,
+    }
+}
+
+struct Scanner<'a> {
+    b: &'a [u8],
+    i: usize,
+}
+
+impl<'a> Scanner<'a> {
+    fn peek(&self) -> Option<u8> {
+        self.b.get(self.i).copied()
+    }
+
+    fn next(&mut self) -> Option<u8> {
+        let c = self.peek()?;
+        self.i += 1;
+        Some(c)
+    }
+
+    fn eat(&mut self, c: u8) -> Option<()> {
+        (self.next()? == c).then_some(())
+    }
+
+    fn ws(&mut self) {
+        while matches!(self.peek(), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+            self.i += 1;
+        }
+    }
+
+    /// A value at nesting `depth`.
+    fn value(&mut self, depth: u32) -> Option<()> {
+        match self.peek()? {
+            b'"' => self.string().map(drop),
+            b'{' | b'[' => self.nested(depth),
+            b't' => self.literal(b"true"),
+            b'f' => self.literal(b"false"),
+            b'n' => self.literal(b"null"),
+            _ => self.number(),
+        }
+    }
+
+    /// An object or an array.
+    fn nested(&mut self, depth: u32) -> Option<()> {
+        if depth >= MAX_DEPTH {
+            return None;
+        }
+        let close = if self.next()? == b'{' { b'}' } else { b']' };
+        self.ws();
+        if self.peek()? == close {
+            self.i += 1;
+            return Some(());
+        }
+        loop {
+            self.ws();
+            if close == b'}' {
+                self.string()?;
+                self.ws();
+                self.eat(b':')?;
+                self.ws();
+            }
+            self.value(depth + 1)?;
+            self.ws();
+            match self.next()? {
+                b',' => {}
+                c if c == close => return Some(()),
+                _ => return None,
+            }
+        }
+    }
+
+    /// A string; returns its content as written and whether it holds escapes.
+    fn string(&mut self) -> Option<(&'a [u8], bool)> {
+        self.eat(b'"')?;
+        let start = self.i;
+        let mut escaped = false;
+        let b: &'a [u8] = self.b;
+        loop {
+            self.i += special(&b[self.i..])?;
+            // A control character must be escaped.
+            if b[self.i] < 0x20 {
+                return None;
+            }
+            if b[self.i] == b'"' {
+                self.i += 1;
+                return Some((&b[start..self.i - 1], escaped));
+            }
+            escaped = true;
+            match *self.b.get(self.i + 1)? {
+                b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => self.i += 2,
+                b'u' => {
+                    let hex = self.b.get(self.i + 2..self.i + 6)?;
+                    let n = u16::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()?;
+                    // Surrogates (paired or not) are serde_json's to judge.
+                    if !hex.iter().all(u8::is_ascii_hexdigit) || (0xD800..=0xDFFF).contains(&n) {
+                        return None;
+                    }
+                    self.i += 6;
+                }
+                _ => return None,
+            }
+        }
+    }
+
+    fn literal(&mut self, word: &[u8]) -> Option<()> {
+        self.b[self.i..].starts_with(word).then(|| self.i += word.len())
+    }
+
+    /// `-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?`
+    fn number(&mut self) -> Option<()> {
+        if self.peek() == Some(b'-') {
+            self.i += 1;
+        }
+        match self.next()? {
+            b'0' => {}
+            b'1'..=b'9' => self.digits(),
+            _ => return None,
+        }
+        if self.peek() == Some(b'.') {
+            self.i += 1;
+            self.digit()?;
+            self.digits();
+        }
+        if matches!(self.peek(), Some(b'e' | b'E')) {
+            self.i += 1;
+            if matches!(self.peek(), Some(b'+' | b'-')) {
+                self.i += 1;
+            }
+            self.digit()?;
+            self.digits();
+        }
+        Some(())
+    }
+
+    fn digit(&mut self) -> Option<()> {
+        self.next().filter(u8::is_ascii_digit).map(drop)
+    }
+
+    fn digits(&mut self) {
+        while self.peek().is_some_and(|c| c.is_ascii_digit()) {
+            self.i += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn serde(body: &[u8]) -> Option<RequestView> {
+        serde_json::from_slice(body).ok()
+    }
+
+    #[test]
+    fn usual_bodies_are_read_here_with_serde_jsons_result() {
+        let bodies: [&[u8]; 7] = [
+            br#"{"model":"m","prompt":"You are a helpful assistant.","max_tokens":16,"stream":false}"#,
+            r#" { "model" : "llama-3é" , "messages" : [], "content": "\u00e9", "messages" : [ {"role":"user","content":"hi\nthere \"you\""} ], "stream" : true , "temperature": -0.5e-3 } "#.as_bytes(),
+            br#"{"model":null,"stream":null,"n":1,"logit_bias":{"50256":-100},"stop":["\n\n"],"echo":false,"x":[[],{},[1,2.5,-0,1E+2]]}"#,
+            br#"{"stream":true,"stream_options":{"include_usage":true},"model":"m"}"#,
+            br#"{"model":"m","nvext":{"agent_hints":{"priority":2,"osl":100}},"prompt":[1,2,3]}"#,
+            "{\"model\":\"m\",\"prompt\":\"h\u{e9}llo \u{1f600}\"}".as_bytes(),
+            b"{}",
+        ];
+        for b in bodies {
+            let here = scan(b).unwrap_or_else(|| panic!("not read here: {}", String::from_utf8_lossy(b)));
+            assert_eq!(Some(here), serde(b), "{}", String::from_utf8_lossy(b));
+        }
+    }
+
+    #[test]
+    fn what_this_reader_leaves_to_serde_json_gets_serde_jsons_answer() {
+        let bodies: [&[u8]; 16] = [
+            br#"{"model":"m","model":"n"}"#,
+            br#"{"mod\u0065l":"m"}"#,
+            br#"{"model":"a\"b"}"#,
+            br#"{"model":5}"#,
+            br#"{"stream":"yes"}"#,
+            br#"{"model": "m", "prompt": "#,
+            br#"[1, 2]"#,
+            br#"{"a":01}"#,
+            br#"{"a":1.}"#,
+            br#"{"a":"\ud83d\ude00"}"#,
+            br#"{"a":"\x"}"#,
+            b"{\"a\":\"tab\there\"}",
+            br#"{"a":1,}"#,
+            br#"{"a":1} x"#,
+            b"{\"a\":\"\xff\"}",
+            br#"{"a":tru}"#,
+        ];
+        for b in bodies {
+            assert!(scan(b).is_none(), "read here: {}", String::from_utf8_lossy(b));
+            assert_eq!(read(b).ok(), serde(b), "{}", String::from_utf8_lossy(b));
+        }
+        // Deeper than serde_json's limit: its to judge (it skips an ignored value of any depth).
+        let deep = |n: usize| format!("{{\"a\":{}{}, \"model\": \"m\"}}", "[".repeat(n), "]".repeat(n));
+        assert!(scan(deep(200).as_bytes()).is_none());
+        assert_eq!(read(deep(200).as_bytes()).ok(), serde(deep(200).as_bytes()));
+        assert_eq!(scan(deep(100).as_bytes()).and_then(|v| v.model), Some("m".to_string()));
+    }
+
+    #[test]
+    fn the_word_scan_finds_the_first_special_byte_as_a_byte_loop_does() {
+        let mut state = 5u64;
+        let mut next = move || {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            kvgate_kv::hash::mix(state) as usize
+        };
+        let alphabet = b"ab \"\\\x00\x01\x1f\x20\x21\x7f\x80\xa2\xff\x5b\x5d";
+        for _ in 0..100_000 {
+            let s: Vec<u8> = (0..next() % 40).map(|_| if next() % 4 == 0 { alphabet[next() % alphabet.len()] } else { b'x' }).collect();
+            let want = s.iter().position(|&c| c == b'"' || c == b'\\' || c < 0x20);
+            assert_eq!(special(&s), want, "{s:?}");
+        }
+    }
+
+    /// Valid bodies with a few bytes changed, dropped or added (bytes that matter to JSON's
+    /// grammar, control characters, broken UTF-8): accepted here only if serde_json agrees.
+    #[test]
+    fn a_damaged_body_is_read_here_only_if_serde_json_reads_it_the_same() {
+        let seeds: [&[u8]; 3] = [
+            br#"{"model":"m","prompt":"a b","max_tokens":16,"stream":false,"t":-0.5e-3,"x":[1,{"y":null}]}"#,
+            br#"{"stream":true,"stream_options":{"include_usage":true},"model":"m","s":"q\"\u00e9"}"#,
+            br#"{"model":"m","nvext":{"agent_hints":{"priority":2}},"prompt":[1,2,3]}"#,
+        ];
+        let bytes = b"{}[],:\"0123456789.eE+-tfnul \t\n\x01\x1f\x7f\xc3\xa9\xff\\/u";
+        let mut state = 11u64;
+        let mut next = move || {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            kvgate_kv::hash::mix(state) as usize
+        };
+        for seed in seeds {
+            assert!(scan(seed).is_some(), "{}", String::from_utf8_lossy(seed));
+            for _ in 0..30_000 {
+                let mut body = seed.to_vec();
+                for _ in 0..1 + next() % 3 {
+                    let at = next() % (body.len() + 1);
+                    let b = bytes[next() % bytes.len()];
+                    match next() % 3 {
+                        0 if at < body.len() => body[at] = b,
+                        1 if at < body.len() => drop(body.remove(at)),
+                        _ => body.insert(at, b),
+                    }
+                }
+                if let Some(here) = scan(&body) {
+                    assert_eq!(Some(here), serde(&body), "{}", String::from_utf8_lossy(&body));
+                }
+            }
+        }
+    }
+
+    /// Bodies made of JSON's pieces in random order, valid or not: whenever this reader accepts
+    /// one, serde_json accepts it too, with the same fields; and nothing panics.
+    #[test]
+    fn whatever_is_read_here_serde_json_reads_the_same() {
+        let pieces: [&[u8]; 24] = [
+            b"{",
+            b"}",
+            b"[",
+            b"]",
+            b",",
+            b":",
+            b" ",
+            b"\"model\"",
+            b"\"stream\"",
+            b"\"stream_options\"",
+            b"\"nvext\"",
+            b"\"x\"",
+            b"\"m\"",
+            b"\"a\\nb\"",
+            b"\"\\u00e9\"",
+            b"true",
+            b"false",
+            b"null",
+            b"0",
+            b"-1.5e3",
+            b"12",
+            b"\"include_usage\"",
+            b"\n",
+            b"\"\\\"\"",
+        ];
+        let mut state = 7u64;
+        let mut next = move || {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            kvgate_kv::hash::mix(state)
+        };
+        let mut accepted = 0;
+        for _ in 0..200_000 {
+            let mut body = b"{".to_vec();
+            (0..next() % 14).for_each(|_| body.extend_from_slice(pieces[(next() % pieces.len() as u64) as usize]));
+            if next() % 3 > 0 {
+                body.push(b'}');
+            }
+            if let Some(here) = scan(&body) {
+                accepted += 1;
+                assert_eq!(Some(here), serde(&body), "{}", String::from_utf8_lossy(&body));
+            }
+        }
+        assert!(accepted > 1000, "the generator made too few valid bodies ({accepted}) to mean anything");
+    }
+}
