@@ -24,8 +24,6 @@ pub struct Gateway {
     pub metrics: Metrics,
     /// KV ingestion metrics (same registry).
     pub kv_metrics: kvgate_kv::metrics::KvMetrics,
-    /// Opens connections to workers (their keep-alive pools are each worker's own).
-    pub transport: pingora::connectors::TransportConnector,
     /// Loaded WebAssembly plugins.
     pub plugins: crate::plugins::PluginRegistry,
     /// Every inference request past admission, and the recently finished ones.
@@ -62,7 +60,6 @@ impl Gateway {
             open: AtomicUsize::new(0),
             metrics,
             kv_metrics,
-            transport: pingora::connectors::TransportConnector::new(None),
             plugins,
             requests: Arc::new(crate::inflight::RequestRegistry::default()),
             migrations: tokio::sync::Semaphore::new(max_moves),

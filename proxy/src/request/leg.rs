@@ -13,7 +13,6 @@ use crate::downstream::closed::client_closed;
 use crate::downstream::conn::ClientConn;
 use crate::error::{LegError, LegErrorKind};
 use crate::fleet::Worker;
-use crate::gateway::Gateway;
 use crate::move_order::MoveOrder;
 use crate::upstream::{self, Exchange, Outgoing};
 use bytes::Bytes;
@@ -65,7 +64,7 @@ impl<'a> Outbound<'a> {
 
 /// Runs one leg to `worker`. `may_retry`: another worker may still be tried, so a 5xx is
 /// turned into a retryable error (when `retries.on_5xx`) instead of being passed on.
-pub async fn run(gw: &Gateway, session: &mut ClientConn, req: &RequestState, worker: &Arc<Worker>, out: &Outbound<'_>, may_retry: bool) -> LegEnd {
+pub async fn run(session: &mut ClientConn, req: &RequestState, worker: &Arc<Worker>, out: &Outbound<'_>, may_retry: bool) -> LegEnd {
     let cfg = &req.cfg;
     let wire = match upstream::request_wire(session.req(), worker, out.path, out.body, &out.request_id) {
         Ok(w) => w,
@@ -73,7 +72,7 @@ pub async fn run(gw: &Gateway, session: &mut ClientConn, req: &RequestState, wor
         Err(e) => return LegEnd::Failed(LegError::new(LegErrorKind::Send, &worker.url, e.to_string()).final_()),
     };
     let first_byte = (cfg.timeouts.first_byte_ms > 0).then(|| Duration::from_millis(cfg.timeouts.first_byte_ms));
-    let answer = first_bytes(gw, cfg, worker, &wire, first_byte, may_retry && cfg.retries.on_5xx);
+    let answer = first_bytes(cfg, worker, &wire, first_byte, may_retry && cfg.retries.on_5xx);
     let mailbox = &req.entry().mailbox;
     let r = tokio::select! {
         biased;
@@ -97,8 +96,8 @@ pub async fn run(gw: &Gateway, session: &mut ClientConn, req: &RequestState, wor
 /// sent (connecting has its own timeout) and covers the header and the first body bytes: no
 /// header in time is a final 504; a header without a first byte in time is retryable (the
 /// worker took the request and stalled).
-async fn first_bytes(gw: &Gateway, cfg: &Config, worker: &Arc<Worker>, wire: &[u8], first_byte: Option<Duration>, retry_5xx: bool) -> Result<Leg, LegError> {
-    let mut ex = upstream::exchange(gw, cfg, worker, Outgoing::Leg(wire), first_byte).await?;
+async fn first_bytes(cfg: &Config, worker: &Arc<Worker>, wire: &[u8], first_byte: Option<Duration>, retry_5xx: bool) -> Result<Leg, LegError> {
+    let mut ex = upstream::exchange(cfg, worker, Outgoing::Leg(wire), first_byte).await?;
     let status = ex.status;
     if retry_5xx && status >= 500 {
         // Dropping `ex` closes that connection.

@@ -44,11 +44,11 @@ pub enum Stop {
 }
 
 /// An ordered move waiting for its destination to be warmed up.
-pub struct Warming<'a> {
+pub struct Warming {
     /// The order, carried out once the warm-up is over.
     pub order: MoveOrder,
     /// The warm-up request.
-    pub done: Pin<Box<dyn Future<Output = ()> + Send + 'a>>,
+    pub done: Pin<Box<dyn Future<Output = ()> + Send>>,
 }
 
 /// Longest wait for a warm-up; the move goes ahead after it either way.
@@ -59,7 +59,7 @@ const WARM_UP_LIMIT: Duration = Duration::from_secs(30);
 /// context in the destination's prefix cache and recomputes only the tokens generated since:
 /// the client's pause shrinks from a whole prefill to about one step (docs/migration.md).
 /// The order comes back (`Err`) when there is nothing to warm (no ids yet).
-pub fn warm_up<'a>(gw: &'a Gateway, req: &RequestState, session: &ClientConn, to: &Arc<Worker>, order: MoveOrder) -> Result<Warming<'a>, MoveOrder> {
+pub fn warm_up(req: &RequestState, session: &ClientConn, to: &Arc<Worker>, order: MoveOrder) -> Result<Warming, MoveOrder> {
     let Some(r) = req.track.as_ref().map(|t| &t.record).filter(|r| !r.prompt_ids.is_empty()) else { return Err(order) };
     let ids = r.context_ids();
     let model = req.view.model.clone().unwrap_or_else(|| req.model_name().to_string());
@@ -70,7 +70,7 @@ pub fn warm_up<'a>(gw: &'a Gateway, req: &RequestState, session: &ClientConn, to
     let (cfg, to) = (req.cfg.clone(), to.clone());
     let done = Box::pin(async move {
         let warm = async {
-            let Ok(mut ex) = upstream::exchange(gw, &cfg, &to, Outgoing::Leg(&wire), None).await else { return };
+            let Ok(mut ex) = upstream::exchange(&cfg, &to, Outgoing::Leg(&wire), None).await else { return };
             while let Ok(Some(_)) = ex.response.read_body().await {}
             upstream::release(ex);
         };
@@ -215,7 +215,7 @@ async fn destination(
         let prompt_len = req.track.as_ref().map_or(0, |t| t.record.prompt_ids.len() as u64);
         req.entry().placed(&worker, prompt_len);
         count_recomputed(gw, req, idx, prompt);
-        match leg::run(gw, session, req, &worker, out, true).await {
+        match leg::run(session, req, &worker, out, true).await {
             LegEnd::Answered(leg) if leg.ex.status == 200 => {
                 req.entry().receipt.lock().leg_ended("ok");
                 return Ok(leg);

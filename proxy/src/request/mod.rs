@@ -130,7 +130,7 @@ async fn attempts(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut Request
         };
         let may_retry = req.tried.len() < max && req.tried.len() < req.model.workers.len();
         let out = leg::Outbound::original(req);
-        match leg::run(gw, session, req, &worker, &out, may_retry).await {
+        match leg::run(session, req, &worker, &out, may_retry).await {
             LegEnd::Answered(leg) => {
                 req.entry().receipt.lock().leg_ended("ok");
                 return relay::relay(gw, session, req, leg).await;

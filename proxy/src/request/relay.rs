@@ -45,7 +45,7 @@ pub async fn relay(gw: &Gateway, session: &mut ClientConn, req: &mut RequestStat
         return record::cancelled(gw, req);
     }
     let mut progress = Progress::new(gw, req, status, leg.ex.sent_at);
-    let mut warming: Option<Warming<'_>> = None;
+    let mut warming: Option<Warming> = None;
     loop {
         let source = req.tried.last().copied().unwrap_or(0);
         let end = body(gw, session, req, &mut progress, *leg, status, &mut warming).await;
@@ -124,14 +124,14 @@ enum BodyEnd {
 }
 
 /// Relays one leg's body until it ends, fails or is moved.
-async fn body<'g>(
-    gw: &'g Gateway,
+async fn body(
+    gw: &Gateway,
     session: &mut ClientConn,
     req: &mut RequestState,
     progress: &mut Progress,
     leg: Leg,
     status: u16,
-    warming: &mut Option<Warming<'g>>,
+    warming: &mut Option<Warming>,
 ) -> BodyEnd {
     let Leg { mut ex, first, worker } = leg;
     let idle = Duration::from_millis(req.cfg.timeouts.upstream_read_idle_ms);
@@ -146,7 +146,7 @@ async fn body<'g>(
                     Some(order) => return BodyEnd::Ordered(order),
                     None => continue,
                 },
-                Next::Order(o) => match accept(gw, session, req, &worker, o) {
+                Next::Order(o) => match accept(session, req, &worker, o) {
                     Accepted::Move(order) => return BodyEnd::Ordered(order),
                     Accepted::Warming(w) => {
                         *warming = Some(w);
@@ -194,25 +194,25 @@ async fn body<'g>(
 }
 
 /// What became of a move order read mid-stream.
-enum Accepted<'g> {
+enum Accepted {
     /// Move now.
     Move(MoveOrder),
     /// Warm the destination first; the stream goes on meanwhile.
-    Warming(Warming<'g>),
+    Warming(Warming),
     /// Answered with a refusal; the stream goes on.
     Refused,
 }
 
 /// Takes a move order read mid-stream: refused if the stream may not move or is on that worker
 /// already; aimed at a worker, that worker is warmed first.
-fn accept<'g>(gw: &'g Gateway, session: &ClientConn, req: &RequestState, worker: &Arc<Worker>, o: MoveOrder) -> Accepted<'g> {
+fn accept(session: &ClientConn, req: &RequestState, worker: &Arc<Worker>, o: MoveOrder) -> Accepted {
     if o.to.as_ref().is_some_and(|t| Arc::ptr_eq(t, worker)) {
         o.answer(Err(MoveRefused::NotNow("the request is on that worker already")));
         return Accepted::Refused;
     }
     let Some(o) = ready_to_move(req, o) else { return Accepted::Refused };
     match o.to.clone() {
-        Some(to) => match migrate::warm_up(gw, req, session, &to, o) {
+        Some(to) => match migrate::warm_up(req, session, &to, o) {
             Ok(w) => Accepted::Warming(w),
             Err(o) => Accepted::Move(o),
         },
@@ -315,7 +315,7 @@ async fn next_chunk(
     req: &RequestState,
     worker: &crate::config::UpstreamUrl,
     idle: Duration,
-    warming: &mut Option<Warming<'_>>,
+    warming: &mut Option<Warming>,
 ) -> Next {
     let movable = req.track.as_ref().is_some_and(Tracker::movable) && warming.is_none();
     let mailbox = &req.entry().mailbox;

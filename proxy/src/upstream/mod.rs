@@ -18,12 +18,12 @@ use crate::error::{LegError, LegErrorKind};
 use crate::fleet::Worker;
 use crate::gateway::Gateway;
 use bytes::{Bytes, BytesMut};
-use pingora::protocols::Stream;
-use pingora::upstreams::peer::HttpPeer;
 use pool::IdlePool;
 use response::WorkerResponse;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio::net::TcpStream;
 
 /// Whether a header named `name` crosses the gateway: not hop-by-hop, and not named by the
 /// message's own `Connection` header (`connection`, its value).
@@ -196,17 +196,14 @@ impl Outgoing<'_> {
 /// after the request was sent. A pooled connection that fails before any response byte was
 /// most likely closed by the worker while idle, so one fresh connection is tried before giving
 /// up (the request may then run twice if the worker had in fact taken it).
-pub async fn exchange(gw: &Gateway, cfg: &Config, worker: &Worker, out: Outgoing<'_>, header_timeout: Option<Duration>) -> Result<Exchange, LegError> {
+pub async fn exchange(cfg: &Config, worker: &Worker, out: Outgoing<'_>, header_timeout: Option<Duration>) -> Result<Exchange, LegError> {
     let addr = worker.addr().await.map_err(|e| LegError::new(LegErrorKind::Resolve, &worker.url, e.to_string()).with_source(e))?;
-    let mut peer = HttpPeer::new(addr, false, String::new());
     let connect_limit = Duration::from_millis(cfg.timeouts.connect_ms);
-    peer.options.connection_timeout = Some(connect_limit);
-    peer.options.total_connection_timeout = Some(connect_limit);
     let idle = Duration::from_millis(cfg.timeouts.upstream_idle_ms);
     let home = out.pool(worker);
     let mut fresh_try = 0;
     loop {
-        let (stream, reused) = connect(gw, worker, &peer, home, idle, fresh_try > 0 || !out.reuses()).await?;
+        let (stream, reused) = connect(worker, addr, connect_limit, home, idle, fresh_try > 0 || !out.reuses()).await?;
         let failed = match send(stream, out.wire()).await {
             Err(e) => LegError::new(LegErrorKind::Send, &worker.url, e.to_string()).with_source(e),
             Ok(stream) => {
@@ -235,23 +232,30 @@ pub async fn exchange(gw: &Gateway, cfg: &Config, worker: &Worker, out: Outgoing
     }
 }
 
-/// A connection to `worker`: an idle one from `pool` unless `fresh`, else a new one. Returns
-/// whether it was reused.
-async fn connect(gw: &Gateway, worker: &Worker, peer: &HttpPeer, pool: &IdlePool, idle: Duration, fresh: bool) -> Result<(Stream, bool), LegError> {
-    match if fresh { None } else { pool.take(idle) } {
-        Some(s) => Ok((s, true)),
-        // Boxed: with keep-alive a new connection is rare, and its future is large
-        // (docs/architecture.md, "Future sizes").
-        None => Ok((
-            Box::pin(gw.transport.new_stream(peer)).await.map_err(|e| LegError::new(LegErrorKind::Connect, &worker.url, e.to_string()).with_source(*e))?,
-            false,
-        )),
+/// A connection to `worker`: an idle one from `pool` unless `fresh`, else a new one to `addr`
+/// within `limit`. Returns whether it was reused. A plain tokio stream: the gateway reads and
+/// writes it in whole pieces through its own buffers, so Pingora's buffered, timed stream would
+/// only add a layer per read and write (benches/RESULTS.md, "Worker connections as plain
+/// sockets").
+async fn connect(worker: &Worker, addr: SocketAddr, limit: Duration, pool: &IdlePool, idle: Duration, fresh: bool) -> Result<(TcpStream, bool), LegError> {
+    if let Some(s) = if fresh { None } else { pool.take(idle) } {
+        return Ok((s, true));
     }
+    let stream = match tokio::time::timeout(limit, TcpStream::connect(addr)).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => return Err(LegError::new(LegErrorKind::Connect, &worker.url, format!("connecting to {addr}: {e}")).with_source(e)),
+        Err(_) => {
+            return Err(LegError::new(LegErrorKind::Connect, &worker.url, format!("connecting to {addr}: no answer within timeouts.connect_ms ({limit:?})")));
+        }
+    };
+    // Requests go out in one write each: Nagle's delay would only hold back the next one.
+    stream.set_nodelay(true).map_err(|e| LegError::new(LegErrorKind::Connect, &worker.url, e.to_string()).with_source(e))?;
+    Ok((stream, false))
 }
 
 /// Sends a request in one write (head and body together): a second send per request would
 /// carry the receiver's network processing again on loopback.
-async fn send(mut stream: Stream, wire: &[u8]) -> std::io::Result<Stream> {
+async fn send(mut stream: TcpStream, wire: &[u8]) -> std::io::Result<TcpStream> {
     use tokio::io::AsyncWriteExt;
     stream.write_all(wire).await?;
     stream.flush().await?;
@@ -299,7 +303,7 @@ pub async fn get(gw: &Gateway, worker: &Worker, path: &str, timeout: Duration, m
     let attempt = async {
         let wire = probe_wire(worker, path, keep_alive).map_err(|e| ProbeError::Exchange(LegError::new(LegErrorKind::Send, &worker.url, e.to_string())))?;
         let cfg = gw.config();
-        let mut ex = exchange(gw, &cfg, worker, Outgoing::Probe { wire: &wire, reuse: keep_alive }, None).await?;
+        let mut ex = exchange(&cfg, worker, Outgoing::Probe { wire: &wire, reuse: keep_alive }, None).await?;
         let mut body = BytesMut::new();
         loop {
             match ex.response.read_body().await {
@@ -367,9 +371,11 @@ mod tests {
     /// The client's head for a worker answer `wire`, `rewritten` or not.
     async fn client_head(wire: &'static [u8], rewritten: bool) -> ResponseHead {
         use tokio::io::AsyncWriteExt;
-        let (ours, mut theirs) = tokio::io::duplex(4096);
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let ours = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (mut theirs, _) = l.accept().await.unwrap();
         theirs.write_all(wire).await.unwrap();
-        let response = WorkerResponse::read(Box::new(ours), false).await.unwrap();
+        let response = WorkerResponse::read(ours, false).await.unwrap();
         let ex = Exchange { status: response.status(), response, sent_at: Instant::now(), home: Arc::default() };
         client_response_header(&ex, "gw-id", "http://w:1", rewritten).unwrap()
     }

@@ -12,11 +12,11 @@
 //! time is dropped when met or by [`IdlePool::sweep`].
 
 use parking_lot::Mutex;
-use pingora::protocols::Stream;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, ReadBuf};
+use tokio::net::TcpStream;
 
 /// Idle connections kept per worker at most; more are closed on return. Pingora's own pool
 /// keeps 128 per connector.
@@ -29,7 +29,7 @@ pub struct IdlePool {
 }
 
 struct Idle {
-    stream: Stream,
+    stream: TcpStream,
     since: Instant,
 }
 
@@ -42,7 +42,7 @@ impl std::fmt::Debug for IdlePool {
 impl IdlePool {
     /// The most recently returned connection that is still usable: idle for at most
     /// `max_idle`, and neither closed by the worker nor holding unread bytes.
-    pub fn take(&self, max_idle: Duration) -> Option<Stream> {
+    pub fn take(&self, max_idle: Duration) -> Option<TcpStream> {
         let now = Instant::now();
         loop {
             let Idle { mut stream, since } = self.idle.lock().pop()?;
@@ -54,7 +54,7 @@ impl IdlePool {
     }
 
     /// Keeps `stream` for reuse, or closes it when [`MAX_IDLE`] are already kept.
-    pub fn put(&self, stream: Stream) {
+    pub fn put(&self, stream: TcpStream) {
         let mut idle = self.idle.lock();
         if idle.len() < MAX_IDLE {
             idle.push(Idle { stream, since: Instant::now() });
@@ -95,7 +95,7 @@ impl IdlePool {
 
 /// Whether an idle connection can carry a request: a read that would block says the worker
 /// neither closed it nor sent anything unasked. One poll, never waiting.
-fn still_open(stream: &mut Stream) -> bool {
+fn still_open(stream: &mut TcpStream) -> bool {
     let mut byte = [0u8; 1];
     let mut buf = ReadBuf::new(&mut byte);
     let mut cx = Context::from_waker(Waker::noop());
@@ -106,19 +106,19 @@ fn still_open(stream: &mut Stream) -> bool {
 mod tests {
     use super::*;
     use tokio::io::AsyncWriteExt;
-    use tokio::net::{TcpListener, TcpStream};
+    use tokio::net::TcpListener;
 
-    /// A connected pair: the pooled (gateway) end as a Pingora stream, and the worker's end.
-    async fn pair() -> (Stream, TcpStream) {
+    /// A connected pair: the pooled (gateway) end, and the worker's end.
+    async fn pair() -> (TcpStream, TcpStream) {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let client = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
         let (server, _) = l.accept().await.unwrap();
-        (Box::new(pingora::protocols::l4::stream::Stream::from(client)), server)
+        (client, server)
     }
 
-    /// The connection's identity (its file descriptor).
-    fn id(s: &Stream) -> pingora::protocols::UniqueIDType {
-        s.id()
+    /// The connection's identity (its local address, unique among open connections).
+    fn id(s: &TcpStream) -> std::net::SocketAddr {
+        s.local_addr().unwrap()
     }
 
     #[tokio::test]
@@ -192,7 +192,7 @@ mod tests {
         });
         for _ in 0..MAX_IDLE + 3 {
             let c = TcpStream::connect(addr).await.unwrap();
-            pool.put(Box::new(pingora::protocols::l4::stream::Stream::from(c)));
+            pool.put(c);
         }
         let _servers = accept.await.unwrap();
         assert_eq!(pool.len(), MAX_IDLE);

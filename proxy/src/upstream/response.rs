@@ -12,8 +12,8 @@ use crate::h1::body::Framing;
 use crate::h1::chunked::{ChunkError, Chunked};
 use crate::h1::spare::{READ_SIZE, ReadBuffer};
 use bytes::{Bytes, BytesMut};
-use pingora::protocols::Stream;
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::net::TcpStream;
 
 /// Largest response head accepted (status line and headers).
 pub const MAX_HEAD: usize = 64 * 1024;
@@ -42,10 +42,11 @@ pub enum ResponseError {
     Chunked(#[from] ChunkError),
 }
 
-/// A response whose head has arrived, and its connection.
+/// A response whose head has arrived, and its connection (a worker's socket; tests read from
+/// in-memory pipes).
 #[derive(Debug)]
-pub struct WorkerResponse {
-    stream: Stream,
+pub struct WorkerResponse<S = TcpStream> {
+    stream: S,
     // Before `buf`: fields drop in order, and the head shares the buffer's memory, which can
     // only go back to the spares once the head is gone.
     head: Head,
@@ -53,10 +54,10 @@ pub struct WorkerResponse {
     buf: ReadBuffer,
 }
 
-impl WorkerResponse {
+impl<S: AsyncRead + Unpin> WorkerResponse<S> {
     /// Reads the head of the response to the request just sent on `stream` (`head_request`:
     /// it was a `HEAD`, so no body follows). Interim `1xx` answers are skipped.
-    pub async fn read(mut stream: Stream, head_request: bool) -> Result<Self, ResponseError> {
+    pub async fn read(mut stream: S, head_request: bool) -> Result<Self, ResponseError> {
         let mut buf = ReadBuffer::take();
         loop {
             if let Some(parsed) = parse_head(&mut buf, head_request)? {
@@ -127,7 +128,7 @@ impl WorkerResponse {
 
     /// The connection, when it can carry another request: the body was read whole, the worker
     /// did not ask to close, and it sent nothing past the response.
-    pub fn into_reusable(self) -> Option<Stream> {
+    pub fn into_reusable(self) -> Option<S> {
         (self.is_done() && self.head.keep_alive && self.buf.is_empty()).then_some(self.stream)
     }
 }
@@ -239,7 +240,7 @@ mod tests {
                 std::future::pending::<()>().await;
             }
         });
-        let mut r = WorkerResponse::read(Box::new(ours), false).await?;
+        let mut r = WorkerResponse::read(ours, false).await?;
         let mut body = Vec::new();
         while let Some(b) = r.read_body().await? {
             body.extend_from_slice(&b);
@@ -310,7 +311,7 @@ mod tests {
     async fn headers_are_kept_as_they_came() {
         let (ours, mut theirs) = tokio::io::duplex(4096);
         theirs.write_all(b"HTTP/1.1 200 OK\r\nX-Request-Id: r1\r\ncontent-type: text/event-stream\r\nContent-Length: 0\r\n\r\n").await.unwrap();
-        let r = WorkerResponse::read(Box::new(ours), false).await.unwrap();
+        let r = WorkerResponse::read(ours, false).await.unwrap();
         let names: Vec<&[u8]> = r.headers().map(|(n, _)| n).collect();
         assert_eq!(names, [&b"X-Request-Id"[..], b"content-type", b"Content-Length"]);
         assert_eq!(r.header("x-request-id"), Some(&b"r1"[..]));
@@ -327,11 +328,11 @@ mod tests {
         };
         let (ours, mut theirs) = tokio::io::duplex(1 << 16);
         theirs.write_all(&head(100)).await.unwrap();
-        let r = WorkerResponse::read(Box::new(ours), false).await.unwrap();
+        let r = WorkerResponse::read(ours, false).await.unwrap();
         assert_eq!((r.headers().count(), r.header("x-h99")), (101, Some(&b"v"[..])));
         let (ours, mut theirs) = tokio::io::duplex(1 << 16);
         theirs.write_all(&head(MAX_HEADERS)).await.unwrap();
-        assert!(matches!(WorkerResponse::read(Box::new(ours), false).await, Err(ResponseError::HeadTooLarge)));
+        assert!(matches!(WorkerResponse::read(ours, false).await, Err(ResponseError::HeadTooLarge)));
     }
 
     #[tokio::test]
@@ -342,6 +343,6 @@ mod tests {
             let line = b"X-Filler: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n";
             while theirs.write_all(line).await.is_ok() {}
         });
-        assert!(matches!(WorkerResponse::read(Box::new(ours), false).await, Err(ResponseError::HeadTooLarge)));
+        assert!(matches!(WorkerResponse::read(ours, false).await, Err(ResponseError::HeadTooLarge)));
     }
 }
