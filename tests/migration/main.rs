@@ -112,10 +112,9 @@ async fn moved_equals_unmoved(c: &Cluster, real: bool) {
     let model = if real { std::env::var("KVGATE_TARGET_MODEL").unwrap_or_else(|_| "tiny".into()) } else { "sim-model".into() };
     for (i, (path, mut body)) in cases.into_iter().enumerate() {
         body["model"] = json!(model);
-        if i % 2 == 1 {
-            let key = if body.get("max_tokens").is_some() { "max_tokens" } else { "max_completion_tokens" };
-            body[key] = json!(warmed_max);
-        }
+        let max = if i % 2 == 1 { warmed_max } else { max };
+        let key = if body.get("max_tokens").is_some() { "max_tokens" } else { "max_completion_tokens" };
+        body[key] = json!(max);
         let (reference, _) = run(c, path, &body, &format!("ref-{i}"), None).await;
         // Odd cases name the destination, which is warmed up before the move.
         let (moved, answer) = run_aimed(c, path, &body, &format!("mv-{i}"), Some(4), i % 2 == 1).await;
