@@ -223,6 +223,7 @@ pub struct ClientConn {
     head_only: bool,
     keep_alive: bool,
     write_limit: Option<Duration>,
+    idle_timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl std::fmt::Debug for ClientConn {
@@ -245,6 +246,7 @@ impl ClientConn {
             head_only: false,
             keep_alive: true,
             write_limit: None,
+            idle_timer: None,
         }
     }
 
@@ -273,10 +275,19 @@ impl ClientConn {
         // The last head shares the read buffer: let it go first, so the buffer is this
         // connection's alone again and the next read reuses it instead of allocating another.
         self.head = RequestHead::default();
-        match tokio::time::timeout(idle, self.read_head()).await {
-            Ok(r) => r,
-            Err(_) => Ok(false),
-        }
+        // One timer per connection, moved later for each request: moving a registered timer
+        // later is a store, where a fresh timeout per request was a timer-wheel insert and
+        // removal each time (benches/RESULTS.md, "One idle timer per connection").
+        let deadline = tokio::time::Instant::now() + idle;
+        let mut timer = self.idle_timer.take().unwrap_or_else(|| Box::pin(tokio::time::sleep_until(deadline)));
+        timer.as_mut().reset(deadline);
+        let read = tokio::select! {
+            biased;
+            r = self.read_head() => r,
+            () = timer.as_mut() => Ok(false),
+        };
+        self.idle_timer = Some(timer);
+        read
     }
 
     async fn read_head(&mut self) -> Result<bool, HeadError> {
@@ -397,7 +408,7 @@ impl ClientConn {
         };
         let w = &mut self.wbuf;
         w.extend_from_slice(b"HTTP/1.1 ");
-        w.extend_from_slice(head.status.to_string().as_bytes());
+        crate::h1::put_decimal(w, u64::from(head.status));
         w.push(b' ');
         w.extend_from_slice(reason(head.status).as_bytes());
         w.extend_from_slice(b"\r\n");
@@ -411,7 +422,7 @@ impl ClientConn {
             // No length on a 1xx or 204 (RFC 9110 §8.6); a HEAD answer may state the GET's.
             (Some(n), _) if !(head.status == 204 || (100..200).contains(&head.status)) && (!self.head_only || n > 0) => {
                 w.extend_from_slice(b"Content-Length: ");
-                w.extend_from_slice(n.to_string().as_bytes());
+                crate::h1::put_decimal(w, n);
                 w.extend_from_slice(b"\r\n");
             }
             (None, BodyOut::Chunked) => w.extend_from_slice(b"Transfer-Encoding: chunked\r\n"),
@@ -457,7 +468,8 @@ impl ClientConn {
             }
             BodyOut::Chunked => {
                 if !data.is_empty() {
-                    self.wbuf.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+                    crate::h1::put_hex(&mut self.wbuf, data.len() as u64);
+                    self.wbuf.extend_from_slice(b"\r\n");
                     if data.len() > COPY_LIMIT {
                         self.flush().await?;
                         self.send(&data).await?;

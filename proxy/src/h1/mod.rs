@@ -23,6 +23,39 @@ pub fn content_length(v: &[u8]) -> Option<u64> {
     digits.iter().try_fold(0u64, |n, &b| if b.is_ascii_digit() { n.checked_mul(10)?.checked_add(u64::from(b - b'0')) } else { None })
 }
 
+/// Appends `n` in decimal: a status, a `Content-Length`, written per response without
+/// formatting machinery or an allocation.
+pub fn put_decimal(w: &mut Vec<u8>, n: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    let mut n = n;
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    w.extend_from_slice(&digits[at..]);
+}
+
+/// Appends `n` in lower-case hexadecimal: a chunk's size.
+pub fn put_hex(w: &mut Vec<u8>, n: u64) {
+    let mut digits = [0u8; 16];
+    let mut at = digits.len();
+    let mut n = n;
+    loop {
+        at -= 1;
+        digits[at] = b"0123456789abcdef"[(n & 15) as usize];
+        n >>= 4;
+        if n == 0 {
+            break;
+        }
+    }
+    w.extend_from_slice(&digits[at..]);
+}
+
 /// Whether a `Connection` value names any header besides `keep-alive` and `close` (which are
 /// hop-by-hop anyway): only then must each header be looked up in it.
 pub fn names_headers(connection: &[u8]) -> bool {
@@ -43,6 +76,16 @@ mod tests {
         assert_eq!(content_length(b"18446744073709551615"), Some(u64::MAX));
         for bad in [&b""[..], b" ", b"+1", b"-1", b"1 2", b"0x10", b"18446744073709551616", b"1,1", b"\xff"] {
             assert_eq!(content_length(bad), None, "{}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
+    fn numbers_are_written_as_format_writes_them() {
+        for n in [0, 1, 9, 10, 15, 16, 99, 100, 200, 404, 65_535, 1 << 40, u64::MAX] {
+            let (mut d, mut h) = (Vec::new(), Vec::new());
+            put_decimal(&mut d, n);
+            put_hex(&mut h, n);
+            assert_eq!((d, h), (n.to_string().into_bytes(), format!("{n:x}").into_bytes()));
         }
     }
 

@@ -20,6 +20,7 @@ use crate::sse::SseEventCounter;
 use crate::upstream::{self, Exchange};
 use bytes::{Bytes, BytesMut};
 use prometheus::Histogram;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -134,12 +135,12 @@ async fn body(
     warming: &mut Option<Warming>,
 ) -> BodyEnd {
     let Leg { mut ex, first, worker } = leg;
-    let idle = Duration::from_millis(req.cfg.timeouts.upstream_read_idle_ms);
+    let mut stall = StallTimer::new(Duration::from_millis(req.cfg.timeouts.upstream_read_idle_ms));
     let mut pending = Some(Ok(first));
     loop {
         let chunk = match pending.take() {
             Some(c) => c,
-            None => match next_chunk(session, &mut ex, req, &worker.url, idle, warming).await {
+            None => match next_chunk(session, &mut ex, req, &worker.url, &mut stall, warming).await {
                 Next::Chunk(c) => c,
                 Next::ClientGone => return BodyEnd::Done(record::cancelled(gw, req)),
                 Next::Warmed => match warming.take().and_then(|w| ready_to_move(req, w.order)) {
@@ -314,7 +315,7 @@ async fn next_chunk(
     ex: &mut Exchange,
     req: &RequestState,
     worker: &crate::config::UpstreamUrl,
-    idle: Duration,
+    stall: &mut StallTimer,
     warming: &mut Option<Warming>,
 ) -> Next {
     let movable = req.track.as_ref().is_some_and(Tracker::movable) && warming.is_none();
@@ -325,16 +326,36 @@ async fn next_chunk(
             None => std::future::pending().await,
         }
     };
+    let stalled = stall.arm();
     tokio::select! {
         biased;
-        r = tokio::time::timeout(idle, ex.response.read_body()) => Next::Chunk(match r {
-            Ok(Ok(chunk)) => Ok(chunk),
-            Ok(Err(e)) => Err(LegError::new(LegErrorKind::Midstream, worker, e.to_string()).with_source(e)),
-            Err(_) => Err(LegError::new(LegErrorKind::Stalled, worker, "worker stalled past timeouts.upstream_read_idle_ms")),
-        }),
+        r = ex.response.read_body() => Next::Chunk(r.map_err(|e| LegError::new(LegErrorKind::Midstream, worker, e.to_string()).with_source(e))),
+        () = stalled => Next::Chunk(Err(LegError::new(LegErrorKind::Stalled, worker, "worker stalled past timeouts.upstream_read_idle_ms"))),
         _ = client_closed(session) => Next::ClientGone,
         o = mailbox.next(), if movable => Next::Order(o),
         () = warm => Next::Warmed,
+    }
+}
+
+/// The limit on a worker's silence between two chunks (`timeouts.upstream_read_idle_ms`): one
+/// timer per leg, moved later before each read. Moving a registered timer later is a store; a
+/// fresh timeout per read was a timer-wheel insert and removal for every chunk of a stream.
+struct StallTimer {
+    idle: Duration,
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl StallTimer {
+    fn new(idle: Duration) -> Self {
+        Self { idle, sleep: None }
+    }
+
+    /// The timer, set to fire `idle` from now.
+    fn arm(&mut self) -> Pin<&mut tokio::time::Sleep> {
+        let deadline = tokio::time::Instant::now() + self.idle;
+        let sleep = self.sleep.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        sleep.as_mut().reset(deadline);
+        sleep.as_mut()
     }
 }
 
