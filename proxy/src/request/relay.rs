@@ -268,7 +268,7 @@ fn coalesce(ex: &mut Exchange, first: Bytes, worker: &crate::config::UpstreamUrl
     let mut gathered: Option<BytesMut> = None;
     let mut after = None;
     while !ex.response.is_done() && gathered.as_ref().map_or(first.len(), BytesMut::len) < MAX_COALESCED {
-        match ready_now(ex.response.read_body()) {
+        match ex.response.read_body_now() {
             None => break,
             Some(Ok(Some(more))) => gathered.get_or_insert_with(|| BytesMut::from(&first[..])).extend_from_slice(&more),
             Some(Ok(None)) => {
@@ -282,18 +282,6 @@ fn coalesce(ex: &mut Exchange, first: Bytes, worker: &crate::config::UpstreamUrl
         }
     }
     (gathered.map_or(first, BytesMut::freeze), after)
-}
-
-/// Polls `f` once: its output if it is ready now. A read that is not ready consumed nothing
-/// (the response keeps its parse state in itself, not in the future: upstream/response.rs), so
-/// dropping it loses no data.
-fn ready_now<F: std::future::Future>(f: F) -> Option<F::Output> {
-    let mut f = std::pin::pin!(f);
-    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-    match f.as_mut().poll(&mut cx) {
-        std::task::Poll::Ready(v) => Some(v),
-        std::task::Poll::Pending => None,
-    }
 }
 
 /// What the wait for the next body chunk gave.

@@ -12,6 +12,7 @@ use crate::h1::body::Framing;
 use crate::h1::chunked::{ChunkError, Chunked};
 use crate::h1::spare::{READ_SIZE, ReadBuffer};
 use bytes::{Bytes, BytesMut};
+use std::future::Future;
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::net::TcpStream;
 
@@ -52,6 +53,8 @@ pub struct WorkerResponse<S = TcpStream> {
     head: Head,
     /// Bytes read and not yet handed on.
     buf: ReadBuffer,
+    /// The last read of the socket left room in `buf`: the socket was empty after it.
+    drained: bool,
 }
 
 impl<S: AsyncRead + Unpin> WorkerResponse<S> {
@@ -59,18 +62,22 @@ impl<S: AsyncRead + Unpin> WorkerResponse<S> {
     /// it was a `HEAD`, so no body follows). Interim `1xx` answers are skipped.
     pub async fn read(mut stream: S, head_request: bool) -> Result<Self, ResponseError> {
         let mut buf = ReadBuffer::take();
+        let mut drained = false;
         loop {
             if let Some(parsed) = parse_head(&mut buf, head_request)? {
                 if (100..200).contains(&parsed.status) && parsed.status != 101 {
                     continue;
                 }
-                return Ok(Self { stream, buf, head: parsed });
+                return Ok(Self { stream, buf, head: parsed, drained });
             }
             if buf.len() >= MAX_HEAD {
                 return Err(ResponseError::HeadTooLarge);
             }
             buf.reserve(READ_SIZE);
-            if stream.read_buf(&mut *buf).await? == 0 {
+            let room = buf.capacity() - buf.len();
+            let n = stream.read_buf(&mut *buf).await?;
+            drained = n < room;
+            if n == 0 {
                 return Err(ResponseError::Closed("before the response head"));
             }
         }
@@ -103,6 +110,27 @@ impl<S: AsyncRead + Unpin> WorkerResponse<S> {
         self.head.body.is_done()
     }
 
+    /// The next run of body bytes if it needs no wait: bytes already read, the end, or a read
+    /// of the socket, unless the last read found the socket empty (it left room in the
+    /// buffer), when another now would almost surely find nothing and only cost a system call
+    /// before the bytes in hand go out. `None`: nothing now.
+    pub fn read_body_now(&mut self) -> Option<Result<Option<Bytes>, ResponseError>> {
+        match self.head.body.take(&mut self.buf) {
+            Ok(Some(data)) => return Some(Ok(Some(data))),
+            Err(e) => return Some(Err(e.into())),
+            Ok(None) if self.is_done() => return Some(Ok(None)),
+            Ok(None) if self.drained => return None,
+            Ok(None) => {}
+        }
+        // Polled once: a read that is not ready consumes nothing (the parse state lives in
+        // `self`, not in the future), so dropping it loses no data.
+        let read = std::pin::pin!(self.read_body());
+        match read.poll(&mut std::task::Context::from_waker(std::task::Waker::noop())) {
+            std::task::Poll::Ready(r) => Some(r),
+            std::task::Poll::Pending => None,
+        }
+    }
+
     /// The next run of body bytes, as soon as any have arrived; `None` once the body is
     /// complete.
     pub async fn read_body(&mut self) -> Result<Option<Bytes>, ResponseError> {
@@ -114,7 +142,11 @@ impl<S: AsyncRead + Unpin> WorkerResponse<S> {
                 return Ok(None);
             }
             self.buf.reserve(READ_SIZE);
-            if self.stream.read_buf(&mut *self.buf).await? == 0 {
+            let room = self.buf.capacity() - self.buf.len();
+            let n = self.stream.read_buf(&mut *self.buf).await?;
+            // A read that left room took everything the socket held at that moment.
+            self.drained = n < room;
+            if n == 0 {
                 return match self.head.body {
                     Framing::UntilClose => {
                         self.head.body = Framing::Done;
@@ -344,5 +376,26 @@ mod tests {
             while theirs.write_all(line).await.is_ok() {}
         });
         assert!(matches!(WorkerResponse::read(ours, false).await, Err(ResponseError::HeadTooLarge)));
+    }
+
+    /// Gathering what already arrived never waits, and skips the socket once a read found it
+    /// empty: the bytes in hand go out first, the rest on the next read.
+    #[tokio::test]
+    async fn reading_now_takes_what_is_in_hand_and_spares_an_empty_socket() {
+        let (ours, mut theirs) = tokio::io::duplex(1 << 16);
+        theirs.write_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n2\r\ncd\r\n").await.unwrap();
+        let mut r = WorkerResponse::read(ours, false).await.unwrap();
+        assert!(r.drained, "a short read leaves the socket empty");
+        assert_eq!(r.read_body_now().unwrap().unwrap().as_deref(), Some(&b"ab"[..]), "in hand");
+        assert_eq!(r.read_body_now().unwrap().unwrap().as_deref(), Some(&b"cd"[..]), "in hand");
+        theirs.write_all(b"2\r\nef\r\n").await.unwrap();
+        assert!(r.read_body_now().is_none(), "the socket is not read again right after it was found empty");
+        assert_eq!(r.read_body().await.unwrap().as_deref(), Some(&b"ef"[..]), "the next read takes it");
+        // Not known empty: reading now reads the socket, and finds nothing without waiting.
+        r.drained = false;
+        assert!(r.read_body_now().is_none());
+        theirs.write_all(b"0\r\n\r\n").await.unwrap();
+        assert_eq!(r.read_body().await.unwrap(), None);
+        assert!(matches!(r.read_body_now(), Some(Ok(None))), "the end is in hand");
     }
 }
