@@ -2,15 +2,16 @@
 //! whole; the modules:
 //!
 //! - [`config`]: the YAML configuration, validation, environment overrides;
-//! - [`gateway`]: shared state (config and fleet swapped on reload, upstream connector, metrics,
-//!   in-flight registry, plugins, drain switch);
+//! - [`gateway`]: shared state (config and fleet swapped on reload, metrics, in-flight
+//!   registry, plugins, drain switch);
 //! - [`fleet`]: models and workers as routing sees them, and each model's booking ledger;
 //! - [`request`]: the life of an inference request as phases (admit, queue, place, leg, relay,
 //!   record) over one per-request state;
 //! - [`inflight`]: the registry of requests in flight, with their route receipts;
 //! - [`move_order`]: orders to move a request to another worker, and their answers;
 //! - [`upstream`]: HTTP exchanges with workers over the keep-alive pools;
-//! - [`h1`]: HTTP/1.1 wire pieces both sides share (chunked coding);
+//! - [`h1`]: HTTP/1.1 wire pieces both sides share (framing, chunked coding, read buffers);
+//! - [`idle_timer`]: one re-armed timer for a repeated idle limit;
 //! - [`error`]: typed leg errors and the gateway's error answers;
 //! - [`kv_routing`]: per-model KV routing state (tokenizer, index, cost);
 //! - [`receipt`]: route receipts, why each request went where it went;
@@ -32,6 +33,7 @@ pub(crate) mod fleet;
 pub mod gateway;
 pub(crate) mod h1;
 pub mod http;
+pub(crate) mod idle_timer;
 pub(crate) mod inflight;
 pub(crate) mod kv_routing;
 pub(crate) mod metrics;

@@ -10,6 +10,8 @@
 
 use crate::h1::body::Framing;
 use crate::h1::chunked::{ChunkError, Chunked};
+use crate::h1::spare::READ_SIZE;
+use crate::idle_timer::IdleTimer;
 use bytes::{Bytes, BytesMut};
 use pingora::protocols::Stream;
 use std::mem::MaybeUninit;
@@ -20,11 +22,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 pub const MAX_HEAD: usize = 64 * 1024;
 /// Most headers a request may carry.
 pub const MAX_HEADERS: usize = 128;
-/// Room made in the read buffer before each read.
 /// How long [`ClientConn::linger`] keeps reading after the answer went out.
 pub const LINGER: Duration = Duration::from_secs(2);
-
-const READ_SIZE: usize = 16 * 1024;
 /// Bodies larger than this are written from their own buffer instead of copied behind the
 /// chunk framing.
 const COPY_LIMIT: usize = 16 * 1024;
@@ -223,7 +222,7 @@ pub struct ClientConn {
     head_only: bool,
     keep_alive: bool,
     write_limit: Option<Duration>,
-    idle_timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    idle_timer: IdleTimer,
 }
 
 impl std::fmt::Debug for ClientConn {
@@ -246,7 +245,7 @@ impl ClientConn {
             head_only: false,
             keep_alive: true,
             write_limit: None,
-            idle_timer: None,
+            idle_timer: IdleTimer::default(),
         }
     }
 
@@ -275,18 +274,15 @@ impl ClientConn {
         // The last head shares the read buffer: let it go first, so the buffer is this
         // connection's alone again and the next read reuses it instead of allocating another.
         self.head = RequestHead::default();
-        // One timer per connection, moved later for each request: moving a registered timer
-        // later is a store, where a fresh timeout per request was a timer-wheel insert and
-        // removal each time (benches/RESULTS.md, "One idle timer per connection").
-        let deadline = tokio::time::Instant::now() + idle;
-        let mut timer = self.idle_timer.take().unwrap_or_else(|| Box::pin(tokio::time::sleep_until(deadline)));
-        timer.as_mut().reset(deadline);
+        // One timer per connection, moved later for each request. Taken out while the read
+        // borrows the connection.
+        let mut timer = std::mem::take(&mut self.idle_timer);
         let read = tokio::select! {
             biased;
             r = self.read_head() => r,
-            () = timer.as_mut() => Ok(false),
+            () = timer.arm(idle) => Ok(false),
         };
-        self.idle_timer = Some(timer);
+        self.idle_timer = timer;
         read
     }
 
@@ -421,9 +417,7 @@ impl ClientConn {
         match (head.length, self.out) {
             // No length on a 1xx or 204 (RFC 9110 §8.6); a HEAD answer may state the GET's.
             (Some(n), _) if !(head.status == 204 || (100..200).contains(&head.status)) && (!self.head_only || n > 0) => {
-                w.extend_from_slice(b"Content-Length: ");
-                crate::h1::put_decimal(w, n);
-                w.extend_from_slice(b"\r\n");
+                crate::h1::put_content_length(w, n);
             }
             (None, BodyOut::Chunked) => w.extend_from_slice(b"Transfer-Encoding: chunked\r\n"),
             _ => {}

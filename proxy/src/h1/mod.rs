@@ -26,29 +26,29 @@ pub fn content_length(v: &[u8]) -> Option<u64> {
 /// Appends `n` in decimal: a status, a `Content-Length`, written per response without
 /// formatting machinery or an allocation.
 pub fn put_decimal(w: &mut Vec<u8>, n: u64) {
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    let mut n = n;
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    w.extend_from_slice(&digits[at..]);
+    put_digits(w, n, 10);
+}
+
+/// Appends a `Content-Length: n` header line.
+pub fn put_content_length(w: &mut Vec<u8>, n: u64) {
+    w.extend_from_slice(b"Content-Length: ");
+    put_decimal(w, n);
+    w.extend_from_slice(b"\r\n");
 }
 
 /// Appends `n` in lower-case hexadecimal: a chunk's size.
 pub fn put_hex(w: &mut Vec<u8>, n: u64) {
-    let mut digits = [0u8; 16];
+    put_digits(w, n, 16);
+}
+
+/// Appends `n`'s digits in `base` (at most 16), most significant first.
+fn put_digits(w: &mut Vec<u8>, mut n: u64, base: u64) {
+    let mut digits = [0u8; 20];
     let mut at = digits.len();
-    let mut n = n;
     loop {
         at -= 1;
-        digits[at] = b"0123456789abcdef"[(n & 15) as usize];
-        n >>= 4;
+        digits[at] = b"0123456789abcdef"[(n % base) as usize];
+        n /= base;
         if n == 0 {
             break;
         }

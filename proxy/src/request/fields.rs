@@ -207,10 +207,11 @@ impl<'a> Scanner<'a> {
             match *self.b.get(self.i + 1)? {
                 b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => self.i += 2,
                 b'u' => {
-                    let hex = self.b.get(self.i + 2..self.i + 6)?;
+                    // Four hex digits exactly (`from_str_radix` alone would take a sign).
+                    let hex = self.b.get(self.i + 2..self.i + 6).filter(|h| h.iter().all(u8::is_ascii_hexdigit))?;
                     let n = u16::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()?;
                     // Surrogates (paired or not) are serde_json's to judge.
-                    if !hex.iter().all(u8::is_ascii_hexdigit) || (0xD800..=0xDFFF).contains(&n) {
+                    if (0xD800..=0xDFFF).contains(&n) {
                         return None;
                     }
                     self.i += 6;

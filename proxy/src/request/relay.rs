@@ -14,13 +14,13 @@ use crate::downstream::conn::ClientConn;
 use crate::error::{GatewayError, LegError, LegErrorKind};
 use crate::fleet::Worker;
 use crate::gateway::Gateway;
+use crate::idle_timer::IdleTimer;
 use crate::inflight::Phase;
 use crate::move_order::{MoveOrder, MoveReason, MoveRefused, MoveReport};
 use crate::sse::SseEventCounter;
 use crate::upstream::{self, Exchange};
 use bytes::{Bytes, BytesMut};
 use prometheus::Histogram;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -135,12 +135,14 @@ async fn body(
     warming: &mut Option<Warming>,
 ) -> BodyEnd {
     let Leg { mut ex, first, worker } = leg;
-    let mut stall = StallTimer::new(Duration::from_millis(req.cfg.timeouts.upstream_read_idle_ms));
+    // The limit on the worker's silence between two chunks: one timer per leg, moved later
+    // before each read.
+    let (idle, mut stall) = (Duration::from_millis(req.cfg.timeouts.upstream_read_idle_ms), IdleTimer::default());
     let mut pending = Some(Ok(first));
     loop {
         let chunk = match pending.take() {
             Some(c) => c,
-            None => match next_chunk(session, &mut ex, req, &worker.url, &mut stall, warming).await {
+            None => match next_chunk(session, &mut ex, req, &worker.url, idle, &mut stall, warming).await {
                 Next::Chunk(c) => c,
                 Next::ClientGone => return BodyEnd::Done(record::cancelled(gw, req)),
                 Next::Warmed => match warming.take().and_then(|w| ready_to_move(req, w.order)) {
@@ -303,7 +305,8 @@ async fn next_chunk(
     ex: &mut Exchange,
     req: &RequestState,
     worker: &crate::config::UpstreamUrl,
-    stall: &mut StallTimer,
+    idle: Duration,
+    stall: &mut IdleTimer,
     warming: &mut Option<Warming>,
 ) -> Next {
     let movable = req.track.as_ref().is_some_and(Tracker::movable) && warming.is_none();
@@ -314,7 +317,7 @@ async fn next_chunk(
             None => std::future::pending().await,
         }
     };
-    let stalled = stall.arm();
+    let stalled = stall.arm(idle);
     tokio::select! {
         biased;
         r = ex.response.read_body() => Next::Chunk(r.map_err(|e| LegError::new(LegErrorKind::Midstream, worker, e.to_string()).with_source(e))),
@@ -322,28 +325,6 @@ async fn next_chunk(
         _ = client_closed(session) => Next::ClientGone,
         o = mailbox.next(), if movable => Next::Order(o),
         () = warm => Next::Warmed,
-    }
-}
-
-/// The limit on a worker's silence between two chunks (`timeouts.upstream_read_idle_ms`): one
-/// timer per leg, moved later before each read. Moving a registered timer later is a store; a
-/// fresh timeout per read was a timer-wheel insert and removal for every chunk of a stream.
-struct StallTimer {
-    idle: Duration,
-    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
-}
-
-impl StallTimer {
-    fn new(idle: Duration) -> Self {
-        Self { idle, sleep: None }
-    }
-
-    /// The timer, set to fire `idle` from now.
-    fn arm(&mut self) -> Pin<&mut tokio::time::Sleep> {
-        let deadline = tokio::time::Instant::now() + self.idle;
-        let sleep = self.sleep.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-        sleep.as_mut().reset(deadline);
-        sleep.as_mut()
     }
 }
 

@@ -98,9 +98,7 @@ pub fn request_wire(client: &RequestHead, worker: &Worker, path: &str, body: &[u
         line(&mut w, b"Content-Type", b"application/json");
     }
     line(&mut w, b"Host", worker.host_header.as_bytes());
-    w.extend_from_slice(b"Content-Length: ");
-    crate::h1::put_decimal(&mut w, body.len() as u64);
-    w.extend_from_slice(b"\r\n");
+    crate::h1::put_content_length(&mut w, body.len() as u64);
     line(&mut w, b"X-Request-Id", request_id.as_bytes());
     w.extend_from_slice(b"\r\n");
     w.extend_from_slice(body);

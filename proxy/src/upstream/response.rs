@@ -73,10 +73,8 @@ impl<S: AsyncRead + Unpin> WorkerResponse<S> {
             if buf.len() >= MAX_HEAD {
                 return Err(ResponseError::HeadTooLarge);
             }
-            buf.reserve(READ_SIZE);
-            let room = buf.capacity() - buf.len();
-            let n = stream.read_buf(&mut *buf).await?;
-            drained = n < room;
+            let n;
+            (n, drained) = read_more(&mut stream, &mut buf).await?;
             if n == 0 {
                 return Err(ResponseError::Closed("before the response head"));
             }
@@ -141,11 +139,8 @@ impl<S: AsyncRead + Unpin> WorkerResponse<S> {
             if self.is_done() {
                 return Ok(None);
             }
-            self.buf.reserve(READ_SIZE);
-            let room = self.buf.capacity() - self.buf.len();
-            let n = self.stream.read_buf(&mut *self.buf).await?;
-            // A read that left room took everything the socket held at that moment.
-            self.drained = n < room;
+            let n;
+            (n, self.drained) = read_more(&mut self.stream, &mut self.buf).await?;
             if n == 0 {
                 return match self.head.body {
                     Framing::UntilClose => {
@@ -179,6 +174,15 @@ struct Head {
     by_length: bool,
     /// Whether the connection may carry another request once the body is read.
     keep_alive: bool,
+}
+
+/// One read into `buf` after making room: the bytes read, and whether the read left room, so
+/// took everything the socket held at that moment (the socket is empty after it).
+async fn read_more<S: AsyncRead + Unpin>(stream: &mut S, buf: &mut ReadBuffer) -> std::io::Result<(usize, bool)> {
+    buf.reserve(READ_SIZE);
+    let room = buf.capacity() - buf.len();
+    let n = stream.read_buf(&mut **buf).await?;
+    Ok((n, n < room))
 }
 
 /// Parses the head at the front of `buf` and takes it off; `None` while it is incomplete.
