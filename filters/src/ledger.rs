@@ -30,6 +30,8 @@
 //! of bookings older than a limit (a request that never ends, or a guard leaked by a bug); the
 //! request itself stays counted until its guard drops, whose release of the rest does nothing.
 
+pub mod load_rate;
+
 use kvgate_kv::hash::BlockHash;
 use kvgate_kv::index::{FlatIndex, KvIndex, Matches, WorkerId};
 use parking_lot::Mutex;
@@ -73,6 +75,8 @@ pub struct WorkerCounters {
     output_milli: AtomicI64,
     /// When the prefill booked on it is predicted done, µs on [`clock_us`]'s clock.
     prefill_done_at: AtomicU64,
+    /// Predicted prefill time booked on it per second.
+    prefill_load: load_rate::LoadRate,
 }
 
 /// Microseconds since the first call in this process: the ledger's clock for predicted
@@ -295,6 +299,12 @@ impl Ledger {
         Duration::from_micros(l.prefill_done_at.load(Ordering::Relaxed).saturating_sub(now))
     }
 
+    /// How busy the prefill booked on `w` keeps it, as of `now` on [`clock_us`]'s clock: its
+    /// predicted prefill time booked per second over the last few seconds (0.5: half the time).
+    pub fn prefill_load_at(&self, w: WorkerId, now: u64) -> f64 {
+        self.worker(w).map_or(0.0, |l| l.prefill_load.at(now))
+    }
+
     /// Blocks booked on `w`: distinct prompt blocks (or all of them when shared prefixes are
     /// not assumed to be reused), estimated blocks of untokenized requests, and weighted output
     /// blocks, rounded.
@@ -328,6 +338,7 @@ impl Ledger {
             if time > 0 {
                 let now = clock_us();
                 let before = l.prefill_done_at.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |at| Some(at.max(now) + time));
+                l.prefill_load.add(time, now);
                 due = before.unwrap_or(now).max(now) + time;
             }
             l.requests.fetch_add(1, Ordering::Relaxed);
@@ -660,6 +671,21 @@ mod tests {
         assert_eq!((s.requests(0), s.requests(1), s.prefill_tokens(1)), (0, 1, 20));
         drop(b);
         assert_eq!((s.requests(1), s.prefill_tokens(1), s.active_blocks(1)), (0, 0, 0));
+    }
+
+    #[test]
+    fn booked_prefill_time_is_the_workers_prefill_load() {
+        let s = Ledger::new(2, Tracking::default());
+        let fp = |ms| Footprint { prefill_tokens: 1000, prefill_time: Duration::from_millis(ms), ..Footprint::default() };
+        let (_a, _b) = (s.book(0, fp(500)), s.book(0, fp(500)));
+        // A second of prefill over the five-second window; nothing on the other worker, and
+        // nothing counts for a booking whose prefill is cached (no time predicted).
+        let _c = s.book(1, Footprint { prefill_tokens: 0, prefill_time: Duration::from_millis(900), ..Footprint::default() });
+        let now = clock_us();
+        let rho = s.prefill_load_at(0, now);
+        assert!((rho - 1.0 / load_rate::WINDOW_S).abs() < 0.01, "{rho}");
+        assert_eq!(s.prefill_load_at(1, now), 0.0);
+        assert_eq!(s.prefill_load_at(9, now), 0.0);
     }
 
     #[test]

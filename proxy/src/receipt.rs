@@ -109,6 +109,7 @@ impl Placement {
                         }
                         Terms::Time(t) => {
                             v["prefill_backlog_ms"] = json!(c.prefill_backlog_ms);
+                            v["prefill_load"] = json!(c.prefill_load);
                             v["new_tokens"] = json!(t.new_tokens);
                             v["wait_ms"] = json!(t.wait_ms);
                             v["prefill_ms"] = json!(t.prefill_ms);

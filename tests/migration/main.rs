@@ -121,7 +121,11 @@ async fn moved_equals_unmoved(c: &Cluster, real: bool) {
         let (status, report) = answer.expect("the move was ordered");
         assert_eq!(status, 200, "{path} {report}");
         assert_eq!(report["how"], "continuation", "{report}");
-        assert!(report["generated"].as_u64().unwrap() >= 1, "moved mid-way: {report}");
+        if report["generated"].as_u64().unwrap_or(0) < 1 {
+            // Seen once in CI (sims, chat with usage), not reproduced since: say all there is.
+            let record: Value = c.http.get(c.admin(&format!("/requests/mv-{i}"))).send().await.unwrap().json().await.unwrap();
+            panic!("moved mid-way: {report}\nrecord: {record}\nstream: {}", moved.raw);
+        }
         assert_ne!(report["from"], report["to"]);
         let (want, got) = (essence(&reference), essence(&moved));
         assert_eq!(got, want, "{path} case {i}: moved vs unmoved");

@@ -42,10 +42,16 @@ fn main() {
     for w in 0..WORKERS {
         for r in 0..4u32 {
             let toks: Vec<u32> = if r == 0 { prompt[..1024].to_vec() } else { (0..2048).map(|t| t + r * 10_000 + w as u32 * 100_000).collect() };
-            bookings.push(
-                active
-                    .book(w as u16, Footprint { prefill_tokens: 1000, prompt_tokens: toks.len() as u64, chain: h.chain(None, &toks), ..Footprint::default() }),
-            );
+            bookings.push(active.book(
+                w as u16,
+                Footprint {
+                    prefill_tokens: 1000,
+                    prefill_time: std::time::Duration::from_millis(35),
+                    prompt_tokens: toks.len() as u64,
+                    chain: h.chain(None, &toks),
+                    ..Footprint::default()
+                },
+            ));
         }
     }
     let time = KvPolicy::new(KvParams::default());
@@ -63,6 +69,7 @@ fn main() {
                 active_overlap_blocks: booked[w],
                 active_prefill_tokens: active.prefill_tokens(w as u16),
                 prefill_backlog_ms: active.prefill_backlog_at(w as u16, now).as_secs_f64() * 1000.0,
+                prefill_load: active.prefill_load_at(w as u16, now),
                 active_blocks: active.active_blocks(w as u16),
                 ..Default::default()
             })

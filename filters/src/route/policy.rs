@@ -18,6 +18,8 @@ pub struct RequestSummary<'a> {
     /// The longest prefix of the prompt cached on any candidate, in blocks: what a worker
     /// lacking it would compute a second copy of.
     pub fleet_overlap_blocks: u32,
+    /// The candidates' mean prefill utilisation (their `prefill_load`).
+    pub fleet_prefill_load: f64,
     /// Request headers a plugin policy is allowed to see (lower-case names).
     pub headers: &'a [(String, String)],
     /// The request's `nvext` object as JSON text, if any.
@@ -25,10 +27,12 @@ pub struct RequestSummary<'a> {
 }
 
 impl RequestSummary<'_> {
-    /// The summary with [`RequestSummary::fleet_overlap_blocks`] taken from `candidates`.
+    /// The summary with [`RequestSummary::fleet_overlap_blocks`] and
+    /// [`RequestSummary::fleet_prefill_load`] taken from `candidates`.
     pub fn among(&self, candidates: &[Candidate]) -> Self {
         let fleet_overlap_blocks = candidates.iter().map(|c| c.overlap_blocks).max().unwrap_or(0);
-        Self { fleet_overlap_blocks, ..self.clone() }
+        let fleet_prefill_load = candidates.iter().map(|c| c.prefill_load).sum::<f64>() / candidates.len().max(1) as f64;
+        Self { fleet_overlap_blocks, fleet_prefill_load, ..self.clone() }
     }
 }
 
@@ -50,6 +54,9 @@ pub struct Candidate {
     /// Predicted time until it has computed the prefill booked on it, ms (the ledger's
     /// `prefill_backlog`: decays as it makes progress).
     pub prefill_backlog_ms: f64,
+    /// How busy the prefill booked on it keeps it: predicted prefill time booked per second
+    /// over the last few seconds (the ledger's `prefill_load_at`).
+    pub prefill_load: f64,
     /// Its prefill time per uncached prompt token as the gateway measured it, ms (0: not
     /// measured yet; the `time` cost's prior applies).
     pub ms_per_prefill_token: f64,

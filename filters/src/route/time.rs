@@ -7,8 +7,9 @@
 //!
 //! ```text
 //! cost      = ttft + behind + duplicate (+ slowdown, off by default)
-//! behind    = prefill · prefilling                                 the requests that will queue behind it
-//! duplicate = a · (fleet_cached − cached)                          a second copy of a prefix another worker holds
+//! behind    = prefill · prefilling / (1 − ρ)                       the requests that will queue behind it
+//! duplicate = a · (fleet_cached − cached) / (1 − ρ)                a second copy of a prefix another worker holds
+//! ρ         = the candidates' mean prefill utilisation (≤ 0.75)
 //! slowdown = prefill · in_flight                                   its chunks stall the running decodes
 //! ttft     = wait + prefill + steps · step
 //! wait    = min(prefill_backlog, a · active_prefill_tokens)        the prefill booked ahead
@@ -21,6 +22,16 @@
 //! cache and the prefix booked on it by requests in flight (being computed now, so in its cache
 //! by the time this request is scheduled behind them). Each step of a chunked prefill also
 //! carries the worker's running decodes, so a busy decode batch slows a prefill there.
+//!
+//! `behind` and `duplicate` are prefill time the request puts on others: its own prefill delays
+//! the requests that queue behind it here, and a copy of a prefix is computed again later by
+//! someone whose block it evicted. On a fleet whose prefill keeps it busy a fraction ρ of the
+//! time, such work delays not only the requests waiting now but those that arrive before the
+//! queue next empties: a busy period serves `1 / (1 − ρ)` times the work that started it (an
+//! M/M/1 queue). ρ is the candidates' mean predicted prefill time booked per second (the
+//! ledger's `prefill_load`), capped at [`MAX_RHO`]. The fleet's, not each worker's: a
+//! per-worker ρ lags its bookings by seconds, and the cost then chased the worker booked least
+//! lately, moving requests off the workers caching their prefix (benches/RESULTS.md).
 //!
 //! `duplicate` prices what the fleet's caches lose when a prefix another worker already holds
 //! (`fleet_cached`, the longest cached prefix among the candidates) is computed again here:
@@ -36,6 +47,17 @@
 //! models and hardware need no hand-set constants.
 
 use super::{Candidate, RequestSummary};
+
+/// The highest prefill utilisation `behind` and `duplicate` believe (a factor of 4). ρ is
+/// predicted from booked time, not measured, and a fleet booked past its capacity would
+/// otherwise price a queue that never empties.
+pub const MAX_RHO: f64 = 0.75;
+
+/// How many requests a prefill queue at utilisation `rho` serves before it empties, per
+/// request waiting now: `1 / (1 − ρ)`.
+pub fn busy_period(rho: f64) -> f64 {
+    1.0 / (1.0 - rho.clamp(0.0, MAX_RHO))
+}
 
 /// The model's prior constants, in milliseconds.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -84,9 +106,9 @@ pub struct Prediction {
     /// What its prefill costs the requests already running there: each of their decodes
     /// stalls while its chunks run (its prefill time × those requests).
     pub slowdown_ms: f64,
-    /// What its prefill costs the requests that will queue behind it there: as many as are
-    /// queued now (a queue in a steady state is replaced as fast as it drains), each waiting
-    /// its prefill time longer.
+    /// What its prefill costs the requests that will queue behind it there: those queued now
+    /// and those that arrive before the queue empties (`1 / (1 − ρ)` per queued one), each
+    /// waiting its prefill time longer.
     pub behind_ms: f64,
     /// What a second copy of a prefix another worker holds costs the fleet's caches: its
     /// prefill time, paid again later by the requests whose blocks it evicts.
@@ -148,11 +170,13 @@ impl TimePriors {
         let steps = ((queued + new) / chunk).ceil().max(1.0);
         let own_ms = prefill_ms + (new / chunk).ceil().max(1.0) * step;
         let slowdown_ms = if pricing.slowdown { prefill_ms * f64::from(c.in_flight) } else { 0.0 };
-        let behind_ms = if pricing.queue { prefill_ms * f64::from(c.prefilling) } else { 0.0 };
+        // Prefill put on a busy fleet delays more than the requests waiting now (module doc).
+        let busy = busy_period(req.fleet_prefill_load);
+        let behind_ms = if pricing.queue { prefill_ms * f64::from(c.prefilling) * busy } else { 0.0 };
         // What this worker's cache holds against the best one's (blocks in its cache only: a
         // prefix merely being computed here is no copy yet).
         let held = |blocks: u32| (f64::from(blocks) * bs).min(prompt);
-        let duplicate_ms = if pricing.duplicates { a * (held(req.fleet_overlap_blocks) - held(c.overlap_blocks)).max(0.0) } else { 0.0 };
+        let duplicate_ms = if pricing.duplicates { a * (held(req.fleet_overlap_blocks) - held(c.overlap_blocks)).max(0.0) * busy } else { 0.0 };
         Prediction { new_tokens: new, wait_ms, prefill_ms, steps_ms: steps * step, own_ms, slowdown_ms, behind_ms, duplicate_ms }
     }
 }
@@ -193,6 +217,17 @@ mod tests {
         let pricing = Pricing::default();
         let busy = p.predict(&req(4096), &Candidate { prefilling: 3, ..Default::default() }, pricing);
         assert!(busy.prefill_ms > 0.0 && (busy.behind_ms - 3.0 * busy.prefill_ms).abs() < 1e-9, "{busy:?}");
+        // A fleet whose prefill keeps it half busy: as many again arrive before the queue
+        // empties. Past MAX_RHO the factor stops growing.
+        let cand = Candidate { prefilling: 3, ..Default::default() };
+        let half = p.predict(&RequestSummary { fleet_prefill_load: 0.5, ..req(4096) }, &cand, pricing);
+        assert!((half.behind_ms - 2.0 * busy.behind_ms).abs() < 1e-9, "{half:?}");
+        let over = p.predict(&RequestSummary { fleet_prefill_load: 3.0, ..req(4096) }, &cand, pricing);
+        assert!((over.behind_ms - 4.0 * busy.behind_ms).abs() < 1e-9, "{over:?}");
+        // A copy's recompute lands on the same busy fleet.
+        let copy = RequestSummary { fleet_overlap_blocks: 192, fleet_prefill_load: 0.5, ..req(4096) };
+        let cold = p.predict(&copy, &Candidate::default(), pricing);
+        assert!((cold.duplicate_ms - 2.0 * 0.035 * 3072.0).abs() < 1e-9, "{cold:?}");
         // Nobody waiting there: nobody to delay.
         assert_eq!(p.predict(&req(4096), &Candidate::default(), pricing).behind_ms, 0.0);
         let off = Pricing { queue: false, ..pricing };

@@ -116,6 +116,7 @@ impl Model {
             kv_usage: ranks.iter().map(|r| r.kv_usage).fold(0.0, f64::max),
             waiting: ranks.iter().map(|r| r.waiting).sum::<u64>().min(u64::from(u32::MAX)) as u32,
             healthy: w.is_healthy(),
+            prefill_load: self.ledger.prefill_load_at(id, now),
             busy,
             ..Candidate::default()
         };

@@ -151,6 +151,7 @@ fn summary(req: &RequestState) -> RequestSummary<'_> {
         prompt_blocks: req.kv.as_ref().map_or(0, |k| k.chain.len() as u32),
         block_size: model.cfg.block_size,
         fleet_overlap_blocks: 0,
+        fleet_prefill_load: 0.0,
         headers: &req.plugin_headers,
         nvext: req.plugin_nvext.as_deref(),
     }
