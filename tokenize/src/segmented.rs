@@ -7,11 +7,24 @@
 //! text the same way and tokenizes only segments it has not seen, so turn N costs about one
 //! message instead of N. It also stops early once it has the leading tokens routing needs.
 //!
+//! A long stretch of text with no added token in it (a completion whose prompt is a shared
+//! document or instructions followed by a question) would still be one segment, tokenized whole
+//! on every request because its tail differs. So a text segment longer than a chunk is cut
+//! further, at the first word boundary after every [`CHUNK_BYTES`] from its start: before a
+//! space that follows an ASCII letter, digit or punctuation mark and precedes an ASCII letter,
+//! where the byte-level BPE pre-tokenizers of GPT-2, Llama 3, Qwen and DeepSeek all split
+//! (the space opens the next word's pre-token). Requests sharing a text prefix then share its
+//! chunks, only the chunks from where they differ are tokenized, and a request whose routing
+//! needs only its first tokens stops after the chunks that hold them.
+//!
 //! Exactness: ids must equal full tokenization. Splitting is only done on added tokens without
 //! strip or single-word flags; and at construction the cache checks itself against full
 //! tokenization on probe texts around every added token it splits on. If any probe differs
 //! (e.g. a normalizer that rewrites added tokens, or a post-processor that adds tokens), the
 //! cache disables itself for that mode and every call falls back to full tokenization.
+//! Chunking is checked the same way, on probe texts cut at its boundaries, and is off (segments
+//! stay whole) for a tokenizer that does not split there (e.g. one whose normalizer prepends a
+//! space marker to every input) or that has an added token containing a space.
 
 use crate::tokenizer::ModelTokenizer;
 use parking_lot::Mutex;
@@ -26,6 +39,11 @@ type SegmentMap = HashMap<(u64, usize), Arc<[u32]>>;
 /// Most cached segments; beyond it the cache is emptied (bounded memory).
 pub const DEFAULT_CAPACITY: usize = 65_536;
 
+/// A text segment is cut into chunks of about this many bytes (module doc): small enough that a
+/// request re-tokenizes little beyond where it leaves a shared prefix, large enough that a
+/// chunk's lookup costs far less than tokenizing it (about 50 tokens of English).
+pub const CHUNK_BYTES: usize = 256;
+
 /// The cache.
 pub struct SegmentCache {
     tok: ModelTokenizer,
@@ -37,6 +55,8 @@ pub struct SegmentCache {
     capacity: usize,
     plain_ok: bool,
     special_ok: bool,
+    /// Long text segments are cut into chunks (0: they are not).
+    chunk_bytes: usize,
     hits: AtomicU64,
     misses: AtomicU64,
 }
@@ -49,6 +69,12 @@ enum Piece<'a> {
 impl SegmentCache {
     /// A cache over `tok`, holding at most `capacity` segments. Runs the self-check.
     pub fn new(tok: ModelTokenizer, capacity: usize) -> Self {
+        Self::with_chunks(tok, capacity, CHUNK_BYTES)
+    }
+
+    /// [`SegmentCache::new`] cutting long text segments into chunks of about `chunk_bytes`
+    /// (0: never), if the self-check allows it.
+    pub fn with_chunks(tok: ModelTokenizer, capacity: usize, chunk_bytes: usize) -> Self {
         let mut splitters: HashMap<char, Vec<(String, u32)>> = HashMap::new();
         for (id, content) in tok.splittable_added_tokens() {
             if let Some(c) = content.chars().next() {
@@ -70,11 +96,13 @@ impl SegmentCache {
             capacity: capacity.max(1),
             plain_ok: true,
             special_ok: true,
+            chunk_bytes: 0,
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
         };
         s.plain_ok = s.self_check(false);
         s.special_ok = s.self_check(true);
+        s.chunk_bytes = if chunk_bytes > 0 && s.chunk_check(chunk_bytes) { chunk_bytes } else { 0 };
         s.segments.lock().clear();
         s
     }
@@ -82,6 +110,11 @@ impl SegmentCache {
     /// Whether the segmented path is used (`add_special_tokens` false / true).
     pub fn enabled(&self, add_special: bool) -> bool {
         if add_special { self.special_ok } else { self.plain_ok }
+    }
+
+    /// Whether long text segments are cut into chunks (the tokenizer passed the chunk check).
+    pub fn chunked(&self) -> bool {
+        self.chunk_bytes > 0
     }
 
     /// Segments served from the cache / tokenized.
@@ -101,12 +134,20 @@ impl SegmentCache {
             return self.tok.encode(text, add_special);
         }
         let mut out = Vec::new();
+        let full = |out: &[u32]| max_tokens.is_some_and(|m| out.len() >= m);
         for piece in self.split(text) {
             match piece {
                 Piece::Added(id) => out.push(id),
-                Piece::Text(seg) => out.extend_from_slice(&self.segment(seg)?),
+                Piece::Text(seg) => {
+                    for chunk in self.chunks(seg) {
+                        out.extend_from_slice(&self.segment(chunk)?);
+                        if full(&out) {
+                            break;
+                        }
+                    }
+                }
             }
-            if max_tokens.is_some_and(|m| out.len() >= m) {
+            if full(&out) {
                 break;
             }
         }
@@ -121,17 +162,23 @@ impl SegmentCache {
             return None;
         }
         let mut out = Vec::new();
+        let full = |out: &[u32]| max_tokens.is_some_and(|m| out.len() >= m);
         for piece in self.split(text) {
             match piece {
                 Piece::Added(id) => out.push(id),
                 Piece::Text(seg) => {
-                    let key = (xxh3_64(seg.as_bytes()), seg.len());
-                    let ids = self.segments.lock().get(&key).cloned()?;
-                    self.hits.fetch_add(1, Ordering::Relaxed);
-                    out.extend_from_slice(&ids);
+                    for chunk in self.chunks(seg) {
+                        let key = (xxh3_64(chunk.as_bytes()), chunk.len());
+                        let ids = self.segments.lock().get(&key).cloned()?;
+                        self.hits.fetch_add(1, Ordering::Relaxed);
+                        out.extend_from_slice(&ids);
+                        if full(&out) {
+                            break;
+                        }
+                    }
                 }
             }
-            if max_tokens.is_some_and(|m| out.len() >= m) {
+            if full(&out) {
                 break;
             }
         }
@@ -152,6 +199,22 @@ impl SegmentCache {
         }
         m.insert(key, ids.clone());
         Ok(ids)
+    }
+
+    /// `seg` cut at the first word boundary after every `chunk_bytes` (whole when chunking is
+    /// off or it is short).
+    fn chunks<'a>(&self, seg: &'a str) -> impl Iterator<Item = &'a str> {
+        let step = self.chunk_bytes;
+        let mut rest = seg;
+        std::iter::from_fn(move || {
+            if rest.is_empty() {
+                return None;
+            }
+            let cut = if step == 0 { None } else { word_boundary(rest.as_bytes(), step) };
+            let (head, tail) = rest.split_at(cut.unwrap_or(rest.len()));
+            rest = tail;
+            Some(head)
+        })
     }
 
     fn split<'a>(&self, text: &'a str) -> Vec<Piece<'a>> {
@@ -220,6 +283,61 @@ impl SegmentCache {
         }
         true
     }
+
+    /// Whether cutting text at [`word_boundary`]s gives the ids of the uncut text: on every
+    /// pair of word endings and word starts the boundary allows, and on long mixed texts cut
+    /// into `chunk_bytes` chunks.
+    fn chunk_check(&self, chunk_bytes: usize) -> bool {
+        if self.tok.any_added_token(|t| t.contains(' ')) {
+            return false;
+        }
+        let ends = ["word", "Word", "x", "12", "7", "a.", "end,", "(x)", "'s", "\"", "é1", "日本z", "a-b", "foo_bar", "$", "?!"];
+        let starts = [" w", " word", " The", " x1", " ab's", " a.b", " don't", " z日本", " CamelCase", " a  b", " q\n", " e\u{301}"];
+        let mut probes: Vec<(String, usize)> = Vec::new();
+        for e in ends {
+            for st in starts {
+                probes.push((format!("{e}{st}"), e.len()));
+                probes.push((format!("lead {e}{st} tail"), 5 + e.len()));
+            }
+        }
+        let whole = |t: &str| self.tok.encode(t, false).ok();
+        let pairs_ok = probes.iter().all(|(t, at)| {
+            let (a, b) = t.split_at(*at);
+            let cut = word_boundary(t.as_bytes(), a.len().max(1)) == Some(*at);
+            match (whole(t), whole(a), whole(b)) {
+                (Some(full), Some(mut x), Some(y)) => {
+                    x.extend(y);
+                    cut && full == x
+                }
+                _ => false,
+            }
+        });
+        let texts = [
+            "The cache router sends each request to the worker holding its prefix. It costs 12.5 ms, or 3,000 tokens/s (see docs/routing.md)! Don't re-tokenize: isn't that the point? 日本語 テキスト and émigré café résumé. ",
+            "fn main() { let x = vec![1, 2, 3]; println!(\"{x:?}\"); } // a comment with words in it and snake_case names, CamelCase too; [brackets] and {braces} <tags> ",
+        ];
+        let long_ok = texts.iter().all(|t| {
+            let text = t.repeat(1 + 4 * chunk_bytes / t.len());
+            let mut cut = Vec::new();
+            let mut rest = text.as_str();
+            while let Some(at) = word_boundary(rest.as_bytes(), chunk_bytes) {
+                let (a, b) = rest.split_at(at);
+                cut.extend(whole(a).unwrap_or_default());
+                rest = b;
+            }
+            cut.extend(whole(rest).unwrap_or_default());
+            whole(&text).is_some_and(|full| full == cut)
+        });
+        pairs_ok && long_ok
+    }
+}
+
+/// The first word boundary at or after byte `from` of `text`: a space after an ASCII letter,
+/// digit or punctuation mark and before an ASCII letter (cut before the space; module doc).
+fn word_boundary(text: &[u8], from: usize) -> Option<usize> {
+    let start = from.max(1);
+    let end = text.len().saturating_sub(1);
+    (start..end).find(|&i| text[i] == b' ' && (text[i - 1].is_ascii_alphanumeric() || text[i - 1].is_ascii_punctuation()) && text[i + 1].is_ascii_alphabetic())
 }
 
 #[cfg(test)]
@@ -319,5 +437,83 @@ mod tests {
             assert_eq!(cache.encode(&t, false, None).unwrap(), tok.encode(&t, false).unwrap(), "{t:?}");
             assert_eq!(cache.encode(&t, true, None).unwrap(), tok.encode(&t, true).unwrap(), "{t:?}");
         }
+    }
+
+    /// `n` random words of `random_text`'s kind, no added tokens: one long segment.
+    fn long_text(rng: &mut Rng, n: usize) -> String {
+        let words = [" the", " cache", " Router", " x", "12", ".", ",", " don't", " 日本", "é", " a", "\n", "  ", "(p)", " CamelCase", " q"];
+        (0..n).map(|_| rng.pick(&words)).collect()
+    }
+
+    #[test]
+    fn long_segments_cut_into_chunks_give_the_ids_of_the_whole() {
+        let tok = ModelTokenizer::builtin();
+        for chunk in [1, 7, 32, CHUNK_BYTES] {
+            let cache = SegmentCache::with_chunks(tok.clone(), 4096, chunk);
+            assert!(cache.chunked(), "the shipped tokenizer passes the chunk check");
+            let mut rng = Rng(11 + chunk as u64);
+            for _ in 0..200 {
+                let n = 1 + (rng.next() % 600) as usize;
+                let t = long_text(&mut rng, n);
+                assert_eq!(cache.encode(&t, false, None).unwrap(), tok.encode(&t, false).unwrap(), "chunk {chunk}: {t:?}");
+            }
+            for _ in 0..100 {
+                let t = random_text(&mut rng).repeat(8);
+                assert_eq!(cache.encode(&t, true, None).unwrap(), tok.encode(&t, true).unwrap(), "chunk {chunk}: {t:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn texts_sharing_a_long_prefix_tokenize_only_where_they_differ() {
+        let tok = ModelTokenizer::builtin();
+        let cache = SegmentCache::new(tok.clone(), 4096);
+        let mut rng = Rng(5);
+        let doc = long_text(&mut rng, 3000);
+        let first = format!("{doc} first question about it");
+        assert_eq!(cache.encode(&first, false, None).unwrap(), tok.encode(&first, false).unwrap());
+        let (_, before) = cache.stats();
+        assert!(before > 10, "a long document is many chunks: {before}");
+        let second = format!("{doc} and a second one");
+        assert_eq!(cache.encode(&second, false, None).unwrap(), tok.encode(&second, false).unwrap());
+        let (_, after) = cache.stats();
+        assert!(after - before <= 2, "only the chunk where they differ is new: {} misses", after - before);
+    }
+
+    #[test]
+    fn routing_s_leading_tokens_stop_the_tokenizing_early() {
+        let tok = ModelTokenizer::builtin();
+        let cache = SegmentCache::new(tok.clone(), 4096);
+        let mut rng = Rng(6);
+        let doc = long_text(&mut rng, 5000);
+        let full = tok.encode(&doc, false).unwrap();
+        let head = cache.encode(&doc, false, Some(64)).unwrap();
+        assert!(head.len() >= 64 && head.len() < full.len() / 4 && full.starts_with(&head), "{} of {}", head.len(), full.len());
+        assert_eq!(cache.encode_cached(&doc, false, Some(64)), Some(head), "and the cached path agrees");
+    }
+
+    #[test]
+    fn a_tokenizer_that_marks_every_input_s_start_is_not_chunked() {
+        // A normalizer that prepends a marker to every input (SentencePiece's legacy style): a
+        // chunk tokenized alone would start with a marker the whole text has only once.
+        let path = std::env::temp_dir().join(format!("kvgate-prepend-{}.json", std::process::id()));
+        std::fs::write(
+            &path,
+            r#"{"version":"1.0","added_tokens":[],"normalizer":{"type":"Prepend","prepend":"_"},"pre_tokenizer":{"type":"WhitespaceSplit"},
+            "model":{"type":"WordLevel","vocab":{"_":0,"[UNK]":1,"_hello":2,"world":3,"hello":4,"_world":5},"unk_token":"[UNK]"}}"#,
+        )
+        .unwrap();
+        let tok = ModelTokenizer::load(&path).unwrap();
+        std::fs::remove_file(&path).ok();
+        assert!(!SegmentCache::new(tok, 64).chunked());
+    }
+
+    #[test]
+    fn boundaries_are_spaces_between_words() {
+        assert_eq!(word_boundary(b"hello world", 1), Some(5));
+        assert_eq!(word_boundary(b"hello world", 6), None);
+        assert_eq!(word_boundary(b"a  b c", 0), Some(4), "not inside a run of spaces");
+        assert_eq!(word_boundary(b"x. 12 y", 0), Some(5), "not before a digit");
+        assert_eq!(word_boundary(b"end ", 0), None, "not at the end");
     }
 }

@@ -179,6 +179,11 @@ impl ModelTokenizer {
             .collect()
     }
 
+    /// Whether the content of any added token (splittable or not) satisfies `f`.
+    pub fn any_added_token(&self, f: impl Fn(&str) -> bool) -> bool {
+        self.inner.tok.get_added_tokens_decoder().values().any(|t| f(&t.content))
+    }
+
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> u32 {
         self.inner.vocab_size

@@ -1,6 +1,8 @@
-//! Tokenization CPU per request on a multi-turn chat workload, with and without the segment
-//! cache (issue #5), using a real production tokenizer (DeepSeek-V4, vocab 129k). Every
-//! request's ids are checked to be identical both ways.
+//! Tokenization CPU per request with and without the segment cache (issues #5 and #14), using a
+//! real production tokenizer (DeepSeek-V4, vocab 129k), on two workloads: multi-turn chat (the
+//! segments between added tokens repeat) and completions whose text prompts share a long
+//! document (one segment, reused only when cut into chunks). Every request's ids are checked to
+//! be identical every way.
 //!
 //!   cargo build --release -p kvgate-bench
 //!   taskset -c 0 target/release/tokenize-cache [--tokenizer DIR] [--conversations 16] [--turns 12]
@@ -8,7 +10,7 @@
 use clap::Parser;
 use kvgate_bench::Rng;
 use kvgate_tokenize::{ModelTokenizer, SegmentCache};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 #[derive(Parser)]
 struct Args {
@@ -21,6 +23,15 @@ struct Args {
     /// Turns (user messages) per conversation.
     #[arg(long, default_value_t = 12)]
     turns: usize,
+    /// Documents the completions ask about.
+    #[arg(long, default_value_t = 16)]
+    docs: usize,
+    /// Words per document.
+    #[arg(long, default_value_t = 2000)]
+    doc_words: usize,
+    /// Questions per document.
+    #[arg(long, default_value_t = 12)]
+    questions: usize,
 }
 
 const WORDS: &[&str] = &[
@@ -110,6 +121,34 @@ fn render(system: &str, turns: &[(String, String)], question: &str) -> String {
     s
 }
 
+/// Milliseconds per request tokenizing `requests` with `encode`, and the ids it gave.
+fn timed(requests: &[String], encode: impl Fn(&str) -> Vec<u32>) -> (f64, Vec<Vec<u32>>) {
+    let t = Instant::now();
+    let ids: Vec<Vec<u32>> = requests.iter().map(|r| encode(r)).collect();
+    (t.elapsed().as_secs_f64() * 1e3 / requests.len() as f64, ids)
+}
+
+/// One table row: full tokenization against the segment cache with whole segments and with
+/// chunks, each cache fresh; panics if any request's ids differ.
+fn row(tok: &ModelTokenizer, name: &str, requests: &[String]) {
+    let (full_ms, full) = timed(requests, |t| tok.encode(t, false).unwrap());
+    let whole = SegmentCache::with_chunks(tok.clone(), 1 << 16, 0);
+    let chunked = SegmentCache::new(tok.clone(), 1 << 16);
+    assert!(whole.enabled(false), "the segment cache disabled itself for this tokenizer");
+    assert!(chunked.chunked(), "chunking disabled itself for this tokenizer");
+    let (whole_ms, a) = timed(requests, |t| whole.encode(t, false, None).unwrap());
+    let (chunked_ms, b) = timed(requests, |t| chunked.encode(t, false, None).unwrap());
+    assert!(a == full && b == full, "{name}: ids differ from full tokenization");
+    let tokens = full.iter().map(Vec::len).sum::<usize>() as f64 / requests.len() as f64;
+    let (hits, misses) = chunked.stats();
+    println!(
+        "| {name} | {} | {tokens:.0} | {full_ms:.3} | {whole_ms:.3} ({:.1}× less) | {chunked_ms:.3} ({:.1}× less) | {hits} / {misses} |",
+        requests.len(),
+        full_ms / whole_ms,
+        full_ms / chunked_ms
+    );
+}
+
 fn main() {
     let a = Args::parse();
     let tok = match ModelTokenizer::load(&a.tokenizer) {
@@ -119,45 +158,30 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let cache = SegmentCache::new(tok.clone(), 1 << 16);
-    assert!(cache.enabled(false), "the segment cache disabled itself for this tokenizer");
     let mut rng = Rng(2026);
     let system = message(&mut rng, 400); // a shared system prompt
-    let mut requests = Vec::new();
+    let mut chat = Vec::new();
     for _ in 0..a.conversations {
         let mut turns: Vec<(String, String)> = Vec::new();
         for _ in 0..a.turns {
             let q = message(&mut rng, 150);
-            requests.push(render(&system, &turns, &q));
+            chat.push(render(&system, &turns, &q));
             let reply = message(&mut rng, 120);
             turns.push((q, reply));
         }
     }
-    let (mut full_t, mut cached_t) = (Duration::ZERO, Duration::ZERO);
-    let mut tokens = 0usize;
-    for text in &requests {
-        let t = Instant::now();
-        let full = tok.encode(text, false).unwrap();
-        full_t += t.elapsed();
-        let t = Instant::now();
-        let cached = cache.encode(text, false, None).unwrap();
-        cached_t += t.elapsed();
-        assert_eq!(full, cached, "ids differ");
-        tokens += full.len();
+    let docs: Vec<String> = (0..a.docs).map(|_| message(&mut rng, a.doc_words)).collect();
+    let mut completions = Vec::new();
+    for _ in 0..a.questions {
+        for d in &docs {
+            completions.push(format!("{d}\n\nQuestion: {}\nAnswer:", message(&mut rng, 40)));
+        }
     }
-    let n = requests.len() as f64;
-    let (hits, misses) = cache.stats();
-    println!("| workload | requests | mean prompt tokens | full tokenization (ms/request) | with segment cache (ms/request) | CPU ratio |");
-    println!("|---|---:|---:|---:|---:|---:|");
     println!(
-        "| {} conversations × {} turns, shared 400-word system prompt | {} | {:.0} | {:.3} | {:.3} | {:.1}× less |",
-        a.conversations,
-        a.turns,
-        requests.len(),
-        tokens as f64 / n,
-        full_t.as_secs_f64() * 1e3 / n,
-        cached_t.as_secs_f64() * 1e3 / n,
-        full_t.as_secs_f64() / cached_t.as_secs_f64()
+        "| workload | requests | mean prompt tokens | full tokenization (ms/request) | segment cache, whole segments | segment cache, chunks | chunk hits / misses |"
     );
-    println!("\nsegments: {hits} hits, {misses} misses; ids identical for all {} requests", requests.len());
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    row(&tok, &format!("{} conversations × {} turns, shared 400-word system prompt", a.conversations, a.turns), &chat);
+    row(&tok, &format!("{} documents of {} words × {} questions, text completions", a.docs, a.doc_words, a.questions), &completions);
+    println!("\nids identical to full tokenization for every request");
 }
