@@ -4,7 +4,8 @@
 //! Per worker it counts requests in flight, prefill tokens (released when the request's first
 //! token arrives), the predicted moment the worker will have computed the prefill booked on it
 //! (so booked prefill decays with predicted progress instead of staying whole until a first
-//! token; see [`Ledger::prefill_backlog`]) and active KV blocks. Prompt blocks are kept as a
+//! token; see [`Ledger::prefill_backlog`]), where it is in its engine step ([`step_phase`])
+//! and active KV blocks. Prompt blocks are kept as a
 //! prefix index of the booked chains with reference counts, so a prefix shared by several
 //! requests counts once
 //! (`assume_kv_reuse`) and "how much of this request is already active here" is one
@@ -31,6 +32,7 @@
 //! request itself stays counted until its guard drops, whose release of the rest does nothing.
 
 pub mod load_rate;
+pub mod step_phase;
 
 use kvgate_kv::hash::BlockHash;
 use kvgate_kv::index::{FlatIndex, KvIndex, Matches, WorkerId};
@@ -77,6 +79,8 @@ pub struct WorkerCounters {
     prefill_done_at: AtomicU64,
     /// Predicted prefill time booked on it per second.
     prefill_load: load_rate::LoadRate,
+    /// Where it is in its engine step.
+    step_phase: step_phase::StepPhase,
 }
 
 /// Microseconds since the first call in this process: the ledger's clock for predicted
@@ -272,6 +276,25 @@ impl Ledger {
         self.worker(w).map_or(0, |l| l.requests.load(Ordering::Relaxed))
     }
 
+    /// Prefill tokens booked on `w` since its running engine step began: they share its next
+    /// step ([`step_phase`]).
+    pub fn next_step_tokens(&self, w: WorkerId) -> u64 {
+        self.worker(w).map_or(0, |l| l.step_phase.next_step_tokens())
+    }
+
+    /// Time since `w` last delivered a token at `now` on [`clock_us`]'s clock, ms; `None`
+    /// before its first.
+    pub fn since_step_ms_at(&self, w: WorkerId, now: u64) -> Option<f64> {
+        self.worker(w)?.step_phase.since_step_ms(now)
+    }
+
+    /// `w` delivered a token: an engine step of it ended now.
+    pub fn step_ended(&self, w: WorkerId) {
+        if let Some(l) = self.worker(w) {
+            l.step_phase.step_ended(clock_us());
+        }
+    }
+
     /// Requests booked on `w` whose prefill is outstanding (no first token yet).
     pub fn prefilling(&self, w: WorkerId) -> u32 {
         self.worker(w).map_or(0, |l| l.prefilling.load(Ordering::Relaxed))
@@ -344,6 +367,7 @@ impl Ledger {
             l.requests.fetch_add(1, Ordering::Relaxed);
             if prefill_tokens > 0 {
                 l.prefilling.fetch_add(1, Ordering::Relaxed);
+                l.step_phase.booked(prefill_tokens, clock_us());
             }
             l.prefill.fetch_add(prefill_tokens, Ordering::Relaxed);
             l.raw_blocks.fetch_add(chain.len() as u64, Ordering::Relaxed);

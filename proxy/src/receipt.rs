@@ -114,6 +114,8 @@ impl Placement {
                             v["wait_ms"] = json!(t.wait_ms);
                             v["prefill_ms"] = json!(t.prefill_ms);
                             v["steps_ms"] = json!(t.steps_ms);
+                            v["join_ms"] = json!(t.join_ms);
+                            v["next_step_tokens"] = json!(c.next_step_tokens);
                             v["duplicate_ms"] = json!(t.duplicate_ms);
                             v["slowdown_ms"] = json!(t.slowdown_ms);
                             v["behind_ms"] = json!(t.behind_ms);

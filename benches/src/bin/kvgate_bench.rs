@@ -80,6 +80,14 @@ enum Cmd {
         /// The SMG / sglang-router launcher (skipped when absent).
         #[arg(long, default_value = "smg")]
         smg_bin: String,
+        /// Before measuring each target, send this many requests of the same workload (the next
+        /// seed, one output token) straight to every worker, once the target runs, so that every
+        /// worker caches the shared prefixes: a fleet warmed by earlier traffic. 0: fresh
+        /// workers. shared-prefix only (its prefixes do not depend on the seed). Routers that
+        /// learn the caches from KV events see the warm-up; those that learn from the requests
+        /// they route (cache_aware) do not.
+        #[arg(long, default_value_t = 0)]
+        warm: usize,
         #[command(flatten)]
         common: Common,
     },
@@ -436,8 +444,8 @@ async fn main() {
                 2
             }
         },
-        Cmd::Compare { workers, targets, sim_bin, kvgate_bin, sim_args, kvgate_routing, vllm_router_bin, smg_bin, common } => {
-            let peers = Peers { vllm_router: cluster::which(&vllm_router_bin), smg: cluster::which(&smg_bin) };
+        Cmd::Compare { workers, targets, sim_bin, kvgate_bin, sim_args, kvgate_routing, vllm_router_bin, smg_bin, warm, common } => {
+            let peers = Peers { vllm_router: cluster::which(&vllm_router_bin), smg: cluster::which(&smg_bin), warm };
             compare(workers, &targets, &sim_bin, &kvgate_bin, &sim_args, &kvgate_routing, &peers, &common).await
         }
         Cmd::Reschedule(a) => reschedule(a).await,
@@ -448,6 +456,8 @@ async fn main() {
 struct Peers {
     vllm_router: Option<PathBuf>,
     smg: Option<PathBuf>,
+    /// `--warm`: requests sent to every worker before measuring.
+    warm: usize,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -470,6 +480,13 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
             }
         }
     }
+    let warm_jobs = match warm_jobs(common, peers.warm) {
+        Ok(j) => j,
+        Err(e) => {
+            eprintln!("kvgate-bench: {e}");
+            return 2;
+        }
+    };
     let base =
         SimOptions { bin: sim_bin.to_path_buf(), model: common.model.clone(), args: sim_args.split_whitespace().map(String::from).collect(), env: Vec::new() };
     let mut reports = Vec::new();
@@ -530,6 +547,9 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
             }
         };
         eprintln!("kvgate-bench: {t} at {url}");
+        if !warm_jobs.is_empty() {
+            warm(&warm_jobs, &common.model, &workers).await;
+        }
         let o = RunOptions {
             label: t.clone(),
             url,
@@ -550,6 +570,60 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
     }
     finish(&reports, common, &notes.join("\n"));
     0
+}
+
+/// The first `n` requests of `common`'s workload with the next seed (other unique parts, the
+/// same shared prefixes), each asking for one token: what `--warm` sends every worker.
+fn warm_jobs(common: &Common, n: usize) -> Result<Vec<(&'static str, serde_json::Value)>, String> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let next = Common { seed: common.seed.wrapping_add(1), ..common.clone() };
+    if !matches!(common.workload, Kind::SharedPrefix) {
+        return Err("--warm needs --workload shared-prefix (the workload whose shared prefixes do not depend on the seed)".into());
+    }
+    let Workload::Open(jobs) = next.workload()?.0 else { return Err("shared-prefix is open-loop".into()) };
+    Ok(jobs
+        .into_iter()
+        .take(n)
+        .map(|j| {
+            let mut body = j.body;
+            body["model"] = serde_json::json!(common.model);
+            body["max_tokens"] = serde_json::json!(1);
+            body["stream"] = serde_json::json!(false);
+            // vLLM refuses stream options on a request that does not stream.
+            if let Some(o) = body.as_object_mut() {
+                o.remove("stream_options");
+            }
+            (j.path, body)
+        })
+        .collect())
+}
+
+/// Sends `jobs` to every worker directly, all at once (each worker batches them), and waits for
+/// the answers; a failed one only weakens the warm-up, so it is counted, not fatal.
+async fn warm(jobs: &[(&'static str, serde_json::Value)], model: &str, workers: &[cluster::SimWorker]) {
+    let http = reqwest::Client::new();
+    let sends = workers.iter().flat_map(|w| jobs.iter().map(move |(path, body)| (format!("{}{path}", w.url), body)));
+    let results = futures_util::future::join_all(sends.map(|(url, body)| {
+        let http = http.clone();
+        async move {
+            match http.post(url).json(body).send().await {
+                Ok(r) if r.status().is_success() => true,
+                Ok(r) => {
+                    eprintln!("kvgate-bench: warm-up request: {} {}", r.status(), r.text().await.unwrap_or_default());
+                    false
+                }
+                Err(e) => {
+                    eprintln!("kvgate-bench: warm-up request: {e}");
+                    false
+                }
+            }
+        }
+    }))
+    .await;
+    let failed = results.iter().filter(|ok| !**ok).count();
+    eprintln!("kvgate-bench: warmed {} workers with {} requests each ({failed} failed, model {model})", workers.len(), jobs.len());
 }
 
 /// vllm-router's own count of KV placement lookups by result, read from its Prometheus port.

@@ -51,6 +51,12 @@ pub struct Candidate {
     pub active_prefill_tokens: u64,
     /// Requests booked on it still waiting for their first token.
     pub prefilling: u32,
+    /// Prefill tokens booked on it since its running engine step began (since it last
+    /// delivered a token): they run in its next step, as this request would.
+    pub next_step_tokens: u64,
+    /// Time since it last delivered a token (the end of its last engine step), ms; `None`
+    /// before its first.
+    pub since_step_ms: Option<f64>,
     /// Predicted time until it has computed the prefill booked on it, ms (the ledger's
     /// `prefill_backlog`: decays as it makes progress).
     pub prefill_backlog_ms: f64,

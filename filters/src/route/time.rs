@@ -11,8 +11,10 @@
 //! duplicate = a · (fleet_cached − cached) / (1 − ρ)                a second copy of a prefix another worker holds
 //! ρ         = the candidates' mean prefill utilisation (≤ 0.75)
 //! slowdown = prefill · in_flight                                   its chunks stall the running decodes
-//! ttft     = wait + prefill + steps · step
-//! wait    = min(prefill_backlog, a · active_prefill_tokens)        the prefill booked ahead
+//! ttft     = join + wait + prefill + steps · step
+//! join    = max(0, step − since_last_token)   (0 when idle)       the running step's rest
+//! wait    = max(min(prefill_backlog, a · active_prefill_tokens),  the prefill booked ahead,
+//!               a · next_step_tokens)                               at least what shares its step
 //! prefill = a · new · (1 + (cached + new/2) / attention_tokens)    GEMMs + attention over the context
 //! steps   = ⌈(active_prefill_tokens + new) / chunk_tokens⌉          chunked prefill: one engine step per chunk
 //! step    = step_overhead + seq · in_flight + ctx · booked context tokens
@@ -22,6 +24,15 @@
 //! cache and the prefix booked on it by requests in flight (being computed now, so in its cache
 //! by the time this request is scheduled behind them). Each step of a chunked prefill also
 //! carries the worker's running decodes, so a busy decode batch slows a prefill there.
+//!
+//! `join` and `next_step_tokens` come from the worker's step phase (the ledger's
+//! `step_phase`): vLLM adds a request to its batch only between engine steps, so on a worker
+//! with requests running a new one first waits for the running step to end (a step minus the
+//! time since the gateway last relayed a token from it), then shares the next step with every
+//! prefill booked there since that token. Without `join`, a worker that has just finished a
+//! request looks the least loaded at the moment a newcomer would wait a whole step there, and
+//! load-aware choices among equally cached workers lose to round robin (benches/RESULTS.md,
+//! "Joining the next step").
 //!
 //! `behind` and `duplicate` are prefill time the request puts on others: its own prefill delays
 //! the requests that queue behind it here, and a copy of a prefix is computed again later by
@@ -100,6 +111,10 @@ pub struct Prediction {
     pub prefill_ms: f64,
     /// The running decodes carried by the steps until its first token.
     pub steps_ms: f64,
+    /// Waiting for the engine step running there now to end (vLLM adds requests to the batch
+    /// between steps): a step minus the time since its last token, when it has requests
+    /// running.
+    pub join_ms: f64,
     /// How long its own prefill keeps the worker busy once started (its prefill and its own
     /// steps): what it adds to the worker's prefill backlog.
     pub own_ms: f64,
@@ -118,7 +133,7 @@ pub struct Prediction {
 impl Prediction {
     /// Predicted time to first token, ms.
     pub fn ttft_ms(&self) -> f64 {
-        self.wait_ms + self.prefill_ms + self.steps_ms
+        self.join_ms + self.wait_ms + self.prefill_ms + self.steps_ms
     }
 
     /// The cost: its time to first token plus the time it takes from other requests (those
@@ -163,11 +178,17 @@ impl TimePriors {
         let new = prompt - cached;
         let a = if c.ms_per_prefill_token > 0.0 { c.ms_per_prefill_token } else { self.ms_per_prefill_token };
         let queued = c.active_prefill_tokens as f64;
-        let wait_ms = c.prefill_backlog_ms.min(a * queued);
+        // The prefills booked since its last step ended run in the same next step as this one.
+        let wait_ms = c.prefill_backlog_ms.min(a * queued).max(a * c.next_step_tokens as f64);
         let prefill_ms = a * new * (1.0 + (cached + new / 2.0) / self.attention_tokens);
         let step = if c.step_ms > 0.0 { c.step_ms } else { self.step_ms(c, req.block_size) };
         let chunk = self.chunk_tokens.max(1.0);
         let steps = ((queued + new) / chunk).ceil().max(1.0);
+        // An idle worker starts a step for it at once; a busy one when its running step ends.
+        let join_ms = match c.since_step_ms {
+            Some(since) if c.in_flight > 0 => (step - since).max(0.0),
+            _ => 0.0,
+        };
         let own_ms = prefill_ms + (new / chunk).ceil().max(1.0) * step;
         let slowdown_ms = if pricing.slowdown { prefill_ms * f64::from(c.in_flight) } else { 0.0 };
         // Prefill put on a busy fleet delays more than the requests waiting now (module doc).
@@ -177,7 +198,7 @@ impl TimePriors {
         // prefix merely being computed here is no copy yet).
         let held = |blocks: u32| (f64::from(blocks) * bs).min(prompt);
         let duplicate_ms = if pricing.duplicates { a * (held(req.fleet_overlap_blocks) - held(c.overlap_blocks)).max(0.0) * busy } else { 0.0 };
-        Prediction { new_tokens: new, wait_ms, prefill_ms, steps_ms: steps * step, own_ms, slowdown_ms, behind_ms, duplicate_ms }
+        Prediction { new_tokens: new, wait_ms, prefill_ms, steps_ms: steps * step, join_ms, own_ms, slowdown_ms, behind_ms, duplicate_ms }
     }
 }
 
@@ -267,6 +288,31 @@ mod tests {
         assert_eq!(p.predict(&req(16), &booked, ON).wait_ms, 50.0);
         let fresh = Candidate { active_prefill_tokens: 1000, prefill_backlog_ms: 5000.0, ..Default::default() };
         assert!((p.predict(&req(16), &fresh, ON).wait_ms - 35.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_busy_worker_is_joined_when_its_running_step_ends() {
+        let p = TimePriors::default();
+        let c = |since: Option<f64>, in_flight: u32| Candidate { since_step_ms: since, in_flight, step_ms: 100.0, ..Default::default() };
+        let just_stepped = p.predict(&req(256), &c(Some(10.0), 40), ON);
+        let about_to_step = p.predict(&req(256), &c(Some(95.0), 40), ON);
+        assert_eq!(just_stepped.join_ms, 90.0);
+        assert_eq!(about_to_step.join_ms, 5.0);
+        assert!(about_to_step.ttft_ms() < just_stepped.ttft_ms());
+        assert_eq!(p.predict(&req(256), &c(Some(250.0), 40), ON).join_ms, 0.0, "overdue: due now");
+        assert_eq!(p.predict(&req(256), &c(Some(10.0), 0), ON).join_ms, 0.0, "idle: a step starts for it");
+        assert_eq!(p.predict(&req(256), &c(None, 40), ON).join_ms, 0.0, "no token seen yet");
+    }
+
+    #[test]
+    fn prefills_booked_since_the_last_step_share_the_next_one() {
+        let p = TimePriors::default();
+        // Their predicted backlog has decayed (predicted as if they started at once), yet they
+        // have not: they run with this request in the next step.
+        let c = Candidate { active_prefill_tokens: 1000, next_step_tokens: 1000, prefill_backlog_ms: 0.0, ..Default::default() };
+        assert!((p.predict(&req(16), &c, ON).wait_ms - 35.0).abs() < 1e-9);
+        let none = Candidate { next_step_tokens: 0, ..c };
+        assert_eq!(p.predict(&req(16), &none, ON).wait_ms, 0.0);
     }
 
     #[test]

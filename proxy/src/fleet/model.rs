@@ -110,6 +110,8 @@ impl Model {
             in_flight: self.ledger.requests(id),
             active_prefill_tokens: self.ledger.prefill_tokens(id),
             prefilling: self.ledger.prefilling(id),
+            next_step_tokens: self.ledger.next_step_tokens(id),
+            since_step_ms: self.ledger.since_step_ms_at(id, now),
             prefill_backlog_ms: self.ledger.prefill_backlog_at(id, now).as_secs_f64() * 1000.0,
             active_blocks: self.ledger.active_blocks(id),
             total_blocks: ranks.iter().map(|r| r.total_blocks).sum(),

@@ -377,6 +377,9 @@ impl Progress {
                 gw.metrics.migration_pause.with_label_values(&[req.model_name()]).observe(now.duration_since(prev).as_secs_f64());
             }
         }
+        if let Some((i, _)) = req.serving() {
+            req.model.ledger.step_ended(i as u16);
+        }
         let mut events = 1;
         if let Some(counter) = self.events.as_mut() {
             let n = counter.feed(bytes);
@@ -412,7 +415,7 @@ impl Progress {
 /// worker it was placed on (docs/routing.md, "The time cost").
 fn calibrate_prefill(req: &RequestState, ttft: std::time::Duration) {
     let (Some(p), Some((_, w))) = (req.predicted, req.serving()) else { return };
-    w.calibration.observe_prefill(ttft.as_secs_f64() * 1000.0, p.wait_ms + p.prefill_ms, p.steps_ms);
+    w.calibration.observe_prefill(ttft.as_secs_f64() * 1000.0 - p.join_ms, p.wait_ms + p.prefill_ms, p.steps_ms);
 }
 
 /// The `time` cost learns the worker's step time from each inter-token gap, against what its
