@@ -364,10 +364,13 @@ impl Ledger {
                 l.prefill_load.add(time, now);
                 due = before.unwrap_or(now).max(now) + time;
             }
-            l.requests.fetch_add(1, Ordering::Relaxed);
+            let running = l.requests.fetch_add(1, Ordering::Relaxed);
             if prefill_tokens > 0 {
                 l.prefilling.fetch_add(1, Ordering::Relaxed);
-                l.step_phase.booked(prefill_tokens, clock_us());
+                // On an idle worker it starts a step at once instead of waiting for the next.
+                if running > 0 {
+                    l.step_phase.booked(prefill_tokens, clock_us());
+                }
             }
             l.prefill.fetch_add(prefill_tokens, Ordering::Relaxed);
             l.raw_blocks.fetch_add(chain.len() as u64, Ordering::Relaxed);

@@ -10,7 +10,7 @@
 //! A long stretch of text with no added token in it (a completion whose prompt is a shared
 //! document or instructions followed by a question) would still be one segment, tokenized whole
 //! on every request because its tail differs. So a text segment longer than a chunk is cut
-//! further, at the first word boundary after every [`CHUNK_BYTES`] from its start: before a
+//! further, at the first word boundary at least [`CHUNK_BYTES`] after the previous cut: before a
 //! space that follows an ASCII letter, digit or punctuation mark and precedes an ASCII letter,
 //! where the byte-level BPE pre-tokenizers of GPT-2, Llama 3, Qwen and DeepSeek all split
 //! (the space opens the next word's pre-token). Requests sharing a text prefix then share its
@@ -24,7 +24,8 @@
 //! cache disables itself for that mode and every call falls back to full tokenization.
 //! Chunking is checked the same way, on probe texts cut at its boundaries, and is off (segments
 //! stay whole) for a tokenizer that does not split there (e.g. one whose normalizer prepends a
-//! space marker to every input) or that has an added token containing a space.
+//! space marker to every input), that has an added token containing a space, or one that strips
+//! the spaces around it or matches whole words only (the text beside it depends on the cut).
 
 use crate::tokenizer::ModelTokenizer;
 use parking_lot::Mutex;
@@ -288,7 +289,7 @@ impl SegmentCache {
     /// pair of word endings and word starts the boundary allows, and on long mixed texts cut
     /// into `chunk_bytes` chunks.
     fn chunk_check(&self, chunk_bytes: usize) -> bool {
-        if self.tok.any_added_token(|t| t.contains(' ')) {
+        if self.tok.any_added_token(|t| t.contains(' ')) || self.tok.has_space_sensitive_added_tokens() {
             return false;
         }
         let ends = ["word", "Word", "x", "12", "7", "a.", "end,", "(x)", "'s", "\"", "é1", "日本z", "a-b", "foo_bar", "$", "?!"];
@@ -501,6 +502,23 @@ mod tests {
             &path,
             r#"{"version":"1.0","added_tokens":[],"normalizer":{"type":"Prepend","prepend":"_"},"pre_tokenizer":{"type":"WhitespaceSplit"},
             "model":{"type":"WordLevel","vocab":{"_":0,"[UNK]":1,"_hello":2,"world":3,"hello":4,"_world":5},"unk_token":"[UNK]"}}"#,
+        )
+        .unwrap();
+        let tok = ModelTokenizer::load(&path).unwrap();
+        std::fs::remove_file(&path).ok();
+        assert!(!SegmentCache::new(tok, 64).chunked());
+    }
+
+    #[test]
+    fn a_tokenizer_with_an_added_token_that_strips_spaces_is_not_chunked() {
+        // `<m> The` with rstrip: the whole text gives the space to `<m>`; a chunk starting at
+        // " The" would keep it.
+        let path = std::env::temp_dir().join(format!("kvgate-rstrip-{}.json", std::process::id()));
+        std::fs::write(
+            &path,
+            r#"{"version":"1.0","added_tokens":[{"id":0,"content":"<m>","single_word":false,"lstrip":false,"rstrip":true,"normalized":false,"special":true}],
+            "normalizer":null,"pre_tokenizer":{"type":"ByteLevel","add_prefix_space":false,"trim_offsets":true,"use_regex":true},
+            "model":{"type":"BPE","vocab":{"<m>":0,"T":1,"h":2,"e":3,"Ġ":4},"merges":[]}}"#,
         )
         .unwrap();
         let tok = ModelTokenizer::load(&path).unwrap();

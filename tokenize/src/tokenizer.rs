@@ -184,6 +184,12 @@ impl ModelTokenizer {
         self.inner.tok.get_added_tokens_decoder().values().any(|t| f(&t.content))
     }
 
+    /// Whether any added token strips the spaces around it or matches whole words only: the
+    /// text next to it then tokenizes differently depending on where it is cut.
+    pub fn has_space_sensitive_added_tokens(&self) -> bool {
+        self.inner.tok.get_added_tokens_decoder().values().any(|t| t.lstrip || t.rstrip || t.single_word)
+    }
+
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> u32 {
         self.inner.vocab_size

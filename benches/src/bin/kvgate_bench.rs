@@ -600,12 +600,13 @@ fn warm_jobs(common: &Common, n: usize) -> Result<Vec<(&'static str, serde_json:
         .collect())
 }
 
-/// Sends `jobs` to every worker directly, all at once (each worker batches them), and waits for
-/// the answers; a failed one only weakens the warm-up, so it is counted, not fatal.
+/// Sends `jobs` to every worker directly, 64 at a time (each worker batches them), and waits
+/// for the answers; a failed one only weakens the warm-up, so it is reported, not fatal.
 async fn warm(jobs: &[(&'static str, serde_json::Value)], model: &str, workers: &[cluster::SimWorker]) {
-    let http = reqwest::Client::new();
+    use futures_util::StreamExt;
+    let Ok(http) = reqwest::Client::builder().timeout(Duration::from_secs(120)).build() else { return };
     let sends = workers.iter().flat_map(|w| jobs.iter().map(move |(path, body)| (format!("{}{path}", w.url), body)));
-    let results = futures_util::future::join_all(sends.map(|(url, body)| {
+    let results: Vec<bool> = futures_util::stream::iter(sends.map(|(url, body)| {
         let http = http.clone();
         async move {
             match http.post(url).json(body).send().await {
@@ -621,6 +622,8 @@ async fn warm(jobs: &[(&'static str, serde_json::Value)], model: &str, workers: 
             }
         }
     }))
+    .buffer_unordered(64)
+    .collect()
     .await;
     let failed = results.iter().filter(|ok| !**ok).count();
     eprintln!("kvgate-bench: warmed {} workers with {} requests each ({failed} failed, model {model})", workers.len(), jobs.len());

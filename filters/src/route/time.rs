@@ -12,9 +12,10 @@
 //! ρ         = the candidates' mean prefill utilisation (≤ 0.75)
 //! slowdown = prefill · in_flight                                   its chunks stall the running decodes
 //! ttft     = join + wait + prefill + steps · step
-//! join    = max(0, step − since_last_token)   (0 when idle)       the running step's rest
+//! join    = max(0, step − since_last_token)   (0 unless stepping)  the running step's rest
 //! wait    = max(min(prefill_backlog, a · active_prefill_tokens),  the prefill booked ahead,
-//!               a · next_step_tokens)                               at least what shares its step
+//!               a · next_step_tokens)        (0 unless stepping)  at least what shares its step
+//! stepping = requests running there and a token within the last two steps
 //! prefill = a · new · (1 + (cached + new/2) / attention_tokens)    GEMMs + attention over the context
 //! steps   = ⌈(active_prefill_tokens + new) / chunk_tokens⌉          chunked prefill: one engine step per chunk
 //! step    = step_overhead + seq · in_flight + ctx · booked context tokens
@@ -178,17 +179,17 @@ impl TimePriors {
         let new = prompt - cached;
         let a = if c.ms_per_prefill_token > 0.0 { c.ms_per_prefill_token } else { self.ms_per_prefill_token };
         let queued = c.active_prefill_tokens as f64;
-        // The prefills booked since its last step ended run in the same next step as this one.
-        let wait_ms = c.prefill_backlog_ms.min(a * queued).max(a * c.next_step_tokens as f64);
         let prefill_ms = a * new * (1.0 + (cached + new / 2.0) / self.attention_tokens);
         let step = if c.step_ms > 0.0 { c.step_ms } else { self.step_ms(c, req.block_size) };
         let chunk = self.chunk_tokens.max(1.0);
         let steps = ((queued + new) / chunk).ceil().max(1.0);
-        // An idle worker starts a step for it at once; a busy one when its running step ends.
-        let join_ms = match c.since_step_ms {
-            Some(since) if c.in_flight > 0 => (step - since).max(0.0),
-            _ => 0.0,
-        };
+        // A worker stepping now (requests running, a token within two steps) takes it when its
+        // running step ends, together with the prefill booked since that step began (still
+        // booked: a cancelled one is not); an idle one starts a step for it at once.
+        let stepping = c.since_step_ms.filter(|&since| c.in_flight > 0 && since <= 2.0 * step);
+        let join_ms = stepping.map_or(0.0, |since| (step - since).max(0.0));
+        let next_step = if stepping.is_some() { c.next_step_tokens.min(c.active_prefill_tokens) as f64 } else { 0.0 };
+        let wait_ms = c.prefill_backlog_ms.min(a * queued).max(a * next_step);
         let own_ms = prefill_ms + (new / chunk).ceil().max(1.0) * step;
         let slowdown_ms = if pricing.slowdown { prefill_ms * f64::from(c.in_flight) } else { 0.0 };
         // Prefill put on a busy fleet delays more than the requests waiting now (module doc).
@@ -299,7 +300,7 @@ mod tests {
         assert_eq!(just_stepped.join_ms, 90.0);
         assert_eq!(about_to_step.join_ms, 5.0);
         assert!(about_to_step.ttft_ms() < just_stepped.ttft_ms());
-        assert_eq!(p.predict(&req(256), &c(Some(250.0), 40), ON).join_ms, 0.0, "overdue: due now");
+        assert_eq!(p.predict(&req(256), &c(Some(150.0), 40), ON).join_ms, 0.0, "overdue: due now");
         assert_eq!(p.predict(&req(256), &c(Some(10.0), 0), ON).join_ms, 0.0, "idle: a step starts for it");
         assert_eq!(p.predict(&req(256), &c(None, 40), ON).join_ms, 0.0, "no token seen yet");
     }
@@ -309,10 +310,24 @@ mod tests {
         let p = TimePriors::default();
         // Their predicted backlog has decayed (predicted as if they started at once), yet they
         // have not: they run with this request in the next step.
-        let c = Candidate { active_prefill_tokens: 1000, next_step_tokens: 1000, prefill_backlog_ms: 0.0, ..Default::default() };
+        let c = Candidate {
+            active_prefill_tokens: 1000,
+            next_step_tokens: 1000,
+            prefill_backlog_ms: 0.0,
+            in_flight: 3,
+            since_step_ms: Some(2.0),
+            step_ms: 100.0,
+            ..Default::default()
+        };
         assert!((p.predict(&req(16), &c, ON).wait_ms - 35.0).abs() < 1e-9);
         let none = Candidate { next_step_tokens: 0, ..c };
         assert_eq!(p.predict(&req(16), &none, ON).wait_ms, 0.0);
+        // Released since (a client gone before its first token): no longer waited for.
+        let released = Candidate { active_prefill_tokens: 0, ..c };
+        assert_eq!(p.predict(&req(16), &released, ON).wait_ms, 0.0);
+        // A worker not stepping (no token for many steps: idle, or answering unary requests).
+        let quiet = Candidate { since_step_ms: Some(1000.0), ..c };
+        assert_eq!(p.predict(&req(16), &quiet, ON).wait_ms, 0.0);
     }
 
     #[test]

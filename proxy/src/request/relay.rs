@@ -377,7 +377,11 @@ impl Progress {
                 gw.metrics.migration_pause.with_label_values(&[req.model_name()]).observe(now.duration_since(prev).as_secs_f64());
             }
         }
-        if let Some((i, _)) = req.serving() {
+        // A streamed token marks the end of an engine step there (an error body or a unary
+        // answer does not).
+        if self.ttft.is_some()
+            && let Some((i, _)) = req.serving()
+        {
             req.model.ledger.step_ended(i as u16);
         }
         let mut events = 1;
