@@ -493,19 +493,24 @@ mod tests {
         assert_eq!(cache.encode_cached(&doc, false, Some(64)), Some(head), "and the cached path agrees");
     }
 
+    /// A tokenizer loaded from `json` (written to a temporary file named after `name`).
+    fn tokenizer_json(name: &str, json: &str) -> ModelTokenizer {
+        let path = std::env::temp_dir().join(format!("kvgate-{name}-{}.json", std::process::id()));
+        std::fs::write(&path, json).unwrap();
+        let tok = ModelTokenizer::load(&path).unwrap();
+        std::fs::remove_file(&path).ok();
+        tok
+    }
+
     #[test]
     fn a_tokenizer_that_marks_every_input_s_start_is_not_chunked() {
         // A normalizer that prepends a marker to every input (SentencePiece's legacy style): a
         // chunk tokenized alone would start with a marker the whole text has only once.
-        let path = std::env::temp_dir().join(format!("kvgate-prepend-{}.json", std::process::id()));
-        std::fs::write(
-            &path,
+        let tok = tokenizer_json(
+            "prepend",
             r#"{"version":"1.0","added_tokens":[],"normalizer":{"type":"Prepend","prepend":"_"},"pre_tokenizer":{"type":"WhitespaceSplit"},
             "model":{"type":"WordLevel","vocab":{"_":0,"[UNK]":1,"_hello":2,"world":3,"hello":4,"_world":5},"unk_token":"[UNK]"}}"#,
-        )
-        .unwrap();
-        let tok = ModelTokenizer::load(&path).unwrap();
-        std::fs::remove_file(&path).ok();
+        );
         assert!(!SegmentCache::new(tok, 64).chunked());
     }
 
@@ -513,16 +518,12 @@ mod tests {
     fn a_tokenizer_with_an_added_token_that_strips_spaces_is_not_chunked() {
         // `<m> The` with rstrip: the whole text gives the space to `<m>`; a chunk starting at
         // " The" would keep it.
-        let path = std::env::temp_dir().join(format!("kvgate-rstrip-{}.json", std::process::id()));
-        std::fs::write(
-            &path,
+        let tok = tokenizer_json(
+            "rstrip",
             r#"{"version":"1.0","added_tokens":[{"id":0,"content":"<m>","single_word":false,"lstrip":false,"rstrip":true,"normalized":false,"special":true}],
             "normalizer":null,"pre_tokenizer":{"type":"ByteLevel","add_prefix_space":false,"trim_offsets":true,"use_regex":true},
             "model":{"type":"BPE","vocab":{"<m>":0,"T":1,"h":2,"e":3,"Ġ":4},"merges":[]}}"#,
-        )
-        .unwrap();
-        let tok = ModelTokenizer::load(&path).unwrap();
-        std::fs::remove_file(&path).ok();
+        );
         assert!(!SegmentCache::new(tok, 64).chunked());
     }
 
