@@ -134,25 +134,7 @@ impl SegmentCache {
         if !self.enabled(add_special) {
             return self.tok.encode(text, add_special);
         }
-        let mut out = Vec::new();
-        let full = |out: &[u32]| max_tokens.is_some_and(|m| out.len() >= m);
-        for piece in self.split(text) {
-            match piece {
-                Piece::Added(id) => out.push(id),
-                Piece::Text(seg) => {
-                    for chunk in self.chunks(seg) {
-                        out.extend_from_slice(&self.segment(chunk)?);
-                        if full(&out) {
-                            break;
-                        }
-                    }
-                }
-            }
-            if full(&out) {
-                break;
-            }
-        }
-        Ok(out)
+        self.assemble(text, max_tokens, |chunk| self.segment(chunk))
     }
 
     /// [`SegmentCache::encode`] when every segment it needs is cached already (no tokenizer
@@ -162,35 +144,43 @@ impl SegmentCache {
         if !self.enabled(add_special) {
             return None;
         }
+        self.assemble(text, max_tokens, |chunk| self.cached(chunk).ok_or(())).ok()
+    }
+
+    /// The ids of `text`: its added tokens, and each chunk of its text segments as `chunk`
+    /// gives them; stops once it has `max_tokens`, or at `chunk`'s first error.
+    fn assemble<E>(&self, text: &str, max_tokens: Option<usize>, mut chunk: impl FnMut(&str) -> Result<Arc<[u32]>, E>) -> Result<Vec<u32>, E> {
         let mut out = Vec::new();
-        let full = |out: &[u32]| max_tokens.is_some_and(|m| out.len() >= m);
-        for piece in self.split(text) {
+        let enough = |out: &[u32]| max_tokens.is_some_and(|m| out.len() >= m);
+        'pieces: for piece in self.split(text) {
             match piece {
                 Piece::Added(id) => out.push(id),
                 Piece::Text(seg) => {
-                    for chunk in self.chunks(seg) {
-                        let key = (xxh3_64(chunk.as_bytes()), chunk.len());
-                        let ids = self.segments.lock().get(&key).cloned()?;
-                        self.hits.fetch_add(1, Ordering::Relaxed);
-                        out.extend_from_slice(&ids);
-                        if full(&out) {
-                            break;
+                    for c in chunks(seg, self.chunk_bytes) {
+                        out.extend_from_slice(&chunk(c)?);
+                        if enough(&out) {
+                            break 'pieces;
                         }
                     }
                 }
             }
-            if full(&out) {
+            if enough(&out) {
                 break;
             }
         }
-        Some(out)
+        Ok(out)
+    }
+
+    /// A segment's ids if they are cached (counted as a hit).
+    fn cached(&self, seg: &str) -> Option<Arc<[u32]>> {
+        let ids = self.segments.lock().get(&key(seg)).cloned()?;
+        self.hits.fetch_add(1, Ordering::Relaxed);
+        Some(ids)
     }
 
     fn segment(&self, seg: &str) -> Result<Arc<[u32]>, String> {
-        let key = (xxh3_64(seg.as_bytes()), seg.len());
-        if let Some(t) = self.segments.lock().get(&key) {
-            self.hits.fetch_add(1, Ordering::Relaxed);
-            return Ok(t.clone());
+        if let Some(t) = self.cached(seg) {
+            return Ok(t);
         }
         self.misses.fetch_add(1, Ordering::Relaxed);
         let ids: Arc<[u32]> = self.tok.encode(seg, false)?.into();
@@ -198,24 +188,8 @@ impl SegmentCache {
         if m.len() >= self.capacity {
             m.clear();
         }
-        m.insert(key, ids.clone());
+        m.insert(key(seg), ids.clone());
         Ok(ids)
-    }
-
-    /// `seg` cut at the first word boundary after every `chunk_bytes` (whole when chunking is
-    /// off or it is short).
-    fn chunks<'a>(&self, seg: &'a str) -> impl Iterator<Item = &'a str> {
-        let step = self.chunk_bytes;
-        let mut rest = seg;
-        std::iter::from_fn(move || {
-            if rest.is_empty() {
-                return None;
-            }
-            let cut = if step == 0 { None } else { word_boundary(rest.as_bytes(), step) };
-            let (head, tail) = rest.split_at(cut.unwrap_or(rest.len()));
-            rest = tail;
-            Some(head)
-        })
     }
 
     fn split<'a>(&self, text: &'a str) -> Vec<Piece<'a>> {
@@ -319,18 +293,31 @@ impl SegmentCache {
         ];
         let long_ok = texts.iter().all(|t| {
             let text = t.repeat(1 + 4 * chunk_bytes / t.len());
-            let mut cut = Vec::new();
-            let mut rest = text.as_str();
-            while let Some(at) = word_boundary(rest.as_bytes(), chunk_bytes) {
-                let (a, b) = rest.split_at(at);
-                cut.extend(whole(a).unwrap_or_default());
-                rest = b;
-            }
-            cut.extend(whole(rest).unwrap_or_default());
+            let cut: Vec<u32> = chunks(&text, chunk_bytes).flat_map(|c| whole(c).unwrap_or_default()).collect();
             whole(&text).is_some_and(|full| full == cut)
         });
         pairs_ok && long_ok
     }
+}
+
+/// The cache's key of a segment: (xxh3 of its text, its length).
+fn key(seg: &str) -> (u64, usize) {
+    (xxh3_64(seg.as_bytes()), seg.len())
+}
+
+/// `seg` cut at the first word boundary at least `step` bytes after each cut (whole when `step`
+/// is 0 or it is shorter).
+fn chunks(seg: &str, step: usize) -> impl Iterator<Item = &str> {
+    let mut rest = seg;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let cut = if step == 0 { None } else { word_boundary(rest.as_bytes(), step) };
+        let (head, tail) = rest.split_at(cut.unwrap_or(rest.len()));
+        rest = tail;
+        Some(head)
+    })
 }
 
 /// The first word boundary at or after byte `from` of `text`: a space after an ASCII letter,

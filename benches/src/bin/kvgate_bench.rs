@@ -578,10 +578,10 @@ fn warm_jobs(common: &Common, n: usize) -> Result<Vec<(&'static str, serde_json:
     if n == 0 {
         return Ok(Vec::new());
     }
-    let next = Common { seed: common.seed.wrapping_add(1), ..common.clone() };
     if !matches!(common.workload, Kind::SharedPrefix) {
         return Err("--warm needs --workload shared-prefix (the workload whose shared prefixes do not depend on the seed)".into());
     }
+    let next = Common { seed: common.seed.wrapping_add(1), ..common.clone() };
     let Workload::Open(jobs) = next.workload()?.0 else { return Err("shared-prefix is open-loop".into()) };
     Ok(jobs
         .into_iter()

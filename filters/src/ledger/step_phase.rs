@@ -28,7 +28,7 @@ impl StepPhase {
 
     /// `tokens` of prefill were booked at `now`.
     pub fn booked(&self, tokens: u64, now: u64) {
-        if self.step_seen_us.load(Ordering::Relaxed) >= self.since_us.load(Ordering::Relaxed) {
+        if !self.counting() {
             // The first booking since the running step began: count afresh.
             self.since_us.store(now.max(1), Ordering::Relaxed);
             self.next_step_tokens.store(tokens, Ordering::Relaxed);
@@ -39,7 +39,13 @@ impl StepPhase {
 
     /// Prefill tokens booked since the running step began: they share the next step.
     pub fn next_step_tokens(&self) -> u64 {
-        if self.step_seen_us.load(Ordering::Relaxed) >= self.since_us.load(Ordering::Relaxed) { 0 } else { self.next_step_tokens.load(Ordering::Relaxed) }
+        if self.counting() { self.next_step_tokens.load(Ordering::Relaxed) } else { 0 }
+    }
+
+    /// Whether `next_step_tokens` holds bookings made since the running step began (a token
+    /// since the first of them means the step they waited for has begun).
+    fn counting(&self) -> bool {
+        self.step_seen_us.load(Ordering::Relaxed) < self.since_us.load(Ordering::Relaxed)
     }
 
     /// Time since its last token at `now`, ms; `None` before its first.
