@@ -67,12 +67,13 @@ impl ShutdownSignalWatch for Signals {
     }
 }
 
-struct Background(Arc<Gateway>);
+/// The supervised background tasks, with the config watch they consume.
+struct Background(Arc<Gateway>, Option<Arc<crate::tasks::ConfigWatch>>);
 
 #[async_trait]
 impl BackgroundService for Background {
     async fn start(&self, mut shutdown: ShutdownWatch) {
-        let tasks = crate::tasks::Supervisor::start(self.0.clone());
+        let tasks = crate::tasks::Supervisor::start(self.0.clone(), self.1.clone());
         tasks
             .run_until(async move {
                 let _ = shutdown.changed().await;
@@ -106,7 +107,9 @@ fn build(gw: Arc<Gateway>, cfg: &Config, manual: watch::Receiver<Option<Stop>>) 
     admin.add_tcp(&cfg.admin_listen.to_string());
     server.add_service(public);
     server.add_service(admin);
-    server.add_service(background_service("tasks", Background(gw.clone())));
+    // Watching before the listeners open: an edit made once the gateway answers is never missed.
+    let config_watch = gw.config_path().map(|p| crate::tasks::ConfigWatch::install(p));
+    server.add_service(background_service("tasks", Background(gw.clone(), config_watch)));
     (server, RunArgs { shutdown_signal: Box::new(Signals { gw, manual }) })
 }
 

@@ -299,7 +299,7 @@ async fn a_broken_reload_keeps_the_old_config_serving() {
     let msg = v["error"]["message"].as_str().unwrap();
     assert!(msg.contains("kvgate.yaml:") && msg.contains("cleverest"), "error names file, line and value: {msg}");
     // The file watcher sees the same bad file; both are rejected.
-    wait_until(Duration::from_secs(3), || async { c.gateway_metrics().await.sum("kvgate_config_reloads_total", &[("result", "rejected")]) >= 2.0 })
+    wait_until(Duration::from_secs(10), || async { c.gateway_metrics().await.sum("kvgate_config_reloads_total", &[("result", "rejected")]) >= 2.0 })
         .await
         .expect("file watch reload attempted and rejected");
     let (s, _) = post(&c.http, &c.url("/v1/completions"), &json!({"prompt": "x", "max_tokens": 2})).await;
@@ -325,7 +325,7 @@ async fn a_reload_that_removes_a_worker_lets_its_streams_finish() {
     // Rewrite the config without the busy worker; the file watcher applies it.
     let yaml = kvgate_tests::cluster::gateway_yaml(&[c.sims[keep].url()], &GatewayOpts::default());
     std::fs::write(&c.config_path, yaml).unwrap();
-    wait_until(Duration::from_secs(3), || async {
+    wait_until(Duration::from_secs(10), || async {
         let v: Value = c.http.get(c.admin("/workers")).send().await.unwrap().json().await.unwrap();
         v["models"][0]["workers"].as_array().unwrap().len() == 1
     })

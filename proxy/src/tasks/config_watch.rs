@@ -2,59 +2,97 @@
 //! ConfigMaps replace files by rename or symlink swap, which a watch on the file itself
 //! misses), and `POST /reload` on the admin listener all end in [`Gateway::reload`], which keeps
 //! the old configuration when the new one does not validate.
+//!
+//! The watch is installed by [`ConfigWatch::install`] before the listeners open, so an edit
+//! made as soon as the gateway answers is seen; the task only consumes its events, and a
+//! restarted task picks up the same watch.
 
 use crate::gateway::Gateway;
-use notify::{RecursiveMode, Watcher};
+use notify::{RecommendedWatcher, RecursiveMode, Watcher};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::{Mutex, mpsc};
 
 /// Events closer together than this are one change (editors write in several steps).
 const DEBOUNCE: Duration = Duration::from_millis(200);
 
-/// Watches for SIGHUP and file changes until the task is aborted; returns at once when the
-/// gateway has no config file.
-pub async fn run(gw: Arc<Gateway>) {
-    let Some(path) = gw.config_path().cloned() else { return };
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<()>();
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).map(|p| p.to_path_buf()).unwrap_or_else(|| ".".into());
-    let file_name = path.file_name().map(|f| f.to_owned());
-    let watch_tx = tx.clone();
-    let watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
-        let Ok(ev) = res else { return };
-        if ev.kind.is_access() {
-            return;
-        }
-        // Our file, or a ConfigMap's `..data` symlink swap, which changes no path we name.
-        let relevant = ev.paths.iter().any(|p| p.file_name() == file_name.as_deref() || p.to_string_lossy().contains("..data"));
-        if relevant {
-            let _ = watch_tx.send(());
-        }
-    });
-    let _watcher = match watcher {
-        Ok(mut w) => match w.watch(&dir, RecursiveMode::NonRecursive) {
-            Ok(()) => Some(w),
+/// A watch on the config file's directory, alive as long as this value.
+pub struct ConfigWatch {
+    _watcher: Option<RecommendedWatcher>,
+    changes: Mutex<mpsc::UnboundedReceiver<()>>,
+}
+
+impl ConfigWatch {
+    /// Starts watching `path`'s directory. Without a working watch (no inotify, unreadable
+    /// directory) it warns and the gateway still reloads on SIGHUP and `POST /reload`.
+    pub fn install(path: &Path) -> Arc<Self> {
+        let (tx, rx) = mpsc::unbounded_channel::<()>();
+        let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).map(|p| p.to_path_buf()).unwrap_or_else(|| ".".into());
+        let file_name = path.file_name().map(|f| f.to_owned());
+        let watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+            let Ok(ev) = res else { return };
+            if ev.kind.is_access() {
+                return;
+            }
+            // Our file, or a ConfigMap's `..data` symlink swap, which changes no path we name.
+            let relevant = ev.paths.iter().any(|p| p.file_name() == file_name.as_deref() || p.to_string_lossy().contains("..data"));
+            if relevant {
+                let _ = tx.send(());
+            }
+        });
+        let watcher = match watcher {
+            Ok(mut w) => match w.watch(&dir, RecursiveMode::NonRecursive) {
+                Ok(()) => Some(w),
+                Err(e) => {
+                    tracing::warn!(dir = %dir.display(), error = %e, "cannot watch the config directory; use SIGHUP or POST /reload");
+                    None
+                }
+            },
             Err(e) => {
-                tracing::warn!(dir = %dir.display(), error = %e, "cannot watch the config directory; use SIGHUP or POST /reload");
+                tracing::warn!(error = %e, "file watching unavailable; use SIGHUP or POST /reload");
                 None
             }
-        },
-        Err(e) => {
-            tracing::warn!(error = %e, "file watching unavailable; use SIGHUP or POST /reload");
-            None
-        }
-    };
+        };
+        Arc::new(Self { _watcher: watcher, changes: Mutex::new(rx) })
+    }
+}
+
+/// Reloads on SIGHUP and on the watch's changes until the task is aborted; returns at once when
+/// the gateway has no config file (`watch` is `None`).
+pub async fn run(gw: Arc<Gateway>, watch: Option<Arc<ConfigWatch>>) {
+    let Some(watch) = watch else { return };
+    let mut changes = watch.changes.lock().await;
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
     loop {
         tokio::select! {
-            Some(()) = rx.recv() => {}
+            Some(()) = changes.recv() => {}
             Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => {
                 tracing::info!("SIGHUP: reloading configuration");
             }
         }
         tokio::time::sleep(DEBOUNCE).await;
-        while rx.try_recv().is_ok() {}
+        while changes.try_recv().is_ok() {}
         // Reloading may compile plugins and load tokenizers: not on an async worker.
         let gw2 = gw.clone();
         let _ = tokio::task::spawn_blocking(move || gw2.reload()).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn an_edit_right_after_install_is_seen() {
+        let dir = std::env::temp_dir().join(format!("kvgate-watch-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("kvgate.yaml");
+        std::fs::write(&path, "a").unwrap();
+        let watch = ConfigWatch::install(&path);
+        std::fs::write(&path, "b").unwrap();
+        let seen = tokio::time::timeout(Duration::from_secs(5), async { watch.changes.lock().await.recv().await }).await;
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(seen, Ok(Some(())), "the write after install returned was reported");
     }
 }

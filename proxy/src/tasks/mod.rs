@@ -22,6 +22,7 @@ pub mod rescheduler;
 pub mod worker_metrics;
 
 use crate::gateway::Gateway;
+pub use config_watch::ConfigWatch;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -83,14 +84,14 @@ impl Task {
     }
 
     /// Starts the task after `delay`.
-    fn spawn(self, set: &mut JoinSet<()>, gw: Arc<Gateway>, delay: Duration) -> Id {
+    fn spawn(self, set: &mut JoinSet<()>, gw: Arc<Gateway>, watch: Option<Arc<ConfigWatch>>, delay: Duration) -> Id {
         let run: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> = match self {
             Task::Health => Box::pin(health::run(gw)),
             Task::WorkerMetrics => Box::pin(worker_metrics::run(gw)),
             Task::KvSubscribers => Box::pin(kv_subscribers::run(gw)),
             Task::QueueRelease => Box::pin(queue_release::run(gw)),
             Task::LedgerUpkeep => Box::pin(ledger_upkeep::run(gw)),
-            Task::ConfigWatch => Box::pin(config_watch::run(gw)),
+            Task::ConfigWatch => Box::pin(config_watch::run(gw, watch)),
             Task::Rescheduler => Box::pin(rescheduler::run(gw)),
             Task::PluginWatch => Box::pin(plugin_watch::run(gw)),
         };
@@ -116,12 +117,14 @@ pub struct Supervisor {
     set: JoinSet<()>,
     tasks: HashMap<Id, Running>,
     gw: Arc<Gateway>,
+    config_watch: Option<Arc<ConfigWatch>>,
 }
 
 impl Supervisor {
-    /// Starts every task.
-    pub fn start(gw: Arc<Gateway>) -> Self {
-        let mut s = Self { set: JoinSet::new(), tasks: HashMap::new(), gw };
+    /// Starts every task. `config_watch` is the watch on the gateway's config file, installed
+    /// before its listeners opened ([`ConfigWatch::install`]); `None` without a config file.
+    pub fn start(gw: Arc<Gateway>, config_watch: Option<Arc<ConfigWatch>>) -> Self {
+        let mut s = Self { set: JoinSet::new(), tasks: HashMap::new(), gw, config_watch };
         for t in Task::ALL {
             s.start_one(t, Duration::ZERO, FIRST_BACKOFF);
         }
@@ -129,7 +132,7 @@ impl Supervisor {
     }
 
     fn start_one(&mut self, task: Task, delay: Duration, backoff: Duration) {
-        let id = task.spawn(&mut self.set, self.gw.clone(), delay);
+        let id = task.spawn(&mut self.set, self.gw.clone(), self.config_watch.clone(), delay);
         self.tasks.insert(id, Running { task, started: Instant::now() + delay, backoff });
     }
 
@@ -161,7 +164,7 @@ impl Supervisor {
         };
         let Some(r) = self.tasks.remove(&id) else { return };
         // A gateway without a config file has nothing to watch: that task ends by design.
-        if r.task == Task::ConfigWatch && self.gw.config_path().is_none() {
+        if r.task == Task::ConfigWatch && self.config_watch.is_none() {
             return;
         }
         let delay = if r.started.elapsed() >= HEALTHY_RUN { FIRST_BACKOFF } else { r.backoff };
@@ -185,7 +188,7 @@ mod tests {
     async fn every_task_starts_and_stops_together() {
         let cfg = crate::config::load_str("models:\n  - name: m\n    workers:\n      - url: http://127.0.0.1:9\n", "t", Vec::new()).unwrap();
         let gw = Gateway::new(cfg, None).unwrap();
-        let s = Supervisor::start(gw.clone());
+        let s = Supervisor::start(gw.clone(), None);
         assert_eq!(s.running(), Task::ALL.to_vec());
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let run = tokio::spawn(s.run_until(async move {
