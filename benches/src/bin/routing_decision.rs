@@ -103,6 +103,10 @@ fn main() {
         lat
     };
     let mut lat = measure(&time);
+    // p99 of each consecutive 5,000 decisions (33 ms): a burst from the shared machine shows as
+    // one or two high rounds, a cost of the decision itself in every round.
+    let rounds: Vec<String> = lat.chunks(5_000).map(|c| format!("{:.1}", pct(&mut c.to_vec(), 0.99))).collect();
+    println!("`time` cost, p99 of each 5,000 consecutive decisions (µs): {}", rounds.join(" "));
     let mut blocks_lat = measure(&blocks);
     let mut rr_lat = Vec::with_capacity(50_000);
     for _ in 0..50_000 {
