@@ -288,6 +288,12 @@ impl Ledger {
         self.worker(w)?.step_phase.since_step_ms(now)
     }
 
+    /// What the gateway has timed of `w`'s engine steps ([`step_phase::StepLengths`]); `None`
+    /// before two step boundaries.
+    pub fn step_lengths(&self, w: WorkerId) -> Option<step_phase::StepLengths> {
+        self.worker(w)?.step_phase.lengths()
+    }
+
     /// `w` delivered a token: an engine step of it ended now.
     pub fn step_ended(&self, w: WorkerId) {
         if let Some(l) = self.worker(w) {
@@ -370,6 +376,8 @@ impl Ledger {
                 // On an idle worker it starts a step at once instead of waiting for the next.
                 if running > 0 {
                     l.step_phase.booked(prefill_tokens, clock_us());
+                } else {
+                    l.step_phase.starts(prefill_tokens, clock_us());
                 }
             }
             l.prefill.fetch_add(prefill_tokens, Ordering::Relaxed);

@@ -115,6 +115,7 @@ impl Placement {
                             v["prefill_ms"] = json!(t.prefill_ms);
                             v["steps_ms"] = json!(t.steps_ms);
                             v["join_ms"] = json!(t.join_ms);
+                            v["running_step_ms"] = json!(c.running_step_ms);
                             v["next_step_tokens"] = json!(c.next_step_tokens);
                             v["duplicate_ms"] = json!(t.duplicate_ms);
                             v["slowdown_ms"] = json!(t.slowdown_ms);

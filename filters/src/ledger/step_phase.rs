@@ -8,6 +8,15 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// Weight of the newest step in the step averages: about the last 16 steps count.
+const STEP_WEIGHT: f64 = 1.0 / 16.0;
+/// A token this long after the one before begins a new step even with nothing booked since
+/// (a step's tokens reach the gateway together, within a millisecond or so): a quarter of the
+/// mean step, within these bounds. The upper one matters: a threshold from a mean inflated by
+/// one huge step would hide every shorter step after it, and the mean would never come down.
+const MIN_STEP_GAP_US: u64 = 1_000;
+const MAX_STEP_GAP_US: u64 = 10_000;
+
 /// One worker's step phase. Relaxed atomics, approximate under races (a booking racing a step's
 /// end may be counted in the step it missed), which a prediction tolerates; it never blocks.
 #[derive(Debug, Default)]
@@ -18,15 +27,80 @@ pub struct StepPhase {
     next_step_tokens: AtomicU64,
     /// When `next_step_tokens` started counting: the first booking after a step ended.
     since_us: AtomicU64,
+    /// When the running step began: the first token of the burst that ended the one before.
+    began_us: AtomicU64,
+    /// Prefill tokens booked into the running step (those counted when it began).
+    running_tokens: AtomicU64,
+    /// Decayed mean of its step lengths, µs (`f64` bits; 0: none seen).
+    mean_step_us: AtomicU64,
+    /// Decayed mean of the prefill tokens booked into those steps (`f64` bits).
+    mean_step_tokens: AtomicU64,
+}
+
+/// What the gateway has seen of a worker's engine steps: how long they take on average, with
+/// how much prefill in them, and how much prefill the running one carries. A step's length is
+/// its decodes plus its prefill, so the running step's is predicted as the mean plus the
+/// prefill it carries beyond the mean's (`route::time`, `join`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepLengths {
+    /// Mean step length, ms.
+    pub mean_ms: f64,
+    /// Mean prefill tokens per step.
+    pub mean_tokens: f64,
+    /// Prefill tokens in the running step.
+    pub running_tokens: u64,
 }
 
 impl StepPhase {
-    /// A token was delivered at `now`: a step ended and the next one began.
+    /// A token was delivered at `now`: a step ended and the next one began. The first token
+    /// of a step's burst (one with bookings waiting for it, or one well after the token before)
+    /// closes the step that ran until now into the averages.
     pub fn step_ended(&self, now: u64) {
-        self.step_seen_us.store(now.max(1), Ordering::Relaxed);
+        let now = now.max(1);
+        let pending = self.counting();
+        let seen = self.step_seen_us.swap(now, Ordering::Relaxed);
+        let mean = f64::from_bits(self.mean_step_us.load(Ordering::Relaxed));
+        let gap = ((mean / 4.0) as u64).clamp(MIN_STEP_GAP_US, MAX_STEP_GAP_US);
+        if !(pending || seen == 0 || now.saturating_sub(seen) > gap) {
+            return;
+        }
+        let began = self.began_us.swap(now, Ordering::Relaxed);
+        let tokens = if pending { self.next_step_tokens.load(Ordering::Relaxed) } else { 0 };
+        let ran = self.running_tokens.swap(tokens, Ordering::Relaxed);
+        if began == 0 || seen == 0 {
+            return;
+        }
+        // A step that began after an idle spell started late: at most a few means long.
+        let len = now.saturating_sub(began) as f64;
+        let len = if mean > 0.0 { len.min(3.0 * mean) } else { len };
+        let avg = |a: &AtomicU64, x: f64| {
+            let old = f64::from_bits(a.load(Ordering::Relaxed));
+            let new = if mean > 0.0 { old + STEP_WEIGHT * (x - old) } else { x };
+            a.store(new.to_bits(), Ordering::Relaxed);
+        };
+        avg(&self.mean_step_us, len);
+        avg(&self.mean_step_tokens, ran as f64);
     }
 
-    /// `tokens` of prefill were booked at `now`.
+    /// Its steps so far, once one has been timed.
+    pub fn lengths(&self) -> Option<StepLengths> {
+        let mean_us = f64::from_bits(self.mean_step_us.load(Ordering::Relaxed));
+        (mean_us > 0.0).then(|| StepLengths {
+            mean_ms: mean_us / 1000.0,
+            mean_tokens: f64::from_bits(self.mean_step_tokens.load(Ordering::Relaxed)),
+            running_tokens: self.running_tokens.load(Ordering::Relaxed),
+        })
+    }
+
+    /// `tokens` of prefill were booked at `now` on a worker with nothing running: it starts a
+    /// step for them at once, so that step is timed from now (not from its last token, before
+    /// it went idle).
+    pub fn starts(&self, tokens: u64, now: u64) {
+        self.began_us.store(now.max(1), Ordering::Relaxed);
+        self.running_tokens.store(tokens, Ordering::Relaxed);
+    }
+
+    /// `tokens` of prefill were booked at `now` on a worker with requests running.
     pub fn booked(&self, tokens: u64, now: u64) {
         if !self.counting() {
             // The first booking since the running step began: count afresh.
@@ -71,5 +145,52 @@ mod tests {
         assert_eq!(p.since_step_ms(10_000), Some(7.0));
         p.booked(64, 4_000);
         assert_eq!(p.next_step_tokens(), 64, "counting starts afresh");
+    }
+
+    #[test]
+    fn steps_are_timed_from_the_first_token_of_each_burst() {
+        let p = StepPhase::default();
+        let ms = 1_000;
+        // Steps of 100 ms, each delivering three tokens within a millisecond.
+        let burst = |at: u64| (0..3).for_each(|i| p.step_ended(at + i * 300));
+        burst(10 * ms);
+        assert_eq!(p.lengths(), None, "one boundary times nothing yet");
+        burst(110 * ms);
+        assert_eq!(p.lengths().map(|l| l.mean_ms), Some(100.0));
+        // 128 tokens booked into the next step: it carries them.
+        p.booked(128, 150 * ms);
+        burst(210 * ms);
+        let l = p.lengths().unwrap();
+        assert_eq!(l.running_tokens, 128);
+        assert_eq!(l.mean_tokens, 0.0, "the step that ended carried none");
+        // That step took 160 ms: the means move towards it and its tokens.
+        burst(370 * ms);
+        let l = p.lengths().unwrap();
+        assert!((l.mean_ms - (100.0 + (160.0 - 100.0) / 16.0)).abs() < 1e-9, "{l:?}");
+        assert!((l.mean_tokens - 8.0).abs() < 1e-9, "{l:?}");
+        assert_eq!(l.running_tokens, 0);
+        // Idle for a minute, then a request: its step is timed from its booking.
+        p.starts(64, 60_000 * ms);
+        burst(60_090 * ms);
+        let l = p.lengths().unwrap();
+        assert!((l.mean_ms - (103.75 + (90.0 - 103.75) / 16.0)).abs() < 1e-9, "{l:?}");
+        assert_eq!(l.running_tokens, 0);
+        // Whatever else stretched a step counts as at most three mean steps.
+        burst(70_000 * ms);
+        assert!(p.lengths().unwrap().mean_ms < 120.0, "{:?}", p.lengths());
+    }
+
+    #[test]
+    fn short_steps_after_a_huge_one_bring_the_mean_down() {
+        let p = StepPhase::default();
+        let ms = 1_000;
+        // One 2.5 s step (a burst of long prefills), then 60 ms steps with nothing booked.
+        p.step_ended(ms);
+        p.step_ended(2_501 * ms);
+        assert_eq!(p.lengths().map(|l| l.mean_ms), Some(2_500.0));
+        for i in 1..=80 {
+            p.step_ended(2_501 * ms + i * 60 * ms);
+        }
+        assert!(p.lengths().unwrap().mean_ms < 100.0, "{:?}", p.lengths());
     }
 }

@@ -57,6 +57,10 @@ pub struct Candidate {
     /// Time since it last delivered a token (the end of its last engine step), ms; `None`
     /// before its first.
     pub since_step_ms: Option<f64>,
+    /// Predicted length of the engine step running there now, ms: its measured mean, longer
+    /// or shorter by the prefill booked into this one against the mean's (`None`: no steps
+    /// timed yet; the `time` cost uses `step_ms`).
+    pub running_step_ms: Option<f64>,
     /// Predicted time until it has computed the prefill booked on it, ms (the ledger's
     /// `prefill_backlog`: decays as it makes progress).
     pub prefill_backlog_ms: f64,

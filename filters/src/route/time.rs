@@ -12,7 +12,8 @@
 //! ρ         = the candidates' mean prefill utilisation (≤ 0.75)
 //! slowdown = prefill · in_flight                                   its chunks stall the running decodes
 //! ttft     = join + wait + prefill + steps · step
-//! join    = max(0, step − since_last_token)   (0 unless stepping)  the running step's rest
+//! join    = max(0, running − since_last_token) (0 unless stepping)  the running step's rest
+//! running = min(running_step, 2 · step)        the running step's predicted length (`step` if unknown)
 //! wait    = max(min(prefill_backlog, a · active_prefill_tokens),  the prefill booked ahead,
 //!               a · next_step_tokens)        (0 unless stepping)  at least what shares its step
 //! stepping = requests running there and a token within the last two steps
@@ -28,8 +29,9 @@
 //!
 //! `join` and `next_step_tokens` come from the worker's step phase (the ledger's
 //! `step_phase`): vLLM adds a request to its batch only between engine steps, so on a worker
-//! with requests running a new one first waits for the running step to end (a step minus the
-//! time since the gateway last relayed a token from it), then shares the next step with every
+//! with requests running a new one first waits for the running step to end (its predicted
+//! length, `Candidate::running_step_ms`, minus the time since the gateway last relayed a token
+//! from it), then shares the next step with every
 //! prefill booked there since that token. Without `join`, a worker that has just finished a
 //! request looks the least loaded at the moment a newcomer would wait a whole step there, and
 //! load-aware choices among equally cached workers lose to round robin (benches/RESULTS.md,
@@ -129,6 +131,9 @@ pub struct Prediction {
     /// What a second copy of a prefix another worker holds costs the fleet's caches: its
     /// prefill time, paid again later by the requests whose blocks it evicts.
     pub duplicate_ms: f64,
+    /// The prefill time per token it was predicted with (the worker's calibrated figure, or
+    /// the prior), ms: what its first token calibrates.
+    pub ms_per_prefill_token: f64,
 }
 
 impl Prediction {
@@ -187,7 +192,9 @@ impl TimePriors {
         // running step ends, together with the prefill booked since that step began (still
         // booked: a cancelled one is not); an idle one starts a step for it at once.
         let stepping = c.since_step_ms.filter(|&since| c.in_flight > 0 && since <= 2.0 * step);
-        let join_ms = stepping.map_or(0.0, |since| (step - since).max(0.0));
+        // The running step's length, within the window that counts as stepping.
+        let running = c.running_step_ms.map_or(step, |l| l.min(2.0 * step));
+        let join_ms = stepping.map_or(0.0, |since| (running - since).max(0.0));
         let next_step = if stepping.is_some() { c.next_step_tokens.min(c.active_prefill_tokens) as f64 } else { 0.0 };
         let wait_ms = c.prefill_backlog_ms.min(a * queued).max(a * next_step);
         let own_ms = prefill_ms + (new / chunk).ceil().max(1.0) * step;
@@ -199,7 +206,18 @@ impl TimePriors {
         // prefix merely being computed here is no copy yet).
         let held = |blocks: u32| (f64::from(blocks) * bs).min(prompt);
         let duplicate_ms = if pricing.duplicates { a * (held(req.fleet_overlap_blocks) - held(c.overlap_blocks)).max(0.0) * busy } else { 0.0 };
-        Prediction { new_tokens: new, wait_ms, prefill_ms, steps_ms: steps * step, join_ms, own_ms, slowdown_ms, behind_ms, duplicate_ms }
+        Prediction {
+            new_tokens: new,
+            wait_ms,
+            prefill_ms,
+            steps_ms: steps * step,
+            join_ms,
+            own_ms,
+            slowdown_ms,
+            behind_ms,
+            duplicate_ms,
+            ms_per_prefill_token: a,
+        }
     }
 }
 
@@ -303,6 +321,11 @@ mod tests {
         assert_eq!(p.predict(&req(256), &c(Some(150.0), 40), ON).join_ms, 0.0, "overdue: due now");
         assert_eq!(p.predict(&req(256), &c(Some(10.0), 0), ON).join_ms, 0.0, "idle: a step starts for it");
         assert_eq!(p.predict(&req(256), &c(None, 40), ON).join_ms, 0.0, "no token seen yet");
+        // A running step carrying prefill is longer than the mean step; at most two steps count.
+        let long = Candidate { running_step_ms: Some(150.0), ..c(Some(10.0), 40) };
+        assert_eq!(p.predict(&req(256), &long, ON).join_ms, 140.0);
+        let absurd = Candidate { running_step_ms: Some(5_000.0), ..c(Some(10.0), 40) };
+        assert_eq!(p.predict(&req(256), &absurd, ON).join_ms, 190.0);
     }
 
     #[test]

@@ -51,14 +51,21 @@ impl Calibration {
     }
 
     /// A request's first token took `ttft_ms` after it was sent; `predicted_ms` of it was the
-    /// wait and prefill predicted with the prefill factor in force then, `steps_ms` what the
-    /// steps explain.
-    pub fn observe_prefill(&self, ttft_ms: f64, predicted_ms: f64, steps_ms: f64) {
-        if predicted_ms < MIN_PREDICTED_MS || !ttft_ms.is_finite() {
+    /// wait and prefill predicted with the prefill factor `factor_then` (the one in force when
+    /// it was placed), `steps_ms` what the steps explain.
+    ///
+    /// The sample is `factor_then` × measured ÷ predicted, not the current factor × that: the
+    /// requests placed together on a worker before its first token were all predicted with the
+    /// same factor, and applying each one's ratio to a factor the earlier ones had already
+    /// raised compounded one slow start into a factor hundreds of times too high, which then
+    /// kept the worker from ever being chosen again (benches/RESULTS.md, "A slow start no
+    /// longer locks a worker out").
+    pub fn observe_prefill(&self, ttft_ms: f64, predicted_ms: f64, steps_ms: f64, factor_then: f64) {
+        if predicted_ms < MIN_PREDICTED_MS || !ttft_ms.is_finite() || !factor_then.is_finite() || factor_then <= 0.0 {
             return;
         }
         let ratio = ((ttft_ms - steps_ms).max(0.0) / predicted_ms).clamp(1.0 / CLAMP, CLAMP);
-        update(&self.prefill, ratio, PREFILL_WEIGHT);
+        update(&self.prefill, factor_then * ratio, PREFILL_WEIGHT);
     }
 
     /// One inter-token gap of `gap_ms` where the priors predict a step of `prior_step_ms`.
@@ -68,7 +75,7 @@ impl Calibration {
         }
         let now = load(&self.step);
         let ratio = (gap_ms / (prior_step_ms * now)).clamp(1.0 / CLAMP, CLAMP);
-        update(&self.step, ratio, STEP_WEIGHT);
+        update(&self.step, now * ratio, STEP_WEIGHT);
     }
 }
 
@@ -79,11 +86,10 @@ fn load(a: &AtomicU64) -> f64 {
     }
 }
 
-/// Moves the factor toward `factor · ratio` (the first sample sets it).
-fn update(a: &AtomicU64, ratio: f64, weight: f64) {
+/// Moves the factor toward `sample` (the first sample sets it).
+fn update(a: &AtomicU64, sample: f64, weight: f64) {
     let first = a.load(Ordering::Relaxed) == 0;
     let now = load(a);
-    let sample = now * ratio;
     let next = if first { sample } else { now + weight * (sample - now) };
     a.store(next.max(1e-6).to_bits(), Ordering::Relaxed);
 }
@@ -99,7 +105,7 @@ mod tests {
         for _ in 0..60 {
             // The gateway predicts with the factor in force; the worker takes 3× the prior.
             let predicted = 100.0 * c.prefill();
-            c.observe_prefill(300.0 + 6.0, predicted, 6.0);
+            c.observe_prefill(300.0 + 6.0, predicted, 6.0, c.prefill());
             let prior_step = 10.0;
             c.observe_step(30.0, prior_step);
         }
@@ -114,16 +120,33 @@ mod tests {
     fn one_outlier_bends_the_estimate_without_breaking_it() {
         let c = Calibration::default();
         for _ in 0..20 {
-            c.observe_prefill(100.0, 100.0 * c.prefill(), 0.0);
+            c.observe_prefill(100.0, 100.0 * c.prefill(), 0.0, c.prefill());
         }
-        c.observe_prefill(60_000.0, 100.0 * c.prefill(), 0.0);
+        c.observe_prefill(60_000.0, 100.0 * c.prefill(), 0.0, c.prefill());
         assert!(c.prefill() < 1.5, "{}", c.prefill());
+    }
+
+    #[test]
+    fn requests_placed_together_do_not_compound_a_slow_start() {
+        let c = Calibration::default();
+        // Fourteen requests placed on a fresh worker before any first token, all predicted at
+        // the prior (factor 1), each answered ten times slower than predicted.
+        for _ in 0..14 {
+            c.observe_prefill(1000.0, 100.0, 0.0, 1.0);
+        }
+        // The estimate is at most the clamp on one sample (4×), not 4 × 1.375^13.
+        assert!((c.prefill() - 4.0).abs() < 1e-9, "{}", c.prefill());
+        // Later requests, predicted with that factor, bring it the rest of the way.
+        for _ in 0..40 {
+            c.observe_prefill(1000.0, 100.0 * c.prefill(), 0.0, c.prefill());
+        }
+        assert!((c.prefill() - 10.0).abs() < 0.1, "{}", c.prefill());
     }
 
     #[test]
     fn tiny_predictions_teach_nothing() {
         let c = Calibration::default();
-        c.observe_prefill(50.0, 0.5, 0.0);
+        c.observe_prefill(50.0, 0.5, 0.0, 1.0);
         assert!(!c.has_prefill());
     }
 }

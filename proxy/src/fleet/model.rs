@@ -130,6 +130,11 @@ impl Model {
             if k.has_step() {
                 c.step_ms = k.step() * priors.step_ms(&c, self.cfg.block_size);
             }
+            if let Some(l) = self.ledger.step_lengths(id) {
+                let a = if c.ms_per_prefill_token > 0.0 { c.ms_per_prefill_token } else { priors.ms_per_prefill_token };
+                // A step is at least its decodes: a miscalibrated `a` never predicts one near 0.
+                c.running_step_ms = Some((l.mean_ms + a * (l.running_tokens as f64 - l.mean_tokens)).max(l.mean_ms / 4.0));
+            }
         }
         c
     }

@@ -418,8 +418,9 @@ impl Progress {
 /// The `time` cost learns the worker's prefill speed from a stream's first token on the
 /// worker it was placed on (docs/routing.md, "The time cost").
 fn calibrate_prefill(req: &RequestState, ttft: std::time::Duration) {
-    let (Some(p), Some((_, w))) = (req.predicted, req.serving()) else { return };
-    w.calibration.observe_prefill(ttft.as_secs_f64() * 1000.0 - p.join_ms, p.wait_ms + p.prefill_ms, p.steps_ms);
+    let (Some(p), Some((_, w)), Some(priors)) = (req.predicted, req.serving(), req.model.time_priors()) else { return };
+    let factor_then = p.ms_per_prefill_token / priors.ms_per_prefill_token;
+    w.calibration.observe_prefill(ttft.as_secs_f64() * 1000.0 - p.join_ms, p.wait_ms + p.prefill_ms, p.steps_ms, factor_then);
 }
 
 /// The `time` cost learns the worker's step time from each inter-token gap, against what its
