@@ -371,13 +371,14 @@ impl Ledger {
                 due = before.unwrap_or(now).max(now) + time;
             }
             let running = l.requests.fetch_add(1, Ordering::Relaxed);
+            if running == 0 {
+                l.step_phase.starts(prefill_tokens, clock_us());
+            }
             if prefill_tokens > 0 {
                 l.prefilling.fetch_add(1, Ordering::Relaxed);
                 // On an idle worker it starts a step at once instead of waiting for the next.
                 if running > 0 {
                     l.step_phase.booked(prefill_tokens, clock_us());
-                } else {
-                    l.step_phase.starts(prefill_tokens, clock_us());
                 }
             }
             l.prefill.fetch_add(prefill_tokens, Ordering::Relaxed);

@@ -27,7 +27,8 @@ pub struct StepPhase {
     next_step_tokens: AtomicU64,
     /// When `next_step_tokens` started counting: the first booking after a step ended.
     since_us: AtomicU64,
-    /// When the running step began: the first token of the burst that ended the one before.
+    /// When the running step began: the first token of the burst that ended the one before,
+    /// or the booking that woke an idle worker ([`StepPhase::starts`]).
     began_us: AtomicU64,
     /// Prefill tokens booked into the running step (those counted when it began).
     running_tokens: AtomicU64,
@@ -70,6 +71,10 @@ impl StepPhase {
         if began == 0 || seen == 0 {
             return;
         }
+        // Two first tokens racing, or a booking landing mid-burst, time a step of nothing.
+        if now.saturating_sub(began) < MIN_STEP_GAP_US {
+            return;
+        }
         // A step that began after an idle spell started late: at most a few means long.
         let len = now.saturating_sub(began) as f64;
         let len = if mean > 0.0 { len.min(3.0 * mean) } else { len };
@@ -92,9 +97,9 @@ impl StepPhase {
         })
     }
 
-    /// `tokens` of prefill were booked at `now` on a worker with nothing running: it starts a
-    /// step for them at once, so that step is timed from now (not from its last token, before
-    /// it went idle).
+    /// A request with `tokens` of prefill (perhaps none: a cached prompt) was booked at `now` on
+    /// a worker with nothing running: it starts a step at once, so that step is timed from now
+    /// (not from its last token, before it went idle).
     pub fn starts(&self, tokens: u64, now: u64) {
         self.began_us.store(now.max(1), Ordering::Relaxed);
         self.running_tokens.store(tokens, Ordering::Relaxed);
@@ -178,6 +183,20 @@ mod tests {
         // Whatever else stretched a step counts as at most three mean steps.
         burst(70_000 * ms);
         assert!(p.lengths().unwrap().mean_ms < 120.0, "{:?}", p.lengths());
+    }
+
+    #[test]
+    fn a_booking_landing_mid_burst_times_no_step() {
+        let p = StepPhase::default();
+        let ms = 1_000;
+        p.step_ended(10 * ms);
+        p.step_ended(110 * ms);
+        // A booking between two tokens of the next burst makes the second look like a step's
+        // first token; a step of 0.2 ms is not counted.
+        p.step_ended(210 * ms);
+        p.booked(128, 210 * ms + 100);
+        p.step_ended(210 * ms + 200);
+        assert_eq!(p.lengths().map(|l| l.mean_ms), Some(100.0));
     }
 
     #[test]

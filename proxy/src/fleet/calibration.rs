@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 const PREFILL_WEIGHT: f64 = 1.0 / 8.0;
 /// Weight of a new step sample (one per token gap, so many more).
 const STEP_WEIGHT: f64 = 1.0 / 32.0;
-/// A sample's ratio is clamped to [1/CLAMP, CLAMP] of the current factor.
+/// A sample's ratio is clamped to [1/CLAMP, CLAMP] of the factor it was predicted with.
 const CLAMP: f64 = 4.0;
 /// Predictions shorter than this (ms) say too little to learn from: timer and network noise.
 const MIN_PREDICTED_MS: f64 = 2.0;

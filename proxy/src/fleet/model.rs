@@ -130,10 +130,16 @@ impl Model {
             if k.has_step() {
                 c.step_ms = k.step() * priors.step_ms(&c, self.cfg.block_size);
             }
-            if let Some(l) = self.ledger.step_lengths(id) {
+            // One phase per worker: data-parallel ranks step independently, so their tokens
+            // interleave and no step can be timed.
+            if let Some(l) = self.ledger.step_lengths(id).filter(|_| ranks.len() <= 1) {
                 let a = if c.ms_per_prefill_token > 0.0 { c.ms_per_prefill_token } else { priors.ms_per_prefill_token };
+                // A step computes at most one chunk of prefill (the rest of a long prompt runs in
+                // the steps after it).
+                let chunk = priors.chunk_tokens.max(1.0);
+                let extra = (l.running_tokens as f64).min(chunk) - l.mean_tokens.min(chunk);
                 // A step is at least its decodes: a miscalibrated `a` never predicts one near 0.
-                c.running_step_ms = Some((l.mean_ms + a * (l.running_tokens as f64 - l.mean_tokens)).max(l.mean_ms / 4.0));
+                c.running_step_ms = Some((l.mean_ms + a * extra).max(l.mean_ms / 4.0));
             }
         }
         c
