@@ -98,6 +98,8 @@ pub struct Ledger {
     next_salt: AtomicU64,
     live: Mutex<HashMap<u64, (Instant, Arc<Release>), kvgate_kv::hash::BuildIdHasher>>,
     expired: AtomicU64,
+    /// Prefills booked on any of its workers, as a decayed rate (one second per booking).
+    arrivals: load_rate::LoadRate,
 }
 
 /// What a booking holds, released once (by the guard or by expiry).
@@ -160,6 +162,7 @@ impl Ledger {
             next_salt: AtomicU64::new(1),
             live: Mutex::new(HashMap::default()),
             expired: AtomicU64::new(0),
+            arrivals: load_rate::LoadRate::default(),
         })
     }
 
@@ -334,6 +337,12 @@ impl Ledger {
         self.worker(w).map_or(0.0, |l| l.prefill_load.at(now))
     }
 
+    /// Prefills booked per second per worker of this ledger as of `now` (µs on [`clock_us`]),
+    /// averaged over [`load_rate::WINDOW_S`].
+    pub fn arrivals_per_worker_at(&self, now: u64) -> f64 {
+        self.arrivals.at(now) / self.workers.len() as f64
+    }
+
     /// Blocks booked on `w`: distinct prompt blocks (or all of them when shared prefixes are
     /// not assumed to be reused), estimated blocks of untokenized requests, and weighted output
     /// blocks, rounded.
@@ -368,6 +377,7 @@ impl Ledger {
                 let now = clock_us();
                 let before = l.prefill_done_at.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |at| Some(at.max(now) + time));
                 l.prefill_load.add(time, now);
+                self.arrivals.add(1_000_000, now);
                 due = before.unwrap_or(now).max(now) + time;
             }
             let running = l.requests.fetch_add(1, Ordering::Relaxed);
@@ -722,6 +732,16 @@ mod tests {
         assert!((rho - 1.0 / load_rate::WINDOW_S).abs() < 0.01, "{rho}");
         assert_eq!(s.prefill_load_at(1, now), 0.0);
         assert_eq!(s.prefill_load_at(9, now), 0.0);
+    }
+
+    #[test]
+    fn prefill_bookings_are_the_models_arrival_rate() {
+        let s = Ledger::new(2, Tracking::default());
+        let fp = |tokens| Footprint { prefill_tokens: tokens, prefill_time: Duration::from_millis(10), ..Footprint::default() };
+        let (_a, _b, _c) = (s.book(0, fp(100)), s.book(1, fp(100)), s.book(1, fp(0)));
+        // Two prefills (a cached prompt is none) over the five-second window, over two workers.
+        let rate = s.arrivals_per_worker_at(clock_us());
+        assert!((rate - 2.0 / load_rate::WINDOW_S / 2.0).abs() < 0.01, "{rate}");
     }
 
     #[test]

@@ -20,6 +20,8 @@ pub struct RequestSummary<'a> {
     pub fleet_overlap_blocks: u32,
     /// The candidates' mean prefill utilisation (their `prefill_load`).
     pub fleet_prefill_load: f64,
+    /// Prefills the model's workers are booked per second, each (0: unknown).
+    pub arrivals_per_worker_s: f64,
     /// Request headers a plugin policy is allowed to see (lower-case names).
     pub headers: &'a [(String, String)],
     /// The request's `nvext` object as JSON text, if any.

@@ -7,7 +7,8 @@
 //!
 //! ```text
 //! cost      = ttft + behind + duplicate (+ slowdown, off by default)
-//! behind    = prefill · prefilling / (1 − ρ)                       the requests that will queue behind it
+//! behind    = prefill · (prefilling + arriving) / (1 − ρ)          the requests that share its step or queue behind it
+//! arriving  = prefills booked per second per worker · join          those booked before its step begins
 //! duplicate = a · (fleet_cached − cached) / (1 − ρ)                a second copy of a prefix another worker holds
 //! ρ         = the candidates' mean prefill utilisation (≤ 0.75)
 //! slowdown = prefill · in_flight                                   its chunks stall the running decodes
@@ -201,7 +202,8 @@ impl TimePriors {
         let slowdown_ms = if pricing.slowdown { prefill_ms * f64::from(c.in_flight) } else { 0.0 };
         // Prefill put on a busy fleet delays more than the requests waiting now (module doc).
         let busy = busy_period(req.fleet_prefill_load);
-        let behind_ms = if pricing.queue { prefill_ms * f64::from(c.prefilling) * busy } else { 0.0 };
+        let arriving = req.arrivals_per_worker_s * join_ms / 1000.0;
+        let behind_ms = if pricing.queue { prefill_ms * (f64::from(c.prefilling) + arriving) * busy } else { 0.0 };
         // What this worker's cache holds against the best one's (blocks in its cache only: a
         // prefix merely being computed here is no copy yet).
         let held = |blocks: u32| (f64::from(blocks) * bs).min(prompt);
@@ -272,6 +274,21 @@ mod tests {
         assert_eq!(p.predict(&req(4096), &Candidate::default(), pricing).behind_ms, 0.0);
         let off = Pricing { queue: false, ..pricing };
         assert_eq!(p.predict(&req(4096), &Candidate { prefilling: 3, ..Default::default() }, off).behind_ms, 0.0);
+    }
+
+    #[test]
+    fn those_arriving_before_the_running_step_ends_share_the_next_one() {
+        let p = TimePriors::default();
+        let pricing = Pricing::default();
+        // Ten prefills a second per worker; this one's running step ends in 100 ms.
+        let r = RequestSummary { arrivals_per_worker_s: 10.0, ..req(4096) };
+        let c = Candidate { prefilling: 2, in_flight: 8, since_step_ms: Some(0.0), step_ms: 100.0, ..Default::default() };
+        let x = p.predict(&r, &c, pricing);
+        assert_eq!(x.join_ms, 100.0);
+        assert!((x.behind_ms - x.prefill_ms * 3.0).abs() < 1e-9, "{x:?}");
+        // About to step: nobody else arrives before it.
+        let due = p.predict(&r, &Candidate { since_step_ms: Some(100.0), ..c }, pricing);
+        assert!((due.behind_ms - due.prefill_ms * 2.0).abs() < 1e-9, "{due:?}");
     }
 
     #[test]

@@ -152,6 +152,7 @@ fn summary(req: &RequestState) -> RequestSummary<'_> {
         block_size: model.cfg.block_size,
         fleet_overlap_blocks: 0,
         fleet_prefill_load: 0.0,
+        arrivals_per_worker_s: model.ledger.arrivals_per_worker_at(kvgate_filters::ledger::clock_us()),
         headers: &req.plugin_headers,
         nvext: req.plugin_nvext.as_deref(),
     }
