@@ -98,7 +98,8 @@ pub struct Ledger {
     next_salt: AtomicU64,
     live: Mutex<HashMap<u64, (Instant, Arc<Release>), kvgate_kv::hash::BuildIdHasher>>,
     expired: AtomicU64,
-    /// Prefills booked on any of its workers, as a decayed rate (one second per booking).
+    /// Prefills booked with a predicted time on any of its workers, as a decayed rate (one
+    /// second per booking).
     arrivals: load_rate::LoadRate,
 }
 
@@ -373,22 +374,22 @@ impl Ledger {
         let time = if prefill_tokens > 0 { prefill_time.as_micros() as u64 } else { 0 };
         let mut due = 0;
         if let Some(l) = self.worker(w) {
+            let now = clock_us();
             if time > 0 {
-                let now = clock_us();
                 let before = l.prefill_done_at.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |at| Some(at.max(now) + time));
                 l.prefill_load.add(time, now);
                 self.arrivals.add(1_000_000, now);
                 due = before.unwrap_or(now).max(now) + time;
             }
             let running = l.requests.fetch_add(1, Ordering::Relaxed);
+            // On an idle worker it starts a step at once instead of waiting for the next.
             if running == 0 {
-                l.step_phase.starts(prefill_tokens, clock_us());
+                l.step_phase.starts(prefill_tokens, now);
             }
             if prefill_tokens > 0 {
                 l.prefilling.fetch_add(1, Ordering::Relaxed);
-                // On an idle worker it starts a step at once instead of waiting for the next.
                 if running > 0 {
-                    l.step_phase.booked(prefill_tokens, clock_us());
+                    l.step_phase.booked(prefill_tokens, now);
                 }
             }
             l.prefill.fetch_add(prefill_tokens, Ordering::Relaxed);

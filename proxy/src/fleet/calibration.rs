@@ -58,8 +58,8 @@ impl Calibration {
     /// requests placed together on a worker before its first token were all predicted with the
     /// same factor, and applying each one's ratio to a factor the earlier ones had already
     /// raised compounded one slow start into a factor hundreds of times too high, which then
-    /// kept the worker from ever being chosen again (benches/RESULTS.md, "A slow start no
-    /// longer locks a worker out").
+    /// kept the worker from ever being chosen again (benches/RESULTS.md, "The running step's
+    /// length").
     pub fn observe_prefill(&self, ttft_ms: f64, predicted_ms: f64, steps_ms: f64, factor_then: f64) {
         if predicted_ms < MIN_PREDICTED_MS || !ttft_ms.is_finite() || !factor_then.is_finite() || factor_then <= 0.0 {
             return;
