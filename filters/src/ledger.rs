@@ -31,6 +31,7 @@
 //! of bookings older than a limit (a request that never ends, or a guard leaked by a bug); the
 //! request itself stays counted until its guard drops, whose release of the rest does nothing.
 
+pub mod decayed_mean;
 pub mod load_rate;
 pub mod step_phase;
 

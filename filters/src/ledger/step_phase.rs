@@ -6,6 +6,7 @@
 //! just finished a request looks the least loaded exactly when a new request would wait a whole
 //! step there (benches/RESULTS.md, "Joining the next step").
 
+use super::decayed_mean::DecayedMean;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Weight of the newest step in the step averages: about the last 16 steps count.
@@ -32,10 +33,10 @@ pub struct StepPhase {
     began_us: AtomicU64,
     /// Prefill tokens booked into the running step (those counted when it began).
     running_tokens: AtomicU64,
-    /// Decayed mean of its step lengths, µs (`f64` bits; 0: none seen).
-    mean_step_us: AtomicU64,
-    /// Decayed mean of the prefill tokens booked into those steps (`f64` bits).
-    mean_step_tokens: AtomicU64,
+    /// Decayed mean of its step lengths, µs.
+    mean_step_us: DecayedMean,
+    /// Decayed mean of the prefill tokens booked into those steps.
+    mean_step_tokens: DecayedMean,
 }
 
 /// What the gateway has seen of a worker's engine steps: how long they take on average, with
@@ -60,8 +61,8 @@ impl StepPhase {
         let now = now.max(1);
         let pending = self.counting();
         let seen = self.step_seen_us.swap(now, Ordering::Relaxed);
-        let mean = f64::from_bits(self.mean_step_us.load(Ordering::Relaxed));
-        let gap = ((mean / 4.0) as u64).clamp(MIN_STEP_GAP_US, MAX_STEP_GAP_US);
+        let mean = self.mean_step_us.get();
+        let gap = ((mean.unwrap_or(0.0) / 4.0) as u64).clamp(MIN_STEP_GAP_US, MAX_STEP_GAP_US);
         if !(pending || seen == 0 || now.saturating_sub(seen) > gap) {
             return;
         }
@@ -77,22 +78,16 @@ impl StepPhase {
         }
         // A step that began after an idle spell started late: at most a few means long.
         let len = now.saturating_sub(began) as f64;
-        let len = if mean > 0.0 { len.min(3.0 * mean) } else { len };
-        let avg = |a: &AtomicU64, x: f64| {
-            let old = f64::from_bits(a.load(Ordering::Relaxed));
-            let new = if mean > 0.0 { old + STEP_WEIGHT * (x - old) } else { x };
-            a.store(new.to_bits(), Ordering::Relaxed);
-        };
-        avg(&self.mean_step_us, len);
-        avg(&self.mean_step_tokens, ran as f64);
+        let len = mean.map_or(len, |mean| len.min(3.0 * mean));
+        self.mean_step_us.observe(len, STEP_WEIGHT);
+        self.mean_step_tokens.observe(ran as f64, STEP_WEIGHT);
     }
 
     /// Its steps so far, once one has been timed.
     pub fn lengths(&self) -> Option<StepLengths> {
-        let mean_us = f64::from_bits(self.mean_step_us.load(Ordering::Relaxed));
-        (mean_us > 0.0).then(|| StepLengths {
+        self.mean_step_us.get().map(|mean_us| StepLengths {
             mean_ms: mean_us / 1000.0,
-            mean_tokens: f64::from_bits(self.mean_step_tokens.load(Ordering::Relaxed)),
+            mean_tokens: self.mean_step_tokens.get().unwrap_or(0.0),
             running_tokens: self.running_tokens.load(Ordering::Relaxed),
         })
     }

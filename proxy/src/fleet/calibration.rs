@@ -9,9 +9,9 @@
 //!
 //! A single sample moves a factor by at most a bounded ratio, so a request stuck behind load the
 //! gateway did not book (another gateway's, a stalled engine) bends the estimate without
-//! breaking it. Relaxed atomics: two racing samples lose one, which an average shrugs off.
+//! breaking it. Each factor is a lock-free `DecayedMean` (the ledger's).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use kvgate_filters::ledger::decayed_mean::DecayedMean;
 
 /// Weight of a new prefill sample (one per streamed request).
 const PREFILL_WEIGHT: f64 = 1.0 / 8.0;
@@ -22,32 +22,41 @@ const CLAMP: f64 = 4.0;
 /// Predictions shorter than this (ms) say too little to learn from: timer and network noise.
 const MIN_PREDICTED_MS: f64 = 2.0;
 
-/// The two factors (f64 bits; 0 = nothing learned yet, the priors apply as they are).
-#[derive(Debug, Default)]
+/// The smallest factor either may reach.
+const MIN_FACTOR: f64 = 1e-6;
+
+/// The two factors (nothing learned yet: the priors apply as they are).
+#[derive(Debug)]
 pub struct Calibration {
-    prefill: AtomicU64,
-    step: AtomicU64,
+    prefill: DecayedMean,
+    step: DecayedMean,
+}
+
+impl Default for Calibration {
+    fn default() -> Self {
+        Self { prefill: DecayedMean::at_least(MIN_FACTOR), step: DecayedMean::at_least(MIN_FACTOR) }
+    }
 }
 
 impl Calibration {
     /// The prefill factor learned so far (1.0 before any sample).
     pub fn prefill(&self) -> f64 {
-        load(&self.prefill)
+        self.prefill.get().unwrap_or(1.0)
     }
 
     /// The step factor learned so far (1.0 before any sample).
     pub fn step(&self) -> f64 {
-        load(&self.step)
+        self.step.get().unwrap_or(1.0)
     }
 
     /// Whether any prefill sample was taken.
     pub fn has_prefill(&self) -> bool {
-        self.prefill.load(Ordering::Relaxed) != 0
+        self.prefill.get().is_some()
     }
 
     /// Whether any step sample was taken.
     pub fn has_step(&self) -> bool {
-        self.step.load(Ordering::Relaxed) != 0
+        self.step.get().is_some()
     }
 
     /// A request's first token took `ttft_ms` after it was sent; `predicted_ms` of it was the
@@ -65,7 +74,7 @@ impl Calibration {
             return;
         }
         let ratio = ((ttft_ms - steps_ms).max(0.0) / predicted_ms).clamp(1.0 / CLAMP, CLAMP);
-        update(&self.prefill, factor_then * ratio, PREFILL_WEIGHT);
+        self.prefill.observe(factor_then * ratio, PREFILL_WEIGHT);
     }
 
     /// One inter-token gap of `gap_ms` where the priors predict a step of `prior_step_ms`.
@@ -73,25 +82,10 @@ impl Calibration {
         if prior_step_ms <= 0.0 || !gap_ms.is_finite() {
             return;
         }
-        let now = load(&self.step);
+        let now = self.step();
         let ratio = (gap_ms / (prior_step_ms * now)).clamp(1.0 / CLAMP, CLAMP);
-        update(&self.step, now * ratio, STEP_WEIGHT);
+        self.step.observe(now * ratio, STEP_WEIGHT);
     }
-}
-
-fn load(a: &AtomicU64) -> f64 {
-    match a.load(Ordering::Relaxed) {
-        0 => 1.0,
-        bits => f64::from_bits(bits),
-    }
-}
-
-/// Moves the factor toward `sample` (the first sample sets it).
-fn update(a: &AtomicU64, sample: f64, weight: f64) {
-    let first = a.load(Ordering::Relaxed) == 0;
-    let now = load(a);
-    let next = if first { sample } else { now + weight * (sample - now) };
-    a.store(next.max(1e-6).to_bits(), Ordering::Relaxed);
 }
 
 #[cfg(test)]
