@@ -147,11 +147,15 @@ impl KvRouting {
 
     /// Adds prefix knowledge to worker `c.id`'s candidate: its best overlap over its DP ranks
     /// (`cached`, dense per index id) and the prompt blocks already booked on it (`booked`,
-    /// dense per worker).
+    /// dense per worker), and the room left in its KV cache when its events and its capacity
+    /// are known.
     pub fn with_prefix(&self, mut c: Candidate, cached: &[u32], booked: &[u32]) -> Candidate {
         let worker = c.id as usize;
         c.overlap_blocks = self.rank_ids[worker].iter().map(|&s| cached.get(s as usize).copied().unwrap_or(0)).max().unwrap_or(0);
         c.active_overlap_blocks = booked.get(worker).copied().unwrap_or(0);
+        if c.total_blocks > 0 && matches!(self.cache, Cache::Events(_)) {
+            c.cache_room_blocks = Some(c.total_blocks.saturating_sub(self.cached_blocks(worker) as u64));
+        }
         c
     }
 

@@ -378,6 +378,14 @@ mod tests {
         let long = Candidate { prefill_backlog_ms: 120.0, ..cand(0, 192, 6_000, 0) };
         assert_eq!(copying.choose(&r, &[long.clone(), empty.clone()]), Decision::Worker(1), "its own TTFT alone: copy it");
         assert_eq!(p.choose(&r, &[long.clone(), empty.clone()]), Decision::Worker(0), "the copy's price keeps it where it is cached");
+        // A hot prefix (requests in flight on the holder share it) copied into an empty cache
+        // (its events hold nothing of its 16,384 blocks) evicts nothing: its own TTFT decides
+        // again. A full cache keeps the price, and so does a prefix nobody is using now.
+        let room = |free| Candidate { total_blocks: 16_384, cache_room_blocks: Some(free), ..empty.clone() };
+        let shared = Candidate { active_overlap_blocks: 192, ..long.clone() };
+        assert_eq!(p.choose(&r, &[shared.clone(), room(16_384)]), Decision::Worker(1), "a hot prefix's copy into free room evicts nothing");
+        assert_eq!(p.choose(&r, &[shared, room(0)]), Decision::Worker(0), "a copy into a full cache evicts");
+        assert_eq!(p.choose(&r, &[long.clone(), room(16_384)]), Decision::Worker(0), "nobody is using the prefix now");
         // A wait longer than a prefill there plus the copy's price sends it elsewhere anyway.
         let swamped = Candidate { prefill_backlog_ms: 600.0, ..cand(0, 192, 30_000, 0) };
         assert_eq!(p.choose(&r, &[swamped, empty]), Decision::Worker(1));
