@@ -154,7 +154,11 @@ impl KvRouting {
         c.overlap_blocks = self.rank_ids[worker].iter().map(|&s| cached.get(s as usize).copied().unwrap_or(0)).max().unwrap_or(0);
         c.active_overlap_blocks = booked.get(worker).copied().unwrap_or(0);
         if c.total_blocks > 0 && matches!(self.cache, Cache::Events(_)) {
-            c.cache_room_blocks = Some(c.total_blocks.saturating_sub(self.cached_blocks(worker) as u64));
+            // An index that missed events (a restart without replay) under-counts: the blocks
+            // the worker reports in use are held whatever the index knows.
+            let in_use = (c.kv_usage.clamp(0.0, 1.0) * c.total_blocks as f64) as u64;
+            let held = (self.cached_blocks(worker) as u64).max(in_use);
+            c.cache_room_blocks = Some(c.total_blocks.saturating_sub(held));
         }
         c
     }

@@ -117,6 +117,7 @@ impl Placement {
                             v["join_ms"] = json!(t.join_ms);
                             v["running_step_ms"] = json!(c.running_step_ms);
                             v["next_step_tokens"] = json!(c.next_step_tokens);
+                            v["total_blocks"] = json!(c.total_blocks);
                             v["cache_room_blocks"] = json!(c.cache_room_blocks);
                             v["duplicate_ms"] = json!(t.duplicate_ms);
                             v["slowdown_ms"] = json!(t.slowdown_ms);

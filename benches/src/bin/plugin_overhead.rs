@@ -61,7 +61,7 @@ fn main() {
         prompt_blocks: 512,
         block_size: 16,
         fleet_overlap_blocks: 0,
-        fleet_shared_blocks: 0,
+        fleet_active_overlap_blocks: 0,
         fleet_prefill_load: 0.0,
         arrivals_per_worker_s: 0.0,
         headers,

@@ -18,9 +18,9 @@ pub struct RequestSummary<'a> {
     /// The longest prefix of the prompt cached on any candidate, in blocks: what a worker
     /// lacking it would compute a second copy of.
     pub fleet_overlap_blocks: u32,
-    /// The longest prefix of the prompt that requests in flight on any candidate share (booked
-    /// there), in blocks: a prefix in use right now, whose requests keep coming.
-    pub fleet_shared_blocks: u32,
+    /// The longest prefix of the prompt booked on any candidate by requests in flight, in
+    /// blocks: a prefix in use right now (hot), whose requests keep coming.
+    pub fleet_active_overlap_blocks: u32,
     /// The candidates' mean prefill utilisation (their `prefill_load`).
     pub fleet_prefill_load: f64,
     /// Prefills the model's workers are booked per second, each (0: unknown).
@@ -33,13 +33,13 @@ pub struct RequestSummary<'a> {
 
 impl RequestSummary<'_> {
     /// The summary with [`RequestSummary::fleet_overlap_blocks`],
-    /// [`RequestSummary::fleet_shared_blocks`] and [`RequestSummary::fleet_prefill_load`] taken
+    /// [`RequestSummary::fleet_active_overlap_blocks`] and [`RequestSummary::fleet_prefill_load`] taken
     /// from `candidates`.
     pub fn among(&self, candidates: &[Candidate]) -> Self {
         let fleet_overlap_blocks = candidates.iter().map(|c| c.overlap_blocks).max().unwrap_or(0);
-        let fleet_shared_blocks = candidates.iter().map(|c| c.active_overlap_blocks).max().unwrap_or(0);
+        let fleet_active_overlap_blocks = candidates.iter().map(|c| c.active_overlap_blocks).max().unwrap_or(0);
         let fleet_prefill_load = candidates.iter().map(|c| c.prefill_load).sum::<f64>() / candidates.len().max(1) as f64;
-        Self { fleet_overlap_blocks, fleet_shared_blocks, fleet_prefill_load, ..self.clone() }
+        Self { fleet_overlap_blocks, fleet_active_overlap_blocks, fleet_prefill_load, ..self.clone() }
     }
 }
 
@@ -84,7 +84,8 @@ pub struct Candidate {
     /// Its KV capacity in blocks (0 = unknown).
     pub total_blocks: u64,
     /// Blocks its KV cache can still take without evicting a cached one: its capacity less the
-    /// blocks its KV events say it holds (`None`: unknown, taken as full).
+    /// blocks it holds (those its KV events report, at least those its reported usage says are
+    /// in use), summed over its data-parallel ranks (`None`: unknown, taken as full).
     pub cache_room_blocks: Option<u64>,
     /// Its reported KV usage in [0, 1].
     pub kv_usage: f64,

@@ -10,9 +10,10 @@
 //! behind    = prefill · (prefilling + arriving) / (1 − ρ)          the requests that share its step or queue behind it
 //! arriving  = prefills booked per second per worker · join          those booked before its step begins
 //! duplicate = a · evicting / (1 − ρ)                               a second copy of a prefix another worker holds
-//! evicting  = cold + max(0, hot − room) + min(hot, room) · full     the copy's blocks that cost a recompute
+//! evicting  = cold + max(0, hot − room) + min(hot, room) · held     the copy's blocks that cost a recompute
 //! copy      = fleet_cached − cached;  hot: its part requests in flight share;  cold = copy − hot
-//! room, full = free tokens in its KV cache, the fraction in use (0 and 1 when unknown)
+//! room      = free tokens in its KV cache less its booked prefill and this prompt's own new tokens
+//! held      = the fraction of its KV cache its blocks fill (room 0 and held 1 when unknown)
 //! ρ         = the candidates' mean prefill utilisation (≤ 0.75)
 //! slowdown = prefill · in_flight                                   its chunks stall the running decodes
 //! ttft     = join + wait + prefill + steps · step
@@ -58,13 +59,14 @@
 //! it, requests leave the worker holding their prefix as soon as its queue is a little longer,
 //! and on a cache-bound fleet the copies halve what the caches hold (docs/routing.md).
 //!
-//! A hot prefix, one that requests in flight share now (`fleet_shared_blocks`, from the booked
-//! load), is the exception where a cache has free room (`Candidate::cache_room_blocks`): more
-//! of its requests are coming, a copy gives each of them another worker to choose among, and
-//! the copy evicts nothing now. Its part within the room is priced only as likely to evict as
-//! the cache is full already. A prefix nobody is using now (a conversation's history between
-//! its turns) keeps the full price even in an empty cache: at most its own conversation gains
-//! from a copy, and on a busy fleet computing it twice costs the compute of a cache miss.
+//! A hot prefix, one that requests in flight share now (`fleet_active_overlap_blocks`, from
+//! the booked load), is the exception where a cache has free room
+//! (`Candidate::cache_room_blocks`): more of its requests are coming, a copy gives each of them
+//! another worker to choose among, and the copy evicts nothing now. Its part within the room is
+//! priced only as likely to evict as the cache is full already. A prefix nobody is using now (a
+//! conversation's history between its turns) keeps the full price even in an empty cache: at
+//! most its own conversation gains from a copy, and on a busy fleet computing it twice costs the
+//! compute of a cache miss.
 //!
 //! Priors ([`TimePriors::default`]) are Llama-3.1-8B on one H100 under vLLM (about 28k prefill
 //! tokens/s, 6 ms per step, KV reads of 128 KiB per context token at 3 TB/s). The gateway
@@ -222,10 +224,14 @@ impl TimePriors {
         // The copy's part that requests in flight share now (a hot prefix), beyond the free
         // room in this worker's cache, evicts now; within it, as the cache fills (as likely as
         // it is full already). The rest is priced in full (module doc).
-        let hot = (held(req.fleet_overlap_blocks.min(req.fleet_shared_blocks)) - held(c.overlap_blocks)).max(0.0);
-        let room = c.cache_room_blocks.map_or(0.0, |b| b as f64 * bs);
-        let full = if c.total_blocks > 0 { 1.0 - (room / (c.total_blocks as f64 * bs)).min(1.0) } else { 1.0 };
-        let evicting = copy - hot + (hot - room).max(0.0) + hot.min(room) * full;
+        let hot = (held(req.fleet_overlap_blocks.min(req.fleet_active_overlap_blocks)) - held(c.overlap_blocks)).max(0.0);
+        // The room left once the prefill booked there and this request's own new tokens are
+        // stored: the events report them only after they are computed.
+        let own = prompt - held(req.fleet_overlap_blocks);
+        let free = c.cache_room_blocks.map_or(0.0, |b| b as f64 * bs);
+        let held_fraction = if c.total_blocks > 0 { 1.0 - (free / (c.total_blocks as f64 * bs)).min(1.0) } else { 1.0 };
+        let room = (free - c.active_prefill_tokens as f64 - own).max(0.0);
+        let evicting = copy - hot + (hot - room).max(0.0) + hot.min(room) * held_fraction;
         let duplicate_ms = if pricing.duplicates { a * evicting * busy } else { 0.0 };
         Prediction {
             new_tokens: new,
@@ -267,23 +273,30 @@ mod tests {
         // A worker holding part of it copies only the rest.
         let part = p.predict(&r, &Candidate { overlap_blocks: 64, ..Default::default() }, pricing);
         assert!((part.duplicate_ms - 0.035 * 2048.0).abs() < 1e-9, "{part:?}");
-        // A cache of 768 blocks. A prefix nobody is using now costs its full copy even there.
-        let cache = |room| Candidate { total_blocks: 768, cache_room_blocks: Some(room), ..Default::default() };
+        // A cache of 768 blocks (12,288 tokens). A prefix nobody is using now costs its full
+        // copy even there.
+        let cache = |free| Candidate { total_blocks: 768, cache_room_blocks: Some(free), ..Default::default() };
         assert!((p.predict(&r, &cache(768), pricing).duplicate_ms - 0.035 * 3072.0).abs() < 1e-9);
-        // A hot one (requests in flight share all of it): empty, the cache takes the copy
-        // without evicting anything; a quarter free, the copy fits and evicts as likely as the
-        // cache is full (3/4); with room for a third of the copy, the rest evicts now.
-        let hot = RequestSummary { fleet_shared_blocks: 192, ..r.clone() };
+        // A hot one (requests in flight share all of it). Empty, the cache takes the copy
+        // without evicting anything.
+        let hot = RequestSummary { fleet_active_overlap_blocks: 192, ..r.clone() };
         assert_eq!(p.predict(&hot, &cache(768), pricing).duplicate_ms, 0.0);
-        let roomy = p.predict(&hot, &cache(192), pricing);
-        assert!((roomy.duplicate_ms - 0.035 * 3072.0 * 0.75).abs() < 1e-9, "{roomy:?}");
-        let tight = p.predict(&hot, &cache(64), pricing);
-        assert!((tight.duplicate_ms - 0.035 * (2048.0 + 1024.0 * (1.0 - 64.0 / 768.0))).abs() < 1e-9, "{tight:?}");
+        // A third free (4,096 tokens), less the prompt's own 1,024 new tokens: the copy fits
+        // and evicts as likely as the cache is full (2/3).
+        let fits = p.predict(&hot, &cache(256), pricing);
+        assert!((fits.duplicate_ms - 0.035 * 3072.0 * (2.0 / 3.0)).abs() < 1e-9, "{fits:?}");
+        // 1,024 tokens of prefill booked there take their room first: a third of the copy
+        // evicts now.
+        let booked = p.predict(&hot, &Candidate { active_prefill_tokens: 1024, ..cache(256) }, pricing);
+        assert!((booked.duplicate_ms - 0.035 * (1024.0 + 2048.0 * (2.0 / 3.0))).abs() < 1e-9, "{booked:?}");
         // Requests in flight share half of it: the other half is priced in full.
-        let half = p.predict(&RequestSummary { fleet_shared_blocks: 96, ..r.clone() }, &cache(768), pricing);
+        let half = p.predict(&RequestSummary { fleet_active_overlap_blocks: 96, ..r.clone() }, &cache(768), pricing);
         assert!((half.duplicate_ms - 0.035 * 1536.0).abs() < 1e-9, "{half:?}");
-        // A room without a known capacity (or no room known) is taken as full.
-        let unknown = p.predict(&hot, &Candidate { cache_room_blocks: Some(192), ..Default::default() }, pricing);
+        // A worker holding part of the hot prefix copies the rest; the prompt's clamp holds.
+        let part = p.predict(&hot, &Candidate { overlap_blocks: 64, ..cache(768) }, pricing);
+        assert_eq!(part.duplicate_ms, 0.0, "{part:?}");
+        // Room unknown (approximate mode, or no capacity reported): taken as full.
+        let unknown = p.predict(&hot, &Candidate { total_blocks: 768, ..Default::default() }, pricing);
         assert!((unknown.duplicate_ms - 0.035 * 3072.0).abs() < 1e-9, "{unknown:?}");
         // Nobody holds anything: nothing is a copy.
         assert_eq!(p.predict(&req(4096), &Candidate::default(), pricing).duplicate_ms, 0.0);

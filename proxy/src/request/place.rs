@@ -151,7 +151,7 @@ fn summary(req: &RequestState) -> RequestSummary<'_> {
         prompt_blocks: req.kv.as_ref().map_or(0, |k| k.chain.len() as u32),
         block_size: model.cfg.block_size,
         fleet_overlap_blocks: 0,
-        fleet_shared_blocks: 0,
+        fleet_active_overlap_blocks: 0,
         fleet_prefill_load: 0.0,
         arrivals_per_worker_s: model.ledger.arrivals_per_worker_at(kvgate_filters::ledger::clock_us()),
         headers: &req.plugin_headers,

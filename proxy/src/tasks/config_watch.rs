@@ -5,7 +5,11 @@
 //!
 //! The watch is installed by [`ConfigWatch::install`] before the listeners open, so an edit
 //! made as soon as the gateway answers is seen; the task only consumes its events, and a
-//! restarted task picks up the same watch.
+//! restarted task picks up the same watch. `install` also takes SIGHUP's default action
+//! (terminate) away before the listeners open: a SIGHUP sent as soon as the gateway answers,
+//! before the task listens for it, must not stop the gateway. Such a signal reloads nothing,
+//! which loses nothing: the configuration was read moments before, and an edit made since is
+//! seen by the watch.
 
 use crate::gateway::Gateway;
 use notify::{RecommendedWatcher, RecursiveMode, Watcher};
@@ -54,7 +58,27 @@ impl ConfigWatch {
                 None
             }
         };
+        keep_hangup_from_terminating();
         Arc::new(Self { _watcher: watcher, changes: Mutex::new(rx) })
+    }
+}
+
+/// Installs the process-wide SIGHUP handler that the task's listener later uses, so SIGHUP's
+/// default action (terminate) no longer applies. Tokio keeps that handler for the life of the
+/// process once a listener is made, even from a runtime dropped right after.
+fn keep_hangup_from_terminating() {
+    let listen = || tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).map(drop);
+    // The gateway installs before any runtime runs; a caller inside one uses it (a runtime may
+    // not be dropped there).
+    let installed = match tokio::runtime::Handle::try_current() {
+        Ok(_) => listen(),
+        Err(_) => tokio::runtime::Builder::new_current_thread().enable_io().build().and_then(|rt| {
+            let _in_runtime = rt.enter();
+            listen()
+        }),
+    };
+    if let Err(e) = installed {
+        tracing::warn!(error = %e, "cannot handle SIGHUP yet: one sent before the reload task starts stops the gateway");
     }
 }
 
@@ -94,5 +118,27 @@ mod tests {
         let seen = tokio::time::timeout(Duration::from_secs(5), async { watch.changes.lock().await.recv().await }).await;
         std::fs::remove_dir_all(&dir).unwrap();
         assert_eq!(seen, Ok(Some(())), "the write after install returned was reported");
+    }
+
+    /// Runs in a child process (its own signal dispositions): after `install`, a SIGHUP with
+    /// no listener yet must not terminate the process.
+    #[test]
+    fn a_hangup_right_after_install_does_not_terminate() {
+        const CHILD: &str = "KVGATE_HANGUP_CHILD";
+        let name = "tasks::config_watch::tests::a_hangup_right_after_install_does_not_terminate";
+        if std::env::var_os(CHILD).is_some() {
+            let dir = std::env::temp_dir().join(format!("kvgate-hup-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let _watch = ConfigWatch::install(&dir.join("kvgate.yaml"));
+            let sent = std::process::Command::new("sh").args(["-c", &format!("kill -HUP {}", std::process::id())]).status().unwrap();
+            // A signal whose action is to terminate ends the process as it is sent, before this
+            // thread returns from waiting for the shell: reaching the next line is the proof.
+            assert!(sent.success());
+            std::fs::remove_dir_all(&dir).unwrap();
+            return;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap()).args(["--exact", name, "--test-threads", "1"]).env(CHILD, "1").output().unwrap();
+        assert!(out.status.success(), "child: {:?}\n{}", out.status, String::from_utf8_lossy(&out.stdout));
+        assert!(String::from_utf8_lossy(&out.stdout).contains("1 passed"), "the child ran the test");
     }
 }
