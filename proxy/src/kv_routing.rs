@@ -185,3 +185,33 @@ impl KvRouting {
 pub fn source_label(url: &UpstreamUrl, rank: u32) -> String {
     format!("{url}#{rank}")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn routing(kv_events: bool) -> KvRouting {
+        let yaml = format!(
+            "models:\n  - name: m\n    routing:\n      mode: kv\n      kv_events: {kv_events}\n    workers:\n      - url: http://a:1\n        kv_events: tcp://127.0.0.1:5557\n"
+        );
+        let cfg = crate::config::load_str(&yaml, "t", Vec::<(String, String)>::new()).unwrap();
+        KvRouting::build(&cfg.models[0]).unwrap()
+    }
+
+    #[test]
+    fn the_room_is_the_capacity_less_what_the_worker_holds() {
+        let kv = routing(true);
+        let Cache::Events(idx) = &kv.cache else { panic!("events mode") };
+        let chain = kv.hasher.chain(None, &(0..16 * 100).collect::<Vec<u32>>());
+        idx.insert(0, None, &chain).unwrap();
+        let with = |c: Candidate| kv.with_prefix(c, &[0], &[0]).cache_room_blocks;
+        assert_eq!(with(Candidate { total_blocks: 1000, ..Default::default() }), Some(900), "100 blocks held by events");
+        // The blocks it reports in use count even where the index knows fewer.
+        assert_eq!(with(Candidate { total_blocks: 1000, kv_usage: 0.5, ..Default::default() }), Some(500));
+        assert_eq!(with(Candidate { total_blocks: 50, ..Default::default() }), Some(0), "never below zero");
+        assert_eq!(with(Candidate::default()), None, "no capacity reported: unknown");
+        // Approximate mode knows no worker's cache content: unknown.
+        let approx = routing(false);
+        assert_eq!(approx.with_prefix(Candidate { total_blocks: 1000, ..Default::default() }, &[0], &[0]).cache_room_blocks, None);
+    }
+}
