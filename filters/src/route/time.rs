@@ -217,22 +217,7 @@ impl TimePriors {
         let busy = busy_period(req.fleet_prefill_load);
         let arriving = req.arrivals_per_worker_s * join_ms / 1000.0;
         let behind_ms = if pricing.queue { prefill_ms * (f64::from(c.prefilling) + arriving) * busy } else { 0.0 };
-        // What this worker's cache holds against the best one's (blocks in its cache only: a
-        // prefix merely being computed here is no copy yet).
-        let held = |blocks: u32| (f64::from(blocks) * bs).min(prompt);
-        let copy = (held(req.fleet_overlap_blocks) - held(c.overlap_blocks)).max(0.0);
-        // The copy's part that requests in flight share now (a hot prefix), beyond the free
-        // room in this worker's cache, evicts now; within it, as the cache fills (as likely as
-        // it is full already). The rest is priced in full (module doc).
-        let hot = (held(req.fleet_overlap_blocks.min(req.fleet_active_overlap_blocks)) - held(c.overlap_blocks)).max(0.0);
-        // The room left once the prefill booked there and this request's own new tokens are
-        // stored: the events report them only after they are computed.
-        let own = prompt - held(req.fleet_overlap_blocks);
-        let free = c.cache_room_blocks.map_or(0.0, |b| b as f64 * bs);
-        let held_fraction = if c.total_blocks > 0 { 1.0 - (free / (c.total_blocks as f64 * bs)).min(1.0) } else { 1.0 };
-        let room = (free - c.active_prefill_tokens as f64 - own).max(0.0);
-        let evicting = copy - hot + (hot - room).max(0.0) + hot.min(room) * held_fraction;
-        let duplicate_ms = if pricing.duplicates { a * evicting * busy } else { 0.0 };
+        let duplicate_ms = if pricing.duplicates { a * evicting_tokens(req, c, prompt, bs) * busy } else { 0.0 };
         Prediction {
             new_tokens: new,
             wait_ms,
@@ -246,6 +231,26 @@ impl TimePriors {
             ms_per_prefill_token: a,
         }
     }
+}
+
+/// The tokens of the copy of a prefix that `c` would make (`duplicate`, module doc) that cost a
+/// recompute, `prompt` tokens long in blocks of `bs`.
+fn evicting_tokens(req: &RequestSummary<'_>, c: &Candidate, prompt: f64, bs: f64) -> f64 {
+    // What this worker's cache holds against the best one's (blocks in its cache only: a
+    // prefix merely being computed here is no copy yet).
+    let held = |blocks: u32| (f64::from(blocks) * bs).min(prompt);
+    let copy = (held(req.fleet_overlap_blocks) - held(c.overlap_blocks)).max(0.0);
+    // The copy's part that requests in flight share now (a hot prefix), beyond the free room in
+    // this worker's cache, evicts now; within it, as the cache fills (as likely as it is full
+    // already). The rest is priced in full.
+    let hot = (held(req.fleet_overlap_blocks.min(req.fleet_active_overlap_blocks)) - held(c.overlap_blocks)).max(0.0);
+    // The room left once the prefill booked there and this request's own new tokens are stored:
+    // the events report them only after they are computed.
+    let own = prompt - held(req.fleet_overlap_blocks);
+    let free = c.cache_room_blocks.map_or(0.0, |b| b as f64 * bs);
+    let held_fraction = if c.total_blocks > 0 { 1.0 - (free / (c.total_blocks as f64 * bs)).min(1.0) } else { 1.0 };
+    let room = (free - c.active_prefill_tokens as f64 - own).max(0.0);
+    copy - hot + (hot - room).max(0.0) + hot.min(room) * held_fraction
 }
 
 #[cfg(test)]
