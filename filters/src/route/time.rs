@@ -189,6 +189,12 @@ impl TimePriors {
         self.step_overhead_ms + self.step_ms_per_seq * f64::from(c.in_flight) + self.step_ms_per_ctx_token * ctx
     }
 
+    /// `c`'s prefill time per uncached token, ms: its calibrated figure once measured, else the
+    /// prior.
+    pub fn ms_per_prefill_token(&self, c: &Candidate) -> f64 {
+        if c.ms_per_prefill_token > 0.0 { c.ms_per_prefill_token } else { self.ms_per_prefill_token }
+    }
+
     /// Predicted time to first token of `req` on `c`, and the terms `pricing` adds to it.
     pub fn predict(&self, req: &RequestSummary<'_>, c: &Candidate, pricing: Pricing) -> Prediction {
         let bs = f64::from(req.block_size.max(1));
@@ -196,7 +202,7 @@ impl TimePriors {
         let reused = if pricing.credit_booked { c.overlap_blocks.max(c.active_overlap_blocks) } else { c.overlap_blocks };
         let cached = (f64::from(reused) * bs).min(prompt);
         let new = prompt - cached;
-        let a = if c.ms_per_prefill_token > 0.0 { c.ms_per_prefill_token } else { self.ms_per_prefill_token };
+        let a = self.ms_per_prefill_token(c);
         let queued = c.active_prefill_tokens as f64;
         let prefill_ms = a * new * (1.0 + (cached + new / 2.0) / self.attention_tokens);
         let step = if c.step_ms > 0.0 { c.step_ms } else { self.step_ms(c, req.block_size) };
@@ -238,15 +244,15 @@ impl TimePriors {
 fn evicting_tokens(req: &RequestSummary<'_>, c: &Candidate, prompt: f64, bs: f64) -> f64 {
     // What this worker's cache holds against the best one's (blocks in its cache only: a
     // prefix merely being computed here is no copy yet).
-    let held = |blocks: u32| (f64::from(blocks) * bs).min(prompt);
-    let copy = (held(req.fleet_overlap_blocks) - held(c.overlap_blocks)).max(0.0);
+    let cached_tokens = |blocks: u32| (f64::from(blocks) * bs).min(prompt);
+    let copy = (cached_tokens(req.fleet_overlap_blocks) - cached_tokens(c.overlap_blocks)).max(0.0);
     // The copy's part that requests in flight share now (a hot prefix), beyond the free room in
     // this worker's cache, evicts now; within it, as the cache fills (as likely as it is full
     // already). The rest is priced in full.
-    let hot = (held(req.fleet_overlap_blocks.min(req.fleet_active_overlap_blocks)) - held(c.overlap_blocks)).max(0.0);
+    let hot = (cached_tokens(req.fleet_overlap_blocks.min(req.fleet_active_overlap_blocks)) - cached_tokens(c.overlap_blocks)).max(0.0);
     // The room left once the prefill booked there and this request's own new tokens are stored:
     // the events report them only after they are computed.
-    let own = prompt - held(req.fleet_overlap_blocks);
+    let own = prompt - cached_tokens(req.fleet_overlap_blocks);
     let free = c.cache_room_blocks.map_or(0.0, |b| b as f64 * bs);
     let held_fraction = if c.total_blocks > 0 { 1.0 - (free / (c.total_blocks as f64 * bs)).min(1.0) } else { 1.0 };
     let room = (free - c.active_prefill_tokens as f64 - own).max(0.0);

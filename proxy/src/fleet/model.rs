@@ -133,7 +133,7 @@ impl Model {
             // One phase per worker: data-parallel ranks step independently, so their tokens
             // interleave and no step can be timed.
             if let Some(l) = self.ledger.step_lengths(id).filter(|_| ranks.len() <= 1) {
-                let a = if c.ms_per_prefill_token > 0.0 { c.ms_per_prefill_token } else { priors.ms_per_prefill_token };
+                let a = priors.ms_per_prefill_token(&c);
                 // A step computes at most one chunk of prefill (the rest of a long prompt runs in
                 // the steps after it).
                 let chunk = priors.chunk_tokens.max(1.0);

@@ -53,7 +53,7 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
             }
         })
         .collect();
-    let summary = summary(req).among(&candidates);
+    let summary = summary(req, now).among(&candidates);
     let (decision, decided_by) = decide(gw, req, &summary, &candidates);
     let k = match decision {
         Decision::Worker(k) if k < eligible.len() => k,
@@ -140,8 +140,8 @@ fn shed(gw: &Gateway, req: &RequestState, eligible: Vec<usize>, excluded: &mut V
     Ok((free, Vec::new()))
 }
 
-/// What routing knows about `req`.
-fn summary(req: &RequestState) -> RequestSummary<'_> {
+/// What routing knows about `req` at `now` (µs on the ledger's clock, the decision's one read).
+fn summary(req: &RequestState, now: u64) -> RequestSummary<'_> {
     let model = &req.model;
     RequestSummary {
         model: model.cfg.name.as_str(),
@@ -153,7 +153,7 @@ fn summary(req: &RequestState) -> RequestSummary<'_> {
         fleet_overlap_blocks: 0,
         fleet_active_overlap_blocks: 0,
         fleet_prefill_load: 0.0,
-        arrivals_per_worker_s: model.ledger.arrivals_per_worker_at(kvgate_filters::ledger::clock_us()),
+        arrivals_per_worker_s: model.ledger.arrivals_per_worker_at(now),
         headers: &req.plugin_headers,
         nvext: req.plugin_nvext.as_deref(),
     }
