@@ -17,6 +17,10 @@ pub struct Sample {
     pub e2e: Duration,
     /// Output tokens.
     pub output_tokens: u64,
+    /// Prompt tokens, from the usage chunk (0 when the server sends none).
+    pub prompt_tokens: u64,
+    /// When it was due, from the start of the run (set by the runner).
+    pub due: Duration,
     /// Chat replies: the assistant's text (multi-turn sessions send it back).
     pub text: String,
     /// Why it failed, if it did.
@@ -49,6 +53,7 @@ pub async fn send(http: &reqwest::Client, url: &str, body: &serde_json::Value, s
     let mut last: Option<Instant> = None;
     let mut events = 0u64;
     let mut usage: Option<u64> = None;
+    let mut prompt_tokens = 0;
     let mut done = false;
     loop {
         match resp.chunk().await {
@@ -67,6 +72,7 @@ pub async fn send(http: &reqwest::Client, url: &str, body: &serde_json::Value, s
                         let Ok(v) = serde_json::from_str::<serde_json::Value>(data) else { continue };
                         if let Some(n) = v.pointer("/usage/completion_tokens").and_then(|n| n.as_u64()) {
                             usage = Some(n);
+                            prompt_tokens = v.pointer("/usage/prompt_tokens").and_then(|n| n.as_u64()).unwrap_or(0);
                         }
                         let choice = &v["choices"][0];
                         let piece = choice["text"].as_str().or_else(|| choice["delta"]["content"].as_str());
@@ -93,6 +99,7 @@ pub async fn send(http: &reqwest::Client, url: &str, body: &serde_json::Value, s
     }
     s.e2e = start.elapsed();
     s.output_tokens = usage.unwrap_or(events);
+    s.prompt_tokens = prompt_tokens;
     if s.status == 200 && s.error.is_none() && !done {
         s.error = Some("stream ended without [DONE]".into());
     }

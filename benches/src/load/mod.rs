@@ -90,7 +90,8 @@ pub async fn run(o: &RunOptions, workload: &Workload) -> Report {
                 let mut body = job.body.clone();
                 body["model"] = o.model.clone().into();
                 tasks.push(tokio::spawn(async move {
-                    let s = client::send(&http, &url, &body, due).await;
+                    let mut s = client::send(&http, &url, &body, due).await;
+                    s.due = due - start;
                     progress.tick(s.ok());
                     drop(permit);
                     s
@@ -143,7 +144,9 @@ async fn converse(http: &reqwest::Client, o: &RunOptions, s: Session, start: Ins
         messages.push(serde_json::json!({"role": "user", "content": turn}));
         let body = serde_json::json!({"model": o.model, "messages": messages, "max_tokens": s.output_tokens, "ignore_eos": true,
                                       "stream": true, "stream_options": {"include_usage": true}});
-        let sample = client::send(http, &format!("{}/v1/chat/completions", o.url), &body, Instant::now()).await;
+        let sent = Instant::now();
+        let mut sample = client::send(http, &format!("{}/v1/chat/completions", o.url), &body, sent).await;
+        sample.due = sent - start;
         progress.tick(sample.ok());
         messages.push(serde_json::json!({"role": "assistant", "content": sample.text}));
         let failed = !sample.ok();

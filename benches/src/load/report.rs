@@ -80,6 +80,52 @@ pub struct Report {
     /// TTFT of every successful request, ms, for the plot.
     #[serde(skip)]
     pub ttft_samples: Vec<f64>,
+    /// Every request in the order it was due, for `requests-<label>.csv`.
+    #[serde(skip)]
+    pub rows: Vec<Row>,
+}
+
+/// One request as `requests-<label>.csv` records it.
+#[derive(Debug, Clone)]
+pub struct Row {
+    /// When it was due, ms from the start of the run.
+    pub due_ms: f64,
+    /// HTTP status (0: no response).
+    pub status: u16,
+    /// Prompt tokens, as the server's usage counted them (0: not reported).
+    pub prompt_tokens: u64,
+    /// Output tokens.
+    pub output_tokens: u64,
+    /// Time to the first token, ms (NaN: none came).
+    pub ttft_ms: f64,
+    /// Mean gap between token events, ms (NaN: fewer than two events).
+    pub itl_mean_ms: f64,
+    /// End to end, ms.
+    pub e2e_ms: f64,
+}
+
+impl Row {
+    fn of(s: &Sample) -> Self {
+        let itl_mean_ms = if s.itl.is_empty() { f64::NAN } else { s.itl.iter().map(|d| ms(*d)).sum::<f64>() / s.itl.len() as f64 };
+        Self {
+            due_ms: ms(s.due),
+            status: s.status,
+            prompt_tokens: s.prompt_tokens,
+            output_tokens: s.output_tokens,
+            ttft_ms: s.ttft.map_or(f64::NAN, ms),
+            itl_mean_ms,
+            e2e_ms: ms(s.e2e),
+        }
+    }
+}
+
+/// `rows` as CSV with a header line.
+pub fn rows_csv(rows: &[Row]) -> String {
+    let mut out = String::from("due_ms,status,prompt_tokens,output_tokens,ttft_ms,itl_mean_ms,e2e_ms\n");
+    for r in rows {
+        out.push_str(&format!("{:.3},{},{},{},{:.3},{:.3},{:.3}\n", r.due_ms, r.status, r.prompt_tokens, r.output_tokens, r.ttft_ms, r.itl_mean_ms, r.e2e_ms));
+    }
+    out
 }
 
 fn ms(d: Duration) -> f64 {
@@ -126,6 +172,11 @@ pub fn summarize(label: &str, samples: &[Sample], duration: Duration, slo: Slo, 
         hit_rate,
         error_examples: examples,
         ttft_samples: ttft,
+        rows: {
+            let mut rows: Vec<Row> = samples.iter().map(Row::of).collect();
+            rows.sort_by(|a, b| a.due_ms.total_cmp(&b.due_ms));
+            rows
+        },
     }
 }
 
@@ -231,9 +282,14 @@ fn xml(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
 
-/// Writes `results.json`, `results.md` and `ttft_cdf.svg` into `dir`.
+/// Writes `results.json`, `results.md`, `ttft_cdf.svg` and one `requests-<label>.csv` per
+/// target into `dir`.
 pub fn write(dir: &Path, reports: &[Report], note: &str) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
+    for r in reports {
+        let name: String = r.label.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
+        std::fs::write(dir.join(format!("requests-{name}.csv")), rows_csv(&r.rows))?;
+    }
     std::fs::write(dir.join("results.json"), serde_json::to_string_pretty(reports).map_err(std::io::Error::other)?)?;
     std::fs::write(dir.join("results.md"), format!("{note}\n\n{}", markdown(reports)))?;
     std::fs::write(dir.join("ttft_cdf.svg"), ttft_cdf_svg(reports))?;
@@ -273,8 +329,12 @@ mod tests {
         assert_eq!(r.output_tokens_per_s, 7.0 / 2.0);
         let md = markdown(std::slice::from_ref(&r));
         assert!(md.contains("| t | 5 | 3 | 1 | 1 |"), "{md}");
+        let csv = rows_csv(&r.rows);
         let svg = ttft_cdf_svg(&[r]);
         assert!(svg.starts_with("<svg") && svg.contains("<polyline") && !svg.contains("NaN"), "{svg}");
+        assert_eq!(csv.lines().count(), 6, "a header and a row per request: {csv}");
+        assert!(csv.lines().nth(1).is_some_and(|l| l.starts_with("0.000,200,0,3,100.000,10.000,120.000")), "{csv}");
+        assert!(csv.contains(",503,0,1,NaN,NaN,"), "a request without a token has no TTFT: {csv}");
         let none = summarize("empty", &[sample(503, None, &[])], Duration::from_secs(1), Slo { ttft_ms: 1.0, itl_ms: 1.0 }, None);
         assert!(ttft_cdf_svg(&[none]).contains("no successful request"));
     }
