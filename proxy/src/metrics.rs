@@ -41,6 +41,9 @@ pub struct Metrics {
     pub decisions: IntCounterVec,
     /// `kvgate_routing_overlap_blocks{model}`: cached blocks of the chosen worker.
     pub overlap: HistogramVec,
+    /// `kvgate_routing_forgone_blocks{model}`: blocks the best-cached candidate held and the
+    /// chosen one did not, what a choice gave up of the cache for load (0: it took the best).
+    pub forgone: HistogramVec,
     /// `kvgate_routing_decision_seconds{model}`: tokenize excluded.
     pub decision_time: HistogramVec,
     /// `kvgate_worker_active_prefill_tokens{model,worker}`.
@@ -137,6 +140,19 @@ impl Metrics {
                 let h = HistogramVec::new(
                     HistogramOpts::new("kvgate_routing_overlap_blocks", "Prompt blocks already cached on the chosen worker.")
                         .buckets(vec![0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0]),
+                    &["model"],
+                )
+                .expect("valid metric");
+                registry.register(Box::new(h.clone())).expect("unique metric");
+                h
+            },
+            forgone: {
+                let h = HistogramVec::new(
+                    HistogramOpts::new(
+                        "kvgate_routing_forgone_blocks",
+                        "Prompt blocks cached on the best-cached candidate but not on the chosen worker (0: the choice took the best cache).",
+                    )
+                    .buckets(vec![0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0]),
                     &["model"],
                 )
                 .expect("valid metric");
@@ -246,6 +262,8 @@ pub struct ModelMetrics {
     pub issued: IntCounter,
     /// `kvgate_routing_overlap_blocks{model}`.
     pub overlap: Histogram,
+    /// `kvgate_routing_forgone_blocks{model}`.
+    pub forgone: Histogram,
     /// `kvgate_routing_decision_seconds{model}`.
     pub decision_time: Histogram,
     /// `kvgate_routing_decisions_total{model,worker}`, by worker id.
@@ -273,6 +291,7 @@ impl ModelMetrics {
             requests_in_flight: m.requests_in_flight.with_label_values(&[name]),
             issued: m.issued.with_label_values(&[name]),
             overlap: m.overlap.with_label_values(&[name]),
+            forgone: m.forgone.with_label_values(&[name]),
             decision_time: m.decision_time.with_label_values(&[name]),
             decisions: workers.iter().map(|w| m.decisions.with_label_values(&[name, w.as_str()])).collect(),
             endpoints,

@@ -61,14 +61,16 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
         Decision::Reject { status, message } => return Err(GatewayError::PluginRejected { status, message }),
     };
     // The time cost's prediction for the chosen worker (its first token calibrates it).
-    req.predicted = model.kv.as_ref().and_then(|kv| match kv.policy.cost(&summary, &candidates[k]).1 {
+    let predicted = model.kv.as_ref().and_then(|kv| match kv.policy.cost(&summary, &candidates[k]).1 {
         Terms::Time(p) => Some(p),
         Terms::Blocks { .. } => None,
     });
+    let best_overlap = summary.fleet_overlap_blocks;
+    req.predicted = predicted;
     let idx = eligible[k];
     let worker = model.workers[idx].clone();
     req.tried.push(idx);
-    book(gw, req, idx, &candidates[k], t_decide);
+    book(gw, req, idx, &candidates[k], best_overlap, t_decide);
     let prompt = req.kv.as_ref().map_or((0, 0), |k| (k.tokens as u32, k.chain.len() as u32));
     let kv = model.kv.as_ref().map(|k| k.policy.params());
     let attempt = req.tried.len() as u32;
@@ -189,8 +191,9 @@ fn decide(gw: &Gateway, req: &RequestState, summary: &RequestSummary<'_>, candid
     (routed.decision, by)
 }
 
-/// Moves (or makes) the request's booking onto worker `idx` and records the decision metrics.
-fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, t_decide: Instant) {
+/// Moves (or makes) the request's booking onto worker `idx` and records the decision metrics;
+/// `best_overlap` is the most blocks any candidate held.
+fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, best_overlap: u32, t_decide: Instant) {
     let model = &req.model;
     let mm = model.metrics(&gw.metrics);
     mm.issued.inc();
@@ -205,6 +208,7 @@ fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, t_
         _ if !req.endpoint.generates() => Footprint::default(),
         Some(k) => {
             mm.overlap.observe(f64::from(chosen.overlap_blocks));
+            mm.forgone.observe(f64::from(best_overlap.saturating_sub(chosen.overlap_blocks)));
             mm.decision_time.observe((t_decide.elapsed() + k.lookup_time).as_secs_f64());
             let expected_output = req.view.expected_output();
             let prefill_time = req.predicted.map_or(Duration::ZERO, |p| Duration::from_secs_f64(p.own_ms.max(0.0) / 1000.0));
