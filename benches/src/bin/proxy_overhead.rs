@@ -136,31 +136,40 @@ async fn paced_stream(s: &mut TcpStream, chunks: usize) -> std::io::Result<()> {
     s.write_all(format!("{:x}\r\n{done}\r\n0\r\n\r\n", done.len()).as_bytes()).await
 }
 
-/// Per-token delay at concurrency 1: for each token event of `n` paced streams, the time from
-/// the upstream's write to the client's read. Returns sorted delays.
-async fn token_delays(url: &str, n: usize) -> Vec<Duration> {
+/// Per-token delay at concurrency 1: for each token event of `n` paced streams per URL, the time
+/// from the upstream's write to the client's read. The URLs take turns stream by stream, so a
+/// burst from the shared machine falls on every path alike instead of on whichever was measured
+/// then. Returns each URL's delays, sorted.
+async fn token_delays(urls: &[String], n: usize) -> Vec<Vec<Duration>> {
     let http = reqwest::Client::new();
-    let body = r#"{"model":"m","prompt":"hello","max_tokens":16,"stream":true,"pace":true}"#;
-    let mut out = Vec::new();
+    let mut out = vec![Vec::new(); urls.len()];
     for _ in 0..n {
-        let Ok(mut r) = http.post(url).header("content-type", "application/json").body(body).send().await else { continue };
-        let mut carry = Vec::new();
-        while let Ok(Some(chunk)) = r.chunk().await {
-            let at = now_ns();
-            carry.extend_from_slice(&chunk);
-            // Complete lines only; a stamp split across reads is read with its second half.
-            let Some(end) = carry.iter().rposition(|&b| b == b'\n') else { continue };
-            let lines: Vec<u8> = carry.drain(..=end).collect();
-            for line in lines.split(|&b| b == b'\n') {
-                let text = String::from_utf8_lossy(line);
-                if let Some(t) = text.split("\"t\":").nth(1).and_then(|v| v.split(',').next()).and_then(|v| v.parse::<u64>().ok()) {
-                    out.push(Duration::from_nanos(at.saturating_sub(t)));
-                }
+        for (url, delays) in urls.iter().zip(out.iter_mut()) {
+            stream_delays(&http, url, delays).await;
+        }
+    }
+    out.iter_mut().for_each(|d| d.sort());
+    out
+}
+
+/// One paced stream from `url`: each token event's delay, appended to `out`.
+async fn stream_delays(http: &reqwest::Client, url: &str, out: &mut Vec<Duration>) {
+    let body = r#"{"model":"m","prompt":"hello","max_tokens":16,"stream":true,"pace":true}"#;
+    let Ok(mut r) = http.post(url).header("content-type", "application/json").body(body).send().await else { return };
+    let mut carry = Vec::new();
+    while let Ok(Some(chunk)) = r.chunk().await {
+        let at = now_ns();
+        carry.extend_from_slice(&chunk);
+        // Complete lines only; a stamp split across reads is read with its second half.
+        let Some(end) = carry.iter().rposition(|&b| b == b'\n') else { continue };
+        let lines: Vec<u8> = carry.drain(..=end).collect();
+        for line in lines.split(|&b| b == b'\n') {
+            let text = String::from_utf8_lossy(line);
+            if let Some(t) = text.split("\"t\":").nth(1).and_then(|v| v.split(',').next()).and_then(|v| v.parse::<u64>().ok()) {
+                out.push(Duration::from_nanos(at.saturating_sub(t)));
             }
         }
     }
-    out.sort();
-    out
 }
 
 /// A chunked SSE response of `chunks` token events and `[DONE]`.
@@ -436,14 +445,15 @@ async fn main() {
     }
     if a.token_delay_requests > 0 {
         println!(
-            "\nPer-token delay, concurrency 1: {} paced streams of {chunks} token events 1 ms apart per path; upstream write → client read.\n",
+            "\nPer-token delay, concurrency 1: {} paced streams of {chunks} token events 1 ms apart per path, the paths taking turns stream by stream; upstream write → client read.\n",
             a.token_delay_requests
         );
         println!("| path | tokens | p50 | p99 | added p50 | added p99 |");
         println!("|---|---:|---:|---:|---:|---:|");
         let mut direct: Option<(Duration, Duration)> = None;
-        for t in &targets {
-            let d = token_delays(&format!("http://127.0.0.1:{}/v1/completions", t.port), a.token_delay_requests).await;
+        let urls: Vec<String> = targets.iter().map(|t| format!("http://127.0.0.1:{}/v1/completions", t.port)).collect();
+        let delays = token_delays(&urls, a.token_delay_requests).await;
+        for (t, d) in targets.iter().zip(delays) {
             let pct = |p: f64| d.get(((d.len() as f64 - 1.0) * p) as usize).copied().unwrap_or_default();
             let (p50, p99) = (pct(0.5), pct(0.99));
             let (a50, a99) = direct.map_or((0.0, 0.0), |(d50, d99)| (us(p50) - us(d50), us(p99) - us(d99)));
