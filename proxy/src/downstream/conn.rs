@@ -383,6 +383,15 @@ impl ClientConn {
     /// the status before the first token); one with a length waits for its body, so a unary
     /// answer leaves in one send.
     pub async fn write_head(&mut self, head: &ResponseHead) -> std::io::Result<()> {
+        self.queue_head(head)?;
+        if matches!(self.out, BodyOut::Chunked | BodyOut::Done) { self.flush().await } else { Ok(()) }
+    }
+
+    /// Buffers the response head to leave with the next body write, whatever the framing: for a
+    /// caller that has the body's first bytes in hand (a stream whose first event arrived), so
+    /// the head and the first token go out in one send. A caller whose first body write may
+    /// not come at once calls [`Self::flush_queued`] instead of leaving the client waiting.
+    pub fn queue_head(&mut self, head: &ResponseHead) -> std::io::Result<()> {
         if self.out != BodyOut::NotStarted {
             return Err(std::io::Error::other("the response head was written already"));
         }
@@ -428,7 +437,12 @@ impl ClientConn {
             (true, false) => {}
         }
         w.extend_from_slice(b"\r\n");
-        if matches!(self.out, BodyOut::Chunked | BodyOut::Done) { self.flush().await } else { Ok(()) }
+        Ok(())
+    }
+
+    /// Sends whatever is buffered (a queued head); nothing when nothing is.
+    pub async fn flush_queued(&mut self) -> std::io::Result<()> {
+        if self.wbuf.is_empty() { Ok(()) } else { self.flush().await }
     }
 
     /// Writes body bytes (`end`: the last ones). Bytes past a declared length are an error, and
@@ -655,6 +669,29 @@ mod tests {
         assert!(got.starts_with("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nDate: "), "{got}");
         assert!(got.ends_with("\r\nContent-Length: 2\r\n\r\n{}"), "{got}");
         assert!(c.reusable());
+    }
+
+    #[tokio::test]
+    async fn a_queued_head_leaves_with_the_first_event_or_alone_when_flushed() {
+        let (mut c, mut peer) = conn();
+        send(&mut peer, b"POST /v1/completions HTTP/1.1\r\nContent-Length: 0\r\n\r\n").await;
+        assert!(c.read_request(IDLE).await.unwrap());
+        c.queue_head(&ResponseHead::new(200)).unwrap();
+        assert!(c.queue_head(&ResponseHead::new(200)).is_err(), "one head per response");
+        c.write_body(Bytes::from_static(b"data: 1\n\n"), false).await.unwrap();
+        let got = received(&mut peer).await;
+        assert!(got.starts_with("HTTP/1.1 200 OK\r\n") && got.ends_with("Transfer-Encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n"), "one send: {got}");
+        c.write_body(Bytes::from_static(b""), true).await.unwrap();
+        assert_eq!(received(&mut peer).await, "0\r\n\r\n");
+        // Nothing to write yet: flushing sends the head alone, and again sends nothing.
+        send(&mut peer, b"POST /v1/completions HTTP/1.1\r\nContent-Length: 0\r\n\r\n").await;
+        assert!(c.read_request(IDLE).await.unwrap());
+        c.queue_head(&ResponseHead::new(200)).unwrap();
+        c.flush_queued().await.unwrap();
+        assert!(received(&mut peer).await.ends_with("Transfer-Encoding: chunked\r\n\r\n"));
+        c.flush_queued().await.unwrap();
+        c.write_body(Bytes::from_static(b"data: [DONE]\n\n"), true).await.unwrap();
+        assert_eq!(received(&mut peer).await, "e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n");
     }
 
     #[tokio::test]

@@ -42,7 +42,8 @@ pub async fn relay(gw: &Gateway, session: &mut ClientConn, req: &mut RequestStat
         Ok(h) => h,
         Err(e) => return Outcome::Refused(GatewayError::BadUpstreamResponse(e.to_string())),
     };
-    if session.write_head(&header).await.is_err() {
+    // The first event is in hand (a leg is answered by it): head and event leave in one send.
+    if session.queue_head(&header).is_err() {
         return record::cancelled(gw, req);
     }
     let mut progress = Progress::new(gw, req, status, leg.ex.sent_at);
@@ -177,7 +178,14 @@ async fn body(
                 if !out.is_empty() {
                     progress.chunk(gw, req, &out);
                 }
-                if (!out.is_empty() || end) && session.write_body(out, end).await.is_err() {
+                let written = if !out.is_empty() || end {
+                    session.write_body(out, end).await
+                } else {
+                    // Nothing to write yet (an event cut in two): the queued head, if any, goes
+                    // now, so the client sees the status while the stream goes on.
+                    session.flush_queued().await
+                };
+                if written.is_err() {
                     return BodyEnd::Done(record::cancelled(gw, req));
                 }
                 match failure {
