@@ -137,15 +137,16 @@ async fn paced_stream(s: &mut TcpStream, chunks: usize) -> std::io::Result<()> {
 }
 
 /// Per-token delay at concurrency 1: for each token event of `n` paced streams per URL, the time
-/// from the upstream's write to the client's read. The URLs take turns stream by stream, so a
-/// burst from the shared machine falls on every path alike instead of on whichever was measured
-/// then. Returns each URL's delays, sorted.
+/// from the upstream's write to the client's read. The URLs take turns stream by stream, each
+/// round starting one further on, so a burst from the shared machine (or whatever comes with a
+/// place in the order) falls on every path alike. Returns each URL's delays, sorted.
 async fn token_delays(urls: &[String], n: usize) -> Vec<Vec<Duration>> {
     let http = reqwest::Client::new();
     let mut out = vec![Vec::new(); urls.len()];
-    for _ in 0..n {
-        for (url, delays) in urls.iter().zip(out.iter_mut()) {
-            stream_delays(&http, url, delays).await;
+    for round in 0..n {
+        for k in 0..urls.len() {
+            let i = (round + k) % urls.len();
+            stream_delays(&http, &urls[i], &mut out[i]).await;
         }
     }
     out.iter_mut().for_each(|d| d.sort());

@@ -150,13 +150,15 @@ async fn converse(http: &reqwest::Client, o: &RunOptions, s: Session, start: Ins
         progress.tick(sample.ok());
         messages.push(serde_json::json!({"role": "assistant", "content": sample.text}));
         let failed = !sample.ok();
+        let due = sample.due;
         out.push(sample);
         if failed {
             // A conversation does not go on past a failed turn; its remaining turns count as
-            // failed too, so every target is judged on the same number of requests.
+            // failed too, so every target is judged on the same number of requests. They are
+            // recorded as due with the turn that failed.
             for _ in i + 1..s.turns.len() {
                 progress.tick(false);
-                out.push(Sample { error: Some("not sent: an earlier turn of the session failed".into()), ..Sample::default() });
+                out.push(Sample { error: Some("not sent: an earlier turn of the session failed".into()), due, ..Sample::default() });
             }
             break;
         }

@@ -286,8 +286,12 @@ fn xml(s: &str) -> String {
 /// target into `dir`.
 pub fn write(dir: &Path, reports: &[Report], note: &str) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
+    let mut names = std::collections::HashSet::new();
     for r in reports {
-        let name: String = r.label.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
+        // A label's characters other than letters, digits, `-` and `_` become `_`; a label that
+        // then names a file already written is numbered.
+        let base: String = r.label.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
+        let name = (1..).map(|n| if n == 1 { base.clone() } else { format!("{base}-{n}") }).find(|n| names.insert(n.clone())).unwrap_or(base);
         std::fs::write(dir.join(format!("requests-{name}.csv")), rows_csv(&r.rows))?;
     }
     std::fs::write(dir.join("results.json"), serde_json::to_string_pretty(reports).map_err(std::io::Error::other)?)?;
@@ -321,6 +325,11 @@ mod tests {
             sample(500, None, &[]),
             sample(200, Some(50), &[200]),
         ];
+        let mut s = s;
+        // Rows come out in the order the requests were due, whatever order they finished in.
+        for (i, x) in s.iter_mut().enumerate() {
+            x.due = Duration::from_millis(10 * (5 - i as u64));
+        }
         let r = summarize("t", &s, Duration::from_secs(2), Slo { ttft_ms: 1000.0, itl_ms: 50.0 }, Some(0.5));
         assert_eq!((r.requests, r.ok, r.shed, r.errors), (5, 3, 1, 1));
         assert!((r.goodput_fraction - 0.2).abs() < 1e-9, "only the first meets both bounds");
@@ -333,7 +342,8 @@ mod tests {
         let svg = ttft_cdf_svg(&[r]);
         assert!(svg.starts_with("<svg") && svg.contains("<polyline") && !svg.contains("NaN"), "{svg}");
         assert_eq!(csv.lines().count(), 6, "a header and a row per request: {csv}");
-        assert!(csv.lines().nth(1).is_some_and(|l| l.starts_with("0.000,200,0,3,100.000,10.000,120.000")), "{csv}");
+        assert!(csv.lines().nth(1).is_some_and(|l| l.starts_with("10.000,200,0,2,50.000,200.000,250.000")), "{csv}");
+        assert!(csv.lines().nth(5).is_some_and(|l| l.starts_with("50.000,200,0,3,100.000,10.000,120.000")), "{csv}");
         assert!(csv.contains(",503,0,1,NaN,NaN,"), "a request without a token has no TTFT: {csv}");
         let none = summarize("empty", &[sample(503, None, &[])], Duration::from_secs(1), Slo { ttft_ms: 1.0, itl_ms: 1.0 }, None);
         assert!(ttft_cdf_svg(&[none]).contains("no successful request"));

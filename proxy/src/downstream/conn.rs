@@ -379,9 +379,9 @@ impl ClientConn {
         self.keep_alive = false;
     }
 
-    /// Writes the response head. A chunked response's head goes out at once (the client sees
-    /// the status before the first token); one with a length waits for its body, so a unary
-    /// answer leaves in one send.
+    /// Writes the response head. A chunked (or bodiless) response's head goes out at once; one
+    /// with a length waits for its body, so a unary answer leaves in one send. A worker's
+    /// answer, whose first body bytes are in hand, uses [`Self::queue_head`] instead.
     pub async fn write_head(&mut self, head: &ResponseHead) -> std::io::Result<()> {
         self.queue_head(head)?;
         if matches!(self.out, BodyOut::Chunked | BodyOut::Done) { self.flush().await } else { Ok(()) }

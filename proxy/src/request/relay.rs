@@ -42,7 +42,8 @@ pub async fn relay(gw: &Gateway, session: &mut ClientConn, req: &mut RequestStat
         Ok(h) => h,
         Err(e) => return Outcome::Refused(GatewayError::BadUpstreamResponse(e.to_string())),
     };
-    // The first event is in hand (a leg is answered by it): head and event leave in one send.
+    // The answer's first body bytes are in hand (a leg is answered by them): head and first
+    // bytes leave in one send.
     if session.queue_head(&header).is_err() {
         return record::cancelled(gw, req);
     }

@@ -24,6 +24,8 @@ enum Script {
     Silent,
     /// A chunked SSE stream of `n` token events, 20 ms apart.
     Stream(usize),
+    /// A stream whose first chunk is half an event, the rest 300 ms later.
+    HalfEventFirst,
 }
 
 /// A fake worker on an ephemeral port; counts the requests it read and the connections it
@@ -94,6 +96,13 @@ async fn answer(sock: &mut tokio::net::TcpStream, script: Script) -> bool {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             sock.write_all(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n").await.is_ok()
+        }
+        Script::HalfEventFirst => {
+            let (first, rest) = ("data: {\"choices\"", ":[{\"text\":\"t0\"}]}\n\n");
+            let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+            let _ = sock.write_all(format!("{head}{:x}\r\n{first}\r\n", first.len()).as_bytes()).await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            sock.write_all(format!("{:x}\r\n{rest}\r\ne\r\ndata: [DONE]\n\n\r\n0\r\n\r\n", rest.len()).as_bytes()).await.is_ok()
         }
     }
 }
@@ -296,6 +305,28 @@ async fn a_client_that_leaves_mid_stream_is_cleaned_up() {
     assert_clean(&gw);
     assert_eq!(gw.requests.find("gone-1").unwrap().status(), Some(499));
     assert!(live.ctx.is_killed(), "its context was cancelled");
+}
+
+/// A stream's head waits for its first event to leave in one send with it; when the worker's
+/// first bytes are half an event, the head goes at once rather than wait for the rest.
+#[tokio::test]
+async fn a_stream_whose_first_bytes_are_half_an_event_gets_its_head_at_once() {
+    let w = fake_worker(Script::HalfEventFirst).await;
+    let gw = gateway(&[&w], "", false);
+    let body = r#"{"model":"m","prompt":"x","stream":true}"#;
+    let (mut session, mut client) = client(&post(body)).await;
+    let gw2 = gw.clone();
+    let served = tokio::spawn(async move { serve(&gw2, &mut session, Endpoint::Completions).await });
+    let mut buf = [0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_millis(200), client.read(&mut buf)).await.expect("the head came before the rest of the event").unwrap();
+    let head = String::from_utf8_lossy(&buf[..n]).into_owned();
+    assert!(head.starts_with("HTTP/1.1 200 ") && head.ends_with("\r\n\r\n") && !head.contains("data:"), "the head alone: {head}");
+    let mut rest = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), client.read_to_end(&mut rest)).await.unwrap().unwrap();
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(rest.contains("data: {\"choices\":[{\"text\":\"t0\"}]}\n\n") && rest.contains("data: [DONE]"), "{rest}");
+    served.await.unwrap();
+    assert_clean(&gw);
 }
 
 /// Every request's future is copied when Pingora boxes it, and again where each phase's
