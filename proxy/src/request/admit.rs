@@ -109,8 +109,8 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
     let stream = view.stream.unwrap_or(false);
     // The whole body is parsed only when kv routing tokenizes it or a stream may move.
     let movable = stream && matches!(endpoint, Endpoint::Chat | Endpoint::Completions) && cfg.migration.limit > 0;
-    let mut parsed: Option<serde_json::Value> = ((endpoint.generates() && model.kv.is_some()) || movable).then(|| serde_json::from_slice(&body).ok()).flatten();
-    let (track, body, pinned) = match parsed.as_ref().filter(|_| movable).map(|v| track::start(endpoint == Endpoint::Chat, &body, v)) {
+    let mut parsed = ((endpoint.generates() && model.kv.is_some()) || movable).then(|| super::parsed::ParsedBody::parse(&body).ok()).flatten();
+    let (track, body, pinned) = match parsed.as_ref().filter(|_| movable).map(|p| track::start(endpoint == Endpoint::Chat, &body, &p.fields)) {
         Some(Ok((t, sent))) => (Some(t), sent, None),
         Some(Err(reason)) => (None, body, Some(reason)),
         None => (None, body, None),

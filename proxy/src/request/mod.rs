@@ -21,6 +21,7 @@ pub mod fields;
 pub mod kv_inputs;
 pub mod leg;
 pub mod migrate;
+pub mod parsed;
 pub mod place;
 pub mod prompt;
 pub mod queue;

@@ -32,7 +32,7 @@ pub struct RequestState {
     /// The fields routing reads.
     pub view: RequestView,
     /// The whole body, parsed only when kv routing tokenizes it.
-    pub parsed: Option<serde_json::Value>,
+    pub parsed: Option<super::parsed::ParsedBody>,
     /// Whether the client asked for a stream.
     pub stream: bool,
     /// The model it addressed, as of its arrival (a reload never changes it under the request).
