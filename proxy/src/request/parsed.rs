@@ -53,14 +53,14 @@ impl<'de> Visitor<'de> for BodyVisitor {
                 continue;
             }
             // The last `prompt` wins, whichever form each one had.
-            match map.next_value::<Prompt>()? {
-                Prompt::Ids(ids) => {
+            match map.next_value::<Prompt>()?.0 {
+                Piece::Ids(ids) => {
                     fields.shift_remove("prompt");
                     prompt_ids = Some(ids);
                 }
-                Prompt::Other(v) => {
+                other => {
                     prompt_ids = None;
-                    fields.insert(key, v);
+                    fields.insert(key, other.into_value());
                 }
             }
         }
@@ -68,134 +68,110 @@ impl<'de> Visitor<'de> for BodyVisitor {
     }
 }
 
-/// A prompt: token ids, or any other JSON value.
-enum Prompt {
+/// A prompt, or one element of a prompt list: token ids, one token id, or any other JSON value.
+enum Piece {
     Ids(Vec<u32>),
-    Other(Value),
-}
-
-impl<'de> Deserialize<'de> for Prompt {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(PromptVisitor)
-    }
-}
-
-struct PromptVisitor;
-
-impl<'de> Visitor<'de> for PromptVisitor {
-    type Value = Prompt;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a prompt")
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Prompt, A::Error> {
-        let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(0));
-        while let Some(item) = seq.next_element::<Item>()? {
-            match item {
-                Item::Id(id) => ids.push(id),
-                Item::Other(v) => {
-                    // Not ids after all: the whole list as values, as a `Value` parse gives it.
-                    let mut all: Vec<Value> = ids.into_iter().map(Value::from).collect();
-                    all.push(v);
-                    while let Some(v) = seq.next_element::<Value>()? {
-                        all.push(v);
-                    }
-                    return Ok(Prompt::Other(Value::Array(all)));
-                }
-            }
-        }
-        Ok(if ids.is_empty() { Prompt::Other(Value::Array(Vec::new())) } else { Prompt::Ids(ids) })
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Prompt, A::Error> {
-        Value::deserialize(MapAccessDeserializer::new(map)).map(Prompt::Other)
-    }
-
-    fn visit_str<E: Error>(self, s: &str) -> Result<Prompt, E> {
-        Ok(Prompt::Other(Value::String(s.to_owned())))
-    }
-
-    fn visit_string<E: Error>(self, s: String) -> Result<Prompt, E> {
-        Ok(Prompt::Other(Value::String(s)))
-    }
-
-    fn visit_u64<E: Error>(self, n: u64) -> Result<Prompt, E> {
-        Ok(Prompt::Other(Value::from(n)))
-    }
-
-    fn visit_i64<E: Error>(self, n: i64) -> Result<Prompt, E> {
-        Ok(Prompt::Other(Value::from(n)))
-    }
-
-    fn visit_f64<E: Error>(self, n: f64) -> Result<Prompt, E> {
-        Ok(Prompt::Other(Value::from(n)))
-    }
-
-    fn visit_bool<E: Error>(self, b: bool) -> Result<Prompt, E> {
-        Ok(Prompt::Other(Value::Bool(b)))
-    }
-
-    fn visit_unit<E: Error>(self) -> Result<Prompt, E> {
-        Ok(Prompt::Other(Value::Null))
-    }
-}
-
-/// One element of a prompt list: a token id, or anything else.
-enum Item {
     Id(u32),
     Other(Value),
 }
 
-impl<'de> Deserialize<'de> for Item {
+/// A prompt (`list: true`: a list is read as ids while it holds only ids) or one element of a
+/// prompt list (a number that fits a `u32` is an id).
+struct PieceVisitor {
+    list: bool,
+}
+
+/// `prompt`'s value.
+struct Prompt(Piece);
+
+impl<'de> Deserialize<'de> for Prompt {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(ItemVisitor)
+        d.deserialize_any(PieceVisitor { list: true }).map(Prompt)
     }
 }
 
-struct ItemVisitor;
+/// An element of a prompt list.
+struct Item(Piece);
 
-impl<'de> Visitor<'de> for ItemVisitor {
-    type Value = Item;
+impl<'de> Deserialize<'de> for Item {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(PieceVisitor { list: false }).map(Item)
+    }
+}
+
+impl<'de> Visitor<'de> for PieceVisitor {
+    type Value = Piece;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a prompt element")
+        f.write_str("a JSON value")
     }
 
-    fn visit_u64<E: Error>(self, n: u64) -> Result<Item, E> {
-        Ok(u32::try_from(n).map_or(Item::Other(Value::from(n)), Item::Id))
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Piece, A::Error> {
+        if !self.list {
+            return Value::deserialize(SeqAccessDeserializer::new(seq)).map(Piece::Other);
+        }
+        let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+        while let Some(Item(item)) = seq.next_element()? {
+            match item {
+                Piece::Id(id) => ids.push(id),
+                other => {
+                    // Not ids after all: the whole list as values, as a `Value` parse gives it.
+                    let mut all: Vec<Value> = ids.into_iter().map(Value::from).collect();
+                    all.push(other.into_value());
+                    while let Some(v) = seq.next_element::<Value>()? {
+                        all.push(v);
+                    }
+                    return Ok(Piece::Other(Value::Array(all)));
+                }
+            }
+        }
+        Ok(if ids.is_empty() { Piece::Other(Value::Array(Vec::new())) } else { Piece::Ids(ids) })
     }
 
-    fn visit_i64<E: Error>(self, n: i64) -> Result<Item, E> {
-        Ok(Item::Other(Value::from(n)))
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Piece, A::Error> {
+        Value::deserialize(MapAccessDeserializer::new(map)).map(Piece::Other)
     }
 
-    fn visit_f64<E: Error>(self, n: f64) -> Result<Item, E> {
-        Ok(Item::Other(Value::from(n)))
+    fn visit_u64<E: Error>(self, n: u64) -> Result<Piece, E> {
+        Ok(match u32::try_from(n) {
+            Ok(id) if !self.list => Piece::Id(id),
+            _ => Piece::Other(Value::from(n)),
+        })
     }
 
-    fn visit_str<E: Error>(self, s: &str) -> Result<Item, E> {
-        Ok(Item::Other(Value::String(s.to_owned())))
+    fn visit_i64<E: Error>(self, n: i64) -> Result<Piece, E> {
+        Ok(Piece::Other(Value::from(n)))
     }
 
-    fn visit_string<E: Error>(self, s: String) -> Result<Item, E> {
-        Ok(Item::Other(Value::String(s)))
+    fn visit_f64<E: Error>(self, n: f64) -> Result<Piece, E> {
+        Ok(Piece::Other(Value::from(n)))
     }
 
-    fn visit_bool<E: Error>(self, b: bool) -> Result<Item, E> {
-        Ok(Item::Other(Value::Bool(b)))
+    fn visit_str<E: Error>(self, s: &str) -> Result<Piece, E> {
+        Ok(Piece::Other(Value::String(s.to_owned())))
     }
 
-    fn visit_unit<E: Error>(self) -> Result<Item, E> {
-        Ok(Item::Other(Value::Null))
+    fn visit_string<E: Error>(self, s: String) -> Result<Piece, E> {
+        Ok(Piece::Other(Value::String(s)))
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Item, A::Error> {
-        Value::deserialize(SeqAccessDeserializer::new(seq)).map(Item::Other)
+    fn visit_bool<E: Error>(self, b: bool) -> Result<Piece, E> {
+        Ok(Piece::Other(Value::Bool(b)))
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Item, A::Error> {
-        Value::deserialize(MapAccessDeserializer::new(map)).map(Item::Other)
+    fn visit_unit<E: Error>(self) -> Result<Piece, E> {
+        Ok(Piece::Other(Value::Null))
+    }
+}
+
+impl Piece {
+    /// As a JSON value.
+    fn into_value(self) -> Value {
+        match self {
+            Piece::Ids(ids) => Value::from(ids),
+            Piece::Id(id) => Value::from(id),
+            Piece::Other(v) => v,
+        }
     }
 }
 
