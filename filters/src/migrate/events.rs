@@ -86,12 +86,20 @@ pub fn strip_token_ids(event: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(event.len());
     let mut i = 0;
     while i < event.len() {
+        // Both keys start with a quote: the bytes up to the next one go over as they are (a
+        // first event carries the whole prompt's ids, tens of KiB).
+        let quote = memchr::memchr(b'"', &event[i..]).map_or(event.len(), |p| i + p);
+        out.extend_from_slice(&event[i..quote]);
+        i = quote;
+        if i == event.len() {
+            break;
+        }
         let key_len = if event[i..].starts_with(KEY) {
             KEY.len()
         } else if event[i..].starts_with(PROMPT_KEY) {
             PROMPT_KEY.len()
         } else {
-            out.push(event[i]);
+            out.push(b'"');
             i += 1;
             continue;
         };
@@ -178,5 +186,10 @@ mod tests {
         assert_eq!(String::from_utf8(strip_token_ids(chat)).unwrap(), String::from_utf8(want.to_vec()).unwrap());
         let plain = b"data: {\"id\":\"x\"}\n\n";
         assert_eq!(strip_token_ids(plain), plain.to_vec());
+        let ids: Vec<String> = (0..12_000).map(|i| i.to_string()).collect();
+        let long = format!(r#"data: {{"id":"c","choices":[{{"text":"a","prompt_token_ids":[{}],"token_ids":[7]}}]}}"#, ids.join(","));
+        assert_eq!(strip_token_ids(long.as_bytes()), br#"data: {"id":"c","choices":[{"text":"a"}]}"#.to_vec());
+        assert_eq!(strip_token_ids(b"no quote at all"), b"no quote at all".to_vec());
+        assert_eq!(strip_token_ids(b"ends with a quote\""), b"ends with a quote\"".to_vec());
     }
 }
