@@ -6,6 +6,8 @@ use prometheus::{Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntC
 
 const LATENCY_BUCKETS: &[f64] = &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0];
 const ITL_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0];
+/// Prompt blocks, for the routing histograms (a prefix of up to 16k tokens in blocks of 16).
+const BLOCK_BUCKETS: &[f64] = &[0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0];
 
 /// All gateway metrics.
 pub struct Metrics {
@@ -104,16 +106,26 @@ impl Metrics {
             registry.register(Box::new(g.clone())).expect("unique metric");
             g
         };
-        let hist = |name: &str, help: &str, buckets: &[f64]| {
-            let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets.to_vec()), &["model", "endpoint"]).expect("valid metric");
+        let hist = |name: &str, help: &str, buckets: &[f64], labels: &[&str]| {
+            let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets.to_vec()), labels).expect("valid metric");
             registry.register(Box::new(h.clone())).expect("unique metric");
             h
         };
         Self {
             requests: counter("kvgate_requests_total", "Inference requests by final HTTP status.", &["model", "endpoint", "status"]),
-            duration: hist("kvgate_request_duration_seconds", "Time from request start to the last response byte.", LATENCY_BUCKETS),
-            ttft: hist("kvgate_time_to_first_token_seconds", "Time to the first streamed response chunk, measured at the gateway.", LATENCY_BUCKETS),
-            itl: hist("kvgate_inter_token_latency_seconds", "Time between streamed response chunks, measured at the gateway.", ITL_BUCKETS),
+            duration: hist("kvgate_request_duration_seconds", "Time from request start to the last response byte.", LATENCY_BUCKETS, &["model", "endpoint"]),
+            ttft: hist(
+                "kvgate_time_to_first_token_seconds",
+                "Time to the first streamed response chunk, measured at the gateway.",
+                LATENCY_BUCKETS,
+                &["model", "endpoint"],
+            ),
+            itl: hist(
+                "kvgate_inter_token_latency_seconds",
+                "Time between streamed response chunks, measured at the gateway.",
+                ITL_BUCKETS,
+                &["model", "endpoint"],
+            ),
             requests_in_flight: gauge("kvgate_requests_in_flight", "Inference requests being served.", &["model"]),
             upstream_errors: counter("kvgate_upstream_errors_total", "Failures talking to workers.", &["model", "worker", "kind"]),
             retries: counter("kvgate_retries_total", "Requests retried on another worker before any byte reached the client.", &["model"]),
@@ -136,39 +148,19 @@ impl Metrics {
                 &["plugin", "result"],
             ),
             decisions: counter("kvgate_routing_decisions_total", "Routing decisions per chosen worker.", &["model", "worker"]),
-            overlap: {
-                let h = HistogramVec::new(
-                    HistogramOpts::new("kvgate_routing_overlap_blocks", "Prompt blocks already cached on the chosen worker.")
-                        .buckets(vec![0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0]),
-                    &["model"],
-                )
-                .expect("valid metric");
-                registry.register(Box::new(h.clone())).expect("unique metric");
-                h
-            },
-            forgone: {
-                let h = HistogramVec::new(
-                    HistogramOpts::new(
-                        "kvgate_routing_forgone_blocks",
-                        "Prompt blocks cached on the best-cached candidate but not on the chosen worker (0: the choice took the best cache).",
-                    )
-                    .buckets(vec![0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0]),
-                    &["model"],
-                )
-                .expect("valid metric");
-                registry.register(Box::new(h.clone())).expect("unique metric");
-                h
-            },
-            decision_time: {
-                let h = HistogramVec::new(
-                    HistogramOpts::new("kvgate_routing_decision_seconds", "Time to choose a worker (hashing, index lookup, cost), tokenization excluded.")
-                        .buckets(vec![1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3]),
-                    &["model"],
-                )
-                .expect("valid metric");
-                registry.register(Box::new(h.clone())).expect("unique metric");
-                h
-            },
+            overlap: hist("kvgate_routing_overlap_blocks", "Prompt blocks already cached on the chosen worker.", BLOCK_BUCKETS, &["model"]),
+            forgone: hist(
+                "kvgate_routing_forgone_blocks",
+                "Prompt blocks cached on the best-cached candidate but not on the chosen worker (0: the choice took the best cache).",
+                BLOCK_BUCKETS,
+                &["model"],
+            ),
+            decision_time: hist(
+                "kvgate_routing_decision_seconds",
+                "Time to choose a worker (hashing, index lookup, cost), tokenization excluded.",
+                &[1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3],
+                &["model"],
+            ),
             active_prefill: gauge("kvgate_worker_active_prefill_tokens", "Prefill tokens booked on the worker (kv routing).", &["model", "worker"]),
             active_blocks: gauge("kvgate_worker_active_blocks", "KV blocks booked on the worker (kv routing).", &["model", "worker"]),
             prefill_factor: fgauge(
@@ -188,16 +180,12 @@ impl Metrics {
             ),
             migrations: counter("kvgate_migrations_total", "Requests moved to another worker, by reason and outcome.", &["model", "reason", "outcome"]),
             migration_pinned: counter("kvgate_migration_pinned_total", "Streamed requests that could not move, by reason.", &["model", "reason"]),
-            migration_pause: {
-                let h = HistogramVec::new(
-                    HistogramOpts::new("kvgate_migration_pause_seconds", "Gap between the last event from the old worker and the first from the new one.")
-                        .buckets(LATENCY_BUCKETS.to_vec()),
-                    &["model"],
-                )
-                .expect("valid metric");
-                registry.register(Box::new(h.clone())).expect("unique metric");
-                h
-            },
+            migration_pause: hist(
+                "kvgate_migration_pause_seconds",
+                "Gap between the last event from the old worker and the first from the new one.",
+                LATENCY_BUCKETS,
+                &["model"],
+            ),
             migration_recomputed: counter(
                 "kvgate_migration_recomputed_tokens_total",
                 "Continuation prompt tokens the destination had to compute (not cached there as far as the gateway knows).",
@@ -212,15 +200,7 @@ impl Metrics {
             issued: counter("kvgate_tasks_issued_total", "Requests sent to a worker.", &["model"]),
             worker_busy: gauge("kvgate_worker_busy", "1 if the worker was over a busy threshold at the last decision.", &["model", "worker"]),
             queued: gauge("kvgate_queued_requests", "Requests held in the router queue.", &["model"]),
-            queue_wait: {
-                let h = HistogramVec::new(
-                    HistogramOpts::new("kvgate_queue_wait_seconds", "Time requests spent in the router queue.").buckets(LATENCY_BUCKETS.to_vec()),
-                    &["model"],
-                )
-                .expect("valid metric");
-                registry.register(Box::new(h.clone())).expect("unique metric");
-                h
-            },
+            queue_wait: hist("kvgate_queue_wait_seconds", "Time requests spent in the router queue.", LATENCY_BUCKETS, &["model"]),
             rejected: counter("kvgate_tasks_rejected_total", "Requests refused by shedding or the router queue.", &["model", "reason"]),
             registry,
         }
