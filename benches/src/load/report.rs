@@ -106,7 +106,7 @@ pub struct Row {
 
 impl Row {
     fn of(s: &Sample) -> Self {
-        let itl_mean_ms = if s.itl.is_empty() { f64::NAN } else { s.itl.iter().map(|d| ms(*d)).sum::<f64>() / s.itl.len() as f64 };
+        let itl_mean_ms = mean_itl_ms(s).unwrap_or(f64::NAN);
         Self {
             due_ms: ms(s.due),
             status: s.status,
@@ -132,6 +132,11 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
+/// The mean gap between `s`'s token events, ms (`None`: fewer than two events).
+fn mean_itl_ms(s: &Sample) -> Option<f64> {
+    (!s.itl.is_empty()).then(|| s.itl.iter().map(|d| ms(*d)).sum::<f64>() / s.itl.len() as f64)
+}
+
 /// Summarizes `samples` taken over `duration`.
 pub fn summarize(label: &str, samples: &[Sample], duration: Duration, slo: Slo, hit_rate: Option<f64>) -> Report {
     let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok()).collect();
@@ -141,7 +146,7 @@ pub fn summarize(label: &str, samples: &[Sample], duration: Duration, slo: Slo, 
         .iter()
         .filter(|s| {
             let ttft = s.ttft.map_or(f64::INFINITY, ms);
-            let itl = if s.itl.is_empty() { 0.0 } else { s.itl.iter().map(|d| ms(*d)).sum::<f64>() / s.itl.len() as f64 };
+            let itl = mean_itl_ms(s).unwrap_or(0.0);
             ttft <= slo.ttft_ms && itl <= slo.itl_ms
         })
         .count();
@@ -318,14 +323,13 @@ mod tests {
 
     #[test]
     fn counts_add_up_and_goodput_follows_the_slo() {
-        let s = vec![
+        let mut s = vec![
             sample(200, Some(100), &[10, 10]),
             sample(200, Some(3000), &[10]),
             sample(503, None, &[]),
             sample(500, None, &[]),
             sample(200, Some(50), &[200]),
         ];
-        let mut s = s;
         // Rows come out in the order the requests were due, whatever order they finished in.
         for (i, x) in s.iter_mut().enumerate() {
             x.due = Duration::from_millis(10 * (5 - i as u64));
