@@ -245,14 +245,15 @@ fn evicting_tokens(req: &RequestSummary<'_>, c: &Candidate, prompt: f64, bs: f64
     // What this worker's cache holds against the best one's (blocks in its cache only: a
     // prefix merely being computed here is no copy yet).
     let cached_tokens = |blocks: u32| (f64::from(blocks) * bs).min(prompt);
-    let copy = (cached_tokens(req.fleet_overlap_blocks) - cached_tokens(c.overlap_blocks)).max(0.0);
+    let (best, here) = (cached_tokens(req.fleet_overlap_blocks), cached_tokens(c.overlap_blocks));
+    let copy = (best - here).max(0.0);
     // The copy's part that requests in flight share now (a hot prefix), beyond the free room in
     // this worker's cache, evicts now; within it, as the cache fills (as likely as it is full
     // already). The rest is priced in full.
-    let hot = (cached_tokens(req.fleet_overlap_blocks.min(req.fleet_active_overlap_blocks)) - cached_tokens(c.overlap_blocks)).max(0.0);
+    let hot = (cached_tokens(req.fleet_overlap_blocks.min(req.fleet_active_overlap_blocks)) - here).max(0.0);
     // The room left once the prefill booked there and this request's own new tokens are stored:
     // the events report them only after they are computed.
-    let own = prompt - cached_tokens(req.fleet_overlap_blocks);
+    let own = prompt - best;
     let free = c.cache_room_blocks.map_or(0.0, |b| b as f64 * bs);
     let held_fraction = if c.total_blocks > 0 { 1.0 - (free / (c.total_blocks as f64 * bs)).min(1.0) } else { 1.0 };
     let room = (free - c.active_prefill_tokens as f64 - own).max(0.0);

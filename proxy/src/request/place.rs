@@ -54,6 +54,7 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
         })
         .collect();
     let summary = summary(req, now).among(&candidates);
+    let best_overlap = summary.fleet_overlap_blocks;
     let (decision, decided_by) = decide(gw, req, &summary, &candidates);
     let k = match decision {
         Decision::Worker(k) if k < eligible.len() => k,
@@ -61,12 +62,10 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
         Decision::Reject { status, message } => return Err(GatewayError::PluginRejected { status, message }),
     };
     // The time cost's prediction for the chosen worker (its first token calibrates it).
-    let predicted = model.kv.as_ref().and_then(|kv| match kv.policy.cost(&summary, &candidates[k]).1 {
+    req.predicted = model.kv.as_ref().and_then(|kv| match kv.policy.cost(&summary, &candidates[k]).1 {
         Terms::Time(p) => Some(p),
         Terms::Blocks { .. } => None,
     });
-    let best_overlap = summary.fleet_overlap_blocks;
-    req.predicted = predicted;
     let idx = eligible[k];
     let worker = model.workers[idx].clone();
     req.tried.push(idx);
