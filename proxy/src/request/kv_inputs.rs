@@ -27,7 +27,7 @@ pub struct KvInputs {
 pub async fn prepare(req: &mut RequestState) {
     let (Some(kv), Some(body)) = (req.model.kv.clone(), req.parsed.take()) else { return };
     let chat = req.endpoint == Endpoint::Chat;
-    let tokens = super::prompt::tokens(&body, chat, kv.tokenizer.as_ref(), kv.max_tokens()).await.unwrap_or_default();
+    let tokens = super::prompt::tokens(body, chat, kv.tokenizer.as_ref(), kv.max_tokens()).await.unwrap_or_default();
     req.kv = Some(from_tokens(req, &kv, &tokens));
 }
 

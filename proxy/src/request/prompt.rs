@@ -15,13 +15,14 @@ use kvgate_tokenize::{ChatInput, SegmentCache, normalize_messages};
 use serde_json::Value;
 use std::sync::Arc;
 
-/// Extracts the routing tokens from a parsed request body; `None` when there is no prompt to
-/// route on (the worker will answer the error).
-pub async fn tokens(parsed: &ParsedBody, chat: bool, tokenizer: Option<&Arc<SegmentCache>>, max_tokens: usize) -> Option<Vec<u32>> {
-    let body = &parsed.fields;
+/// Extracts the routing tokens from a parsed request body, which it consumes (a prompt's ids
+/// are taken, not copied, and a long conversation moves to the blocking pool whole); `None`
+/// when there is no prompt to route on (the worker will answer the error).
+pub async fn tokens(parsed: ParsedBody, chat: bool, tokenizer: Option<&Arc<SegmentCache>>, max_tokens: usize) -> Option<Vec<u32>> {
+    let ParsedBody { fields: body, prompt_ids } = parsed;
     if !chat {
-        if let Some(ids) = &parsed.prompt_ids {
-            return Some(ids.clone());
+        if prompt_ids.is_some() {
+            return prompt_ids;
         }
         match body.get("prompt")? {
             Value::Array(items) if items.first().is_some_and(Value::is_number) => return ids(items),
@@ -39,7 +40,7 @@ pub async fn tokens(parsed: &ParsedBody, chat: bool, tokenizer: Option<&Arc<Segm
         // A short conversation is rendered right here (the template costs less than the hop to
         // the blocking pool); its ids too when every segment is cached.
         Some(tok) if chat_bytes(messages) <= INLINE_CHAT_BYTES => {
-            let text = render_chat(tok, body)?;
+            let text = render_chat(tok, &body)?;
             let add = body.get("add_special_tokens").and_then(Value::as_bool).unwrap_or(false);
             if let Some(ids) = tok.encode_cached(&text, add, Some(max_tokens)) {
                 return Some(ids);
@@ -49,7 +50,6 @@ pub async fn tokens(parsed: &ParsedBody, chat: bool, tokenizer: Option<&Arc<Segm
         }
         Some(tok) => {
             let tok = tok.clone();
-            let body = body.clone();
             tokio::task::spawn_blocking(move || {
                 let text = render_chat(&tok, &body)?;
                 tok.encode(&text, body.get("add_special_tokens").and_then(Value::as_bool).unwrap_or(false), Some(max_tokens)).ok()
@@ -144,29 +144,29 @@ mod tests {
 
     #[tokio::test]
     async fn token_ids_are_used_as_is() {
-        assert_eq!(tokens(&p(json!({"prompt": [5, 6, 7]})), false, None, 100).await, Some(vec![5, 6, 7]));
-        assert_eq!(tokens(&p(json!({"prompt": [[1, 2], [3]]})), false, None, 100).await, Some(vec![1, 2]));
-        assert_eq!(tokens(&p(json!({"prompt": [-1]})), false, None, 100).await, None);
+        assert_eq!(tokens(p(json!({"prompt": [5, 6, 7]})), false, None, 100).await, Some(vec![5, 6, 7]));
+        assert_eq!(tokens(p(json!({"prompt": [[1, 2], [3]]})), false, None, 100).await, Some(vec![1, 2]));
+        assert_eq!(tokens(p(json!({"prompt": [-1]})), false, None, 100).await, None);
     }
 
     #[tokio::test]
     async fn text_uses_the_tokenizer_or_the_fallback() {
         let tok = ModelTokenizer::builtin();
         let cache = Arc::new(SegmentCache::new(tok.clone(), 64));
-        let with = tokens(&p(json!({"prompt": "the cache router"})), false, Some(&cache), 10_000).await.unwrap();
+        let with = tokens(p(json!({"prompt": "the cache router"})), false, Some(&cache), 10_000).await.unwrap();
         assert_eq!(with, tok.encode("the cache router", true).unwrap());
-        let fallback = tokens(&p(json!({"prompt": "abcdefgh"})), false, None, 10_000).await.unwrap();
+        let fallback = tokens(p(json!({"prompt": "abcdefgh"})), false, None, 10_000).await.unwrap();
         assert_eq!(fallback.len(), 2);
-        let chat = tokens(&p(json!({"messages": [{"role": "user", "content": "hi"}]})), true, Some(&cache), 10_000).await.unwrap();
+        let chat = tokens(p(json!({"messages": [{"role": "user", "content": "hi"}]})), true, Some(&cache), 10_000).await.unwrap();
         let text = tok
             .render_chat(&ChatInput { messages: &[json!({"role": "user", "content": "hi"})], add_generation_prompt: true, tools: None, kwargs: None })
             .unwrap();
         assert_eq!(chat, tok.encode(&text, false).unwrap(), "chat tokenizes like vLLM: template, no special tokens");
-        let again = tokens(&p(json!({"messages": [{"role": "user", "content": "hi"}]})), true, Some(&cache), 10_000).await.unwrap();
+        let again = tokens(p(json!({"messages": [{"role": "user", "content": "hi"}]})), true, Some(&cache), 10_000).await.unwrap();
         assert_eq!(again, chat, "the cached, inline path gives the same ids");
         let long = "many words ".repeat(1_000);
         let body = json!({"messages": [{"role": "user", "content": long}]});
-        let via_pool = tokens(&p(body), true, Some(&cache), 100_000).await.unwrap();
+        let via_pool = tokens(p(body), true, Some(&cache), 100_000).await.unwrap();
         let text = tok
             .render_chat(&ChatInput { messages: &[json!({"role": "user", "content": long})], add_generation_prompt: true, tools: None, kwargs: None })
             .unwrap();
