@@ -96,9 +96,12 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
         }
         Err(BodyError::Gone) => return Err(Outcome::Cancelled),
     };
-    let view =
-        super::fields::read(&body).map_err(|e| Outcome::Refused(GatewayError::BadRequest { message: format!("Invalid request body: {e}"), param: None }))?;
     let fleet = gw.fleet();
+    // A completion's prompt of token ids is read on the way when the body may be parsed whole
+    // below (kv routing, or a stream that may move), so the ids are parsed once.
+    let ids = endpoint == Endpoint::Completions && (cfg.migration.limit > 0 || fleet.models.values().any(|m| m.kv.is_some()));
+    let (view, prompt) = super::fields::read(&body, ids)
+        .map_err(|e| Outcome::Refused(GatewayError::BadRequest { message: format!("Invalid request body: {e}"), param: None }))?;
     let Some(model) = fleet.resolve(view.model.as_deref()).cloned() else {
         let e = match &view.model {
             Some(name) => GatewayError::UnknownModel { name: name.clone(), served: fleet.order.clone() },
@@ -109,7 +112,7 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
     let stream = view.stream.unwrap_or(false);
     // The whole body is parsed only when kv routing tokenizes it or a stream may move.
     let movable = stream && matches!(endpoint, Endpoint::Chat | Endpoint::Completions) && cfg.migration.limit > 0;
-    let mut parsed = ((endpoint.generates() && model.kv.is_some()) || movable).then(|| super::parsed::ParsedBody::parse(&body).ok()).flatten();
+    let mut parsed = ((endpoint.generates() && model.kv.is_some()) || movable).then(|| super::parsed::ParsedBody::parse_with(&body, prompt).ok()).flatten();
     let (track, body, pinned) = match parsed.as_ref().filter(|_| movable).map(|p| track::start(endpoint == Endpoint::Chat, &body, &p.fields)) {
         Some(Ok((t, sent))) => (Some(t), sent, None),
         Some(Err(reason)) => (None, body, Some(reason)),

@@ -1,4 +1,5 @@
-//! The request body's routing fields ([`RequestView`]) read in one pass over the bytes.
+//! The request body's routing fields ([`RequestView`]) read in one pass over the bytes, and,
+//! when asked, a completion prompt's token ids ([`PromptIds`]) read on the way past them.
 //!
 //! serde_json, deserializing the view, spent about 2,600 instructions on a 250-byte body, most
 //! of it checking every string it read (benches/RESULTS.md, "A one-pass read of the routing
@@ -9,21 +10,35 @@
 //! serde_json accepts with the same fields, and every refusal carries serde_json's message.
 
 use super::admit::RequestView;
+use std::ops::Range;
 
 /// serde_json's own nesting limit: deeper bodies are its to refuse.
 const MAX_DEPTH: u32 = 128;
 
-/// The view of `body`, or serde_json's reason it is not a valid request body.
-pub fn read(body: &[u8]) -> Result<RequestView, serde_json::Error> {
-    match scan(body) {
-        Some(view) => Ok(view),
-        None => serde_json::from_slice(body),
+/// A prompt of token ids, read on the way past it: `/v1/completions` bodies of long id prompts
+/// are mostly their ids, and parsing them a second time cost more than the rest of admission
+/// (benches/RESULTS.md, "What a long token-id prompt costs through the gateway").
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptIds {
+    /// The ids.
+    pub ids: Vec<u32>,
+    /// Where the list is in the body.
+    pub span: Range<usize>,
+}
+
+/// The view of `body`, or serde_json's reason it is not a valid request body; and with `ids`,
+/// the body's one top-level `prompt` when it is a non-empty list of plain decimal `u32`s (what
+/// [`ParsedBody`](super::parsed::ParsedBody) reads as ids).
+pub fn read(body: &[u8], ids: bool) -> Result<(RequestView, Option<PromptIds>), serde_json::Error> {
+    match scan(body, ids) {
+        Some(read) => Ok(read),
+        None => serde_json::from_slice(body).map(|view| (view, None)),
     }
 }
 
 /// The view, when the body is a JSON object this reader handles whole; `None` hands it to
 /// serde_json.
-fn scan(body: &[u8]) -> Option<RequestView> {
+fn scan(body: &[u8], ids: bool) -> Option<(RequestView, Option<PromptIds>)> {
     // One pass for the whole body, so strings need no check of their own; a body of ASCII
     // (the usual one) is known valid from a faster word-at-a-time test.
     if !body.is_ascii() {
@@ -32,6 +47,8 @@ fn scan(body: &[u8]) -> Option<RequestView> {
     let mut s = Scanner { b: body, i: 0 };
     let mut view = RequestView::default();
     let mut seen = 0u8;
+    let mut prompt: Option<PromptIds> = None;
+    let mut prompts = 0;
     s.ws();
     s.eat(b'{')?;
     s.ws();
@@ -48,7 +65,14 @@ fn scan(body: &[u8]) -> Option<RequestView> {
             s.eat(b':')?;
             s.ws();
             let start = s.i;
-            s.value(1)?;
+            if key == b"prompt" {
+                prompts += 1;
+                prompt = ids.then(|| s.id_list()).flatten().map(|ids| PromptIds { ids, span: start..s.i });
+            }
+            if prompt.as_ref().is_none_or(|p| p.span.start != start) {
+                s.i = start;
+                s.value(1)?;
+            }
             let raw = &body[start..s.i];
             let field = match key {
                 b"model" => 1,
@@ -78,7 +102,8 @@ fn scan(body: &[u8]) -> Option<RequestView> {
         }
     }
     s.ws();
-    (s.i == body.len()).then_some(view)
+    // Two prompts: the last one wins, for the worker as for a parse; not worth reading twice.
+    (s.i == body.len()).then_some((view, prompt.filter(|_| prompts == 1)))
 }
 
 /// Where the first byte a string cannot simply hold (`"`, `\\` or a control character) is in
@@ -221,6 +246,40 @@ impl<'a> Scanner<'a> {
         }
     }
 
+    /// A list of token ids: `[` ids `]`, each a plain decimal that fits a `u32`. `None` for
+    /// anything else (an empty list too), with the position left anywhere: the caller reads
+    /// the value again as a value.
+    fn id_list(&mut self) -> Option<Vec<u32>> {
+        self.eat(b'[')?;
+        let mut ids = Vec::new();
+        loop {
+            self.ws();
+            ids.push(self.id()?);
+            self.ws();
+            match self.next()? {
+                b',' => {}
+                b']' => return Some(ids),
+                _ => return None,
+            }
+        }
+    }
+
+    /// `0 | [1-9][0-9]*` up to `u32::MAX`, not followed by a fraction or an exponent.
+    fn id(&mut self) -> Option<u32> {
+        let start = self.i;
+        let mut n = 0u64;
+        while let Some(&c) = self.b.get(self.i)
+            && c.is_ascii_digit()
+            && self.i - start < 10
+        {
+            n = n * 10 + u64::from(c - b'0');
+            self.i += 1;
+        }
+        let len = self.i - start;
+        let plain = len > 0 && (len == 1 || self.b[start] != b'0') && !matches!(self.peek(), Some(b'0'..=b'9' | b'.' | b'e' | b'E'));
+        plain.then(|| u32::try_from(n).ok()).flatten()
+    }
+
     fn literal(&mut self, word: &[u8]) -> Option<()> {
         self.b[self.i..].starts_with(word).then(|| self.i += word.len())
     }
@@ -282,7 +341,7 @@ mod tests {
             b"{}",
         ];
         for b in bodies {
-            let here = scan(b).unwrap_or_else(|| panic!("not read here: {}", String::from_utf8_lossy(b)));
+            let here = scan(b, false).map(|r| r.0).unwrap_or_else(|| panic!("not read here: {}", String::from_utf8_lossy(b)));
             assert_eq!(Some(here), serde(b), "{}", String::from_utf8_lossy(b));
         }
     }
@@ -308,14 +367,28 @@ mod tests {
             br#"{"a":tru}"#,
         ];
         for b in bodies {
-            assert!(scan(b).is_none(), "read here: {}", String::from_utf8_lossy(b));
-            assert_eq!(read(b).ok(), serde(b), "{}", String::from_utf8_lossy(b));
+            assert!(scan(b, false).is_none(), "read here: {}", String::from_utf8_lossy(b));
+            assert_eq!(read(b, false).ok().map(|r| r.0), serde(b), "{}", String::from_utf8_lossy(b));
         }
         // Deeper than serde_json's limit: its to judge (it skips an ignored value of any depth).
         let deep = |n: usize| format!("{{\"a\":{}{}, \"model\": \"m\"}}", "[".repeat(n), "]".repeat(n));
-        assert!(scan(deep(200).as_bytes()).is_none());
-        assert_eq!(read(deep(200).as_bytes()).ok(), serde(deep(200).as_bytes()));
-        assert_eq!(scan(deep(100).as_bytes()).and_then(|v| v.model), Some("m".to_string()));
+        assert!(scan(deep(200).as_bytes(), false).is_none());
+        assert_eq!(read(deep(200).as_bytes(), false).ok().map(|r| r.0), serde(deep(200).as_bytes()));
+        assert_eq!(scan(deep(100).as_bytes(), false).and_then(|v| v.0.model), Some("m".to_string()));
+    }
+
+    #[test]
+    fn a_prompt_of_ids_is_read_on_the_way_only_when_asked() {
+        let body = br#"{"model":"m","prompt": [5, 0,4294967295] ,"stream":true}"#;
+        let (view, prompt) = read(body, true).unwrap();
+        assert_eq!(view, serde(body).unwrap());
+        let prompt = prompt.unwrap();
+        assert_eq!(prompt.ids, vec![5, 0, u32::MAX]);
+        assert_eq!(&body[prompt.span], b"[5, 0,4294967295]");
+        assert_eq!(read(body, false).unwrap().1, None);
+        for other in [&br#"{"prompt":"text"}"#[..], br#"{"prompt":[1,2.0]}"#, br#"{"prompt":[]}"#, br#"{"prompt":[[1]]}"#, br#"{"prompt":[1],"prompt":[1]}"#] {
+            assert_eq!(read(other, true).unwrap().1, None, "{}", String::from_utf8_lossy(other));
+        }
     }
 
     #[test]
@@ -334,7 +407,8 @@ mod tests {
     }
 
     /// Valid bodies with a few bytes changed, dropped or added (bytes that matter to JSON's
-    /// grammar, control characters, broken UTF-8): accepted here only if serde_json agrees.
+    /// grammar, control characters, broken UTF-8): accepted here only if serde_json agrees,
+    /// whether a prompt's ids are read on the way or not.
     #[test]
     fn a_damaged_body_is_read_here_only_if_serde_json_reads_it_the_same() {
         let seeds: [&[u8]; 3] = [
@@ -349,7 +423,7 @@ mod tests {
             kvgate_kv::hash::mix(state) as usize
         };
         for seed in seeds {
-            assert!(scan(seed).is_some(), "{}", String::from_utf8_lossy(seed));
+            assert!(scan(seed, false).is_some(), "{}", String::from_utf8_lossy(seed));
             for _ in 0..30_000 {
                 let mut body = seed.to_vec();
                 for _ in 0..1 + next() % 3 {
@@ -361,7 +435,7 @@ mod tests {
                         _ => body.insert(at, b),
                     }
                 }
-                if let Some(here) = scan(&body) {
+                if let Some((here, _)) = scan(&body, next() % 2 == 0) {
                     assert_eq!(Some(here), serde(&body), "{}", String::from_utf8_lossy(&body));
                 }
             }
@@ -410,7 +484,7 @@ mod tests {
             if next() % 3 > 0 {
                 body.push(b'}');
             }
-            if let Some(here) = scan(&body) {
+            if let Some((here, _)) = scan(&body, next() % 2 == 0) {
                 accepted += 1;
                 assert_eq!(Some(here), serde(&body), "{}", String::from_utf8_lossy(&body));
             }

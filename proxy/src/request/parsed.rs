@@ -8,6 +8,7 @@
 //! body gives: a prompt that is not a non-empty list of `u32` (text, a batch, a list with
 //! anything else in it) stays a value in `fields`, and a key given twice keeps its last value.
 
+use super::fields::PromptIds;
 use serde::de::value::{MapAccessDeserializer, SeqAccessDeserializer};
 use serde::de::{Deserialize, Deserializer, Error, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Value};
@@ -26,6 +27,24 @@ impl ParsedBody {
     /// Parses a JSON object.
     pub fn parse(body: &[u8]) -> Result<Self, serde_json::Error> {
         serde_json::from_slice(body)
+    }
+
+    /// Parses a JSON object whose one `prompt`, a list of token ids, was read already: only
+    /// the rest of the body is parsed, and the ids are taken as they are. The same result as
+    /// [`Self::parse`].
+    pub fn parse_with(body: &[u8], prompt: Option<PromptIds>) -> Result<Self, serde_json::Error> {
+        let Some(PromptIds { ids, span }) = prompt else { return Self::parse(body) };
+        let mut rest = Vec::with_capacity(body.len() - span.len() + 4);
+        rest.extend_from_slice(&body[..span.start]);
+        rest.extend_from_slice(b"null");
+        rest.extend_from_slice(&body[span.end..]);
+        let mut parsed = Self::parse(&rest)?;
+        // The `null` stood in for the ids; the other fields keep their order.
+        if let Value::Object(fields) = &mut parsed.fields {
+            fields.shift_remove("prompt");
+        }
+        parsed.prompt_ids = Some(ids);
+        Ok(parsed)
     }
 }
 
@@ -212,6 +231,77 @@ mod tests {
             assert_eq!(p.prompt_ids, None, "{body}");
             assert_eq!(p.fields, body, "the same values as a Value parse");
         }
+    }
+
+    /// Whether `body`'s ids, when the scan reads them on the way, give the parse a whole body
+    /// gets; and whether it read them.
+    fn same_with_ids_read_on_the_way(body: &[u8]) -> bool {
+        let Ok((_, prompt)) = super::super::fields::read(body, true) else { return false };
+        let read = prompt.is_some();
+        let with = ParsedBody::parse_with(body, prompt);
+        assert_eq!(with.ok(), ParsedBody::parse(body).ok(), "{}", String::from_utf8_lossy(body));
+        read
+    }
+
+    #[test]
+    fn ids_read_on_the_way_give_the_same_parse() {
+        let prompts = [
+            "[1,2,3]",
+            "[ 0 , 4294967295 ]",
+            "[ 7 ]",
+            "[4294967296]",
+            "[12345678901]",
+            "[1,2.5]",
+            "[1e2]",
+            "[1E2]",
+            "[01]",
+            "[00]",
+            "[-1]",
+            "[1,-0]",
+            "[]",
+            "[ ]",
+            "[1,]",
+            "[1 2]",
+            "[[1,2]]",
+            "[1,\"a\"]",
+            "\"text\"",
+            "null",
+            "[1,2",
+        ];
+        let others = [r#""model":"m""#, r#""stream":true"#, r#""x":[1,2]"#, r#""n":{"prompt":[5]}"#, r#""prompt":[9]"#, r#""prompt":"t""#];
+        let mut read = 0;
+        for prompt in prompts {
+            for (i, a) in others.iter().enumerate() {
+                for b in &others[i..] {
+                    for fields in [vec![*a, "PROMPT", *b], vec!["PROMPT", *a], vec![*b, "PROMPT"], vec!["PROMPT"]] {
+                        let body = format!("{{{}}}", fields.join(",")).replace("PROMPT", &format!("\"prompt\": {prompt}"));
+                        read += usize::from(same_with_ids_read_on_the_way(body.as_bytes()));
+                    }
+                }
+            }
+        }
+        assert!(read > 50, "ids were read on the way in {read} bodies only");
+        assert!(!same_with_ids_read_on_the_way(br#"{"prompt":[1],"prompt":[2]}"#), "a repeated prompt is parsed whole");
+    }
+
+    /// Bodies made of JSON's pieces in random order: wherever the scan reads ids, the parse
+    /// around them is the whole body's, and nothing panics.
+    #[test]
+    fn ids_read_on_the_way_agree_on_random_bodies() {
+        let pieces = ["{", "}", "[", "]", ",", ":", " ", "\"prompt\"", "\"model\"", "\"m\"", "1", "42", "0", "01", "-3", "2.5", "4294967296", "null", "[1,2]"];
+        let mut state = 3u64;
+        let mut next = move || {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            kvgate_kv::hash::mix(state) as usize
+        };
+        let mut read = 0;
+        for _ in 0..100_000 {
+            let mut body = String::from("{\"prompt\":[");
+            (0..next() % 12).for_each(|_| body.push_str(pieces[next() % pieces.len()]));
+            body.push_str(if next() % 2 == 0 { "]}" } else { "}" });
+            read += usize::from(same_with_ids_read_on_the_way(body.as_bytes()));
+        }
+        assert!(read > 100, "ids were read on the way in {read} bodies only");
     }
 
     #[test]
