@@ -1,7 +1,8 @@
 //! Server-Sent Events as a moving stream needs them: whole events out of arbitrary body chunks
 //! ([`EventSplitter`]), the JSON payload of an event ([`payload`]), and the token id fields the
 //! gateway asked for removed from an event the client did not ask them for
-//! ([`strip_token_ids`]), byte for byte otherwise.
+//! ([`strip_token_ids`]), byte for byte otherwise, reading them on the way when asked
+//! ([`strip_and_read_ids`]).
 //!
 //! vLLM frames every event as one `data: <json>` line followed by a blank line.
 
@@ -81,9 +82,35 @@ pub fn is_done(event: &[u8]) -> bool {
 /// `event` without its `"prompt_token_ids"` and `"token_ids"` members (and their comma).
 /// JSON escapes every quote inside a string, so `"token_ids":` can only be a key.
 pub fn strip_token_ids(event: &[u8]) -> Vec<u8> {
+    strip(event, None).unwrap_or_default()
+}
+
+/// The token id lists an event carried, as [`strip_and_read_ids`] read them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EventIds {
+    /// `prompt_token_ids` (`None`: absent or `null`).
+    pub prompt: Option<Vec<u32>>,
+    /// `token_ids` (`None`: absent or `null`).
+    pub generated: Option<Vec<u32>>,
+}
+
+/// [`strip_token_ids`], and the lists it removed, read on the way: a first event carries the
+/// whole prompt's ids, which a JSON parse took several times as long to read
+/// (benches/RESULTS.md, "What a long token-id prompt costs through the gateway"). `None` when
+/// a list is neither `null` nor plain decimal `u32`s, or a key comes twice (several choices):
+/// such an event is for a JSON parser to read whole.
+pub fn strip_and_read_ids(event: &[u8]) -> Option<(Vec<u8>, EventIds)> {
+    let mut ids = EventIds::default();
+    strip(event, Some(&mut ids)).map(|out| (out, ids))
+}
+
+/// [`strip_token_ids`], reading what it removes into `read` when given (`None` as
+/// [`strip_and_read_ids`] says; never without `read`).
+fn strip(event: &[u8], mut read: Option<&mut EventIds>) -> Option<Vec<u8>> {
     const KEY: &[u8] = b"\"token_ids\":";
     const PROMPT_KEY: &[u8] = b"\"prompt_token_ids\":";
     let mut out = Vec::with_capacity(event.len());
+    let mut seen = (false, false);
     let mut i = 0;
     while i < event.len() {
         // Both keys start with a quote: the bytes up to the next one go over as they are (a
@@ -94,16 +121,27 @@ pub fn strip_token_ids(event: &[u8]) -> Vec<u8> {
         if i == event.len() {
             break;
         }
-        let key_len = if event[i..].starts_with(KEY) {
-            KEY.len()
+        let (key_len, prompt) = if event[i..].starts_with(KEY) {
+            (KEY.len(), false)
         } else if event[i..].starts_with(PROMPT_KEY) {
-            PROMPT_KEY.len()
+            (PROMPT_KEY.len(), true)
         } else {
             out.push(b'"');
             i += 1;
             continue;
         };
-        let value_end = skip_value(event, i + key_len);
+        let value_end = match read.as_deref_mut() {
+            None => skip_value(event, i + key_len),
+            Some(ids) => {
+                let (slot, twice) = if prompt { (&mut ids.prompt, &mut seen.0) } else { (&mut ids.generated, &mut seen.1) };
+                if std::mem::replace(twice, true) {
+                    return None;
+                }
+                let (list, end) = id_list(event, i + key_len)?;
+                *slot = list;
+                end
+            }
+        };
         if out.last() == Some(&b',') {
             // `,"token_ids":[…]` → nothing.
             out.pop();
@@ -113,7 +151,47 @@ pub fn strip_token_ids(event: &[u8]) -> Vec<u8> {
             i = if event.get(value_end) == Some(&b',') { value_end + 1 } else { value_end };
         }
     }
-    out
+    Some(out)
+}
+
+/// The value at `i`, `null` (`None`) or a list of plain decimal `u32`s, and the index just
+/// past it; `None` for anything else. One pass over the digits: a first event's list is the
+/// whole prompt.
+fn id_list(b: &[u8], mut i: usize) -> Option<(Option<Vec<u32>>, usize)> {
+    let ws = |b: &[u8], mut i: usize| {
+        while b.get(i).is_some_and(u8::is_ascii_whitespace) {
+            i += 1;
+        }
+        i
+    };
+    i = ws(b, i);
+    if b[i..].starts_with(b"null") {
+        return Some((None, i + 4));
+    }
+    if b.get(i) != Some(&b'[') {
+        return None;
+    }
+    i = ws(b, i + 1);
+    let mut ids = Vec::new();
+    if b.get(i) == Some(&b']') {
+        return Some((Some(ids), i + 1));
+    }
+    loop {
+        let start = i;
+        let mut n = 0u64;
+        while let Some(d) = b.get(i).map(|c| c.wrapping_sub(b'0')).filter(|&d| d < 10 && i - start < 10) {
+            n = n * 10 + u64::from(d);
+            i += 1;
+        }
+        let plain = i > start && (i - start == 1 || b[start] != b'0') && !b.get(i).is_some_and(u8::is_ascii_digit);
+        ids.push(plain.then(|| u32::try_from(n).ok()).flatten()?);
+        i = ws(b, i);
+        match b.get(i)? {
+            b',' => i = ws(b, i + 1),
+            b']' => return Some((Some(ids), i + 1)),
+            _ => return None,
+        }
+    }
 }
 
 /// The index just past the JSON value (an id list, `null` or a number) starting at `i`.
@@ -191,5 +269,24 @@ mod tests {
         assert_eq!(strip_token_ids(long.as_bytes()), br#"data: {"id":"c","choices":[{"text":"a"}]}"#.to_vec());
         assert_eq!(strip_token_ids(b"no quote at all"), b"no quote at all".to_vec());
         assert_eq!(strip_token_ids(b"ends with a quote\""), b"ends with a quote\"".to_vec());
+    }
+
+    #[test]
+    fn the_stripped_lists_are_read_as_a_json_parser_reads_them() {
+        let e = br#"data: {"id":"c","choices":[{"text":"a","prompt_token_ids":[1, 2,4294967295],"token_ids":[ 7 ]}]}"#;
+        let (out, ids) = strip_and_read_ids(e).unwrap();
+        assert_eq!(out, strip_token_ids(e));
+        assert_eq!(ids, EventIds { prompt: Some(vec![1, 2, u32::MAX]), generated: Some(vec![7]) });
+        let chat = br#"data: {"prompt_token_ids":null,"choices":[{"delta":{"content":"a"},"token_ids":[]}]}"#;
+        assert_eq!(strip_and_read_ids(chat).unwrap().1, EventIds { prompt: None, generated: Some(vec![]) });
+        assert_eq!(strip_and_read_ids(b"data: {\"id\":\"x\"}").unwrap().1, EventIds::default());
+        // Anything a parser would read otherwise, or two choices' lists: read whole.
+        for odd in ["[1,2.0]", "[-1]", "[01]", "[4294967296]", "[1,,2]", "[1,]", "[[1]]", "[\"1\"]", "7", "[1 2]"] {
+            let e = format!(r#"data: {{"choices":[{{"text":"a","token_ids":{odd}}}]}}"#);
+            assert_eq!(strip_and_read_ids(e.as_bytes()), None, "{odd}");
+            assert_eq!(serde_json::from_str::<Option<Vec<u32>>>(odd).ok(), None, "a parser refuses {odd} too");
+        }
+        let two = br#"data: {"choices":[{"token_ids":[1]},{"token_ids":[2]}]}"#;
+        assert_eq!(strip_and_read_ids(two), None);
     }
 }

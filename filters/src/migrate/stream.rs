@@ -9,6 +9,7 @@
 //! its event carries the id and no text. Such trailing ids are "unseen"; a move rolls them back
 //! ([`StreamRecord::roll_back_unseen`]) so the destination generates them again, with their text.
 
+use super::events::EventIds;
 use super::pin::PinReason;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -129,9 +130,25 @@ fn error_text(e: &Value) -> String {
 impl StreamRecord {
     /// Follows one event of the source stream (its JSON payload, chat or completion).
     pub fn observe(&mut self, json: &[u8]) -> Result<Observed, serde_json::Error> {
-        let chunk: ChunkView<'_> = serde_json::from_slice(json)?;
+        Ok(self.observe_chunk(serde_json::from_slice(json)?))
+    }
+
+    /// [`Self::observe`] for an event whose id lists were stripped and read already
+    /// ([`strip_and_read_ids`](super::events::strip_and_read_ids)): `json` is what is left.
+    pub fn observe_read(&mut self, json: &[u8], ids: EventIds) -> Result<Observed, serde_json::Error> {
+        let mut chunk: ChunkView<'_> = serde_json::from_slice(json)?;
+        // Where the prompt's ids were (top level for chat, the choice for completions) does not
+        // matter: either is read.
+        chunk.prompt_token_ids = ids.prompt;
+        if let Some(choice) = chunk.choices.as_mut().and_then(|c| c.first_mut()) {
+            choice.token_ids = ids.generated;
+        }
+        Ok(self.observe_chunk(chunk))
+    }
+
+    fn observe_chunk(&mut self, mut chunk: ChunkView<'_>) -> Observed {
         if let Some(e) = &chunk.error {
-            return Ok(Observed { error: Some(error_text(e)), ..Observed::default() });
+            return Observed { error: Some(error_text(e)), ..Observed::default() };
         }
         self.usage_seen |= set(&chunk.usage);
         let first = !self.started;
@@ -142,26 +159,27 @@ impl StreamRecord {
             self.created = chunk.created;
         }
         // Chat puts the prompt ids at the top level, completions in the choice.
-        let choice = chunk.choices.as_ref().and_then(|c| c.first());
-        if let Some(ids) = chunk.prompt_token_ids.or_else(|| choice.and_then(|c| c.prompt_token_ids.clone())) {
+        let in_choice = chunk.choices.as_mut().and_then(|c| c.first_mut()).and_then(|c| c.prompt_token_ids.take());
+        if let Some(ids) = chunk.prompt_token_ids.take().or(in_choice) {
             self.prompt_ids = ids;
         }
+        let choice = chunk.choices.as_ref().and_then(|c| c.first());
         if first && self.prompt_ids.is_empty() {
-            return Ok(Observed { pin: Some(PinReason::NoTokenIds), ..Observed::default() });
+            return Observed { pin: Some(PinReason::NoTokenIds), ..Observed::default() };
         }
-        let Some(choice) = choice else { return Ok(Observed::default()) };
+        let Some(choice) = choice else { return Observed::default() };
         if let Some(d) = &choice.delta
             && (set(&d.reasoning_content) || set(&d.reasoning) || set(&d.tool_calls))
         {
-            return Ok(Observed { pin: Some(PinReason::ServerParsed), ..Observed::default() });
+            return Observed { pin: Some(PinReason::ServerParsed), ..Observed::default() };
         }
         let text = choice.text.as_deref().or_else(|| choice.delta.as_ref().and_then(|d| d.content.as_deref()));
         // Text without ids: the server hides them (vLLM does behind a reasoning parser), so the
         // record would miss tokens.
         if choice.token_ids.is_none() && text.is_some_and(|t| !t.is_empty()) {
-            return Ok(Observed { pin: Some(PinReason::NoTokenIds), ..Observed::default() });
+            return Observed { pin: Some(PinReason::NoTokenIds), ..Observed::default() };
         }
-        Ok(Observed { tokens: self.follow(choice, text), ..Observed::default() })
+        Observed { tokens: self.follow(choice, text), ..Observed::default() }
     }
 
     /// Notes a choice's ids, text and finish; returns the tokens it carried.
@@ -263,6 +281,36 @@ mod tests {
 
     fn observe(r: &mut StreamRecord, v: Value) -> Observed {
         r.observe(v.to_string().as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn ids_read_as_they_are_stripped_make_the_record_a_parse_makes() {
+        use crate::migrate::events::{payload, strip_and_read_ids};
+        let streams = [
+            vec![
+                json!({"id": "chatcmpl-1", "created": 5, "model": "m", "prompt_token_ids": [1, 2, 3], "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}),
+                json!({"id": "chatcmpl-1", "prompt_token_ids": null, "choices": [{"delta": {"content": "Hel"}, "token_ids": [10]}]}),
+                json!({"id": "chatcmpl-1", "choices": [{"delta": {"content": ""}, "token_ids": [11, 12]}]}),
+                json!({"id": "chatcmpl-1", "choices": [{"delta": {"content": "lo"}, "token_ids": [13], "finish_reason": "stop"}]}),
+                json!({"id": "chatcmpl-1", "choices": [], "usage": {"prompt_tokens": 3}}),
+            ],
+            vec![
+                json!({"id": "cmpl-1", "model": "m", "choices": [{"index": 0, "text": "a", "prompt_token_ids": [4, 5], "token_ids": [6], "finish_reason": null}]}),
+                json!({"id": "cmpl-1", "choices": [{"index": 0, "text": "b", "token_ids": [7], "finish_reason": "length"}]}),
+            ],
+            vec![json!({"id": "c", "choices": [{"text": "no ids"}]})],
+            vec![json!({"id": "c", "prompt_token_ids": [1], "choices": [{"delta": {"reasoning_content": "hm"}, "token_ids": [2]}]})],
+            vec![json!({"error": {"message": "boom"}})],
+        ];
+        for events in streams {
+            let (mut parsed, mut read) = (StreamRecord::default(), StreamRecord::default());
+            for e in &events {
+                let ev = format!("data: {e}\n\n");
+                let (rest, ids) = strip_and_read_ids(ev.as_bytes()).unwrap();
+                assert_eq!(read.observe_read(payload(&rest).unwrap(), ids).unwrap(), parsed.observe(e.to_string().as_bytes()).unwrap(), "{e}");
+            }
+            assert_eq!(read, parsed, "{events:?}");
+        }
     }
 
     #[test]

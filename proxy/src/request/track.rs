@@ -144,22 +144,7 @@ impl Tracker {
         };
         match self.mode {
             Mode::Pinned { strip } => self.pass(ev, strip, out),
-            Mode::Source => match self.record.observe(json) {
-                Ok(seen) if seen.error.is_some() => return Err(seen.error.unwrap_or_default()),
-                Ok(seen) => {
-                    if let Some(reason) = seen.pin {
-                        self.pin(reason);
-                        fed.pinned = Some(reason);
-                    }
-                    self.pass(ev, !self.keep_ids, out);
-                }
-                Err(_) => {
-                    // Not the JSON we know: it cannot be followed, so the stream stays put.
-                    self.pin(PinReason::NoTokenIds);
-                    fed.pinned = Some(PinReason::NoTokenIds);
-                    self.pass(ev, !self.keep_ids, out);
-                }
-            },
+            Mode::Source => return self.observe(ev, json, out, fed),
             Mode::Continuation => match self.record.continue_event(json, self.shape, self.keep_ids) {
                 Ok((seen, _)) if seen.error.is_some() => return Err(seen.error.unwrap_or_default()),
                 Ok((_, v)) => {
@@ -169,6 +154,38 @@ impl Tracker {
                 }
                 Err(e) => return Err(format!("unreadable continuation event: {e}")),
             },
+        }
+        Ok(())
+    }
+
+    /// One event of the source worker: noted in the record, and passed on without the ids the
+    /// client did not ask for. Those are read as they are stripped (a first event carries the
+    /// whole prompt's), unless the event is one a JSON parser must read whole.
+    fn observe(&mut self, ev: &[u8], json: &[u8], out: &mut BytesMut, fed: &mut Fed) -> Result<(), String> {
+        let (stripped, seen) = match if self.keep_ids { None } else { events::strip_and_read_ids(ev) } {
+            Some((rest, ids)) => {
+                let seen = self.record.observe_read(events::payload(&rest).unwrap_or_default(), ids);
+                (Some(rest), seen)
+            }
+            None => (None, self.record.observe(json)),
+        };
+        match seen {
+            Ok(seen) if seen.error.is_some() => return Err(seen.error.unwrap_or_default()),
+            Ok(seen) => {
+                if let Some(reason) = seen.pin {
+                    self.pin(reason);
+                    fed.pinned = Some(reason);
+                }
+            }
+            Err(_) => {
+                // Not the JSON we know: it cannot be followed, so the stream stays put.
+                self.pin(PinReason::NoTokenIds);
+                fed.pinned = Some(PinReason::NoTokenIds);
+            }
+        }
+        match stripped {
+            Some(rest) => out.extend_from_slice(&rest),
+            None => self.pass(ev, !self.keep_ids, out),
         }
         Ok(())
     }
