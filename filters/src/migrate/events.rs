@@ -85,7 +85,9 @@ pub fn strip_token_ids(event: &[u8]) -> Vec<u8> {
     strip(event, None).unwrap_or_default()
 }
 
-/// The token id lists an event carried, as [`strip_and_read_ids`] read them.
+/// The token id lists an event carried, as [`strip_and_read_ids`] read them, wherever they were
+/// in it (vLLM puts the prompt's at the top level for chat and in the one choice for
+/// completions, the generated ones in the choice).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct EventIds {
     /// `prompt_token_ids` (`None`: absent or `null`).

@@ -36,9 +36,11 @@ impl RequestSummary<'_> {
     /// [`RequestSummary::fleet_active_overlap_blocks`] and [`RequestSummary::fleet_prefill_load`] taken
     /// from `candidates`.
     pub fn among(&self, candidates: &[Candidate]) -> Self {
-        let fleet_overlap_blocks = candidates.iter().map(|c| c.overlap_blocks).max().unwrap_or(0);
-        let fleet_active_overlap_blocks = candidates.iter().map(|c| c.active_overlap_blocks).max().unwrap_or(0);
-        let fleet_prefill_load = candidates.iter().map(|c| c.prefill_load).sum::<f64>() / candidates.len().max(1) as f64;
+        // One pass: it runs on every decision, over every candidate.
+        let (fleet_overlap_blocks, fleet_active_overlap_blocks, load) = candidates
+            .iter()
+            .fold((0, 0, 0.0), |(cached, booked, load), c| (cached.max(c.overlap_blocks), booked.max(c.active_overlap_blocks), load + c.prefill_load));
+        let fleet_prefill_load = load / candidates.len().max(1) as f64;
         Self { fleet_overlap_blocks, fleet_active_overlap_blocks, fleet_prefill_load, ..self.clone() }
     }
 }
