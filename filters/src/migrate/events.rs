@@ -156,44 +156,14 @@ fn strip(event: &[u8], mut read: Option<&mut EventIds>) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// The value at `i`, `null` (`None`) or a list of plain decimal `u32`s, and the index just
-/// past it; `None` for anything else. One pass over the digits: a first event's list is the
-/// whole prompt.
-fn id_list(b: &[u8], mut i: usize) -> Option<(Option<Vec<u32>>, usize)> {
-    let ws = |b: &[u8], mut i: usize| {
-        while b.get(i).is_some_and(u8::is_ascii_whitespace) {
-            i += 1;
-        }
-        i
-    };
-    i = ws(b, i);
-    if b[i..].starts_with(b"null") {
-        return Some((None, i + 4));
+/// The value at `i`, `null` (`None`) or a list of plain decimal `u32`s
+/// ([`kvgate_kv::id_list`]), and the index just past it; `None` for anything else.
+fn id_list(b: &[u8], i: usize) -> Option<(Option<Vec<u32>>, usize)> {
+    let at = i + b[i..].iter().take_while(|c| matches!(c, b' ' | b'\t' | b'\n' | b'\r')).count();
+    if b[at..].starts_with(b"null") {
+        return Some((None, at + 4));
     }
-    if b.get(i) != Some(&b'[') {
-        return None;
-    }
-    i = ws(b, i + 1);
-    let mut ids = Vec::new();
-    if b.get(i) == Some(&b']') {
-        return Some((Some(ids), i + 1));
-    }
-    loop {
-        let start = i;
-        let mut n = 0u64;
-        while let Some(d) = b.get(i).map(|c| c.wrapping_sub(b'0')).filter(|&d| d < 10 && i - start < 10) {
-            n = n * 10 + u64::from(d);
-            i += 1;
-        }
-        let plain = i > start && (i - start == 1 || b[start] != b'0') && !b.get(i).is_some_and(u8::is_ascii_digit);
-        ids.push(plain.then(|| u32::try_from(n).ok()).flatten()?);
-        i = ws(b, i);
-        match b.get(i)? {
-            b',' => i = ws(b, i + 1),
-            b']' => return Some((Some(ids), i + 1)),
-            _ => return None,
-        }
-    }
+    kvgate_kv::id_list::read(b, at).map(|(ids, end)| (Some(ids), end))
 }
 
 /// The index just past the JSON value (an id list, `null` or a number) starting at `i`.

@@ -246,38 +246,12 @@ impl<'a> Scanner<'a> {
         }
     }
 
-    /// A list of token ids: `[` ids `]`, each a plain decimal that fits a `u32`. `None` for
-    /// anything else (an empty list too), with the position left anywhere: the caller reads
-    /// the value again as a value.
+    /// A non-empty list of token ids ([`kvgate_kv::id_list`]); `None` for anything else, with
+    /// the position left anywhere: the caller reads the value again as a value.
     fn id_list(&mut self) -> Option<Vec<u32>> {
-        self.eat(b'[')?;
-        let mut ids = Vec::new();
-        loop {
-            self.ws();
-            ids.push(self.id()?);
-            self.ws();
-            match self.next()? {
-                b',' => {}
-                b']' => return Some(ids),
-                _ => return None,
-            }
-        }
-    }
-
-    /// `0 | [1-9][0-9]*` up to `u32::MAX`, not followed by a fraction or an exponent.
-    fn id(&mut self) -> Option<u32> {
-        let start = self.i;
-        let mut n = 0u64;
-        while let Some(&c) = self.b.get(self.i)
-            && c.is_ascii_digit()
-            && self.i - start < 10
-        {
-            n = n * 10 + u64::from(c - b'0');
-            self.i += 1;
-        }
-        let len = self.i - start;
-        let plain = len > 0 && (len == 1 || self.b[start] != b'0') && !matches!(self.peek(), Some(b'0'..=b'9' | b'.' | b'e' | b'E'));
-        plain.then(|| u32::try_from(n).ok()).flatten()
+        let (ids, end) = kvgate_kv::id_list::read(self.b, self.i).filter(|(ids, _)| !ids.is_empty())?;
+        self.i = end;
+        Some(ids)
     }
 
     fn literal(&mut self, word: &[u8]) -> Option<()> {
