@@ -32,7 +32,17 @@ pub fn read(b: &[u8], at: usize) -> Option<(Vec<u32>, usize)> {
     }
 }
 
-fn skip_ws(b: &[u8], mut i: usize) -> usize {
+/// [`read`], or `null` (`Some((None, end))`).
+pub fn read_nullable(b: &[u8], at: usize) -> Option<(Option<Vec<u32>>, usize)> {
+    let at = skip_ws(b, at);
+    if b[at.min(b.len())..].starts_with(b"null") {
+        return Some((None, at + 4));
+    }
+    read(b, at).map(|(ids, end)| (Some(ids), end))
+}
+
+/// The index of the first byte at or after `i` that is not JSON whitespace.
+pub fn skip_ws(b: &[u8], mut i: usize) -> usize {
     while b.get(i).is_some_and(|c| matches!(c, b' ' | b'\t' | b'\n' | b'\r')) {
         i += 1;
     }
@@ -55,9 +65,10 @@ fn id(b: &[u8], i: usize) -> Option<(u32, usize)> {
             w
         }
     };
-    // Each byte minus '0': a digit is 0..=9. A byte below '0' borrows from the byte after it,
-    // and a byte above 0xF9 carries into it below; neither reaches a byte before the first
-    // non-digit, which is all that is used.
+    // Each byte minus '0': a digit is 0..=9, a non-digit has a high nibble or is 10..=15, which
+    // adding 6 shows as a high nibble. A byte below '0' borrows from the byte after it in the
+    // subtraction, and one above 0xF9 carries into the byte after it in the addition: both only
+    // reach bytes after the first non-digit, and only the bytes before it are used.
     let d = u64::from_le_bytes(word).wrapping_sub(ONES * u64::from(b'0'));
     let non_digit = (d.wrapping_add(ONES * 6) | d) & (ONES * 0xF0);
     let len = (non_digit.trailing_zeros() / 8) as usize;
@@ -103,6 +114,10 @@ mod tests {
         }
         // The index past the list, in a longer text.
         assert_eq!(read(b"{\"p\": [5, 6] , \"q\":1}", 5), Some((vec![5, 6], 12)));
+        assert_eq!(read_nullable(b" null ,", 0), Some((None, 5)));
+        assert_eq!(read_nullable(b"[3]", 0), Some((Some(vec![3]), 3)));
+        assert_eq!(read_nullable(b"nul", 0), None);
+        assert_eq!(read_nullable(b"", 0), None);
     }
 
     #[test]

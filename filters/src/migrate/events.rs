@@ -139,31 +139,27 @@ fn strip(event: &[u8], mut read: Option<&mut EventIds>) -> Option<Vec<u8>> {
                 if std::mem::replace(twice, true) {
                     return None;
                 }
-                let (list, end) = id_list(event, i + key_len)?;
+                let (list, end) = kvgate_kv::id_list::read_nullable(event, i + key_len)?;
                 *slot = list;
                 end
             }
         };
+        // Whitespace around the member goes with it, so the comma beside it is found whichever
+        // side it is on (the event stays valid JSON with any separators).
+        while out.last().is_some_and(|c| matches!(c, b' ' | b'\t' | b'\n' | b'\r')) {
+            out.pop();
+        }
+        let after = kvgate_kv::id_list::skip_ws(event, value_end);
         if out.last() == Some(&b',') {
             // `,"token_ids":[…]` → nothing.
             out.pop();
-            i = value_end;
+            i = after;
         } else {
             // `{"token_ids":[…],` → `{`.
-            i = if event.get(value_end) == Some(&b',') { value_end + 1 } else { value_end };
+            i = if event.get(after) == Some(&b',') { after + 1 } else { after };
         }
     }
     Some(out)
-}
-
-/// The value at `i`, `null` (`None`) or a list of plain decimal `u32`s
-/// ([`kvgate_kv::id_list`]), and the index just past it; `None` for anything else.
-fn id_list(b: &[u8], i: usize) -> Option<(Option<Vec<u32>>, usize)> {
-    let at = i + b[i..].iter().take_while(|c| matches!(c, b' ' | b'\t' | b'\n' | b'\r')).count();
-    if b[at..].starts_with(b"null") {
-        return Some((None, at + 4));
-    }
-    kvgate_kv::id_list::read(b, at).map(|(ids, end)| (Some(ids), end))
 }
 
 /// The index just past the JSON value (an id list, `null` or a number) starting at `i`.
@@ -260,5 +256,16 @@ mod tests {
         }
         let two = br#"data: {"choices":[{"token_ids":[1]},{"token_ids":[2]}]}"#;
         assert_eq!(strip_and_read_ids(two), None);
+        // Any JSON separators: what is left is valid JSON either way.
+        for (e, want) in [
+            (&br#"{"prompt_token_ids":null ,"a":1}"#[..], &br#"{"a":1}"#[..]),
+            (br#"{"a":1, "token_ids":[5]}"#, br#"{"a":1}"#),
+            (br#"{"a":1 , "token_ids" : [5] }"#, br#"{"a":1 , "token_ids" : [5] }"#),
+            (br#"{ "token_ids": [5] , "a": 1 }"#, br#"{ "a": 1 }"#),
+        ] {
+            assert_eq!(strip_token_ids(e), want.to_vec(), "{}", String::from_utf8_lossy(e));
+            assert_eq!(strip_and_read_ids(e).unwrap().0, want.to_vec());
+            assert!(serde_json::from_slice::<serde_json::Value>(want).is_ok());
+        }
     }
 }

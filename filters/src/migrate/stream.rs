@@ -138,10 +138,11 @@ impl StreamRecord {
     pub fn observe_read(&mut self, json: &[u8], ids: EventIds) -> Result<Observed, serde_json::Error> {
         let mut chunk: ChunkView<'_> = serde_json::from_slice(json)?;
         // Where the prompt's ids were (top level for chat, the choice for completions) does not
-        // matter: either is read.
-        chunk.prompt_token_ids = ids.prompt;
+        // matter: either is read. A list the strip did not take (a key written `"token_ids" :`)
+        // is still in `json`, and kept.
+        chunk.prompt_token_ids = ids.prompt.or(chunk.prompt_token_ids.take());
         if let Some(choice) = chunk.choices.as_mut().and_then(|c| c.first_mut()) {
-            choice.token_ids = ids.generated;
+            choice.token_ids = ids.generated.or(choice.token_ids.take());
         }
         Ok(self.observe_chunk(chunk))
     }
@@ -310,6 +311,17 @@ mod tests {
                 assert_eq!(read.observe_read(payload(&rest).unwrap(), ids).unwrap(), parsed.observe(e.to_string().as_bytes()).unwrap(), "{e}");
             }
             assert_eq!(read, parsed, "{events:?}");
+        }
+        // Other JSON separators, and a key the strip does not take (`"token_ids" :`).
+        for raw in [
+            r#"{"id": "c", "prompt_token_ids": [1, 2], "choices": [{"text": "a", "token_ids": [6]}]}"#,
+            r#"{ "choices" : [ { "text" : "a" , "token_ids" : [6] , "prompt_token_ids" :[1] } ] }"#,
+        ] {
+            let (mut parsed, mut read) = (StreamRecord::default(), StreamRecord::default());
+            let (rest, ids) = strip_and_read_ids(format!("data: {raw}\n\n").as_bytes()).unwrap();
+            assert_eq!(read.observe_read(payload(&rest).unwrap(), ids).unwrap(), parsed.observe(raw.as_bytes()).unwrap(), "{raw}");
+            assert_eq!((read.prompt_ids.clone(), read.generated_ids.clone()), (parsed.prompt_ids.clone(), vec![6]), "{raw}");
+            assert_eq!(read, parsed, "{raw}");
         }
     }
 

@@ -65,11 +65,13 @@ fn scan(body: &[u8], ids: bool) -> Option<(RequestView, Option<PromptIds>)> {
             s.eat(b':')?;
             s.ws();
             let start = s.i;
+            let mut read_here = false;
             if key == b"prompt" {
                 prompts += 1;
                 prompt = ids.then(|| s.id_list()).flatten().map(|ids| PromptIds { ids, span: start..s.i });
+                read_here = prompt.is_some();
             }
-            if prompt.as_ref().is_none_or(|p| p.span.start != start) {
+            if !read_here {
                 s.i = start;
                 s.value(1)?;
             }

@@ -30,8 +30,8 @@ impl ParsedBody {
     }
 
     /// Parses a JSON object whose one `prompt`, a list of token ids, was read already: only
-    /// the rest of the body is parsed, and the ids are taken as they are. The same result as
-    /// [`Self::parse`].
+    /// the rest of the body is parsed, and the ids are taken as they are. The same value as
+    /// [`Self::parse`], or an error where it has one (whose position may differ).
     pub fn parse_with(body: &[u8], prompt: Option<PromptIds>) -> Result<Self, serde_json::Error> {
         let Some(PromptIds { ids, span }) = prompt else { return Self::parse(body) };
         let mut rest = Vec::with_capacity(body.len() - span.len() + 4);

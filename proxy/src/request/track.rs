@@ -162,11 +162,11 @@ impl Tracker {
     /// client did not ask for. Those are read as they are stripped (a first event carries the
     /// whole prompt's), unless the event is one a JSON parser must read whole.
     fn observe(&mut self, ev: &[u8], json: &[u8], out: &mut BytesMut, fed: &mut Fed) -> Result<(), String> {
-        let (stripped, seen) = match if self.keep_ids { None } else { events::strip_and_read_ids(ev) } {
-            Some((rest, ids)) => {
-                let seen = self.record.observe_read(events::payload(&rest).unwrap_or_default(), ids);
-                (Some(rest), seen)
-            }
+        let read = if self.keep_ids { None } else { events::strip_and_read_ids(ev) };
+        // What is left failing to parse (a form the strip does not expect) leaves the record
+        // untouched: the whole event is parsed instead.
+        let (stripped, seen) = match read.and_then(|(rest, ids)| Some((self.record.observe_read(events::payload(&rest)?, ids).ok()?, rest))) {
+            Some((seen, rest)) => (Some(rest), Ok(seen)),
             None => (None, self.record.observe(json)),
         };
         match seen {
