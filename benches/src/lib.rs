@@ -10,6 +10,7 @@ pub mod peers;
 pub mod reschedule;
 pub mod trace;
 
+use kvgate_kv::hash::mix;
 use std::time::Duration;
 
 /// xorshift64*: the same workload from the same seed on every run.
@@ -25,7 +26,7 @@ impl Rng {
 
     /// An independent generator for the sub-stream `stream` of `seed` (e.g. one per document).
     pub fn stream(seed: u64, stream: u64) -> Rng {
-        Rng(splitmix64(seed ^ splitmix64(stream)) | 1)
+        Rng(mix(seed ^ mix(stream)) | 1)
     }
 
     /// The next 64 pseudo-random bits.
@@ -35,14 +36,6 @@ impl Rng {
         self.0 ^= self.0 >> 27;
         self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
     }
-}
-
-/// splitmix64's finalizer: a bijection that spreads every input bit.
-fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 /// The `p` quantile (0..=1, nearest rank below) of `v`, which it sorts.

@@ -98,6 +98,16 @@ pub fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// A deterministic stream of well-mixed numbers from `seed` (splitmix64: a golden-ratio counter
+/// through [`mix`]): the random inputs of tests, the same on every run so a failure reproduces.
+pub fn sequence(seed: u64) -> impl FnMut() -> u64 {
+    let mut state = seed;
+    move || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        mix(state)
+    }
+}
+
 /// Hashes for maps keyed by the gateway's own `u64` ids (request registrations, bookings): one
 /// [`mix`] instead of SipHash, which guards against keys an attacker picks and costs several
 /// times more; these keys come from a counter.

@@ -153,11 +153,7 @@ mod tests {
     /// whatever is read here, serde_json reads the same.
     #[test]
     fn random_lists_agree_with_serde_json() {
-        let mut state = 9u64;
-        let mut next = move || {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            crate::hash::mix(state)
-        };
+        let mut next = crate::hash::sequence(9);
         let ws = [" ", "", "", "\n", "\t", "  "];
         let mut read_here = 0;
         for _ in 0..20_000 {

@@ -856,11 +856,7 @@ mod tests {
 
     #[test]
     fn random_heads_never_panic() {
-        let mut s = 3u64;
-        let mut next = move || {
-            s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            kvgate_kv::hash::mix(s)
-        };
+        let mut next = kvgate_kv::hash::sequence(3);
         let pieces: [&[u8]; 10] =
             [b"GET ", b"POST ", b"/v1/x", b"http://h", b" HTTP/1.1", b"\r\n", b"Content-Length: 5", b"Transfer-Encoding: chunked", b": ", b"\xff"];
         for _ in 0..5000 {

@@ -198,18 +198,9 @@ mod tests {
         assert_eq!(err(&trailers), ChunkError::Overlong);
     }
 
-    /// A small deterministic generator (splitmix64), so failures reproduce.
-    fn rng(seed: u64) -> impl FnMut() -> u64 {
-        let mut s = seed;
-        move || {
-            s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            kvgate_kv::hash::mix(s)
-        }
-    }
-
     #[test]
     fn any_body_encoded_in_any_chunks_decodes_to_itself_however_it_arrives() {
-        let mut next = rng(7);
+        let mut next = kvgate_kv::hash::sequence(7);
         for _ in 0..500 {
             let body: Vec<u8> = (0..next() % 3000).map(|_| next() as u8).collect();
             let mut wire = Vec::new();
@@ -231,7 +222,7 @@ mod tests {
 
     #[test]
     fn random_bytes_never_panic_and_never_yield_more_than_they_hold() {
-        let mut next = rng(11);
+        let mut next = kvgate_kv::hash::sequence(11);
         for _ in 0..5000 {
             let alphabet = b"0123456789abcdefX;= \r\n\t";
             let wire: Vec<u8> =

@@ -168,9 +168,7 @@ impl<'a> Scanner<'a> {
     }
 
     fn ws(&mut self) {
-        while matches!(self.peek(), Some(b' ' | b'\t' | b'\n' | b'\r')) {
-            self.i += 1;
-        }
+        self.i = kvgate_kv::id_list::skip_ws(self.b, self.i);
     }
 
     /// A value at nesting `depth`.
@@ -369,11 +367,8 @@ mod tests {
 
     #[test]
     fn the_word_scan_finds_the_first_special_byte_as_a_byte_loop_does() {
-        let mut state = 5u64;
-        let mut next = move || {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            kvgate_kv::hash::mix(state) as usize
-        };
+        let mut seq = kvgate_kv::hash::sequence(5);
+        let mut next = move || seq() as usize;
         let alphabet = b"ab \"\\\x00\x01\x1f\x20\x21\x7f\x80\xa2\xff\x5b\x5d";
         for _ in 0..100_000 {
             let s: Vec<u8> = (0..next() % 40).map(|_| if next() % 4 == 0 { alphabet[next() % alphabet.len()] } else { b'x' }).collect();
@@ -393,11 +388,8 @@ mod tests {
             br#"{"model":"m","nvext":{"agent_hints":{"priority":2}},"prompt":[1,2,3]}"#,
         ];
         let bytes = b"{}[],:\"0123456789.eE+-tfnul \t\n\x01\x1f\x7f\xc3\xa9\xff\\/u";
-        let mut state = 11u64;
-        let mut next = move || {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            kvgate_kv::hash::mix(state) as usize
-        };
+        let mut seq = kvgate_kv::hash::sequence(11);
+        let mut next = move || seq() as usize;
         for seed in seeds {
             assert!(scan(seed, false).is_some(), "{}", String::from_utf8_lossy(seed));
             for _ in 0..30_000 {
@@ -448,19 +440,15 @@ mod tests {
             b"\n",
             b"\"\\\"\"",
         ];
-        let mut state = 7u64;
-        let mut next = move || {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            kvgate_kv::hash::mix(state)
-        };
+        let mut next = kvgate_kv::hash::sequence(7);
         let mut accepted = 0;
         for _ in 0..200_000 {
             let mut body = b"{".to_vec();
             (0..next() % 14).for_each(|_| body.extend_from_slice(pieces[(next() % pieces.len() as u64) as usize]));
-            if next() % 3 > 0 {
+            if !next().is_multiple_of(3) {
                 body.push(b'}');
             }
-            if let Some((here, _)) = scan(&body, next() % 2 == 0) {
+            if let Some((here, _)) = scan(&body, next().is_multiple_of(2)) {
                 accepted += 1;
                 assert_eq!(Some(here), serde(&body), "{}", String::from_utf8_lossy(&body));
             }

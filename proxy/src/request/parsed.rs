@@ -289,11 +289,8 @@ mod tests {
     #[test]
     fn ids_read_on_the_way_agree_on_random_bodies() {
         let pieces = ["{", "}", "[", "]", ",", ":", " ", "\"prompt\"", "\"model\"", "\"m\"", "1", "42", "0", "01", "-3", "2.5", "4294967296", "null", "[1,2]"];
-        let mut state = 3u64;
-        let mut next = move || {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            kvgate_kv::hash::mix(state) as usize
-        };
+        let mut seq = kvgate_kv::hash::sequence(3);
+        let mut next = move || seq() as usize;
         let mut read = 0;
         for _ in 0..100_000 {
             let mut body = String::from("{\"prompt\":[");
