@@ -5,11 +5,10 @@
 //! token arrives), the predicted moment the worker will have computed the prefill booked on it
 //! (so booked prefill decays with predicted progress instead of staying whole until a first
 //! token; see [`Ledger::prefill_backlog`]), where it is in its engine step ([`step_phase`])
-//! and active KV blocks. Prompt blocks are kept as a
-//! prefix index of the booked chains with reference counts, so a prefix shared by several
-//! requests counts once
+//! and active KV blocks. Prompt blocks are kept as the booked chains themselves
+//! ([`booked_prefixes`]), so a prefix shared by several requests counts once
 //! (`assume_kv_reuse`) and "how much of this request is already active here" is one
-//! `find_matches`. Modes that do not tokenize book an estimate instead (`private_blocks`,
+//! [`Ledger::overlap`]. Modes that do not tokenize book an estimate instead (`private_blocks`,
 //! never shared).
 //!
 //! With output tracking on, a streamed request also books the blocks its output fills: one each
@@ -22,7 +21,7 @@
 //! The per-worker counters are a [`WorkerCounters`] each, owned by the worker rather than by
 //! the ledger: a model rebuilt on reload gets a new ledger over the same counters, so requests
 //! still running on the old one stay counted, and a server that serves several models carries
-//! the load of all of them. The prefix index of booked chains is per ledger (per model).
+//! the load of all of them. The booked chains are per ledger (per model).
 //!
 //! Every booking is a [`Booking`] guard: completion, error, cancellation or a panic drop it,
 //! and dropping releases exactly what it booked, so totals return to zero when load stops. A
@@ -31,12 +30,14 @@
 //! of bookings older than a limit (a request that never ends, or a guard leaked by a bug); the
 //! request itself stays counted until its guard drops, whose release of the rest does nothing.
 
+pub mod booked_prefixes;
 pub mod decayed_mean;
 pub mod load_rate;
 pub mod step_phase;
 
+use crate::route::Candidate;
 use kvgate_kv::hash::BlockHash;
-use kvgate_kv::index::{FlatIndex, KvIndex, Matches, WorkerId};
+use kvgate_kv::index::{Matches, WorkerId};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -93,10 +94,10 @@ pub fn clock_us() -> u64 {
 
 /// Per-worker load booked by the gateway for one model.
 pub struct Ledger {
-    blocks: FlatIndex,
+    booked: booked_prefixes::BookedPrefixes,
     workers: Box<[Arc<WorkerCounters>]>,
     tracking: Tracking,
-    next_salt: AtomicU64,
+    next_id: AtomicU64,
     live: Mutex<HashMap<u64, (Instant, Arc<Release>), kvgate_kv::hash::BuildIdHasher>>,
     expired: AtomicU64,
     /// Prefills booked with a predicted time on any of its workers, as a decayed rate (one
@@ -108,7 +109,10 @@ pub struct Ledger {
 struct Release {
     worker: WorkerId,
     prefill: u64,
-    chain: Vec<BlockHash>,
+    /// Its prompt's chain as booked (empty unless reuse is assumed).
+    chain: Arc<[BlockHash]>,
+    /// Blocks counted in `raw_blocks`.
+    raw_blocks: u64,
     private_blocks: u64,
     prompt_tokens: u64,
     expected_output: Option<u64>,
@@ -158,10 +162,10 @@ impl Ledger {
     pub fn over(workers: Vec<Arc<WorkerCounters>>, tracking: Tracking) -> Arc<Self> {
         let workers: Box<[Arc<WorkerCounters>]> = if workers.is_empty() { vec![Arc::default()].into() } else { workers.into() };
         Arc::new(Self {
-            blocks: FlatIndex::new(workers.len(), 4096),
+            booked: booked_prefixes::BookedPrefixes::new(workers.len()),
             workers,
             tracking,
-            next_salt: AtomicU64::new(1),
+            next_id: AtomicU64::new(1),
             live: Mutex::new(HashMap::default()),
             expired: AtomicU64::new(0),
             arrivals: load_rate::LoadRate::default(),
@@ -238,13 +242,10 @@ impl Ledger {
             self.add_output(r.worker, -std::mem::take(&mut o.milli));
         }
         if let Some(l) = self.worker(r.worker) {
-            l.raw_blocks.fetch_sub(r.chain.len() as u64, Ordering::Relaxed);
+            l.raw_blocks.fetch_sub(r.raw_blocks, Ordering::Relaxed);
             l.private_blocks.fetch_sub(r.private_blocks, Ordering::Relaxed);
         }
-        // Deepest first: a shared prefix loses one reference per block, never a subtree.
-        for h in r.chain.iter().rev() {
-            let _ = self.blocks.remove(r.worker, std::slice::from_ref(h));
-        }
+        self.booked.remove(r.worker, &r.chain);
     }
 
     fn add_output(&self, w: WorkerId, milli: i64) {
@@ -345,24 +346,48 @@ impl Ledger {
         self.arrivals.at(now) / self.workers.len() as f64
     }
 
+    /// Worker `w` as a routing candidate, as far as its bookings tell, as of `now` on
+    /// [`clock_us`]'s clock (one clock read serves every worker of a decision): requests in
+    /// flight, the prefill booked and its predicted backlog and load, where the worker is in its
+    /// engine step, and its active blocks. Its cache, what it reports and its health are the
+    /// caller's to add.
+    pub fn candidate(&self, w: WorkerId, now: u64) -> Candidate {
+        let Some(l) = self.worker(w) else { return Candidate { id: u32::from(w), ..Candidate::default() } };
+        let prefill = l.prefill.load(Ordering::Relaxed);
+        // As `prefill_backlog_at`: nothing left once no prefill is booked.
+        let backlog_us = if prefill == 0 { 0 } else { l.prefill_done_at.load(Ordering::Relaxed).saturating_sub(now) };
+        Candidate {
+            id: u32::from(w),
+            in_flight: l.requests.load(Ordering::Relaxed),
+            active_prefill_tokens: prefill,
+            prefilling: l.prefilling.load(Ordering::Relaxed),
+            next_step_tokens: l.step_phase.next_step_tokens(),
+            since_step_ms: l.step_phase.since_step_ms(now),
+            prefill_backlog_ms: Duration::from_micros(backlog_us).as_secs_f64() * 1000.0,
+            prefill_load: l.prefill_load.at(now),
+            active_blocks: self.active_blocks(w),
+            ..Candidate::default()
+        }
+    }
+
     /// Blocks booked on `w`: distinct prompt blocks (or all of them when shared prefixes are
     /// not assumed to be reused), estimated blocks of untokenized requests, and weighted output
     /// blocks, rounded.
     pub fn active_blocks(&self, w: WorkerId) -> u64 {
         let Some(l) = self.worker(w) else { return 0 };
-        let prompt = if self.tracking.assume_kv_reuse { self.blocks.block_count(w) as u64 } else { l.raw_blocks.load(Ordering::Relaxed) };
+        let prompt = if self.tracking.assume_kv_reuse { self.booked.distinct_blocks(w) } else { l.raw_blocks.load(Ordering::Relaxed) };
         let output = l.output_milli.load(Ordering::Relaxed).max(0) as u64;
         prompt + l.private_blocks.load(Ordering::Relaxed) + (output + 500) / 1000
     }
 
     /// How many leading blocks of `chain` are already booked, per worker.
     pub fn overlap(&self, chain: &[BlockHash]) -> Matches {
-        if self.tracking.assume_kv_reuse { self.blocks.find_matches(chain) } else { Matches::default() }
+        if self.tracking.assume_kv_reuse { self.booked.overlap(chain) } else { Matches::default() }
     }
 
     /// Books `load` on `w`, until the returned guard drops.
     pub fn book(self: &Arc<Self>, w: WorkerId, load: Footprint) -> Booking {
-        let id = self.next_salt.fetch_add(1, Ordering::Relaxed);
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let release = self.reserve(w, load);
         self.live.lock().insert(id, (Instant::now(), release.clone()));
         Booking { ledger: self.clone(), id, release }
@@ -372,6 +397,7 @@ impl Ledger {
     fn reserve(&self, w: WorkerId, load: Footprint) -> Arc<Release> {
         let Footprint { prefill_tokens, chain, private_blocks, prompt_tokens, expected_output, prefill_time } = load;
         let chain = if self.tracking.active_blocks { chain } else { Vec::new() };
+        let raw_blocks = chain.len() as u64;
         let time = if prefill_tokens > 0 { prefill_time.as_micros() as u64 } else { 0 };
         let mut due = 0;
         if let Some(l) = self.worker(w) {
@@ -394,21 +420,18 @@ impl Ledger {
                 }
             }
             l.prefill.fetch_add(prefill_tokens, Ordering::Relaxed);
-            l.raw_blocks.fetch_add(chain.len() as u64, Ordering::Relaxed);
+            l.raw_blocks.fetch_add(raw_blocks, Ordering::Relaxed);
             l.private_blocks.fetch_add(private_blocks, Ordering::Relaxed);
         }
-        let chain = if self.tracking.assume_kv_reuse {
-            chain
-        } else {
-            // Unique per booking: no two requests share blocks.
-            let salt = self.next_salt.fetch_add(1, Ordering::Relaxed);
-            chain.iter().map(|h| h.rotate_left(17) ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1).collect()
-        };
-        let _ = self.blocks.insert(w, None, &chain);
+        // Without reuse assumed, no two requests share blocks: the count per request
+        // (`raw_blocks`) is all there is to book.
+        let chain: Arc<[BlockHash]> = if self.tracking.assume_kv_reuse { chain.into() } else { Arc::from([]) };
+        self.booked.add(w, &chain);
         Arc::new(Release {
             worker: w,
             prefill: prefill_tokens,
             chain,
+            raw_blocks,
             private_blocks,
             prompt_tokens,
             expected_output,
@@ -486,6 +509,24 @@ mod tests {
 
     fn with_output(block_size: u32) -> Arc<Ledger> {
         Ledger::new(1, Tracking { output_blocks: true, block_size, ..Tracking::default() })
+    }
+
+    #[test]
+    fn a_candidate_is_what_the_ledger_reports_one_by_one() {
+        let s = Ledger::new(2, Tracking::default());
+        let now = clock_us();
+        assert_eq!(s.candidate(1, now), Candidate { id: 1, ..Candidate::default() });
+        let _a = s.book(1, Footprint { prefill_tokens: 40, prefill_time: Duration::from_millis(3), ..prompt(40, vec![1, 2, 3]) });
+        let _b = s.book(1, prompt(8, vec![1, 2, 4, 5]));
+        s.step_ended(1);
+        let now = clock_us();
+        let c = s.candidate(1, now);
+        assert_eq!((c.id, c.in_flight, c.active_prefill_tokens, c.prefilling), (1, 2, 48, 2));
+        assert_eq!((c.active_blocks, c.next_step_tokens, c.since_step_ms), (s.active_blocks(1), s.next_step_tokens(1), s.since_step_ms_at(1, now)));
+        assert_eq!(c.active_blocks, 5, "blocks 1 and 2 count once");
+        assert_eq!(c.prefill_backlog_ms, s.prefill_backlog_at(1, now).as_secs_f64() * 1000.0);
+        assert!(c.prefill_backlog_ms > 0.0 && c.prefill_load > 0.0 && c.prefill_load == s.prefill_load_at(1, now));
+        assert_eq!(s.candidate(9, now), Candidate { id: 9, ..Candidate::default() }, "no such worker: nothing booked");
     }
 
     #[test]

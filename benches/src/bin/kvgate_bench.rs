@@ -524,12 +524,14 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
                 }
                 // The workers' own tokenizer (vllm-sim's built-in one), so text prompts hash
                 // to the blocks the workers cache.
-                cluster::start_kvgate(&mut procs, kvgate_bin, &common.model, &routing, &workers, "tokenizer: builtin").await.map(|g| Some((g.url, None)))
+                cluster::start_kvgate(&mut procs, kvgate_bin, &common.model, &routing, &workers, "tokenizer: builtin")
+                    .await
+                    .map(|g| Some((g.url, Metrics::Gateway(g.admin))))
             }
             Some(p) => start_peer(&mut procs, t, p, peers, &common.model, &workers, peers::block_size(&sims.args), &logs).await.map(|o| {
                 o.map(|(url, prom, line)| {
                     notes.push(format!("{t}: `{line}`"));
-                    (url, Some(prom))
+                    (url, Metrics::Peer(prom))
                 })
             }),
         };
@@ -559,10 +561,12 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
             progress: !common.quiet,
         };
         reports.push(run(&o, &w).await);
-        if let (Some(Peer { router: peers::Router::VllmRouter, policy, .. }), Some(prom)) = (peer, prom)
-            && policy == "kv_aware"
-            && let Some(line) = kv_lookups(&prom).await
-        {
+        let line = match (peer, &prom) {
+            (Some(Peer { router: peers::Router::VllmRouter, policy, .. }), Metrics::Peer(prom)) if policy == "kv_aware" => kv_lookups(prom).await,
+            (None, Metrics::Gateway(admin)) => decision_times(admin, &common.model).await,
+            _ => None,
+        };
+        if let Some(line) = line {
             eprintln!("kvgate-bench: {t}: {line}");
             notes.push(format!("{t}: {line}"));
         }
@@ -627,6 +631,40 @@ async fn warm(jobs: &[(&'static str, serde_json::Value)], model: &str, workers: 
     .await;
     let failed = results.iter().filter(|ok| !**ok).count();
     eprintln!("kvgate-bench: warmed {} workers with {} requests each ({failed} failed, model {model})", workers.len(), jobs.len());
+}
+
+/// Where a started target exposes its Prometheus metrics.
+enum Metrics {
+    /// kvgate's admin listener.
+    Gateway(String),
+    /// A peer router's Prometheus port.
+    Peer(String),
+}
+
+/// How long kvgate's routing decisions took under the run's load, from its own
+/// `kvgate_routing_decision_seconds` histogram (tokenization excluded; `None` outside kv
+/// mode, where it is not observed).
+async fn decision_times(admin: &str, model: &str) -> Option<String> {
+    let text = reqwest::get(format!("{admin}/metrics")).await.ok()?.text().await.ok()?;
+    let m = kvgate_tests::prom::Metrics::parse(&text);
+    let name = "kvgate_routing_decision_seconds";
+    let total = m.sum(&format!("{name}_count"), &[("model", model)]);
+    if total <= 0.0 {
+        return None;
+    }
+    let mean_us = m.sum(&format!("{name}_sum"), &[("model", model)]) / total * 1e6;
+    let within: Vec<String> = ["5e-6", "1e-5", "2e-5"]
+        .iter()
+        .filter_map(|le| {
+            let s = m.samples.iter().find(|s| {
+                s.name == format!("{name}_bucket")
+                    && s.labels.get("model").is_some_and(|v| v == model)
+                    && s.labels.get("le").and_then(|v| v.parse::<f64>().ok()) == le.parse::<f64>().ok()
+            })?;
+            Some(format!("≤ {} µs {:.2}%", le.parse::<f64>().ok()? * 1e6, s.value / total * 100.0))
+        })
+        .collect();
+    Some(format!("routing decisions ({name}): {total} decisions, mean {mean_us:.2} µs, {}", within.join(", ")))
 }
 
 /// vllm-router's own count of KV placement lookups by result, read from its Prometheus port.

@@ -58,19 +58,8 @@ fn main() {
     let blocks = KvPolicy::new(KvParams { cost: Cost::Blocks, ..KvParams::default() });
     let candidates = |cached: &[u32], booked: &[u32]| -> Vec<Candidate> {
         let now = kvgate_filters::ledger::clock_us();
-        (0..WORKERS)
-            .map(|w| Candidate {
-                id: w as u32,
-                in_flight: 4,
-                overlap_blocks: cached[w],
-                active_overlap_blocks: booked[w],
-                active_prefill_tokens: active.prefill_tokens(w as u16),
-                prefill_backlog_ms: active.prefill_backlog_at(w as u16, now).as_secs_f64() * 1000.0,
-                prefill_load: active.prefill_load_at(w as u16, now),
-                active_blocks: active.active_blocks(w as u16),
-                ..Default::default()
-            })
-            .collect()
+        // The ledger's part of each candidate, as the gateway builds it.
+        (0..WORKERS).map(|w| Candidate { overlap_blocks: cached[w], active_overlap_blocks: booked[w], ..active.candidate(w as u16, now) }).collect()
     };
     let summary = |blocks: usize| RequestSummary {
         model: "m",
@@ -145,6 +134,28 @@ fn main() {
     let t_cost = part(&|| {
         black_box(time.choose(&summary(chain.len()), black_box(&cands)));
     });
+    // Booking a placed request's prompt and releasing it at its end (the ledger's bookkeeping
+    // around a decision), against keeping every booked block in a `FlatIndex` as the ledger
+    // did before (benches/RESULTS.md, "Booked prefixes without per-block work"), over the same
+    // bookings.
+    let flat = FlatIndex::new(WORKERS, 4096);
+    for w in 0..WORKERS {
+        for r in 0..4u32 {
+            let toks: Vec<u32> = if r == 0 { prompt[..1024].to_vec() } else { (0..2048).map(|t| t + r * 10_000 + w as u32 * 100_000).collect() };
+            flat.insert(w as u16, None, &h.chain(None, &toks)).unwrap();
+        }
+    }
+    let t_book = part(&|| {
+        let footprint = Footprint { prompt_tokens: 8192, chain: chain.clone(), ..Footprint::default() };
+        drop(black_box(active.book(3, footprint)));
+    });
+    let t_flat = part(&|| {
+        let _ = flat.insert(3, None, black_box(&chain));
+        for b in chain.iter().rev() {
+            let _ = flat.remove(3, std::slice::from_ref(b));
+        }
+    });
+    println!("booking and releasing the prompt's 512 blocks (p50): {t_book:.2} µs; kept block by block in a FlatIndex (before): {t_flat:.2} µs");
     println!(
         "parts (p50): hash {t_hash:.2} µs, index {t_index:.2} µs, booked overlap {t_booked:.2} µs, candidates {t_cands:.2} µs, `time` cost {t_cost:.2} µs\n"
     );

@@ -120,6 +120,7 @@ impl KvPolicy {
 
     /// [`Self::cost`] for a request already [`Self::sized`]: `choose` sizes it once, not per
     /// candidate.
+    #[inline]
     fn priced(&self, req: &RequestSummary<'_>, c: &Candidate) -> (f64, Terms) {
         match self.params.cost {
             Cost::Blocks => {

@@ -196,6 +196,7 @@ impl TimePriors {
     }
 
     /// Predicted time to first token of `req` on `c`, and the terms `pricing` adds to it.
+    #[inline]
     pub fn predict(&self, req: &RequestSummary<'_>, c: &Candidate, pricing: Pricing) -> Prediction {
         let bs = f64::from(req.block_size.max(1));
         let prompt = f64::from(req.prompt_tokens);
@@ -241,6 +242,7 @@ impl TimePriors {
 
 /// The tokens of the copy of a prefix that `c` would make (`duplicate`, module doc) that cost a
 /// recompute, `prompt` tokens long in blocks of `bs`.
+#[inline]
 fn evicting_tokens(req: &RequestSummary<'_>, c: &Candidate, prompt: f64, bs: f64) -> f64 {
     // What this worker's cache holds against the best one's (blocks in its cache only: a
     // prefix merely being computed here is no copy yet).

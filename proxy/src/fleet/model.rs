@@ -104,23 +104,14 @@ impl Model {
     pub fn candidate(&self, i: usize, busy: bool, now: u64) -> Candidate {
         let w = &self.workers[i];
         let id = i as u16;
-        let ranks = w.reported();
+        let ranks = w.reported_summary();
         let mut c = Candidate {
-            id: i as u32,
-            in_flight: self.ledger.requests(id),
-            active_prefill_tokens: self.ledger.prefill_tokens(id),
-            prefilling: self.ledger.prefilling(id),
-            next_step_tokens: self.ledger.next_step_tokens(id),
-            since_step_ms: self.ledger.since_step_ms_at(id, now),
-            prefill_backlog_ms: self.ledger.prefill_backlog_at(id, now).as_secs_f64() * 1000.0,
-            active_blocks: self.ledger.active_blocks(id),
-            total_blocks: ranks.iter().map(|r| r.total_blocks).sum(),
-            kv_usage: ranks.iter().map(|r| r.kv_usage).fold(0.0, f64::max),
-            waiting: ranks.iter().map(|r| r.waiting).sum::<u64>().min(u64::from(u32::MAX)) as u32,
+            total_blocks: ranks.total_blocks,
+            kv_usage: ranks.kv_usage,
+            waiting: ranks.waiting,
             healthy: w.is_healthy(),
-            prefill_load: self.ledger.prefill_load_at(id, now),
             busy,
-            ..Candidate::default()
+            ..self.ledger.candidate(id, now)
         };
         if let Some(priors) = self.time_priors() {
             let k = &w.calibration;
@@ -132,7 +123,7 @@ impl Model {
             }
             // One phase per worker: data-parallel ranks step independently, so their tokens
             // interleave and no step can be timed.
-            if let Some(l) = self.ledger.step_lengths(id).filter(|_| ranks.len() <= 1) {
+            if let Some(l) = self.ledger.step_lengths(id).filter(|_| ranks.ranks <= 1) {
                 let a = priors.ms_per_prefill_token(&c);
                 // A step computes at most one chunk of prefill (the rest of a long prompt runs in
                 // the steps after it).

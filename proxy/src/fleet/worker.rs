@@ -123,6 +123,19 @@ impl Worker {
         self.reported.read().0.clone()
     }
 
+    /// The worker's reported load over its DP ranks, read in place (routing reads it for every
+    /// worker on every decision).
+    pub fn reported_summary(&self) -> ReportedSummary {
+        let r = self.reported.read();
+        let ranks = &r.0;
+        ReportedSummary {
+            ranks: ranks.len(),
+            total_blocks: ranks.iter().map(|r| r.total_blocks).sum(),
+            kv_usage: ranks.iter().map(|r| r.kv_usage).fold(0.0, f64::max),
+            waiting: ranks.iter().map(|r| r.waiting).sum::<u64>().min(u64::from(u32::MAX)) as u32,
+        }
+    }
+
     /// Its context length, once read from `/v1/models`.
     pub fn max_model_len(&self) -> Option<u32> {
         match self.max_model_len.load(Ordering::Relaxed) {
@@ -168,6 +181,19 @@ pub struct ReportedLoad {
     pub waiting: u64,
     /// `num_gpu_blocks` from `vllm:cache_config_info`.
     pub total_blocks: u64,
+}
+
+/// A worker's reported load summed over its DP ranks.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ReportedSummary {
+    /// DP ranks reported (0 until polled).
+    pub ranks: usize,
+    /// KV capacity in blocks, summed.
+    pub total_blocks: u64,
+    /// KV usage of the fullest rank.
+    pub kv_usage: f64,
+    /// Waiting requests, summed (saturating at `u32::MAX`).
+    pub waiting: u32,
 }
 
 #[cfg(test)]
