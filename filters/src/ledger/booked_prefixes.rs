@@ -208,8 +208,10 @@ impl Tree {
             }
         }
         node.end = at;
-        // Bookings that reached past `at` may all be gone, leaving a run nobody holds.
+        // Bookings that reached past `at` may all be gone, leaving a run nobody holds (and no
+        // children: a child has bookings through here).
         if lower.stakes.is_empty() {
+            node.children = lower.children;
             return;
         }
         let key = node.chain[at];
