@@ -153,12 +153,12 @@ pub struct Footprint {
 }
 
 impl Ledger {
-    /// A ledger over fresh counters for `workers` workers (≤ 256).
+    /// A ledger over fresh counters for `workers` workers.
     pub fn new(workers: usize, tracking: Tracking) -> Arc<Self> {
         Self::over((0..workers.max(1)).map(|_| Arc::default()).collect(), tracking)
     }
 
-    /// A ledger over the workers' own counters (≤ 256 workers), indexed in this order.
+    /// A ledger over the workers' own counters, indexed in this order.
     pub fn over(workers: Vec<Arc<WorkerCounters>>, tracking: Tracking) -> Arc<Self> {
         let workers: Box<[Arc<WorkerCounters>]> = if workers.is_empty() { vec![Arc::default()].into() } else { workers.into() };
         Arc::new(Self {

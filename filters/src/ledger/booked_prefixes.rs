@@ -7,8 +7,10 @@
 //! after it, and each node says per worker how many of its bookings pass through it and where
 //! the others end inside it. A chained block hash stands for its whole prefix, so where a chain
 //! parts from a node's run is found by binary search. A booking, its release and a lookup each
-//! walk one path: a few nodes (a system prompt, a document, a conversation) and O(log L) block
-//! comparisons per node, whatever the prompt's length L. Keeping every booked block in a hash
+//! walk one path: a node per point where the bookings along it part or end (a system prompt, a
+//! document, a conversation; a release merges what no longer parts) and O(log L) block
+//! comparisons per node, whatever the prompt's length L. One mutex covers the tree: lookups
+//! and bookings alike hold it for one walk. Keeping every booked block in a hash
 //! table instead cost a few cache misses per block: 100–200 µs to book and release a
 //! 1,000-block prompt on a busy gateway (benches/RESULTS.md, "Booked prefixes without
 //! per-block work").
@@ -39,12 +41,13 @@ struct Tree {
     free: Vec<NodeId>,
 }
 
-/// A run of blocks, `chain[start..end]`, that the bookings through it share.
+/// A run of blocks, `chain[start..end]`, that the bookings through it share (some booking
+/// holds all of it; `chain` is any of theirs, kept alive while the node lives).
 struct Node {
     chain: Arc<[BlockHash]>,
     start: usize,
     end: usize,
-    /// By the first block of their run (`chain[end]` of each).
+    /// By the first block of their run (this node's `chain[end]`, their `chain[start]`).
     children: HashMap<BlockHash, NodeId, BuildIdHasher>,
     /// Per worker with bookings here.
     stakes: Vec<Stake>,
@@ -108,6 +111,11 @@ fn shared_from(a: &[BlockHash], b: &[BlockHash], from: usize) -> usize {
 }
 
 impl Node {
+    /// A slot of the slab with no node in it.
+    fn vacant() -> Self {
+        Self { chain: Arc::from([]), start: 0, end: 0, children: HashMap::default(), stakes: Vec::new() }
+    }
+
     fn child(&self, first: BlockHash) -> Option<NodeId> {
         self.children.get(&first).copied()
     }
@@ -142,8 +150,7 @@ struct Step {
 
 impl Tree {
     fn new() -> Self {
-        let root = Node { chain: Arc::from([]), start: 0, end: 0, children: HashMap::default(), stakes: Vec::new() };
-        Self { nodes: vec![root], free: Vec::new() }
+        Self { nodes: vec![Node::vacant()], free: Vec::new() }
     }
 
     fn node(&self, id: NodeId) -> &Node {
@@ -208,8 +215,10 @@ impl Tree {
             }
         }
         node.end = at;
-        // Bookings that reached past `at` may all be gone, leaving a run nobody holds (and no
-        // children: a child has bookings through here).
+        // A run nobody holds past `at` cannot be left (`tidy` ends a leaf at its longest
+        // booking, and a node with children has bookings through it); if one were, it would
+        // have no children either, and there would be nothing to move down.
+        debug_assert!(!lower.stakes.is_empty(), "a run past every booking");
         if lower.stakes.is_empty() {
             node.children = lower.children;
             return;
@@ -217,6 +226,9 @@ impl Tree {
         let key = node.chain[at];
         let lower = self.alloc(lower);
         self.node_mut(id).children.insert(key, lower);
+        // The bookings that ended inside the run stay above: below, all may go on into one
+        // child.
+        self.tidy(lower);
     }
 
     /// Adds a leaf for `chain[from..]` (booked once, by `w`) under `parent`.
@@ -272,12 +284,39 @@ impl Tree {
             node.stakes.retain(|k| !k.is_empty());
             if node.stakes.is_empty() {
                 let first = node.chain[node.start];
-                node.chain = Arc::from([]);
+                *node = Node::vacant();
                 self.free.push(s.node);
                 self.node_mut(s.parent).children.remove(&first);
+            } else {
+                self.tidy(s.node);
             }
         }
         Some(self.best(&self.walk(chain), w))
+    }
+
+    /// Keeps a path as short as its branches: a node whose bookings all go on into its one
+    /// child takes the child's run, and a leaf ends where its longest booking does. Without it
+    /// a prompt booked while others that shared part of it came and went would be left
+    /// split at every point they parted, and its lookups would walk all those nodes.
+    fn tidy(&mut self, id: NodeId) {
+        loop {
+            let node = self.node(id);
+            let single = node.children.values().next().copied().filter(|_| node.children.len() == 1);
+            match single {
+                Some(child) if node.stakes.iter().all(|k| k.ends.is_empty()) => {
+                    let c = std::mem::replace(self.node_mut(child), Node::vacant());
+                    self.free.push(child);
+                    let node = self.node_mut(id);
+                    (node.chain, node.end, node.stakes, node.children) = (c.chain, c.end, c.stakes, c.children);
+                }
+                None => {
+                    let reach = node.stakes.iter().map(|k| k.reach(node.end)).max().unwrap_or(node.end);
+                    self.node_mut(id).end = reach;
+                    return;
+                }
+                Some(_) => return,
+            }
+        }
     }
 
     /// Per worker, the most leading blocks of `chain` (not empty) one of its bookings holds,
@@ -400,10 +439,20 @@ mod tests {
                 b.add(w, &c);
                 live.push((w, c));
             }
+            if next().is_multiple_of(7) {
+                // Releasing a chain that may not be booked there releases nothing.
+                let len = 1 + (next() % longest) as usize;
+                let c = chain(&h, &(0..len).map(|_| (next() % tokens) as u32).collect::<Vec<_>>());
+                let w = (next() % 4) as WorkerId;
+                if let Some(i) = live.iter().position(|(x, k)| *x == w && **k == *c) {
+                    live.swap_remove(i);
+                }
+                b.remove(w, &c);
+            }
             let tree = b.tree.lock();
             assert_eq!(tree.nodes.len() - tree.free.len() - 1, tree.live_nodes(), "step {step}: every node is reachable");
             drop(tree);
-            let query: Vec<u32> = (0..longest).map(|_| (next() % tokens) as u32).collect();
+            let query: Vec<u32> = (0..1 + next() % longest).map(|_| (next() % tokens) as u32).collect();
             let q = h.chain(None, &query);
             let m = b.overlap(&q);
             for w in 0..4 {
@@ -424,13 +473,28 @@ mod tests {
     }
 
     impl Tree {
-        /// Nodes reachable from the root, the root left out.
+        /// Nodes reachable from the root, the root left out; checks what every node keeps.
         fn live_nodes(&self) -> usize {
             let mut stack = vec![ROOT];
             let mut n = 0;
             while let Some(id) = stack.pop() {
                 let node = self.node(id);
-                assert!(id == ROOT || !node.stakes.is_empty(), "a node nobody books is pruned");
+                if id != ROOT {
+                    assert!(!node.stakes.is_empty(), "a node nobody books is pruned");
+                    assert!(node.stakes.iter().any(|k| k.reach(node.end) == node.end), "some booking reaches its end");
+                    let passing = node.children.len() == 1 && node.stakes.iter().all(|k| k.ends.is_empty());
+                    assert!(!passing, "a node whose bookings all go on into one child is merged with it");
+                }
+                for k in node.stakes.iter().filter(|_| id != ROOT) {
+                    let below: u32 = node
+                        .children
+                        .values()
+                        .filter_map(|&c| self.node(c).stake(k.worker))
+                        .map(|s| s.through + s.ends.iter().map(|&(_, n)| n).sum::<u32>())
+                        .sum();
+                    assert_eq!(k.through, below, "worker {}'s bookings through a node are those below it", k.worker);
+                    assert!(k.ends.iter().all(|&(e, n)| e > node.start && e <= node.end && n > 0));
+                }
                 for (&k, &c) in &node.children {
                     assert_eq!(self.node(c).chain[self.node(c).start], k);
                     assert_eq!(self.node(c).start, node.end);
@@ -440,5 +504,44 @@ mod tests {
             }
             n
         }
+    }
+
+    #[test]
+    fn a_run_nobody_holds_any_more_is_cut_back() {
+        let h = Hasher::new(1, 5);
+        let b = BookedPrefixes::new(3);
+        let c10 = chain(&h, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
+        let c5: Arc<[BlockHash]> = c10[..5].into();
+        b.add(0, &c10);
+        b.add(1, &c5);
+        b.remove(0, &c10);
+        // Only the first five blocks are held now; a chain parting at the eighth shares five.
+        let parting = chain(&h, &[1, 2, 3, 4, 5, 6, 7, 0, 0]);
+        b.add(2, &parting);
+        assert_eq!((b.distinct_blocks(0), b.distinct_blocks(1), b.distinct_blocks(2)), (0, 5, 9));
+        assert_eq!(b.overlap(&c10).scores, vec![(1, 5), (2, 7)]);
+        let tree = b.tree.lock();
+        assert_eq!(tree.live_nodes(), 2, "the five shared blocks, then the rest of the parting chain");
+    }
+
+    #[test]
+    fn a_path_stays_as_short_as_its_branches() {
+        let h = Hasher::new(1, 9);
+        let b = BookedPrefixes::new(1);
+        let x: Vec<u32> = (0..1_000).collect();
+        let long = chain(&h, &x);
+        b.add(0, &long);
+        // Chains that share the first i blocks and then part, booked and released.
+        for i in 1..1_000 {
+            let mut other = x[..i].to_vec();
+            other.push(5_000);
+            let c = chain(&h, &other);
+            b.add(0, &c);
+            assert_eq!(b.overlap(&c).get(0), i as u32 + 1);
+            b.remove(0, &c);
+        }
+        assert_eq!(b.distinct_blocks(0), 1_000);
+        assert_eq!(b.tree.lock().live_nodes(), 1, "one node, not one per point where others parted");
+        assert_eq!(b.overlap(&long).get(0), 1_000);
     }
 }
