@@ -85,6 +85,17 @@ pub struct WorkerCounters {
     step_phase: step_phase::StepPhase,
 }
 
+impl WorkerCounters {
+    /// [`Ledger::prefill_backlog_at`] of this worker with `prefill` tokens booked (read by the
+    /// caller, who may need them too): nothing left once no prefill is booked.
+    fn prefill_backlog_at(&self, prefill: u64, now: u64) -> Duration {
+        if prefill == 0 {
+            return Duration::ZERO;
+        }
+        Duration::from_micros(self.prefill_done_at.load(Ordering::Relaxed).saturating_sub(now))
+    }
+}
+
 /// Microseconds since the first call in this process: the ledger's clock for predicted
 /// progress (monotonic, and fits an atomic).
 pub fn clock_us() -> u64 {
@@ -327,11 +338,7 @@ impl Ledger {
     /// [`Ledger::prefill_backlog`] as of `now` on [`clock_us`]'s clock (one clock read serves
     /// every worker of a decision).
     pub fn prefill_backlog_at(&self, w: WorkerId, now: u64) -> Duration {
-        let Some(l) = self.worker(w) else { return Duration::ZERO };
-        if l.prefill.load(Ordering::Relaxed) == 0 {
-            return Duration::ZERO;
-        }
-        Duration::from_micros(l.prefill_done_at.load(Ordering::Relaxed).saturating_sub(now))
+        self.worker(w).map_or(Duration::ZERO, |l| l.prefill_backlog_at(l.prefill.load(Ordering::Relaxed), now))
     }
 
     /// How busy the prefill booked on `w` keeps it, as of `now` on [`clock_us`]'s clock: its
@@ -354,8 +361,6 @@ impl Ledger {
     pub fn candidate(&self, w: WorkerId, now: u64) -> Candidate {
         let Some(l) = self.worker(w) else { return Candidate { id: u32::from(w), ..Candidate::default() } };
         let prefill = l.prefill.load(Ordering::Relaxed);
-        // As `prefill_backlog_at`: nothing left once no prefill is booked.
-        let backlog_us = if prefill == 0 { 0 } else { l.prefill_done_at.load(Ordering::Relaxed).saturating_sub(now) };
         Candidate {
             id: u32::from(w),
             in_flight: l.requests.load(Ordering::Relaxed),
@@ -363,7 +368,7 @@ impl Ledger {
             prefilling: l.prefilling.load(Ordering::Relaxed),
             next_step_tokens: l.step_phase.next_step_tokens(),
             since_step_ms: l.step_phase.since_step_ms(now),
-            prefill_backlog_ms: Duration::from_micros(backlog_us).as_secs_f64() * 1000.0,
+            prefill_backlog_ms: l.prefill_backlog_at(prefill, now).as_secs_f64() * 1000.0,
             prefill_load: l.prefill_load.at(now),
             active_blocks: self.active_blocks(w),
             ..Candidate::default()

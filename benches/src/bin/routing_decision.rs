@@ -37,11 +37,13 @@ fn main() {
         index.insert(w as u16, None, &query[..1 + (w * 7) % query.len()]).unwrap();
     }
     // 4 requests in flight per worker, some sharing the query's prefix.
+    let in_flight =
+        |w: usize, r: u32| -> Vec<u32> { if r == 0 { prompt[..1024].to_vec() } else { (0..2048).map(|t| t + r * 10_000 + w as u32 * 100_000).collect() } };
     let active = Ledger::new(WORKERS, Tracking::default());
     let mut bookings = Vec::new();
     for w in 0..WORKERS {
         for r in 0..4u32 {
-            let toks: Vec<u32> = if r == 0 { prompt[..1024].to_vec() } else { (0..2048).map(|t| t + r * 10_000 + w as u32 * 100_000).collect() };
+            let toks = in_flight(w, r);
             bookings.push(active.book(
                 w as u16,
                 Footprint {
@@ -141,8 +143,7 @@ fn main() {
     let flat = FlatIndex::new(WORKERS, 4096);
     for w in 0..WORKERS {
         for r in 0..4u32 {
-            let toks: Vec<u32> = if r == 0 { prompt[..1024].to_vec() } else { (0..2048).map(|t| t + r * 10_000 + w as u32 * 100_000).collect() };
-            flat.insert(w as u16, None, &h.chain(None, &toks)).unwrap();
+            flat.insert(w as u16, None, &h.chain(None, &in_flight(w, r))).unwrap();
         }
     }
     let t_book = part(&|| {

@@ -81,14 +81,18 @@ impl Stake {
         }
     }
 
-    /// Takes one booking of length `len` out; whether there was one.
-    fn take_end(&mut self, len: usize) -> bool {
-        let Some(i) = self.ends.iter().position(|&(e, _)| e == len) else { return false };
+    /// Whether a booking of length `len` ends here.
+    fn ends_at(&self, len: usize) -> bool {
+        self.ends.iter().any(|&(e, _)| e == len)
+    }
+
+    /// Takes one booking of length `len` out, if one ends here.
+    fn take_end(&mut self, len: usize) {
+        let Some(i) = self.ends.iter().position(|&(e, _)| e == len) else { return };
         self.ends[i].1 -= 1;
         if self.ends[i].1 == 0 {
             self.ends.swap_remove(i);
         }
-        true
     }
 }
 
@@ -269,7 +273,7 @@ impl Tree {
         let path = self.walk(chain);
         let (last, passed) = path.split_last()?;
         let booked = last.at == chain.len()
-            && self.node(last.node).stake(w).is_some_and(|k| k.ends.iter().any(|&(e, _)| e == chain.len()))
+            && self.node(last.node).stake(w).is_some_and(|k| k.ends_at(chain.len()))
             && passed.iter().all(|s| self.node(s.node).stake(w).is_some_and(|k| k.through > 0));
         if !booked {
             return None;
