@@ -9,11 +9,20 @@
 //!   with a real tokenizer, so every request's text prompt is tokenized, hashed and looked up;
 //! - `baseline` (`--baseline-bin`): another kvgate build, e.g. the previous commit's;
 //! - `nginx` (`--compare-nginx`): Debian's nginx (`apt-get install nginx`) as a keep-alive
-//!   reverse proxy with buffering off, `--nginx-workers` worker processes (default 1).
+//!   reverse proxy with buffering off, `--nginx-workers` worker processes (default 1);
+//! - `floor` (`--floor-bin target/release/floor-proxy`): the least a tokio HTTP/1 forwarder
+//!   does (`floor_proxy.rs`), to tell the runtime's share of a gap to nginx from the gateway's.
 //!
 //! The load comes from the built-in client (reqwest, closed loop, one connection per concurrent
 //! request) or, with `--wrk`, from wrk (`apt-get install wrk`; 1 thread), which costs far less
 //! CPU per request and so leaves more of the shared cores to the proxies.
+//!
+//! By default the proxies share every core with the load and the upstream, so the scheduler's
+//! placement of four busy threads on a small machine moves the figures from run to run.
+//! `--proxy-cpus 1` starts each proxy under `taskset -c 1` (util-linux); run the bench itself
+//! under `taskset -c 0` so that the load and the upstream keep to the other core. Each proxy then
+//! has the same core to itself, and sizes itself to it: kvgate's default thread count is the
+//! cores its process may use, nginx runs `--nginx-workers`.
 //!
 //!   cargo build --release -p kvgate -p kvgate-bench
 //!   target/release/proxy-overhead --seconds 10
@@ -55,6 +64,13 @@ struct Args {
     /// kvgate worker threads (default: the gateway's own default, the number of CPUs).
     #[arg(long)]
     kvgate_threads: Option<usize>,
+    /// Also measure `floor-proxy` (this binary's sibling), a bare tokio forwarder.
+    #[arg(long)]
+    floor_bin: Option<String>,
+    /// Start each proxy under `taskset -c <CPUS>` (e.g. `1`), so it has these cores to itself;
+    /// run the bench itself under `taskset -c` with the other cores.
+    #[arg(long)]
+    proxy_cpus: Option<String>,
     /// Generate the load with wrk (1 thread) instead of the built-in client.
     #[arg(long)]
     wrk: bool,
@@ -332,16 +348,36 @@ fn wait_listening(port: u16, what: &str) {
     }
 }
 
+/// A proxy's command, under `taskset -c <cpus>` when the proxies are pinned.
+fn proxy_command(bin: &str, cpus: Option<&str>) -> Command {
+    match cpus {
+        Some(cpus) => {
+            let mut c = Command::new("taskset");
+            c.args(["-c", cpus, bin]);
+            c
+        }
+        None => Command::new(bin),
+    }
+}
+
+/// The CPUs this process may run on (`Cpus_allowed_list` of /proc/self/status).
+fn own_cpus() -> String {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:").map(|v| v.trim().to_string())))
+        .unwrap_or_else(|| "?".into())
+}
+
 /// Starts `bin` with a generated config in front of `upstream` (`extra` goes into the model).
-fn start_gateway(name: &'static str, bin: &str, dir: &Path, upstream: std::net::SocketAddr, threads: Option<usize>, model_extra: &str) -> Target {
+fn start_gateway(name: &'static str, bin: &str, dir: &Path, upstream: std::net::SocketAddr, a: &Args, model_extra: &str) -> Target {
     let (port, admin_port) = (free_port(), free_port());
-    let threads = threads.map_or(String::new(), |t| format!("threads: {t}\n"));
+    let threads = a.kvgate_threads.map_or(String::new(), |t| format!("threads: {t}\n"));
     let yaml = format!(
         "listen: 127.0.0.1:{port}\nadmin_listen: 127.0.0.1:{admin_port}\n{threads}models:\n  - name: m\n{model_extra}    workers:\n      - url: http://{upstream}\n"
     );
     let cfg = dir.join(format!("{name}.yaml"));
     std::fs::write(&cfg, yaml).unwrap();
-    let child = Command::new(bin)
+    let child = proxy_command(bin, a.proxy_cpus.as_deref())
         .args(["--config", cfg.to_str().unwrap(), "--log", "warn"])
         .stdout(Stdio::null())
         .spawn()
@@ -350,8 +386,21 @@ fn start_gateway(name: &'static str, bin: &str, dir: &Path, upstream: std::net::
     Target { name, child: Some(child), port, stop: None }
 }
 
+/// Starts `floor-proxy` in front of `upstream`.
+fn start_floor(bin: &str, upstream: std::net::SocketAddr, a: &Args) -> Target {
+    let port = free_port();
+    let mut cmd = proxy_command(bin, a.proxy_cpus.as_deref());
+    cmd.args(["--listen", &format!("127.0.0.1:{port}"), "--upstream", &upstream.to_string()]);
+    if let Some(t) = a.kvgate_threads {
+        cmd.args(["--threads", &t.to_string()]);
+    }
+    let child = cmd.stdout(Stdio::null()).spawn().unwrap_or_else(|e| panic!("start {bin} (cargo build --release -p kvgate-bench): {e}"));
+    wait_listening(port, "floor-proxy");
+    Target { name: "floor", child: Some(child), port, stop: None }
+}
+
 /// Starts nginx as a keep-alive reverse proxy with buffering off (SSE passes through).
-fn start_nginx(dir: &Path, upstream: std::net::SocketAddr, workers: usize) -> Target {
+fn start_nginx(dir: &Path, upstream: std::net::SocketAddr, workers: usize, cpus: Option<&str>) -> Target {
     let port = free_port();
     let prefix = dir.join("nginx");
     std::fs::create_dir_all(prefix.join("logs")).unwrap();
@@ -364,7 +413,7 @@ fn start_nginx(dir: &Path, upstream: std::net::SocketAddr, workers: usize) -> Ta
     );
     let conf_path = prefix.join("nginx.conf");
     std::fs::write(&conf_path, conf).unwrap();
-    let child = Command::new("nginx")
+    let child = proxy_command("nginx", cpus)
         .args(["-p", prefix.to_str().unwrap(), "-c", conf_path.to_str().unwrap(), "-g", "daemon off;"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -394,21 +443,28 @@ async fn main() {
     std::fs::create_dir_all(&dir).unwrap();
     let mut targets = vec![Target { name: "direct", child: None, port: up_addr.port(), stop: None }];
     if a.compare_nginx {
-        targets.push(start_nginx(&dir, up_addr, a.nginx_workers));
+        targets.push(start_nginx(&dir, up_addr, a.nginx_workers, a.proxy_cpus.as_deref()));
+    }
+    if let Some(bin) = &a.floor_bin {
+        targets.push(start_floor(bin, up_addr, &a));
     }
     if let Some(bin) = &a.baseline_bin {
-        targets.push(start_gateway("baseline", bin, &dir, up_addr, a.kvgate_threads, ""));
+        targets.push(start_gateway("baseline", bin, &dir, up_addr, &a, ""));
     }
-    targets.push(start_gateway("kvgate", &a.kvgate_bin, &dir, up_addr, a.kvgate_threads, "    routing:\n      mode: round_robin\n"));
+    targets.push(start_gateway("kvgate", &a.kvgate_bin, &dir, up_addr, &a, "    routing:\n      mode: round_robin\n"));
     if let Some(tok) = &a.kv_tokenizer {
         let extra = format!("    tokenizer: {}\n    routing:\n      mode: kv\n      kv_events: false\n", tok.display());
-        targets.push(start_gateway("kvgate-kv", &a.kvgate_bin, &dir, up_addr, a.kvgate_threads, &extra));
+        targets.push(start_gateway("kvgate-kv", &a.kvgate_bin, &dir, up_addr, &a, &extra));
     }
     // A few hundred characters of text, so kv mode has a real prompt to tokenize.
     let unary = r#"{"model":"m","prompt":"You are a helpful assistant. Summarize the following report in three sentences, keeping every figure: the gateway forwarded the request to the worker that already held most of its prompt in its KV cache.","max_tokens":1}"#;
     let stream = r#"{"model":"m","prompt":"You are a helpful assistant. Summarize the following report in three sentences, keeping every figure: the gateway forwarded the request to the worker that already held most of its prompt in its KV cache.","max_tokens":16,"stream":true}"#;
     let load = if a.wrk { "wrk, 1 thread" } else { "built-in client" };
-    println!("load: {load}; {} s per row; chunks per stream: {chunks}\n", a.seconds);
+    let cpus = match &a.proxy_cpus {
+        Some(p) => format!("; CPUs: load and upstream {}, each proxy {p}", own_cpus()),
+        None => format!("; CPUs: all shared ({})", own_cpus()),
+    };
+    println!("load: {load}; {} s per row; chunks per stream: {chunks}{cpus}\n", a.seconds);
     println!("| request | concurrency | path | requests/s | p50 | p99 | errors | vs direct | vs nginx | proxy CPU µs/request |");
     println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|");
     let chat = r#"{"model":"m","messages":[{"role":"system","content":"You are a helpful assistant."},{"role":"user","content":"Summarize the following report in three sentences, keeping every figure: the gateway forwarded the request to the worker that already held most of its prompt in its KV cache."}],"max_tokens":1}"#;

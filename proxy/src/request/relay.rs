@@ -176,9 +176,10 @@ async fn body(
                 let (out, failure) = follow(gw, req, bytes, end);
                 // When the worker's body is complete, end the client's in the same write.
                 let end = end && failure.is_none();
-                if !out.is_empty() {
-                    progress.chunk(gw, req, &out);
-                }
+                // The tokens go out first: what they mean for the request (its phase, bookings,
+                // TTFT / ITL, calibration) is recorded after the write, timed at the read.
+                let read_at = Instant::now();
+                let counted = (!out.is_empty()).then(|| out.clone());
                 let written = if !out.is_empty() || end {
                     session.write_body(out, end).await
                 } else {
@@ -186,6 +187,9 @@ async fn body(
                     // now, so the client sees the status while the stream goes on.
                     session.flush_queued().await
                 };
+                if let Some(out) = counted {
+                    progress.chunk(gw, req, &out, read_at);
+                }
                 if written.is_err() {
                     return BodyEnd::Done(record::cancelled(gw, req));
                 }
@@ -370,8 +374,8 @@ impl Progress {
         self.fresh_leg = true;
     }
 
-    fn chunk(&mut self, gw: &Gateway, req: &mut RequestState, bytes: &[u8]) {
-        let now = Instant::now();
+    /// Records a chunk the client was sent, read from the worker at `now`.
+    fn chunk(&mut self, gw: &Gateway, req: &mut RequestState, bytes: &[u8], now: Instant) {
         let fresh = std::mem::take(&mut self.fresh_leg);
         // The gap before a moved stream's first event is the move's pause, not the new
         // worker's inter-token latency.
