@@ -96,6 +96,11 @@ fn build(gw: Arc<Gateway>, cfg: &Config, manual: watch::Receiver<Option<Stop>>) 
         // Draining happens in `Signals` before Pingora's shutdown starts; after it, stop promptly.
         grace_period_seconds: Some(0),
         graceful_shutdown_timeout_seconds: Some(1),
+        // Pingora bounds each accepted connection's handshake with its own timer, whose clock
+        // thread, once started, wakes every 10 ms for the life of the process; the gateway
+        // uses none of its timers otherwise. Every duration above 0 s goes to tokio's timer
+        // instead, which costs nothing when the handshake (plain TCP) is done at once.
+        fast_timeout_to_tokio_threshold_seconds: Some(0),
         ..ServerConf::default()
     };
     let mut server = Server::new_with_opt_and_conf(None, conf);

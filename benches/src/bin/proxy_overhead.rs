@@ -336,6 +336,19 @@ struct Target {
     stop: Option<Command>,
 }
 
+impl Drop for Target {
+    /// Stops the proxy, also when the run fails part-way (a proxy that did not start).
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.as_mut() {
+            let _ = stop.status();
+        }
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
@@ -519,14 +532,6 @@ async fn main() {
         }
     }
     println!("\nupstream connections accepted over the whole run: {}", accepted.load(Ordering::Relaxed));
-    for t in &mut targets {
-        if let Some(stop) = t.stop.as_mut() {
-            let _ = stop.status();
-        }
-        if let Some(mut child) = t.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
+    drop(targets);
     let _ = std::fs::remove_dir_all(dir);
 }
