@@ -61,7 +61,8 @@ struct Args {
     /// nginx worker processes.
     #[arg(long, default_value_t = 1)]
     nginx_workers: usize,
-    /// kvgate worker threads (default: the gateway's own default, the number of CPUs).
+    /// Worker threads of kvgate and of `floor-proxy` (default: their own default, the number
+    /// of CPUs they may use).
     #[arg(long)]
     kvgate_threads: Option<usize>,
     /// Also measure `floor-proxy` (this binary's sibling), a bare tokio forwarder.
@@ -413,8 +414,8 @@ fn start_floor(bin: &str, upstream: std::net::SocketAddr, a: &Args) -> Target {
 }
 
 /// Starts nginx as a keep-alive reverse proxy with buffering off (SSE passes through).
-fn start_nginx(dir: &Path, upstream: std::net::SocketAddr, workers: usize, cpus: Option<&str>) -> Target {
-    let port = free_port();
+fn start_nginx(dir: &Path, upstream: std::net::SocketAddr, a: &Args) -> Target {
+    let (port, workers) = (free_port(), a.nginx_workers);
     let prefix = dir.join("nginx");
     std::fs::create_dir_all(prefix.join("logs")).unwrap();
     let conf = format!(
@@ -426,7 +427,7 @@ fn start_nginx(dir: &Path, upstream: std::net::SocketAddr, workers: usize, cpus:
     );
     let conf_path = prefix.join("nginx.conf");
     std::fs::write(&conf_path, conf).unwrap();
-    let child = proxy_command("nginx", cpus)
+    let child = proxy_command("nginx", a.proxy_cpus.as_deref())
         .args(["-p", prefix.to_str().unwrap(), "-c", conf_path.to_str().unwrap(), "-g", "daemon off;"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -456,7 +457,7 @@ async fn main() {
     std::fs::create_dir_all(&dir).unwrap();
     let mut targets = vec![Target { name: "direct", child: None, port: up_addr.port(), stop: None }];
     if a.compare_nginx {
-        targets.push(start_nginx(&dir, up_addr, a.nginx_workers, a.proxy_cpus.as_deref()));
+        targets.push(start_nginx(&dir, up_addr, &a));
     }
     if let Some(bin) = &a.floor_bin {
         targets.push(start_floor(bin, up_addr, &a));

@@ -178,8 +178,7 @@ async fn body(
                 let end = end && failure.is_none();
                 // The tokens go out first: what they mean for the request (its phase, bookings,
                 // TTFT / ITL, calibration) is recorded after the write, timed at the read.
-                let read_at = Instant::now();
-                let counted = (!out.is_empty()).then(|| out.clone());
+                let counted = (!out.is_empty()).then(|| (out.clone(), Instant::now()));
                 let written = if !out.is_empty() || end {
                     session.write_body(out, end).await
                 } else {
@@ -187,7 +186,7 @@ async fn body(
                     // now, so the client sees the status while the stream goes on.
                     session.flush_queued().await
                 };
-                if let Some(out) = counted {
+                if let Some((out, read_at)) = counted {
                     progress.chunk(gw, req, &out, read_at);
                 }
                 if written.is_err() {
