@@ -19,7 +19,7 @@ pub struct Gateway {
     draining: AtomicBool,
     open: AtomicUsize,
     /// Busy thresholds per model, settable at run time (`/busy_threshold`).
-    thresholds: parking_lot::RwLock<std::collections::HashMap<String, kvgate_filters::shed::Thresholds>>,
+    thresholds: parking_lot::RwLock<crate::fleet::ByName<kvgate_filters::shed::Thresholds>>,
     /// Metrics.
     pub metrics: Metrics,
     /// KV ingestion metrics (same registry).
@@ -107,7 +107,7 @@ impl Gateway {
         {
             // Runtime-set thresholds survive a reload unless the file changed that model's.
             let mut th = self.thresholds.write();
-            let mut next = std::collections::HashMap::new();
+            let mut next = crate::fleet::ByName::default();
             for m in &cfg.models {
                 let from_file = m.shedding.thresholds;
                 let before = old.model(&m.name).map(|o| o.shedding.thresholds);

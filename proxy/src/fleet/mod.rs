@@ -20,10 +20,15 @@ pub use worker::{ReportedLoad, Worker};
 use std::collections::HashMap;
 use std::sync::Arc;
 
+/// A map by model name. Every request looks its model up in one, so it hashes with foldhash
+/// rather than SipHash (about 60 instructions fewer per lookup). The keys come from the config, never
+/// from clients, so no client can fill a bucket.
+pub type ByName<V> = HashMap<String, V, foldhash::fast::RandomState>;
+
 /// Every served model.
 pub struct Fleet {
     /// By name.
-    pub models: HashMap<String, Arc<Model>>,
+    pub models: ByName<Arc<Model>>,
     /// Names in config order.
     pub order: Vec<String>,
 }

@@ -40,7 +40,7 @@ impl WorkerRegistry {
             .collect::<Result<_, _>>()?;
         let mut known = self.by_url.lock();
         let mut next: HashMap<UpstreamUrl, Arc<Worker>> = HashMap::new();
-        let mut models = HashMap::new();
+        let mut models = super::ByName::default();
         let mut order = Vec::new();
         for (m, kv) in cfg.models.iter().zip(kv) {
             if let Some(same) = unchanged(m) {
