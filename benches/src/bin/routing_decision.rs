@@ -1,7 +1,9 @@
 //! The KV routing decision for an 8,192-token prompt over 64 workers (issue #5): hash the
 //! prompt's 512 blocks, look them up in the index (~1M blocks) and in the booked-load index,
 //! build 64 candidates and pick the cheapest, under each `kv` cost (`time`, `blocks`). Tokenization excluded. Release, one pinned core;
-//! `round_robin` measured in the same run as the baseline.
+//! `round_robin` measured in the same run as the baseline. Each decision is followed by the
+//! prompt's hash alone, timed apart, whose p99 per round shows when the shared host slowed the
+//! core.
 //!
 //!   cargo build --release -p kvgate-bench && taskset -c 0 target/release/routing-decision
 

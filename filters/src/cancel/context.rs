@@ -6,7 +6,9 @@
 //!
 //! The state is one atomic and waiters share one `Notify`: a context is made for every request,
 //! and a `watch` channel's eight notify slots cost more to create and drop than the rest of
-//! it (benches/RESULTS.md, "A lighter cancellation context").
+//! it (benches/RESULTS.md, "A lighter request, and a stream's first token apart from the
+//! rest"). One atomic step also settles a stop and a kill that race: only the call that finds
+//! the context running reports the change.
 
 use parking_lot::Mutex;
 use std::sync::Arc;
@@ -75,7 +77,7 @@ impl RequestContext {
     /// Asks the request to stop producing results. Idempotent; propagates to children in link
     /// order. Returns true if this call moved the context out of `Running`.
     pub fn stop_generating(&self) -> bool {
-        let changed = self.advance(CancelState::Stopped);
+        let changed = self.advance(CancelState::Stopped) == CancelState::Running;
         for c in self.children_snapshot() {
             c.stop_generating();
         }
@@ -91,12 +93,11 @@ impl RequestContext {
     /// moved the context out of `Running` (a kill after a stop returns false: the request was
     /// already cancelled).
     pub fn kill(&self) -> bool {
-        let was_running = self.state() == CancelState::Running;
-        let changed = self.advance(CancelState::Killed);
+        let changed = self.advance(CancelState::Killed) == CancelState::Running;
         for c in self.children_snapshot() {
             c.kill();
         }
-        changed && was_running
+        changed
     }
 
     /// Links a child: later stop/kill calls reach it. A child linked after the parent was
@@ -142,12 +143,14 @@ impl RequestContext {
         }
     }
 
-    fn advance(&self, to: CancelState) -> bool {
-        let moved = self.state.fetch_max(to as u8, Ordering::AcqRel) < to as u8;
-        if moved {
+    /// Raises the state to at least `to`, waking the waiters if it rose; returns the state
+    /// before.
+    fn advance(&self, to: CancelState) -> CancelState {
+        let before = CancelState::from_u8(self.state.fetch_max(to as u8, Ordering::AcqRel));
+        if before < to {
             self.changed.notify_waiters();
         }
-        moved
+        before
     }
 
     fn children_snapshot(&self) -> Vec<Arc<RequestContext>> {
@@ -191,6 +194,19 @@ mod tests {
         let late = RequestContext::new("late");
         parent.link_child(late.clone());
         assert!(late.is_killed());
+    }
+
+    #[test]
+    fn a_stop_and_a_kill_that_race_report_one_change() {
+        for _ in 0..500 {
+            let c = RequestContext::new("r");
+            let (a, b) = (c.clone(), c.clone());
+            let stop = std::thread::spawn(move || a.stop());
+            let kill = std::thread::spawn(move || b.kill());
+            let changed = [stop.join().unwrap(), kill.join().unwrap()];
+            assert_eq!(changed.iter().filter(|&&x| x).count(), 1, "{changed:?}");
+            assert!(c.is_killed());
+        }
     }
 
     #[test]
