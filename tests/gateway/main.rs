@@ -40,16 +40,22 @@ fn essence(v: &Value) -> Value {
            "finish": c["finish_reason"], "usage": v["usage"]})
 }
 
-/// A stream's essence (`SseBody::essence`) and its number of events.
-fn stream_essence(b: &sse::SseBody) -> Value {
+/// A stream's essence (`SseBody::essence`), and its number of events when `count`. Count them
+/// only against the simulator: real vLLM merges the deltas of a request whose engine got ahead
+/// of its API server (`RequestOutputCollector` in vllm/v1/engine/output_processor.py), so how
+/// many events carry the same tokens depends on timing, direct or through the gateway.
+fn stream_essence(b: &sse::SseBody, count: bool) -> Value {
     let mut v = b.essence();
-    v["n"] = json!(b.events.len());
+    if count {
+        v["n"] = json!(b.events.len());
+    }
     v
 }
 
 #[tokio::test]
 async fn responses_are_identical_direct_and_through_the_gateway() {
     let t = Target::start().await;
+    let count = !t.external;
     let c = Cluster::front(std::slice::from_ref(&t.url), GatewayOpts { model: t.model.clone(), ..Default::default() }).await;
     let prompt = unique_text(20);
     let msgs = json!([{"role": "user", "content": unique_text(12)}]);
@@ -69,7 +75,7 @@ async fn responses_are_identical_direct_and_through_the_gateway() {
         let (s, ctype, v) = sse::stream(&c.http, &c.url(path), &sbody).await;
         assert_eq!(s, 200);
         assert!(ctype.starts_with("text/event-stream"), "{ctype}");
-        assert_eq!(stream_essence(&d), stream_essence(&v), "stream {path}");
+        assert_eq!(stream_essence(&d, count), stream_essence(&v, count), "stream {path}");
         assert!(v.done);
     }
     // curl, an independent client, sees the same stream.
@@ -82,7 +88,7 @@ async fn responses_are_identical_direct_and_through_the_gateway() {
         .expect("curl runs");
     let via_curl = sse::parse(&String::from_utf8(out.stdout).expect("utf-8"));
     let (_, _, direct) = sse::stream(&t.http, &format!("{}/v1/completions", t.url), &sbody).await;
-    assert_eq!(stream_essence(&via_curl), stream_essence(&direct));
+    assert_eq!(stream_essence(&via_curl, count), stream_essence(&direct, count));
 }
 
 #[tokio::test]
