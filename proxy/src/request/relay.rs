@@ -177,7 +177,7 @@ async fn body(
                 // When the worker's body is complete, end the client's in the same write.
                 let end = end && failure.is_none();
                 // The tokens go out first: what they mean for the request (its phase, bookings,
-                // TTFT / ITL, calibration) is recorded after the write, timed at the read.
+                // TTFT / ITL, calibration) is recorded after the write, timed before it.
                 let counted = (!out.is_empty()).then(|| (out.clone(), Instant::now()));
                 let written = if !out.is_empty() || end {
                     session.write_body(out, end).await
@@ -186,8 +186,8 @@ async fn body(
                     // now, so the client sees the status while the stream goes on.
                     session.flush_queued().await
                 };
-                if let Some((out, read_at)) = counted {
-                    progress.chunk(gw, req, &out, read_at);
+                if let Some((out, ready_at)) = counted {
+                    progress.chunk(gw, req, &out, ready_at);
                 }
                 if written.is_err() {
                     return BodyEnd::Done(record::cancelled(gw, req));
@@ -373,7 +373,8 @@ impl Progress {
         self.fresh_leg = true;
     }
 
-    /// Records a chunk the client was sent, read from the worker at `now`.
+    /// Records a chunk the client was sent, ready to write at `now` (read from the worker and
+    /// cut into whole events).
     fn chunk(&mut self, gw: &Gateway, req: &mut RequestState, bytes: &[u8], now: Instant) {
         let fresh = std::mem::take(&mut self.fresh_leg);
         // The gap before a moved stream's first event is the move's pause, not the new
