@@ -17,6 +17,10 @@
 //! request) or, with `--wrk`, from wrk (`apt-get install wrk`; 1 thread), which costs far less
 //! CPU per request and so leaves more of the shared cores to the proxies.
 //!
+//! `--rounds N` measures each path N times per row, the paths taking turns, so that the shared
+//! machine's slow spells (which last seconds and move nginx's own rate by a quarter) fall on
+//! every path alike instead of on whichever ran then.
+//!
 //! By default the proxies share every core with the load and the upstream, so the scheduler's
 //! placement of four busy threads on a small machine moves the figures from run to run.
 //! `--proxy-cpus 1` starts each proxy under `taskset -c 1` (util-linux); run the bench itself
@@ -26,7 +30,7 @@
 //!
 //!   cargo build --release -p kvgate -p kvgate-bench
 //!   target/release/proxy-overhead --seconds 10
-//!   target/release/proxy-overhead --wrk --compare-nginx --concurrency 1,64 \
+//!   target/release/proxy-overhead --wrk --compare-nginx --concurrency 1,64 --rounds 5 \
 //!       --kv-tokenizer ../shared/data/tokenizers/<dir>
 
 use clap::Parser;
@@ -72,6 +76,12 @@ struct Args {
     /// run the bench itself under `taskset -c` with the other cores.
     #[arg(long)]
     proxy_cpus: Option<String>,
+    /// Rounds per row: each path is measured this many times for `--seconds`, the paths taking
+    /// turns (each round starting one further on), so a slow spell of the shared machine falls
+    /// on every path alike. A row sums its rounds; its latencies are the rounds' medians, and
+    /// its ratio to nginx also shows the range of the rounds' own ratios.
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
     /// Generate the load with wrk (1 thread) instead of the built-in client.
     #[arg(long)]
     wrk: bool,
@@ -301,6 +311,70 @@ fn us(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
 
+/// One path's rounds in a row.
+struct PathRuns {
+    name: &'static str,
+    rounds: Vec<Run>,
+    /// Requests served over every round.
+    requests: u64,
+    seconds: f64,
+    errors: u64,
+    /// The proxy's CPU time over its rounds (none for the direct path).
+    cpu: Option<Duration>,
+}
+
+impl PathRuns {
+    fn rps(&self) -> f64 {
+        self.requests as f64 / self.seconds.max(f64::MIN_POSITIVE)
+    }
+
+    fn median(&self, f: impl Fn(&Run) -> Duration) -> Duration {
+        let mut v: Vec<Duration> = self.rounds.iter().map(f).collect();
+        v.sort();
+        v.get(v.len() / 2).copied().unwrap_or_default()
+    }
+
+    /// Requests/s against `base`'s, over all rounds; with several rounds, also the lowest and
+    /// highest of the rounds' own ratios (round k of each path ran in the same turn).
+    fn vs(&self, base: &PathRuns) -> String {
+        let all = format!("{:.2}×", self.rps() / base.rps().max(f64::MIN_POSITIVE));
+        if self.rounds.len() < 2 || std::ptr::eq(self, base) {
+            return all;
+        }
+        let ratios: Vec<f64> = self.rounds.iter().zip(&base.rounds).map(|(x, b)| x.rps / b.rps.max(f64::MIN_POSITIVE)).collect();
+        let (lo, hi) = ratios.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &r| (lo.min(r), hi.max(r)));
+        format!("{all} ({lo:.2}–{hi:.2})")
+    }
+}
+
+/// Measures every target at concurrency `c` on `path`, `--rounds` times each, the targets taking
+/// turns round by round.
+async fn measure_paths(targets: &[Target], path: &str, body: &'static str, c: usize, a: &Args, dir: &Path) -> Vec<PathRuns> {
+    let mut out: Vec<PathRuns> = targets
+        .iter()
+        .map(|t| PathRuns { name: t.name, rounds: Vec::new(), requests: 0, seconds: 0.0, errors: 0, cpu: t.child.as_ref().map(|_| Duration::ZERO) })
+        .collect();
+    for round in 0..a.rounds.max(1) {
+        for k in 0..targets.len() {
+            let i = (round + k) % targets.len();
+            let t = &targets[i];
+            let url = format!("http://127.0.0.1:{}{path}", t.port);
+            let pid = t.child.as_ref().map(Child::id);
+            let cpu0 = pid.map(tree_cpu_time);
+            let r = if a.wrk { measure_wrk(&url, body, c, a.seconds, dir).await } else { measure(&url, body, c, a.seconds).await };
+            let p = &mut out[i];
+            if let (Some(pid), Some(c0), Some(total)) = (pid, cpu0, p.cpu.as_mut()) {
+                *total += tree_cpu_time(pid).saturating_sub(c0);
+            }
+            p.requests += (r.rps * a.seconds as f64).round() as u64;
+            p.seconds += a.seconds as f64;
+            p.errors += r.errors;
+            p.rounds.push(r);
+        }
+    }
+    out
+}
+
 /// CPU time (user + system) a process has used so far, from `/proc/<pid>/stat`; threads
 /// included. Zero when unreadable.
 fn cpu_time(pid: u32) -> Duration {
@@ -480,7 +554,7 @@ async fn main() {
         Some(p) => format!("; CPUs: load and upstream {}, each proxy {p}", own_cpus()),
         None => format!("; CPUs: all shared ({})", own_cpus()),
     };
-    println!("load: {load}; {} s per row; chunks per stream: {chunks}{cpus}\n", a.seconds);
+    println!("load: {load}; {} s per path and round, {} round(s) per row; chunks per stream: {chunks}{cpus}\n", a.seconds, a.rounds.max(1));
     println!("| request | concurrency | path | requests/s | p50 | p99 | errors | vs direct | vs nginx | proxy CPU µs/request |");
     println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|");
     let chat = r#"{"model":"m","messages":[{"role":"system","content":"You are a helpful assistant."},{"role":"user","content":"Summarize the following report in three sentences, keeping every figure: the gateway forwarded the request to the worker that already held most of its prompt in its KV cache."}],"max_tokens":1}"#;
@@ -489,29 +563,22 @@ async fn main() {
             continue;
         }
         for &c in &a.concurrency {
-            let mut runs: Vec<(&str, Run, Option<Duration>)> = Vec::new();
-            for t in &targets {
-                let path = if kind == "chat" { "/v1/chat/completions" } else { "/v1/completions" };
-                let url = format!("http://127.0.0.1:{}{path}", t.port);
-                let pid = t.child.as_ref().map(Child::id);
-                let cpu0 = pid.map(tree_cpu_time);
-                let r = if a.wrk { measure_wrk(&url, body, c, a.seconds, &dir).await } else { measure(&url, body, c, a.seconds).await };
-                let cpu = pid.zip(cpu0).map(|(p, c0)| tree_cpu_time(p).saturating_sub(c0));
-                runs.push((t.name, r, cpu));
-            }
-            let direct = runs[0].1.rps;
-            let nginx = runs.iter().find(|(n, ..)| *n == "nginx").map(|(_, r, _)| r.rps);
+            let path = if kind == "chat" { "/v1/chat/completions" } else { "/v1/completions" };
             let label = if kind == "stream" { format!("stream ({chunks} chunks)") } else { kind.to_string() };
-            for (name, r, cpu) in &runs {
-                let vs_nginx = nginx.map_or(String::new(), |n| format!("{:.2}×", r.rps / n));
-                let per_req = cpu.map_or(String::new(), |c| format!("{:.1}", us(c) / (r.rps * a.seconds as f64).max(1.0)));
+            let runs = measure_paths(&targets, path, body, c, &a, &dir).await;
+            let direct = runs[0].rps();
+            let nginx = runs.iter().position(|r| r.name == "nginx");
+            for r in &runs {
+                let vs_nginx = nginx.map_or(String::new(), |n| r.vs(&runs[n]));
+                let per_req = r.cpu.map_or(String::new(), |c| format!("{:.1}", us(c) / (r.requests as f64).max(1.0)));
                 println!(
-                    "| {label} | {c} | {name} | {:.0} | {:.0} µs | {:.0} µs | {} | {:.2}× | {vs_nginx} | {per_req} |",
-                    r.rps,
-                    us(r.p50),
-                    us(r.p99),
+                    "| {label} | {c} | {} | {:.0} | {:.0} µs | {:.0} µs | {} | {:.2}× | {vs_nginx} | {per_req} |",
+                    r.name,
+                    r.rps(),
+                    us(r.median(|x| x.p50)),
+                    us(r.median(|x| x.p99)),
                     r.errors,
-                    r.rps / direct
+                    r.rps() / direct
                 );
             }
         }
