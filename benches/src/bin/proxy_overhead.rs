@@ -623,3 +623,36 @@ async fn main() {
     drop(targets);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(rps: f64, p50_us: u64) -> Run {
+        Run { rps, p50: Duration::from_micros(p50_us), p99: Duration::from_micros(p50_us * 3), errors: 0 }
+    }
+
+    fn path(name: &'static str, rounds: Vec<Run>) -> PathRuns {
+        let requests = rounds.iter().map(|r| r.rps as u64).sum();
+        PathRuns { name, seconds: rounds.len() as f64, rounds, requests, errors: 0, cpu: None }
+    }
+
+    #[test]
+    fn a_row_sums_its_rounds_and_shows_the_range_of_their_ratios() {
+        let nginx = path("nginx", vec![run(100.0, 10), run(50.0, 30), run(80.0, 20)]);
+        let kvgate = path("kvgate", vec![run(90.0, 12), run(50.0, 25), run(60.0, 40)]);
+        assert_eq!(kvgate.rps(), 200.0 / 3.0);
+        // 200 against 230 over the row; the rounds' own ratios run from 0.75 to 1.00.
+        assert_eq!(kvgate.vs(&nginx), "0.87× (0.75–1.00)");
+        assert_eq!(kvgate.median(|r| r.p50), Duration::from_micros(25));
+        assert_eq!(nginx.vs(&nginx), "1.00×", "a path against itself has no range");
+    }
+
+    #[test]
+    fn one_round_is_a_plain_ratio() {
+        let nginx = path("nginx", vec![run(100.0, 10)]);
+        let kvgate = path("kvgate", vec![run(85.0, 12)]);
+        assert_eq!(kvgate.vs(&nginx), "0.85×");
+        assert_eq!(kvgate.median(|r| r.p99), Duration::from_micros(36));
+    }
+}
