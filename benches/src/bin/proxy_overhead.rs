@@ -18,8 +18,9 @@
 //! CPU per request and so leaves more of the shared cores to the proxies.
 //!
 //! `--rounds N` measures each path N times per row, the paths taking turns, so that the shared
-//! machine's slow spells (which last seconds and move nginx's own rate by a quarter) fall on
-//! every path alike instead of on whichever ran then.
+//! machine's slow spells (nginx's own rate moved between 41k and 60k requests/s from one 3 s
+//! window to the next on the 2-core VM of benches/RESULTS.md) are spread over every path instead
+//! of landing on whichever ran then.
 //!
 //! By default the proxies share every core with the load and the upstream, so the scheduler's
 //! placement of four busy threads on a small machine moves the figures from run to run.
@@ -77,11 +78,13 @@ struct Args {
     #[arg(long)]
     proxy_cpus: Option<String>,
     /// Rounds per row: each path is measured this many times for `--seconds`, the paths taking
-    /// turns (each round starting one further on), so a slow spell of the shared machine falls
-    /// on every path alike. A row sums its rounds; its latencies are the rounds' medians, and
-    /// its ratio to nginx also shows the range of the rounds' own ratios.
-    #[arg(long, default_value_t = 1)]
-    rounds: usize,
+    /// turns (each round starting one path further on; a multiple of the path count gives each
+    /// path every place in the order equally often), so a slow spell of the shared machine is
+    /// spread over the paths. A row sums its rounds, so its CPU per request covers them all; its
+    /// latencies are the rounds' medians, so one slow round does not set them; its ratio to
+    /// nginx also shows the range of the rounds' own ratios.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    rounds: u64,
     /// Generate the load with wrk (1 thread) instead of the built-in client.
     #[arg(long)]
     wrk: bool,
@@ -311,11 +314,12 @@ fn us(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
 
-/// One path's rounds in a row.
+/// One path's rounds in a row: kept apart for the medians and the range of ratios, summed for
+/// the rate and the CPU per request.
 struct PathRuns {
     name: &'static str,
     rounds: Vec<Run>,
-    /// Requests served over every round.
+    /// Requests served over every round, each round's taken as its rate times `--seconds`.
     requests: u64,
     seconds: f64,
     errors: u64,
@@ -328,6 +332,7 @@ impl PathRuns {
         self.requests as f64 / self.seconds.max(f64::MIN_POSITIVE)
     }
 
+    /// The middle round's value (the upper of the two middle ones for an even count).
     fn median(&self, f: impl Fn(&Run) -> Duration) -> Duration {
         let mut v: Vec<Duration> = self.rounds.iter().map(f).collect();
         v.sort();
@@ -335,7 +340,8 @@ impl PathRuns {
     }
 
     /// Requests/s against `base`'s, over all rounds; with several rounds, also the lowest and
-    /// highest of the rounds' own ratios (round k of each path ran in the same turn).
+    /// highest of the rounds' own ratios (round k of each path ran in the same round, a few
+    /// measurements apart, so the range also holds the noise within a round).
     fn vs(&self, base: &PathRuns) -> String {
         let all = format!("{:.2}×", self.rps() / base.rps().max(f64::MIN_POSITIVE));
         if self.rounds.len() < 2 || std::ptr::eq(self, base) {
@@ -347,14 +353,15 @@ impl PathRuns {
     }
 }
 
-/// Measures every target at concurrency `c` on `path`, `--rounds` times each, the targets taking
-/// turns round by round.
+/// Measures every target at concurrency `c` on `path`, `--rounds` times each. The targets take
+/// turns round by round rather than one after the other, so that no target has a slow spell of
+/// the machine to itself.
 async fn measure_paths(targets: &[Target], path: &str, body: &'static str, c: usize, a: &Args, dir: &Path) -> Vec<PathRuns> {
     let mut out: Vec<PathRuns> = targets
         .iter()
         .map(|t| PathRuns { name: t.name, rounds: Vec::new(), requests: 0, seconds: 0.0, errors: 0, cpu: t.child.as_ref().map(|_| Duration::ZERO) })
         .collect();
-    for round in 0..a.rounds.max(1) {
+    for round in 0..a.rounds as usize {
         for k in 0..targets.len() {
             let i = (round + k) % targets.len();
             let t = &targets[i];
@@ -554,7 +561,7 @@ async fn main() {
         Some(p) => format!("; CPUs: load and upstream {}, each proxy {p}", own_cpus()),
         None => format!("; CPUs: all shared ({})", own_cpus()),
     };
-    println!("load: {load}; {} s per path and round, {} round(s) per row; chunks per stream: {chunks}{cpus}\n", a.seconds, a.rounds.max(1));
+    println!("load: {load}; {} s per path and round, {} round(s) per row; chunks per stream: {chunks}{cpus}\n", a.seconds, a.rounds);
     println!("| request | concurrency | path | requests/s | p50 | p99 | errors | vs direct | vs nginx | proxy CPU µs/request |");
     println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|");
     let chat = r#"{"model":"m","messages":[{"role":"system","content":"You are a helpful assistant."},{"role":"user","content":"Summarize the following report in three sentences, keeping every figure: the gateway forwarded the request to the worker that already held most of its prompt in its KV cache."}],"max_tokens":1}"#;
