@@ -174,13 +174,22 @@ async fn paced_stream(s: &mut TcpStream, chunks: usize) -> std::io::Result<()> {
 async fn token_delays(urls: &[String], n: usize) -> Vec<Vec<(Duration, bool)>> {
     let http = reqwest::Client::new();
     let mut out = vec![Vec::new(); urls.len()];
-    for round in 0..n {
-        for k in 0..urls.len() {
-            let i = (round + k) % urls.len();
-            stream_delays(&http, &urls[i], &mut out[i]).await;
-        }
+    for i in taking_turns(n, urls.len()) {
+        stream_delays(&http, &urls[i], &mut out[i]).await;
     }
     out
+}
+
+/// The order in which `paths` paths are measured over `rounds` rounds: every path once per
+/// round, each round starting one path further on, so that whatever comes with a place in the
+/// order (a slow spell of the machine, following a given path) falls on every path alike.
+fn taking_turns(rounds: usize, paths: usize) -> impl Iterator<Item = usize> {
+    (0..rounds).flat_map(move |round| (0..paths).map(move |k| (round + k) % paths))
+}
+
+/// The `p` quantile (0 to 1) of `sorted`, nearest rank below; zero when empty.
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted.get(((sorted.len() as f64 - 1.0) * p) as usize).copied().unwrap_or_default()
 }
 
 /// One paced stream from `url`: each token event's delay, and whether it is the stream's first,
@@ -261,8 +270,7 @@ async fn measure(url: &str, body: &'static str, conc: usize, secs: u64) -> Run {
         errors += e;
     }
     all.sort();
-    let pct = |p: f64| all.get(((all.len() as f64 - 1.0) * p) as usize).copied().unwrap_or_default();
-    Run { rps: all.len() as f64 / secs as f64, p50: pct(0.50), p99: pct(0.99), errors }
+    Run { rps: all.len() as f64 / secs as f64, p50: percentile(&all, 0.50), p99: percentile(&all, 0.99), errors }
 }
 
 /// Runs wrk (1 thread) against `url` with `body` POSTed; parses its summary.
@@ -319,17 +327,25 @@ fn us(d: Duration) -> f64 {
 struct PathRuns {
     name: &'static str,
     rounds: Vec<Run>,
-    /// Requests served over every round, each round's taken as its rate times `--seconds`.
-    requests: u64,
-    seconds: f64,
-    errors: u64,
+    /// How long each round ran.
+    round_secs: f64,
     /// The proxy's CPU time over its rounds (none for the direct path).
     cpu: Option<Duration>,
 }
 
 impl PathRuns {
+    /// Requests/s over every round (the rounds are equally long).
     fn rps(&self) -> f64 {
-        self.requests as f64 / self.seconds.max(f64::MIN_POSITIVE)
+        self.rounds.iter().map(|r| r.rps).sum::<f64>() / self.rounds.len().max(1) as f64
+    }
+
+    /// Requests served over every round, each round's taken as its rate times its length.
+    fn requests(&self) -> f64 {
+        self.rps() * self.round_secs * self.rounds.len() as f64
+    }
+
+    fn errors(&self) -> u64 {
+        self.rounds.iter().map(|r| r.errors).sum()
     }
 
     /// The middle round's value (the upper of the two middle ones for an even count).
@@ -359,25 +375,19 @@ impl PathRuns {
 async fn measure_paths(targets: &[Target], path: &str, body: &'static str, c: usize, a: &Args, dir: &Path) -> Vec<PathRuns> {
     let mut out: Vec<PathRuns> = targets
         .iter()
-        .map(|t| PathRuns { name: t.name, rounds: Vec::new(), requests: 0, seconds: 0.0, errors: 0, cpu: t.child.as_ref().map(|_| Duration::ZERO) })
+        .map(|t| PathRuns { name: t.name, rounds: Vec::new(), round_secs: a.seconds as f64, cpu: t.child.as_ref().map(|_| Duration::ZERO) })
         .collect();
-    for round in 0..a.rounds as usize {
-        for k in 0..targets.len() {
-            let i = (round + k) % targets.len();
-            let t = &targets[i];
-            let url = format!("http://127.0.0.1:{}{path}", t.port);
-            let pid = t.child.as_ref().map(Child::id);
-            let cpu0 = pid.map(tree_cpu_time);
-            let r = if a.wrk { measure_wrk(&url, body, c, a.seconds, dir).await } else { measure(&url, body, c, a.seconds).await };
-            let p = &mut out[i];
-            if let (Some(pid), Some(c0), Some(total)) = (pid, cpu0, p.cpu.as_mut()) {
-                *total += tree_cpu_time(pid).saturating_sub(c0);
-            }
-            p.requests += (r.rps * a.seconds as f64).round() as u64;
-            p.seconds += a.seconds as f64;
-            p.errors += r.errors;
-            p.rounds.push(r);
+    for i in taking_turns(a.rounds as usize, targets.len()) {
+        let t = &targets[i];
+        let url = format!("http://127.0.0.1:{}{path}", t.port);
+        let pid = t.child.as_ref().map(Child::id);
+        let cpu0 = pid.map(tree_cpu_time);
+        let r = if a.wrk { measure_wrk(&url, body, c, a.seconds, dir).await } else { measure(&url, body, c, a.seconds).await };
+        let p = &mut out[i];
+        if let (Some(pid), Some(c0), Some(total)) = (pid, cpu0, p.cpu.as_mut()) {
+            *total += tree_cpu_time(pid).saturating_sub(c0);
         }
+        p.rounds.push(r);
     }
     out
 }
@@ -577,14 +587,14 @@ async fn main() {
             let nginx = runs.iter().position(|r| r.name == "nginx");
             for r in &runs {
                 let vs_nginx = nginx.map_or(String::new(), |n| r.vs(&runs[n]));
-                let per_req = r.cpu.map_or(String::new(), |c| format!("{:.1}", us(c) / (r.requests as f64).max(1.0)));
+                let per_req = r.cpu.map_or(String::new(), |c| format!("{:.1}", us(c) / r.requests().max(1.0)));
                 println!(
                     "| {label} | {c} | {} | {:.0} | {:.0} µs | {:.0} µs | {} | {:.2}× | {vs_nginx} | {per_req} |",
                     r.name,
                     r.rps(),
                     us(r.median(|x| x.p50)),
                     us(r.median(|x| x.p99)),
-                    r.errors,
+                    r.errors(),
                     r.rps() / direct
                 );
             }
@@ -608,9 +618,8 @@ async fn main() {
                 v.sort();
                 v
             };
-            let pct = |v: &[Duration], p: f64| v.get(((v.len() as f64 - 1.0) * p) as usize).copied().unwrap_or_default();
             let (all, first, later) = (sorted(&|_| true), sorted(&|f| f), sorted(&|f| !f));
-            let (p50, p99, l99) = (pct(&all, 0.5), pct(&all, 0.99), pct(&later, 0.99));
+            let (p50, p99, l99) = (percentile(&all, 0.5), percentile(&all, 0.99), percentile(&later, 0.99));
             let [a50, a99, al99] = direct.map_or([0.0; 3], |[d50, d99, dl99]| [us(p50) - us(d50), us(p99) - us(d99), us(l99) - us(dl99)]);
             direct.get_or_insert([p50, p99, l99]);
             println!(
@@ -619,9 +628,9 @@ async fn main() {
                 all.len(),
                 us(p50),
                 us(p99),
-                us(pct(&first, 0.5)),
-                us(pct(&first, 0.99)),
-                us(pct(&later, 0.5)),
+                us(percentile(&first, 0.5)),
+                us(percentile(&first, 0.99)),
+                us(percentile(&later, 0.5)),
                 us(l99)
             );
         }
@@ -640,8 +649,18 @@ mod tests {
     }
 
     fn path(name: &'static str, rounds: Vec<Run>) -> PathRuns {
-        let requests = rounds.iter().map(|r| r.rps as u64).sum();
-        PathRuns { name, seconds: rounds.len() as f64, rounds, requests, errors: 0, cpu: None }
+        PathRuns { name, rounds, round_secs: 1.0, cpu: None }
+    }
+
+    #[test]
+    fn every_path_takes_every_place_in_the_order_once_per_full_cycle() {
+        let order: Vec<usize> = taking_turns(3, 3).collect();
+        assert_eq!(order, [0, 1, 2, 1, 2, 0, 2, 0, 1]);
+        for place in 0..3 {
+            let mut at: Vec<usize> = order.chunks(3).map(|round| round[place]).collect();
+            at.sort();
+            assert_eq!(at, [0, 1, 2], "place {place}");
+        }
     }
 
     #[test]
@@ -649,6 +668,7 @@ mod tests {
         let nginx = path("nginx", vec![run(100.0, 10), run(50.0, 30), run(80.0, 20)]);
         let kvgate = path("kvgate", vec![run(90.0, 12), run(50.0, 25), run(60.0, 40)]);
         assert_eq!(kvgate.rps(), 200.0 / 3.0);
+        assert_eq!(kvgate.requests(), 200.0);
         // 200 against 230 over the row; the rounds' own ratios run from 0.75 to 1.00.
         assert_eq!(kvgate.vs(&nginx), "0.87× (0.75–1.00)");
         assert_eq!(kvgate.median(|r| r.p50), Duration::from_micros(25));
