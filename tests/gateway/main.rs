@@ -398,6 +398,48 @@ async fn a_worker_5xx_before_the_first_byte_is_retried_elsewhere() {
 }
 
 #[tokio::test]
+async fn a_streams_head_goes_out_before_its_first_token() {
+    // As from vLLM itself: the client has its 200 while the worker is still prefilling.
+    let c = Cluster::sims(1, sim(10.0), GatewayOpts::default()).await;
+    c.sims[0].faults().set(vllm_sim::faults::FaultConfig { first_token_delay_ms: 2500.0, ..Default::default() }).unwrap();
+    let start = Instant::now();
+    let r = c.http.post(c.url("/v1/completions")).json(&json!({"prompt": unique_text(8), "max_tokens": 4, "stream": true})).send().await.unwrap();
+    let head = start.elapsed();
+    assert_eq!(r.status(), 200);
+    let body = sse::parse(&r.text().await.unwrap());
+    let all = start.elapsed();
+    assert!(body.done && body.events.len() == 4, "{}", body.raw);
+    assert!(all >= Duration::from_millis(2500), "the first token waited {all:?}");
+    assert!(head < Duration::from_millis(1500), "the head came at {head:?}, the stream ended at {all:?}");
+}
+
+#[tokio::test]
+async fn a_worker_silent_past_the_first_byte_deadline_after_the_head_is_replaced_unseen() {
+    // The head goes out at once; the slow worker's first token does not come within
+    // timeouts.first_byte_ms, so the request is resent to the other worker, whose stream the
+    // client reads as its own.
+    let extra = "timeouts:\n  first_byte_ms: 400\n".to_string();
+    let c = Cluster::sims(2, sim(10.0), GatewayOpts { extra, ..GatewayOpts::default() }).await;
+    c.sims[0].faults().set(vllm_sim::faults::FaultConfig { first_token_delay_ms: 5000.0, ..Default::default() }).unwrap();
+    let slow = c.sims[0].url().trim_end_matches('/').to_string();
+    let mut started_on_slow = 0;
+    for _ in 0..6 {
+        let body = json!({"prompt": unique_text(8), "max_tokens": 4, "stream": true, "ignore_eos": true});
+        let start = Instant::now();
+        let r = c.http.post(c.url("/v1/completions")).json(&body).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let worker = r.headers().get("x-kvgate-worker").and_then(|v| v.to_str().ok()).unwrap_or_default().trim_end_matches('/').to_string();
+        let stream = sse::parse(&r.text().await.expect("never cut"));
+        assert!(stream.done && stream.events.len() == 4, "{}", stream.raw);
+        assert!(start.elapsed() < Duration::from_millis(4000), "resent well before the slow worker's first token");
+        started_on_slow += usize::from(worker == slow);
+    }
+    assert!(started_on_slow > 0, "some stream started on the slow worker");
+    let m = c.gateway_metrics().await;
+    assert!(m.sum("kvgate_upstream_errors_total", &[("kind", "before_first_byte")]) >= started_on_slow as f64);
+}
+
+#[tokio::test]
 async fn sigterm_drains_in_flight_streams_and_refuses_new_requests() {
     let mut c = Cluster::sims(1, sim(1.0), GatewayOpts::default()).await;
     let r = c.http.post(c.url("/v1/completions")).json(&json!({"prompt": "x", "max_tokens": 100, "ignore_eos": true, "stream": true})).send().await.unwrap();

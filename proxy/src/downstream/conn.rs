@@ -440,6 +440,12 @@ impl ClientConn {
         Ok(())
     }
 
+    /// Whether this request's response head was written or queued: once it was, no other
+    /// answer can be given to the request.
+    pub fn head_sent(&self) -> bool {
+        self.out != BodyOut::NotStarted
+    }
+
     /// Sends whatever is buffered (a queued head); nothing when nothing is.
     pub async fn flush_queued(&mut self) -> std::io::Result<()> {
         if self.wbuf.is_empty() { Ok(()) } else { self.flush().await }

@@ -1,8 +1,13 @@
-//! Phase 4, one upstream leg: send the client's body to the chosen worker and wait for the
-//! response header and the first body byte, under one deadline (`timeouts.first_byte_ms`,
-//! from the moment the request was sent), while watching the client. The client's header waits for the worker's first body bytes:
-//! vLLM sends a stream's 200 at once and its first token after the prefill, so a worker that
-//! dies before its first token can still be replaced without the client noticing.
+//! Phase 4, one upstream leg: send the client's body to the chosen worker and wait for its
+//! answer, under one deadline (`timeouts.first_byte_ms`, from the moment the request was sent,
+//! covering the header and the first body byte), while watching the client.
+//!
+//! A unary answer is waited for up to its first body bytes. A stream's 200 is answered as
+//! soon as its header is in (vLLM sends it at once and its first token after the prefill), so
+//! the client gets its head at once, as from vLLM itself; the relay waits for the first token
+//! under what is left of the deadline, and a worker that fails before it is replaced by
+//! resending the request, which the client does not see (docs/migration.md, "Before the first
+//! token").
 //!
 //! Every failure is a typed [`LegError`] whose kind decides what happens next: retryable kinds
 //! go to another worker, the rest end the request.
@@ -17,16 +22,29 @@ use crate::move_order::MoveOrder;
 use crate::upstream::{self, Exchange, Outgoing};
 use bytes::Bytes;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-/// A leg that answered: the worker's response header and first body bytes.
+/// A leg that answered: the worker's response header and, unless it is a stream still in its
+/// prefill, the first body bytes.
 pub struct Leg {
     /// The connection and the response header.
     pub ex: Exchange,
-    /// The first body bytes (`None`: the body was empty).
-    pub first: Option<Bytes>,
+    /// The first body bytes.
+    pub first: First,
     /// The worker that answered.
     pub worker: Arc<Worker>,
+}
+
+/// A leg's first body bytes, as the leg left them.
+pub enum First {
+    /// Read (`None`: the body was empty).
+    Read(Option<Bytes>),
+    /// A stream's first token is not there yet: the relay reads it, by `deadline` when there is
+    /// one (what is left of `timeouts.first_byte_ms`).
+    Awaited {
+        /// When the first byte is overdue.
+        deadline: Option<Instant>,
+    },
 }
 
 /// How a leg ended.
@@ -53,12 +71,16 @@ pub struct Outbound<'a> {
     pub request_id: std::borrow::Cow<'a, str>,
     /// Whether a move order ends the wait (a first placement; a continuation is already one).
     pub orders: bool,
+    /// Whether a stream's 200 is answered at its header, before its first token ([`First`]).
+    /// The client's own request is; a continuation, whose client has its head already, waits
+    /// for its first bytes, so that a destination that fails before them is passed over.
+    pub head_first: bool,
 }
 
 impl<'a> Outbound<'a> {
     /// The client's request, as admitted.
     pub fn original(req: &'a RequestState) -> Self {
-        Self { path: req.endpoint.path(), body: &req.body, request_id: req.id().into(), orders: true }
+        Self { path: req.endpoint.path(), body: &req.body, request_id: req.id().into(), orders: true, head_first: req.stream }
     }
 }
 
@@ -72,7 +94,7 @@ pub async fn run(session: &mut ClientConn, req: &RequestState, worker: &Arc<Work
         Err(e) => return LegEnd::Failed(LegError::new(LegErrorKind::Send, &worker.url, e.to_string()).final_()),
     };
     let first_byte = (cfg.timeouts.first_byte_ms > 0).then(|| Duration::from_millis(cfg.timeouts.first_byte_ms));
-    let answer = first_bytes(cfg, worker, &wire, first_byte, may_retry && cfg.retries.on_5xx);
+    let answer = first_bytes(cfg, worker, &wire, first_byte, may_retry && cfg.retries.on_5xx, out.head_first);
     let mailbox = &req.entry().mailbox;
     let r = tokio::select! {
         biased;
@@ -95,13 +117,22 @@ pub async fn run(session: &mut ClientConn, req: &RequestState, worker: &Arc<Work
 /// The exchange and the first body read. The first-byte deadline starts when the request was
 /// sent (connecting has its own timeout) and covers the header and the first body bytes: no
 /// header in time is a final 504; a header without a first byte in time is retryable (the
-/// worker took the request and stalled).
-async fn first_bytes(cfg: &Config, worker: &Arc<Worker>, wire: &[u8], first_byte: Option<Duration>, retry_5xx: bool) -> Result<Leg, LegError> {
+/// worker took the request and stalled). A stream's 200 (`stream`) returns with its header,
+/// and its first bytes if they came with it.
+async fn first_bytes(cfg: &Config, worker: &Arc<Worker>, wire: &[u8], first_byte: Option<Duration>, retry_5xx: bool, stream: bool) -> Result<Leg, LegError> {
     let mut ex = upstream::exchange(cfg, worker, Outgoing::Leg(wire), first_byte).await?;
     let status = ex.status;
     if retry_5xx && status >= 500 {
         // Dropping `ex` closes that connection.
         return Err(LegError::new(LegErrorKind::Status5xx, &worker.url, format!("answered {status}")));
+    }
+    if stream && status == 200 {
+        let first = match ex.response.read_body_now() {
+            Some(Ok(first)) => First::Read(first),
+            Some(Err(e)) => return Err(LegError::new(LegErrorKind::BeforeFirstByte, &worker.url, e.to_string()).with_source(e)),
+            None => First::Awaited { deadline: first_byte.map(|limit| ex.sent_at + limit) },
+        };
+        return Ok(Leg { ex, first, worker: worker.clone() });
     }
     let read = ex.response.read_body();
     let first = match first_byte {
@@ -112,7 +143,7 @@ async fn first_bytes(cfg: &Config, worker: &Arc<Worker>, wire: &[u8], first_byte
         None => read.await,
     };
     match first {
-        Ok(first) => Ok(Leg { ex, first, worker: worker.clone() }),
+        Ok(first) => Ok(Leg { ex, first: First::Read(first), worker: worker.clone() }),
         Err(e) => Err(LegError::new(LegErrorKind::BeforeFirstByte, &worker.url, e.to_string()).with_source(e)),
     }
 }

@@ -150,7 +150,13 @@ pub async fn continue_stream(
         req.kv = Some(kv_inputs::from_tokens(req, &kv, &ids));
     }
     let from = leaving.label.clone();
-    let out = Outbound { path: "/v1/completions", body: &body, request_id: format!("{}-m{}", req.id(), req.entry().moves()).into(), orders: false };
+    let out = Outbound {
+        path: "/v1/completions",
+        body: &body,
+        request_id: format!("{}-m{}", req.id(), req.entry().moves()).into(),
+        orders: false,
+        head_first: false,
+    };
     match destination(gw, session, req, &out, source, to, ids.len()).await {
         Ok(leg) => {
             count("ok");

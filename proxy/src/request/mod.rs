@@ -38,6 +38,7 @@ use crate::move_order::{MoveOrder, MoveRefused, MoveReport};
 pub use endpoint::Endpoint;
 use leg::LegEnd;
 use place::Among;
+use relay::Relayed;
 pub use state::RequestState;
 use std::sync::Arc;
 use std::time::Instant;
@@ -104,10 +105,23 @@ async fn run(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestState
     outcome
 }
 
-/// Place → leg, once per attempt, until a leg answers or no retry is allowed; then relay.
-/// A move ordered while the worker has not answered yet resends the request where the order
-/// says (the worker's copy is dropped with the leg).
+/// Place → leg → relay, once per attempt, until a leg answers or no retry is allowed. A move
+/// ordered while the worker has not answered yet, or a stream's first token has not come,
+/// resends the request where the order says (the worker's copy is dropped with the leg); so
+/// does a worker failing before that first token, as a retry. A stream whose head went out and
+/// that no worker then answers is cut: no error answer can follow its head.
 async fn attempts(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestState) -> Outcome {
+    match attempt(gw, session, req).await {
+        Outcome::Refused(e) if session.head_sent() => {
+            tracing::warn!(request_id = req.id(), error = %e, "no worker answered the stream after its head went out; cutting it");
+            Outcome::Truncated(200)
+        }
+        outcome => outcome,
+    }
+}
+
+/// The loop of [`attempts`].
+async fn attempt(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestState) -> Outcome {
     let max = req.cfg.retries.max_attempts.max(1) as usize;
     let mut last: Option<LegError> = None;
     let mut order: Option<MoveOrder> = None;
@@ -134,7 +148,12 @@ async fn attempts(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut Request
         match leg::run(session, req, &worker, &out, may_retry).await {
             LegEnd::Answered(leg) => {
                 req.entry().receipt.lock().leg_ended("ok");
-                return relay::relay(gw, session, req, leg).await;
+                match relay::relay(gw, session, req, leg).await {
+                    Relayed::Done(outcome) => return outcome,
+                    Relayed::Reroute(o) => order = Some(o),
+                    // Counted by the relay; always retryable.
+                    Relayed::Resend(e) => last = Some(e),
+                }
             }
             LegEnd::ClientGone => return record::cancelled(gw, req),
             LegEnd::Reroute(o) => {

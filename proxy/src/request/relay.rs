@@ -4,19 +4,24 @@
 //! worker that stalls past `timeouts.upstream_read_idle_ms` or dies (the client's response is
 //! cut, never ended cleanly). The first chunk ends the request's prefill on the worker; streamed
 //! token events are counted for the registry and output-block bookings.
+//!
+//! A stream's head goes out before its first token ([`First::Awaited`]); until that token, a
+//! worker that fails or stalls past `timeouts.first_byte_ms`, or a move order, sends the request
+//! back to the attempts ([`Relayed::Resend`], [`Relayed::Reroute`]), which resend it: the client
+//! has seen nothing of the body, so the next worker's stream continues it unseen.
 
-use super::leg::Leg;
+use super::leg::{First, Leg};
 use super::migrate::{self, Moved, Stop, Warming};
 use super::track::Tracker;
 use super::{Outcome, RequestState, record};
 use crate::downstream::closed::client_closed;
-use crate::downstream::conn::ClientConn;
+use crate::downstream::conn::{ClientConn, ResponseHead};
 use crate::error::{GatewayError, LegError, LegErrorKind};
 use crate::fleet::Worker;
 use crate::gateway::Gateway;
 use crate::idle_timer::IdleTimer;
 use crate::inflight::Phase;
-use crate::move_order::{MoveOrder, MoveReason, MoveRefused, MoveReport};
+use crate::move_order::{Mailbox, MoveOrder, MoveReason, MoveRefused, MoveReport};
 use crate::sse::SseEventCounter;
 use crate::upstream::{self, Exchange};
 use bytes::{Bytes, BytesMut};
@@ -24,10 +29,27 @@ use prometheus::Histogram;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// How relaying ended.
+pub enum Relayed {
+    /// The request is over.
+    Done(Outcome),
+    /// The worker failed before the stream's first byte (counted already): nothing of the body
+    /// reached the client, so the request may be sent again, as a retry.
+    Resend(LegError),
+    /// A move was ordered before the stream's first byte: the request is sent where it says.
+    Reroute(MoveOrder),
+}
+
 /// Relays an answered leg to the client; a stream whose worker fails (or that an operator
 /// moves) continues on another worker when it may (`migrate`).
-pub async fn relay(gw: &Gateway, session: &mut ClientConn, req: &mut RequestState, mut leg: Box<Leg>) -> Outcome {
+pub async fn relay(gw: &Gateway, session: &mut ClientConn, req: &mut RequestState, leg: Box<Leg>) -> Relayed {
     let status = leg.ex.status;
+    if session.head_sent() && status != 200 {
+        // A resent stream whose worker answers otherwise: the client has a 200 head already.
+        let e = LegError::new(LegErrorKind::Midstream, &leg.worker.url, format!("answered the resent stream with {status}"));
+        record::leg_failed(gw, req, &leg.worker, &e);
+        return Relayed::Done(Outcome::Truncated(200));
+    }
     // Approximate mode learns from requests the worker took on (2xx).
     if (200..300).contains(&status)
         && let (Some(kv), Some(inputs), Some(idx)) = (&req.model.kv, &req.kv, req.tried.last().copied())
@@ -38,15 +60,30 @@ pub async fn relay(gw: &Gateway, session: &mut ClientConn, req: &mut RequestStat
     if status != 200 {
         req.track = None;
     }
-    let header = match upstream::client_response_header(&leg.ex, req.id(), &leg.worker.label, req.track.is_some()) {
-        Ok(h) => h,
-        Err(e) => return Outcome::Refused(GatewayError::BadUpstreamResponse(e.to_string())),
-    };
-    // The answer's first body bytes are in hand (a leg is answered by them): head and first
-    // bytes leave in one send.
-    if session.queue_head(&header).is_err() {
-        return record::cancelled(gw, req);
+    if !session.head_sent() {
+        let header = match upstream::client_response_header(&leg.ex, req.id(), &leg.worker.label, req.track.is_some()) {
+            Ok(h) => h,
+            Err(e) => return Relayed::Done(Outcome::Refused(GatewayError::BadUpstreamResponse(e.to_string()))),
+        };
+        if send_head(session, &header, &leg.first).await.is_err() {
+            return Relayed::Done(record::cancelled(gw, req));
+        }
     }
+    relay_legs(gw, session, req, leg, status).await
+}
+
+/// Writes the client's response head: queued to leave with the first body bytes when they are
+/// in hand (one send), at once when a stream's first token is still awaited.
+async fn send_head(session: &mut ClientConn, header: &ResponseHead, first: &First) -> std::io::Result<()> {
+    session.queue_head(header)?;
+    match first {
+        First::Read(_) => Ok(()),
+        First::Awaited { .. } => session.flush_queued().await,
+    }
+}
+
+/// Relays the body of `leg`, then of each leg a move continues the stream on.
+async fn relay_legs(gw: &Gateway, session: &mut ClientConn, req: &mut RequestState, mut leg: Box<Leg>, status: u16) -> Relayed {
     let mut progress = Progress::new(gw, req, status, leg.ex.sent_at);
     let mut warming: Option<Warming> = None;
     loop {
@@ -56,7 +93,9 @@ pub async fn relay(gw: &Gateway, session: &mut ClientConn, req: &mut RequestStat
             w.order.answer(Err(MoveRefused::NotNow("the stream ended or its worker failed while the destination warmed up")));
         }
         let (reason, order) = match end {
-            BodyEnd::Done(outcome) => return outcome,
+            BodyEnd::Done(outcome) => return Relayed::Done(outcome),
+            BodyEnd::Resend(e) => return Relayed::Resend(e),
+            BodyEnd::Reroute(order) => return Relayed::Reroute(order),
             BodyEnd::Failed => (MoveReason::Failover, None),
             BodyEnd::Ordered(order) => (order.reason, Some(order)),
         };
@@ -69,7 +108,7 @@ pub async fn relay(gw: &Gateway, session: &mut ClientConn, req: &mut RequestStat
                 progress.new_leg();
                 leg = next;
             }
-            Err(outcome) => return outcome,
+            Err(outcome) => return Relayed::Done(outcome),
         }
     }
 }
@@ -124,6 +163,10 @@ enum BodyEnd {
     Failed,
     /// An operator ordered a move (checked: the request may move).
     Ordered(MoveOrder),
+    /// The worker failed before the stream's first byte (counted already).
+    Resend(LegError),
+    /// A move was ordered before the stream's first byte.
+    Reroute(MoveOrder),
 }
 
 /// Relays one leg's body until it ends, fails or is moved.
@@ -140,26 +183,40 @@ async fn body(
     // The limit on the worker's silence between two chunks: one timer per leg, moved later
     // before each read.
     let (idle, mut stall) = (Duration::from_millis(req.cfg.timeouts.upstream_read_idle_ms), IdleTimer::default());
-    let mut pending = Some(Ok(first));
+    // A stream's first token, while awaited, has the first-byte deadline instead.
+    let (mut pending, mut awaited) = match first {
+        First::Read(first) => (Some(Ok(first)), None),
+        First::Awaited { deadline } => (None, Some(deadline)),
+    };
     loop {
         let chunk = match pending.take() {
             Some(c) => c,
-            None => match next_chunk(session, &mut ex, req, &worker.url, idle, &mut stall, warming).await {
-                Next::Chunk(c) => c,
-                Next::ClientGone => return BodyEnd::Done(record::cancelled(gw, req)),
-                Next::Warmed => match warming.take().and_then(|w| ready_to_move(req, w.order)) {
-                    Some(order) => return BodyEnd::Ordered(order),
-                    None => continue,
-                },
-                Next::Order(o) => match accept(session, req, &worker, o) {
-                    Accepted::Move(order) => return BodyEnd::Ordered(order),
-                    Accepted::Warming(w) => {
-                        *warming = Some(w);
-                        continue;
+            None => {
+                match next_chunk(session, &mut ex, &worker.url, wait_limit(awaited, idle), &mut stall, warming, orders(req, awaited.is_some(), warming)).await {
+                    Next::Chunk(Err(e)) if awaited.is_some() => return BodyEnd::Resend(no_first_byte(gw, req, &worker, e)),
+                    Next::Order(o) if awaited.is_some() => match before_first_byte(&worker, o) {
+                        Some(o) => return BodyEnd::Reroute(o),
+                        None => continue,
+                    },
+                    Next::Chunk(c) => {
+                        awaited = None;
+                        c
                     }
-                    Accepted::Refused => continue,
-                },
-            },
+                    Next::ClientGone => return BodyEnd::Done(record::cancelled(gw, req)),
+                    Next::Warmed => match warming.take().and_then(|w| ready_to_move(req, w.order)) {
+                        Some(order) => return BodyEnd::Ordered(order),
+                        None => continue,
+                    },
+                    Next::Order(o) => match accept(session, req, &worker, o) {
+                        Accepted::Move(order) => return BodyEnd::Ordered(order),
+                        Accepted::Warming(w) => {
+                            *warming = Some(w);
+                            continue;
+                        }
+                        Accepted::Refused => continue,
+                    },
+                }
+            }
         };
         let e = match chunk {
             Ok(body) => {
@@ -206,6 +263,48 @@ async fn body(
         record::leg_failed(gw, req, &worker, &e);
         return BodyEnd::Failed;
     }
+}
+
+/// The request's mailbox, when a move order may end the wait for the next chunk: while a
+/// stream's first token is awaited (the request is then resent), or while a stream that may
+/// move is not already warming a destination.
+fn orders<'a>(req: &'a RequestState, awaited: bool, warming: &Option<Warming>) -> Option<&'a Mailbox> {
+    let movable = req.track.as_ref().is_some_and(Tracker::movable) && warming.is_none();
+    (awaited || movable).then(|| &req.entry().mailbox)
+}
+
+/// How long the next read may wait: while a stream's first token is awaited, until the
+/// first-byte deadline, or without a limit when there is none (long prefills are legitimate);
+/// else the idle limit.
+fn wait_limit(awaited: Option<Option<Instant>>, idle: Duration) -> Option<Duration> {
+    match awaited {
+        Some(Some(deadline)) => Some(deadline.saturating_duration_since(Instant::now())),
+        Some(None) => None,
+        None => Some(idle),
+    }
+}
+
+/// A worker that failed, or stalled past the first-byte deadline, before the stream's first
+/// byte: a retryable leg error, counted.
+fn no_first_byte(gw: &Gateway, req: &RequestState, worker: &Arc<Worker>, e: LegError) -> LegError {
+    let detail = match e.kind {
+        LegErrorKind::Stalled => "no first byte within timeouts.first_byte_ms".to_string(),
+        _ => e.detail.clone(),
+    };
+    let mut first = LegError::new(LegErrorKind::BeforeFirstByte, &worker.url, detail);
+    first.source = e.source;
+    record::leg_failed(gw, req, worker, &first);
+    first
+}
+
+/// A move ordered before the stream's first byte: the order, to send the request elsewhere;
+/// `None` (answered) when it aims at the worker the request is on.
+fn before_first_byte(worker: &Arc<Worker>, o: MoveOrder) -> Option<MoveOrder> {
+    if o.to.as_ref().is_some_and(|t| Arc::ptr_eq(t, worker)) {
+        o.answer(Err(MoveRefused::NotNow("the request is on that worker already")));
+        return None;
+    }
+    Some(o)
 }
 
 /// What became of a move order read mid-stream.
@@ -310,32 +409,35 @@ enum Next {
     Warmed,
 }
 
-/// Waits for the next body chunk, the client leaving, or (for a stream that may move) a move
-/// order.
+/// Waits for the next body chunk, the client leaving, or (with `orders`: a stream that may move,
+/// or whose first token is awaited) a move order.
 async fn next_chunk(
     session: &mut ClientConn,
     ex: &mut Exchange,
-    req: &RequestState,
     worker: &crate::config::UpstreamUrl,
-    idle: Duration,
+    limit: Option<Duration>,
     stall: &mut IdleTimer,
     warming: &mut Option<Warming>,
+    orders: Option<&Mailbox>,
 ) -> Next {
-    let movable = req.track.as_ref().is_some_and(Tracker::movable) && warming.is_none();
-    let mailbox = &req.entry().mailbox;
     let warm = async {
         match warming.as_mut() {
             Some(w) => (&mut w.done).await,
             None => std::future::pending().await,
         }
     };
-    let stalled = stall.arm(idle);
+    let stalled = async {
+        match limit {
+            Some(limit) => stall.arm(limit).await,
+            None => std::future::pending().await,
+        }
+    };
     tokio::select! {
         biased;
         r = ex.response.read_body() => Next::Chunk(r.map_err(|e| LegError::new(LegErrorKind::Midstream, worker, e.to_string()).with_source(e))),
         () = stalled => Next::Chunk(Err(LegError::new(LegErrorKind::Stalled, worker, "worker stalled past timeouts.upstream_read_idle_ms"))),
         _ = client_closed(session) => Next::ClientGone,
-        o = mailbox.next(), if movable => Next::Order(o),
+        o = async { match orders { Some(m) => m.next().await, None => std::future::pending().await } } => Next::Order(o),
         () = warm => Next::Warmed,
     }
 }
