@@ -440,6 +440,21 @@ async fn a_worker_silent_past_the_first_byte_deadline_after_the_head_is_replaced
 }
 
 #[tokio::test]
+async fn a_stream_no_worker_answers_after_its_head_is_cut_not_ended() {
+    // The only worker sends its head and then nothing within timeouts.first_byte_ms: no other
+    // worker can take the stream, and no error status can follow the 200, so the body is cut
+    // (the client sees a failed read), never ended as if complete.
+    let extra = "timeouts:\n  first_byte_ms: 300\n".to_string();
+    let c = Cluster::sims(1, sim(10.0), GatewayOpts { extra, ..GatewayOpts::default() }).await;
+    c.sims[0].faults().set(vllm_sim::faults::FaultConfig { first_token_delay_ms: 5000.0, ..Default::default() }).unwrap();
+    let r = c.http.post(c.url("/v1/completions")).json(&json!({"prompt": unique_text(8), "max_tokens": 4, "stream": true})).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.text().await.is_err(), "the stream is cut, not ended cleanly");
+    let m = c.gateway_metrics().await;
+    assert!(m.sum("kvgate_upstream_errors_total", &[("kind", "before_first_byte")]) >= 1.0);
+}
+
+#[tokio::test]
 async fn sigterm_drains_in_flight_streams_and_refuses_new_requests() {
     let mut c = Cluster::sims(1, sim(1.0), GatewayOpts::default()).await;
     let r = c.http.post(c.url("/v1/completions")).json(&json!({"prompt": "x", "max_tokens": 100, "ignore_eos": true, "stream": true})).send().await.unwrap();

@@ -150,9 +150,15 @@ async fn attempt(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestS
                 req.entry().receipt.lock().leg_ended("ok");
                 match relay::relay(gw, session, req, leg).await {
                     Relayed::Done(outcome) => return outcome,
-                    Relayed::Reroute(o) => order = Some(o),
+                    Relayed::Reroute(o) => {
+                        req.entry().receipt.lock().leg_ended("moved");
+                        order = Some(o);
+                    }
                     // Counted by the relay; always retryable.
-                    Relayed::Resend(e) => last = Some(e),
+                    Relayed::Resend(e) => {
+                        req.entry().receipt.lock().leg_ended(e.kind.label());
+                        last = Some(e);
+                    }
                 }
             }
             LegEnd::ClientGone => return record::cancelled(gw, req),
