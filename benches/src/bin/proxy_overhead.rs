@@ -170,7 +170,7 @@ async fn paced_stream(s: &mut TcpStream, chunks: usize) -> std::io::Result<()> {
 /// from the upstream's write to the client's read. The URLs take turns stream by stream, each
 /// round starting one further on, so a burst from the shared machine (or whatever comes with a
 /// place in the order) falls on every path alike. Returns each URL's delays, each marked whether
-/// it is a stream's first token (which comes with the response head).
+/// it is a stream's first token (the one after the response head).
 async fn token_delays(urls: &[String], n: usize) -> Vec<Vec<(Duration, bool)>> {
     let http = reqwest::Client::new();
     let mut out = vec![Vec::new(); urls.len()];
@@ -605,8 +605,9 @@ async fn main() {
             "\nPer-token delay, concurrency 1: {} paced streams of {chunks} token events 1 ms apart per path, the paths taking turns stream by stream; upstream write → client read.\n",
             a.token_delay_requests
         );
-        // A stream's first token comes with the response head, which a proxy parses and writes
-        // anew; the later ones are the relay's own per-token cost. Each is shown apart too.
+        // A stream's first token follows the response head, which a proxy parses and writes
+        // anew (and may hold back until the token); the later ones are the relay's own
+        // per-token cost. Each is shown apart too.
         println!("| path | tokens | p50 | p99 | added p50 | added p99 | first tokens: p50 / p99 | later tokens: p50 / p99 | later tokens, added p99 |");
         println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
         let mut direct: Option<[Duration; 3]> = None;
