@@ -171,13 +171,25 @@ async fn paced_stream(s: &mut TcpStream, chunks: usize) -> std::io::Result<()> {
 /// round starting one further on, so a burst from the shared machine (or whatever comes with a
 /// place in the order) falls on every path alike. Returns each URL's delays, each marked whether
 /// it is a stream's first token (the one after the response head).
+///
+/// The client runs on a thread and runtime of its own, apart from the upstream's, as a client
+/// and a worker are apart in a deployment: sharing the upstream's runtime, the direct path's
+/// tokens were read by the thread that had just written them, without the wake-up every
+/// proxied token costs the client, and that wake-up was counted as the proxy's.
 async fn token_delays(urls: &[String], n: usize) -> Vec<Vec<(Duration, bool)>> {
-    let http = reqwest::Client::new();
-    let mut out = vec![Vec::new(); urls.len()];
-    for i in taking_turns(n, urls.len()) {
-        stream_delays(&http, &urls[i], &mut out[i]).await;
-    }
-    out
+    let urls = urls.to_vec();
+    let client = move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("the per-token client's runtime");
+        rt.block_on(async {
+            let http = reqwest::Client::new();
+            let mut out = vec![Vec::new(); urls.len()];
+            for i in taking_turns(n, urls.len()) {
+                stream_delays(&http, &urls[i], &mut out[i]).await;
+            }
+            out
+        })
+    };
+    tokio::task::spawn_blocking(client).await.expect("the per-token client panicked")
 }
 
 /// The order in which `paths` paths are measured over `rounds` rounds: every path once per
