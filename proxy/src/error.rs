@@ -19,7 +19,8 @@ pub(crate) enum LegErrorKind {
     Connect,
     /// Writing the request failed.
     Send,
-    /// The response header did not arrive or did not parse.
+    /// The response header did not arrive or did not parse; or a stream resent after its head
+    /// went out was answered with a status below 500 other than 200 (final).
     Response,
     /// The worker answered 5xx before anything reached the client.
     Status5xx,

@@ -154,9 +154,12 @@ async fn attempt(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestS
                         req.entry().receipt.lock().leg_ended("moved");
                         order = Some(o);
                     }
-                    // Counted by the relay; always retryable.
+                    // Counted by the relay.
                     Relayed::Resend(e) => {
                         req.entry().receipt.lock().leg_ended(e.kind.label());
+                        if !e.retryable {
+                            return Outcome::Refused(GatewayError::from_leg(req.model_name(), e));
+                        }
                         last = Some(e);
                     }
                 }

@@ -33,8 +33,9 @@ use std::time::{Duration, Instant};
 pub enum Relayed {
     /// The request is over.
     Done(Outcome),
-    /// The worker failed before the stream's first byte (counted already): nothing of the body
-    /// reached the client, so the request may be sent again, as a retry.
+    /// The worker failed before the stream's first byte, or answered a resent stream with
+    /// another status than 200 (counted already): nothing of the body reached the client, so
+    /// the request may be sent again, as a retry, when the error is retryable.
     Resend(LegError),
     /// A move was ordered before the stream's first byte: the request is sent where it says.
     Reroute(MoveOrder),
@@ -45,16 +46,21 @@ pub enum Relayed {
 pub async fn relay(gw: &Gateway, session: &mut ClientConn, req: &mut RequestState, leg: Box<Leg>) -> Relayed {
     let status = leg.ex.status;
     if session.head_sent() && status != 200 {
-        // A resent stream whose worker answers otherwise: the client has a 200 head already.
-        let e = LegError::new(LegErrorKind::Midstream, &leg.worker.url, format!("answered the resent stream with {status}"));
+        // A resent stream whose worker answers otherwise: the client has a 200 head already, so
+        // this answer cannot be passed on; another worker may still take the request.
+        let detail = format!("answered the resent stream with {status}");
+        let e = match status {
+            500.. => LegError::new(LegErrorKind::Status5xx, &leg.worker.url, detail),
+            // Another worker would refuse the same request the same way.
+            _ => LegError::new(LegErrorKind::Response, &leg.worker.url, detail).final_(),
+        };
         record::leg_failed(gw, req, &leg.worker, &e);
-        return Relayed::Done(Outcome::Truncated(200));
+        return Relayed::Resend(e);
     }
-    // Approximate mode learns from requests the worker took on (2xx).
-    if (200..300).contains(&status)
-        && let (Some(kv), Some(inputs), Some(idx)) = (&req.model.kv, &req.kv, req.tried.last().copied())
-    {
-        kv.record_decision(idx, &inputs.chain);
+    // Approximate mode learns from requests the worker took on (2xx); a stream whose first
+    // token is still to come, once it comes (a worker failing before it may be replaced).
+    if (200..300).contains(&status) && matches!(leg.first, First::Read(_)) {
+        record_decision(req);
     }
     // Only a stream that started is followed: an error answer passes as the worker sent it.
     if status != 200 {
@@ -70,6 +76,13 @@ pub async fn relay(gw: &Gateway, session: &mut ClientConn, req: &mut RequestStat
         }
     }
     relay_legs(gw, session, req, leg, status).await
+}
+
+/// Tells approximate kv mode that the worker serving `req` took it on.
+fn record_decision(req: &RequestState) {
+    if let (Some(kv), Some(inputs), Some(idx)) = (&req.model.kv, &req.kv, req.tried.last().copied()) {
+        kv.record_decision(idx, &inputs.chain);
+    }
 }
 
 /// Writes the client's response head: queued to leave with the first body bytes when they are
@@ -199,7 +212,9 @@ async fn body(
                         None => continue,
                     },
                     Next::Chunk(c) => {
-                        awaited = None;
+                        if awaited.take().is_some() {
+                            record_decision(req);
+                        }
                         c
                     }
                     Next::ClientGone => return BodyEnd::Done(record::cancelled(gw, req)),

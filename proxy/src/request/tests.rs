@@ -26,6 +26,8 @@ enum Script {
     Stream(usize),
     /// A stream whose first chunk is half an event, the rest 300 ms later.
     HalfEventFirst,
+    /// A stream's head, then the connection closed before any event.
+    HeadThenClose,
 }
 
 /// A fake worker on an ephemeral port; counts the requests it read and the connections it
@@ -96,6 +98,11 @@ async fn answer(sock: &mut tokio::net::TcpStream, script: Script) -> bool {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             sock.write_all(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n").await.is_ok()
+        }
+        Script::HeadThenClose => {
+            let _ = sock.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n").await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            false
         }
         Script::HalfEventFirst => {
             let (first, rest) = ("data: {\"choices\"", ":[{\"text\":\"t0\"}]}\n\n");
@@ -307,8 +314,8 @@ async fn a_client_that_leaves_mid_stream_is_cleaned_up() {
     assert!(live.ctx.is_killed(), "its context was cancelled");
 }
 
-/// A stream's head waits for its first event to leave in one send with it; when the worker's
-/// first bytes are half an event, the head goes at once rather than wait for the rest.
+/// A stream's head leaves in one send with the first bytes that came with the worker's head;
+/// when those are half an event, the head goes at once rather than wait for the rest.
 #[tokio::test]
 async fn a_stream_whose_first_bytes_are_half_an_event_gets_its_head_at_once() {
     let w = fake_worker(Script::HalfEventFirst).await;
@@ -326,6 +333,57 @@ async fn a_stream_whose_first_bytes_are_half_an_event_gets_its_head_at_once() {
     let rest = String::from_utf8_lossy(&rest);
     assert!(rest.contains("data: {\"choices\":[{\"text\":\"t0\"}]}\n\n") && rest.contains("data: [DONE]"), "{rest}");
     served.await.unwrap();
+    assert_clean(&gw);
+}
+
+/// Serves one stream request through `gw` and returns whether the connection was to be cut,
+/// and what the client read.
+async fn stream_through(gw: &Arc<Gateway>) -> (bool, String) {
+    let (mut session, mut client) = client(&post(r#"{"model":"m","prompt":"x","stream":true}"#)).await;
+    let gw2 = gw.clone();
+    let served = tokio::spawn(async move {
+        let cut = serve(&gw2, &mut session, Endpoint::Completions).await;
+        drop(session);
+        cut
+    });
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), client.read_to_end(&mut out)).await.expect("the request ends").unwrap();
+    (served.await.unwrap(), String::from_utf8_lossy(&out).into_owned())
+}
+
+/// A worker that sends a stream's head and fails before its first token: the head has gone to
+/// the client, and the request is resent to the other worker, whose stream follows it.
+#[tokio::test]
+async fn a_stream_whose_worker_fails_after_its_head_continues_on_another() {
+    let (bad, good) = (fake_worker(Script::HeadThenClose).await, fake_worker(Script::Stream(2)).await);
+    let gw = gateway(&[&bad, &good], "", true);
+    for _ in 0..2 {
+        let (cut, out) = stream_through(&gw).await;
+        assert!(!cut, "{out}");
+        assert_eq!(out.matches("HTTP/1.1 200").count(), 1, "one head: {out}");
+        assert!(out.contains("t0") && out.contains("t1") && out.contains("data: [DONE]") && out.ends_with("0\r\n\r\n"), "{out}");
+    }
+    assert!(bad.requests.load(Ordering::SeqCst) >= 1, "a stream started on the failing worker");
+    assert_clean(&gw);
+}
+
+/// A stream resent after its head went out, answered with an error status by the last worker
+/// there is: no error answer can follow the 200, so the stream is cut, never ended cleanly.
+#[tokio::test]
+async fn a_resent_stream_answered_with_an_error_is_cut() {
+    let (bad, failing) = (fake_worker(Script::HeadThenClose).await, fake_worker(Script::Fail500).await);
+    let gw = gateway(&[&bad, &failing], "", true);
+    let mut resent = 0;
+    for _ in 0..2 {
+        let (cut, out) = stream_through(&gw).await;
+        if out.starts_with("HTTP/1.1 200") {
+            resent += 1;
+            assert!(cut, "the connection is cut: {out}");
+            assert_eq!(out.matches("HTTP/1.1").count(), 1, "no second answer after the head: {out}");
+            assert!(!out.ends_with("0\r\n\r\n"), "not ended as complete: {out}");
+        }
+    }
+    assert!(resent >= 1, "a stream started on the worker that sends its head");
     assert_clean(&gw);
 }
 
