@@ -207,7 +207,7 @@ async fn body(
             None => {
                 match next_chunk(session, &mut ex, &worker.url, wait_limit(awaited, idle), &mut stall, warming, orders(req, awaited.is_some(), warming)).await {
                     Next::Chunk(Err(e)) if awaited.is_some() => return BodyEnd::Resend(no_first_byte(gw, req, &worker, e)),
-                    Next::Order(o) if awaited.is_some() => match before_first_byte(&worker, o) {
+                    Next::Order(o) if awaited.is_some() => match elsewhere(&worker, o) {
                         Some(o) => return BodyEnd::Reroute(o),
                         None => continue,
                     },
@@ -312,9 +312,9 @@ fn no_first_byte(gw: &Gateway, req: &RequestState, worker: &Arc<Worker>, e: LegE
     first
 }
 
-/// A move ordered before the stream's first byte: the order, to send the request elsewhere;
-/// `None` (answered) when it aims at the worker the request is on.
-fn before_first_byte(worker: &Arc<Worker>, o: MoveOrder) -> Option<MoveOrder> {
+/// A move order, unless it aims at the worker the request is on already (then answered, and
+/// `None`).
+fn elsewhere(worker: &Arc<Worker>, o: MoveOrder) -> Option<MoveOrder> {
     if o.to.as_ref().is_some_and(|t| Arc::ptr_eq(t, worker)) {
         o.answer(Err(MoveRefused::NotNow("the request is on that worker already")));
         return None;
@@ -335,11 +335,7 @@ enum Accepted {
 /// Takes a move order read mid-stream: refused if the stream may not move or is on that worker
 /// already; aimed at a worker, that worker is warmed first.
 fn accept(session: &ClientConn, req: &RequestState, worker: &Arc<Worker>, o: MoveOrder) -> Accepted {
-    if o.to.as_ref().is_some_and(|t| Arc::ptr_eq(t, worker)) {
-        o.answer(Err(MoveRefused::NotNow("the request is on that worker already")));
-        return Accepted::Refused;
-    }
-    let Some(o) = ready_to_move(req, o) else { return Accepted::Refused };
+    let Some(o) = elsewhere(worker, o).and_then(|o| ready_to_move(req, o)) else { return Accepted::Refused };
     match o.to.clone() {
         Some(to) => match migrate::warm_up(req, session, &to, o) {
             Ok(w) => Accepted::Warming(w),
@@ -435,25 +431,23 @@ async fn next_chunk(
     warming: &mut Option<Warming>,
     orders: Option<&Mailbox>,
 ) -> Next {
-    let warm = async {
-        match warming.as_mut() {
-            Some(w) => (&mut w.done).await,
-            None => std::future::pending().await,
-        }
-    };
-    let stalled = async {
-        match limit {
-            Some(limit) => stall.arm(limit).await,
-            None => std::future::pending().await,
-        }
-    };
+    let warm = or_never(warming.as_mut().map(|w| &mut w.done));
+    let stalled = or_never(limit.map(|limit| stall.arm(limit)));
     tokio::select! {
         biased;
         r = ex.response.read_body() => Next::Chunk(r.map_err(|e| LegError::new(LegErrorKind::Midstream, worker, e.to_string()).with_source(e))),
         () = stalled => Next::Chunk(Err(LegError::new(LegErrorKind::Stalled, worker, "worker stalled past timeouts.upstream_read_idle_ms"))),
         _ = client_closed(session) => Next::ClientGone,
-        o = async { match orders { Some(m) => m.next().await, None => std::future::pending().await } } => Next::Order(o),
+        o = or_never(orders.map(Mailbox::next)) => Next::Order(o),
         () = warm => Next::Warmed,
+    }
+}
+
+/// `f`'s output, or never when there is no `f`: a `select!` branch that is switched off.
+async fn or_never<F: std::future::Future>(f: Option<F>) -> F::Output {
+    match f {
+        Some(f) => f.await,
+        None => std::future::pending().await,
     }
 }
 
