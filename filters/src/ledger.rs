@@ -109,19 +109,27 @@ pub struct Ledger {
     workers: Box<[Arc<WorkerCounters>]>,
     tracking: Tracking,
     next_id: AtomicU64,
-    live: Mutex<HashMap<u64, (Instant, Arc<Release>), kvgate_kv::hash::BuildIdHasher>>,
+    /// Bookings not yet released, by id, with when they were booked ([`clock_us`]), sharded
+    /// by id so that requests on different threads rarely take the same lock.
+    live: Box<[LiveShard]>,
     expired: AtomicU64,
     /// Prefills booked with a predicted time on any of its workers, as a decayed rate (one
     /// second per booking).
     arrivals: load_rate::LoadRate,
 }
 
+/// Shards of a ledger's live bookings.
+const LIVE_SHARDS: usize = 16;
+
+/// One shard of a ledger's live bookings: id to when it was booked and what releases it.
+type LiveShard = Mutex<HashMap<u64, (u64, Arc<Release>), kvgate_kv::hash::BuildIdHasher>>;
+
 /// What a booking holds, released once (by the guard or by expiry).
 struct Release {
     worker: WorkerId,
     prefill: u64,
-    /// Its prompt's chain as booked (empty unless reuse is assumed).
-    chain: Arc<[BlockHash]>,
+    /// Its prompt's chain as booked (none unless reuse is assumed and the chain is not empty).
+    chain: Option<Arc<[BlockHash]>>,
     /// Blocks counted in `raw_blocks`.
     raw_blocks: u64,
     private_blocks: u64,
@@ -177,7 +185,7 @@ impl Ledger {
             workers,
             tracking,
             next_id: AtomicU64::new(1),
-            live: Mutex::new(HashMap::default()),
+            live: (0..LIVE_SHARDS).map(|_| Mutex::default()).collect(),
             expired: AtomicU64::new(0),
             arrivals: load_rate::LoadRate::default(),
         })
@@ -185,12 +193,14 @@ impl Ledger {
 
     /// Releases bookings older than `max_age`; returns how many.
     pub fn expire(&self, max_age: Duration) -> usize {
-        let now = Instant::now();
-        let old: Vec<Arc<Release>> = {
-            let mut live = self.live.lock();
-            let ids: Vec<u64> = live.iter().filter(|(_, (t, _))| now.duration_since(*t) > max_age).map(|(&id, _)| id).collect();
-            ids.into_iter().filter_map(|id| live.remove(&id).map(|(_, r)| r)).collect()
-        };
+        let now = clock_us();
+        let max_age = max_age.as_micros() as u64;
+        let mut old: Vec<Arc<Release>> = Vec::new();
+        for shard in &self.live {
+            let mut live = shard.lock();
+            let ids: Vec<u64> = live.iter().filter(|(_, (t, _))| now.saturating_sub(*t) > max_age).map(|(&id, _)| id).collect();
+            old.extend(ids.into_iter().filter_map(|id| live.remove(&id).map(|(_, r)| r)));
+        }
         for r in &old {
             self.release(r);
         }
@@ -256,7 +266,9 @@ impl Ledger {
             l.raw_blocks.fetch_sub(r.raw_blocks, Ordering::Relaxed);
             l.private_blocks.fetch_sub(r.private_blocks, Ordering::Relaxed);
         }
-        self.booked.remove(r.worker, &r.chain);
+        if let Some(chain) = &r.chain {
+            self.booked.remove(r.worker, chain);
+        }
     }
 
     fn add_output(&self, w: WorkerId, milli: i64) {
@@ -392,21 +404,29 @@ impl Ledger {
 
     /// Books `load` on `w`, until the returned guard drops.
     pub fn book(self: &Arc<Self>, w: WorkerId, load: Footprint) -> Booking {
+        self.book_at(w, load, clock_us())
+    }
+
+    /// [`Ledger::book`] as of `now` on [`clock_us`]'s clock (the decision's own read serves).
+    pub fn book_at(self: &Arc<Self>, w: WorkerId, load: Footprint, now: u64) -> Booking {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let release = self.reserve(w, load);
-        self.live.lock().insert(id, (Instant::now(), release.clone()));
+        let release = self.reserve(w, load, now);
+        self.live(id).lock().insert(id, (now, release.clone()));
         Booking { ledger: self.clone(), id, release }
     }
 
-    /// Adds `load` to `w`'s counters and returns what releasing it takes.
-    fn reserve(&self, w: WorkerId, load: Footprint) -> Arc<Release> {
+    fn live(&self, id: u64) -> &LiveShard {
+        &self.live[id as usize % LIVE_SHARDS]
+    }
+
+    /// Adds `load` to `w`'s counters as of `now` and returns what releasing it takes.
+    fn reserve(&self, w: WorkerId, load: Footprint, now: u64) -> Arc<Release> {
         let Footprint { prefill_tokens, chain, private_blocks, prompt_tokens, expected_output, prefill_time } = load;
         let chain = if self.tracking.active_blocks { chain } else { Vec::new() };
         let raw_blocks = chain.len() as u64;
         let time = if prefill_tokens > 0 { prefill_time.as_micros() as u64 } else { 0 };
         let mut due = 0;
         if let Some(l) = self.worker(w) {
-            let now = clock_us();
             if time > 0 {
                 let before = l.prefill_done_at.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |at| Some(at.max(now) + time));
                 l.prefill_load.add(time, now);
@@ -430,8 +450,10 @@ impl Ledger {
         }
         // Without reuse assumed, no two requests share blocks: the count per request
         // (`raw_blocks`) is all there is to book.
-        let chain: Arc<[BlockHash]> = if self.tracking.assume_kv_reuse { chain.into() } else { Arc::from([]) };
-        self.booked.add(w, &chain);
+        let chain: Option<Arc<[BlockHash]>> = (self.tracking.assume_kv_reuse && !chain.is_empty()).then(|| chain.into());
+        if let Some(chain) = &chain {
+            self.booked.add(w, chain);
+        }
         Arc::new(Release {
             worker: w,
             prefill: prefill_tokens,
@@ -488,8 +510,9 @@ impl Booking {
     /// is released and `load` is booked on `to`, under the same guard (booked afresh if expiry
     /// had released it).
     pub fn move_to(&mut self, to: WorkerId, load: Footprint) {
-        let next = self.ledger.reserve(to, load);
-        self.ledger.live.lock().insert(self.id, (Instant::now(), next.clone()));
+        let now = clock_us();
+        let next = self.ledger.reserve(to, load, now);
+        self.ledger.live(self.id).lock().insert(self.id, (now, next.clone()));
         let old = std::mem::replace(&mut self.release, next);
         self.ledger.release(&old);
         self.ledger.uncount(&old);
@@ -498,7 +521,7 @@ impl Booking {
 
 impl Drop for Booking {
     fn drop(&mut self) {
-        self.ledger.live.lock().remove(&self.id);
+        self.ledger.live(self.id).lock().remove(&self.id);
         self.ledger.release(&self.release);
         self.ledger.uncount(&self.release);
     }

@@ -73,8 +73,6 @@ pub struct RequestEntry {
     pub priority: f64,
     /// When it arrived.
     pub started: Instant,
-    /// Wall-clock arrival, for the admin API.
-    pub started_at: SystemTime,
     /// Its cancellation context.
     pub ctx: Arc<RequestContext>,
     phase: AtomicU8,
@@ -103,7 +101,6 @@ impl RequestEntry {
             stream,
             priority,
             started: Instant::now(),
-            started_at: SystemTime::now(),
             ctx,
             phase: AtomicU8::new(Phase::Queued as u8),
             prompt_tokens: AtomicU64::new(0),
@@ -194,7 +191,10 @@ impl RequestEntry {
 
     /// The admin API's view: what the rescheduling world's `running` record holds, and more.
     pub fn to_json(&self, with_receipt: bool) -> serde_json::Value {
-        let since_epoch = self.started_at.duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+        // The wall-clock arrival, worked out here from the monotonic one: the admin API is the
+        // only reader, and a second clock read per request is not free.
+        let started_at = SystemTime::now().checked_sub(self.started.elapsed()).unwrap_or(SystemTime::UNIX_EPOCH);
+        let since_epoch = started_at.duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
         let mut v = serde_json::json!({
             "id": self.id, "model": self.model, "endpoint": self.endpoint, "stream": self.stream,
             "phase": self.phase().name(), "worker": self.worker().map(|w| w.label.clone()),
@@ -284,11 +284,15 @@ impl RequestRegistry {
         if self.keep == 0 {
             return;
         }
-        let mut f = self.finished.lock();
-        if f.len() == self.keep {
-            f.pop_front();
-        }
-        f.push_back(entry.clone());
+        let evicted = {
+            let mut f = self.finished.lock();
+            let evicted = if f.len() == self.keep { f.pop_front() } else { None };
+            f.push_back(entry.clone());
+            evicted
+        };
+        // Dropped outside the lock: the last reference frees the entry's receipt and strings,
+        // often allocated by another thread, while the other thread may be waiting to finish.
+        drop(evicted);
     }
 }
 

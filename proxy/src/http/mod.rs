@@ -90,7 +90,7 @@ impl GatewayApp {
             () = stopping => return false,
         };
         let refusal = match read {
-            Ok(true) if session.req().method() != "CONNECT" => return true,
+            Ok(true) if !session.req().method_is("CONNECT") => return true,
             Ok(true) => {
                 self.gw.metrics.refused_connections.with_label_values(&["connect"]).inc();
                 ClientError::method_not_allowed("CONNECT", "a tunnel")

@@ -41,7 +41,8 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
         Among::Except(_) => shed(gw, req, eligible, &mut excluded)?,
         Among::Only(_) => (eligible, Vec::new()),
     };
-    let t_decide = Instant::now();
+    // The decision's time is a kv routing metric: other modes skip the clock read.
+    let t_decide = model.kv.as_ref().map(|_| Instant::now());
     let now = kvgate_filters::ledger::clock_us();
     let candidates: Vec<Candidate> = eligible
         .iter()
@@ -69,7 +70,7 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
     let idx = eligible[k];
     let worker = model.workers[idx].clone();
     req.tried.push(idx);
-    book(gw, req, idx, &candidates[k], best_overlap, t_decide);
+    book(gw, req, idx, &candidates[k], (best_overlap, t_decide), now);
     let prompt = req.kv.as_ref().map_or((0, 0), |k| (k.tokens as u32, k.chain.len() as u32));
     let kv = model.kv.as_ref().map(|k| k.policy.params());
     let attempt = req.tried.len() as u32;
@@ -192,7 +193,10 @@ fn decide(gw: &Gateway, req: &RequestState, summary: &RequestSummary<'_>, candid
 
 /// Moves (or makes) the request's booking onto worker `idx` and records the decision metrics;
 /// `best_overlap` is the most blocks any candidate held.
-fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, best_overlap: u32, t_decide: Instant) {
+/// `decided`: the best overlap any candidate had, and when the decision began (kv routing).
+/// `now`: the decision's read of the ledger's clock.
+fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, decided: (u32, Option<Instant>), now: u64) {
+    let (best_overlap, t_decide) = decided;
     let model = &req.model;
     let mm = model.metrics(&gw.metrics);
     mm.issued.inc();
@@ -208,7 +212,8 @@ fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, be
         Some(k) => {
             mm.overlap.observe(f64::from(chosen.overlap_blocks));
             mm.forgone.observe(f64::from(best_overlap.saturating_sub(chosen.overlap_blocks)));
-            mm.decision_time.observe((t_decide.elapsed() + k.lookup_time).as_secs_f64());
+            let decision_time = t_decide.map_or(Duration::ZERO, |t| t.elapsed());
+            mm.decision_time.observe((decision_time + k.lookup_time).as_secs_f64());
             let expected_output = req.view.expected_output();
             let prefill_time = req.predicted.map_or(Duration::ZERO, |p| Duration::from_secs_f64(p.own_ms.max(0.0) / 1000.0));
             // The time cost also counts a prefix being computed there as cached: book what it
@@ -220,6 +225,6 @@ fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, be
     };
     match req.booking.as_mut() {
         Some(b) => b.move_to(idx as u16, footprint),
-        None => req.booking = Some(model.ledger.book(idx as u16, footprint)),
+        None => req.booking = Some(model.ledger.book_at(idx as u16, footprint, now)),
     }
 }
