@@ -61,8 +61,6 @@ impl Phase {
 
 /// One request as the rest of the gateway sees it.
 pub struct RequestEntry {
-    /// Request id (the client's `X-Request-Id` or a generated one).
-    pub id: String,
     /// The model it addressed.
     pub model: String,
     /// Endpoint label (`chat_completions`, `completions`).
@@ -93,9 +91,8 @@ pub struct RequestEntry {
 
 impl RequestEntry {
     /// A new entry in the queued phase.
-    pub fn new(id: String, model: String, endpoint: &'static str, stream: bool, priority: f64, ctx: Arc<RequestContext>, workers: Arc<[Arc<Worker>]>) -> Self {
+    pub fn new(model: String, endpoint: &'static str, stream: bool, priority: f64, ctx: Arc<RequestContext>, workers: Arc<[Arc<Worker>]>) -> Self {
         Self {
-            id,
             model,
             endpoint,
             stream,
@@ -114,6 +111,12 @@ impl RequestEntry {
             pinned: Mutex::new(None),
             moves: AtomicU64::new(0),
         }
+    }
+
+    /// Request id (the client's `X-Request-Id` or a generated one): its cancellation
+    /// context's.
+    pub fn id(&self) -> &str {
+        self.ctx.id()
     }
 
     /// Why it cannot move to another worker (a `PinReason` label), if it cannot.
@@ -196,7 +199,7 @@ impl RequestEntry {
         let started_at = SystemTime::now().checked_sub(self.started.elapsed()).unwrap_or(SystemTime::UNIX_EPOCH);
         let since_epoch = started_at.duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
         let mut v = serde_json::json!({
-            "id": self.id, "model": self.model, "endpoint": self.endpoint, "stream": self.stream,
+            "id": self.id(), "model": self.model, "endpoint": self.endpoint, "stream": self.stream,
             "phase": self.phase().name(), "worker": self.worker().map(|w| w.label.clone()),
             "tokens": self.tokens(), "generated_tokens": self.generated_tokens(),
             "age_ms": self.age().as_millis() as u64, "priority": self.priority, "started_at": since_epoch,
@@ -270,8 +273,8 @@ impl RequestRegistry {
 
     /// A request by id: in flight first, else the newest finished one with that id.
     pub fn find(&self, id: &str) -> Option<Arc<RequestEntry>> {
-        let live = self.shards.iter().find_map(|s| s.lock().values().find(|e| e.id == id).cloned());
-        live.or_else(|| self.finished.lock().iter().rev().find(|e| e.id == id).cloned())
+        let live = self.shards.iter().find_map(|s| s.lock().values().find(|e| e.id() == id).cloned());
+        live.or_else(|| self.finished.lock().iter().rev().find(|e| e.id() == id).cloned())
     }
 
     /// Finished requests kept, oldest first.
@@ -329,7 +332,7 @@ mod tests {
     use super::*;
 
     fn entry(id: &str) -> RequestEntry {
-        RequestEntry::new(id.into(), "m".into(), "completions", true, 0.0, RequestContext::new(id), Arc::from(Vec::new()))
+        RequestEntry::new("m".into(), "completions", true, 0.0, RequestContext::new(id), Arc::from(Vec::new()))
     }
 
     #[test]
@@ -347,7 +350,7 @@ mod tests {
         drop(b);
         drop(r.register(entry("c")));
         assert!(r.is_empty());
-        let kept: Vec<String> = r.finished().iter().map(|e| e.id.clone()).collect();
+        let kept: Vec<String> = r.finished().iter().map(|e| e.id().to_string()).collect();
         assert_eq!(kept, ["b", "c"], "bounded: the oldest finished entry goes");
         assert!(r.find("a").is_none());
     }

@@ -10,7 +10,7 @@
 
 use crate::h1::body::Framing;
 use crate::h1::chunked::{ChunkError, Chunked};
-use crate::h1::spare::READ_SIZE;
+use crate::h1::spare::{HeadLines, READ_SIZE};
 use crate::idle_timer::IdleTimer;
 use bytes::{Bytes, BytesMut};
 use pingora::protocols::Stream;
@@ -77,7 +77,7 @@ impl RequestHead {
 
     /// Parses a whole request head (request line, headers and the blank line).
     pub fn parse(raw: Bytes) -> Result<Self, HeadError> {
-        match parse_request(&raw)? {
+        match parse_request(&raw, &mut Vec::new())? {
             Some((head, len)) if len == raw.len() => Ok(Self { raw, ..head }),
             _ => Err(HeadError::Malformed("not one whole request head")),
         }
@@ -153,7 +153,7 @@ enum BodyOut {
 #[derive(Debug)]
 pub struct ResponseHead {
     status: u16,
-    lines: Vec<u8>,
+    lines: HeadLines,
     length: Option<u64>,
     dated: bool,
 }
@@ -166,7 +166,7 @@ pub struct BadHeader(pub String);
 impl ResponseHead {
     /// A head with `status`.
     pub fn new(status: u16) -> Self {
-        Self { status, lines: Vec::with_capacity(256), length: None, dated: false }
+        Self { status, lines: HeadLines::take(), length: None, dated: false }
     }
 
     /// Adds a header line.
@@ -280,23 +280,25 @@ impl ClientConn {
         (self.out, self.head_only, self.body) = (BodyOut::NotStarted, false, Framing::Done);
         // The last head shares the read buffer: let it go first, so the buffer is this
         // connection's alone again and the next read reuses it instead of allocating another.
-        self.head = RequestHead::default();
+        // Its list of header offsets is kept for the next head.
+        let spare = std::mem::take(&mut self.head).headers;
         // One timer per connection, moved later for each request. Taken out while the read
         // borrows the connection.
         let mut timer = std::mem::take(&mut self.idle_timer);
         let read = tokio::select! {
             biased;
-            r = self.read_head() => r,
+            r = self.read_head(spare) => r,
             () = timer.arm(idle) => Ok(false),
         };
         self.idle_timer = timer;
         read
     }
 
-    async fn read_head(&mut self) -> Result<bool, HeadError> {
+    /// Reads and parses the next head; `spare` is a list to hold its header offsets.
+    async fn read_head(&mut self, mut spare: Vec<[u32; 4]>) -> Result<bool, HeadError> {
         loop {
             if !self.rbuf.is_empty() {
-                if let Some((head, len)) = parse_request(&self.rbuf)? {
+                if let Some((head, len)) = parse_request(&self.rbuf, &mut spare)? {
                     let raw = self.rbuf.split_to(len).freeze();
                     self.start(RequestHead { raw, ..head })?;
                     return Ok(true);
@@ -595,8 +597,10 @@ impl ClientConn {
 }
 
 /// Parses a request head at the front of `buf`: the head with offsets (its `raw` left empty)
-/// and its length, or `None` while it is incomplete.
-fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadError> {
+/// and its length, or `None` while it is incomplete. `spare` holds the header offsets: a
+/// connection's last head's list, reused (it is taken into the head, and left as it was while
+/// the head is incomplete).
+fn parse_request(buf: &[u8], spare: &mut Vec<[u32; 4]>) -> Result<Option<(RequestHead, usize)>, HeadError> {
     let mut slots = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
     let mut r = httparse::Request::new(&mut []);
     let len = match r.parse_with_uninit_headers(buf, &mut slots) {
@@ -611,14 +615,12 @@ fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadError> 
     let (Some(method), Some(target), Some(minor)) = (r.method, r.path, r.version) else {
         return Err(HeadError::Malformed("an incomplete request line"));
     };
-    let headers = r
-        .headers
-        .iter()
-        .map(|h| {
-            let ([ns, ne], [vs, ve]) = (span(h.name.as_bytes()), span(h.value));
-            [ns, ne, vs, ve]
-        })
-        .collect();
+    spare.clear();
+    spare.extend(r.headers.iter().map(|h| {
+        let ([ns, ne], [vs, ve]) = (span(h.name.as_bytes()), span(h.value));
+        [ns, ne, vs, ve]
+    }));
+    let headers = std::mem::take(spare);
     // [0, 0] stands for the root: an absolute target with no path has none to point at.
     let path = match path_of(target) {
         "" => [0, 0],
@@ -891,7 +893,7 @@ mod tests {
     fn paths_come_out_of_every_target_form() {
         let head = |t: &str| {
             let raw = format!("GET {t} HTTP/1.1\r\n\r\n");
-            let (h, _) = parse_request(raw.as_bytes()).unwrap().unwrap();
+            let (h, _) = parse_request(raw.as_bytes(), &mut Vec::new()).unwrap().unwrap();
             (RequestHead { raw: Bytes::from(raw), ..h }).path().to_string()
         };
         assert_eq!(head("/v1/models"), "/v1/models");

@@ -52,7 +52,9 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut ClientConn) {
         Err(ce) => return respond_error(session, &ce, &[]).await,
     };
     match tokio::time::timeout(MOVE_DEADLINE, order_rx).await {
-        Ok(Ok(Ok(r))) => respond_json(session, 200, &json!({"request_id": entry.id, "from": r.from, "to": r.to, "how": r.how, "generated": r.generated})).await,
+        Ok(Ok(Ok(r))) => {
+            respond_json(session, 200, &json!({"request_id": entry.id(), "from": r.from, "to": r.to, "how": r.how, "generated": r.generated})).await
+        }
         Ok(Ok(Err(MoveRefused::Failed(m)))) => respond_error(session, &ClientError::move_failed(m), &[]).await,
         Ok(Ok(Err(why))) => respond_error(session, &ClientError::conflict(why.to_string()), &[]).await,
         // The request ended before it read the order.

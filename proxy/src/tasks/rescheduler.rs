@@ -109,13 +109,13 @@ async fn cycle(gw: &Gateway, model: &Model, r: &Rescheduling, wasm: Option<Arc<R
     for p in &pairs {
         let policy = policies.iter().find(|c| c.name == p.policy).map_or("plugin", |c| c.name);
         let ids: Vec<String> = chosen(model, &live, p, gw.config().migration.limit).into_iter().filter(|id| taken.insert(id.clone())).collect();
-        let entries: Vec<Arc<RequestEntry>> = ids.iter().filter_map(|id| live.iter().find(|e| &e.id == id).cloned()).collect();
+        let entries: Vec<Arc<RequestEntry>> = ids.iter().filter_map(|id| live.iter().find(|e| e.id() == id).cloned()).collect();
         let (src, dst, to) = (p.src, p.dst, model.workers[p.dst as usize].clone());
         runs.spawn(async move {
             let mut out = Vec::with_capacity(entries.len());
             for entry in entries {
                 let outcome = move_one(&entry, &to, policy, until).await;
-                out.push((policy, src, dst, entry.id.clone(), outcome));
+                out.push((policy, src, dst, entry.id().to_string(), outcome));
             }
             out
         });
@@ -193,7 +193,7 @@ fn chosen(model: &Model, live: &[Arc<RequestEntry>], p: &Pair, limit: u32) -> Ve
         .enumerate()
         .filter(|(_, e)| e.stream && e.pinned().is_none() && e.moves() < u64::from(limit))
         .filter(|(_, e)| matches!(e.phase(), Phase::Running | Phase::Waiting) && e.worker().is_some_and(|w| Arc::ptr_eq(&w, src)))
-        .map(|(i, e)| Candidate { id: e.id.clone(), tokens: e.tokens(), arrival: i as u64, waiting: e.phase() == Phase::Waiting })
+        .map(|(i, e)| Candidate { id: e.id().to_string(), tokens: e.tokens(), arrival: i as u64, waiting: e.phase() == Phase::Waiting })
         .collect();
     let kv_tokens = model.candidate(p.src as usize, false, kvgate_filters::ledger::clock_us()).total_blocks * u64::from(model.cfg.block_size);
     select(&candidates, p.take, kv_tokens)
@@ -213,7 +213,7 @@ async fn plugin_pairs(gw: &Gateway, model: &Model, r: &Rescheduling, live: &[Arc
                 .iter()
                 .filter(|e| e.worker().is_some_and(|cur| Arc::ptr_eq(&cur, w)))
                 .map(|e| kvgate_plugins::Running {
-                    id: e.id.clone(),
+                    id: e.id().to_string(),
                     tokens: e.tokens().min(u64::from(u32::MAX)) as u32,
                     age_ms: e.age().as_millis() as u64,
                     priority: e.priority as i32,
