@@ -62,7 +62,7 @@ impl Phase {
 /// One request as the rest of the gateway sees it.
 pub struct RequestEntry {
     /// The model it addressed.
-    pub model: String,
+    pub model: Arc<str>,
     /// Endpoint label (`chat_completions`, `completions`).
     pub endpoint: &'static str,
     /// Whether the client asked for a stream.
@@ -91,7 +91,7 @@ pub struct RequestEntry {
 
 impl RequestEntry {
     /// A new entry in the queued phase.
-    pub fn new(model: String, endpoint: &'static str, stream: bool, priority: f64, ctx: Arc<RequestContext>, workers: Arc<[Arc<Worker>]>) -> Self {
+    pub fn new(model: Arc<str>, endpoint: &'static str, stream: bool, priority: f64, ctx: Arc<RequestContext>, workers: Arc<[Arc<Worker>]>) -> Self {
         Self {
             model,
             endpoint,
@@ -199,7 +199,7 @@ impl RequestEntry {
         let started_at = SystemTime::now().checked_sub(self.started.elapsed()).unwrap_or(SystemTime::UNIX_EPOCH);
         let since_epoch = started_at.duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
         let mut v = serde_json::json!({
-            "id": self.id(), "model": self.model, "endpoint": self.endpoint, "stream": self.stream,
+            "id": self.id(), "model": &*self.model, "endpoint": self.endpoint, "stream": self.stream,
             "phase": self.phase().name(), "worker": self.worker().map(|w| w.label.clone()),
             "tokens": self.tokens(), "generated_tokens": self.generated_tokens(),
             "age_ms": self.age().as_millis() as u64, "priority": self.priority, "started_at": since_epoch,

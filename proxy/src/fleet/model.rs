@@ -17,6 +17,8 @@ use std::sync::{Arc, OnceLock};
 pub struct Model {
     /// The model's config section.
     pub cfg: ModelConfig,
+    /// Its name (`cfg.name`), shared with its requests' registry entries instead of copied.
+    pub name: Arc<str>,
     /// Workers; a worker's id is its index here. Shared with the route receipts of the
     /// model's requests, which name workers by id.
     pub workers: Arc<[Arc<Worker>]>,

@@ -77,7 +77,20 @@ impl WorkerRegistry {
             });
             let policy: Arc<dyn Policy> = Arc::from(m.routing.builtin().policy());
             let ledger = Model::new_ledger(m, &workers);
-            models.insert(m.name.clone(), Arc::new(Model { cfg: m.clone(), workers, policy, plugin: slot(m), kv, queue, ledger, metrics: Default::default() }));
+            models.insert(
+                m.name.clone(),
+                Arc::new(Model {
+                    cfg: m.clone(),
+                    name: m.name.as_str().into(),
+                    workers,
+                    policy,
+                    plugin: slot(m),
+                    kv,
+                    queue,
+                    ledger,
+                    metrics: Default::default(),
+                }),
+            );
         }
         *known = next;
         Ok(Fleet { models, order })

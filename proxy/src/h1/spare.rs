@@ -1,11 +1,13 @@
 //! Buffers kept for reuse per thread: read buffers, a few per thread (every worker response is
 //! read into a buffer of [`READ_SIZE`] bytes, and allocating one per response took the
 //! allocator's slow path for large blocks each time: benches/RESULTS.md, "The gateway's own
-//! HTTP/1.1, both sides"), and one buffer for a response head's header lines ([`HeadLines`]).
+//! HTTP/1.1, both sides"), and one of each list every response builds ([`Kept`]: a response
+//! head's header lines, a worker response's header offsets).
 
 use bytes::BytesMut;
 use std::cell::{Cell, RefCell};
 use std::ops::{Deref, DerefMut};
+use std::thread::LocalKey;
 
 /// The size of a read buffer, and of each read into it.
 pub const READ_SIZE: usize = 16 * 1024;
@@ -14,51 +16,74 @@ pub const READ_SIZE: usize = 16 * 1024;
 /// at most 8 x 16 KiB of memory per thread.
 const KEPT: usize = 8;
 
-/// The most a kept head-lines buffer may hold: larger ones (a worker's unusual head) go back to
-/// the allocator.
-const LINES_KEPT_CAPACITY: usize = 4096;
+/// The most bytes a kept list may hold: a larger one (from an unusual head) goes back to the
+/// allocator.
+const KEPT_BYTES: usize = 4096;
 
 thread_local! {
     static SPARE: RefCell<Vec<BytesMut>> = const { RefCell::new(Vec::new()) };
     static LINES: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
+    static SPANS: Cell<Vec<[u32; 4]>> = const { Cell::new(Vec::new()) };
 }
 
-/// A response head's header lines: a buffer taken from its thread's spare, which goes back there
-/// on drop. Every response builds one, and one allocation fewer per request is worth a
-/// thread-local (benches/RESULTS.md, "Fewer allocations and clock reads per request").
+/// A list taken from its thread's one spare, which goes back there empty on drop. Every response
+/// builds a few such lists, and an allocation fewer per request is worth a thread-local
+/// (benches/RESULTS.md, "Fewer allocations and clock reads per request").
 #[derive(Debug)]
-pub struct HeadLines(Vec<u8>);
+pub struct Kept<T: 'static> {
+    list: Vec<T>,
+    home: &'static LocalKey<Cell<Vec<T>>>,
+}
+
+/// A response head's header lines.
+pub type HeadLines = Kept<u8>;
+
+/// A parsed head's header offsets (name start and end, value start and end).
+pub type HeaderSpans = Kept<[u32; 4]>;
 
 impl HeadLines {
     /// An empty buffer with room for a usual head.
     pub fn take() -> Self {
-        let mut v = LINES.with(Cell::take);
-        if v.capacity() == 0 {
-            v.reserve(256);
+        Kept::from(&LINES, 256)
+    }
+}
+
+impl HeaderSpans {
+    /// An empty list with room for a usual head's headers.
+    pub fn take() -> Self {
+        Kept::from(&SPANS, 16)
+    }
+}
+
+impl<T: 'static> Kept<T> {
+    fn from(home: &'static LocalKey<Cell<Vec<T>>>, room: usize) -> Self {
+        let mut list = home.with(Cell::take);
+        if list.capacity() == 0 {
+            list.reserve(room);
         }
-        Self(v)
+        Self { list, home }
     }
 }
 
-impl Deref for HeadLines {
-    type Target = Vec<u8>;
-    fn deref(&self) -> &Vec<u8> {
-        &self.0
+impl<T> Deref for Kept<T> {
+    type Target = Vec<T>;
+    fn deref(&self) -> &Vec<T> {
+        &self.list
     }
 }
 
-impl DerefMut for HeadLines {
-    fn deref_mut(&mut self) -> &mut Vec<u8> {
-        &mut self.0
+impl<T> DerefMut for Kept<T> {
+    fn deref_mut(&mut self) -> &mut Vec<T> {
+        &mut self.list
     }
 }
 
-impl Drop for HeadLines {
+impl<T> Drop for Kept<T> {
     fn drop(&mut self) {
-        let mut v = std::mem::take(&mut self.0);
-        if v.capacity() <= LINES_KEPT_CAPACITY {
-            v.clear();
-            LINES.with(|l| l.set(v));
+        let mut list = std::mem::take(&mut self.list);
+        if list.capacity() * std::mem::size_of::<T>() <= KEPT_BYTES {
+            list.clear();
+            self.home.with(|h| h.set(list));
         }
     }
 }
@@ -139,9 +164,15 @@ mod tests {
         let b = HeadLines::take();
         assert_eq!((b.as_ptr(), b.len()), (ptr, 0), "reused, and empty");
         let mut big = b;
-        big.reserve(2 * LINES_KEPT_CAPACITY);
+        big.reserve(2 * KEPT_BYTES);
         drop(big);
-        assert!(HeadLines::take().capacity() < LINES_KEPT_CAPACITY, "a large one is not kept");
+        assert!(HeadLines::take().capacity() < KEPT_BYTES, "a large one is not kept");
+        let mut spans = HeaderSpans::take();
+        spans.push([1, 2, 3, 4]);
+        let ptr = spans.as_ptr();
+        drop(spans);
+        let again = HeaderSpans::take();
+        assert_eq!((again.as_ptr(), again.len()), (ptr, 0), "each kind has its own spare");
     }
 
     #[test]

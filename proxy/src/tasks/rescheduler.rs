@@ -89,7 +89,7 @@ impl PluginState {
 /// One cycle for one model; returns what it decided and how it went.
 async fn cycle(gw: &Gateway, model: &Model, r: &Rescheduling, wasm: Option<Arc<ReschedulingPlugin>>, turn: &mut usize) -> Value {
     let Ok(policies) = r.policies() else { return Value::Null };
-    let live: Vec<Arc<RequestEntry>> = gw.requests.snapshot().into_iter().filter(|e| e.model == model.cfg.name).collect();
+    let live: Vec<Arc<RequestEntry>> = gw.requests.snapshot().into_iter().filter(|e| *e.model == *model.cfg.name).collect();
     let mut pairs = Vec::new();
     for c in &policies {
         let view = view(model, r, c.metric.unwrap_or(LoadMetric::KvCacheUsageRatioProjected));

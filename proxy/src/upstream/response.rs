@@ -10,7 +10,7 @@
 
 use crate::h1::body::Framing;
 use crate::h1::chunked::{ChunkError, Chunked};
-use crate::h1::spare::{READ_SIZE, ReadBuffer};
+use crate::h1::spare::{HeaderSpans, READ_SIZE, ReadBuffer};
 use bytes::{Bytes, BytesMut};
 use std::future::Future;
 use tokio::io::{AsyncRead, AsyncReadExt};
@@ -166,7 +166,7 @@ struct Head {
     /// The head as it came (status line and headers).
     raw: Bytes,
     /// Each header's name and value as offsets into `raw`.
-    headers: Vec<[u32; 4]>,
+    headers: HeaderSpans,
     status: u16,
     /// The rest of the body.
     body: Framing,
@@ -208,11 +208,10 @@ fn parse_into<'b>(buf: &'b [u8], slots: &mut [httparse::Header<'b>], head_reques
     let status = r.code.unwrap_or(0);
     let base = buf.as_ptr() as usize;
     let at = |s: &[u8]| (s.as_ptr() as usize - base) as u32;
-    let headers: Vec<[u32; 4]> = r
-        .headers
-        .iter()
-        .map(|h| [at(h.name.as_bytes()), at(h.name.as_bytes()) + h.name.len() as u32, at(h.value), at(h.value) + h.value.len() as u32])
-        .collect();
+    let mut headers = HeaderSpans::take();
+    headers.extend(
+        r.headers.iter().map(|h| [at(h.name.as_bytes()), at(h.name.as_bytes()) + h.name.len() as u32, at(h.value), at(h.value) + h.value.len() as u32]),
+    );
     let (framing, by_length, close) = framing(r.headers, status, head_request)?;
     let http10 = r.version == Some(0);
     let keep_alive = !close && if http10 { connection_has(r.headers, b"keep-alive") } else { !connection_has(r.headers, b"close") };
