@@ -194,12 +194,16 @@ impl Ledger {
     /// Releases bookings older than `max_age`; returns how many.
     pub fn expire(&self, max_age: Duration) -> usize {
         let now = clock_us();
-        let max_age = max_age.as_micros() as u64;
+        let max_age = u64::try_from(max_age.as_micros()).unwrap_or(u64::MAX);
         let mut old: Vec<Arc<Release>> = Vec::new();
         for shard in &self.live {
-            let mut live = shard.lock();
-            let ids: Vec<u64> = live.iter().filter(|(_, (t, _))| now.saturating_sub(*t) > max_age).map(|(&id, _)| id).collect();
-            old.extend(ids.into_iter().filter_map(|id| live.remove(&id).map(|(_, r)| r)));
+            shard.lock().retain(|_, (t, r)| {
+                let keep = now.saturating_sub(*t) <= max_age;
+                if !keep {
+                    old.push(r.clone());
+                }
+                keep
+            });
         }
         for r in &old {
             self.release(r);
@@ -407,15 +411,16 @@ impl Ledger {
         self.book_at(w, load, clock_us())
     }
 
-    /// [`Ledger::book`] as of `now` on [`clock_us`]'s clock (the decision's own read serves).
+    /// [`Ledger::book`] as of `now` on [`clock_us`]'s clock: a read taken just before (a
+    /// routing decision's own), so that the worker's step and prefill timing stay in order.
     pub fn book_at(self: &Arc<Self>, w: WorkerId, load: Footprint, now: u64) -> Booking {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let release = self.reserve(w, load, now);
-        self.live(id).lock().insert(id, (now, release.clone()));
+        self.live_shard(id).lock().insert(id, (now, release.clone()));
         Booking { ledger: self.clone(), id, release }
     }
 
-    fn live(&self, id: u64) -> &LiveShard {
+    fn live_shard(&self, id: u64) -> &LiveShard {
         &self.live[id as usize % LIVE_SHARDS]
     }
 
@@ -512,7 +517,7 @@ impl Booking {
     pub fn move_to(&mut self, to: WorkerId, load: Footprint) {
         let now = clock_us();
         let next = self.ledger.reserve(to, load, now);
-        self.ledger.live(self.id).lock().insert(self.id, (now, next.clone()));
+        self.ledger.live_shard(self.id).lock().insert(self.id, (now, next.clone()));
         let old = std::mem::replace(&mut self.release, next);
         self.ledger.release(&old);
         self.ledger.uncount(&old);
@@ -521,7 +526,7 @@ impl Booking {
 
 impl Drop for Booking {
     fn drop(&mut self) {
-        self.ledger.live(self.id).lock().remove(&self.id);
+        self.ledger.live_shard(self.id).lock().remove(&self.id);
         self.ledger.release(&self.release);
         self.ledger.uncount(&self.release);
     }

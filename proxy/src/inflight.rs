@@ -293,8 +293,8 @@ impl RequestRegistry {
             f.push_back(entry.clone());
             evicted
         };
-        // Dropped outside the lock: the last reference frees the entry's receipt and strings,
-        // often allocated by another thread, while the other thread may be waiting to finish.
+        // Dropped outside the lock: the last reference frees the entry's receipt and context,
+        // often allocated by another thread, while another thread may be waiting to finish.
         drop(evicted);
     }
 }

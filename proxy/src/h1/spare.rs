@@ -26,9 +26,10 @@ thread_local! {
     static SPANS: Cell<Vec<[u32; 4]>> = const { Cell::new(Vec::new()) };
 }
 
-/// A list taken from its thread's one spare, which goes back there empty on drop. Every response
-/// builds a few such lists, and an allocation fewer per request is worth a thread-local
-/// (benches/RESULTS.md, "Fewer allocations and clock reads per request").
+/// A list taken from its thread's one spare, which goes back empty, on drop, to the spare of the
+/// thread that drops it (a request's task may have moved to another thread meanwhile). Every
+/// response builds a few such lists, and an allocation fewer per request is worth a
+/// thread-local (benches/RESULTS.md, "Fewer allocations and clock reads per request").
 #[derive(Debug)]
 pub struct Kept<T: 'static> {
     list: Vec<T>,
@@ -44,19 +45,19 @@ pub type HeaderSpans = Kept<[u32; 4]>;
 impl HeadLines {
     /// An empty buffer with room for a usual head.
     pub fn take() -> Self {
-        Kept::from(&LINES, 256)
+        Kept::take_from(&LINES, 256)
     }
 }
 
 impl HeaderSpans {
     /// An empty list with room for a usual head's headers.
     pub fn take() -> Self {
-        Kept::from(&SPANS, 16)
+        Kept::take_from(&SPANS, 16)
     }
 }
 
 impl<T: 'static> Kept<T> {
-    fn from(home: &'static LocalKey<Cell<Vec<T>>>, room: usize) -> Self {
+    fn take_from(home: &'static LocalKey<Cell<Vec<T>>>, room: usize) -> Self {
         let mut list = home.with(Cell::take);
         if list.capacity() == 0 {
             list.reserve(room);
@@ -83,13 +84,14 @@ impl<T> Drop for Kept<T> {
         let mut list = std::mem::take(&mut self.list);
         if list.capacity() * std::mem::size_of::<T>() <= KEPT_BYTES {
             list.clear();
-            self.home.with(|h| h.set(list));
+            // Not kept when the thread's locals are already gone (a drop at thread exit).
+            let _ = self.home.try_with(|h| h.set(list));
         }
     }
 }
 
-/// A read buffer that, dropped when nothing else shares its memory any more, goes back to its
-/// thread's spares instead of the allocator.
+/// A read buffer that, dropped when nothing else shares its memory any more, goes back to the
+/// spares of the thread that drops it instead of the allocator.
 #[derive(Debug)]
 pub struct ReadBuffer(BytesMut);
 
@@ -120,7 +122,8 @@ impl Drop for ReadBuffer {
         // Only a buffer whose memory no `Bytes` split from it still holds, and as large as a
         // fresh one, is kept; others go back to the allocator as before.
         if buf.try_reclaim(READ_SIZE) {
-            SPARE.with(|s| {
+            // Not kept when the thread's locals are already gone (a drop at thread exit).
+            let _ = SPARE.try_with(|s| {
                 let mut s = s.borrow_mut();
                 if s.len() < KEPT {
                     s.push(buf);

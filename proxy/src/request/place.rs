@@ -12,7 +12,7 @@ use crate::receipt::{DecidedBy, Exclusion, Placement};
 use kvgate_filters::ledger::Footprint;
 use kvgate_filters::route::{Candidate, Decision, Policy, RequestSummary, Terms};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Who may take the next attempt.
 #[derive(Debug, Clone, Copy)]
@@ -41,8 +41,6 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
         Among::Except(_) => shed(gw, req, eligible, &mut excluded)?,
         Among::Only(_) => (eligible, Vec::new()),
     };
-    // The decision's time is a kv routing metric: other modes skip the clock read.
-    let t_decide = model.kv.as_ref().map(|_| Instant::now());
     let now = kvgate_filters::ledger::clock_us();
     let candidates: Vec<Candidate> = eligible
         .iter()
@@ -70,7 +68,8 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
     let idx = eligible[k];
     let worker = model.workers[idx].clone();
     req.tried.push(idx);
-    book(gw, req, idx, &candidates[k], (best_overlap, t_decide), now);
+    let by_plugin = !matches!(decided_by, DecidedBy::Builtin(_));
+    book(gw, req, idx, &candidates[k], Decided { best_overlap, began: now, by_plugin });
     let prompt = req.kv.as_ref().map_or((0, 0), |k| (k.tokens as u32, k.chain.len() as u32));
     let kv = model.kv.as_ref().map(|k| k.policy.params());
     let attempt = req.tried.len() as u32;
@@ -191,13 +190,24 @@ fn decide(gw: &Gateway, req: &RequestState, summary: &RequestSummary<'_>, candid
     (routed.decision, by)
 }
 
-/// Moves (or makes) the request's booking onto worker `idx` and records the decision metrics;
-/// `best_overlap` is the most blocks any candidate held.
-/// `decided`: the best overlap any candidate had, and when the decision began (kv routing).
-/// `now`: the decision's read of the ledger's clock.
-fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, decided: (u32, Option<Instant>), now: u64) {
-    let (best_overlap, t_decide) = decided;
+/// What a decision leaves for the booking.
+struct Decided {
+    /// The most blocks any candidate held.
+    best_overlap: u32,
+    /// The decision's read of the ledger's clock (µs), before it began.
+    began: u64,
+    /// Whether a plugin took part, which may take milliseconds.
+    by_plugin: bool,
+}
+
+/// Moves (or makes) the request's booking onto worker `idx` and records the decision metrics.
+fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, decided: Decided) {
+    let Decided { best_overlap, began, by_plugin } = decided;
     let model = &req.model;
+    // The booking is stamped with the decision's own clock read where the decision took
+    // microseconds (round_robin, random); kv routing times itself and a plugin may take long,
+    // so they read the clock again.
+    let now = if by_plugin || model.kv.is_some() { kvgate_filters::ledger::clock_us() } else { began };
     let mm = model.metrics(&gw.metrics);
     mm.issued.inc();
     if let Some(d) = mm.decisions.get(idx) {
@@ -212,7 +222,7 @@ fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, de
         Some(k) => {
             mm.overlap.observe(f64::from(chosen.overlap_blocks));
             mm.forgone.observe(f64::from(best_overlap.saturating_sub(chosen.overlap_blocks)));
-            let decision_time = t_decide.map_or(Duration::ZERO, |t| t.elapsed());
+            let decision_time = Duration::from_micros(now.saturating_sub(began));
             mm.decision_time.observe((decision_time + k.lookup_time).as_secs_f64());
             let expected_output = req.view.expected_output();
             let prefill_time = req.predicted.map_or(Duration::ZERO, |p| Duration::from_secs_f64(p.own_ms.max(0.0) / 1000.0));
