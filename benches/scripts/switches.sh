@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Why a proxy's threads leave the CPU under load: every context switch of kvgate (and, with
+# WITH_NGINX=1, of an nginx reverse proxy's worker in the same setup, after it) during a wrk
+# run, classified by its `prev_state` and its stack (not NGINX=1: nginx itself reads that
+# variable, for sockets inherited across a binary upgrade). A switch whose thread was still
+# runnable is a preemption; a sleeping one is named by its frames: asleep in epoll_wait (idle), a tokio worker parked on
+# its condvar, or waiting for a parking_lot lock (contention). It answers "do the gateway's
+# threads wait on each other's locks, or get preempted more?" where CPU time cannot.
+#
+# The setup is cost-per-request.sh's: nginx (one worker, a fixed JSON answer) as the upstream,
+# kvgate round_robin in front of it, wrk (one thread) as the load.
+#
+#   sudo apt-get install -y nginx wrk linux-perf
+#   cargo build --release -p kvgate
+#   WITH_NGINX=1 benches/scripts/switches.sh target/release/kvgate [seconds] [connections] [kvgate threads]
+#
+# Needs perf with tracepoints and DWARF unwinding (root, or kernel.perf_event_paranoid <= -1),
+# and a binary with debug info (the release profile keeps it). The recording is large (about
+# 200 MB a second at 45k requests/s); it is classified and deleted.
+set -euo pipefail
+BIN=$(realpath "${1:?usage: $0 <kvgate binary> [seconds] [connections] [kvgate threads]}")
+SECS=${2:-3}
+CONNS=${3:-64}
+THREADS=${4:-}
+OUT=${OUT:-$(mktemp -d)}
+for tool in nginx wrk perf curl python3; do
+    command -v "$tool" >/dev/null || { echo "needs $tool (apt-get install -y nginx wrk linux-perf curl)" >&2; exit 2; }
+done
+. "$(dirname "$0")/fixed-upstream.sh"
+read -r UP GW ADMIN NG < <(free_ports 4)
+fixed_answer
+write_upstream_conf "$UP"
+write_kvgate_conf "$GW" "$ADMIN" "$UP" "${THREADS:+threads: $THREADS}"
+write_post_lua
+write_nginx_conf nginx "  upstream up { server 127.0.0.1:$UP; keepalive 128; }
+  server {
+    listen 127.0.0.1:$NG;
+    location / { proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection \"\"; proxy_buffering off; }
+  }"
+nginx -c "$OUT/upstream.conf"
+"$BIN" --config "$OUT/kvgate.yaml" >"$OUT/kvgate.log" 2>&1 &
+KV=$!
+[ -n "${WITH_NGINX:-}" ] && nginx -c "$OUT/nginx.conf"
+cleanup() {
+    kill "$KV" "$(cat "$OUT/upstream.pid")" 2>/dev/null || true
+    [ -f "$OUT/nginx.pid" ] && kill "$(cat "$OUT/nginx.pid")" 2>/dev/null || true
+    rm -f "$OUT/switches.data"
+}
+trap cleanup EXIT
+wait_ready "http://127.0.0.1:$GW/v1/completions"
+
+# Records and classifies the switches of processes $2 (comma-separated pids) under load on $3.
+switches() {
+    local name=$1 pids=$2 url=$3
+    wrk -t1 -c"$CONNS" -d2s -s "$OUT/post.lua" "$url" >/dev/null
+    perf record -q -e sched:sched_switch --call-graph dwarf,16384 -o "$OUT/switches.data" -p "$pids" -- sleep "$SECS" >/dev/null 2>&1 &
+    local rec=$!
+    local run n
+    run=$(wrk -t1 -c"$CONNS" -d"${SECS}s" -s "$OUT/post.lua" "$url")
+    wait "$rec"
+    n=$(awk '/requests in/ {print $1}' <<<"$run")
+    perf script -i "$OUT/switches.data" 2>/dev/null | python3 -c '
+import collections, re, sys
+name, n = sys.argv[1], int(sys.argv[2])
+kinds = collections.Counter()
+for event in sys.stdin.read().split("\n\n"):
+    lines = event.strip().split("\n")
+    if not lines or "sched_switch" not in lines[0]:
+        continue
+    state = re.search(r"prev_state=(\S+)", lines[0])
+    stack = "\n".join(lines[1:])
+    if state and state.group(1).startswith("R"):
+        kind = "preempted while runnable"
+    elif "lock_slow" in stack:
+        kind = "waiting for a parking_lot lock"
+    elif "epoll_wait" in stack:
+        kind = "asleep in epoll_wait"
+    elif "Condvar" in stack or "futex_wait" in stack:
+        kind = "a tokio worker parked"
+    else:
+        kind = "asleep elsewhere"
+    kinds[kind] += 1
+total = sum(kinds.values())
+print(f"{name}: requests {n}, switches {total} ({total / max(n, 1):.3f} per request)")
+for kind, count in kinds.most_common():
+    print(f"  {kind}: {count} ({count / max(n, 1):.4f} per request)")
+' "$name" "$n"
+    rm -f "$OUT/switches.data"
+}
+
+switches kvgate "$KV" "http://127.0.0.1:$GW/v1/completions"
+if [ -n "${WITH_NGINX:-}" ]; then
+    switches nginx "$(pgrep -P "$(cat "$OUT/nginx.pid")" | paste -sd,)" "http://127.0.0.1:$NG/v1/completions"
+fi
