@@ -2,6 +2,15 @@
 # round_robin kvgate in front of it, and the wrk request, so every script measures the same
 # setup. Each function writes into $OUT.
 
+# Exits with an install hint ($1) unless every command named after it is on the PATH.
+needs() {
+    local hint=$1 tool
+    shift
+    for tool in "$@"; do
+        command -v "$tool" >/dev/null || { echo "needs $tool ($hint)" >&2; exit 2; }
+    done
+}
+
 # Prints $1 free loopback ports.
 free_ports() {
     python3 -c 'import socket, sys
@@ -51,6 +60,16 @@ write_upstream_conf() {
   }"
 }
 
+# Writes $OUT/nginx.conf: nginx as a reverse proxy on port $1 in front of the upstream on port
+# $2 (one worker, a keep-alive upstream pool, buffering off: the comparison kvgate is held to).
+write_nginx_proxy_conf() {
+    write_nginx_conf nginx "  upstream up { server 127.0.0.1:$2; keepalive 128; }
+  server {
+    listen 127.0.0.1:$1;
+    location / { proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection \"\"; proxy_buffering off; }
+  }"
+}
+
 # Writes $OUT/kvgate.yaml: kvgate on port $1 (admin $2), round_robin over the upstream on
 # port $3, with $4 extra top-level lines (e.g. "threads: 1").
 write_kvgate_conf() {
@@ -84,4 +103,15 @@ wait_ready() {
     done
     echo "no answer from $1" >&2
     return 1
+}
+
+# Writes every file a proxy comparison needs into $OUT: the fixed-answer upstream on port $1,
+# kvgate on port $2 (admin $3) with extra top-level lines $5, nginx as a proxy on port $4, and
+# the wrk request.
+write_comparison() {
+    fixed_answer
+    write_upstream_conf "$1"
+    write_kvgate_conf "$2" "$3" "$1" "${5:-}"
+    write_nginx_proxy_conf "$4" "$1"
+    write_post_lua
 }

@@ -20,10 +20,8 @@ SECS=${2:-10}
 CONNS=${3:-16}
 OUT=${OUT:-$(mktemp -d)}
 KIND=${KIND:-unary}
-for tool in valgrind callgrind_control nginx wrk curl python3; do
-    command -v "$tool" >/dev/null || { echo "needs $tool (apt-get install -y valgrind nginx wrk curl)" >&2; exit 2; }
-done
 . "$(dirname "$0")/fixed-upstream.sh"
+needs "apt-get install -y valgrind nginx wrk curl" valgrind callgrind_control nginx wrk curl python3
 read -r UP GW ADMIN < <(free_ports 3)
 fixed_answer
 write_upstream_conf "$UP"

@@ -23,20 +23,10 @@ SECS=${2:-3}
 CONNS=${3:-64}
 THREADS=${4:-}
 OUT=${OUT:-$(mktemp -d)}
-for tool in nginx wrk perf curl python3; do
-    command -v "$tool" >/dev/null || { echo "needs $tool (apt-get install -y nginx wrk linux-perf curl)" >&2; exit 2; }
-done
 . "$(dirname "$0")/fixed-upstream.sh"
+needs "apt-get install -y nginx wrk linux-perf curl" nginx wrk perf curl python3
 read -r UP GW ADMIN NG < <(free_ports 4)
-fixed_answer
-write_upstream_conf "$UP"
-write_kvgate_conf "$GW" "$ADMIN" "$UP" "${THREADS:+threads: $THREADS}"
-write_post_lua
-write_nginx_conf nginx "  upstream up { server 127.0.0.1:$UP; keepalive 128; }
-  server {
-    listen 127.0.0.1:$NG;
-    location / { proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection \"\"; proxy_buffering off; }
-  }"
+write_comparison "$UP" "$GW" "$ADMIN" "$NG" "${THREADS:+threads: $THREADS}"
 nginx -c "$OUT/upstream.conf"
 "$BIN" --config "$OUT/kvgate.yaml" >"$OUT/kvgate.log" 2>&1 &
 KV=$!
