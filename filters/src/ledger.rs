@@ -415,13 +415,19 @@ impl Ledger {
     /// routing decision's own), so that the worker's step and prefill timing stay in order.
     pub fn book_at(self: &Arc<Self>, w: WorkerId, load: Footprint, now: u64) -> Booking {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let release = self.reserve(w, load, now);
-        self.live_shard(id).lock().insert(id, (now, release.clone()));
+        let release = self.reserve_live(id, w, load, now);
         Booking { ledger: self.clone(), id, release }
     }
 
     fn live_shard(&self, id: u64) -> &LiveShard {
         &self.live[id as usize % LIVE_SHARDS]
+    }
+
+    /// [`Ledger::reserve`], with the booking `id` recorded as live (for expiry) as of `now`.
+    fn reserve_live(&self, id: u64, w: WorkerId, load: Footprint, now: u64) -> Arc<Release> {
+        let release = self.reserve(w, load, now);
+        self.live_shard(id).lock().insert(id, (now, release.clone()));
+        release
     }
 
     /// Adds `load` to `w`'s counters as of `now` and returns what releasing it takes.
@@ -515,9 +521,7 @@ impl Booking {
     /// is released and `load` is booked on `to`, under the same guard (booked afresh if expiry
     /// had released it).
     pub fn move_to(&mut self, to: WorkerId, load: Footprint) {
-        let now = clock_us();
-        let next = self.ledger.reserve(to, load, now);
-        self.ledger.live_shard(self.id).lock().insert(self.id, (now, next.clone()));
+        let next = self.ledger.reserve_live(self.id, to, load, clock_us());
         let old = std::mem::replace(&mut self.release, next);
         self.ledger.release(&old);
         self.ledger.uncount(&old);

@@ -38,6 +38,7 @@ pub(crate) mod inflight;
 pub(crate) mod kv_routing;
 pub(crate) mod metrics;
 pub(crate) mod move_order;
+pub(crate) mod or_never;
 pub mod plugins;
 pub(crate) mod receipt;
 pub(crate) mod request;

@@ -38,13 +38,14 @@ struct Signals {
 #[async_trait]
 impl ShutdownSignalWatch for Signals {
     async fn recv(&self) -> ShutdownSignal {
+        use crate::or_never::or_never;
         use tokio::signal::unix::{SignalKind, signal};
         let mut term = signal(SignalKind::terminate()).ok();
         let mut int = signal(SignalKind::interrupt()).ok();
         let mut manual = self.manual.clone();
         let stop = tokio::select! {
-            Some(()) = async { match term.as_mut() { Some(s) => s.recv().await, None => std::future::pending().await } } => Stop::Drain,
-            Some(()) = async { match int.as_mut() { Some(s) => s.recv().await, None => std::future::pending().await } } => Stop::Fast,
+            Some(()) = or_never(term.as_mut().map(|s| s.recv())) => Stop::Drain,
+            Some(()) = or_never(int.as_mut().map(|s| s.recv())) => Stop::Fast,
             Ok(stop) = async { manual.wait_for(Option::is_some).await.map(|s| s.unwrap_or(Stop::Fast)) } => stop,
         };
         if stop == Stop::Fast {

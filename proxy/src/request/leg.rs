@@ -126,24 +126,24 @@ async fn first_bytes(cfg: &Config, worker: &Arc<Worker>, wire: &[u8], first_byte
         // Dropping `ex` closes that connection.
         return Err(LegError::new(LegErrorKind::Status5xx, &worker.url, format!("answered {status}")));
     }
-    if stream && status == 200 {
-        let first = match ex.response.read_body_now() {
-            Some(Ok(first)) => First::Read(first),
-            Some(Err(e)) => return Err(LegError::new(LegErrorKind::BeforeFirstByte, &worker.url, e.to_string()).with_source(e)),
-            None => First::Awaited { deadline: first_byte.map(|limit| ex.sent_at + limit) },
+    let first = if stream && status == 200 {
+        match ex.response.read_body_now() {
+            Some(read) => read.map(First::Read),
+            None => Ok(First::Awaited { deadline: first_byte.map(|limit| ex.sent_at + limit) }),
+        }
+    } else {
+        let read = ex.response.read_body();
+        let read = match first_byte {
+            Some(limit) => match tokio::time::timeout_at((ex.sent_at + limit).into(), read).await {
+                Ok(r) => r,
+                Err(_) => return Err(LegError::new(LegErrorKind::BeforeFirstByte, &worker.url, "no first byte within timeouts.first_byte_ms")),
+            },
+            None => read.await,
         };
-        return Ok(Leg { ex, first, worker: worker.clone() });
-    }
-    let read = ex.response.read_body();
-    let first = match first_byte {
-        Some(limit) => match tokio::time::timeout_at((ex.sent_at + limit).into(), read).await {
-            Ok(r) => r,
-            Err(_) => return Err(LegError::new(LegErrorKind::BeforeFirstByte, &worker.url, "no first byte within timeouts.first_byte_ms")),
-        },
-        None => read.await,
+        read.map(First::Read)
     };
     match first {
-        Ok(first) => Ok(Leg { ex, first: First::Read(first), worker: worker.clone() }),
+        Ok(first) => Ok(Leg { ex, first, worker: worker.clone() }),
         Err(e) => Err(LegError::new(LegErrorKind::BeforeFirstByte, &worker.url, e.to_string()).with_source(e)),
     }
 }

@@ -22,6 +22,7 @@ use crate::gateway::Gateway;
 use crate::idle_timer::IdleTimer;
 use crate::inflight::Phase;
 use crate::move_order::{Mailbox, MoveOrder, MoveReason, MoveRefused, MoveReport};
+use crate::or_never::or_never;
 use crate::sse::SseEventCounter;
 use crate::upstream::{self, Exchange};
 use bytes::{Bytes, BytesMut};
@@ -440,14 +441,6 @@ async fn next_chunk(
         _ = client_closed(session) => Next::ClientGone,
         o = or_never(orders.map(Mailbox::next)) => Next::Order(o),
         () = warm => Next::Warmed,
-    }
-}
-
-/// `f`'s output, or never when there is no `f`: a `select!` branch that is switched off.
-async fn or_never<F: std::future::Future>(f: Option<F>) -> F::Output {
-    match f {
-        Some(f) => f.await,
-        None => std::future::pending().await,
     }
 }
 

@@ -12,6 +12,7 @@
 //! seen by the watch.
 
 use crate::gateway::Gateway;
+use crate::or_never::or_never;
 use notify::{RecommendedWatcher, RecursiveMode, Watcher};
 use std::path::Path;
 use std::sync::Arc;
@@ -91,7 +92,7 @@ pub async fn run(gw: Arc<Gateway>, watch: Option<Arc<ConfigWatch>>) {
     loop {
         tokio::select! {
             Some(()) = changes.recv() => {}
-            Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => {
+            Some(()) = or_never(hup.as_mut().map(|h| h.recv())) => {
                 tracing::info!("SIGHUP: reloading configuration");
             }
         }
