@@ -6,7 +6,7 @@
 //! `KVGATE_MODELS__0__ROUTING__MODE=random`. Values are read as YAML scalars. Variables whose
 //! first segment is not a top-level key (e.g. `KVGATE_LOG`) are not overrides.
 
-use super::Config;
+use super::{Config, ModelConfig};
 use serde_yaml::Value;
 use std::fmt;
 use std::path::Path;
@@ -152,7 +152,28 @@ type Invalid = (String, Option<(String, usize)>);
 
 /// Cross-field checks. On failure: the message and, when possible, a text to locate it by.
 fn validate(cfg: &Config) -> Result<(), Invalid> {
-    let at = |pat: String, nth: usize| Some((pat, nth));
+    plugins(cfg)?;
+    top_level(cfg)?;
+    let mut names = std::collections::HashSet::new();
+    for m in &cfg.models {
+        if m.name.trim().is_empty() {
+            return Err(("models: a model name must not be empty".into(), at("name:".into(), 1)));
+        }
+        if !names.insert(m.name.as_str()) {
+            return Err((format!("models: duplicate model name {:?}", m.name), at(m.name.clone(), 2)));
+        }
+        model(cfg, m)?;
+    }
+    Ok(())
+}
+
+/// Where to point at: the `nth` line holding `pat`.
+fn at(pat: String, nth: usize) -> Option<(String, usize)> {
+    Some((pat, nth))
+}
+
+/// The plugins: names, digests and limits.
+fn plugins(cfg: &Config) -> Result<(), Invalid> {
     for (i, p) in cfg.plugins.iter().enumerate() {
         let here = || at(format!("name: {}", p.name), 1);
         if p.name.is_empty() || !p.name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
@@ -173,6 +194,11 @@ fn validate(cfg: &Config) -> Result<(), Invalid> {
             return Err((format!("plugin {:?}: header {h:?} must be a lower-case header name", p.name), at(h.clone(), 1)));
         }
     }
+    Ok(())
+}
+
+/// The settings outside models.
+fn top_level(cfg: &Config) -> Result<(), Invalid> {
     if cfg.models.is_empty() {
         return Err(("models: at least one model is required".into(), at("models".into(), 1)));
     }
@@ -208,91 +234,95 @@ fn validate(cfg: &Config) -> Result<(), Invalid> {
     if !h.path.starts_with('/') {
         return Err((format!("health.path must start with '/', got {:?}", h.path), at("path".into(), 1)));
     }
-    let mut names = std::collections::HashSet::new();
-    for m in &cfg.models {
-        if m.name.trim().is_empty() {
-            return Err(("models: a model name must not be empty".into(), at("name:".into(), 1)));
+    Ok(())
+}
+
+/// One model: its block size, shedding, routing and workers.
+fn model(cfg: &Config, m: &ModelConfig) -> Result<(), Invalid> {
+    if !(1..=1024).contains(&m.block_size) {
+        return Err((format!("model {:?}: block_size must be within 1..=1024", m.name), at("block_size".into(), 1)));
+    }
+    m.shedding.thresholds.validate().map_err(|e| (format!("model {:?}: shedding: {e}", m.name), at("shedding".into(), 1)))?;
+    routing(cfg, m)?;
+    workers(m)
+}
+
+/// A model's routing: weights, tree limits, plugin, events and queue.
+fn routing(cfg: &Config, m: &ModelConfig) -> Result<(), Invalid> {
+    let r = &m.routing;
+    let non_negative = |v: f64| v.is_finite() && v >= 0.0;
+    if !non_negative(r.overlap_score_weight) || !non_negative(r.temperature) {
+        return Err((format!("model {:?}: routing.overlap_score_weight and temperature must be >= 0", m.name), at("routing".into(), 1)));
+    }
+    let ratio_ok = r.prune_target_ratio > 0.0 && r.prune_target_ratio <= 1.0;
+    if r.ttl_secs.is_nan() || r.ttl_secs <= 0.0 || r.max_tree_size == 0 || !ratio_ok || r.max_prefix_blocks == 0 {
+        return Err((
+            format!("model {:?}: routing.ttl_secs, max_tree_size, max_prefix_blocks must be > 0 and prune_target_ratio within (0, 1]", m.name),
+            at("routing".into(), 1),
+        ));
+    }
+    use kvgate_filters::route::Mode;
+    match (r.mode, &r.plugin) {
+        (Mode::Plugin, None) => {
+            return Err((format!("model {:?}: routing.mode plugin needs routing.plugin (the name of a plugins entry)", m.name), at("plugin".into(), 1)));
         }
-        if !names.insert(m.name.as_str()) {
-            return Err((format!("models: duplicate model name {:?}", m.name), at(m.name.clone(), 2)));
+        (Mode::Plugin, Some(p)) if !cfg.plugins.iter().any(|q| q.name == *p) => {
+            let known: Vec<&str> = cfg.plugins.iter().map(|q| q.name.as_str()).collect();
+            return Err((format!("model {:?}: routing.plugin {p:?} is not among the plugins ({})", m.name, known.join(", ")), at(format!("plugin: {p}"), 1)));
         }
-        if !(1..=1024).contains(&m.block_size) {
-            return Err((format!("model {:?}: block_size must be within 1..=1024", m.name), at("block_size".into(), 1)));
+        (Mode::Plugin, Some(_)) if r.fallback == Mode::Plugin => {
+            return Err((format!("model {:?}: routing.fallback must be a built-in mode (kv, round_robin, random)", m.name), at("fallback".into(), 1)));
         }
-        m.shedding.thresholds.validate().map_err(|e| (format!("model {:?}: shedding: {e}", m.name), at("shedding".into(), 1)))?;
-        let r = &m.routing;
-        let non_negative = |v: f64| v.is_finite() && v >= 0.0;
-        if !non_negative(r.overlap_score_weight) || !non_negative(r.temperature) {
-            return Err((format!("model {:?}: routing.overlap_score_weight and temperature must be >= 0", m.name), at("routing".into(), 1)));
+        (mode, Some(_)) if mode != Mode::Plugin => {
+            return Err((format!("model {:?}: routing.plugin is set but routing.mode is not plugin", m.name), at("plugin:".into(), 1)));
         }
-        let ratio_ok = r.prune_target_ratio > 0.0 && r.prune_target_ratio <= 1.0;
-        if r.ttl_secs.is_nan() || r.ttl_secs <= 0.0 || r.max_tree_size == 0 || !ratio_ok || r.max_prefix_blocks == 0 {
+        _ => {}
+    }
+    if r.builtin() == Mode::Kv && r.kv_events && m.workers.iter().any(|w| w.kv_events.is_none()) {
+        return Err((
+            format!(
+                "model {:?}: routing.mode kv (or fallback kv) with kv_events: true needs a kv_events endpoint on every worker (or set kv_events: false for approximate mode)",
+                m.name
+            ),
+            at("kv_events".into(), 1),
+        ));
+    }
+    if let Some(q) = r.queue_threshold {
+        if !(q.is_finite() && q > 0.0) || r.queue_max_len == 0 || r.queue_max_wait_ms == 0 {
             return Err((
-                format!("model {:?}: routing.ttl_secs, max_tree_size, max_prefix_blocks must be > 0 and prune_target_ratio within (0, 1]", m.name),
-                at("routing".into(), 1),
+                format!("model {:?}: routing.queue_threshold must be > 0 and queue_max_len, queue_max_wait_ms at least 1", m.name),
+                at("queue_threshold".into(), 1),
             ));
         }
-        use kvgate_filters::route::Mode;
-        match (r.mode, &r.plugin) {
-            (Mode::Plugin, None) => {
-                return Err((format!("model {:?}: routing.mode plugin needs routing.plugin (the name of a plugins entry)", m.name), at("plugin".into(), 1)));
-            }
-            (Mode::Plugin, Some(p)) if !cfg.plugins.iter().any(|q| q.name == *p) => {
-                let known: Vec<&str> = cfg.plugins.iter().map(|q| q.name.as_str()).collect();
-                return Err((
-                    format!("model {:?}: routing.plugin {p:?} is not among the plugins ({})", m.name, known.join(", ")),
-                    at(format!("plugin: {p}"), 1),
-                ));
-            }
-            (Mode::Plugin, Some(_)) if r.fallback == Mode::Plugin => {
-                return Err((format!("model {:?}: routing.fallback must be a built-in mode (kv, round_robin, random)", m.name), at("fallback".into(), 1)));
-            }
-            (mode, Some(_)) if mode != Mode::Plugin => {
-                return Err((format!("model {:?}: routing.plugin is set but routing.mode is not plugin", m.name), at("plugin:".into(), 1)));
-            }
-            _ => {}
-        }
-        if r.builtin() == Mode::Kv && r.kv_events && m.workers.iter().any(|w| w.kv_events.is_none()) {
+        if m.shedding.max_num_batched_tokens.is_none() {
             return Err((
-                format!(
-                    "model {:?}: routing.mode kv (or fallback kv) with kv_events: true needs a kv_events endpoint on every worker (or set kv_events: false for approximate mode)",
-                    m.name
-                ),
-                at("kv_events".into(), 1),
+                format!("model {:?}: routing.queue_threshold needs shedding.max_num_batched_tokens (the workers' prefill budget)", m.name),
+                at("queue_threshold".into(), 1),
             ));
         }
-        if let Some(q) = r.queue_threshold {
-            if !(q.is_finite() && q > 0.0) || r.queue_max_len == 0 || r.queue_max_wait_ms == 0 {
-                return Err((
-                    format!("model {:?}: routing.queue_threshold must be > 0 and queue_max_len, queue_max_wait_ms at least 1", m.name),
-                    at("queue_threshold".into(), 1),
-                ));
-            }
-            if m.shedding.max_num_batched_tokens.is_none() {
-                return Err((
-                    format!("model {:?}: routing.queue_threshold needs shedding.max_num_batched_tokens (the workers' prefill budget)", m.name),
-                    at("queue_threshold".into(), 1),
-                ));
-            }
+    }
+    Ok(())
+}
+
+/// A model's workers: how many ranks, no duplicates, each one's settings.
+fn workers(m: &ModelConfig) -> Result<(), Invalid> {
+    let slots: u32 = m.workers.iter().map(|w| w.dp_size).sum();
+    if slots > 256 {
+        return Err((format!("model {:?}: at most 256 worker DP ranks per model", m.name), at(m.name.clone(), 1)));
+    }
+    if m.workers.is_empty() {
+        return Err((format!("model {:?}: at least one worker is required", m.name), at(m.name.clone(), 1)));
+    }
+    let mut urls = std::collections::HashSet::new();
+    for w in &m.workers {
+        if !urls.insert(&w.url) {
+            return Err((format!("model {:?}: duplicate worker {}", m.name, w.url), at(w.url.authority.clone(), 2)));
         }
-        let slots: u32 = m.workers.iter().map(|w| w.dp_size).sum();
-        if slots > 256 {
-            return Err((format!("model {:?}: at most 256 worker DP ranks per model", m.name), at(m.name.clone(), 1)));
+        if !(1..=64).contains(&w.dp_size) {
+            return Err((format!("worker {}: dp_size must be within 1..=64", w.url), at("dp_size".into(), 1)));
         }
-        if m.workers.is_empty() {
-            return Err((format!("model {:?}: at least one worker is required", m.name), at(m.name.clone(), 1)));
-        }
-        let mut urls = std::collections::HashSet::new();
-        for w in &m.workers {
-            if !urls.insert(&w.url) {
-                return Err((format!("model {:?}: duplicate worker {}", m.name, w.url), at(w.url.authority.clone(), 2)));
-            }
-            if !(1..=64).contains(&w.dp_size) {
-                return Err((format!("worker {}: dp_size must be within 1..=64", w.url), at("dp_size".into(), 1)));
-            }
-            if w.replay.is_some() && w.kv_events.is_none() {
-                return Err((format!("worker {}: replay needs kv_events", w.url), at("replay".into(), 1)));
-            }
+        if w.replay.is_some() && w.kv_events.is_none() {
+            return Err((format!("worker {}: replay needs kv_events", w.url), at("replay".into(), 1)));
         }
     }
     Ok(())

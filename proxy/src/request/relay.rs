@@ -206,78 +206,133 @@ async fn body(
         let chunk = match pending.take() {
             Some(c) => c,
             None => {
-                match next_chunk(session, &mut ex, &worker.url, wait_limit(awaited, idle), &mut stall, warming, orders(req, awaited.is_some(), warming)).await {
-                    Next::Chunk(Err(e)) if awaited.is_some() => return BodyEnd::Resend(no_first_byte(gw, req, &worker, e)),
-                    Next::Order(o) if awaited.is_some() => match elsewhere(&worker, o) {
-                        Some(o) => return BodyEnd::Reroute(o),
-                        None => continue,
-                    },
-                    Next::Chunk(c) => {
-                        if awaited.take().is_some() {
-                            record_decision(req);
-                        }
-                        c
-                    }
-                    Next::ClientGone => return BodyEnd::Done(record::cancelled(gw, req)),
-                    Next::Warmed => match warming.take().and_then(|w| ready_to_move(req, w.order)) {
-                        Some(order) => return BodyEnd::Ordered(order),
-                        None => continue,
-                    },
-                    Next::Order(o) => match accept(session, req, &worker, o) {
-                        Accepted::Move(order) => return BodyEnd::Ordered(order),
-                        Accepted::Warming(w) => {
-                            *warming = Some(w);
-                            continue;
-                        }
-                        Accepted::Refused => continue,
-                    },
+                let next =
+                    next_chunk(session, &mut ex, &worker.url, wait_limit(awaited, idle), &mut stall, warming, orders(req, awaited.is_some(), warming)).await;
+                match waited(gw, session, req, &worker, next, &mut awaited, warming) {
+                    Waited::Chunk(c) => c,
+                    Waited::Again => continue,
+                    Waited::End(end) => return end,
                 }
             }
         };
-        let e = match chunk {
-            Ok(body) => {
-                let (bytes, end) = match body {
-                    Some(bytes) => {
-                        let (bytes, after) = coalesce(&mut ex, bytes, &worker.url);
-                        pending = after;
-                        (bytes, ex.response.is_done())
-                    }
-                    None => (Bytes::new(), true),
-                };
-                // Handed on, not shared: once written, nothing holds the read buffer, which can
-                // then be reused for the next response (h1::spare).
-                let (out, failure) = follow(gw, req, bytes, end);
-                // When the worker's body is complete, end the client's in the same write.
-                let end = end && failure.is_none();
-                // The tokens go out first: what they mean for the request (its phase, bookings,
-                // TTFT / ITL, calibration) is recorded after the write, timed before it.
-                let counted = (!out.is_empty()).then(|| (out.clone(), Instant::now()));
-                let written = if !out.is_empty() || end {
-                    session.write_body(out, end).await
-                } else {
-                    // Nothing to write yet (an event cut in two): the queued head, if any, goes
-                    // now, so the client sees the status while the stream goes on.
-                    session.flush_queued().await
-                };
-                if let Some((out, ready_at)) = counted {
-                    progress.chunk(gw, req, &out, ready_at);
+        let failure = match chunk {
+            Ok(body) => match deliver(gw, session, req, progress, &mut ex, &worker.url, body, &mut pending).await {
+                Delivered::More => continue,
+                Delivered::Complete => {
+                    upstream::release(ex);
+                    return BodyEnd::Done(Outcome::Served(status));
                 }
-                if written.is_err() {
-                    return BodyEnd::Done(record::cancelled(gw, req));
-                }
-                match failure {
-                    Some(detail) => LegError::new(LegErrorKind::Midstream, &worker.url, detail),
-                    None if end => {
-                        upstream::release(ex);
-                        return BodyEnd::Done(Outcome::Served(status));
-                    }
-                    None => continue,
-                }
-            }
+                Delivered::ClientGone => return BodyEnd::Done(record::cancelled(gw, req)),
+                Delivered::Failed(detail) => LegError::new(LegErrorKind::Midstream, &worker.url, detail),
+            },
             Err(e) => e,
         };
-        record::leg_failed(gw, req, &worker, &e);
+        record::leg_failed(gw, req, &worker, &failure);
         return BodyEnd::Failed;
+    }
+}
+
+/// What a wait for the next chunk leads to.
+enum Waited {
+    /// A chunk (or the end of the body, or a failure) to deliver.
+    Chunk(Result<Option<Bytes>, LegError>),
+    /// Nothing to deliver yet (an order was taken or refused): wait again.
+    Again,
+    /// Relaying this leg is over.
+    End(BodyEnd),
+}
+
+/// Acts on what the wait for the next chunk gave. While a stream's first token is `awaited`, a
+/// failure or a move order sends the request back to the attempts; the first chunk ends that
+/// wait and records the routing decision.
+fn waited(
+    gw: &Gateway,
+    session: &ClientConn,
+    req: &mut RequestState,
+    worker: &Arc<Worker>,
+    next: Next,
+    awaited: &mut Option<Option<Instant>>,
+    warming: &mut Option<Warming>,
+) -> Waited {
+    match next {
+        Next::Chunk(Err(e)) if awaited.is_some() => Waited::End(BodyEnd::Resend(no_first_byte(gw, req, worker, e))),
+        Next::Order(o) if awaited.is_some() => elsewhere(worker, o).map_or(Waited::Again, |o| Waited::End(BodyEnd::Reroute(o))),
+        Next::Chunk(c) => {
+            if awaited.take().is_some() {
+                record_decision(req);
+            }
+            Waited::Chunk(c)
+        }
+        Next::ClientGone => Waited::End(BodyEnd::Done(record::cancelled(gw, req))),
+        Next::Warmed => warming.take().and_then(|w| ready_to_move(req, w.order)).map_or(Waited::Again, |o| Waited::End(BodyEnd::Ordered(o))),
+        Next::Order(o) => match accept(session, req, worker, o) {
+            Accepted::Move(order) => Waited::End(BodyEnd::Ordered(order)),
+            Accepted::Warming(w) => {
+                *warming = Some(w);
+                Waited::Again
+            }
+            Accepted::Refused => Waited::Again,
+        },
+    }
+}
+
+/// How delivering a chunk to the client went.
+enum Delivered {
+    /// Written; the body goes on.
+    More,
+    /// Written, and the worker's body (so the client's response) is complete.
+    Complete,
+    /// The client could not be written to (counted as a cancellation by the caller).
+    ClientGone,
+    /// Written, but the worker reported an error in the stream (or cut it before `[DONE]`).
+    Failed(String),
+}
+
+/// Writes a body chunk (`None`: the body's end) to the client, with every chunk the worker has
+/// delivered since (what stopped that gathering early is left in `pending`); then records what
+/// the tokens mean for the request.
+#[allow(clippy::too_many_arguments)]
+async fn deliver(
+    gw: &Gateway,
+    session: &mut ClientConn,
+    req: &mut RequestState,
+    progress: &mut Progress,
+    ex: &mut Exchange,
+    url: &crate::config::UpstreamUrl,
+    body: Option<Bytes>,
+    pending: &mut Option<Result<Option<Bytes>, LegError>>,
+) -> Delivered {
+    let (bytes, end) = match body {
+        Some(bytes) => {
+            let (bytes, after) = coalesce(ex, bytes, url);
+            *pending = after;
+            (bytes, ex.response.is_done())
+        }
+        None => (Bytes::new(), true),
+    };
+    // Handed on, not shared: once written, nothing holds the read buffer, which can then be
+    // reused for the next response (h1::spare).
+    let (out, failure) = follow(gw, req, bytes, end);
+    // When the worker's body is complete, end the client's in the same write.
+    let end = end && failure.is_none();
+    // The tokens go out first: what they mean for the request (its phase, bookings, TTFT / ITL,
+    // calibration) is recorded after the write, timed before it.
+    let counted = (!out.is_empty()).then(|| (out.clone(), Instant::now()));
+    let written = if !out.is_empty() || end {
+        session.write_body(out, end).await
+    } else {
+        // Nothing to write yet (an event cut in two): the queued head, if any, goes now, so the
+        // client sees the status while the stream goes on.
+        session.flush_queued().await
+    };
+    if let Some((out, ready_at)) = counted {
+        progress.chunk(gw, req, &out, ready_at);
+    }
+    match (written, failure) {
+        (Err(_), _) => Delivered::ClientGone,
+        (Ok(()), Some(detail)) => Delivered::Failed(detail),
+        (Ok(()), None) if end => Delivered::Complete,
+        (Ok(()), None) => Delivered::More,
     }
 }
 
