@@ -28,6 +28,10 @@ struct Args {
     /// Worker threads (default: the CPUs available).
     #[arg(long)]
     threads: Option<usize>,
+    /// CPU time to spend on each request before forwarding it (µs, spinning): a model of a
+    /// gateway's own per-request work, to see how added latency grows with it at one engine.
+    #[arg(long, default_value_t = 0)]
+    work_us: u64,
 }
 
 fn main() -> io::Result<()> {
@@ -40,9 +44,9 @@ fn main() -> io::Result<()> {
         let listener = TcpListener::bind(a.listen).await?;
         loop {
             let (client, _) = listener.accept().await?;
-            let upstream = a.upstream;
+            let (upstream, work) = (a.upstream, std::time::Duration::from_micros(a.work_us));
             tokio::spawn(async move {
-                let _ = serve(client, upstream).await;
+                let _ = serve(client, upstream, work).await;
             });
         }
     })
@@ -111,7 +115,7 @@ fn chunked_len(b: &[u8]) -> io::Result<Option<usize>> {
 }
 
 /// One client connection: requests in turn, each over the same upstream connection.
-async fn serve(mut client: TcpStream, upstream: SocketAddr) -> io::Result<()> {
+async fn serve(mut client: TcpStream, upstream: SocketAddr, work: std::time::Duration) -> io::Result<()> {
     client.set_nodelay(true)?;
     let mut up: Option<TcpStream> = None;
     let (mut req, mut resp) = (Vec::with_capacity(8192), Vec::with_capacity(8192));
@@ -119,6 +123,7 @@ async fn serve(mut client: TcpStream, upstream: SocketAddr) -> io::Result<()> {
         let Some(n) = read_until(&mut client, &mut req, |b| Ok(head(b)?.map(|(h, f)| h + if let Framing::Length(n) = f { n } else { 0 }))).await? else {
             return Ok(());
         };
+        spin(work);
         let u = match &mut up {
             Some(u) => u,
             None => {
@@ -130,6 +135,17 @@ async fn serve(mut client: TcpStream, upstream: SocketAddr) -> io::Result<()> {
         u.write_all(&req[..n]).await?;
         req.drain(..n);
         relay(u, &mut client, &mut resp).await?;
+    }
+}
+
+/// Keeps the thread busy for `work` (the CPU time a gateway would spend on the request).
+fn spin(work: std::time::Duration) {
+    if work.is_zero() {
+        return;
+    }
+    let start = std::time::Instant::now();
+    while start.elapsed() < work {
+        std::hint::spin_loop();
     }
 }
 
