@@ -34,6 +34,11 @@ impl UpstreamUrl {
         if host.is_empty() || port == 0 {
             return Err(format!("{s:?}: expected http://host:port with a host and a non-zero port"));
         }
+        // A host name or an IP literal (`[v6]`, with a zone after `%`): nothing else, so the
+        // authority can go into a `Host` header and the URL into `x-kvgate-worker` as it is.
+        if !host.bytes().all(|b| b.is_ascii_alphanumeric() || b".-_[]:%".contains(&b)) {
+            return Err(format!("{s:?}: the host may hold only letters, digits and '.', '-', '_' (or an IP literal in [])"));
+        }
         Ok(Self { authority: authority.to_string(), host: host.trim_start_matches('[').trim_end_matches(']').to_string(), port })
     }
 }
@@ -121,6 +126,10 @@ mod tests {
         assert!(UpstreamUrl::parse("http://x:0").is_err());
         assert!(UpstreamUrl::parse("http://x:8000/v1").is_err());
         assert_eq!(UpstreamUrl::parse("http://[::1]:80").unwrap().host, "::1");
+        assert_eq!(UpstreamUrl::parse("http://vllm-0.vllm.svc_x:8000").unwrap().host, "vllm-0.vllm.svc_x");
+        for bad in ["http://a\r\nX-Injected: 1:80", "http://a b:80", "http://a\u{0}:80", "http://é:80"] {
+            assert!(UpstreamUrl::parse(bad).unwrap_err().contains("only letters"), "{bad:?}");
+        }
     }
 
     #[test]

@@ -180,8 +180,9 @@ impl ResponseHead {
         Ok(self.line(name, value))
     }
 
-    /// Adds a header line a peer sent and `httparse` accepted (a token name; a value without
-    /// CR, LF, NUL or other control bytes), without checking it again.
+    /// Adds a header line checked already, without checking it again: one a peer sent and
+    /// `httparse` accepted (a token name; a value without CR, LF, NUL or other control bytes),
+    /// or one made of parts validated when they were configured.
     pub fn parsed_header(&mut self, name: &[u8], value: &[u8]) -> &mut Self {
         self.line(name, value)
     }

@@ -68,7 +68,7 @@ pub async fn relay(gw: &Gateway, session: &mut ClientConn, req: &mut RequestStat
         req.track = None;
     }
     if !session.head_sent() {
-        let header = match upstream::client_response_header(&leg.ex, req.id(), &leg.worker.label, req.track.is_some()) {
+        let header = match upstream::client_response_header(&leg.ex, req.id(), &leg.worker, req.track.is_some()) {
             Ok(h) => h,
             Err(e) => return Relayed::Done(Outcome::Refused(GatewayError::BadUpstreamResponse(e.to_string()))),
         };

@@ -137,7 +137,7 @@ fn line(w: &mut Vec<u8>, name: &[u8], value: &[u8]) {
 /// and the worker that answered (`x-kvgate-worker`) in place of any the worker sent. A body the gateway may rewrite (a followed
 /// stream: ids stripped, continued on another worker) always goes out chunked, since the
 /// worker's length would no longer be its length. Names go out as the worker wrote them.
-pub fn client_response_header(ex: &Exchange, request_id: &str, worker: &str, rewritten: bool) -> Result<ResponseHead, ClientBadHeader> {
+pub fn client_response_header(ex: &Exchange, request_id: &str, worker: &Worker, rewritten: bool) -> Result<ResponseHead, ClientBadHeader> {
     let up = &ex.response;
     let mut h = ResponseHead::new(up.status());
     let connection = naming(up.header("connection"));
@@ -153,7 +153,9 @@ pub fn client_response_header(ex: &Exchange, request_id: &str, worker: &str, rew
         }
     }
     h.header(b"x-request-id", request_id.as_bytes())?;
-    h.header(b"x-kvgate-worker", worker.as_bytes())?;
+    // A worker's URL is checked when it is configured (`UpstreamUrl::parse`): no byte in it
+    // can split the head.
+    h.parsed_header(b"x-kvgate-worker", worker.label.as_bytes());
     Ok(h)
 }
 
@@ -377,7 +379,7 @@ mod tests {
         theirs.write_all(wire).await.unwrap();
         let response = WorkerResponse::read(ours, false).await.unwrap();
         let ex = Exchange { status: response.status(), response, sent_at: Instant::now(), home: Arc::default() };
-        client_response_header(&ex, "gw-id", "http://w:1", rewritten).unwrap()
+        client_response_header(&ex, "gw-id", &worker(), rewritten).unwrap()
     }
 
     #[tokio::test]
@@ -385,7 +387,7 @@ mod tests {
         let wire = b"HTTP/1.1 200 OK\r\nServer: uvicorn\r\nConnection: keep-alive, X-Hop\r\nX-Hop: 1\r\nX-Request-Id: worker-id\r\ncontent-type: application/json\r\nContent-Length: 2\r\n\r\nok";
         let h = client_head(wire, false).await;
         let text = String::from_utf8(h.lines().to_vec()).unwrap();
-        assert_eq!(text, "Server: uvicorn\r\ncontent-type: application/json\r\nx-request-id: gw-id\r\nx-kvgate-worker: http://w:1\r\n");
+        assert_eq!(text, "Server: uvicorn\r\ncontent-type: application/json\r\nx-request-id: gw-id\r\nx-kvgate-worker: http://10.0.0.7:8000\r\n");
         assert_eq!((h.status(), h.body_length()), (200, Some(2)));
         // A body the gateway may rewrite goes out chunked: the worker's length is not kept.
         assert_eq!(client_head(wire, true).await.body_length(), None);
