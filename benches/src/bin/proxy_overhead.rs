@@ -10,8 +10,12 @@
 //! - `baseline` (`--baseline-bin`): another kvgate build, e.g. the previous commit's;
 //! - `nginx` (`--compare-nginx`): Debian's nginx (`apt-get install nginx`) as a keep-alive
 //!   reverse proxy with buffering off, `--nginx-workers` worker processes (default 1);
+//! - `nginx-N` (`--compare-nginx --nginx-workers-also N`): a second nginx with N workers, e.g.
+//!   one per core as its packaged `worker_processes auto` gives, beside the first;
 //! - `floor` (`--floor-bin target/release/floor-proxy`): the least a tokio HTTP/1 forwarder
-//!   does (`floor_proxy.rs`), to tell the runtime's share of a gap to nginx from the gateway's.
+//!   does (`floor_proxy.rs`), to tell the runtime's share of a gap to nginx from the gateway's;
+//! - `floor+N` (`--floor-bin … --floor-work-us N`): the same forwarder spending N µs of CPU on
+//!   each request (`--work-us`), a stand-in for a gateway of that cost on the same engine.
 //!
 //! The load comes from the built-in client (reqwest, closed loop, one connection per concurrent
 //! request) or, with `--wrk`, from wrk (`apt-get install wrk`; 1 thread), which costs far less
@@ -66,6 +70,9 @@ struct Args {
     /// nginx worker processes.
     #[arg(long, default_value_t = 1)]
     nginx_workers: usize,
+    /// Also measure a second nginx with this many worker processes (path `nginx-N`).
+    #[arg(long)]
+    nginx_workers_also: Option<usize>,
     /// Worker threads of kvgate and of `floor-proxy` (default: their own default, the number
     /// of CPUs they may use).
     #[arg(long)]
@@ -73,6 +80,9 @@ struct Args {
     /// Also measure `floor-proxy` (this binary's sibling), a bare tokio forwarder.
     #[arg(long)]
     floor_bin: Option<String>,
+    /// Also measure `floor-proxy` spending this many µs of CPU per request (path `floor+N`).
+    #[arg(long)]
+    floor_work_us: Option<u64>,
     /// Start each proxy under `taskset -c <CPUS>` (e.g. `1`), so it has these cores to itself;
     /// run the bench itself under `taskset -c` with the other cores.
     #[arg(long)]
@@ -505,23 +515,24 @@ fn start_gateway(name: &'static str, bin: &str, dir: &Path, upstream: std::net::
     Target { name, child: Some(child), port, stop: None }
 }
 
-/// Starts `floor-proxy` in front of `upstream`.
-fn start_floor(bin: &str, upstream: std::net::SocketAddr, a: &Args) -> Target {
+/// Starts `floor-proxy` in front of `upstream`, spending `work_us` of CPU per request.
+fn start_floor(name: &'static str, bin: &str, upstream: std::net::SocketAddr, a: &Args, work_us: u64) -> Target {
     let port = free_port();
     let mut cmd = proxy_command(bin, a.proxy_cpus.as_deref());
-    cmd.args(["--listen", &format!("127.0.0.1:{port}"), "--upstream", &upstream.to_string()]);
+    cmd.args(["--listen", &format!("127.0.0.1:{port}"), "--upstream", &upstream.to_string(), "--work-us", &work_us.to_string()]);
     if let Some(t) = a.kvgate_threads {
         cmd.args(["--threads", &t.to_string()]);
     }
     let child = cmd.stdout(Stdio::null()).spawn().unwrap_or_else(|e| panic!("start {bin} (cargo build --release -p kvgate-bench): {e}"));
     wait_listening(port, "floor-proxy");
-    Target { name: "floor", child: Some(child), port, stop: None }
+    Target { name, child: Some(child), port, stop: None }
 }
 
-/// Starts nginx as a keep-alive reverse proxy with buffering off (SSE passes through).
-fn start_nginx(dir: &Path, upstream: std::net::SocketAddr, a: &Args) -> Target {
-    let (port, workers) = (free_port(), a.nginx_workers);
-    let prefix = dir.join("nginx");
+/// Starts nginx as a keep-alive reverse proxy with buffering off (SSE passes through), with
+/// `workers` worker processes.
+fn start_nginx(name: &'static str, dir: &Path, upstream: std::net::SocketAddr, a: &Args, workers: usize) -> Target {
+    let port = free_port();
+    let prefix = dir.join(name);
     std::fs::create_dir_all(prefix.join("logs")).unwrap();
     let conf = format!(
         "worker_processes {workers};\npid {p}/nginx.pid;\nerror_log {p}/logs/error.log warn;\nevents {{ worker_connections 4096; }}\n\
@@ -541,7 +552,7 @@ fn start_nginx(dir: &Path, upstream: std::net::SocketAddr, a: &Args) -> Target {
     wait_listening(port, "nginx");
     let mut stop = Command::new("nginx");
     stop.args(["-p", prefix.to_str().unwrap(), "-c", conf_path.to_str().unwrap(), "-s", "stop"]).stdout(Stdio::null()).stderr(Stdio::null());
-    Target { name: "nginx", child: Some(child), port, stop: Some(stop) }
+    Target { name, child: Some(child), port, stop: Some(stop) }
 }
 
 #[tokio::main]
@@ -562,10 +573,17 @@ async fn main() {
     std::fs::create_dir_all(&dir).unwrap();
     let mut targets = vec![Target { name: "direct", child: None, port: up_addr.port(), stop: None }];
     if a.compare_nginx {
-        targets.push(start_nginx(&dir, up_addr, &a));
+        targets.push(start_nginx("nginx", &dir, up_addr, &a, a.nginx_workers));
+        if let Some(n) = a.nginx_workers_also {
+            // A path's name lives as long as the run.
+            targets.push(start_nginx(Box::leak(format!("nginx-{n}").into_boxed_str()), &dir, up_addr, &a, n));
+        }
     }
     if let Some(bin) = &a.floor_bin {
-        targets.push(start_floor(bin, up_addr, &a));
+        targets.push(start_floor("floor", bin, up_addr, &a, 0));
+        if let Some(w) = a.floor_work_us {
+            targets.push(start_floor(Box::leak(format!("floor+{w}").into_boxed_str()), bin, up_addr, &a, w));
+        }
     }
     if let Some(bin) = &a.baseline_bin {
         targets.push(start_gateway("baseline", bin, &dir, up_addr, &a, ""));
