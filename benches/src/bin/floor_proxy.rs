@@ -28,8 +28,9 @@ struct Args {
     /// Worker threads (default: the CPUs available).
     #[arg(long)]
     threads: Option<usize>,
-    /// CPU time to spend on each request before forwarding it (µs, spinning): a model of a
-    /// gateway's own per-request work, to see how added latency grows with it at one engine.
+    /// Time to spin on each request before forwarding it (µs of wall-clock time, so a little
+    /// less CPU when the thread is preempted meanwhile): a model of a gateway's own per-request
+    /// work, to see how added latency grows with it at one engine.
     #[arg(long, default_value_t = 0)]
     work_us: u64,
 }
@@ -138,7 +139,8 @@ async fn serve(mut client: TcpStream, upstream: SocketAddr, work: std::time::Dur
     }
 }
 
-/// Keeps the thread busy for `work` (the CPU time a gateway would spend on the request).
+/// Keeps the thread busy for `work` of wall-clock time (the time a gateway would spend on the
+/// request).
 fn spin(work: std::time::Duration) {
     if work.is_zero() {
         return;

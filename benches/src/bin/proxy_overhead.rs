@@ -14,8 +14,8 @@
 //!   one per core as its packaged `worker_processes auto` gives, beside the first;
 //! - `floor` (`--floor-bin target/release/floor-proxy`): the least a tokio HTTP/1 forwarder
 //!   does (`floor_proxy.rs`), to tell the runtime's share of a gap to nginx from the gateway's;
-//! - `floor+N` (`--floor-bin … --floor-work-us N`): the same forwarder spending N µs of CPU on
-//!   each request (`--work-us`), a stand-in for a gateway of that cost on the same engine.
+//! - `floor+N` (`--floor-bin … --floor-work-us N`): the same forwarder spinning N µs on each
+//!   request (`--work-us`), a stand-in for a gateway of that cost on the same engine.
 //!
 //! The load comes from the built-in client (reqwest, closed loop, one connection per concurrent
 //! request) or, with `--wrk`, from wrk (`apt-get install wrk`; 1 thread), which costs far less
@@ -71,8 +71,8 @@ struct Args {
     #[arg(long, default_value_t = 1)]
     nginx_workers: usize,
     /// Also measure a second nginx with this many worker processes (path `nginx-N`).
-    #[arg(long)]
-    nginx_workers_also: Option<usize>,
+    #[arg(long, requires = "compare_nginx", value_parser = clap::value_parser!(u16).range(1..))]
+    nginx_workers_also: Option<u16>,
     /// Worker threads of kvgate and of `floor-proxy` (default: their own default, the number
     /// of CPUs they may use).
     #[arg(long)]
@@ -80,8 +80,8 @@ struct Args {
     /// Also measure `floor-proxy` (this binary's sibling), a bare tokio forwarder.
     #[arg(long)]
     floor_bin: Option<String>,
-    /// Also measure `floor-proxy` spending this many µs of CPU per request (path `floor+N`).
-    #[arg(long)]
+    /// Also measure `floor-proxy` spinning this many µs on each request (path `floor+N`).
+    #[arg(long, requires = "floor_bin", value_parser = clap::value_parser!(u64).range(1..))]
     floor_work_us: Option<u64>,
     /// Start each proxy under `taskset -c <CPUS>` (e.g. `1`), so it has these cores to itself;
     /// run the bench itself under `taskset -c` with the other cores.
@@ -459,6 +459,14 @@ impl Drop for Target {
             let _ = stop.status();
         }
         if let Some(mut child) = self.child.take() {
+            if self.stop.is_some() {
+                // nginx's master exits once its workers have; killed before that, it would
+                // leave them running, orphaned, on the cores of the next run.
+                let deadline = Instant::now() + Duration::from_secs(5);
+                while Instant::now() < deadline && matches!(child.try_wait(), Ok(None)) {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
             let _ = child.kill();
             let _ = child.wait();
         }
@@ -519,7 +527,10 @@ fn start_gateway(name: &'static str, bin: &str, dir: &Path, upstream: std::net::
 fn start_floor(name: &'static str, bin: &str, upstream: std::net::SocketAddr, a: &Args, work_us: u64) -> Target {
     let port = free_port();
     let mut cmd = proxy_command(bin, a.proxy_cpus.as_deref());
-    cmd.args(["--listen", &format!("127.0.0.1:{port}"), "--upstream", &upstream.to_string(), "--work-us", &work_us.to_string()]);
+    cmd.args(["--listen", &format!("127.0.0.1:{port}"), "--upstream", &upstream.to_string()]);
+    if work_us > 0 {
+        cmd.args(["--work-us", &work_us.to_string()]);
+    }
     if let Some(t) = a.kvgate_threads {
         cmd.args(["--threads", &t.to_string()]);
     }
@@ -576,7 +587,7 @@ async fn main() {
         targets.push(start_nginx("nginx", &dir, up_addr, &a, a.nginx_workers));
         if let Some(n) = a.nginx_workers_also {
             // A path's name lives as long as the run.
-            targets.push(start_nginx(Box::leak(format!("nginx-{n}").into_boxed_str()), &dir, up_addr, &a, n));
+            targets.push(start_nginx(Box::leak(format!("nginx-{n}").into_boxed_str()), &dir, up_addr, &a, usize::from(n)));
         }
     }
     if let Some(bin) = &a.floor_bin {

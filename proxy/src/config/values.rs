@@ -5,6 +5,8 @@ use serde::{Deserialize, Deserializer, de};
 use std::fmt;
 
 /// A worker base URL: `http://host:port` (no path, no TLS: kvgate talks plain HTTP/1.1 to vLLM).
+/// Made by [`UpstreamUrl::parse`] only, which checks every byte: the gateway writes the
+/// authority and the URL into HTTP heads as they are.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct UpstreamUrl {
     /// `host:port`, as given.
@@ -30,16 +32,30 @@ impl UpstreamUrl {
             return Err(format!("{s:?}: a worker URL is http://host:port, without a path"));
         }
         let (host, port) = authority.rsplit_once(':').ok_or_else(|| format!("{s:?}: missing :port"))?;
-        let port: u16 = port.parse().map_err(|_| format!("{s:?}: port must be a number between 1 and 65535"))?;
+        let port: u16 = port
+            .bytes()
+            .all(|b| b.is_ascii_digit())
+            .then(|| port.parse().ok())
+            .flatten()
+            .ok_or_else(|| format!("{s:?}: port must be a number between 1 and 65535"))?;
         if host.is_empty() || port == 0 {
             return Err(format!("{s:?}: expected http://host:port with a host and a non-zero port"));
         }
-        // A host name or an IP literal (`[v6]`, with a zone after `%`): nothing else, so the
-        // authority can go into a `Host` header and the URL into `x-kvgate-worker` as it is.
-        if !host.bytes().all(|b| b.is_ascii_alphanumeric() || b".-_[]:%".contains(&b)) {
-            return Err(format!("{s:?}: the host may hold only letters, digits and '.', '-', '_' (or an IP literal in [])"));
+        if !host_ok(host) {
+            return Err(format!("{s:?}: the host must be a name of letters, digits, '.', '-' and '_', or an IP literal ([::1])"));
         }
         Ok(Self { authority: authority.to_string(), host: host.trim_start_matches('[').trim_end_matches(']').to_string(), port })
+    }
+}
+
+/// Whether `host` is a host name (letters, digits, `.`, `-`, `_`) or an IPv6 literal in
+/// brackets (hex digits, `:`, `.`, and a zone after `%`). Nothing else, so the authority can go
+/// into a `Host` header and the URL into `x-kvgate-worker` as they are, unchecked per request.
+fn host_ok(host: &str) -> bool {
+    let name = |b: u8| b.is_ascii_alphanumeric() || b".-_".contains(&b);
+    match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(v6) => !v6.is_empty() && v6.bytes().all(|b| name(b) || b == b':' || b == b'%'),
+        None => host.bytes().all(name),
     }
 }
 
@@ -127,9 +143,11 @@ mod tests {
         assert!(UpstreamUrl::parse("http://x:8000/v1").is_err());
         assert_eq!(UpstreamUrl::parse("http://[::1]:80").unwrap().host, "::1");
         assert_eq!(UpstreamUrl::parse("http://vllm-0.vllm.svc_x:8000").unwrap().host, "vllm-0.vllm.svc_x");
-        for bad in ["http://a\r\nX-Injected: 1:80", "http://a b:80", "http://a\u{0}:80", "http://é:80"] {
-            assert!(UpstreamUrl::parse(bad).unwrap_err().contains("only letters"), "{bad:?}");
+        assert_eq!(UpstreamUrl::parse("http://[fe80::1%eth0]:80").unwrap().host, "fe80::1%eth0");
+        for bad in ["http://a\r\nX-Injected: 1:80", "http://a b:80", "http://a\u{0}:80", "http://é:80", "http://::1:80", "http://a]b[:80", "http://[]:80"] {
+            assert!(UpstreamUrl::parse(bad).unwrap_err().contains("the host must be"), "{bad:?}");
         }
+        assert!(UpstreamUrl::parse("http://a:+80").unwrap_err().contains("port must be"));
     }
 
     #[test]
