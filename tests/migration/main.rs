@@ -435,10 +435,26 @@ async fn a_request_still_waiting_for_its_first_token_moves_by_resend() {
     let (status, report) = (r.status().as_u16(), r.json::<Value>().await.unwrap());
     assert_eq!((status, report["how"].clone()), (200, json!("resend")), "{report}");
     let (worker, moved) = client.await.unwrap();
-    // The stream's head went out at once, from the worker it started on.
-    assert_eq!(worker, report["from"].as_str().unwrap(), "the head names the worker the stream started on");
     assert_ne!(report["from"], report["to"]);
     assert!(moved.done && moved.events.len() == 8, "{}", moved.raw);
+    // The route receipt, once the request is recorded as finished: every placement, and how
+    // its leg ended.
+    let finished = || async {
+        let v: Value = c.http.get(c.admin("/requests/early")).send().await.ok()?.json().await.ok()?;
+        (v["status"] == 200).then_some(v)
+    };
+    wait_until(Duration::from_secs(2), || async { finished().await.is_some() }).await.expect("recorded as finished");
+    let placements = finished().await.unwrap()["route_receipt"].clone();
+    let url = |p: &Value| p["chosen"]["url"].as_str().unwrap_or_default().to_string();
+    let legs = placements.as_array().expect("placements");
+    // The stream's head went out at once, from the worker it started on.
+    assert_eq!(worker, url(&legs[0]), "the head names the worker the stream started on: {placements}");
+    // The order moved it from the worker it was waiting on to another, by resending it. (On a
+    // loaded machine a leg may also fail before its first token and be retried unseen; the
+    // receipt then shows that leg, and the order's `from` is where the retry went.)
+    let moved_at = legs.iter().rposition(|p| p["outcome"] == "moved").expect("a leg ended by the move");
+    assert_eq!(report["from"].as_str().unwrap(), url(&legs[moved_at]), "{placements}");
+    assert_eq!(report["to"].as_str().unwrap(), url(&legs[moved_at + 1]), "{placements}");
     bookings_are_zero(&c).await;
 }
 
