@@ -16,7 +16,7 @@ use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 /// Finished requests kept for `GET /requests/{id}`.
 pub const FINISHED_KEPT: usize = 1024;
@@ -90,14 +90,22 @@ pub struct RequestEntry {
 }
 
 impl RequestEntry {
-    /// A new entry in the queued phase.
-    pub fn new(model: Arc<str>, endpoint: &'static str, stream: bool, priority: f64, ctx: Arc<RequestContext>, workers: Arc<[Arc<Worker>]>) -> Self {
+    /// A new entry in the queued phase, for a request that arrived at `started`.
+    pub fn new(
+        model: Arc<str>,
+        endpoint: &'static str,
+        stream: bool,
+        priority: f64,
+        ctx: Arc<RequestContext>,
+        workers: Arc<[Arc<Worker>]>,
+        started: Instant,
+    ) -> Self {
         Self {
             model,
             endpoint,
             stream,
             priority,
-            started: Instant::now(),
+            started,
             ctx,
             phase: AtomicU8::new(Phase::Queued as u8),
             prompt_tokens: AtomicU64::new(0),
@@ -211,9 +219,9 @@ impl RequestEntry {
         v
     }
 
-    fn finish(&self, status: u16) {
+    fn finish(&self, status: u16, took: Duration) {
         self.status.store(u64::from(status), Ordering::Relaxed);
-        self.finished_after_us.store((self.started.elapsed().as_micros() as u64).max(1), Ordering::Relaxed);
+        self.finished_after_us.store((took.as_micros() as u64).max(1), Ordering::Relaxed);
         self.set_phase(Phase::Finished);
     }
 }
@@ -251,7 +259,7 @@ impl RequestRegistry {
         let key = self.next.fetch_add(1, Ordering::Relaxed);
         let entry = Arc::new(entry);
         self.shards[key as usize % SHARDS].lock().insert(key, entry.clone());
-        Registered { registry: self.clone(), key, entry, status: 0 }
+        Registered { registry: self.clone(), key, entry, ended: None }
     }
 
     /// Requests in flight.
@@ -304,7 +312,8 @@ pub struct Registered {
     registry: Arc<RequestRegistry>,
     key: u64,
     entry: Arc<RequestEntry>,
-    status: u16,
+    /// The final status and how long the request took, once recorded.
+    ended: Option<(u16, Duration)>,
 }
 
 impl Registered {
@@ -313,16 +322,18 @@ impl Registered {
         &self.entry
     }
 
-    /// The final status to record when the guard drops (500 if never set: a panic).
-    pub fn set_status(&mut self, status: u16) {
-        self.status = status;
+    /// The final status, and how long the request took since it arrived, to record when the
+    /// guard drops (500 and the time until the drop if never set: a panic).
+    pub fn set_status(&mut self, status: u16, took: Duration) {
+        self.ended = Some((status, took));
     }
 }
 
 impl Drop for Registered {
     fn drop(&mut self) {
         self.entry.mailbox.close();
-        self.entry.finish(if self.status == 0 { 500 } else { self.status });
+        let (status, took) = self.ended.unwrap_or_else(|| (500, self.entry.started.elapsed()));
+        self.entry.finish(status, took);
         self.registry.remove(self.key, &self.entry);
     }
 }
@@ -332,7 +343,7 @@ mod tests {
     use super::*;
 
     fn entry(id: &str) -> RequestEntry {
-        RequestEntry::new("m".into(), "completions", true, 0.0, RequestContext::new(id), Arc::from(Vec::new()))
+        RequestEntry::new("m".into(), "completions", true, 0.0, RequestContext::new(id), Arc::from(Vec::new()), Instant::now())
     }
 
     #[test]
@@ -342,7 +353,7 @@ mod tests {
         let b = r.register(entry("b"));
         assert_eq!(r.len(), 2);
         assert_eq!(r.find("a").unwrap().phase(), Phase::Queued);
-        a.set_status(200);
+        a.set_status(200, Duration::from_millis(1));
         drop(a);
         assert_eq!(r.len(), 1);
         let done = r.find("a").unwrap();

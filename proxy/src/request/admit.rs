@@ -122,7 +122,7 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
         parsed = None;
     }
     let ctx = RequestContext::new(rid);
-    let entry = RequestEntry::new(model.name.clone(), endpoint.label(), stream, view.priority_jump(), ctx.clone(), model.workers.clone());
+    let entry = RequestEntry::new(model.name.clone(), endpoint.label(), stream, view.priority_jump(), ctx.clone(), model.workers.clone(), start);
     let registered = gw.requests.register(entry);
     if let Some(reason) = pinned {
         record::pinned(gw, registered.entry(), &model.cfg.name, reason);

@@ -22,7 +22,8 @@ pub fn refused_early(gw: &Gateway, endpoint: Endpoint, outcome: &Outcome) {
 /// An admitted request ended.
 pub fn finished(gw: &Gateway, req: &mut RequestState, outcome: &Outcome) {
     let status = outcome.status();
-    req.registered.set_status(status);
+    let elapsed = req.start.elapsed();
+    req.registered.set_status(status, elapsed);
     let (name, endpoint) = (req.model_name(), req.endpoint.label());
     let m = &req.model.metrics(&gw.metrics).endpoints[req.endpoint.index()];
     if status == 200 {
@@ -30,7 +31,6 @@ pub fn finished(gw: &Gateway, req: &mut RequestState, outcome: &Outcome) {
     } else {
         gw.metrics.requests.with_label_values(&[name, endpoint, status.to_string().as_str()]).inc();
     }
-    let elapsed = req.start.elapsed();
     m.duration.observe(elapsed.as_secs_f64());
     if let Outcome::Refused(e) = outcome {
         tracing::debug!(request_id = req.id(), model = name, endpoint, status, error = %e, "request refused");
