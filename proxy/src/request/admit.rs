@@ -82,7 +82,7 @@ fn new_id() -> String {
 }
 
 /// Admits a request, or says how it ended.
-pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoint, rid: String, start: Instant) -> Result<RequestState, Outcome> {
+pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoint, ctx: Arc<RequestContext>, start: Instant) -> Result<RequestState, Outcome> {
     if gw.is_draining() {
         return Err(Outcome::Refused(GatewayError::Draining));
     }
@@ -121,7 +121,6 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
     if model.kv.is_none() {
         parsed = None;
     }
-    let ctx = RequestContext::new(rid);
     let entry = RequestEntry::new(model.name.clone(), endpoint.label(), stream, view.priority_jump(), ctx.clone(), model.workers.clone(), start);
     let registered = gw.requests.register(entry);
     if let Some(reason) = pinned {

@@ -36,6 +36,7 @@ use crate::error::{GatewayError, LegError};
 use crate::gateway::Gateway;
 use crate::move_order::{MoveOrder, MoveRefused, MoveReport};
 pub use endpoint::Endpoint;
+use kvgate_filters::cancel::RequestContext;
 use leg::LegEnd;
 use place::Among;
 use relay::Relayed;
@@ -72,19 +73,20 @@ impl Outcome {
 /// (the response was cut by a failing worker).
 pub async fn serve(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoint) -> bool {
     let start = Instant::now();
-    let rid = admit::request_id(session);
+    // The request's id lives in its cancellation context, shared, never copied.
+    let ctx = RequestContext::new(admit::request_id(session));
     // Counted for draining from the first byte, before the model is known.
     let _counted = gw.track();
-    let mut req = match admit::admit(gw, session, endpoint, rid.clone(), start).await {
+    let mut req = match admit::admit(gw, session, endpoint, ctx.clone(), start).await {
         Ok(req) => req,
         Err(outcome) => {
-            respond(session, &outcome, &rid).await;
+            respond(session, &outcome, ctx.id()).await;
             record::refused_early(gw, endpoint, &outcome);
             return false;
         }
     };
     let outcome = run(gw, session, &mut req).await;
-    respond(session, &outcome, &rid).await;
+    respond(session, &outcome, ctx.id()).await;
     record::finished(gw, &mut req, &outcome);
     matches!(outcome, Outcome::Truncated(_))
 }
