@@ -610,17 +610,12 @@ fn parse_request(buf: &[u8], spare: &mut Vec<[u32; 4]>) -> Result<Option<(Reques
         Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooLarge),
         Err(_) => return Err(HeadError::Malformed("not a valid HTTP/1.x request head")),
     };
-    let base = buf.as_ptr() as usize;
-    let at = |s: &[u8]| (s.as_ptr() as usize - base) as u32;
-    let span = |s: &[u8]| [at(s), at(s) + s.len() as u32];
+    let span = |s: &[u8]| crate::h1::span(buf, s);
     let (Some(method), Some(target), Some(minor)) = (r.method, r.path, r.version) else {
         return Err(HeadError::Malformed("an incomplete request line"));
     };
     spare.clear();
-    spare.extend(r.headers.iter().map(|h| {
-        let ([ns, ne], [vs, ve]) = (span(h.name.as_bytes()), span(h.value));
-        [ns, ne, vs, ve]
-    }));
+    spare.extend(crate::h1::header_spans(buf, r.headers));
     let headers = std::mem::take(spare);
     // [0, 0] stands for the root: an absolute target with no path has none to point at.
     let path = match path_of(target) {

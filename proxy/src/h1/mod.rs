@@ -56,6 +56,21 @@ fn put_digits(w: &mut Vec<u8>, mut n: u64, base: u64) {
     w.extend_from_slice(&digits[at..]);
 }
 
+/// Where `part` lies in `buf`, the bytes `httparse` parsed it from: its start and end offsets.
+pub fn span(buf: &[u8], part: &[u8]) -> [u32; 2] {
+    let at = (part.as_ptr() as usize - buf.as_ptr() as usize) as u32;
+    [at, at + part.len() as u32]
+}
+
+/// Each header's name and value as offsets into `buf`, the bytes `httparse` parsed them from:
+/// name start and end, value start and end. Heads keep these instead of copies.
+pub fn header_spans<'a>(buf: &'a [u8], headers: &'a [httparse::Header<'a>]) -> impl Iterator<Item = [u32; 4]> + 'a {
+    headers.iter().map(move |h| {
+        let ([ns, ne], [vs, ve]) = (span(buf, h.name.as_bytes()), span(buf, h.value));
+        [ns, ne, vs, ve]
+    })
+}
+
 /// Whether a `Connection` value names any header besides `keep-alive` and `close` (which are
 /// hop-by-hop anyway): only then must each header be looked up in it.
 pub fn names_headers(connection: &[u8]) -> bool {

@@ -206,12 +206,8 @@ fn parse_into<'b>(buf: &'b [u8], slots: &mut [httparse::Header<'b>], head_reques
         Err(e) => return Err(ResponseError::Head(e.to_string())),
     };
     let status = r.code.unwrap_or(0);
-    let base = buf.as_ptr() as usize;
-    let at = |s: &[u8]| (s.as_ptr() as usize - base) as u32;
     let mut headers = HeaderSpans::take();
-    headers.extend(
-        r.headers.iter().map(|h| [at(h.name.as_bytes()), at(h.name.as_bytes()) + h.name.len() as u32, at(h.value), at(h.value) + h.value.len() as u32]),
-    );
+    headers.extend(crate::h1::header_spans(buf, r.headers));
     let (framing, by_length, close) = framing(r.headers, status, head_request)?;
     let http10 = r.version == Some(0);
     let keep_alive = !close && if http10 { connection_has(r.headers, b"keep-alive") } else { !connection_has(r.headers, b"close") };
