@@ -51,6 +51,8 @@ pub struct ModelTokenizer {
 struct Inner {
     tok: Tokenizer,
     chat: Option<ChatTemplate>,
+    /// The chat template's Jinja text, for what vLLM decides by reading it.
+    chat_source: Option<String>,
     bos: Option<String>,
     eos: Option<String>,
     eos_id: Option<u32>,
@@ -121,7 +123,7 @@ impl ModelTokenizer {
                 .and_then(|t| t.get("template")?.as_str().map(str::to_owned)),
             _ => None,
         });
-        let chat = template_src.map(ChatTemplate::new).transpose()?;
+        let chat = template_src.clone().map(ChatTemplate::new).transpose()?;
 
         let vocab_size = tok.get_vocab_size(true) as u32;
         let specials: std::collections::HashSet<u32> = tok.get_added_tokens_decoder().iter().filter(|(_, t)| t.special).map(|(&id, _)| id).collect();
@@ -141,7 +143,20 @@ impl ModelTokenizer {
         if output_vocab.is_empty() {
             return Err("the tokenizer has no token that decodes to printable text".into());
         }
-        Ok(Self { inner: Arc::new(Inner { tok, chat, bos, eos, eos_id, vocab_size, output_vocab: output_vocab.into(), token_text, source }) })
+        Ok(Self {
+            inner: Arc::new(Inner {
+                tok,
+                chat,
+                chat_source: template_src,
+                bos,
+                eos,
+                eos_id,
+                vocab_size,
+                output_vocab: output_vocab.into(),
+                token_text,
+                source,
+            }),
+        })
     }
 
     /// Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (BOS).
@@ -165,6 +180,12 @@ impl ModelTokenizer {
             "As of transformers v4.44, default chat template is no longer allowed, so you must provide a chat template if the tokenizer does not define one.".to_string()
         })?;
         chat.render(input, self.inner.bos.as_deref(), self.inner.eos.as_deref())
+    }
+
+    /// The chat template's Jinja source, if the tokenizer has one (vLLM reads the text to decide
+    /// some conversions, e.g. whether the `developer` role is kept).
+    pub fn chat_template_source(&self) -> Option<&str> {
+        self.inner.chat_source.as_deref()
     }
 
     /// Added tokens the input may be split on before tokenizing (as HF does): those without
