@@ -131,6 +131,9 @@ pub(crate) enum GatewayError {
     /// The worker's response header could not be passed on.
     #[error("unusable worker response: {0}")]
     BadUpstreamResponse(String),
+    /// The stored response a request refers to was made by a worker no longer in the fleet.
+    #[error("stored response {id} was on {worker}, which has left the fleet")]
+    StoredResponseGone { id: String, worker: String },
 }
 
 impl GatewayError {
@@ -160,6 +163,7 @@ impl GatewayError {
             Self::UpstreamTimeout { model, .. } => ClientError::upstream_timeout(model),
             Self::UpstreamFailed { model, leg } => ClientError::upstream_failed(model, &format!("{}: {}", leg.worker, leg.detail)),
             Self::BadUpstreamResponse(detail) => ClientError::bad_upstream_response(detail),
+            Self::StoredResponseGone { id, worker } => ClientError::stored_response_gone(id, worker),
         }
     }
 

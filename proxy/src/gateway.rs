@@ -28,6 +28,8 @@ pub struct Gateway {
     pub plugins: crate::plugins::PluginRegistry,
     /// Every inference request past admission, and the recently finished ones.
     pub requests: Arc<crate::inflight::RequestRegistry>,
+    /// Which worker stored each Responses-API response (kept across reloads).
+    pub stored_responses: crate::fleet::StoredResponses,
     /// Moves in progress at once (`migration.max_concurrent`).
     pub migrations: tokio::sync::Semaphore,
     /// The rescheduler's last cycle, for `GET /rescheduling`.
@@ -50,6 +52,7 @@ impl Gateway {
         let kv_metrics = kvgate_kv::metrics::KvMetrics::new(metrics.registry());
         let thresholds = cfg.models.iter().map(|m| (m.name.clone(), m.shedding.thresholds)).collect();
         let max_moves = cfg.migration.max_concurrent;
+        let stored_responses = crate::fleet::StoredResponses::new(cfg.responses.remembered_ids);
         Ok(Arc::new(Self {
             thresholds: parking_lot::RwLock::new(thresholds),
             config: ArcSwap::from_pointee(cfg),
@@ -62,6 +65,7 @@ impl Gateway {
             kv_metrics,
             plugins,
             requests: Arc::new(crate::inflight::RequestRegistry::default()),
+            stored_responses,
             migrations: tokio::sync::Semaphore::new(max_moves),
             rescheduling_last: parking_lot::Mutex::new(serde_json::Value::Null),
             applying: parking_lot::Mutex::new(()),

@@ -85,6 +85,9 @@ pub struct Metrics {
     /// `kvgate_refused_connections_total{reason}`: client connections answered and closed
     /// before any routing (reason: malformed | connect).
     pub refused_connections: IntCounterVec,
+    /// `kvgate_refused_paths_total{reason}`: public-listener requests refused for their path
+    /// (reason: control | not_passed_through).
+    pub refused_paths: IntCounterVec,
 }
 
 impl Metrics {
@@ -197,6 +200,11 @@ impl Metrics {
                 "Client connections answered with an error and closed before any routing (malformed request header, CONNECT).",
                 &["reason"],
             ),
+            refused_paths: counter(
+                "kvgate_refused_paths_total",
+                "Public-listener requests refused for their path: a vLLM control endpoint, or a path the passthrough rules keep from the workers.",
+                &["reason"],
+            ),
             issued: counter("kvgate_tasks_issued_total", "Requests sent to a worker.", &["model"]),
             worker_busy: gauge("kvgate_worker_busy", "1 if the worker was over a busy threshold at the last decision.", &["model", "worker"]),
             queued: gauge("kvgate_queued_requests", "Requests held in the router queue.", &["model"]),
@@ -248,14 +256,14 @@ pub struct ModelMetrics {
     pub decision_time: Histogram,
     /// `kvgate_routing_decisions_total{model,worker}`, by worker id.
     pub decisions: Vec<IntCounter>,
-    /// By [`crate::request::Endpoint::index`].
+    /// By [`crate::endpoint::Endpoint::index`].
     pub endpoints: Vec<EndpointMetrics>,
 }
 
 impl ModelMetrics {
     /// Resolves the series of model `name` with these worker labels.
     pub fn new(m: &Metrics, name: &str, workers: &[String]) -> Self {
-        let endpoints = crate::request::Endpoint::ALL
+        let endpoints = crate::endpoint::Endpoint::ALL
             .iter()
             .map(|e| {
                 let l = [name, e.label()];

@@ -38,6 +38,9 @@ pub enum PinReason {
     ServerParsed,
     /// Prompt + generated + one more token would not fit a worker's context.
     ContextTooLong,
+    /// An API whose stream the gateway does not yet re-wrap after a move (Anthropic Messages,
+    /// OpenAI Responses, and the other non-chat endpoints).
+    Api,
 }
 
 impl PinReason {
@@ -57,6 +60,7 @@ impl PinReason {
             Self::NoTokenIds => "no_token_ids",
             Self::ServerParsed => "server_parsed",
             Self::ContextTooLong => "context_too_long",
+            Self::Api => "api",
         }
     }
 }

@@ -12,8 +12,23 @@ use std::fmt;
 use std::path::Path;
 
 /// Top-level keys an environment variable may override.
-const TOP_LEVEL_KEYS: &[&str] =
-    &["listen", "admin_listen", "threads", "max_body_bytes", "timeouts", "retries", "health", "shutdown", "load", "plugins", "models"];
+const TOP_LEVEL_KEYS: &[&str] = &[
+    "listen",
+    "admin_listen",
+    "threads",
+    "max_body_bytes",
+    "timeouts",
+    "retries",
+    "health",
+    "shutdown",
+    "load",
+    "passthrough",
+    "responses",
+    "migration",
+    "rescheduling",
+    "plugins",
+    "models",
+];
 
 /// A configuration that cannot be used, with where the problem is.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -4,10 +4,12 @@
 //! Every key is documented in conf/kvgate.yaml. Unknown keys are errors.
 
 mod load;
+mod passthrough;
 mod rescheduling;
 mod values;
 
 pub use load::{ConfigError, load_file, load_str};
+pub use passthrough::{Passthrough, PathPattern};
 pub use rescheduling::{LoadMetric, Rescheduling};
 pub use values::{ByteSize, UpstreamUrl, ZmqEndpoint};
 
@@ -53,6 +55,12 @@ pub struct Config {
     /// Polling of the workers' own load (`/metrics`).
     #[serde(default)]
     pub load: LoadPolling,
+    /// Paths outside the gateway's catalogue, forwarded unchanged (docs/endpoints.md).
+    #[serde(default)]
+    pub passthrough: Passthrough,
+    /// The Responses API's stored responses (which worker holds each).
+    #[serde(default)]
+    pub responses: ResponsesApi,
     /// WebAssembly routing policies models may use (`routing.mode: plugin`).
     #[serde(default)]
     pub plugins: Vec<PluginConfig>,
@@ -230,6 +238,21 @@ pub struct Shedding {
     /// The workers' `--max-num-batched-tokens`, for `active_prefill_tokens_threshold_frac`
     /// (vLLM does not publish it).
     pub max_num_batched_tokens: Option<u64>,
+}
+
+/// The Responses API: a stored response lives on the worker that made it.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ResponsesApi {
+    /// How many response ids the gateway remembers the worker of (the oldest are forgotten
+    /// first); read at start.
+    pub remembered_ids: usize,
+}
+
+impl Default for ResponsesApi {
+    fn default() -> Self {
+        Self { remembered_ids: 100_000 }
+    }
 }
 
 /// One served model.

@@ -106,6 +106,19 @@ impl RequestHead {
         if self.path == [0, 0] { "/" } else { self.part(self.path) }
     }
 
+    /// The target in origin form, as a worker is sent it: the path and query, without scheme
+    /// and authority (absolute form) or a fragment.
+    pub fn origin_target(&self) -> &str {
+        if self.path == [0, 0] {
+            return "/";
+        }
+        let [_, end] = self.target;
+        let t = &self.raw[self.path[0] as usize..end as usize];
+        let t = t.iter().position(|&c| c == b'#').map_or(t, |i| &t[..i]);
+        // The head was checked to be text when it was parsed.
+        std::str::from_utf8(t).unwrap_or("/")
+    }
+
     /// Whether the request is HTTP/1.0.
     pub fn is_http10(&self) -> bool {
         self.minor == 0
@@ -672,6 +685,7 @@ mod tests {
         send(&mut peer, b"POST /v1/completions?x=1 HTTP/1.1\r\nHost: g\r\nX-Trace: A\r\nContent-Length: 5\r\n\r\nhello").await;
         assert!(c.read_request(IDLE).await.unwrap());
         assert_eq!((c.req().method(), c.req().target(), c.req().path()), ("POST", "/v1/completions?x=1", "/v1/completions"));
+        assert_eq!(c.req().origin_target(), "/v1/completions?x=1");
         assert_eq!(c.req().header("x-trace"), Some(&b"A"[..]));
         assert_eq!(c.read_body().await.unwrap().as_deref(), Some(&b"hello"[..]));
         assert_eq!(c.read_body().await.unwrap(), None);
@@ -897,6 +911,14 @@ mod tests {
         assert_eq!(head("http://gw:8080/v1/completions?x"), "/v1/completions");
         assert_eq!(head("http://gw:8080"), "/");
         assert_eq!(head("*"), "*");
+        let origin = |t: &str| {
+            let raw = format!("GET {t} HTTP/1.1\r\n\r\n");
+            let (h, _) = parse_request(raw.as_bytes(), &mut Vec::new()).unwrap().unwrap();
+            (RequestHead { raw: Bytes::from(raw), ..h }).origin_target().to_string()
+        };
+        assert_eq!(origin("/v1/models?a=b#c"), "/v1/models?a=b");
+        assert_eq!(origin("http://gw:8080/v1/completions?x"), "/v1/completions?x");
+        assert_eq!(origin("http://gw:8080"), "/");
     }
 
     #[test]

@@ -41,6 +41,31 @@ impl ClientError {
         Self::new(404, "invalid_request_error", format!("No route for {path}"), None)
     }
 
+    /// 403: one of vLLM's operator endpoints, asked for on the public listener.
+    pub fn control_path(path: &str) -> Self {
+        Self::new(
+            403,
+            "permission_error",
+            format!("{path} is a vLLM control endpoint; kvgate does not forward it from the public listener (fleet operations are on the admin listener)."),
+            None,
+        )
+    }
+
+    /// 404: a path the configuration's `passthrough` rules keep from the workers.
+    pub fn not_passed_through(path: &str) -> Self {
+        Self::new(404, "invalid_request_error", format!("No route for {path} (not passed through: the gateway's passthrough rules)"), None)
+    }
+
+    /// 404: a stored response whose worker has left the fleet (no other worker holds it).
+    pub fn stored_response_gone(id: &str, worker: &str) -> Self {
+        Self::new(
+            404,
+            "invalid_request_error",
+            format!("Response with id '{id}' not found: it was stored on worker {worker}, which is no longer in the fleet."),
+            Some("response_id"),
+        )
+    }
+
     /// 404: no request with this id is in flight or kept as finished.
     pub fn unknown_request(id: &str) -> Self {
         Self::new(404, "invalid_request_error", format!("No request `{id}` is in flight or among the recently finished ones."), None)

@@ -3,7 +3,8 @@
 //! - [`worker`]: one vLLM server (health, resolved address, the load it reports);
 //! - [`calibration`]: how fast a worker prefills and steps, as the gateway measured it;
 //! - [`model`]: a served model (its workers, routing policy, booking ledger, queue);
-//! - [`registry`]: keeps workers across reloads, keyed by URL, and builds the next fleet.
+//! - [`registry`]: keeps workers across reloads, keyed by URL, and builds the next fleet;
+//! - [`stored_responses`]: which worker stored each Responses-API response.
 //!
 //! A request holds `Arc`s to the model and worker it started with, so a reload that removes
 //! them never disturbs it.
@@ -11,10 +12,12 @@
 pub mod calibration;
 mod model;
 mod registry;
+mod stored_responses;
 mod worker;
 
 pub use model::Model;
 pub use registry::WorkerRegistry;
+pub use stored_responses::StoredResponses;
 pub use worker::{ReportedLoad, Worker};
 
 use std::collections::HashMap;

@@ -16,8 +16,8 @@ pub mod migrate;
 use crate::downstream::conn::{ClientConn, HeadError};
 use crate::downstream::errors::ClientError;
 use crate::downstream::io::respond_error;
+use crate::endpoint::{Endpoint, PathKind};
 use crate::gateway::Gateway;
-use crate::request::Endpoint;
 use async_trait::async_trait;
 use pingora::apps::ServerApp;
 use pingora::protocols::Stream;
@@ -119,27 +119,36 @@ impl GatewayApp {
         false
     }
 
-    /// Answers a public-listener request. True when the client connection must be closed (the
-    /// response was cut by a failing worker).
+    /// Answers a public-listener request (docs/endpoints.md): served endpoints through the
+    /// request phases, local paths here, control paths refused. True when the client connection
+    /// must be closed (the response was cut by a failing worker).
     async fn public(&self, session: &mut ClientConn) -> bool {
-        let (method, endpoint) = (session.req().method(), Endpoint::from_path(session.req().path()));
-        match (method == "POST", endpoint) {
-            (true, Some(ep)) => return crate::request::serve(&self.gw, session, ep).await,
-            (false, Some(_)) => {
-                let e = ClientError::method_not_allowed(method, session.req().path());
-                respond_error(session, &e, &[]).await
+        let path = session.req().path();
+        let refusal = match PathKind::of(path) {
+            PathKind::Served(ep) if ep.post_only() && !session.req().method_is("POST") => ClientError::method_not_allowed(session.req().method(), path),
+            // A HEAD response carries no body whatever its length says, which the worker
+            // side does not read; vLLM's routes answer HEAD 405 themselves.
+            PathKind::Served(Endpoint::Passthrough) if session.req().method_is("HEAD") => ClientError::method_not_allowed("HEAD", path),
+            PathKind::Served(Endpoint::Passthrough) if !self.gw.config().passthrough.passes(path) => {
+                self.gw.metrics.refused_paths.with_label_values(&["not_passed_through"]).inc();
+                ClientError::not_passed_through(path)
             }
-            (_, None) => {
-                let (method, path) = (method.to_string(), session.req().path().to_string());
-                match (method.as_str(), path.as_str()) {
-                    ("GET", "/v1/models") => local::models(&self.gw, session).await,
-                    ("GET", "/health") => local::health(&self.gw, session).await,
-                    ("GET", "/metrics") => local::metrics(&self.gw, session).await,
-                    (m, "/v1/models" | "/health" | "/metrics") => respond_error(session, &ClientError::method_not_allowed(m, &path), &[]).await,
-                    _ => respond_error(session, &ClientError::not_found(&path), &[]).await,
+            PathKind::Served(ep) => return crate::request::serve(&self.gw, session, ep).await,
+            PathKind::Control => {
+                self.gw.metrics.refused_paths.with_label_values(&["control"]).inc();
+                ClientError::control_path(path)
+            }
+            PathKind::Local if !session.req().method_is("GET") => ClientError::method_not_allowed(session.req().method(), path),
+            PathKind::Local => {
+                match path {
+                    "/v1/models" => local::models(&self.gw, session).await,
+                    "/health" => local::health(&self.gw, session).await,
+                    _ => local::metrics(&self.gw, session).await,
                 }
+                return false;
             }
-        }
+        };
+        respond_error(session, &refusal, &[]).await;
         false
     }
 }

@@ -2,15 +2,16 @@
 //! the fields routing reads, find the model, and register the request in the in-flight
 //! registry. Every refusal here is a [`GatewayError`] answered before any worker is involved.
 
-use super::endpoint::Endpoint;
 use super::track;
 use super::{Outcome, RequestState, record};
 use crate::downstream::conn::ClientConn;
 use crate::downstream::io::{BodyError, read_body};
+use crate::endpoint::Endpoint;
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
 use crate::inflight::RequestEntry;
 use kvgate_filters::cancel::RequestContext;
+use kvgate_filters::migrate::PinReason;
 use serde::Deserialize;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -81,6 +82,21 @@ fn new_id() -> String {
     id
 }
 
+/// The routing fields of `body` (and a completion's prompt ids, with `ids`). A JSON endpoint's
+/// body must be a JSON object; an audio form names its model in a `model` field; a
+/// passthrough's body is read when it is a JSON object and otherwise names no model.
+fn view_of(endpoint: Endpoint, content_type: Option<&str>, body: &[u8], ids: bool) -> Result<(RequestView, Option<super::fields::PromptIds>), Outcome> {
+    if endpoint == Endpoint::Audio {
+        let model = content_type.and_then(|ct| super::fields::form_field(body, ct, "model"));
+        return Ok((RequestView { model, ..RequestView::default() }, None));
+    }
+    match super::fields::read(body, ids) {
+        Ok(read) => Ok(read),
+        Err(_) if !endpoint.json_body() => Ok((RequestView::default(), None)),
+        Err(e) => Err(Outcome::Refused(GatewayError::BadRequest { message: format!("Invalid request body: {e}"), param: None })),
+    }
+}
+
 /// Admits a request, or says how it ended.
 pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoint, ctx: Arc<RequestContext>, start: Instant) -> Result<RequestState, Outcome> {
     if gw.is_draining() {
@@ -100,9 +116,12 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
     // A completion's prompt of token ids is read on the way when the body may be parsed whole
     // below (kv routing, or a stream that may move), so the ids are parsed once.
     let ids = endpoint == Endpoint::Completions && (cfg.migration.limit > 0 || fleet.models.values().any(|m| m.kv.is_some()));
-    let (view, prompt) = super::fields::read(&body, ids)
-        .map_err(|e| Outcome::Refused(GatewayError::BadRequest { message: format!("Invalid request body: {e}"), param: None }))?;
-    let Some(model) = fleet.resolve(view.model.as_deref()).cloned() else {
+    let (view, prompt) = view_of(endpoint, session.req().header_str("content-type"), &body, ids)?;
+    let named = fleet.resolve(view.model.as_deref());
+    // A body that cannot name a model (a form without one, a passthrough's GET) goes to the
+    // first model's workers rather than being refused: vLLM answers such paths for any model.
+    let unnamed = || (!endpoint.json_body() && view.model.is_none()).then(|| fleet.order.first().and_then(|n| fleet.model(n))).flatten();
+    let Some(model) = named.or_else(unnamed).cloned() else {
         let e = match &view.model {
             Some(name) => GatewayError::UnknownModel { name: name.clone(), served: fleet.order.clone() },
             None => GatewayError::BadRequest { message: "`model` is required when the gateway serves several models".into(), param: Some("model") },
@@ -112,15 +131,18 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
     let stream = view.stream.unwrap_or(false);
     // The whole body is parsed only when kv routing tokenizes it or a stream may move.
     let movable = stream && matches!(endpoint, Endpoint::Chat | Endpoint::Completions) && cfg.migration.limit > 0;
-    let mut parsed = ((endpoint.generates() && model.kv.is_some()) || movable).then(|| super::parsed::ParsedBody::parse_with(&body, prompt).ok()).flatten();
+    let mut parsed = ((endpoint.renders() && model.kv.is_some()) || movable).then(|| super::parsed::ParsedBody::parse_with(&body, prompt).ok()).flatten();
     let (track, body, pinned) = match parsed.as_ref().filter(|_| movable).map(|p| track::start(endpoint == Endpoint::Chat, &body, &p.fields)) {
         Some(Ok((t, sent))) => (Some(t), sent, None),
         Some(Err(reason)) => (None, body, Some(reason)),
+        // A stream of another API stays where it starts, and says why.
+        None if stream && endpoint.infers() && !matches!(endpoint, Endpoint::Chat | Endpoint::Completions) => (None, body, Some(PinReason::Api)),
         None => (None, body, None),
     };
     if model.kv.is_none() {
         parsed = None;
     }
+    let (stored, body) = super::stored::read(endpoint, session.req().path(), body);
     let entry = RequestEntry::new(model.name.clone(), endpoint.label(), stream, view.priority_jump(), ctx.clone(), model.workers.clone(), start);
     let registered = gw.requests.register(entry);
     if let Some(reason) = pinned {
@@ -137,9 +159,11 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
     Ok(RequestState {
         cfg,
         endpoint,
+        forward: super::state::Forward::of(session.req()),
         start,
         ctx,
         body,
+        stored,
         view,
         parsed,
         stream,

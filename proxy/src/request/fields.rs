@@ -295,6 +295,41 @@ impl<'a> Scanner<'a> {
     }
 }
 
+/// The text of a `multipart/form-data` body's field `name` (an audio request's `model`), or
+/// `None` when the body is not such a form or has no such plain field. Only the part headers
+/// are looked at; the parts' contents (audio files) are skipped over, never copied.
+pub fn form_field(body: &[u8], content_type: &str, name: &str) -> Option<String> {
+    let (kind, params) = content_type.split_once(';')?;
+    if !kind.trim().eq_ignore_ascii_case("multipart/form-data") {
+        return None;
+    }
+    let boundary = params.split(';').find_map(|p| p.trim().strip_prefix("boundary="))?.trim_matches('"');
+    let delimiter = format!("--{boundary}");
+    let wanted = format!("name=\"{name}\"");
+    let mut rest = body;
+    while let Some(at) = find(rest, delimiter.as_bytes()) {
+        rest = &rest[at + delimiter.len()..];
+        let head_end = find(rest, b"\r\n\r\n")?;
+        let head = std::str::from_utf8(&rest[..head_end]).ok()?;
+        let content = &rest[head_end + 4..];
+        let end = find(content, format!("\r\n{delimiter}").as_bytes())?;
+        let named = head.lines().any(|l| {
+            let l = l.trim();
+            l.get(..20).is_some_and(|h| h.eq_ignore_ascii_case("content-disposition:")) && l.split(';').any(|p| p.trim() == wanted)
+        });
+        if named {
+            return std::str::from_utf8(&content[..end]).ok().map(str::to_owned);
+        }
+        rest = &content[end..];
+    }
+    None
+}
+
+/// Where `needle` first occurs in `hay`.
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -454,5 +489,15 @@ mod tests {
             }
         }
         assert!(accepted > 1000, "the generator made too few valid bodies ({accepted}) to mean anything");
+    }
+
+    #[test]
+    fn a_forms_model_field_is_read_without_its_files() {
+        let ct = "multipart/form-data; boundary=XyZ";
+        let body = b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\nContent-Type: audio/wav\r\n\r\nRIFF\r\n--\x00\xff\r\n--XyZ\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper\r\n--XyZ--\r\n";
+        assert_eq!(form_field(body, ct, "model").as_deref(), Some("whisper"));
+        assert_eq!(form_field(body, ct, "language"), None);
+        assert_eq!(form_field(body, "application/json", "model"), None);
+        assert_eq!(form_field(b"--XyZ\r\nbroken", ct, "model"), None);
     }
 }

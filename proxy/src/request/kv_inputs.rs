@@ -3,7 +3,7 @@
 //! blocks already cached there and already booked there by requests in flight.
 
 use super::RequestState;
-use super::endpoint::Endpoint;
+use crate::endpoint::Endpoint;
 use crate::kv_routing::KvRouting;
 use kvgate_kv::hash::BlockHash;
 use std::time::{Duration, Instant};

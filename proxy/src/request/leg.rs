@@ -62,8 +62,10 @@ pub enum LegEnd {
 
 /// What a leg sends.
 pub struct Outbound<'a> {
-    /// The worker's path.
-    pub path: &'static str,
+    /// The method.
+    pub method: &'a str,
+    /// The worker's request target (path and query).
+    pub path: &'a str,
     /// The body.
     pub body: &'a Bytes,
     /// The `X-Request-Id` the worker sees (a continuation's differs from the original's, so a
@@ -80,7 +82,7 @@ pub struct Outbound<'a> {
 impl<'a> Outbound<'a> {
     /// The client's request, as admitted.
     pub fn original(req: &'a RequestState) -> Self {
-        Self { path: req.endpoint.path(), body: &req.body, request_id: req.id().into(), orders: true, head_first: req.stream }
+        Self { method: &req.forward.method, path: &req.forward.target, body: &req.body, request_id: req.id().into(), orders: true, head_first: req.stream }
     }
 }
 
@@ -88,7 +90,7 @@ impl<'a> Outbound<'a> {
 /// turned into a retryable error (when `retries.on_5xx`) instead of being passed on.
 pub async fn run(session: &mut ClientConn, req: &RequestState, worker: &Arc<Worker>, out: &Outbound<'_>, may_retry: bool) -> LegEnd {
     let cfg = &req.cfg;
-    let wire = match upstream::request_wire(session.req(), worker, out.path, out.body, &out.request_id) {
+    let wire = match upstream::request_wire(session.req(), worker, out.method, out.path, out.body, &out.request_id) {
         Ok(w) => w,
         // Built from the client's own headers: another worker would fail the same way.
         Err(e) => return LegEnd::Failed(LegError::new(LegErrorKind::Send, &worker.url, e.to_string()).final_()),

@@ -16,7 +16,6 @@
 //! [`attempts`] (a retry, or a move ordered while waiting, is one more turn of it).
 
 pub mod admit;
-pub mod endpoint;
 pub mod fields;
 pub mod kv_inputs;
 pub mod leg;
@@ -28,14 +27,15 @@ pub mod queue;
 pub mod record;
 pub mod relay;
 pub mod state;
+pub mod stored;
 pub mod track;
 
 use crate::downstream::conn::ClientConn;
 use crate::downstream::io::respond_error;
+pub use crate::endpoint::Endpoint;
 use crate::error::{GatewayError, LegError};
 use crate::gateway::Gateway;
 use crate::move_order::{MoveOrder, MoveRefused, MoveReport};
-pub use endpoint::Endpoint;
 use kvgate_filters::cancel::RequestContext;
 use leg::LegEnd;
 use place::Among;
@@ -150,6 +150,7 @@ async fn attempt(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestS
         match leg::run(session, req, &worker, &out, may_retry).await {
             LegEnd::Answered(leg) => {
                 req.entry().receipt.lock().leg_ended("ok");
+                stored::answered(gw, req.stored.as_ref(), &leg.worker, leg.ex.status);
                 match relay::relay(gw, session, req, leg).await {
                     Relayed::Done(outcome) => return outcome,
                     Relayed::Reroute(o) => {

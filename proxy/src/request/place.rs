@@ -26,6 +26,13 @@ pub enum Among<'a> {
 /// Chooses a worker for the next attempt (any healthy worker not tried yet) and books the
 /// request on it.
 pub fn place(gw: &Gateway, req: &mut RequestState) -> Result<Arc<Worker>, GatewayError> {
+    // A stored response is served by the worker that stored it, or by none: one attempt there.
+    if let Some(home) = req.stored.as_ref().and_then(|refs| super::stored::home(gw, &req.model, refs)) {
+        return match home? {
+            i if req.tried.contains(&i) => Err(GatewayError::NoHealthyWorker(req.model.cfg.name.clone())),
+            i => place_among(gw, req, Among::Only(i)),
+        };
+    }
     let tried = req.tried.clone();
     place_among(gw, req, Among::Except(&tried))
 }
@@ -218,7 +225,7 @@ fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, de
     let cached_tokens = (u64::from(chosen.overlap_blocks) * bs).min(prompt_tokens);
     let footprint = match &req.kv {
         // `/tokenize` and `/detokenize` compute nothing worth booking: only the request counts.
-        _ if !req.endpoint.generates() => Footprint::default(),
+        _ if !req.endpoint.infers() => Footprint::default(),
         Some(k) => {
             mm.overlap.observe(f64::from(chosen.overlap_blocks));
             mm.forgone.observe(f64::from(best_overlap.saturating_sub(chosen.overlap_blocks)));

@@ -14,7 +14,7 @@ use std::sync::Arc;
 pub async fn wait(gw: &Arc<Gateway>, session: &mut ClientConn, req: &RequestState) -> Result<(), Outcome> {
     let model = &req.model;
     let Some(queue) = model.queue.as_ref() else { return Ok(()) };
-    if !req.endpoint.generates() || (model.queue_free_workers() > 0 && queue.is_empty()) {
+    if !req.endpoint.infers() || (model.queue_free_workers() > 0 && queue.is_empty()) {
         return Ok(());
     }
     let name = req.model_name();

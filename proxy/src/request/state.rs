@@ -4,18 +4,44 @@
 //! follower of a stream that may move.
 
 use super::admit::RequestView;
-use super::endpoint::Endpoint;
 use super::kv_inputs::KvInputs;
 use super::track::Tracker;
 use crate::config::Config;
+use crate::downstream::conn::RequestHead;
+use crate::endpoint::Endpoint;
 use crate::fleet::{Model, Worker};
 use crate::inflight::{Registered, RequestEntry};
 use bytes::Bytes;
 use kvgate_filters::cancel::RequestContext;
 use kvgate_filters::ledger::Booking;
 use kvgate_plugins::RoutingPlugin;
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Instant;
+
+/// The method and request target a request is forwarded with: the client's, in origin form
+/// (path and query). Served endpoints' usual `POST` to a catalogued path borrows the
+/// catalogue's text, so the usual request allocates nothing for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Forward {
+    /// The method.
+    pub method: Cow<'static, str>,
+    /// The target: path and query.
+    pub target: Cow<'static, str>,
+}
+
+impl Forward {
+    /// The client's method and target, as `head` has them.
+    pub fn of(head: &RequestHead) -> Self {
+        let method = if head.method_is("POST") { Cow::Borrowed("POST") } else { Cow::Owned(head.method().to_string()) };
+        let target = head.origin_target();
+        let target = match crate::endpoint::catalogued(target) {
+            Some(path) => Cow::Borrowed(path),
+            None => Cow::Owned(target.to_string()),
+        };
+        Self { method, target }
+    }
+}
 
 /// One request, from admission to its record.
 pub struct RequestState {
@@ -23,12 +49,17 @@ pub struct RequestState {
     pub cfg: Arc<Config>,
     /// Which endpoint.
     pub endpoint: Endpoint,
+    /// The method and target sent to the worker.
+    pub forward: Forward,
     /// When it arrived.
     pub start: Instant,
     /// Its cancellation context (its id is the request id).
     pub ctx: Arc<RequestContext>,
-    /// The client's body, forwarded unchanged.
+    /// The client's body, forwarded unchanged (but for the `request_id` a Responses request
+    /// naming none is given, `stored.rs`).
     pub body: Bytes,
+    /// The stored response it makes or refers to (Responses API).
+    pub stored: Option<super::stored::StoredRefs>,
     /// The fields routing reads.
     pub view: RequestView,
     /// The whole body, parsed only when kv routing tokenizes it.

@@ -77,13 +77,17 @@ pub struct Exchange {
 /// buffer so that it goes out in one write. Written straight from the client's header: building
 /// a Pingora header first costs two header maps and a copy of every name and value per request
 /// (docs/architecture.md, "The hot path's allocations").
-pub fn request_wire(client: &RequestHead, worker: &Worker, path: &str, body: &[u8], request_id: &str) -> Result<Vec<u8>, BadHeader> {
+pub fn request_wire(client: &RequestHead, worker: &Worker, method: &str, path: &str, body: &[u8], request_id: &str) -> Result<Vec<u8>, BadHeader> {
     check_path(path)?;
     if request_id.bytes().any(forbidden) {
         return Err(BadHeader("the request id"));
     }
+    if method.is_empty() || !method.bytes().all(|c| c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&c)) {
+        return Err(BadHeader("the request method"));
+    }
     let mut w = Vec::with_capacity(256 + body.len());
-    w.extend_from_slice(b"POST ");
+    w.extend_from_slice(method.as_bytes());
+    w.push(b' ');
     w.extend_from_slice(path.as_bytes());
     w.extend_from_slice(b" HTTP/1.1\r\n");
     let mut typed = false;
@@ -98,7 +102,10 @@ pub fn request_wire(client: &RequestHead, worker: &Worker, path: &str, body: &[u
         line(&mut w, b"Content-Type", b"application/json");
     }
     line(&mut w, b"Host", worker.host_header.as_bytes());
-    crate::h1::put_content_length(&mut w, body.len() as u64);
+    // A bodiless GET or DELETE goes out as the client sent it, without a length.
+    if !body.is_empty() || !matches!(method, "GET" | "DELETE" | "OPTIONS") {
+        crate::h1::put_content_length(&mut w, body.len() as u64);
+    }
     line(&mut w, b"X-Request-Id", request_id.as_bytes());
     w.extend_from_slice(b"\r\n");
     w.extend_from_slice(body);
@@ -407,7 +414,7 @@ mod tests {
             ("X-Request-Id", "from-client"),
             ("X-Trace", "t1"),
         ]);
-        let wire = request_wire(&c, &worker(), "/v1/completions", b"{}", "req-1").unwrap();
+        let wire = request_wire(&c, &worker(), "POST", "/v1/completions", b"{}", "req-1").unwrap();
         let text = String::from_utf8(wire).unwrap();
         let (head, body) = text.split_once("\r\n\r\n").unwrap();
         assert_eq!(body, "{}");
@@ -423,7 +430,7 @@ mod tests {
     #[test]
     fn the_client_content_type_is_kept_and_not_doubled() {
         let c = client(&[("content-type", "application/json; charset=utf-8")]);
-        let text = String::from_utf8(request_wire(&c, &worker(), "/v1/chat/completions", b"{}", "r").unwrap()).unwrap();
+        let text = String::from_utf8(request_wire(&c, &worker(), "POST", "/v1/chat/completions", b"{}", "r").unwrap()).unwrap();
         assert_eq!(text.matches("ontent-").count(), 2, "content-type and content-length once each: {text}");
         assert!(text.contains("content-type: application/json; charset=utf-8\r\n"), "{text}");
     }
@@ -443,7 +450,7 @@ mod tests {
             ("Accept", "a"),
             ("Accept", "b"),
         ]);
-        let text = String::from_utf8(request_wire(&c, &worker(), "/v1/completions", b"{}", "r").unwrap()).unwrap();
+        let text = String::from_utf8(request_wire(&c, &worker(), "POST", "/v1/completions", b"{}", "r").unwrap()).unwrap();
         let names: Vec<&str> = text.split("\r\n").skip(1).take_while(|l| !l.is_empty()).filter_map(|l| l.split_once(':')).map(|(n, _)| n).collect();
         assert_eq!(names, ["Accept", "Accept", "Content-Type", "Host", "Content-Length", "X-Request-Id"], "{text}");
         assert!(text.find("Accept: a").unwrap() < text.find("Accept: b").unwrap(), "repeated headers keep their order");
@@ -452,14 +459,14 @@ mod tests {
     #[test]
     fn header_names_go_out_as_the_client_wrote_them() {
         let c = client(&[("x-trace", "t")]);
-        let text = String::from_utf8(request_wire(&c, &worker(), "/v1/completions", b"{}", "r").unwrap()).unwrap();
+        let text = String::from_utf8(request_wire(&c, &worker(), "POST", "/v1/completions", b"{}", "r").unwrap()).unwrap();
         assert!(text.contains("\r\nx-trace: t\r\n"), "{text}");
     }
 
     #[test]
     fn a_request_id_or_path_that_would_split_the_head_is_refused() {
         let c = client(&[]);
-        let refused = |path: &str, id: &str| request_wire(&c, &worker(), path, b"{}", id).is_err();
+        let refused = |path: &str, id: &str| request_wire(&c, &worker(), "POST", path, b"{}", id).is_err();
         assert!(refused("/v1/completions", "a\r\nX-Evil: 1"));
         assert!(refused("/v1/completions", "a\0b"));
         assert!(refused("/v1/x y", "r"));
