@@ -296,7 +296,7 @@ impl Endpoint {
     /// Whether kvgate renders its prompt to token ids for KV-aware routing (the others are
     /// placed by load).
     pub fn renders(self) -> bool {
-        matches!(self, Self::Chat | Self::Completions)
+        matches!(self, Self::Chat | Self::Completions | Self::Messages | Self::Responses)
     }
 
     /// Whether only `POST` reaches it (a passthrough takes the client's method).

@@ -30,6 +30,9 @@ pub struct KvRouting {
     pub hasher: Hasher,
     /// The model's tokenizer with its segment cache, if configured.
     pub tokenizer: Option<Arc<SegmentCache>>,
+    /// How vLLM converts Anthropic Messages requests for this model's chat template (probed
+    /// once, as vLLM probes it at start-up).
+    pub messages: kvgate_tokenize::dialect::messages::MessagesOptions,
     /// Cached prefixes per DP rank.
     pub cache: Cache,
     /// Index ids of each worker's DP ranks (the index counts ranks, not workers).
@@ -63,6 +66,7 @@ impl KvRouting {
             }
             None => None,
         };
+        let messages = tokenizer.as_ref().map(|t| kvgate_tokenize::dialect::messages::MessagesOptions::for_tokenizer(t.tokenizer())).unwrap_or_default();
         let mut rank_ids = Vec::with_capacity(m.workers.len());
         let mut sources = Vec::new();
         let mut next: WorkerId = 0;
@@ -103,6 +107,7 @@ impl KvRouting {
         Ok(Self {
             hasher,
             tokenizer,
+            messages,
             cache,
             rank_ids,
             sources,

@@ -88,6 +88,9 @@ pub struct Metrics {
     /// `kvgate_refused_paths_total{reason}`: public-listener requests refused for their path
     /// (reason: control | not_passed_through).
     pub refused_paths: IntCounterVec,
+    /// `kvgate_render_fallback_total{endpoint,reason}`: Messages and Responses prompts kv
+    /// routing could not render exactly as vLLM does, placed by load instead.
+    pub render_fallback: IntCounterVec,
 }
 
 impl Metrics {
@@ -204,6 +207,11 @@ impl Metrics {
                 "kvgate_refused_paths_total",
                 "Public-listener requests refused for their path: a vLLM control endpoint, or a path the passthrough rules keep from the workers.",
                 &["reason"],
+            ),
+            render_fallback: counter(
+                "kvgate_render_fallback_total",
+                "Messages and Responses prompts that kv routing could not render to token ids exactly as vLLM does (an image, a stored conversation, ...), placed by load instead.",
+                &["endpoint", "reason"],
             ),
             issued: counter("kvgate_tasks_issued_total", "Requests sent to a worker.", &["model"]),
             worker_busy: gauge("kvgate_worker_busy", "1 if the worker was over a busy threshold at the last decision.", &["model", "worker"]),

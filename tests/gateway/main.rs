@@ -13,6 +13,8 @@ use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 use vllm_sim::SimConfig;
 
+mod drop_in;
+
 fn sim(time_scale: f64) -> SimConfig {
     SimConfig { time_scale, ..test_sim_config() }
 }

@@ -4,6 +4,7 @@
 
 use super::RequestState;
 use crate::endpoint::Endpoint;
+use crate::gateway::Gateway;
 use crate::kv_routing::KvRouting;
 use kvgate_kv::hash::BlockHash;
 use std::time::{Duration, Instant};
@@ -23,11 +24,18 @@ pub struct KvInputs {
     pub lookup_time: Duration,
 }
 
-/// Fills `req.kv` when the model routes on the KV cache.
-pub async fn prepare(req: &mut RequestState) {
+/// Fills `req.kv` when the model routes on the KV cache. A Messages or Responses prompt that
+/// cannot be rendered exactly is placed by load alone (no prefix), and counted
+/// (`kvgate_render_fallback_total{endpoint,reason}`).
+pub async fn prepare(gw: &Gateway, req: &mut RequestState) {
     let (Some(kv), Some(body)) = (req.model.kv.clone(), req.parsed.take()) else { return };
-    let chat = req.endpoint == Endpoint::Chat;
-    let tokens = super::prompt::tokens(body, chat, kv.tokenizer.as_ref(), kv.max_tokens()).await.unwrap_or_default();
+    let tokens = match req.endpoint {
+        Endpoint::Messages | Endpoint::Responses => super::prompt::dialect_tokens(body.fields, req.endpoint, &kv).await.unwrap_or_else(|reason| {
+            gw.metrics.render_fallback.with_label_values(&[req.endpoint.label(), reason]).inc();
+            Vec::new()
+        }),
+        ep => super::prompt::tokens(body, ep == Endpoint::Chat, kv.tokenizer.as_ref(), kv.max_tokens()).await.unwrap_or_default(),
+    };
     req.kv = Some(from_tokens(req, &kv, &tokens));
 }
 

@@ -99,7 +99,7 @@ async fn run(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestState
     let outcome = match queue::wait(gw, session, req).await {
         Err(outcome) => outcome,
         Ok(()) => {
-            kv_inputs::prepare(req).await;
+            kv_inputs::prepare(gw, req).await;
             attempts(gw, session, req).await
         }
     };

@@ -11,7 +11,9 @@
 //!   match them; use it with approximate mode (`kv_events: false`).
 
 use super::parsed::ParsedBody;
-use kvgate_tokenize::{ChatInput, SegmentCache, normalize_messages};
+use crate::endpoint::Endpoint;
+use crate::kv_routing::KvRouting;
+use kvgate_tokenize::{ChatInput, SegmentCache, dialect, normalize_messages};
 use serde_json::Value;
 use std::sync::Arc;
 
@@ -72,6 +74,32 @@ pub async fn tokens(parsed: ParsedBody, chat: bool, tokenizer: Option<&Arc<Segme
             Some(char_blocks(&text))
         }
     }
+}
+
+/// The routing tokens of an Anthropic Messages or OpenAI Responses request: the chat request
+/// vLLM builds from it (`kvgate_tokenize::dialect`), rendered with the model's chat template as
+/// vLLM renders it and tokenized without special tokens, on the blocking pool (agents' requests
+/// carry long tool lists). `Err` names why it cannot be rendered exactly (an image, a stored
+/// conversation the gateway does not hold, …): the request is then placed by load alone.
+pub async fn dialect_tokens(body: Value, endpoint: Endpoint, kv: &KvRouting) -> Result<Vec<u32>, &'static str> {
+    let chat = match endpoint {
+        Endpoint::Messages => dialect::messages::to_chat(&body, &kv.messages),
+        Endpoint::Responses => dialect::responses::to_chat(&body, None),
+        _ => return Err("endpoint"),
+    }
+    .map_err(|e| e.reason())?;
+    let max_tokens = kv.max_tokens();
+    let Some(tok) = kv.tokenizer.clone() else {
+        // Approximate mode: the conversation's text in character blocks, as for chat.
+        let parsed = ParsedBody { fields: chat, prompt_ids: None };
+        return tokens(parsed, true, None, max_tokens).await.ok_or("invalid");
+    };
+    tokio::task::spawn_blocking(move || {
+        let text = dialect::render_chat(tok.tokenizer(), &chat).map_err(|e| e.reason())?;
+        tok.encode(&text, false, Some(max_tokens)).map_err(|_| "tokenizer")
+    })
+    .await
+    .map_err(|_| "tokenizer")?
 }
 
 /// Conversations up to this much message text are rendered on the async worker.

@@ -121,3 +121,18 @@ fn migration_and_rescheduling_keys_are_checked() {
     let names: Vec<&str> = c.rescheduling.policies().unwrap().iter().map(|p| p.name).collect();
     assert_eq!(names, ["decode_load", "prefill_failover"], "one failover policy while every worker is neutral");
 }
+
+#[test]
+fn passthrough_rules_are_checked_where_they_are_written() {
+    let with = |section: &str| format!("{section}\n{GOOD}");
+    let c = load(&with("passthrough:\n  allow: [/version, /v1/custom/*]\n  deny: [/load]")).unwrap();
+    assert!(c.passthrough.passes("/version") && c.passthrough.passes("/v1/custom/x"));
+    assert!(!c.passthrough.passes("/load") && !c.passthrough.passes("/ping"));
+    let e = load(&with("passthrough:\n  allow:\n    - /version\n    - /pause")).unwrap_err();
+    assert_eq!(e.line, Some(4), "{e}");
+    assert!(e.message.contains("/pause is a vLLM control endpoint"), "{e}");
+    let e = load(&with("passthrough:\n  deny: [load]")).unwrap_err();
+    assert_eq!(e.line, Some(2), "{e}");
+    assert!(e.message.contains("starts with '/'"), "{e}");
+    assert_eq!(load(GOOD).unwrap().responses.remembered_ids, 100_000);
+}
