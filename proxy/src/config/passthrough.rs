@@ -9,8 +9,7 @@ use serde::{Deserialize, Deserializer, de};
 #[serde(deny_unknown_fields, default)]
 pub struct Passthrough {
     /// When not empty, only the paths matching one of these pass through; others are 404.
-    #[serde(deserialize_with = "allowed_list")]
-    pub allow: Vec<PathPattern>,
+    pub allow: Vec<AllowedPath>,
     /// Paths that never pass through (404), on top of vLLM's control endpoints.
     pub deny: Vec<PathPattern>,
 }
@@ -18,7 +17,7 @@ pub struct Passthrough {
 impl Passthrough {
     /// Whether a path outside the catalogue (not a control path) is forwarded.
     pub fn passes(&self, path: &str) -> bool {
-        (self.allow.is_empty() || self.allow.iter().any(|p| p.matches(path))) && !self.deny.iter().any(|p| p.matches(path))
+        (self.allow.is_empty() || self.allow.iter().any(|p| p.0.matches(path))) && !self.deny.iter().any(|p| p.matches(path))
     }
 }
 
@@ -60,19 +59,18 @@ impl PathPattern {
 }
 
 /// An `allow` entry: a [`PathPattern`] that lets no control endpoint through.
-fn allowed<'de, D: Deserializer<'de>>(d: D) -> Result<PathPattern, D::Error> {
-    let p = PathPattern::deserialize(d)?;
-    match p.opens_control() {
-        Some(c) => Err(de::Error::custom(format!("{c} is a vLLM control endpoint and is never passed through from the public listener"))),
-        None => Ok(p),
-    }
-}
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllowedPath(pub PathPattern);
 
-/// The `allow` list: each entry as [`allowed`] reads it.
-fn allowed_list<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<PathPattern>, D::Error> {
-    #[derive(Deserialize)]
-    struct Allowed(#[serde(deserialize_with = "allowed")] PathPattern);
-    Ok(Vec::<Allowed>::deserialize(d)?.into_iter().map(|Allowed(p)| p).collect())
+impl<'de> Deserialize<'de> for AllowedPath {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let p = PathPattern::parse(&s).map_err(de::Error::custom)?;
+        match p.opens_control() {
+            Some(c) => Err(de::Error::custom(format!("{c} is a vLLM control endpoint and is never passed through from the public listener"))),
+            None => Ok(Self(p)),
+        }
+    }
 }
 
 impl<'de> Deserialize<'de> for PathPattern {
@@ -100,7 +98,7 @@ mod tests {
     #[test]
     fn allow_and_deny_adjust_what_passes() {
         let p = |allow: &[&str], deny: &[&str]| Passthrough {
-            allow: allow.iter().map(|s| PathPattern::parse(s).unwrap()).collect(),
+            allow: allow.iter().map(|s| AllowedPath(PathPattern::parse(s).unwrap())).collect(),
             deny: deny.iter().map(|s| PathPattern::parse(s).unwrap()).collect(),
         };
         assert!(Passthrough::default().passes("/version"));
@@ -111,13 +109,8 @@ mod tests {
 
     #[test]
     fn an_allow_entry_cannot_open_a_control_path() {
-        #[derive(Debug, Deserialize)]
-        struct Allow {
-            #[serde(deserialize_with = "allowed")]
-            _p: PathPattern,
-        }
-        assert!(serde_yaml::from_str::<Allow>("_p: /version").is_ok());
-        let e = serde_yaml::from_str::<Allow>("_p: /pa*").unwrap_err().to_string();
+        assert!(serde_yaml::from_str::<AllowedPath>("/version").is_ok());
+        let e = serde_yaml::from_str::<AllowedPath>("/pa*").unwrap_err().to_string();
         assert!(e.contains("/pause is a vLLM control endpoint"), "{e}");
     }
 }

