@@ -1,8 +1,10 @@
 //! Renders a HF chat template (Jinja) the way vLLM/transformers do, with minijinja.
 //!
-//! The environment is built once per template. Python-compatible string/dict methods come from
-//! `minijinja_contrib::pycompat`; `raise_exception` and `strftime_now` are provided here because
-//! HF templates call them. Message `content` given as a list of parts is flattened to its text
+//! The environment is built once per template, configured as transformers configures Jinja2
+//! (`trim_blocks`, `lstrip_blocks`, and a `tojson` that is Python's `json.dumps`: `", "`
+//! separators, no HTML escaping, `indent`/`sort_keys`/`ensure_ascii` honoured). Python-compatible
+//! string/dict methods come from `minijinja_contrib::pycompat`; `raise_exception` and
+//! `strftime_now` are provided here because HF templates call them. Message `content` given as a list of parts is flattened to its text
 //! parts joined by newlines, as vLLM does for templates that expect string content.
 
 use minijinja::{Environment, Error, ErrorKind, Value};
@@ -31,6 +33,10 @@ impl ChatTemplate {
     /// Compiles `source`; a syntax error is reported with its message.
     pub fn new(source: String) -> Result<Self, String> {
         let mut env = Environment::new();
+        let syntax =
+            minijinja::syntax::SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build().map_err(|e| format!("chat template syntax: {e}"))?;
+        env.set_syntax(syntax);
+        env.add_filter("tojson", tojson);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> Result<Value, Error> { Err(Error::new(ErrorKind::InvalidOperation, msg)) });
         env.add_function("strftime_now", |fmt: String| strftime_now(&fmt));
@@ -54,6 +60,19 @@ impl ChatTemplate {
         ctx.insert("eos_token".into(), eos.unwrap_or("").into());
         tmpl.render(Value::from(minijinja::value::Serde(&ctx))).map_err(|e| format!("chat template error: {e}"))
     }
+}
+
+/// transformers' `tojson` filter: `json.dumps(x, ensure_ascii=False, indent=…, sort_keys=…)`.
+fn tojson(value: Value, kwargs: minijinja::value::Kwargs) -> Result<Value, Error> {
+    let json = serde_json::to_value(&value).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let opts = crate::dialect::python::Dumps {
+        ascii: kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false),
+        indent,
+        sort_keys: kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false),
+    };
+    kwargs.assert_all_used()?;
+    Ok(Value::from_safe_string(crate::dialect::python::json_dumps_with(&json, &opts)))
 }
 
 /// Validates OpenAI messages and flattens list-of-parts content into text.
@@ -153,6 +172,20 @@ mod tests {
         let msgs = normalize_messages(&[json!({"role":"user","content":[{"type":"text","text":" hi "},{"type":"text","text":"there"}]})]).unwrap();
         let input = ChatInput { messages: &msgs, add_generation_prompt: true, tools: None, kwargs: None };
         assert_eq!(t.render(&input, Some("<s>"), None).unwrap(), "<s>USER:hi \nthere\nASSISTANT:");
+    }
+
+    #[test]
+    fn blocks_are_trimmed_and_tojson_is_pythons() {
+        // transformers renders with trim_blocks and lstrip_blocks.
+        let t = ChatTemplate::new(
+            "{% for m in messages %}\n  {% if true %}\n[{{ m['content'] }}]\n  {% endif %}\n{% endfor %}{{ tools | tojson }}|{{ tools | tojson(indent=1) }}"
+                .into(),
+        )
+        .unwrap();
+        let msgs = [json!({"role": "user", "content": "a<b"})];
+        let tools = json!([{"n": "é<&>", "p": {}}]);
+        let input = ChatInput { messages: &msgs, add_generation_prompt: false, tools: Some(&tools), kwargs: None };
+        assert_eq!(t.render(&input, None, None).unwrap(), "[a<b]\n[{\"n\": \"é<&>\", \"p\": {}}]|[\n {\n  \"n\": \"é<&>\",\n  \"p\": {}\n }\n]");
     }
 
     #[test]

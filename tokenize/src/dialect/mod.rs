@@ -35,7 +35,7 @@
 
 pub mod conversation;
 pub mod messages;
-mod python;
+pub(crate) mod python;
 pub mod responses;
 
 use crate::chat_template::ChatInput;
@@ -159,6 +159,10 @@ pub fn render_chat(tok: &ModelTokenizer, chat: &Value) -> Result<String, Dialect
     }
     let developer = conversation::template_supports_developer(tok.chat_template_source());
     let mut conv = conversation::prepare(messages, developer)?;
+    if conv.is_empty() {
+        // transformers refuses before the template runs.
+        return Err(DialectError::invalid("invalid", "Cannot apply chat template to an empty conversation. Provide at least one message."));
+    }
     let tools = match chat.get("tools") {
         None | Some(Value::Null) => None,
         Some(t) => Some(template_tools(t)?),

@@ -9,39 +9,75 @@ use std::fmt::Write as _;
 /// `json.dumps(v)` with Python's defaults (`", "` and `": "` separators, `ensure_ascii=True`),
 /// or with `ensure_ascii=False` when `ascii` is false.
 pub fn json_dumps(v: &Value, ascii: bool) -> String {
+    json_dumps_with(v, &Dumps { ascii, ..Dumps::default() })
+}
+
+/// The `json.dumps` keyword arguments chat templates use (through transformers' `tojson`).
+#[derive(Debug, Clone, Default)]
+pub struct Dumps {
+    /// `ensure_ascii`.
+    pub ascii: bool,
+    /// `indent`: items on their own lines, indented by this many spaces per level.
+    pub indent: Option<usize>,
+    /// `sort_keys`.
+    pub sort_keys: bool,
+}
+
+/// `json.dumps(v, ensure_ascii=…, indent=…, sort_keys=…)`.
+pub fn json_dumps_with(v: &Value, opts: &Dumps) -> String {
     let mut out = String::new();
-    write_json(&mut out, v, ascii);
+    write_json(&mut out, v, opts, 0);
     out
 }
 
-fn write_json(out: &mut String, v: &Value, ascii: bool) {
+fn write_json(out: &mut String, v: &Value, opts: &Dumps, depth: usize) {
     match v {
         Value::Null => out.push_str("null"),
         Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
         Value::Number(n) => write_number(out, n, "Infinity"),
-        Value::String(s) => write_json_str(out, s, ascii),
+        Value::String(s) => write_json_str(out, s, opts.ascii),
+        Value::Array(items) if items.is_empty() => out.push_str("[]"),
+        Value::Object(map) if map.is_empty() => out.push_str("{}"),
         Value::Array(items) => {
             out.push('[');
             for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
-                }
-                write_json(out, item, ascii);
+                separate(out, opts, depth + 1, i > 0);
+                write_json(out, item, opts, depth + 1);
             }
+            separate(out, opts, depth, false);
             out.push(']');
         }
         Value::Object(map) => {
-            out.push('{');
-            for (i, (k, item)) in map.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
-                }
-                write_json_str(out, k, ascii);
-                out.push_str(": ");
-                write_json(out, item, ascii);
+            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+            if opts.sort_keys {
+                entries.sort_by(|a, b| a.0.cmp(b.0));
             }
+            out.push('{');
+            for (i, (k, item)) in entries.into_iter().enumerate() {
+                separate(out, opts, depth + 1, i > 0);
+                write_json_str(out, k, opts.ascii);
+                out.push_str(": ");
+                write_json(out, item, opts, depth + 1);
+            }
+            separate(out, opts, depth, false);
             out.push('}');
         }
+    }
+}
+
+/// Python's item separator: `", "` on one line; with an indent, `","` then a new line indented
+/// to `depth` (also before the first item and before the closing bracket).
+fn separate(out: &mut String, opts: &Dumps, depth: usize, comma: bool) {
+    if comma {
+        out.push(',');
+    }
+    match opts.indent {
+        Some(n) => {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+        None if comma => out.push(' '),
+        None => {}
     }
 }
 
@@ -201,6 +237,9 @@ mod tests {
         assert_eq!(json_dumps(&v, false), "{\"city\": \"Paris\", \"n\": [1, 2.5, true, null], \"é\": \"ü\\n\"}");
         assert_eq!(json_dumps(&json!({}), true), "{}");
         assert_eq!(json_dumps(&json!("😀"), true), r#""\ud83d\ude00""#);
+        // json.dumps({"b": [1, {}], "a": []}, indent=2, sort_keys=True)
+        let opts = Dumps { indent: Some(2), sort_keys: true, ..Dumps::default() };
+        assert_eq!(json_dumps_with(&json!({"b": [1, {}], "a": []}), &opts), "{\n  \"a\": [],\n  \"b\": [\n    1,\n    {}\n  ]\n}");
     }
 
     #[test]
