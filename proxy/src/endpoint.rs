@@ -151,6 +151,17 @@ pub const CONTROL: &[&str] = &[
 const RESPONSE_PREFIX: &str = "/v1/responses/";
 
 impl PathKind {
+    /// The kind as docs/endpoints.md's table writes it: `served:<endpoint label>` (a
+    /// passthrough is `passthrough`), `local` or `control`.
+    pub fn label(self) -> String {
+        match self {
+            Self::Served(Endpoint::Passthrough) => "passthrough".into(),
+            Self::Served(ep) => format!("served:{}", ep.label()),
+            Self::Local => "local".into(),
+            Self::Control => "control".into(),
+        }
+    }
+
     /// How `path` (without its query) is handled, before the configuration's `passthrough`
     /// rules (which may refuse a [`Endpoint::Passthrough`]).
     pub fn of(path: &str) -> Self {

@@ -28,7 +28,7 @@ pub mod config;
 #[cfg(feature = "demo")]
 pub mod demo;
 pub(crate) mod downstream;
-pub(crate) mod endpoint;
+pub mod endpoint;
 pub(crate) mod error;
 pub(crate) mod fleet;
 pub mod gateway;
