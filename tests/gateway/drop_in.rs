@@ -48,3 +48,42 @@ async fn unknown_paths_pass_through_and_control_paths_do_not() {
     assert_eq!(m.sum("kvgate_refused_paths_total", &[("reason", "not_passed_through")]), 1.0);
     assert!(m.sum("kvgate_requests_total", &[("endpoint", "passthrough")]) >= 4.0);
 }
+
+/// The clients agents use, through kvgate in front of two real vLLM servers with the response
+/// store on (tests/real-vllm/sdk_drop_in.py): the same outputs and usage as direct, and every
+/// `previous_response_id` turn on the worker holding the first. Runs under
+/// tests/real-vllm/run-suite.sh, which names both servers and the venv's Python.
+#[tokio::test]
+async fn the_anthropic_and_openai_sdks_work_through_the_gateway() {
+    let (Ok(url), Ok(url2), Ok(python)) = (std::env::var("KVGATE_TARGET_URL"), std::env::var("KVGATE_TARGET_URL_2"), std::env::var("KVGATE_VLLM_PYTHON"))
+    else {
+        eprintln!("KVGATE_TARGET_URL_2 / KVGATE_VLLM_PYTHON not set: runs under tests/real-vllm/run-suite.sh");
+        return;
+    };
+    let model = std::env::var("KVGATE_TARGET_MODEL").unwrap_or_else(|_| "tiny".into());
+    let c = Cluster::front(&[url.clone(), url2], GatewayOpts { model: model.clone(), ..Default::default() }).await;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/real-vllm/sdk_drop_in.py");
+    let gateway = c.url("");
+    let out = tokio::process::Command::new(python).args([script, gateway.trim_end_matches('/'), &url, &model]).output().await.expect("python runs");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    eprintln!("{text}");
+    assert!(out.status.success() && text.contains("all checks passed"), "{text}");
+    // The worker of each turn, as the gateway names it: round robin spreads the first turns over
+    // both workers, and each second turn, its GET and a cancel follow its first.
+    let mut firsts = std::collections::HashSet::new();
+    for n in 0..4 {
+        let turn = |body: Value| c.http.post(c.url("/v1/responses")).json(&body).send();
+        let r1 = turn(json!({"model": model, "input": format!("turn one {n}"), "max_output_tokens": 4, "temperature": 0})).await.unwrap();
+        let w1 = r1.headers()["x-kvgate-worker"].to_str().unwrap().to_string();
+        let id = r1.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_string();
+        let r2 = turn(json!({"model": model, "input": "turn two", "previous_response_id": id, "max_output_tokens": 4, "temperature": 0})).await.unwrap();
+        assert_eq!((r2.status().as_u16(), r2.headers()["x-kvgate-worker"].to_str().unwrap()), (200, w1.as_str()), "conversation {n}");
+        let got = c.http.get(c.url(&format!("/v1/responses/{id}"))).send().await.unwrap();
+        assert_eq!((got.status().as_u16(), got.headers()["x-kvgate-worker"].to_str().unwrap()), (200, w1.as_str()));
+        firsts.insert(w1);
+    }
+    assert_eq!(firsts.len(), 2, "first turns went to both workers");
+    let m = c.gateway_metrics().await;
+    assert!(m.sum("kvgate_requests_total", &[("endpoint", "messages"), ("status", "200")]) >= 4.0);
+    assert!(m.sum("kvgate_requests_total", &[("endpoint", "responses"), ("status", "200")]) >= 12.0);
+}

@@ -39,7 +39,10 @@ else:
 PY
 }
 start_server() { # PORT LOG → starts real vLLM (events on PORT+1, replay PORT+2), prints the pid
-  bash "$here/run.sh" "$1" "$(($1 + 1))" > "$2" 2>&1 &
+  # Its own process group (setsid: the pid is the group's id), so cleanup ends exactly the
+  # processes it started, engine cores included. The response store and the /render endpoints
+  # are on for the drop-in tests (#34).
+  VLLM_ENABLE_RESPONSES_API_STORE=1 setsid bash "$here/run.sh" "$1" "$(($1 + 1))" --enable-scale-out > "$2" 2>&1 &
   echo $!
 }
 wait_healthy() { # PORT PID LOG → 0 up, 1 exited during start-up, 2 not up in time
@@ -72,11 +75,11 @@ launch() { # LOG
 }
 pids=""
 cleanup() {
-  for p in $pids; do kill "$p" 2>/dev/null || true; pkill -P "$p" 2>/dev/null || true; done
-  # The engine processes (renamed "VLLM::EngineCore", "VLLM::Worker") outlive a server killed
-  # with -9, and are not children of the shell; they hold the model's memory and CPU.
-  pkill -f "tiny-llama" 2>/dev/null || true
-  pkill -f "VLLM::" 2>/dev/null || true
+  # Each server's whole process group: the API server and its engine core processes (which
+  # outlive an API server killed with -9), and nothing this script did not start.
+  for p in $pids; do kill -TERM -- "-$p" 2>/dev/null || true; done
+  sleep 2
+  for p in $pids; do kill -KILL -- "-$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
 }
 trap cleanup EXIT
@@ -89,7 +92,10 @@ port=$port1; zport=$((port1 + 1))
 export KVGATE_TARGET_URL="http://127.0.0.1:$port" KVGATE_TARGET_MODEL=tiny KVGATE_TARGET_TOPIC=kv \
        KVGATE_TARGET_ZMQ="tcp://127.0.0.1:$zport" KVGATE_TARGET_REPLAY="tcp://127.0.0.1:$((zport+1))"
 cd "$root"
-cargo test -p kvgate-tests --test conformance --test gateway --test kv_index -- --test-threads=1
+# The second server is named for the drop-in test that needs two (stored responses' affinity);
+# the venv's Python runs the Anthropic and OpenAI SDKs.
+KVGATE_TARGET_URL_2="http://127.0.0.1:$port2" KVGATE_VLLM_PYTHON="${KVGATE_VLLM_HOME:-$HOME/.cache/kvgate-real-vllm}/venv/bin/python" \
+  cargo test -p kvgate-tests --test conformance --test gateway --test kv_index -- --test-threads=1
 # Two servers: moves between them, then the test that kills the second one (last: it is gone after).
 export KVGATE_TARGET_URL_2="http://127.0.0.1:$port2"
 cargo test -p kvgate-tests --test migration -- --test-threads=1 --skip a_real_vllm_server_killed
