@@ -101,6 +101,10 @@ pub struct SimConfig {
     pub max_num_queued_reqs: Option<usize>,
     /// Echo `X-Request-Id` in responses (vLLM's `--enable-request-id-headers`).
     pub enable_request_id_headers: bool,
+    /// Keep Responses API responses in memory (`store`, `previous_response_id`, `GET` and
+    /// `cancel` of `/v1/responses/{id}`, `background`), as vLLM does with
+    /// `VLLM_ENABLE_RESPONSES_API_STORE=1`; read by [`SimArgs::into_config`].
+    pub responses_store: bool,
     /// Failure injection.
     pub faults: FaultConfig,
 }
@@ -129,6 +133,7 @@ impl Default for SimConfig {
             eos_probability: 0.0,
             max_num_queued_reqs: None,
             enable_request_id_headers: false,
+            responses_store: false,
             faults: FaultConfig::default(),
         }
     }
@@ -241,6 +246,11 @@ pub struct SimArgs {
     /// Echo X-Request-Id in responses.
     #[arg(long)]
     pub enable_request_id_headers: bool,
+    /// Keep Responses API responses in memory (`previous_response_id`, GET and cancel of
+    /// `/v1/responses/{id}`, `background`); also on when the environment has
+    /// VLLM_ENABLE_RESPONSES_API_STORE=1, vLLM's switch for it.
+    #[arg(long)]
+    pub enable_responses_store: bool,
 
     /// [sim] Run simulated time this many times faster than wall time.
     #[arg(long, default_value_t = 1.0)]
@@ -289,7 +299,8 @@ pub struct SimArgs {
 
 impl SimArgs {
     /// Builds and validates the configuration, reading vLLM's environment variables
-    /// (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`, `PYTHONHASHSEED`) from the process.
+    /// (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`, `PYTHONHASHSEED`,
+    /// `VLLM_ENABLE_RESPONSES_API_STORE`) from the process.
     pub fn into_config(self) -> Result<SimConfig, String> {
         self.into_config_with_env(&|name| std::env::var(name).ok())
     }
@@ -303,6 +314,7 @@ impl SimArgs {
             ));
         }
         let kv_events_hash_format = crate::events::HashFormat::from_env_value(env(crate::events::HashFormat::ENV).as_deref())?;
+        let responses_store = self.enable_responses_store || responses_store_env(env("VLLM_ENABLE_RESPONSES_API_STORE").as_deref())?;
         let host: std::net::IpAddr = self.host.parse().map_err(|_| format!("--host: not an IP address: {}", self.host))?;
         let model = self.model.or(self.model_pos).unwrap_or_else(|| "sim-model".into());
         let kv_events = match &self.kv_events_config {
@@ -344,6 +356,7 @@ impl SimArgs {
             eos_probability: self.eos_probability,
             max_num_queued_reqs: self.max_num_queued_reqs,
             enable_request_id_headers: self.enable_request_id_headers,
+            responses_store,
             faults: FaultConfig {
                 crash_after_tokens: self.fail_crash_after_tokens,
                 crash_after_secs: self.fail_crash_after_secs,
@@ -356,6 +369,14 @@ impl SimArgs {
         };
         cfg.validate()?;
         Ok(cfg)
+    }
+}
+
+/// vLLM reads `VLLM_ENABLE_RESPONSES_API_STORE` as `bool(int(value))` (unset: off).
+fn responses_store_env(value: Option<&str>) -> Result<bool, String> {
+    match value.map(str::trim) {
+        None | Some("") => Ok(false),
+        Some(v) => v.parse::<i64>().map(|n| n != 0).map_err(|_| format!("VLLM_ENABLE_RESPONSES_API_STORE={v}: not an integer")),
     }
 }
 
@@ -406,6 +427,11 @@ mod tests {
         assert_eq!((c.kv_events_hash_format, c.python_hash_seed.as_deref()), (crate::events::HashFormat::Bytes, Some("0")));
         assert!(with_env(&[], &[("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "yes")]).unwrap_err().contains("not an integer"));
         assert!(with_env(&["--prefix-caching-hash-algo", "sha256"], &[]).unwrap_err().contains("only sha256_cbor"));
+        assert!(!with_env(&[], &[]).unwrap().responses_store);
+        assert!(with_env(&[], &[("VLLM_ENABLE_RESPONSES_API_STORE", "1")]).unwrap().responses_store);
+        assert!(!with_env(&[], &[("VLLM_ENABLE_RESPONSES_API_STORE", "0")]).unwrap().responses_store);
+        assert!(with_env(&["--enable-responses-store"], &[]).unwrap().responses_store);
+        assert!(with_env(&[], &[("VLLM_ENABLE_RESPONSES_API_STORE", "yes")]).unwrap_err().contains("not an integer"));
         assert!(with_env(&["--prefix-caching-hash-algo", "md5"], &[]).is_err());
     }
 

@@ -98,6 +98,8 @@ impl SimServer {
             faults,
             created,
             listen,
+            messages_options: Default::default(),
+            response_store: Default::default(),
         });
         let accept = tokio::spawn(accept_loop(listener, router(state.clone()), stop.clone()));
         tracing::info!(addr = %listen, model = state.cfg.model_name(), dp = state.engines.len(), "vllm-sim listening");

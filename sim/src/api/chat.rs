@@ -176,7 +176,7 @@ impl ChunkFormat for ChatChunks {
         out.push_str("}\n\n");
     }
 
-    fn usage_chunk(&self, meta: &Meta, prompt: usize, completion: usize, out: &mut String) {
+    fn usage_chunk(&mut self, meta: &Meta, prompt: usize, completion: usize, out: &mut String) {
         Self::head(meta, out);
         out.push_str("],");
         write_usage(out, prompt, completion);

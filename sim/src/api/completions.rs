@@ -149,7 +149,7 @@ impl ChunkFormat for CompletionChunks {
         out.push_str("}\n\n");
     }
 
-    fn usage_chunk(&self, meta: &Meta, prompt: usize, completion: usize, out: &mut String) {
+    fn usage_chunk(&mut self, meta: &Meta, prompt: usize, completion: usize, out: &mut String) {
         let _ = write!(
             out,
             "data: {{\"id\":{},\"object\":\"text_completion\",\"created\":{},\"model\":{},\"choices\":[],",

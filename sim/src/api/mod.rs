@@ -5,9 +5,11 @@ pub mod chat;
 pub mod completions;
 pub mod error;
 pub mod generate;
+pub mod messages;
 pub mod misc;
 pub mod protocol;
 pub mod response;
+pub mod responses;
 
 use crate::config::SimConfig;
 use crate::engine::EngineHandle;
@@ -18,9 +20,10 @@ use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use error::ApiError;
+use kvgate_tokenize::dialect::{DialectError, messages::MessagesOptions};
 use serde_json::{Value, json};
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// Texts longer than this are tokenized on the blocking pool.
 const INLINE_TOKENIZE_BYTES: usize = 16 * 1024;
@@ -43,6 +46,10 @@ pub struct AppState {
     pub cache_info: CacheInfo,
     /// The bound HTTP address.
     pub listen: SocketAddr,
+    /// What vLLM probes from the chat template for `/v1/messages`, on first use.
+    pub messages_options: OnceLock<MessagesOptions>,
+    /// Responses API responses kept for `previous_response_id`, GET and cancel.
+    pub response_store: responses::ResponseStore,
 }
 
 impl AppState {
@@ -56,6 +63,15 @@ impl AppState {
     /// Names accepted in `model`.
     pub fn served_names(&self) -> Vec<String> {
         if self.cfg.served_model_names.is_empty() { vec![self.cfg.model.clone()] } else { self.cfg.served_model_names.clone() }
+    }
+
+    /// A request the Messages or Responses conversion refuses, as vLLM answers it: media on
+    /// this text-only model get vLLM's "not a multimodal model", the rest a 400.
+    pub fn dialect_error(&self, e: &DialectError) -> ApiError {
+        if e.is_unsupported() && matches!(e.reason(), "image" | "audio" | "video" | "prompt_embeds" | "file") {
+            return ApiError::bad_request(format!("{} is not a multimodal model", self.cfg.model_name()), None);
+        }
+        ApiError::bad_request(e.message(), None)
     }
 
     /// The `kv_transfer_params` of a response: absent input → null; a prefill request
@@ -85,11 +101,23 @@ pub async fn encode(tok: &ModelTokenizer, text: String, add_special: bool) -> Re
     r.map_err(|m| ApiError::bad_request(m, Some("prompt")))
 }
 
+/// Renders a chat request from the Messages or Responses conversion as vLLM renders it and
+/// tokenizes it without special tokens (vLLM's chat default).
+pub async fn render_dialect_chat(st: &AppState, chat: &Value) -> Result<Vec<u32>, ApiError> {
+    let text = kvgate_tokenize::dialect::render_chat(&st.tokenizer, chat).map_err(|e| st.dialect_error(&e))?;
+    encode(&st.tokenizer, text, false).await
+}
+
 /// All routes.
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions::handle))
         .route("/v1/chat/completions", post(chat::handle))
+        .route("/v1/messages", post(messages::create))
+        .route("/v1/messages/count_tokens", post(messages::count_tokens))
+        .route("/v1/responses", post(responses::create))
+        .route("/v1/responses/{id}", get(responses::retrieve))
+        .route("/v1/responses/{id}/cancel", post(responses::cancel))
         .route("/v1/models", get(misc::models))
         .route("/health", get(misc::health))
         .route("/ping", get(misc::health).post(misc::health))

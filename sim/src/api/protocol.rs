@@ -144,17 +144,21 @@ impl Common {
         if self.stream_options.is_some() && !self.stream {
             return Err(ApiError::bad_request("Stream options can only be defined when `stream=True`. (parameter=stream_options)", Some("stream_options")));
         }
-        let max_tokens = self.max_completion_tokens.or(self.max_tokens);
+        // vLLM names the field the limit came from.
+        let (max_tokens, field) = match self.max_completion_tokens {
+            Some(m) => (Some(m), "max_completion_tokens"),
+            None => (self.max_tokens, "max_tokens"),
+        };
         if let Some(m) = max_tokens {
             if m < 1 {
-                return Err(ApiError::bad_request(format!("max_tokens must be at least 1, got {m}. (parameter=max_tokens, value={m})"), Some("max_tokens")));
+                return Err(ApiError::bad_request(format!("{field} must be at least 1, got {m}. (parameter={field}, value={m})"), Some(field)));
             }
             if m as u64 > max_model_len as u64 {
                 return Err(ApiError::bad_request(
                     format!(
-                        "max_tokens={m} cannot be greater than max_model_len={max_model_len}. Please request fewer output tokens. (parameter=max_tokens, value={m})"
+                        "{field}={m} cannot be greater than max_model_len={max_model_len}. Please request fewer output tokens. (parameter={field}, value={m})"
                     ),
-                    Some("max_tokens"),
+                    Some(field),
                 ));
             }
         }

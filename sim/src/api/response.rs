@@ -1,5 +1,6 @@
-//! What both inference endpoints share once tokens flow: response ids, the SSE driver (one
-//! `data: {...}\n\n` chunk per token, an optional usage chunk, then `data: [DONE]\n\n`), and
+//! What the inference endpoints share once tokens flow: response ids, the SSE driver (one
+//! `data: {...}\n\n` chunk per token, an optional usage chunk, then `data: [DONE]\n\n`; the
+//! Anthropic and Responses formats write their own events through the same hooks), and
 //! collection of all choices for unary responses.
 
 use super::generate::Generation;
@@ -46,7 +47,8 @@ pub fn json_str(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
 }
 
-fn random_id() -> String {
+/// 16 random hex digits, as vLLM's `random_uuid()` gives for request ids.
+pub fn random_id() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
@@ -73,16 +75,24 @@ pub fn write_usage(out: &mut String, prompt: usize, completion: usize) {
 
 /// Formats the chunks of one endpoint.
 pub trait ChunkFormat: Send + 'static {
+    /// What goes out before the first token (nothing for the OpenAI formats; the Responses
+    /// API's `response.created`).
+    fn head(&mut self, _meta: &Meta, _out: &mut String) {}
     /// The chunk(s) for one token. `state` already counts this token.
     fn token_chunk(&mut self, meta: &Meta, d: &Delivery, state: &ChoiceState, out: &mut String);
     /// The final usage chunk.
-    fn usage_chunk(&self, meta: &Meta, prompt: usize, completion: usize, out: &mut String);
+    fn usage_chunk(&mut self, meta: &Meta, prompt: usize, completion: usize, out: &mut String);
+    /// What ends the stream: `data: [DONE]` for the OpenAI formats; nothing written ends it
+    /// right there.
+    fn done(&mut self, out: &mut String) {
+        out.push_str("data: [DONE]\n\n");
+    }
 }
 
 /// Streams a generation as SSE.
 pub fn sse(meta: Meta, generation: Generation, prompt_lens: Vec<usize>, include_usage: bool, fmt: impl ChunkFormat) -> Response {
     let choices = vec![ChoiceState::default(); generation.choices];
-    let mut state = SseState { meta: meta.clone(), generation, choices, prompt_lens, include_usage, fmt, phase: Phase::Tokens };
+    let mut state = SseState { meta: meta.clone(), generation, choices, prompt_lens, include_usage, fmt, phase: Phase::Head };
     for (i, c) in state.choices.iter_mut().enumerate() {
         c.prompt = state.prompt_lens.get(i).copied().unwrap_or(0);
     }
@@ -106,6 +116,7 @@ pub fn echo_header(r: &mut Response, meta: &Meta) {
 }
 
 enum Phase {
+    Head,
     Tokens,
     Usage,
     Done,
@@ -124,37 +135,44 @@ struct SseState<F> {
 
 impl<F: ChunkFormat> SseState<F> {
     async fn next(&mut self) -> Option<Bytes> {
-        match self.phase {
-            Phase::Tokens => {
-                let Some(d) = self.generation.recv().await else {
-                    // The engine stopped (crash): end the body without [DONE], like a dying server.
-                    self.phase = Phase::End;
-                    return None;
-                };
-                let mut out = String::with_capacity(256);
-                let c = &mut self.choices[d.choice];
-                c.generated += 1;
-                c.done = d.out.finish.is_some();
-                let snapshot = *c;
-                self.fmt.token_chunk(&self.meta, &d, &snapshot, &mut out);
-                if self.choices.iter().all(|c| c.done) {
-                    self.phase = if self.include_usage { Phase::Usage } else { Phase::Done };
+        let mut out = String::with_capacity(256);
+        loop {
+            match self.phase {
+                Phase::Head => {
+                    self.phase = Phase::Tokens;
+                    self.fmt.head(&self.meta, &mut out);
                 }
-                Some(Bytes::from(out))
+                Phase::Tokens => {
+                    let Some(d) = self.generation.recv().await else {
+                        // The engine stopped (crash): end the body without [DONE], like a dying server.
+                        self.phase = Phase::End;
+                        return None;
+                    };
+                    let c = &mut self.choices[d.choice];
+                    c.generated += 1;
+                    c.done = d.out.finish.is_some();
+                    let snapshot = *c;
+                    self.fmt.token_chunk(&self.meta, &d, &snapshot, &mut out);
+                    if self.choices.iter().all(|c| c.done) {
+                        self.phase = if self.include_usage { Phase::Usage } else { Phase::Done };
+                    }
+                }
+                Phase::Usage => {
+                    self.phase = Phase::Done;
+                    let prompt: usize = self.prompt_lens.iter().sum::<usize>();
+                    let completion: usize = self.choices.iter().map(|c| c.generated).sum();
+                    self.fmt.usage_chunk(&self.meta, prompt, completion, &mut out);
+                }
+                Phase::Done => {
+                    self.phase = Phase::End;
+                    self.fmt.done(&mut out);
+                }
+                Phase::End => return None,
             }
-            Phase::Usage => {
-                self.phase = Phase::Done;
-                let prompt: usize = self.prompt_lens.iter().sum::<usize>();
-                let completion: usize = self.choices.iter().map(|c| c.generated).sum();
-                let mut out = String::new();
-                self.fmt.usage_chunk(&self.meta, prompt, completion, &mut out);
-                Some(Bytes::from(out))
+            // A phase that wrote nothing (a token without text) goes on to the next one.
+            if !out.is_empty() {
+                return Some(Bytes::from(out));
             }
-            Phase::Done => {
-                self.phase = Phase::End;
-                Some(Bytes::from_static(b"data: [DONE]\n\n"))
-            }
-            Phase::End => None,
         }
     }
 }

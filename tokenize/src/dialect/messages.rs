@@ -262,7 +262,8 @@ fn convert_message(m: &Message<'_>, merge: bool, out: &mut Vec<Value>) -> Result
         }
         Content::Blocks(blocks) => convert_blocks(blocks, m.role, &mut msg, out)?,
     }
-    if !(m.role == "user" && !msg.contains_key("content")) {
+    // A user message whose blocks were all tool results has nothing left to say.
+    if m.role != "user" || msg.contains_key("content") {
         out.push(Value::Object(msg));
     }
     Ok(())
