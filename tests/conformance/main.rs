@@ -3,6 +3,8 @@
 //! (tests/real-vllm/run-suite.sh). Nothing here depends on which one answers: token ids come
 //! from the target's own /tokenize, the block size from its /metrics.
 
+mod dialects;
+
 use kvgate_tests::Target;
 use kvgate_tests::events::{Event, EventSub, replay};
 use kvgate_tests::sse;

@@ -1,6 +1,9 @@
 //! vllm-sim beyond conformance: the properties later kvgate tests rely on (deterministic
 //! continuation, fault injection, DP ranks, event encodings, preemption, admission control,
-//! abort during prefill, the timing model). In-process servers on ephemeral ports.
+//! abort during prefill, the timing model, the Responses store). In-process servers on ephemeral
+//! ports.
+
+mod dialects;
 
 use futures_util::StreamExt;
 use kvgate_tests::Target;
