@@ -43,6 +43,11 @@ async fn unknown_paths_pass_through_and_control_paths_do_not() {
     let (s, text) = call(&c.http, "GET", &c.url("/load"), None).await;
     error_shape(s, 404, &serde_json::from_str(&text).unwrap());
     assert_eq!(call(&c.http, "HEAD", &c.url("/version"), None).await.0, 405);
+    // The gateway's own refusals on the Anthropic endpoints are in Anthropic's shape.
+    let body = json!({"model": "nope", "max_tokens": 3, "messages": [{"role": "user", "content": "x"}]});
+    let (s, text) = call(&c.http, "POST", &c.url("/v1/messages"), Some(&body)).await;
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!((s, v["type"].as_str(), v["error"]["type"].as_str()), (404, Some("error"), Some("not_found_error")), "{v}");
     let m = c.gateway_metrics().await;
     assert_eq!(m.sum("kvgate_refused_paths_total", &[("reason", "control")]), 6.0);
     assert_eq!(m.sum("kvgate_refused_paths_total", &[("reason", "not_passed_through")]), 1.0);

@@ -19,11 +19,13 @@ pub struct ClientError {
     pub retry_after: Option<u32>,
     /// A fixed body that replaces the OpenAI shape (seed 000's rejection body).
     fixed_body: Option<&'static str>,
+    /// Written in the Anthropic API's error shape (a `/v1/messages` client's SDK reads that).
+    anthropic: bool,
 }
 
 impl ClientError {
     fn new(status: u16, kind: &'static str, message: impl Into<String>, param: Option<&'static str>) -> Self {
-        Self { status, kind, message: message.into(), param, retry_after: None, fixed_body: None }
+        Self { status, kind, message: message.into(), param, retry_after: None, fixed_body: None, anthropic: false }
     }
 
     /// 400: the body is not a JSON object or a field has the wrong type.
@@ -170,8 +172,31 @@ impl ClientError {
         Self::new(500, "internal_server_error", message, None)
     }
 
+    /// The same error in the Anthropic API's shape,
+    /// `{"type":"error","error":{"type","message"}}`, with Anthropic's type for the status.
+    pub fn anthropic(self) -> Self {
+        Self { anthropic: true, ..self }
+    }
+
+    /// The Anthropic API's error type for this status.
+    fn anthropic_kind(&self) -> &'static str {
+        match self.status {
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 | 529 => "overloaded_error",
+            s if s >= 500 => "api_error",
+            _ => "invalid_request_error",
+        }
+    }
+
     /// The JSON body.
     pub fn body(&self) -> String {
+        if self.anthropic {
+            return json!({"type": "error", "error": {"type": self.anthropic_kind(), "message": self.message}}).to_string();
+        }
         if let Some(fixed) = self.fixed_body {
             return fixed.to_string();
         }
@@ -193,5 +218,14 @@ mod tests {
         assert_eq!((busy.status, busy.retry_after), (503, Some(1)));
         assert_eq!(ClientError::rejected(418, "no".into()).kind, "invalid_request_error");
         assert_eq!(ClientError::rejected(502, "no".into()).kind, "internal_server_error");
+    }
+
+    #[test]
+    fn anthropic_clients_get_anthropics_shape() {
+        let v: serde_json::Value = serde_json::from_str(&ClientError::unknown_model("m", &["a".into()]).anthropic().body()).unwrap();
+        assert_eq!((v["type"].as_str(), v["error"]["type"].as_str()), (Some("error"), Some("not_found_error")));
+        assert!(v["error"]["message"].as_str().unwrap().contains("`m`"));
+        let busy: serde_json::Value = serde_json::from_str(&ClientError::all_busy().anthropic().body()).unwrap();
+        assert_eq!(busy["error"]["type"], "overloaded_error");
     }
 }

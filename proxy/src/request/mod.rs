@@ -80,13 +80,13 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
     let mut req = match admit::admit(gw, session, endpoint, ctx.clone(), start).await {
         Ok(req) => req,
         Err(outcome) => {
-            respond(session, &outcome, ctx.id()).await;
+            respond(session, &outcome, ctx.id(), endpoint).await;
             record::refused_early(gw, endpoint, &outcome);
             return false;
         }
     };
     let outcome = run(gw, session, &mut req).await;
-    respond(session, &outcome, ctx.id()).await;
+    respond(session, &outcome, ctx.id(), endpoint).await;
     record::finished(gw, &mut req, &outcome);
     matches!(outcome, Outcome::Truncated(_))
 }
@@ -220,10 +220,12 @@ fn reroute(gw: &Gateway, req: &mut RequestState, o: MoveOrder) -> Option<Arc<cra
     }
 }
 
-/// Answers a refusal; other outcomes were answered (or cut) by the relay.
-async fn respond(session: &mut ClientConn, outcome: &Outcome, rid: &str) {
+/// Answers a refusal, in the Anthropic API's error shape on its endpoints; other outcomes were
+/// answered (or cut) by the relay.
+async fn respond(session: &mut ClientConn, outcome: &Outcome, rid: &str, endpoint: Endpoint) {
     let Outcome::Refused(e) = outcome else { return };
     let ce = e.client_error();
+    let ce = if matches!(endpoint, Endpoint::Messages | Endpoint::CountTokens) { ce.anthropic() } else { ce };
     if matches!(e, GatewayError::Draining) {
         // The connection writes `Connection: close` itself.
         session.close_after();
