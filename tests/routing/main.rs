@@ -397,39 +397,63 @@ async fn the_queue_holds_a_burst_serves_priority_first_and_refuses_when_full() {
 async fn chat_turns_follow_their_cached_history_with_the_gateways_tokenizer() {
     // The gateway tokenizes chat like the workers (same tokenizer and template); its hashes must
     // meet the blocks the workers report, so every turn returns to the worker holding the history.
+    turns_follow_their_cached_history(
+        "/v1/chat/completions",
+        |history| {
+            let mut messages = vec![json!({"role": "system", "content": "You are a careful assistant. ".repeat(40)})];
+            messages.extend_from_slice(history);
+            json!({"messages": messages, "max_tokens": 20, "ignore_eos": true})
+        },
+        |v| v["choices"][0]["message"]["content"].as_str().unwrap().to_string(),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn anthropic_messages_turns_follow_their_cached_history() {
+    // An agent's Messages conversation (system prompt, content blocks), rendered by the gateway as
+    // vLLM renders it (#34): every turn returns to the worker holding the history, and no prompt
+    // falls back to load-only placement.
+    let m = turns_follow_their_cached_history(
+        "/v1/messages",
+        |history| {
+            let blocks: Vec<Value> = history.iter().map(|m| json!({"role": m["role"], "content": [{"type": "text", "text": m["content"]}]})).collect();
+            json!({"model": "sim-model", "system": "You are a careful assistant. ".repeat(40), "messages": blocks, "max_tokens": 20})
+        },
+        |v| v["content"][0]["text"].as_str().unwrap().to_string(),
+    )
+    .await;
+    assert_eq!(m.sum("kvgate_render_fallback_total", &[]), 0.0);
+}
+
+/// Six turns of one conversation sent to `path` (`body` makes a request from the history so
+/// far, `reply` reads the answer's text) all land on one worker, the later ones matching cached
+/// blocks; returns the gateway's metrics after.
+async fn turns_follow_their_cached_history(path: &str, body: impl Fn(&[Value]) -> Value, reply: impl Fn(&Value) -> String) -> kvgate_tests::prom::Metrics {
     let tok_dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../tokenize/assets/tokenizer");
     let c = kv_cluster_with(&format!("tokenizer: {tok_dir}")).await;
-    let before: Vec<f64> = {
-        let mut v = Vec::new();
-        for i in 0..4 {
-            v.push(c.sim_metrics(i).await.sum("vllm:request_success_total", &[]));
-        }
-        v
-    };
-    let mut messages = vec![json!({"role": "system", "content": "You are a careful assistant. ".repeat(40)})];
+    let mut before = Vec::new();
+    for i in 0..4 {
+        before.push(c.sim_metrics(i).await.sum("vllm:request_success_total", &[]));
+    }
+    let mut history = Vec::new();
     for turn in 0..6 {
-        messages.push(json!({"role": "user", "content": format!("Question {turn}: how does the router pick a worker for this long conversation?")}));
-        let v: Value = c
-            .http
-            .post(c.url("/v1/chat/completions"))
-            .json(&json!({"messages": messages, "max_tokens": 20, "ignore_eos": true}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        let reply = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
-        messages.push(json!({"role": "assistant", "content": reply}));
+        history.push(json!({"role": "user", "content": format!("Question {turn}: how does the router pick a worker for this long conversation?")}));
+        let r = c.http.post(c.url(path)).json(&body(&history)).send().await.unwrap();
+        let status = r.status();
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(status, 200, "{path}: {v}");
+        history.push(json!({"role": "assistant", "content": reply(&v)}));
         tokio::time::sleep(Duration::from_millis(30)).await; // let the worker's events arrive
     }
     let mut per_worker = Vec::new();
     for (i, b) in before.iter().enumerate() {
         per_worker.push(c.sim_metrics(i).await.sum("vllm:request_success_total", &[]) - b);
     }
-    assert!(per_worker.contains(&6.0), "all 6 turns on one worker: {per_worker:?}");
+    assert!(per_worker.contains(&6.0), "{path}: all 6 turns on one worker: {per_worker:?}");
     let m = c.gateway_metrics().await;
-    assert!(m.sum("kvgate_routing_overlap_blocks_sum", &[]) > 0.0, "later turns matched cached blocks");
+    assert!(m.sum("kvgate_routing_overlap_blocks_sum", &[]) > 0.0, "{path}: later turns matched cached blocks");
+    m
 }
 
 /// The most `kvgate_worker_active_blocks` (all workers) seen while one stream of `max_tokens`
