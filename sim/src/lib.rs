@@ -27,4 +27,4 @@ pub use config::{KvEventsConfig, SimArgs, SimConfig};
 pub use server::{SimError, SimServer};
 
 /// Tokenization lives in the shared `kvgate-tokenize` crate.
-pub use kvgate_tokenize::{chat_template, tokenizer};
+pub use kvgate_tokenize::{chat_template, dialect, tokenizer};

@@ -201,3 +201,67 @@ async fn unknown_response_ids_are_404() {
     let (s, v) = t.post("/v1/responses", &json!({"model": t.model, "input": "x", "previous_response_id": "resp_0000000000000000"})).await;
     assert_eq!((s, v["error"]["param"].clone()), (404, json!("response_id")));
 }
+
+/// kvgate's rendering of each request in `render_cases.jsonl` (Messages, count_tokens,
+/// Responses, chat: one `{"kind", "body"}` per line), or the reason it refuses it.
+fn kvgate_ids(tok: &vllm_sim::tokenizer::ModelTokenizer, kind: &str, body: &Value) -> Result<Vec<u32>, String> {
+    use vllm_sim::dialect::{messages, render_chat, responses};
+    let opts = messages::MessagesOptions::for_tokenizer(tok);
+    let chat = match kind {
+        "messages" => messages::to_chat(body, &opts),
+        "count" => messages::count_tokens_to_chat(body, &opts),
+        "responses" => responses::to_chat(body, None),
+        _ => Ok(body.clone()),
+    };
+    let text = chat.and_then(|c| render_chat(tok, &c)).map_err(|e| e.to_string())?;
+    tok.encode(&text, false)
+}
+
+/// vLLM's token ids for one case from its `/render` endpoints (count_tokens: the count only).
+async fn vllm_ids(t: &Target, kind: &str, body: &Value) -> Result<Vec<Option<u32>>, String> {
+    let path = match kind {
+        "messages" => "/v1/messages/render",
+        "count" => "/v1/messages/count_tokens",
+        "responses" => "/v1/responses/render",
+        _ => "/v1/chat/completions/render",
+    };
+    let (s, v) = t.post(path, body).await;
+    if s != 200 {
+        return Err(v.to_string());
+    }
+    if let Some(n) = v["input_tokens"].as_u64() {
+        return Ok(vec![None; n as usize]);
+    }
+    Ok(v["token_ids"].as_array().expect("token_ids").iter().map(|x| x.as_u64().map(|i| i as u32)).collect())
+}
+
+/// On real vLLM started with `--enable-scale-out` (it serves `/render`) and with
+/// `KVGATE_TARGET_TOKENIZER` naming its model folder: kvgate renders every case to vLLM's token
+/// ids, and refuses what vLLM refuses. Elsewhere there is nothing to compare with.
+#[tokio::test]
+async fn rendering_equals_vllms_render_endpoints() {
+    let t = Target::start().await;
+    let Ok(dir) = std::env::var("KVGATE_TARGET_TOKENIZER") else { return };
+    if !t.external || t.post("/v1/chat/completions/render", &json!({"model": t.model, "messages": [{"role": "user", "content": "x"}]})).await.0 != 200 {
+        return;
+    }
+    let tok = vllm_sim::tokenizer::ModelTokenizer::load(std::path::Path::new(&dir)).expect("target tokenizer");
+    let mut mismatches = Vec::new();
+    for (i, line) in include_str!("render_cases.jsonl").lines().enumerate() {
+        let case: Value = serde_json::from_str(line).unwrap();
+        let kind = case["kind"].as_str().unwrap();
+        let mut body = case["body"].clone();
+        body["model"] = t.model.clone().into();
+        let ours = kvgate_ids(&tok, kind, &body).map(|ids| if kind == "count" { vec![None; ids.len()] } else { ids.into_iter().map(Some).collect() });
+        match (vllm_ids(&t, kind, &body).await, ours) {
+            (Ok(a), Ok(b)) if a == b => {}
+            (Err(_), Err(_)) => {}
+            (Ok(a), Ok(b)) => {
+                let at = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+                mismatches.push(format!("line {} ({kind}): {} ids from vLLM, {} from kvgate, first difference at {at}", i + 1, a.len(), b.len()));
+            }
+            (theirs, ours) => mismatches.push(format!("line {} ({kind}): vLLM {:?}, kvgate {:?}", i + 1, theirs.err(), ours.err())),
+        }
+    }
+    assert!(mismatches.is_empty(), "{} of the cases render differently:\n{}", mismatches.len(), mismatches.join("\n"));
+}

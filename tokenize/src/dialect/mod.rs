@@ -12,9 +12,20 @@
 //! JSON strings, `reasoning` on assistant messages, `reasoning_effort` as a request field);
 //! [`render_chat`] then renders it as vLLM does: the [`conversation`] step, the template
 //! variables of [`template_kwargs`], tools as vLLM dumps them ([`template_tools`]),
-//! `continue_final_message` cut where transformers cuts it. Tokenize the text without special tokens (vLLM's chat default).
+//! `continue_final_message` cut where transformers cuts it. Tokenize the text without special
+//! tokens (vLLM's chat default). Content is always flattened to a string (vLLM's "string"
+//! content format); templates that loop over content parts are not covered.
 //!
-//! What depends on the model's chat template (checked against real vLLM 0.32, CPU, tiny model):
+//! Checked against real vLLM 0.32 (CPU, the tiny test model, `--enable-scale-out`): the token
+//! ids of 71 Messages, count_tokens, Responses and chat requests (system strings and blocks,
+//! billing headers, multi-turn, thinking, tool use and results, tool choice, inline system
+//! messages, items of every supported type, partial final messages, tools) equal those of
+//! vLLM's `/render` endpoints, both with the model's own template and with one that prints
+//! tools, tool calls, reasoning, tool-call ids and the template variables; the 7 requests vLLM
+//! refuses are refused here too. That needed the template environment transformers uses
+//! (`trim_blocks`, `lstrip_blocks`, Python's `json.dumps` as `tojson`: see `chat_template`).
+//!
+//! What depends on the model's chat template:
 //! - Anthropic inline `system` messages (Claude Code's per-turn reminders) are merged into the
 //!   leading system prompt when the template fails on `[system, user, system, user]` (Qwen's
 //!   `loop.first` guard) or there is no template; otherwise they stay in place
