@@ -1,14 +1,14 @@
-//! `POST /v1/chat/completions`: messages rendered with the model's chat template and tokenized
-//! without special tokens (vLLM's chat default), unary or SSE in vLLM's shapes: the first chunk
-//! of each choice carries `delta: {"role":"assistant","content":""}`, then one content chunk per
-//! token, the last one with `finish_reason`.
+//! `POST /v1/chat/completions`: messages rendered with the model's chat template as vLLM renders
+//! them and tokenized without special tokens (vLLM's chat default), unary or SSE in vLLM's
+//! shapes: the first chunk of each choice carries `delta: {"role":"assistant","content":""}`,
+//! then one content chunk per token, the last one with `finish_reason`.
 
 use super::error::{ApiError, json_response};
 use super::generate::PreparedPrompt;
 use super::protocol::{ChatRequest, check_length, parse_body};
 use super::response::{ChoiceState, ChunkFormat, Meta, collect, echo_header, finish_json, json_str, sse, write_usage};
 use super::{AppState, encode};
-use crate::chat_template::{ChatInput, normalize_messages};
+use crate::dialect;
 use crate::engine::Delivery;
 use crate::tokenizer::ModelTokenizer;
 use axum::extract::State;
@@ -27,7 +27,8 @@ pub async fn handle(State(st): State<Arc<AppState>>, headers: HeaderMap, body: B
     }
 }
 
-/// Renders the conversation to prompt text, as vLLM does for chat and chat-form /tokenize.
+/// Renders the conversation to prompt text, as vLLM does for chat and chat-form /tokenize
+/// (vLLM's message handling and transformers' template rules: [`dialect::render_chat`]).
 pub fn render_prompt(
     tok: &ModelTokenizer,
     messages: &[Value],
@@ -36,30 +37,17 @@ pub fn render_prompt(
     tools: Option<&Value>,
     kwargs: Option<&serde_json::Map<String, Value>>,
 ) -> Result<String, ApiError> {
-    if continue_final_message && add_generation_prompt == Some(true) {
-        return Err(ApiError::bad_request(
-            "continue_final_message and add_generation_prompt are not compatible. Use continue_final_message when you want the model to continue the final message, and add_generation_prompt when you want to add a header that will prompt it to start a new assistant message instead.",
-            None,
-        ));
+    let mut chat = json!({"messages": messages, "continue_final_message": continue_final_message});
+    if let Some(add) = add_generation_prompt {
+        chat["add_generation_prompt"] = add.into();
     }
-    let msgs = normalize_messages(messages).map_err(|m| ApiError::bad_request(m, Some("messages")))?;
-    let input = ChatInput { messages: &msgs, add_generation_prompt: !continue_final_message && add_generation_prompt.unwrap_or(true), tools, kwargs };
-    let mut text = tok.render_chat(&input).map_err(|m| ApiError::bad_request(m, None))?;
-    if continue_final_message {
-        // Cut the rendered prompt right after the final message's content, so generation
-        // continues that message instead of closing it.
-        let last = msgs.last().and_then(|m| m.get("content")).and_then(Value::as_str).unwrap_or("");
-        match text.rfind(last) {
-            Some(pos) if !last.is_empty() => text.truncate(pos + last.len()),
-            _ => {
-                return Err(ApiError::bad_request(
-                    "continue_final_message is set but the final message's content was not found in the rendered prompt",
-                    Some("messages"),
-                ));
-            }
-        }
+    if let Some(t) = tools {
+        chat["tools"] = t.clone();
     }
-    Ok(text)
+    if let Some(kw) = kwargs {
+        chat["chat_template_kwargs"] = Value::Object(kw.clone());
+    }
+    dialect::render_chat(tok, &chat).map_err(|e| ApiError::bad_request(e.message(), if e.reason() == "template" { None } else { Some("messages") }))
 }
 
 async fn run(st: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<Response, ApiError> {
