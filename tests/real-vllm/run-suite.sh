@@ -89,6 +89,8 @@ launch "$(mktemp -t real-vllm.XXXXXX.log)"; port1=$port; pid1=$pid
 launch "$(mktemp -t real-vllm.XXXXXX.log)"; port2=$port; pid2=$pid
 port=$port1; zport=$((port1 + 1))
 
+# The tokenizer folder lets the conformance suite compare kvgate's rendering with vLLM's /render.
+export KVGATE_TARGET_TOKENIZER="${KVGATE_VLLM_HOME:-$HOME/.cache/kvgate-real-vllm}/tiny-llama"
 export KVGATE_TARGET_URL="http://127.0.0.1:$port" KVGATE_TARGET_MODEL=tiny KVGATE_TARGET_TOPIC=kv \
        KVGATE_TARGET_ZMQ="tcp://127.0.0.1:$zport" KVGATE_TARGET_REPLAY="tcp://127.0.0.1:$((zport+1))"
 cd "$root"

@@ -117,17 +117,10 @@ fn chat_bytes(messages: &[Value]) -> usize {
         .sum()
 }
 
-/// The conversation rendered with the model's chat template, as vLLM renders it.
+/// The conversation rendered with the model's chat template, as vLLM renders it (its message
+/// clean-up, template variables and tools: `kvgate_tokenize::dialect::render_chat`).
 fn render_chat(tok: &SegmentCache, body: &Value) -> Option<String> {
-    let msgs = normalize_messages(body.get("messages")?.as_array()?).ok()?;
-    let input = ChatInput {
-        messages: &msgs,
-        add_generation_prompt: body.get("add_generation_prompt").and_then(Value::as_bool).unwrap_or(true)
-            && !body.get("continue_final_message").and_then(Value::as_bool).unwrap_or(false),
-        tools: body.get("tools"),
-        kwargs: body.get("chat_template_kwargs").and_then(Value::as_object),
-    };
-    tok.tokenizer().render_chat(&input).ok()
+    dialect::render_chat(tok.tokenizer(), body).ok()
 }
 
 fn ids(items: &[Value]) -> Option<Vec<u32>> {
