@@ -13,7 +13,7 @@
 use super::parsed::ParsedBody;
 use crate::endpoint::Endpoint;
 use crate::kv_routing::KvRouting;
-use kvgate_tokenize::{ChatInput, SegmentCache, dialect, normalize_messages};
+use kvgate_tokenize::{SegmentCache, dialect};
 use serde_json::Value;
 use std::sync::Arc;
 
@@ -157,7 +157,7 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    use kvgate_tokenize::ModelTokenizer;
+    use kvgate_tokenize::{ChatInput, ModelTokenizer};
 
     fn p(body: Value) -> ParsedBody {
         ParsedBody::parse(body.to_string().as_bytes()).unwrap()
