@@ -97,10 +97,15 @@ const SERVED: &[(&str, Endpoint)] = &[
     ("/detokenize", Endpoint::Detokenize),
 ];
 
+/// The catalogue's entry for `path`, when the request phases serve it.
+fn served(path: &str) -> Option<&'static (&'static str, Endpoint)> {
+    SERVED.iter().find(|(p, _)| *p == path)
+}
+
 /// The catalogue's own text for `path`, when the request phases serve it (so a request to it
 /// borrows the text instead of copying it).
 pub fn catalogued(path: &str) -> Option<&'static str> {
-    SERVED.iter().find(|(p, _)| *p == path).map(|(p, _)| *p)
+    served(path).map(|&(p, _)| p)
 }
 
 /// Paths the gateway answers itself.
@@ -165,7 +170,7 @@ impl PathKind {
     /// How `path` (without its query) is handled, before the configuration's `passthrough`
     /// rules (which may refuse a [`Endpoint::Passthrough`]).
     pub fn of(path: &str) -> Self {
-        if let Some(&(_, ep)) = SERVED.iter().find(|(p, _)| *p == path) {
+        if let Some(&(_, ep)) = served(path) {
             return Self::Served(ep);
         }
         if LOCAL.contains(&path) {
@@ -308,6 +313,12 @@ impl Endpoint {
     /// placed by load).
     pub fn renders(self) -> bool {
         matches!(self, Self::Chat | Self::Completions | Self::Messages | Self::Responses)
+    }
+
+    /// Whether its streams can move to another worker mid-way (docs/migration.md): the
+    /// continuation is re-wrapped only in chat's and completions' shapes.
+    pub fn moves(self) -> bool {
+        matches!(self, Self::Chat | Self::Completions)
     }
 
     /// Whether only `POST` reaches it (a passthrough takes the client's method).

@@ -70,11 +70,17 @@ pub fn request_id(session: &ClientConn) -> String {
         .unwrap_or_else(new_id)
 }
 
-fn new_id() -> String {
+/// 64 fresh bits for an id: the clock mixed with a process-wide counter, so two ids made in
+/// the same nanosecond still differ.
+pub(super) fn fresh_bits() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
     let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
-    let x = kvgate_kv::hash::mix(t ^ N.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed));
+    kvgate_kv::hash::mix(t ^ N.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed))
+}
+
+fn new_id() -> String {
+    let x = fresh_bits();
     // "kvg-" and 16 hex digits, written without the formatting machinery (it runs per request).
     let mut id = String::with_capacity(20);
     id.push_str("kvg-");
@@ -130,13 +136,13 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
     };
     let stream = view.stream.unwrap_or(false);
     // The whole body is parsed only when kv routing tokenizes it or a stream may move.
-    let movable = stream && matches!(endpoint, Endpoint::Chat | Endpoint::Completions) && cfg.migration.limit > 0;
+    let movable = stream && endpoint.moves() && cfg.migration.limit > 0;
     let mut parsed = ((endpoint.renders() && model.kv.is_some()) || movable).then(|| super::parsed::ParsedBody::parse_with(&body, prompt).ok()).flatten();
     let (track, body, pinned) = match parsed.as_ref().filter(|_| movable).map(|p| track::start(endpoint == Endpoint::Chat, &body, &p.fields)) {
         Some(Ok((t, sent))) => (Some(t), sent, None),
         Some(Err(reason)) => (None, body, Some(reason)),
         // A stream of another API stays where it starts, and says why.
-        None if stream && endpoint.infers() && !matches!(endpoint, Endpoint::Chat | Endpoint::Completions) => (None, body, Some(PinReason::Api)),
+        None if stream && endpoint.infers() && !endpoint.moves() => (None, body, Some(PinReason::Api)),
         None => (None, body, None),
     };
     if model.kv.is_none() {

@@ -75,12 +75,7 @@ pub fn answered(gw: &Gateway, refs: Option<&StoredRefs>, worker: &crate::fleet::
 
 /// A response id in vLLM's form: `resp_` and 32 hex digits.
 fn new_response_id() -> String {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static N: AtomicU64 = AtomicU64::new(0);
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
-    let n = N.fetch_add(1, Ordering::Relaxed);
-    let (a, b) = (kvgate_kv::hash::mix(t ^ n.rotate_left(32)), kvgate_kv::hash::mix(n ^ t.rotate_left(17) ^ 0x9e37_79b9_7f4a_7c15));
-    format!("resp_{a:016x}{b:016x}")
+    format!("resp_{:016x}{:016x}", super::admit::fresh_bits(), super::admit::fresh_bits())
 }
 
 /// `body` (a JSON object) with `"request_id": id` as its first member; `None` when the body
