@@ -119,6 +119,13 @@ pub(crate) enum GatewayError {
     /// The model has no healthy worker left to try.
     #[error("no healthy worker for {0}")]
     NoHealthyWorker(String),
+    /// Every worker that could take the request is paused by a fleet operation: the request
+    /// waits for `/resume` (phase 2), so this reaches a client only when that wait is over.
+    #[error("every worker of {0} is paused")]
+    Paused(String),
+    /// The request waited for a paused model's `/resume` past `routing.queue_max_wait_ms`.
+    #[error("{0} stayed paused past the queue's wait")]
+    PausedTooLong(String),
     /// A plugin refused the request.
     #[error("plugin rejected with {status}: {message}")]
     PluginRejected { status: u16, message: String },
@@ -159,6 +166,7 @@ impl GatewayError {
             Self::QueueTimeout(model) => ClientError::queue_timeout(model),
             Self::AllBusy(_) => ClientError::all_busy(),
             Self::NoHealthyWorker(model) => ClientError::no_healthy_worker(model),
+            Self::Paused(model) | Self::PausedTooLong(model) => ClientError::paused(model),
             Self::PluginRejected { status, message } => ClientError::rejected(*status, message.clone()),
             Self::UpstreamTimeout { model, .. } => ClientError::upstream_timeout(model),
             Self::UpstreamFailed { model, leg } => ClientError::upstream_failed(model, &format!("{}: {}", leg.worker, leg.detail)),
@@ -206,6 +214,8 @@ mod tests {
             (GatewayError::QueueTimeout("m".into()), 503),
             (GatewayError::AllBusy("m".into()), 503),
             (GatewayError::NoHealthyWorker("m".into()), 503),
+            (GatewayError::Paused("m".into()), 503),
+            (GatewayError::PausedTooLong("m".into()), 503),
             (GatewayError::PluginRejected { status: 429, message: "slow down".into() }, 429),
             (GatewayError::UpstreamTimeout { model: "m".into(), leg: leg() }, 504),
             (GatewayError::UpstreamFailed { model: "m".into(), leg: leg() }, 502),

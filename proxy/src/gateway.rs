@@ -32,6 +32,9 @@ pub struct Gateway {
     pub stored_responses: crate::fleet::StoredResponses,
     /// Moves in progress at once (`migration.max_concurrent`).
     pub migrations: tokio::sync::Semaphore,
+    /// Bumped whenever a fleet operation resumes workers: requests waiting for a paused
+    /// model watch it (phase 2).
+    pub resumed: tokio::sync::watch::Sender<u64>,
     /// The rescheduler's last cycle, for `GET /rescheduling`.
     pub rescheduling_last: parking_lot::Mutex<serde_json::Value>,
     /// One apply at a time: prepare plugins → build the fleet → swap → commit must not
@@ -67,6 +70,7 @@ impl Gateway {
             requests: Arc::new(crate::inflight::RequestRegistry::default()),
             stored_responses,
             migrations: tokio::sync::Semaphore::new(max_moves),
+            resumed: tokio::sync::watch::Sender::new(0),
             rescheduling_last: parking_lot::Mutex::new(serde_json::Value::Null),
             applying: parking_lot::Mutex::new(()),
         }))

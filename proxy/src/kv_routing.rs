@@ -177,6 +177,17 @@ impl KvRouting {
         }
     }
 
+    /// Forgets every block `worker` holds (all ranks): its prefix cache was reset or dropped
+    /// (a fleet operation's `/reset_prefix_cache` or `/sleep`).
+    pub fn forget_worker(&self, worker: usize) {
+        for &rank in self.rank_ids.get(worker).into_iter().flatten() {
+            match &self.cache {
+                Cache::Events(idx) => idx.clear(rank),
+                Cache::Approx(a) => a.clear(rank),
+            }
+        }
+    }
+
     /// Blocks the event index holds for a worker (all ranks).
     pub fn cached_blocks(&self, worker: usize) -> usize {
         match &self.cache {

@@ -20,6 +20,10 @@ pub enum Exclusion {
     Tried,
     /// A move aimed at another worker.
     NotTheTarget,
+    /// Its model cards do not list the LoRA adapter the request names.
+    NoAdapter,
+    /// Paused by a fleet operation.
+    Paused,
 }
 
 impl Exclusion {
@@ -29,6 +33,8 @@ impl Exclusion {
             Self::Busy => "busy",
             Self::Tried => "tried",
             Self::NotTheTarget => "not_the_target",
+            Self::NoAdapter => "no_adapter",
+            Self::Paused => "paused",
         }
     }
 }

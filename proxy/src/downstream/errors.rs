@@ -113,6 +113,14 @@ impl ClientError {
         Self::new(503, "service_unavailable", format!("No healthy worker is available for model `{model}`. Retry later."), None)
     }
 
+    /// 503: an operator paused the model's workers (a weight update, say) for longer than a
+    /// request may wait.
+    pub fn paused(model: &str) -> Self {
+        let mut e = Self::new(503, "service_unavailable", format!("The workers of model `{model}` are paused by an operator; retry later."), None);
+        e.retry_after = Some(1);
+        e
+    }
+
     /// 503: shutting down.
     pub fn draining() -> Self {
         Self::new(503, "service_unavailable", "The gateway is shutting down; retry on another instance.", None)

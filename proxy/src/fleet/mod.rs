@@ -1,6 +1,7 @@
 //! The live set of models and their workers, built from a validated config and swapped as a
 //! whole on reload:
-//! - [`worker`]: one vLLM server (health, resolved address, the load it reports);
+//! - [`worker`]: one vLLM server (health, resolved address, the load it reports, paused or not);
+//! - [`cards`]: what a worker's `/v1/models` says it serves (model cards, LoRA adapters);
 //! - [`calibration`]: how fast a worker prefills and steps, as the gateway measured it;
 //! - [`model`]: a served model (its workers, routing policy, booking ledger, queue);
 //! - [`registry`]: keeps workers across reloads, keyed by URL, and builds the next fleet;
@@ -10,11 +11,13 @@
 //! them never disturbs it.
 
 pub mod calibration;
+mod cards;
 mod model;
 mod registry;
 mod stored_responses;
 mod worker;
 
+pub use cards::ModelCards;
 pub use model::Model;
 pub use registry::WorkerRegistry;
 pub use stored_responses::StoredResponses;
@@ -53,12 +56,24 @@ impl Fleet {
         self.models.get(name)
     }
 
-    /// The model a request names, or the only one when it names none (as vLLM does).
+    /// The model a request names, or the only one when it names none (as vLLM does). A name
+    /// that is no configured model may be a LoRA adapter: it resolves to the first model (in
+    /// config order) one of whose workers lists it.
     pub fn resolve(&self, name: Option<&str>) -> Option<&Arc<Model>> {
         match name {
-            Some(n) => self.model(n),
+            Some(n) => self.model(n).or_else(|| self.adapter_base(n)),
             None if self.order.len() == 1 => self.model(&self.order[0]),
             None => None,
         }
+    }
+
+    /// The model whose workers serve LoRA adapter `name`.
+    pub fn adapter_base(&self, name: &str) -> Option<&Arc<Model>> {
+        self.order.iter().map(|n| &self.models[n]).find(|m| m.workers.iter().any(|w| w.has_adapter(name)))
+    }
+
+    /// The LoRA adapter a request for `model` names as `named` (`None`: the base model).
+    pub fn adapter<'a>(model: &Model, named: Option<&'a str>) -> Option<&'a str> {
+        named.filter(|n| *n != model.cfg.name)
     }
 }

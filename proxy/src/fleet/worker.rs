@@ -2,6 +2,7 @@
 //! `/metrics`, and the counters of what the gateway booked on it (written through the ledgers
 //! of the models it serves, so they survive reloads and add up across models).
 
+use super::cards::ModelCards;
 use crate::config::UpstreamUrl;
 use kvgate_filters::ledger::WorkerCounters;
 use parking_lot::RwLock;
@@ -30,6 +31,11 @@ pub struct Worker {
     itl_us: AtomicU64,
     /// Its context length (`max_model_len` from `/v1/models`; 0: not known yet).
     max_model_len: AtomicU32,
+    /// What its `/v1/models` said, and when (`None`: not read yet).
+    cards: RwLock<(Option<Arc<ModelCards>>, Option<Instant>)>,
+    /// Paused by a fleet operation (`POST /pause` on the admin listener): no new request is
+    /// placed on it until `/resume`; they wait in the router queue instead.
+    paused: AtomicBool,
     /// Last resolved address; refreshed by the health task so DNS changes are followed without
     /// a lookup (a blocking-pool hop) on the request path.
     addr: RwLock<Option<SocketAddr>>,
@@ -57,6 +63,8 @@ impl Worker {
             reported: RwLock::new((Vec::new(), None)),
             itl_us: AtomicU64::new(0),
             max_model_len: AtomicU32::new(0),
+            cards: RwLock::new((None, None)),
+            paused: AtomicBool::new(false),
             addr: RwLock::new(None),
             idle: Arc::default(),
             probe_idle: Arc::default(),
@@ -147,6 +155,39 @@ impl Worker {
     /// Records its context length.
     pub fn set_max_model_len(&self, n: u32) {
         self.max_model_len.store(n, Ordering::Relaxed);
+    }
+
+    /// What its `/v1/models` said last (`None`: not read yet).
+    pub fn cards(&self) -> Option<Arc<ModelCards>> {
+        self.cards.read().0.clone()
+    }
+
+    /// How old its cards are (`None`: never read).
+    pub fn cards_age(&self) -> Option<std::time::Duration> {
+        self.cards.read().1.map(|t| t.elapsed())
+    }
+
+    /// Records what its `/v1/models` said; its context length comes from there.
+    pub fn set_cards(&self, cards: ModelCards) {
+        if let Some(n) = cards.max_model_len {
+            self.set_max_model_len(n);
+        }
+        *self.cards.write() = (Some(Arc::new(cards)), Some(Instant::now()));
+    }
+
+    /// Whether its cards list LoRA adapter `name` (false while they are unknown).
+    pub fn has_adapter(&self, name: &str) -> bool {
+        self.cards.read().0.as_ref().is_some_and(|c| c.has_adapter(name))
+    }
+
+    /// Whether a fleet operation paused it.
+    pub fn is_paused(&self) -> bool {
+        self.paused.load(Ordering::Acquire)
+    }
+
+    /// Pauses it (no new request is placed on it) or resumes it.
+    pub fn set_paused(&self, paused: bool) {
+        self.paused.store(paused, Ordering::Release);
     }
 
     /// How old its last report is (`None`: never polled).

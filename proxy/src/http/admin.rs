@@ -5,7 +5,10 @@
 //! `POST /reload` (re-read the config file; a bad file is refused and the old config stays),
 //! `GET /busy_threshold` and `POST /busy_threshold` (seed 000's shapes: read or set a model's
 //! busy thresholds at run time), `GET /plugins` and `POST /plugins/reload` (re-read every
-//! plugin file now; a module that does not load is refused and the old one keeps serving).
+//! plugin file now; a module that does not load is refused and the old one keeps serving),
+//! and vLLM's control endpoints as fleet operations (`POST /pause`, `/resume`, `/sleep`,
+//! `/wake_up`, `/reset_prefix_cache`, `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`;
+//! `super::fleet_ops`).
 
 use super::local;
 use crate::downstream::conn::ClientConn;
@@ -33,6 +36,11 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut ClientConn, method: &str, pa
         ("POST", "/busy_threshold") => set_threshold(gw, session).await,
         ("GET", "/plugins") => list_plugins(gw, session).await,
         ("POST", "/plugins/reload") => reload_plugins(gw, session).await,
+        ("POST", p) if super::fleet_ops::OPERATIONS.contains(&p) => {
+            let query = session.req().target().split_once('?').map(|(_, q)| q.to_string());
+            super::fleet_ops::serve(gw, session, p, query.as_deref()).await
+        }
+        (_, p) if super::fleet_ops::OPERATIONS.contains(&p) => respond_error(session, &ClientError::method_not_allowed(method, path), &[]).await,
         (
             _,
             "/metrics" | "/health" | "/workers" | "/requests" | "/reload" | "/migrate" | "/rescheduling" | "/busy_threshold" | "/plugins" | "/plugins/reload",
@@ -56,7 +64,8 @@ async fn workers(gw: &Arc<Gateway>, session: &mut ClientConn) {
                     let reported: Vec<_> =
                         w.reported().iter().map(|r| json!({"kv_usage": r.kv_usage, "waiting": r.waiting, "total_blocks": r.total_blocks})).collect();
                     let id = i as u16;
-                    json!({"id": i, "url": w.label, "healthy": w.is_healthy(), "in_flight": m.ledger.requests(id),
+                    let adapters = w.cards().map(|c| c.adapters.clone()).unwrap_or_default();
+                    json!({"id": i, "url": w.label, "healthy": w.is_healthy(), "paused": w.is_paused(), "adapters": adapters, "in_flight": m.ledger.requests(id),
                            "booked_prefill_tokens": m.ledger.prefill_tokens(id), "booked_blocks": m.ledger.active_blocks(id),
                            "queue_busy": m.queue_busy(i), "reported": reported})
                 })

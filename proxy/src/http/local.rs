@@ -2,17 +2,44 @@
 
 use crate::downstream::conn::ClientConn;
 use crate::downstream::io::{respond, respond_json};
+use crate::fleet::Fleet;
 use crate::gateway::Gateway;
 use bytes::Bytes;
-use serde_json::json;
+use serde_json::{Value, json};
 use std::sync::Arc;
 
-/// `GET /v1/models`: the configured models.
+/// `GET /v1/models`: what the workers' own `/v1/models` say, merged ([`merged_cards`]).
 pub async fn models(gw: &Arc<Gateway>, session: &mut ClientConn) {
-    let fleet = gw.fleet();
+    respond_json(session, 200, &json!({"object": "list", "data": merged_cards(&gw.fleet())})).await;
+}
+
+/// Each configured model's card and its LoRA adapters' cards, as the workers wrote them
+/// (`root`, `max_model_len`, `parent`, permissions), in config order: a card's first healthy
+/// worker speaks for it. A model no healthy worker described yet gets a minimal card of the
+/// gateway's, so every model a client may name is listed.
+pub fn merged_cards(fleet: &Fleet) -> Vec<Value> {
     let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    let data: Vec<_> = fleet.order.iter().map(|m| json!({"id": m, "object": "model", "created": created, "owned_by": "kvgate"})).collect();
-    respond_json(session, 200, &json!({"object": "list", "data": data})).await;
+    let mut out: Vec<Value> = Vec::new();
+    let listed = |out: &[Value], id: &str| out.iter().any(|c| c.get("id").and_then(Value::as_str) == Some(id));
+    for name in &fleet.order {
+        let cards: Vec<_> = fleet.models[name].workers.iter().filter(|w| w.is_healthy()).filter_map(|w| w.cards()).collect();
+        match cards.iter().find_map(|c| c.card(name)) {
+            Some(card) if !listed(&out, name) => out.push(card.clone()),
+            Some(_) => {}
+            None if !listed(&out, name) => out.push(json!({"id": name, "object": "model", "created": created, "owned_by": "kvgate"})),
+            None => {}
+        }
+        for c in &cards {
+            for id in &c.adapters {
+                if !listed(&out, id)
+                    && let Some(card) = c.card(id)
+                {
+                    out.push(card.clone());
+                }
+            }
+        }
+    }
+    out
 }
 
 /// `GET /health`: 200 while some worker of every model is healthy, else 503 (load balancers

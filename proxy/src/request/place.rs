@@ -40,8 +40,13 @@ pub fn place(gw: &Gateway, req: &mut RequestState) -> Result<Arc<Worker>, Gatewa
 /// [`place`] among the workers `among` allows.
 pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Result<Arc<Worker>, GatewayError> {
     let model = req.model.clone();
-    let (eligible, mut excluded) = eligible(&model, among);
+    let adapter = crate::fleet::Fleet::adapter(&model, req.view.model.as_deref());
+    let (eligible, mut excluded) = eligible(&model, among, adapter);
     if eligible.is_empty() {
+        // Paused workers come back: the request waits for them (phase 2) rather than failing.
+        if excluded.iter().any(|(_, e)| *e == Exclusion::Paused) {
+            return Err(GatewayError::Paused(model.cfg.name.clone()));
+        }
         return Err(GatewayError::NoHealthyWorker(model.cfg.name.clone()));
     }
     let (eligible, busy) = match among {
@@ -102,8 +107,9 @@ pub fn adopt_current_model(gw: &Gateway, req: &mut RequestState) {
     req.kv = None;
 }
 
-/// Healthy workers `among` allows, and why the others are out.
-fn eligible(model: &Model, among: Among<'_>) -> (Vec<usize>, Vec<(u32, Exclusion)>) {
+/// Healthy, unpaused workers `among` allows that serve `adapter` (when the request names a
+/// LoRA adapter), and why the others are out.
+fn eligible(model: &Model, among: Among<'_>, adapter: Option<&str>) -> (Vec<usize>, Vec<(u32, Exclusion)>) {
     let mut ok = Vec::with_capacity(model.workers.len());
     let mut out = Vec::new();
     for (i, w) in model.workers.iter().enumerate() {
@@ -115,6 +121,10 @@ fn eligible(model: &Model, among: Among<'_>) -> (Vec<usize>, Vec<(u32, Exclusion
             out.push((i as u32, if matches!(among, Among::Only(_)) { Exclusion::NotTheTarget } else { Exclusion::Tried }));
         } else if !w.is_healthy() {
             out.push((i as u32, Exclusion::Unhealthy));
+        } else if adapter.is_some_and(|a| !w.has_adapter(a)) {
+            out.push((i as u32, Exclusion::NoAdapter));
+        } else if w.is_paused() {
+            out.push((i as u32, Exclusion::Paused));
         } else {
             ok.push(i);
         }

@@ -1,6 +1,9 @@
 //! Phase 2, the router queue: while every worker of the model is past the queue threshold, the
 //! request waits (highest priority first) until capacity frees, the queue refuses it (full →
-//! 429, waited too long → 503), or the client leaves.
+//! 429, waited too long → 503), or the client leaves. While every worker that could take it is
+//! paused by a fleet operation (`POST /pause` on the admin listener), it first waits for
+//! `/resume`, whether or not the model has a queue: an RL trainer's pause → weight update →
+//! resume costs clients time, not errors.
 
 use super::{Outcome, RequestState};
 use crate::downstream::closed::client_closed;
@@ -12,6 +15,7 @@ use std::sync::Arc;
 
 /// Waits in the queue when it must; `Err` when the request ends here.
 pub async fn wait(gw: &Arc<Gateway>, session: &mut ClientConn, req: &RequestState) -> Result<(), Outcome> {
+    wait_resumed(gw, session, req).await?;
     let model = &req.model;
     let Some(queue) = model.queue.as_ref() else { return Ok(()) };
     if !req.endpoint.infers() || (model.queue_free_workers() > 0 && queue.is_empty()) {
@@ -40,4 +44,57 @@ pub async fn wait(gw: &Arc<Gateway>, session: &mut ClientConn, req: &RequestStat
             Err(Outcome::Refused(GatewayError::QueueTimeout(name.to_string())))
         }
     }
+}
+
+/// Waits while every worker that could take `req` (healthy, serving its adapter, not tried
+/// yet) is paused, until one is resumed, the wait
+/// passes `routing.queue_max_wait_ms` (503), more than `routing.queue_max_len` requests wait
+/// (429), or the client leaves. Returns at once when nothing is paused.
+pub async fn wait_resumed(gw: &Arc<Gateway>, session: &mut ClientConn, req: &RequestState) -> Result<(), Outcome> {
+    let adapter = crate::fleet::Fleet::adapter(&req.model, req.view.model.as_deref());
+    if !held_by_pause(&req.model, adapter, &req.tried) {
+        return Ok(());
+    }
+    let name = req.model_name();
+    let routing = &req.model.cfg.routing;
+    let depth = gw.metrics.queued.with_label_values(&[name]);
+    if depth.get() >= routing.queue_max_len as i64 {
+        gw.metrics.rejected.with_label_values(&[name, "queue_full"]).inc();
+        return Err(Outcome::Refused(GatewayError::QueueFull(name.to_string())));
+    }
+    depth.inc();
+    let began = std::time::Instant::now();
+    let mut resumed = gw.resumed.subscribe();
+    let limit = tokio::time::sleep(std::time::Duration::from_millis(routing.queue_max_wait_ms));
+    tokio::pin!(limit);
+    let r = loop {
+        if !held_by_pause(&req.model, adapter, &req.tried) {
+            break Ok(());
+        }
+        tokio::select! {
+            _ = resumed.changed() => {}
+            () = &mut limit => break Err(Outcome::Refused(GatewayError::PausedTooLong(name.to_string()))),
+            _ = client_closed(session) => break Err(super::record::cancelled(gw, req)),
+        }
+    };
+    depth.dec();
+    match &r {
+        Ok(()) => gw.metrics.queue_wait.with_label_values(&[name]).observe(began.elapsed().as_secs_f64()),
+        Err(Outcome::Refused(_)) => gw.metrics.rejected.with_label_values(&[name, "paused"]).inc(),
+        Err(_) => {}
+    }
+    r
+}
+
+/// Whether every healthy worker of `model` that serves `adapter`, outside `tried`, is paused
+/// (and one is).
+fn held_by_pause(model: &crate::fleet::Model, adapter: Option<&str>, tried: &[usize]) -> bool {
+    let mut serving = model
+        .workers
+        .iter()
+        .enumerate()
+        .filter(|(i, w)| !tried.contains(i) && w.is_healthy() && adapter.is_none_or(|a| w.has_adapter(a)))
+        .map(|(_, w)| w)
+        .peekable();
+    serving.peek().is_some() && serving.all(|w| w.is_paused())
 }

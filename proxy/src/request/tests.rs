@@ -400,3 +400,68 @@ async fn the_request_future_stays_small() {
     assert!(size <= 8 * 1024, "the request future is {size} bytes");
     f.await;
 }
+
+/// Polls `f` every millisecond until it holds (at most 5 s).
+async fn until(mut f: impl FnMut() -> bool) {
+    for _ in 0..5000 {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    panic!("condition never held");
+}
+
+/// A paused fleet holds new requests in phase 2, and `/resume`'s signal releases them to the
+/// workers; a pause outlasting the queue's wait is a 503 that says so.
+#[tokio::test]
+async fn requests_arriving_while_paused_wait_for_resume() {
+    let w = fake_worker(Script::Answer).await;
+    let gw = gateway(&[&w], "", false);
+    let worker = gw.fleet().model("m").cloned().unwrap().workers[0].clone();
+    worker.set_paused(true);
+    let gw2 = gw.clone();
+    let held = tokio::spawn(async move { serve_one(&gw2, &post(r#"{"model":"m","prompt":"x"}"#)).await });
+    let queued = gw.metrics.queued.with_label_values(&["m"]);
+    until(|| queued.get() == 1).await;
+    assert_eq!(w.requests.load(Ordering::SeqCst), 0, "nothing reaches a paused worker");
+    worker.set_paused(false);
+    gw.resumed.send_modify(|n| *n += 1);
+    let (_, resp) = held.await.unwrap();
+    assert_eq!(status_of(&resp), 200, "{resp}");
+    assert_eq!(queued.get(), 0);
+    assert_clean(&gw);
+
+    let short = Gateway::new(
+        load_str(&format!("models:\n  - name: m\n    routing:\n      queue_max_wait_ms: 30\n    workers:\n      - url: {}\n", w.url), "test", Vec::new())
+            .unwrap(),
+        None,
+    )
+    .unwrap();
+    short.fleet().model("m").unwrap().workers[0].set_paused(true);
+    let (_, resp) = serve_one(&short, &post(r#"{"model":"m","prompt":"x"}"#)).await;
+    assert_eq!(status_of(&resp), 503, "{resp}");
+    assert!(resp.contains("paused by an operator"), "{resp}");
+    assert_clean(&short);
+}
+
+/// A request naming a LoRA adapter goes only to the workers whose model cards list it; a name
+/// no worker lists is an unknown model.
+#[tokio::test]
+async fn adapter_requests_reach_only_the_workers_that_have_the_adapter() {
+    let (plain, lora) = (fake_worker(Script::Answer).await, fake_worker(Script::Answer).await);
+    let gw = gateway(&[&plain, &lora], "", true);
+    let cards = br#"{"data":[{"id":"m","max_model_len":64},{"id":"sql","parent":"m","root":"/lora/sql"}]}"#;
+    gw.fleet().model("m").unwrap().workers[1].set_cards(crate::fleet::ModelCards::parse(cards).unwrap());
+    for _ in 0..4 {
+        let (_, resp) = serve_one(&gw, &post(r#"{"model":"sql","prompt":"x"}"#)).await;
+        assert_eq!(status_of(&resp), 200, "{resp}");
+        assert!(resp.contains(&format!("x-kvgate-worker: {}", lora.url)), "{resp}");
+    }
+    assert_eq!(plain.requests.load(Ordering::SeqCst), 0);
+    let (_, resp) = serve_one(&gw, &post(r#"{"model":"other-adapter","prompt":"x"}"#)).await;
+    assert_eq!(status_of(&resp), 404, "{resp}");
+    let r = gw.requests.finished().into_iter().next().unwrap().to_json(true)["route_receipt"].clone();
+    assert_eq!(r[0]["excluded"][0]["reason"], "no_adapter", "{r}");
+    assert_clean(&gw);
+}

@@ -2,10 +2,12 @@
 //! the request legs use, for the load the worker itself reports, per DP rank (`engine` label):
 //! `vllm:kv_cache_usage_perc`, `vllm:num_requests_waiting`, and the KV capacity from
 //! `vllm:cache_config_info`'s `num_gpu_blocks` label. Shedding and routing combine them with
-//! the gateway's own bookings. Once per worker, its `/v1/models` gives its context length
+//! the gateway's own bookings. Every [`CARDS_EVERY`] (and at once after a fleet operation
+//! loads or unloads an adapter) its `/v1/models` is read again: the model cards the gateway's
+//! own `/v1/models` merges, the LoRA adapters it serves, and its context length
 //! (`max_model_len`), which bounds what a moving stream may send it.
 
-use crate::fleet::ReportedLoad;
+use crate::fleet::{ModelCards, ReportedLoad, Worker};
 use crate::gateway::Gateway;
 use crate::upstream;
 use std::collections::BTreeMap;
@@ -15,6 +17,10 @@ use tokio::task::JoinSet;
 
 /// Largest `/metrics` body read.
 const MAX_BODY: usize = 8 << 20;
+
+/// How often a worker's model cards are read again. Adapters change only when someone loads
+/// or unloads one, and a fleet operation that does re-reads them at once.
+pub const CARDS_EVERY: Duration = Duration::from_secs(10);
 
 /// Runs until the task is aborted.
 pub async fn run(gw: Arc<Gateway>) {
@@ -29,11 +35,8 @@ pub async fn run(gw: Arc<Gateway>) {
                 match upstream::get(&gw, &w, "/metrics", timeout, MAX_BODY, true).await {
                     Ok((200, body)) => {
                         w.set_reported(parse(&String::from_utf8_lossy(&body)));
-                        if w.max_model_len().is_none()
-                            && let Ok((200, models)) = upstream::get(&gw, &w, "/v1/models", timeout, MAX_BODY, true).await
-                            && let Some(n) = max_model_len(&models)
-                        {
-                            w.set_max_model_len(n);
+                        if w.cards_age().is_none_or(|age| age >= CARDS_EVERY) {
+                            refresh_cards(&gw, &w, timeout).await;
                         }
                     }
                     Ok((status, _)) => tracing::debug!(worker = %w.url, status, "worker /metrics answered non-200"),
@@ -54,10 +57,28 @@ fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
     Some(&labels[start..end])
 }
 
-/// The largest `max_model_len` in a `/v1/models` answer (vLLM names it per served model).
-pub fn max_model_len(body: &[u8]) -> Option<u32> {
-    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
-    v.get("data")?.as_array()?.iter().filter_map(|m| m.get("max_model_len")?.as_u64()).max().and_then(|n| u32::try_from(n).ok())
+/// Reads `w`'s `/v1/models` again; false when it gave no usable answer (the old cards stay).
+pub async fn refresh_cards(gw: &Gateway, w: &Worker, timeout: Duration) -> bool {
+    match upstream::get(gw, w, "/v1/models", timeout, MAX_BODY, true).await {
+        Ok((200, body)) => match ModelCards::parse(&body) {
+            Some(cards) => {
+                w.set_cards(cards);
+                true
+            }
+            None => {
+                tracing::debug!(worker = %w.url, "worker /v1/models is not a model list");
+                false
+            }
+        },
+        Ok((status, _)) => {
+            tracing::debug!(worker = %w.url, status, "worker /v1/models answered non-200");
+            false
+        }
+        Err(e) => {
+            tracing::debug!(worker = %w.url, error = %e, "worker /v1/models read failed");
+            false
+        }
+    }
 }
 
 /// Extracts per-rank load from a Prometheus text exposition.
@@ -107,13 +128,5 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 10.0
         assert_eq!(r[0], ReportedLoad { kv_usage: 0.25, waiting: 0, total_blocks: 0 });
         assert_eq!(r[1], ReportedLoad { kv_usage: 0.99, waiting: 3, total_blocks: 4096 });
         assert!(parse("garbage\n{{{ 1\n").is_empty());
-    }
-
-    #[test]
-    fn the_context_length_comes_from_v1_models() {
-        let body = br#"{"object":"list","data":[{"id":"a","max_model_len":2048},{"id":"b","max_model_len":4096}]}"#;
-        assert_eq!(max_model_len(body), Some(4096));
-        assert_eq!(max_model_len(br#"{"data":[{"id":"a"}]}"#), None);
-        assert_eq!(max_model_len(b"not json"), None);
     }
 }

@@ -171,8 +171,8 @@ pub fn client_response_header(ex: &Exchange, request_id: &str, worker: &Worker, 
 pub enum Outgoing<'a> {
     /// A request leg's whole request ([`request_wire`]), over its worker's legs' pool.
     Leg(&'a [u8]),
-    /// A health or metrics probe's bodiless `GET` ([`probe_wire`]), over its worker's probes'
-    /// pool (`reuse`) or a fresh connection: a probe never rides on a connection a request
+    /// A request the gateway makes on its own account (a health or metrics probe, a fleet
+    /// operation), over its worker's probes' pool (`reuse`) or a fresh connection: a probe never rides on a connection a request
     /// opened, or a worker that stopped accepting connections would still look healthy.
     Probe {
         /// The request.
@@ -273,9 +273,16 @@ async fn send(mut stream: TcpStream, wire: &[u8]) -> std::io::Result<TcpStream> 
 
 /// A probe's `GET path` for the wire; `keep_alive: false` asks the worker to close after it.
 pub fn probe_wire(worker: &Worker, path: &str, keep_alive: bool) -> Result<Vec<u8>, BadHeader> {
+    control_wire(worker, "GET", path, None, keep_alive)
+}
+
+/// A request the gateway makes of a worker on its own account (a probe, a fleet operation):
+/// `method path`, with `body` as JSON when given.
+fn control_wire(worker: &Worker, method: &str, path: &str, body: Option<&[u8]>, keep_alive: bool) -> Result<Vec<u8>, BadHeader> {
     check_path(path)?;
-    let mut w = Vec::with_capacity(96 + path.len());
-    w.extend_from_slice(b"GET ");
+    let mut w = Vec::with_capacity(128 + path.len() + body.map_or(0, <[u8]>::len));
+    w.extend_from_slice(method.as_bytes());
+    w.push(b' ');
     w.extend_from_slice(path.as_bytes());
     w.extend_from_slice(b" HTTP/1.1\r\n");
     line(&mut w, b"Host", worker.host_header.as_bytes());
@@ -283,7 +290,20 @@ pub fn probe_wire(worker: &Worker, path: &str, keep_alive: bool) -> Result<Vec<u
     if !keep_alive {
         line(&mut w, b"Connection", b"close");
     }
-    w.extend_from_slice(b"\r\n");
+    match body {
+        Some(b) => {
+            line(&mut w, b"Content-Type", b"application/json");
+            line(&mut w, b"Content-Length", b.len().to_string().as_bytes());
+            w.extend_from_slice(b"\r\n");
+            w.extend_from_slice(b);
+        }
+        // A bodiless POST still says so: some servers wait for a length otherwise.
+        None if method != "GET" => {
+            line(&mut w, b"Content-Length", b"0");
+            w.extend_from_slice(b"\r\n");
+        }
+        None => w.extend_from_slice(b"\r\n"),
+    }
     Ok(w)
 }
 
@@ -309,10 +329,32 @@ pub enum ProbeError {
 /// (`Connection: close`); otherwise the connection goes back to the probes' pool when the body
 /// was read whole.
 pub async fn get(gw: &Gateway, worker: &Worker, path: &str, timeout: Duration, max_body: usize, keep_alive: bool) -> Result<(u16, Bytes), ProbeError> {
+    let wire = probe_wire(worker, path, keep_alive).map_err(|e| ProbeError::Exchange(LegError::new(LegErrorKind::Send, &worker.url, e.to_string())))?;
+    probe(gw, worker, &wire, keep_alive, timeout, max_body).await
+}
+
+/// `method path` with a JSON `body` on `worker` within `timeout`, on a fresh connection that
+/// closes after it (fleet operations are rare, and one must never reuse a connection a pause
+/// or a sleep may have left in a strange state): the status and up to `max_body` bytes.
+pub async fn call(
+    gw: &Gateway,
+    worker: &Worker,
+    method: &str,
+    path: &str,
+    body: Option<&[u8]>,
+    timeout: Duration,
+    max_body: usize,
+) -> Result<(u16, Bytes), ProbeError> {
+    let wire =
+        control_wire(worker, method, path, body, false).map_err(|e| ProbeError::Exchange(LegError::new(LegErrorKind::Send, &worker.url, e.to_string())))?;
+    probe(gw, worker, &wire, false, timeout, max_body).await
+}
+
+/// Sends `wire` over the probes' pool (`reuse`) or a fresh connection and reads the answer.
+async fn probe(gw: &Gateway, worker: &Worker, wire: &[u8], reuse: bool, timeout: Duration, max_body: usize) -> Result<(u16, Bytes), ProbeError> {
     let attempt = async {
-        let wire = probe_wire(worker, path, keep_alive).map_err(|e| ProbeError::Exchange(LegError::new(LegErrorKind::Send, &worker.url, e.to_string())))?;
         let cfg = gw.config();
-        let mut ex = exchange(&cfg, worker, Outgoing::Probe { wire: &wire, reuse: keep_alive }, None).await?;
+        let mut ex = exchange(&cfg, worker, Outgoing::Probe { wire, reuse }, None).await?;
         let mut body = BytesMut::new();
         loop {
             match ex.response.read_body().await {
