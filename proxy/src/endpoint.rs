@@ -331,6 +331,11 @@ impl Endpoint {
     pub fn json_body(self) -> bool {
         !matches!(self, Self::Audio | Self::Passthrough)
     }
+
+    /// Whether its clients expect errors in the Anthropic API's shape rather than OpenAI's.
+    pub fn anthropic_errors(self) -> bool {
+        matches!(self, Self::Messages | Self::CountTokens)
+    }
 }
 
 #[cfg(test)]

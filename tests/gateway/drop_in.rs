@@ -48,6 +48,9 @@ async fn unknown_paths_pass_through_and_control_paths_do_not() {
     let (s, text) = call(&c.http, "POST", &c.url("/v1/messages"), Some(&body)).await;
     let v: Value = serde_json::from_str(&text).unwrap();
     assert_eq!((s, v["type"].as_str(), v["error"]["type"].as_str()), (404, Some("error"), Some("not_found_error")), "{v}");
+    let (s, text) = call(&c.http, "GET", &c.url("/v1/messages"), None).await;
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!((s, v["type"].as_str()), (405, Some("error")), "a wrong method on /v1/messages is refused in Anthropic's shape too: {v}");
     let m = c.gateway_metrics().await;
     assert_eq!(m.sum("kvgate_refused_paths_total", &[("reason", "control")]), 6.0);
     assert_eq!(m.sum("kvgate_refused_paths_total", &[("reason", "not_passed_through")]), 1.0);

@@ -126,7 +126,10 @@ impl GatewayApp {
     async fn public(&self, session: &mut ClientConn) -> bool {
         let path = session.req().path();
         let refusal = match PathKind::of(path) {
-            PathKind::Served(ep) if ep.post_only() && !session.req().method_is("POST") => ClientError::method_not_allowed(session.req().method(), path),
+            PathKind::Served(ep) if ep.post_only() && !session.req().method_is("POST") => {
+                let e = ClientError::method_not_allowed(session.req().method(), path);
+                if ep.anthropic_errors() { e.anthropic() } else { e }
+            }
             // A HEAD response carries no body whatever its length says, which the worker
             // side does not read; vLLM's routes answer HEAD 405 themselves.
             PathKind::Served(Endpoint::Passthrough) if session.req().method_is("HEAD") => ClientError::method_not_allowed("HEAD", path),

@@ -230,7 +230,7 @@ fn reroute(gw: &Gateway, req: &mut RequestState, o: MoveOrder) -> Option<Arc<cra
 async fn respond(session: &mut ClientConn, outcome: &Outcome, rid: &str, endpoint: Endpoint) {
     let Outcome::Refused(e) = outcome else { return };
     let ce = e.client_error();
-    let ce = if matches!(endpoint, Endpoint::Messages | Endpoint::CountTokens) { ce.anthropic() } else { ce };
+    let ce = if endpoint.anthropic_errors() { ce.anthropic() } else { ce };
     if matches!(e, GatewayError::Draining) {
         // The connection writes `Connection: close` itself.
         session.close_after();
