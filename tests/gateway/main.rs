@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use vllm_sim::SimConfig;
 
 mod drop_in;
+mod fleet;
 mod openapi;
 
 fn sim(time_scale: f64) -> SimConfig {
