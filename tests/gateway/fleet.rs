@@ -70,3 +70,69 @@ async fn a_real_fleet_serves_its_adapter_and_obeys_fleet_operations() {
     assert_eq!(s, 200, "{v}");
     assert_eq!(v["results"].as_array().unwrap().len(), 2, "{v}");
 }
+
+/// One streamed chat completion; `Err` says what went wrong for the client (a status other than
+/// 200, a broken body, a stream without its finish reason or `[DONE]`).
+async fn one_stream(http: &reqwest::Client, url: &str, n: usize) -> Result<(), String> {
+    let body = json!({"model": "sim-model", "messages": [{"role": "user", "content": format!("pause test {n}")}], "max_tokens": 12, "stream": true});
+    let r = http.post(url).json(&body).send().await.map_err(|e| format!("send: {e}"))?;
+    let status = r.status().as_u16();
+    let text = r.text().await.map_err(|e| format!("body: {e}"))?;
+    if status != 200 {
+        return Err(format!("{status}: {text}"));
+    }
+    let s = kvgate_tests::sse::parse(&text);
+    let finished = s.events.iter().any(|e| !e["choices"][0]["finish_reason"].is_null());
+    if s.done && finished { Ok(()) } else { Err(format!("stream cut: {text}")) }
+}
+
+/// An RL trainer's pause → (weights updated) → resume, under streaming load: requests that
+/// arrive while the fleet is paused wait in the gateway, those in flight freeze on their
+/// worker (`mode=keep`) and continue, and no client sees an error.
+#[tokio::test]
+async fn pausing_the_fleet_under_streaming_load_costs_clients_no_error() {
+    let c = Cluster::sims(2, super::sim(20.0), GatewayOpts::default()).await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let clients: Vec<_> = (0..8)
+        .map(|k| {
+            let (http, url, stop, done) = (c.http.clone(), c.url("/v1/chat/completions"), stop.clone(), done.clone());
+            tokio::spawn(async move {
+                let mut errors = Vec::new();
+                let mut n = 0;
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    if let Err(e) = one_stream(&http, &url, k * 10_000 + n).await {
+                        errors.push(e);
+                    }
+                    n += 1;
+                    done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+                errors
+            })
+        })
+        .collect();
+    let count = || done.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(wait_until(Duration::from_secs(20), || async { count() >= 16 }).await.is_some(), "load runs");
+    let (s, v) = post(&c.http, &c.admin("/pause"), &json!({})).await;
+    eprintln!("pause: {s} {v}");
+    let results = v["results"].as_array().cloned().unwrap_or_default();
+    assert_eq!(results.len(), 2, "{v}");
+    assert!(s == 200 || results.iter().all(|r| r["status"] == 404), "the workers paused, or have no /pause: {v}");
+    // New requests queue in the gateway; nothing more finishes once the ones in flight have.
+    let held = wait_until(Duration::from_secs(20), || async { c.gateway_metrics().await.sum("kvgate_queued_requests", &[]) >= 8.0 }).await;
+    assert!(held.is_some(), "every client's next request waits while paused");
+    let before = count();
+    let (s, v) = post(&c.http, &c.admin("/resume"), &json!({})).await;
+    assert!(s == 200 || v["results"].as_array().unwrap().iter().all(|r| r["status"] == 404), "{v}");
+    assert!(wait_until(Duration::from_secs(20), || async { count() >= before + 16 }).await.is_some(), "load resumes");
+    eprintln!("resume: {s} {v}; {before} streams before, {} after", count());
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut errors = Vec::new();
+    for cl in clients {
+        errors.extend(cl.await.unwrap());
+    }
+    assert!(errors.is_empty(), "{} client errors: {:?}", errors.len(), &errors[..errors.len().min(3)]);
+    let m = c.gateway_metrics().await;
+    assert_eq!(m.sum("kvgate_queued_requests", &[]), 0.0);
+    assert!(m.sum("kvgate_queue_wait_seconds_count", &[]) >= 8.0, "the held requests were counted as queued");
+}
