@@ -1,8 +1,9 @@
 //! Ingestion state of one event source (one worker's DP rank): it turns decoded batches into
 //! index operations and decides when the stream can no longer be trusted.
 //!
-//! - Engine hashes are opaque ids: each `BlockStored` is re-hashed from its `token_ids` with
-//!   kvgate's own chained hash (continuing from the parent's *our* hash), and a map
+//! - Engine hashes are opaque ids: each `BlockStored` is re-hashed from its `token_ids` (and
+//!   its blocks' extra keys: LoRA adapter, `cache_salt`, …) with kvgate's own chained hash
+//!   (continuing from the parent's *our* hash), and a map
 //!   engine hash → (our hash, references) serves later parents and `BlockRemoved`.
 //! - Sequence numbers: the next expected is `last + 1`. A jump ahead is a gap (replay from
 //!   `last + 1` when a replay endpoint exists). A number at or below the last one means the
@@ -245,7 +246,7 @@ impl Applier {
                         self.counts.block_size_mismatch += 1;
                         continue;
                     }
-                    let ours = self.hasher.with_lora(s.lora_name.as_deref()).chain(parent, &s.token_ids);
+                    let ours = self.hasher.with_lora(s.lora_name.as_deref()).chain_with(parent, &s.token_ids, &s.extras);
                     match index.insert(self.worker, parent, &ours) {
                         Ok(()) => {}
                         Err(IndexError::UnknownParent(_)) if skip_orphans => {

@@ -6,6 +6,13 @@
 //!   (older vLLM); unknown keys and extra trailing elements are ignored;
 //! - block hashes are msgpack ints (any width; negative i64 from old Python `hash()` kept as
 //!   their bits) or byte strings (the last 8 bytes, big-endian, as vLLM converts them);
+//! - `extra_keys` (vLLM's per-block extra hash keys: the LoRA name first when `lora_name` is set,
+//!   then `(mm_identifier, offset)` pairs, the `cache_salt` string, prompt-embeddings digests)
+//!   becomes one extra digest per block ([`Stored::extras`], crate::hash's module doc): a salt
+//!   alone digests as a request's `cache_salt` does; anything else, and an `extra_keys` whose
+//!   shape is not vLLM's (a length other than the block count, an entry that is not a list),
+//!   gives opaque digests, so those blocks stay in the index as chain links yet match no text
+//!   request;
 //! - anything else is a [`DecodeError`]: the caller counts it and skips the batch, never panics.
 
 use rmpv::Value;
@@ -58,6 +65,9 @@ pub struct Stored {
     pub group_idx: Option<u64>,
     /// Attention kind of the group (`full_attention`, `sliding_window`, …).
     pub spec_kind: Option<String>,
+    /// Per block, the digest of its extra hash keys other than the LoRA name (`None`: none);
+    /// empty when the event has no `extra_keys` at all.
+    pub extras: Vec<Option<u64>>,
 }
 
 impl Event {
@@ -157,26 +167,77 @@ fn block_size(v: Option<&Value>) -> Result<usize, DecodeError> {
     }
 }
 
-fn check_stored(s: Stored) -> Result<Event, DecodeError> {
+fn check_stored(mut s: Stored, extra_keys: Option<&Value>) -> Result<Event, DecodeError> {
     if s.token_ids.len() != s.hashes.len() * s.block_size {
         return err(format!("{} token ids for {} blocks of {}", s.token_ids.len(), s.hashes.len(), s.block_size));
     }
+    s.extras = extras(extra_keys, s.lora_name.as_deref(), s.hashes.len());
     Ok(Event::Stored(s))
+}
+
+/// The per-block extra digests of an event's `extra_keys` (the module doc says how).
+fn extras(v: Option<&Value>, lora_name: Option<&str>, blocks: usize) -> Vec<Option<u64>> {
+    let entries = match v {
+        None | Some(Value::Nil) => return Vec::new(),
+        Some(Value::Array(a)) if a.len() == blocks => a,
+        // Not vLLM's shape: which block a key belongs to is unknown, so none may match.
+        Some(other) => return vec![Some(opaque(std::slice::from_ref(other))); blocks],
+    };
+    let digests: Vec<Option<u64>> = entries
+        .iter()
+        .map(|e| match e {
+            Value::Nil => None,
+            Value::Array(keys) => block_extra(keys, lora_name),
+            other => Some(opaque(std::slice::from_ref(other))),
+        })
+        .collect();
+    // Nothing but LoRA names (or nils): the plain chain, without a vector to carry.
+    if digests.iter().all(Option::is_none) { Vec::new() } else { digests }
+}
+
+/// One block's extra digest: its keys less the leading LoRA name; `None` when nothing is left.
+fn block_extra(keys: &[Value], lora_name: Option<&str>) -> Option<u64> {
+    let rest = match (keys.first(), lora_name) {
+        (Some(Value::String(first)), Some(name)) if first.as_str() == Some(name) => &keys[1..],
+        _ => keys,
+    };
+    match rest {
+        [] => None,
+        [Value::String(salt)] => Some(match salt.as_str() {
+            Some(salt) => crate::hash::salt_digest(salt),
+            None => opaque(rest),
+        }),
+        _ => Some(opaque(rest)),
+    }
+}
+
+/// The opaque digest of some extra keys, over their msgpack encoding.
+fn opaque(keys: &[Value]) -> u64 {
+    let mut buf = Vec::new();
+    for k in keys {
+        // Writing into a Vec cannot fail.
+        let _ = rmpv::encode::write_value(&mut buf, k);
+    }
+    crate::hash::opaque_digest(&buf)
 }
 
 fn decode_event(v: &Value) -> Result<Event, DecodeError> {
     match v {
         Value::Map(m) => match get(m, "type").and_then(Value::as_str) {
-            Some("BlockStored") => check_stored(Stored {
-                hashes: hashes(get(m, "block_hashes").ok_or_else(|| DecodeError("BlockStored without block_hashes".into()))?)?,
-                parent: opt_hash(get(m, "parent_block_hash"))?,
-                token_ids: tokens(get(m, "token_ids").ok_or_else(|| DecodeError("BlockStored without token_ids".into()))?)?,
-                block_size: block_size(get(m, "block_size"))?,
-                lora_name: opt_str(get(m, "lora_name")),
-                medium: opt_str(get(m, "medium")),
-                group_idx: opt_u64(get(m, "group_idx")),
-                spec_kind: opt_str(get(m, "kv_cache_spec_kind")),
-            }),
+            Some("BlockStored") => check_stored(
+                Stored {
+                    hashes: hashes(get(m, "block_hashes").ok_or_else(|| DecodeError("BlockStored without block_hashes".into()))?)?,
+                    parent: opt_hash(get(m, "parent_block_hash"))?,
+                    token_ids: tokens(get(m, "token_ids").ok_or_else(|| DecodeError("BlockStored without token_ids".into()))?)?,
+                    block_size: block_size(get(m, "block_size"))?,
+                    lora_name: opt_str(get(m, "lora_name")),
+                    medium: opt_str(get(m, "medium")),
+                    group_idx: opt_u64(get(m, "group_idx")),
+                    spec_kind: opt_str(get(m, "kv_cache_spec_kind")),
+                    extras: Vec::new(),
+                },
+                get(m, "extra_keys"),
+            ),
             Some("BlockRemoved") => Ok(Event::Removed {
                 hashes: hashes(get(m, "block_hashes").ok_or_else(|| DecodeError("BlockRemoved without block_hashes".into()))?)?,
                 medium: opt_str(get(m, "medium")),
@@ -193,16 +254,20 @@ fn decode_event(v: &Value) -> Result<Event, DecodeError> {
                 if a.len() < 5 {
                     return err("BlockStored array too short");
                 }
-                check_stored(Stored {
-                    hashes: hashes(&a[1])?,
-                    parent: opt_hash(Some(&a[2]))?,
-                    token_ids: tokens(&a[3])?,
-                    block_size: block_size(Some(&a[4]))?,
-                    medium: opt_str(a.get(6)),
-                    lora_name: opt_str(a.get(7)),
-                    group_idx: opt_u64(a.get(9)),
-                    spec_kind: opt_str(a.get(10)),
-                })
+                check_stored(
+                    Stored {
+                        hashes: hashes(&a[1])?,
+                        parent: opt_hash(Some(&a[2]))?,
+                        token_ids: tokens(&a[3])?,
+                        block_size: block_size(Some(&a[4]))?,
+                        medium: opt_str(a.get(6)),
+                        lora_name: opt_str(a.get(7)),
+                        group_idx: opt_u64(a.get(9)),
+                        spec_kind: opt_str(a.get(10)),
+                        extras: Vec::new(),
+                    },
+                    a.get(8),
+                )
             }
             // ["BlockRemoved", hashes, medium, group_idx, ...]
             Some("BlockRemoved") if a.len() >= 2 => Ok(Event::Removed { hashes: hashes(&a[1])?, medium: opt_str(a.get(2)), group_idx: opt_u64(a.get(3)) }),
@@ -235,6 +300,7 @@ mod tests {
                     medium: Some("GPU".into()),
                     group_idx: Some(0),
                     spec_kind: Some("full_attention".into()),
+                    extras: Vec::new(),
                 }),
                 Event::Removed { hashes: vec![9561501211280363793], medium: Some("GPU".into()), group_idx: Some(0) },
                 Event::AllCleared,
@@ -311,6 +377,85 @@ mod tests {
         rmp::encode::write_uint(&mut b, 1).unwrap();
         rmp::encode::write_uint(&mut b, 16).unwrap();
         assert!(decode_batch(&b).unwrap_err().0.contains("token ids"));
+    }
+
+    /// A batch of one `BlockStored` of two 1-token blocks, map form (`array: false`) or
+    /// positional, with `extra_keys` and `lora_name` as given.
+    fn stored_with_extras(extra_keys: Value, lora_name: Option<&str>, array: bool) -> Vec<u8> {
+        let lora = lora_name.map_or(Value::Nil, Value::from);
+        let hashes = Value::Array(vec![Value::from(11u64), Value::from(12u64)]);
+        let tokens = Value::Array(vec![Value::from(5u64), Value::from(6u64)]);
+        let event = if array {
+            Value::Array(vec!["BlockStored".into(), hashes, Value::Nil, tokens, 1u64.into(), Value::Nil, "GPU".into(), lora, extra_keys])
+        } else {
+            Value::Map(vec![
+                ("type".into(), "BlockStored".into()),
+                ("block_hashes".into(), hashes),
+                ("parent_block_hash".into(), Value::Nil),
+                ("token_ids".into(), tokens),
+                ("block_size".into(), 1u64.into()),
+                ("lora_name".into(), lora),
+                ("extra_keys".into(), extra_keys),
+            ])
+        };
+        let mut b = Vec::new();
+        rmpv::encode::write_value(&mut b, &Value::Array(vec![Value::F64(1.0), Value::Array(vec![event])])).unwrap();
+        b
+    }
+
+    fn decoded_extras(extra_keys: Value, lora_name: Option<&str>) -> Vec<Option<u64>> {
+        let map = decode_batch(&stored_with_extras(extra_keys.clone(), lora_name, false)).unwrap();
+        let arr = decode_batch(&stored_with_extras(extra_keys, lora_name, true)).unwrap();
+        let extras = |b: Batch| match b.events.into_iter().next() {
+            Some(Event::Stored(s)) => s.extras,
+            other => panic!("{other:?}"),
+        };
+        let (m, a) = (extras(map), extras(arr));
+        assert_eq!(m, a, "map and array forms agree");
+        m
+    }
+
+    fn list(items: Vec<Value>) -> Value {
+        Value::Array(items)
+    }
+
+    // vLLM 0.32's `to_event_extra_keys` of a salted LoRA request is `[("sql", "s1"), ("sql",)]`.
+    #[test]
+    fn a_salt_digests_as_the_request_side_and_the_lora_name_is_not_an_extra() {
+        use crate::hash::salt_digest;
+        let salt = Some(salt_digest("s1"));
+        assert_eq!(decoded_extras(list(vec![list(vec!["s1".into()]), Value::Nil]), None), vec![salt, None]);
+        assert_eq!(decoded_extras(list(vec![list(vec!["sql".into(), "s1".into()]), list(vec!["sql".into()])]), Some("sql")), vec![salt, None]);
+        // The LoRA name alone, or nothing: no extras at all.
+        assert_eq!(decoded_extras(list(vec![list(vec!["sql".into()]), list(vec!["sql".into()])]), Some("sql")), Vec::<Option<u64>>::new());
+        assert_eq!(decoded_extras(list(vec![Value::Nil, Value::Nil]), None), Vec::<Option<u64>>::new());
+        assert_eq!(decoded_extras(Value::Nil, None), Vec::<Option<u64>>::new());
+        // A salt that happens to equal the adapter's name is still the salt.
+        assert_eq!(decoded_extras(list(vec![list(vec!["sql".into(), "sql".into()]), Value::Nil]), Some("sql"))[0], Some(salt_digest("sql")));
+    }
+
+    #[test]
+    fn multimodal_embeds_and_bad_shapes_are_opaque_never_a_panic() {
+        let odd = |v: &[Option<u64>]| v.iter().all(|d| d.is_some_and(|d| d & 1 == 1));
+        let mm = list(vec!["a1b2".into(), 0u64.into()]);
+        // (mm_identifier, offset) pairs, with or without a salt after them.
+        let e = decoded_extras(list(vec![list(vec![mm.clone()]), list(vec![mm.clone(), "s1".into()])]), None);
+        assert!(odd(&e), "{e:?}");
+        assert_ne!(e[0], e[1]);
+        // A prompt-embeddings digest (bytes).
+        assert!(odd(&decoded_extras(list(vec![list(vec![Value::Binary(vec![7; 32])]), list(vec![Value::Binary(vec![8; 32])])]), None)));
+        // Not vLLM's shape: a length other than the block count, entries that are not lists,
+        // `extra_keys` that is not a list, a salt that is not UTF-8.
+        for bad in [list(vec![list(vec!["s1".into()])]), list(vec!["s1".into(), Value::Nil]), Value::from(3u64)] {
+            let e = decoded_extras(bad.clone(), None);
+            assert!(e.first().is_some_and(|d| d.is_some_and(|d| d & 1 == 1)), "{bad}: {e:?}");
+        }
+        // A salt that is not UTF-8 (the msgpack str `QQ` patched to two invalid bytes).
+        let mut b = stored_with_extras(list(vec![list(vec!["QQ".into()]), Value::Nil]), None, false);
+        let at = b.windows(3).position(|w| w == [0xa2, b'Q', b'Q']).unwrap();
+        b[at + 1..at + 3].copy_from_slice(&[0xff, 0xfe]);
+        let Event::Stored(s) = &decode_batch(&b).unwrap().events[0] else { panic!() };
+        assert!(s.extras[0].is_some_and(|d| d & 1 == 1), "{:?}", s.extras);
     }
 
     #[test]

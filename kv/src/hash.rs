@@ -12,6 +12,17 @@
 //! Requests and event `token_ids` go through this same function, so kvgate never depends on
 //! vLLM's hash algorithm or `PYTHONHASHSEED`: engine hashes are only ids for parent links and
 //! removals.
+//!
+//! **Extra keys.** vLLM mixes more than tokens into a block's hash: the LoRA adapter (every
+//! block; here, the seed above), a request's `cache_salt` (the first block only, so every later
+//! block differs through the chain), multimodal items and prompt embeddings (the blocks they
+//! cover). Such a block's extra keys reduce to one 64-bit *extra digest* ([`salt_digest`] for a
+//! salt alone, [`opaque_digest`] for anything else), and the block's content hash is taken with
+//! the seed `seed ^ mix(extra)` ([`Hasher::chain_with`]). A salt's digest is the same from a
+//! request's `cache_salt` and from a `BlockStored` event's `extra_keys`, so salted prefixes
+//! match only requests with the same salt; opaque digests are odd and salt digests even, so a
+//! multimodal or embeddings block never matches a text request. Blocks without extra keys hash
+//! exactly as before ([`Hasher::chain`]).
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -58,6 +69,34 @@ impl Hasher {
         if h == 0 { 1 } else { h }
     }
 
+    /// Hash of one full block whose extra keys digest to `extra` (see the module doc); `None`
+    /// is [`Hasher::block`].
+    #[inline]
+    pub fn block_with(&self, parent: Option<BlockHash>, tokens: &[u32], extra: Option<u64>) -> BlockHash {
+        let Some(extra) = extra else { return self.block(parent, tokens) };
+        debug_assert_eq!(tokens.len(), self.block_size);
+        let content = xxh3_64_with_seed(bytemuck::cast_slice(tokens), self.seed ^ mix(extra));
+        let h = link(parent.unwrap_or(self.seed), content);
+        if h == 0 { 1 } else { h }
+    }
+
+    /// [`Hasher::chain`] with per-block extra digests: `extras[i]` belongs to the `i`-th full
+    /// block of `tokens`; blocks past the end of `extras` have none. Without any extra digest it
+    /// is [`Hasher::chain`] itself (the fast path).
+    pub fn chain_with(&self, parent: Option<BlockHash>, tokens: &[u32], extras: &[Option<u64>]) -> Vec<BlockHash> {
+        if extras.iter().all(Option::is_none) {
+            return self.chain(parent, tokens);
+        }
+        let mut out = Vec::with_capacity(tokens.len() / self.block_size);
+        let mut prev = parent;
+        for (i, block) in tokens.chunks_exact(self.block_size).enumerate() {
+            let h = self.block_with(prev, block, extras.get(i).copied().flatten());
+            out.push(h);
+            prev = Some(h);
+        }
+        out
+    }
+
     /// Chained hashes of every full block of `tokens`, continuing from `parent`.
     pub fn chain(&self, parent: Option<BlockHash>, tokens: &[u32]) -> Vec<BlockHash> {
         let mut out = Vec::with_capacity(tokens.len() / self.block_size);
@@ -72,9 +111,28 @@ impl Hasher {
 
     /// Hashes of at most `max_blocks` leading full blocks (routing rarely needs more).
     pub fn chain_prefix(&self, tokens: &[u32], max_blocks: usize) -> Vec<BlockHash> {
-        let n = (tokens.len() / self.block_size).min(max_blocks);
-        self.chain(None, &tokens[..n * self.block_size])
+        self.chain_prefix_with(tokens, max_blocks, &[])
     }
+
+    /// [`Hasher::chain_prefix`] with per-block extra digests, as [`Hasher::chain_with`].
+    pub fn chain_prefix_with(&self, tokens: &[u32], max_blocks: usize, extras: &[Option<u64>]) -> Vec<BlockHash> {
+        let n = (tokens.len() / self.block_size).min(max_blocks);
+        self.chain_with(None, &tokens[..n * self.block_size], extras)
+    }
+}
+
+/// The extra digest of a block whose only extra key (besides the LoRA adapter) is the
+/// request's `cache_salt`: the same from a request body and from a KV event. Even, so it never
+/// equals an [`opaque_digest`]. vLLM ignores an empty salt; callers pass only non-empty ones.
+pub fn salt_digest(salt: &str) -> u64 {
+    xxh3_64_with_seed(salt.as_bytes(), 0x5361_6c74) & !1
+}
+
+/// The extra digest of a block whose extra keys are anything but a salt alone (multimodal
+/// items, prompt-embeddings digests, a shape kvgate does not know), from their encoded bytes.
+/// Odd, so no text request (whose blocks carry at most a [`salt_digest`]) can match it.
+pub fn opaque_digest(encoded_keys: &[u8]) -> u64 {
+    xxh3_64_with_seed(encoded_keys, 0x4f70_6171) | 1
 }
 
 /// One link of the chain: a bijection of the parent for a fixed block and of the block for a
@@ -164,6 +222,34 @@ mod tests {
         let big = Hasher::new(128, 1);
         let t2: Vec<u32> = (0..256).collect();
         assert_eq!(big.chain(None, &t2).len(), 2);
+    }
+
+    #[test]
+    fn extra_digests_separate_blocks_and_change_every_later_hash() {
+        let h = Hasher::new(4, DEFAULT_SEED);
+        let t: Vec<u32> = (0..12).collect();
+        let plain = h.chain(None, &t);
+        // No extras (or only `None`s) is the plain chain.
+        assert_eq!(h.chain_with(None, &t, &[]), plain);
+        assert_eq!(h.chain_with(None, &t, &[None, None, None, None]), plain);
+        // A salt on block 0 changes it and, through the chain, every block after it.
+        let salt = salt_digest("tenant-a");
+        let salted = h.chain_with(None, &t, &[Some(salt)]);
+        assert!(salted.iter().zip(&plain).all(|(a, b)| a != b));
+        assert_eq!(salted, h.chain_with(None, &t, &[Some(salt), None, None]));
+        assert_ne!(salted, h.chain_with(None, &t, &[Some(salt_digest("tenant-b"))]));
+        // Continuing a salted chain needs no extras after block 0.
+        assert_eq!(h.chain_with(Some(salted[0]), &t[4..], &[]), salted[1..]);
+        assert_eq!(h.chain_prefix_with(&t, 2, &[Some(salt)]), salted[..2]);
+        // Salt digests are even, opaque ones odd: never equal.
+        for s in ["", "a", "tenant-a", "x".repeat(100).as_str()] {
+            assert_eq!(salt_digest(s) & 1, 0);
+            assert_eq!(opaque_digest(s.as_bytes()) & 1, 1);
+        }
+        // The LoRA seed and an extra digest combine: neither alone gives the same hash.
+        let lora = h.with_lora(Some("sql"));
+        assert_ne!(lora.chain_with(None, &t, &[Some(salt)]), salted);
+        assert_ne!(lora.chain_with(None, &t, &[Some(salt)]), lora.chain(None, &t));
     }
 
     #[test]

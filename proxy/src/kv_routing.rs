@@ -137,6 +137,14 @@ impl KvRouting {
         self.hasher.chain_prefix(tokens, self.max_prefix_blocks)
     }
 
+    /// [`KvRouting::chain`] for a request with a `cache_salt` ([`salt_digest`](kvgate_kv::hash::salt_digest) of it): vLLM mixes
+    /// the salt into the first block's hash only, and so, through the chain, into every block;
+    /// the workers' events carry it the same way, so a salted prompt matches only blocks cached
+    /// under the same salt.
+    pub fn chain_salted(&self, tokens: &[u32], salt: Option<u64>) -> Vec<BlockHash> {
+        self.hasher.chain_prefix_with(tokens, self.max_prefix_blocks, &[salt])
+    }
+
     /// Cached leading blocks per index id.
     pub fn cached(&self, chain: &[BlockHash]) -> Matches {
         match &self.cache {
@@ -205,6 +213,7 @@ pub fn source_label(url: &UpstreamUrl, rank: u32) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvgate_kv::hash::salt_digest;
 
     fn routing(kv_events: bool) -> KvRouting {
         let yaml = format!(
@@ -212,6 +221,21 @@ mod tests {
         );
         let cfg = crate::config::load_str(&yaml, "t", Vec::<(String, String)>::new()).unwrap();
         KvRouting::build(&cfg.models[0]).unwrap()
+    }
+
+    #[test]
+    fn a_salted_prompt_matches_only_blocks_cached_under_its_salt() {
+        let kv = routing(true);
+        let Cache::Events(idx) = &kv.cache else { panic!("events mode") };
+        let tokens: Vec<u32> = (0..16 * 4).collect();
+        let salt = Some(salt_digest("tenant-a"));
+        assert_eq!(kv.chain_salted(&tokens, None), kv.chain(&tokens));
+        idx.insert(0, None, &kv.chain(&tokens)).unwrap();
+        assert_eq!(kv.cached(&kv.chain(&tokens)).get(0), 4);
+        assert_eq!(kv.cached(&kv.chain_salted(&tokens, salt)).get(0), 0, "an unsalted prefix is no hit for a salted prompt");
+        idx.insert(0, None, &kv.chain_salted(&tokens, salt)).unwrap();
+        assert_eq!(kv.cached(&kv.chain_salted(&tokens, salt)).get(0), 4);
+        assert_eq!(kv.cached(&kv.chain_salted(&tokens, Some(salt_digest("tenant-b")))).get(0), 0);
     }
 
     #[test]

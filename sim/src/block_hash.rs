@@ -9,6 +9,12 @@
 //! simulator's events sees what a real vLLM run with `--prefix-caching-hash-algo sha256_cbor`
 //! and the same `PYTHONHASHSEED` would publish.
 //!
+//! A block's *extra keys* go in the third slot: CBOR null without any, else the list of vLLM's
+//! tagged keys ([`ExtraKey`]), in its order: `["lora", name, path]` on every block of a LoRA
+//! request, then `["cache_salt", salt]` on the first block of a salted request (so a salt changes
+//! every later block through the chain). [`ExtraKey::event_value`] is the untagged form vLLM 0.32
+//! publishes in `BlockStored.extra_keys`.
+//!
 //! This module owns only the hash function; which blocks get hashed is the KV cache's business.
 
 use sha2::{Digest, Sha256};
@@ -63,6 +69,49 @@ pub fn hash_block(parent: Option<&BlockHash>, tokens: &[u32]) -> BlockHash {
 
 /// Hashes one full block of tokens chained to `parent` (the chain root for the first block).
 pub fn hash_block_from(parent: &BlockHash, tokens: &[u32]) -> BlockHash {
+    hash_block_with(parent, tokens, &[])
+}
+
+/// One of vLLM's extra hash keys of a block (`generate_block_hash_extra_keys`), as it is
+/// hashed: tagged with its source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExtraKey<'a> {
+    /// The request's LoRA adapter: `("lora", name, path)`, on every block.
+    Lora {
+        /// Adapter name.
+        name: &'a str,
+        /// Adapter path.
+        path: &'a str,
+    },
+    /// The request's `cache_salt`: `("cache_salt", salt)`, on the first block only.
+    CacheSalt(&'a str),
+}
+
+impl<'a> ExtraKey<'a> {
+    /// The untagged value vLLM publishes in a `BlockStored` event's `extra_keys`
+    /// (`to_event_extra_keys`): the adapter's name, or the salt.
+    pub fn event_value(&self) -> &'a str {
+        match self {
+            ExtraKey::Lora { name, .. } => name,
+            ExtraKey::CacheSalt(salt) => salt,
+        }
+    }
+
+    fn write_cbor(&self, buf: &mut Vec<u8>) {
+        let texts: &[&str] = match self {
+            ExtraKey::Lora { name, path } => &["lora", name, path],
+            ExtraKey::CacheSalt(salt) => &["cache_salt", salt],
+        };
+        cbor_head(buf, 4, texts.len() as u64);
+        for t in texts {
+            cbor_head(buf, 3, t.len() as u64);
+            buf.extend_from_slice(t.as_bytes());
+        }
+    }
+}
+
+/// Hashes one full block of tokens with its extra keys (none: [`hash_block_from`]).
+pub fn hash_block_with(parent: &BlockHash, tokens: &[u32], extra: &[ExtraKey<'_>]) -> BlockHash {
     // 1 + 34 (bytes head + digest) + 9 (array head) + 5 per token + 1 (null)
     let mut buf = Vec::with_capacity(48 + tokens.len() * 5);
     cbor_head(&mut buf, 4, 3);
@@ -72,7 +121,12 @@ pub fn hash_block_from(parent: &BlockHash, tokens: &[u32]) -> BlockHash {
     for &t in tokens {
         cbor_head(&mut buf, 0, u64::from(t));
     }
-    buf.push(0xf6); // extra_keys = None
+    if extra.is_empty() {
+        buf.push(0xf6); // extra_keys = None
+    } else {
+        cbor_head(&mut buf, 4, extra.len() as u64);
+        extra.iter().for_each(|k| k.write_cbor(&mut buf));
+    }
     BlockHash(Sha256::digest(&buf).into())
 }
 
@@ -122,6 +176,21 @@ mod tests {
         assert_eq!(hash_block_from(&root, &[1, 2, 3, 4]).wire_id(), 2164874634404590027);
         assert_eq!(root_hash(None), none_hash());
         assert_ne!(root_hash(Some("00")), root);
+    }
+
+    // Known answers from vLLM 0.32's own `hash_block_tokens(sha256_cbor, ...)` with the extra
+    // keys its `generate_block_hash_extra_keys` makes for a salted request (`cache_salt` "s1"),
+    // and for the same request on LoRA adapter "sql" at "/lora/sql".
+    #[test]
+    fn salted_and_lora_blocks_match_vllm() {
+        let b0 = hash_block_with(&none_hash(), &[1, 2, 3, 4], &[ExtraKey::CacheSalt("s1")]);
+        assert_eq!(b0.wire_id(), 13058387990771713016);
+        assert_eq!(hash_block(Some(&b0), &[5, 6, 7, 8]).wire_id(), 6674538477739822157);
+        let lora = ExtraKey::Lora { name: "sql", path: "/lora/sql" };
+        let l0 = hash_block_with(&none_hash(), &[1, 2, 3, 4], &[lora, ExtraKey::CacheSalt("s1")]);
+        assert_eq!(l0.wire_id(), 7159120940714972288);
+        assert_eq!(hash_block_with(&l0, &[5, 6, 7, 8], &[lora]).wire_id(), 14524530562472585525);
+        assert_eq!((lora.event_value(), ExtraKey::CacheSalt("s1").event_value()), ("sql", "s1"));
     }
 
     #[test]

@@ -28,6 +28,8 @@ pub enum KvEvent {
         token_ids: Vec<u32>,
         /// Tokens per block.
         block_size: u32,
+        /// The blocks' LoRA adapter and extra hash keys.
+        keys: BlockKeys,
     },
     /// Cached blocks were evicted (vLLM sends one hash per event).
     BlockRemoved {
@@ -36,6 +38,18 @@ pub enum KvEvent {
     },
     /// The whole prefix cache was dropped.
     AllBlocksCleared,
+}
+
+/// What a `BlockStored` says about its blocks' extra hash keys (vLLM 0.32's `lora_id`,
+/// `lora_name` and `extra_keys`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BlockKeys {
+    /// The LoRA adapter's id and name; `None` for the base model.
+    pub lora: Option<(u32, String)>,
+    /// Per block, the untagged extra keys in vLLM's order (the LoRA name, then the
+    /// `cache_salt` on the prompt's first block), `None` for a block without any; empty when no
+    /// block has any (published as a list of nils, as vLLM does).
+    pub extra_keys: Vec<Option<Vec<String>>>,
 }
 
 /// Which msgpack layout events use on the wire.
@@ -129,10 +143,39 @@ fn write_parent(buf: &mut Vec<u8>, parent: Option<&BlockHash>, format: HashForma
     }
 }
 
-fn write_nil_list(buf: &mut Vec<u8>, n: usize) {
-    let _ = mp::write_array_len(buf, n as u32);
-    for _ in 0..n {
-        let _ = mp::write_nil(buf);
+fn write_opt_str(buf: &mut Vec<u8>, s: Option<&str>) {
+    match s {
+        Some(s) => key(buf, s),
+        None => {
+            let _ = mp::write_nil(buf);
+        }
+    }
+}
+
+fn write_lora_id(buf: &mut Vec<u8>, keys: &BlockKeys) {
+    match &keys.lora {
+        Some((id, _)) => {
+            let _ = mp::write_uint(buf, u64::from(*id));
+        }
+        None => {
+            let _ = mp::write_nil(buf);
+        }
+    }
+}
+
+/// `extra_keys`: one entry per block, nil or the list of its untagged keys.
+fn write_extra_keys(buf: &mut Vec<u8>, keys: &BlockKeys, blocks: usize) {
+    let _ = mp::write_array_len(buf, blocks as u32);
+    for i in 0..blocks {
+        match keys.extra_keys.get(i).and_then(Option::as_ref) {
+            Some(list) => {
+                let _ = mp::write_array_len(buf, list.len() as u32);
+                list.iter().for_each(|k| key(buf, k));
+            }
+            None => {
+                let _ = mp::write_nil(buf);
+            }
+        }
     }
 }
 
@@ -142,7 +185,7 @@ fn key(buf: &mut Vec<u8>, k: &str) {
 
 fn encode_map(buf: &mut Vec<u8>, ev: &KvEvent, hashes: HashFormat) {
     match ev {
-        KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size } => {
+        KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, keys } => {
             buf.extend_from_slice(&[0xde, 0x00, 11]);
             key(buf, "type");
             key(buf, "BlockStored");
@@ -155,13 +198,13 @@ fn encode_map(buf: &mut Vec<u8>, ev: &KvEvent, hashes: HashFormat) {
             key(buf, "block_size");
             let _ = mp::write_uint(buf, u64::from(*block_size));
             key(buf, "lora_id");
-            let _ = mp::write_nil(buf);
+            write_lora_id(buf, keys);
             key(buf, "medium");
             key(buf, MEDIUM_GPU);
             key(buf, "lora_name");
-            let _ = mp::write_nil(buf);
+            write_opt_str(buf, keys.lora.as_ref().map(|(_, n)| n.as_str()));
             key(buf, "extra_keys");
-            write_nil_list(buf, block_hashes.len());
+            write_extra_keys(buf, keys, block_hashes.len());
             key(buf, "group_idx");
             let _ = mp::write_uint(buf, 0);
             key(buf, "kv_cache_spec_kind");
@@ -188,17 +231,17 @@ fn encode_map(buf: &mut Vec<u8>, ev: &KvEvent, hashes: HashFormat) {
 
 fn encode_array(buf: &mut Vec<u8>, ev: &KvEvent, hashes: HashFormat) {
     match ev {
-        KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size } => {
+        KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, keys } => {
             buf.extend_from_slice(&[0xdc, 0x00, 16]);
             key(buf, "BlockStored");
             write_hashes(buf, block_hashes, hashes);
             write_parent(buf, parent_block_hash.as_ref(), hashes);
             write_tokens(buf, token_ids);
             let _ = mp::write_uint(buf, u64::from(*block_size));
-            let _ = mp::write_nil(buf); // lora_id
+            write_lora_id(buf, keys);
             key(buf, MEDIUM_GPU);
-            let _ = mp::write_nil(buf); // lora_name
-            write_nil_list(buf, block_hashes.len()); // extra_keys
+            write_opt_str(buf, keys.lora.as_ref().map(|(_, n)| n.as_str()));
+            write_extra_keys(buf, keys, block_hashes.len());
             let _ = mp::write_uint(buf, 0); // group_idx
             key(buf, SPEC_KIND);
             for _ in 0..5 {
@@ -236,7 +279,7 @@ mod tests {
         // hash_block(None, [1, 2, 3, 4]) is the vector's 9561501211280363793 on the wire.
         let h = hash_block(None, &[1, 2, 3, 4]);
         vec![
-            KvEvent::BlockStored { block_hashes: vec![h], parent_block_hash: None, token_ids: vec![1, 2, 3, 4], block_size: 4 },
+            KvEvent::BlockStored { block_hashes: vec![h], parent_block_hash: None, token_ids: vec![1, 2, 3, 4], block_size: 4, keys: BlockKeys::default() },
             KvEvent::BlockRemoved { block_hashes: vec![h] },
             KvEvent::AllBlocksCleared,
         ]
@@ -261,7 +304,13 @@ mod tests {
         let b1 = hash_block(Some(&b0), &[5, 6, 7, 8]);
         let b2 = hash_block(Some(&b1), &[9, 10, 11, 12]);
         let events = vec![
-            KvEvent::BlockStored { block_hashes: vec![b1, b2], parent_block_hash: Some(b0), token_ids: (5..13).collect(), block_size: 4 },
+            KvEvent::BlockStored {
+                block_hashes: vec![b1, b2],
+                parent_block_hash: Some(b0),
+                token_ids: (5..13).collect(),
+                block_size: 4,
+                keys: BlockKeys::default(),
+            },
             KvEvent::BlockRemoved { block_hashes: vec![b2] },
         ];
         (events, [b0, b1, b2])
@@ -315,6 +364,31 @@ mod tests {
         let bytes = encode_batch(0.0, &events[1..], 0, EventFormat::Map, HashFormat::Bytes);
         let at = bytes.windows(2).position(|w| w == [0xc4, 0x20]).expect("bin8 header");
         assert_eq!(&bytes[at + 2..at + 34], &b2.0);
+    }
+
+    // A salted LoRA request's first store, as vLLM 0.32 publishes it (captured from a real
+    // server: `lora_id` 1, `lora_name`, `extra_keys` [["tiny-lora", "s1"], ["tiny-lora"]]).
+    #[test]
+    fn lora_and_salt_keys_are_published_as_vllm_publishes_them() {
+        let keys =
+            BlockKeys { lora: Some((1, "tiny-lora".into())), extra_keys: vec![Some(vec!["tiny-lora".into(), "s1".into()]), Some(vec!["tiny-lora".into()])] };
+        let h = hash_block(None, &[1]);
+        let ev = KvEvent::BlockStored { block_hashes: vec![h, h], parent_block_hash: None, token_ids: vec![1, 2], block_size: 1, keys };
+        let map = hex(&encode_batch(0.0, std::slice::from_ref(&ev), 0, EventFormat::Map, HashFormat::Int));
+        let want = "a76c6f72615f696401a66d656469756da3475055a96c6f72615f6e616d65a974696e792d6c6f7261aa65787472615f6b6579739292a974696e792d6c6f7261a2733191a974696e792d6c6f7261";
+        assert!(map.contains(want), "{map}");
+        // The positional form has them at indices 5, 7 and 8.
+        let arr = encode_batch(0.0, &[ev], 0, EventFormat::Array, HashFormat::Int);
+        let batch = rmpv::decode::read_value(&mut arr.as_slice()).unwrap();
+        let stored = batch[1][0].as_array().unwrap().clone();
+        assert_eq!(stored[5], Value::from(1));
+        assert_eq!(stored[7], Value::from("tiny-lora"));
+        assert_eq!(stored[8], Value::Array(vec![Value::Array(vec!["tiny-lora".into(), "s1".into()]), Value::Array(vec!["tiny-lora".into()])]));
+        // A salted base-model request: the salt alone on block 0, nil after it.
+        let keys = BlockKeys { lora: None, extra_keys: vec![Some(vec!["s1".into()])] };
+        let ev = KvEvent::BlockStored { block_hashes: vec![h, h], parent_block_hash: None, token_ids: vec![1, 2], block_size: 1, keys };
+        let map = hex(&encode_batch(0.0, &[ev], 0, EventFormat::Map, HashFormat::Int));
+        assert!(map.contains("a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c0aa65787472615f6b6579739291a27331c0"), "{map}");
     }
 
     #[test]

@@ -14,7 +14,7 @@
 //! The pool does not know about requests; the scheduler owns which blocks a request holds.
 
 use crate::block_hash::BlockHash;
-use crate::events::KvEvent;
+use crate::events::{BlockKeys, KvEvent};
 use std::collections::HashMap;
 
 /// Index of a block in the pool.
@@ -131,8 +131,9 @@ impl BlockPool {
     }
 
     /// Records that `ids` now hold full blocks with `hashes` (same length) and emits one
-    /// `BlockStored` covering them. `parent` is the hash of the block before the first one.
-    pub fn cache_full_blocks(&mut self, ids: &[BlockId], hashes: &[BlockHash], parent: Option<&BlockHash>, token_ids: &[u32]) {
+    /// `BlockStored` covering them. `parent` is the hash of the block before the first one;
+    /// `keys` the blocks' LoRA adapter and extra hash keys, published with them.
+    pub fn cache_full_blocks(&mut self, ids: &[BlockId], hashes: &[BlockHash], parent: Option<&BlockHash>, token_ids: &[u32], keys: BlockKeys) {
         if !self.enable_caching || ids.is_empty() {
             return;
         }
@@ -147,6 +148,7 @@ impl BlockPool {
             parent_block_hash: parent.copied(),
             token_ids: token_ids.to_vec(),
             block_size: self.block_size as u32,
+            keys,
         });
     }
 
@@ -240,7 +242,7 @@ mod tests {
         let ids = p.allocate(2).unwrap();
         assert!(!ids.contains(&0));
         assert_eq!(p.usage(), 0.5);
-        p.cache_full_blocks(&ids, &[h(1), h(2)], None, &[1, 1, 1, 1, 2, 2, 2, 2]);
+        p.cache_full_blocks(&ids, &[h(1), h(2)], None, &[1, 1, 1, 1, 2, 2, 2, 2], BlockKeys::default());
         p.free(ids.iter().rev());
         assert_eq!(p.usage(), 0.0, "cached but unreferenced blocks are free");
         assert_eq!(p.lookup(&h(1)), Some(ids[0]));
@@ -251,7 +253,7 @@ mod tests {
     fn eviction_takes_lru_head_and_request_tail_first() {
         let mut p = BlockPool::new(5, 4, true);
         let a = p.allocate(4).unwrap();
-        p.cache_full_blocks(&a, &[h(1), h(2), h(3), h(4)], None, &[0; 16]);
+        p.cache_full_blocks(&a, &[h(1), h(2), h(3), h(4)], None, &[0; 16], BlockKeys::default());
         p.take_events();
         // Freed last-first, as the scheduler does: block of h(4) becomes the LRU head.
         p.free(a.iter().rev());
@@ -267,7 +269,7 @@ mod tests {
     fn touching_a_cached_block_protects_it_from_eviction() {
         let mut p = BlockPool::new(4, 4, true);
         let a = p.allocate(3).unwrap();
-        p.cache_full_blocks(&a, &[h(1), h(2), h(3)], None, &[0; 12]);
+        p.cache_full_blocks(&a, &[h(1), h(2), h(3)], None, &[0; 12], BlockKeys::default());
         p.free(a.iter().rev());
         p.touch(&[a[2]]); // LRU head is now pulled out
         assert_eq!(p.num_free(), 2);
@@ -281,8 +283,8 @@ mod tests {
         let mut p = BlockPool::new(4, 4, true);
         let a = p.allocate(1).unwrap();
         let b = p.allocate(1).unwrap();
-        p.cache_full_blocks(&a, &[h(7)], None, &[7; 4]);
-        p.cache_full_blocks(&b, &[h(7)], None, &[7; 4]);
+        p.cache_full_blocks(&a, &[h(7)], None, &[7; 4], BlockKeys::default());
+        p.cache_full_blocks(&b, &[h(7)], None, &[7; 4], BlockKeys::default());
         assert_eq!(p.take_events().len(), 2);
         p.free(&a);
         p.free(&b);
@@ -297,7 +299,7 @@ mod tests {
     fn reset_refuses_while_blocks_are_in_use() {
         let mut p = BlockPool::new(4, 4, true);
         let a = p.allocate(1).unwrap();
-        p.cache_full_blocks(&a, &[h(1)], None, &[1; 4]);
+        p.cache_full_blocks(&a, &[h(1)], None, &[1; 4], BlockKeys::default());
         assert!(!p.reset_prefix_cache());
         p.free(&a);
         p.take_events();
@@ -310,7 +312,7 @@ mod tests {
     fn caching_disabled_never_hits_or_emits() {
         let mut p = BlockPool::new(4, 4, false);
         let a = p.allocate(1).unwrap();
-        p.cache_full_blocks(&a, &[h(1)], None, &[1; 4]);
+        p.cache_full_blocks(&a, &[h(1)], None, &[1; 4], BlockKeys::default());
         assert_eq!(p.lookup(&h(1)), None);
         assert!(p.take_events().is_empty());
     }

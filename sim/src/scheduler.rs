@@ -17,8 +17,8 @@
 //!
 //! Time, channels and HTTP are not this module's business (see `engine`).
 
-use crate::block_hash::{BlockHash, hash_block_from};
-use crate::events::KvEvent;
+use crate::block_hash::{BlockHash, ExtraKey, hash_block_with};
+use crate::events::{BlockKeys, KvEvent};
 use crate::kv_cache::{BlockId, BlockPool};
 use crate::sampler::{ContextHash, Sampler};
 use crate::timing::StepShape;
@@ -61,6 +61,9 @@ pub struct NewRequest {
     pub ignore_eos: bool,
     /// Seed of the context hash (the simulator seed).
     pub seed: u64,
+    /// The request's `cache_salt` (non-empty): hashed into its first block, as vLLM does, so
+    /// it shares cached blocks only with requests of the same salt.
+    pub cache_salt: Option<String>,
 }
 
 /// Why a request finished.
@@ -135,6 +138,7 @@ struct Request {
     /// How many of `blocks` are registered in the prefix cache.
     num_cached_blocks: usize,
     num_cached_tokens: Option<usize>,
+    cache_salt: Option<String>,
 }
 
 impl Request {
@@ -142,13 +146,32 @@ impl Request {
         self.tokens.len() - self.num_prompt
     }
 
+    /// vLLM's extra hash keys of the request's block `index`: the salt on block 0.
+    fn extra_keys(&self, index: usize) -> Vec<ExtraKey<'_>> {
+        match &self.cache_salt {
+            Some(salt) if index == 0 => vec![ExtraKey::CacheSalt(salt)],
+            _ => Vec::new(),
+        }
+    }
+
     /// Extends `block_hashes` to cover the first `n` full blocks.
     fn ensure_hashes(&mut self, n: usize, bs: usize, root: &BlockHash) {
         while self.block_hashes.len() < n {
             let i = self.block_hashes.len();
-            let h = hash_block_from(self.block_hashes.last().unwrap_or(root), &self.tokens[i * bs..(i + 1) * bs]);
+            let h = hash_block_with(self.block_hashes.last().unwrap_or(root), &self.tokens[i * bs..(i + 1) * bs], &self.extra_keys(i));
             self.block_hashes.push(h);
         }
+    }
+
+    /// What the `BlockStored` of blocks `from..to` says about their extra keys.
+    fn block_keys(&self, from: usize, to: usize) -> BlockKeys {
+        let extra_keys: Vec<Option<Vec<String>>> = (from..to)
+            .map(|i| {
+                let keys = self.extra_keys(i);
+                (!keys.is_empty()).then(|| keys.iter().map(|k| k.event_value().to_owned()).collect())
+            })
+            .collect();
+        BlockKeys { lora: None, extra_keys: if extra_keys.iter().all(Option::is_none) { Vec::new() } else { extra_keys } }
     }
 }
 
@@ -199,6 +222,7 @@ impl Scheduler {
             block_hashes: Vec::new(),
             num_cached_blocks: 0,
             num_cached_tokens: None,
+            cache_salt: r.cache_salt,
         };
         if self.cfg.enable_prefix_caching {
             req.ensure_hashes(req.tokens.len() / bs, bs, &self.cfg.hash_root);
@@ -414,7 +438,8 @@ impl Scheduler {
             if self.cfg.enable_prefix_caching {
                 req.ensure_hashes(full, bs, &root);
                 let parent = from.checked_sub(1).map(|p| req.block_hashes[p]);
-                self.pool.cache_full_blocks(&req.blocks[from..full], &req.block_hashes[from..full], parent.as_ref(), &req.tokens[from * bs..full * bs]);
+                let keys = req.block_keys(from, full);
+                self.pool.cache_full_blocks(&req.blocks[from..full], &req.block_hashes[from..full], parent.as_ref(), &req.tokens[from * bs..full * bs], keys);
             }
             req.num_cached_blocks = full;
         }

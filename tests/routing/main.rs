@@ -536,3 +536,59 @@ async fn the_time_cost_calibrates_to_the_workers_measured_speed() {
         assert!((2.5..6.0).contains(v), "{name} = {v}, want about 4: {factors:?}");
     }
 }
+
+/// Sends one completion of `p` (with `cache_salt` when given) as request `id`; returns the worker
+/// that served it and the most cached blocks routing predicted on any worker.
+async fn salted_completion(c: &Cluster, id: &str, p: &[u32], salt: Option<&str>) -> (String, u64) {
+    let mut body = json!({"prompt": p, "max_tokens": 1});
+    if let Some(s) = salt {
+        body["cache_salt"] = s.into();
+    }
+    let r = c.http.post(c.url("/v1/completions")).header("x-request-id", id).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200, "{id}");
+    let worker = r.headers().get("x-kvgate-worker").and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
+    r.bytes().await.unwrap();
+    let v: Value = c.http.get(c.admin(&format!("/requests/{id}"))).send().await.unwrap().json().await.unwrap();
+    let candidates = v["route_receipt"][0]["candidates"].as_array().cloned().unwrap_or_default();
+    (worker, candidates.iter().filter_map(|c| c["overlap_blocks"].as_u64()).max().unwrap_or(0))
+}
+
+/// Repeats `p` (salted as given) until routing predicts cached blocks for it, the worker's events
+/// having reached the index; returns the worker and the overlap of that repeat.
+async fn repeat_until_cached(c: &Cluster, tag: &str, p: &[u32], salt: Option<&str>) -> (String, u64) {
+    for i in 0..400 {
+        let (worker, overlap) = salted_completion(c, &format!("{tag}-{i}"), p, salt).await;
+        if overlap > 0 {
+            return (worker, overlap);
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{tag}: a repeated prompt never matched cached blocks");
+}
+
+#[tokio::test]
+async fn a_cache_salt_is_hashed_as_vllm_hashes_it() {
+    // vLLM mixes `cache_salt` into the first block's hash (so into every block's, through the
+    // chain) and publishes it in its events' `extra_keys`: a prefix cached without a salt is no
+    // hit for the same prompt with one, and a salted prefix is a hit only for the same salt.
+    let c = kv_cluster("").await;
+    let p = prompt(23, 0, 16);
+    let blocks = (p.len() / BS) as u64;
+    let (_, unsalted) = repeat_until_cached(&c, "plain", &p, None).await;
+    assert_eq!(unsalted, blocks, "the unsalted repeat matches the whole prompt");
+    let hits = || async {
+        let mut h = 0.0;
+        for i in 0..c.sims.len() {
+            h += c.sim_metrics(i).await.sum("vllm:prefix_cache_hits_total", &[]);
+        }
+        h
+    };
+    let before = hits().await;
+    let (_, overlap) = salted_completion(&c, "salted-first", &p, Some("tenant-a")).await;
+    assert_eq!(overlap, 0, "no worker holds the prompt under this salt");
+    assert_eq!(hits().await, before, "and the worker found none in its own cache either");
+    let (_, overlap) = repeat_until_cached(&c, "salted", &p, Some("tenant-a")).await;
+    assert_eq!(overlap, blocks, "the same salt matches the salted blocks");
+    let (_, other) = salted_completion(&c, "other-salt", &p, Some("tenant-b")).await;
+    assert_eq!(other, 0, "another salt matches nothing");
+}

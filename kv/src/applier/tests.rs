@@ -15,6 +15,7 @@ fn stored(hashes: &[u64], parent: Option<u64>, first_token: u32) -> Event {
         medium: Some("GPU".into()),
         group_idx: Some(0),
         spec_kind: None,
+        extras: Vec::new(),
     })
 }
 
@@ -193,4 +194,35 @@ fn unknown_parents_do_not_resync_again_within_the_cooldown() {
     assert_eq!(a.counts().unknown_parents, 1);
     assert_eq!(a.counts().unknown_parents_skipped, 1);
     assert_eq!(idx.block_count(3), 1, "block 600 survived");
+}
+
+/// A stored event with per-block extra digests and a LoRA name.
+fn stored_with(hashes: &[u64], parent: Option<u64>, first_token: u32, extras: Vec<Option<u64>>, lora: Option<&str>) -> Batch {
+    let Event::Stored(mut s) = stored(hashes, parent, first_token) else { unreachable!() };
+    s.extras = extras;
+    s.lora_name = lora.map(str::to_owned);
+    Batch { ts: 1.0, events: vec![Event::Stored(s)], dp_rank: None }
+}
+
+#[test]
+fn a_salted_prefix_matches_only_requests_with_the_same_salt() {
+    use crate::hash::salt_digest;
+    let (mut a, idx) = setup(true);
+    let h = Hasher::new(BS, DEFAULT_SEED);
+    let toks: Vec<u32> = (0..3 * BS as u32).collect();
+    let salt = Some(salt_digest("tenant-a"));
+    // vLLM publishes the salt on block 0 only; a later event continues the salted chain.
+    a.apply_batch(&stored_with(&[100, 101], None, 0, vec![salt, None], None), &idx).unwrap();
+    a.apply_batch(&stored_with(&[102], Some(101), 2 * BS as u32, vec![None], None), &idx).unwrap();
+    assert_eq!(idx.find_matches(&h.chain_with(None, &toks, &[salt])).get(3), 3, "the same salt hits all three");
+    assert_eq!(idx.find_matches(&h.chain(None, &toks)).get(3), 0, "no salt: no hit");
+    assert_eq!(idx.find_matches(&h.chain_with(None, &toks, &[Some(salt_digest("tenant-b"))])).get(3), 0, "another salt: no hit");
+    // A salted LoRA request: its own space, the salt on top.
+    a.apply_batch(&stored_with(&[200], None, 0, vec![salt], Some("sql")), &idx).unwrap();
+    let lora = h.with_lora(Some("sql"));
+    assert_eq!(idx.find_matches(&lora.chain_with(None, &toks[..BS], &[salt])).get(3), 1);
+    assert_eq!(idx.find_matches(&lora.chain(None, &toks[..BS])).get(3), 0);
+    // Removals still follow the engine hashes.
+    a.apply_batch(&Batch { ts: 2.0, events: vec![Event::Removed { hashes: vec![101], medium: None, group_idx: None }], dp_rank: None }, &idx).unwrap();
+    assert_eq!(idx.find_matches(&h.chain_with(None, &toks, &[salt])).get(3), 1);
 }

@@ -103,6 +103,7 @@ impl AppState {
                     min_tokens: p.min_tokens.min(prompt.max_tokens),
                     ignore_eos: p.ignore_eos,
                     seed,
+                    cache_salt: p.cache_salt.clone(),
                 };
                 if !engine.submit(req, i * p.n + s, tx.clone()) {
                     return Err(ApiError::internal("engine is not running"));

@@ -83,6 +83,7 @@ async fn run(st: &AppState, headers: &HeaderMap, req: &Value) -> Result<Response
         stream: chat.get("stream").and_then(Value::as_bool).unwrap_or(false),
         max_completion_tokens: chat["max_completion_tokens"].as_i64(),
         kv_transfer_params: chat.get("kv_transfer_params").cloned(),
+        cache_salt: chat.get("cache_salt").cloned(),
         ..Common::default()
     };
     let params = common.validate(st.cfg.max_model_len)?;

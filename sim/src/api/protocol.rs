@@ -58,6 +58,8 @@ pub struct Common {
     pub kv_transfer_params: Option<Value>,
     /// Request id (X-Request-Id wins).
     pub request_id: Option<String>,
+    /// Prefix-cache salt (any JSON value here: vLLM's own check words the refusal).
+    pub cache_salt: Option<Value>,
 }
 
 /// `/v1/completions` body.
@@ -133,6 +135,25 @@ pub struct GenParams {
     pub continuous_usage: bool,
     /// Token ids in the response.
     pub return_token_ids: bool,
+    /// The prefix-cache salt, checked.
+    pub cache_salt: Option<String>,
+}
+
+/// vLLM's `validate_cache_salt`: absent (or null), or a non-empty string of at most 128
+/// characters without `@`, `/`, `\` or NUL; anything else is a 400 naming the parameter.
+pub fn check_cache_salt(salt: Option<&Value>) -> Result<Option<String>, ApiError> {
+    let refuse = |m: &str| ApiError::bad_request(format!("{m} (parameter=cache_salt)"), Some("cache_salt"));
+    match salt {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if s.is_empty() => Err(refuse("Parameter 'cache_salt' must be a non-empty string if provided.")),
+        Some(Value::String(s)) => {
+            if s.chars().count() > 128 || s.contains(['@', '/', '\\', '\0']) {
+                return Err(refuse("Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL."));
+            }
+            Ok(Some(s.clone()))
+        }
+        Some(_) => Err(refuse("Parameter 'cache_salt' must be a non-empty string if provided.")),
+    }
 }
 
 /// Most choices one request may ask for.
@@ -170,6 +191,7 @@ impl Common {
         if min_tokens < 0 || max_tokens.is_some_and(|m| min_tokens > m) {
             return Err(ApiError::bad_request(format!("min_tokens must be >= 0 and <= max_tokens, got {min_tokens}."), Some("min_tokens")));
         }
+        let cache_salt = check_cache_salt(self.cache_salt.as_ref())?;
         let so = self.stream_options.clone().unwrap_or_default();
         Ok(GenParams {
             max_tokens: max_tokens.map(|m| m as usize),
@@ -180,6 +202,7 @@ impl Common {
             include_usage: so.include_usage,
             continuous_usage: so.continuous_usage_stats,
             return_token_ids: self.return_token_ids,
+            cache_salt,
         })
     }
 }
@@ -238,6 +261,28 @@ mod tests {
         for body in [&b"{"[..], b"[1]", b"{\"prompt\":5}", b"{\"stream\":\"yes\"}", b"\xff\xfe"] {
             let e = parse_body::<CompletionRequest>(body).unwrap_err();
             assert_eq!(e.status.as_u16(), 400, "{body:?}");
+        }
+    }
+
+    // The messages real vLLM 0.32 answers (with `(parameter=cache_salt)` appended).
+    #[test]
+    fn cache_salts_are_checked_as_vllm_checks_them() {
+        use serde_json::json;
+        assert_eq!(check_cache_salt(None).unwrap(), None);
+        assert_eq!(check_cache_salt(Some(&Value::Null)).unwrap(), None);
+        assert_eq!(check_cache_salt(Some(&json!("tenant-a"))).unwrap().as_deref(), Some("tenant-a"));
+        assert_eq!(check_cache_salt(Some(&json!("é".repeat(128)))).unwrap().map(|s| s.chars().count()), Some(128));
+        for (bad, says) in [
+            (json!(""), "Parameter 'cache_salt' must be a non-empty string if provided. (parameter=cache_salt)"),
+            (json!(5), "Parameter 'cache_salt' must be a non-empty string if provided. (parameter=cache_salt)"),
+            (json!("a/b"), "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL. (parameter=cache_salt)"),
+            (json!("x".repeat(129)), "must be at most 128 characters"),
+            (json!("a@b"), "must not contain"),
+            (json!("a\u{0}b"), "must not contain"),
+        ] {
+            let e = check_cache_salt(Some(&bad)).unwrap_err();
+            assert_eq!((e.status.as_u16(), e.kind, e.param.as_deref()), (400, "BadRequestError", Some("cache_salt")), "{bad}");
+            assert!(e.message.contains(says), "{bad}: {}", e.message);
         }
     }
 

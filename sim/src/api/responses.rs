@@ -27,7 +27,7 @@
 
 use super::error::{ApiError, json_response};
 use super::generate::{Generation, PreparedPrompt};
-use super::protocol::{GenParams, parse_body};
+use super::protocol::{GenParams, check_cache_salt, parse_body};
 use super::response::{ChoiceState, ChunkFormat, Meta, collect, json_str, random_id, sse};
 use super::{AppState, render_dialect_chat};
 use crate::engine::Delivery;
@@ -138,6 +138,7 @@ struct Turn {
 
 async fn run(st: &Arc<AppState>, headers: &HeaderMap, req: Value) -> Result<Response, ApiError> {
     st.check_model(req.get("model").and_then(Value::as_str))?;
+    let cache_salt = check_cache_salt(req.get("cache_salt"))?;
     let wants_store = req.get("store").and_then(Value::as_bool).unwrap_or(true);
     let background = req.get("background").and_then(Value::as_bool).unwrap_or(false);
     if background && wants_store && !st.cfg.responses_store {
@@ -178,6 +179,7 @@ async fn run(st: &Arc<AppState>, headers: &HeaderMap, req: Value) -> Result<Resp
         include_usage: true,
         continuous_usage: false,
         return_token_ids: false,
+        cache_salt,
     };
     let generation = st.generate(headers, vec![PreparedPrompt { tokens, max_tokens: max_output_tokens }], &params).await?;
     if background {

@@ -1,5 +1,5 @@
 use super::*;
-use crate::block_hash::{hash_block, none_hash, root_hash};
+use crate::block_hash::{hash_block, hash_block_from, none_hash, root_hash};
 
 fn cfg(blocks: usize, budget: usize, seqs: usize) -> SchedulerConfig {
     SchedulerConfig {
@@ -18,7 +18,7 @@ fn sched(c: SchedulerConfig) -> Scheduler {
 }
 
 fn req(id: ReqId, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
-    NewRequest { id, prompt, max_tokens, min_tokens: 0, ignore_eos: true, seed: 0 }
+    NewRequest { id, prompt, max_tokens, min_tokens: 0, ignore_eos: true, seed: 0, cache_salt: None }
 }
 
 /// Runs steps until idle; returns tokens per request in order.
@@ -230,7 +230,7 @@ fn stop_on_eos_only_after_min_tokens() {
     let c = cfg(64, 1024, 8);
     // Vocabulary of only EOS-free tokens, EOS probability 1: stops as soon as allowed.
     let mut s = Scheduler::new(c, Sampler::new(vec![50u32].into(), Some(2), 1.0));
-    s.add(NewRequest { id: 1, prompt: vec![1, 2, 3], max_tokens: 10, min_tokens: 3, ignore_eos: false, seed: 0 });
+    s.add(NewRequest { id: 1, prompt: vec![1, 2, 3], max_tokens: 10, min_tokens: 3, ignore_eos: false, seed: 0, cache_salt: None });
     let mut toks = Vec::new();
     let mut fin = None;
     while s.has_work() {
@@ -242,4 +242,31 @@ fn stop_on_eos_only_after_min_tokens() {
     }
     assert_eq!(toks, vec![50, 50, 50, 2]);
     assert_eq!(fin, Some(FinishReason::Stop));
+}
+
+/// Prefix-cache hits (tokens) of a request added to `s` after the ones before it ran.
+fn hits_of(s: &mut Scheduler, r: NewRequest) -> u64 {
+    let before = s.counters().prefix_cache_hits;
+    s.add(r);
+    run(s);
+    s.counters().prefix_cache_hits - before
+}
+
+#[test]
+fn a_cache_salt_separates_prefixes_as_in_vllm() {
+    let mut s = sched(cfg(64, 1024, 8));
+    let prompt: Vec<u32> = (1..=17).collect(); // 4 full blocks, all may hit
+    let salted = |id, salt: &str| NewRequest { cache_salt: Some(salt.into()), ..req(id, prompt.clone(), 1) };
+    assert_eq!(hits_of(&mut s, req(1, prompt.clone(), 1)), 0);
+    assert_eq!(hits_of(&mut s, salted(2, "a")), 0, "a salted request does not hit unsalted blocks");
+    assert_eq!(hits_of(&mut s, salted(3, "a")), 16, "the same salt hits");
+    assert_eq!(hits_of(&mut s, salted(4, "b")), 0, "another salt does not");
+    assert_eq!(hits_of(&mut s, req(5, prompt.clone(), 1)), 16, "unsalted still hits unsalted");
+    // The salted store carries the salt on block 0 only, and its hashes are vLLM's.
+    let events = s.take_events();
+    let keys: Vec<&BlockKeys> = events.iter().filter_map(|e| if let KvEvent::BlockStored { keys, .. } = e { Some(keys) } else { None }).collect();
+    assert_eq!(keys[0], &BlockKeys::default());
+    assert_eq!(keys[1].extra_keys, vec![Some(vec!["a".to_string()]), None, None, None]);
+    let b0 = hash_block_with(&none_hash(), &prompt[..4], &[ExtraKey::CacheSalt("a")]);
+    assert_eq!(stored(&events)[1].0[..2], [b0.wire_id(), hash_block(Some(&b0), &prompt[4..8]).wire_id()]);
 }
