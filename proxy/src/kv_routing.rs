@@ -137,12 +137,14 @@ impl KvRouting {
         self.hasher.chain_prefix(tokens, self.max_prefix_blocks)
     }
 
-    /// [`KvRouting::chain`] for a request with a `cache_salt` ([`salt_digest`](kvgate_kv::hash::salt_digest) of it): vLLM mixes
-    /// the salt into the first block's hash only, and so, through the chain, into every block;
-    /// the workers' events carry it the same way, so a salted prompt matches only blocks cached
-    /// under the same salt.
-    pub fn chain_salted(&self, tokens: &[u32], salt: Option<u64>) -> Vec<BlockHash> {
-        self.hasher.chain_prefix_with(tokens, self.max_prefix_blocks, &[salt])
+    /// [`KvRouting::chain`] for a request with a `cache_salt` ([`salt_digest`](kvgate_kv::hash::salt_digest)
+    /// of it) or naming a LoRA `adapter`, keyed as vLLM keys their blocks: the salt is mixed
+    /// into the first block's hash only (and so, through the chain, into every block), the
+    /// adapter into every block (its own hash space, as the workers' events are hashed with
+    /// their `lora_name`). A salted or adapted prompt matches only blocks cached under the same
+    /// salt and adapter.
+    pub fn chain_for(&self, tokens: &[u32], salt: Option<u64>, adapter: Option<&str>) -> Vec<BlockHash> {
+        self.hasher.with_lora(adapter).chain_prefix_with(tokens, self.max_prefix_blocks, &[salt])
     }
 
     /// Cached leading blocks per index id.
@@ -229,13 +231,17 @@ mod tests {
         let Cache::Events(idx) = &kv.cache else { panic!("events mode") };
         let tokens: Vec<u32> = (0..16 * 4).collect();
         let salt = Some(salt_digest("tenant-a"));
-        assert_eq!(kv.chain_salted(&tokens, None), kv.chain(&tokens));
+        assert_eq!(kv.chain_for(&tokens, None, None), kv.chain(&tokens));
         idx.insert(0, None, &kv.chain(&tokens)).unwrap();
         assert_eq!(kv.cached(&kv.chain(&tokens)).get(0), 4);
-        assert_eq!(kv.cached(&kv.chain_salted(&tokens, salt)).get(0), 0, "an unsalted prefix is no hit for a salted prompt");
-        idx.insert(0, None, &kv.chain_salted(&tokens, salt)).unwrap();
-        assert_eq!(kv.cached(&kv.chain_salted(&tokens, salt)).get(0), 4);
-        assert_eq!(kv.cached(&kv.chain_salted(&tokens, Some(salt_digest("tenant-b")))).get(0), 0);
+        assert_eq!(kv.cached(&kv.chain_for(&tokens, salt, None)).get(0), 0, "an unsalted prefix is no hit for a salted prompt");
+        idx.insert(0, None, &kv.chain_for(&tokens, salt, None)).unwrap();
+        assert_eq!(kv.cached(&kv.chain_for(&tokens, salt, None)).get(0), 4);
+        assert_eq!(kv.cached(&kv.chain_for(&tokens, Some(salt_digest("tenant-b")), None)).get(0), 0);
+        // An adapter's blocks are its own: the base model's prefix is no hit for it.
+        assert_eq!(kv.cached(&kv.chain_for(&tokens, salt, Some("sql"))).get(0), 0);
+        idx.insert(0, None, &kv.hasher.with_lora(Some("sql")).chain_with(None, &tokens, &[salt])).unwrap();
+        assert_eq!(kv.cached(&kv.chain_for(&tokens, salt, Some("sql"))).get(0), 4, "keyed as the applier keys an adapter's stored blocks");
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! The KV routing inputs of one request, computed once before its first placement: the prompt's
-//! tokens (as the worker will see them), their chained block hashes (salted by the body's
-//! `cache_salt` as vLLM salts them), and per worker the leading blocks already cached there and
+//! tokens (as the worker will see them), their chained block hashes (keyed by the body's
+//! `cache_salt` and the LoRA adapter it names, as vLLM keys them), and per worker the leading blocks already cached there and
 //! already booked there by requests in flight.
 
 use super::RequestState;
@@ -58,7 +58,8 @@ pub fn from_tokens(req: &RequestState, kv: &KvRouting, tokens: &[u32]) -> KvInpu
 
 fn inputs(req: &RequestState, kv: &KvRouting, tokens: &[u32], salt: Option<u64>) -> KvInputs {
     let t0 = Instant::now();
-    let chain = kv.chain_salted(tokens, salt);
+    let adapter = crate::fleet::Fleet::adapter(&req.model, req.view.model.as_deref());
+    let chain = kv.chain_for(tokens, salt, adapter);
     // The blocks cost at weight 0 is pure load balancing: the cache is not consulted.
     let cached = if req.model.cfg.routing.uses_cache() { kv.cached(&chain).to_dense(kv.rank_count()) } else { vec![0; kv.rank_count()] };
     let booked = req.model.ledger.overlap(&chain).to_dense(req.model.workers.len());
