@@ -4,6 +4,7 @@
 //! [`SimConfig`] is what the library takes; [`SimArgs`] is the CLI that produces one.
 
 use crate::faults::FaultConfig;
+use crate::lora::LoraModule;
 use crate::timing::TimingModel;
 use clap::Parser;
 use serde::Deserialize;
@@ -105,6 +106,21 @@ pub struct SimConfig {
     /// `cancel` of `/v1/responses/{id}`, `background`), as vLLM does with
     /// `VLLM_ENABLE_RESPONSES_API_STORE=1`; read by [`SimArgs::into_config`].
     pub responses_store: bool,
+    /// Serve LoRA adapters (`--enable-lora`).
+    pub enable_lora: bool,
+    /// Adapters loaded at start-up (`--lora-modules`).
+    pub lora_modules: Vec<LoraModule>,
+    /// Most adapters in one running batch (`--max-loras`, vLLM's default 1).
+    pub max_loras: usize,
+    /// `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` exist, as vLLM's
+    /// `VLLM_ALLOW_RUNTIME_LORA_UPDATING` makes them; read by [`SimArgs::into_config`].
+    pub runtime_lora_updating: bool,
+    /// vLLM's development endpoints exist (`/pause`, `/resume`, `/is_paused`, `/sleep`,
+    /// `/wake_up`, `/is_sleeping`, `/reset_prefix_cache`), as `VLLM_SERVER_DEV_MODE=1` makes
+    /// them. On in the default configuration (the library's users are tests that drive them);
+    /// the binary follows the variable or `--dev-mode` ([`SimArgs::into_config`]), off otherwise,
+    /// like vLLM.
+    pub dev_mode: bool,
     /// Failure injection.
     pub faults: FaultConfig,
 }
@@ -134,6 +150,11 @@ impl Default for SimConfig {
             max_num_queued_reqs: None,
             enable_request_id_headers: false,
             responses_store: false,
+            enable_lora: false,
+            lora_modules: Vec::new(),
+            max_loras: 1,
+            runtime_lora_updating: false,
+            dev_mode: true,
             faults: FaultConfig::default(),
         }
     }
@@ -153,6 +174,10 @@ impl SimConfig {
         pos("--max-num-batched-tokens", self.max_num_batched_tokens)?;
         pos("--max-model-len", self.max_model_len)?;
         pos("--data-parallel-size", self.data_parallel_size)?;
+        pos("--max-loras", self.max_loras)?;
+        if !self.lora_modules.is_empty() && !self.enable_lora {
+            return Err("--lora-modules: LoRA is not enabled. Use --enable-lora to enable LoRA.".into());
+        }
         if self.num_gpu_blocks < 2 {
             return Err("--num-gpu-blocks-override must be at least 2 (block 0 is reserved)".into());
         }
@@ -251,6 +276,24 @@ pub struct SimArgs {
     /// VLLM_ENABLE_RESPONSES_API_STORE=1, vLLM's switch for it.
     #[arg(long)]
     pub enable_responses_store: bool,
+    /// Serve LoRA adapters.
+    #[arg(long)]
+    pub enable_lora: bool,
+    /// LoRA adapters to load at start-up: `name=path`, or JSON `{"name": …, "path": …,
+    /// "base_model_name": …}`. The simulator reads no weights, but a path must be a directory
+    /// holding an `adapter_config.json`, as vLLM requires.
+    #[arg(long, num_args = 1..)]
+    pub lora_modules: Vec<String>,
+    /// Most LoRA adapters in one running batch.
+    #[arg(long, default_value_t = 1)]
+    pub max_loras: usize,
+    /// Highest adapter rank (accepted for compatibility; no weights are simulated).
+    #[arg(long, default_value_t = 16)]
+    pub max_lora_rank: usize,
+    /// [sim] Serve vLLM's development endpoints (/pause, /sleep, /reset_prefix_cache, …), as
+    /// VLLM_SERVER_DEV_MODE=1 does (the environment variable is honoured too).
+    #[arg(long)]
+    pub dev_mode: bool,
 
     /// [sim] Run simulated time this many times faster than wall time.
     #[arg(long, default_value_t = 1.0)]
@@ -314,7 +357,12 @@ impl SimArgs {
             ));
         }
         let kv_events_hash_format = crate::events::HashFormat::from_env_value(env(crate::events::HashFormat::ENV).as_deref())?;
-        let responses_store = self.enable_responses_store || responses_store_env(env("VLLM_ENABLE_RESPONSES_API_STORE").as_deref())?;
+        let responses_store =
+            self.enable_responses_store || int_flag_env("VLLM_ENABLE_RESPONSES_API_STORE", env("VLLM_ENABLE_RESPONSES_API_STORE").as_deref())?;
+        let dev_mode = self.dev_mode || int_flag_env("VLLM_SERVER_DEV_MODE", env("VLLM_SERVER_DEV_MODE").as_deref())?;
+        // vLLM: `.strip().lower() in ("1", "true")`.
+        let runtime_lora_updating = env("VLLM_ALLOW_RUNTIME_LORA_UPDATING").is_some_and(|v| matches!(v.trim().to_lowercase().as_str(), "1" | "true"));
+        let lora_modules = crate::lora::parse_lora_modules(&self.lora_modules)?;
         let host: std::net::IpAddr = self.host.parse().map_err(|_| format!("--host: not an IP address: {}", self.host))?;
         let model = self.model.or(self.model_pos).unwrap_or_else(|| "sim-model".into());
         let kv_events = match &self.kv_events_config {
@@ -357,6 +405,11 @@ impl SimArgs {
             max_num_queued_reqs: self.max_num_queued_reqs,
             enable_request_id_headers: self.enable_request_id_headers,
             responses_store,
+            enable_lora: self.enable_lora,
+            lora_modules,
+            max_loras: self.max_loras,
+            runtime_lora_updating,
+            dev_mode,
             faults: FaultConfig {
                 crash_after_tokens: self.fail_crash_after_tokens,
                 crash_after_secs: self.fail_crash_after_secs,
@@ -372,11 +425,12 @@ impl SimArgs {
     }
 }
 
-/// vLLM reads `VLLM_ENABLE_RESPONSES_API_STORE` as `bool(int(value))` (unset: off).
-fn responses_store_env(value: Option<&str>) -> Result<bool, String> {
+/// vLLM reads `VLLM_ENABLE_RESPONSES_API_STORE` and `VLLM_SERVER_DEV_MODE` as
+/// `bool(int(value))` (unset: off).
+fn int_flag_env(name: &str, value: Option<&str>) -> Result<bool, String> {
     match value.map(str::trim) {
         None | Some("") => Ok(false),
-        Some(v) => v.parse::<i64>().map(|n| n != 0).map_err(|_| format!("VLLM_ENABLE_RESPONSES_API_STORE={v}: not an integer")),
+        Some(v) => v.parse::<i64>().map(|n| n != 0).map_err(|_| format!("{name}={v}: not an integer")),
     }
 }
 
@@ -433,6 +487,29 @@ mod tests {
         assert!(with_env(&["--enable-responses-store"], &[]).unwrap().responses_store);
         assert!(with_env(&[], &[("VLLM_ENABLE_RESPONSES_API_STORE", "yes")]).unwrap_err().contains("not an integer"));
         assert!(with_env(&["--prefix-caching-hash-algo", "md5"], &[]).is_err());
+    }
+
+    #[test]
+    fn lora_and_dev_settings_follow_vllms_flags_and_environment() {
+        let with_env = |args: &[&str], vars: &[(&str, &str)]| {
+            let mut v = vec!["vllm-sim"];
+            v.extend_from_slice(args);
+            let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            SimArgs::try_parse_from(v).map_err(|e| e.to_string())?.into_config_with_env(&|k| vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()))
+        };
+        let c =
+            with_env(&["--enable-lora", "--lora-modules", "a=/l/a", r#"{"name":"b","path":"/l/b","base_model_name":"m"}"#, "--max-loras", "2"], &[]).unwrap();
+        assert_eq!(c.lora_modules.iter().map(|m| m.name.as_str()).collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!((c.max_loras, c.runtime_lora_updating, c.dev_mode), (2, false, false), "the binary serves no dev endpoints unless asked");
+        assert!(with_env(&["--lora-modules", "a=/l/a"], &[]).unwrap_err().contains("--enable-lora"));
+        assert!(with_env(&["--max-loras", "0"], &[]).is_err());
+        assert!(with_env(&[], &[("VLLM_ALLOW_RUNTIME_LORA_UPDATING", " True ")]).unwrap().runtime_lora_updating);
+        assert!(!with_env(&[], &[("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "yes")]).unwrap().runtime_lora_updating);
+        assert!(with_env(&[], &[("VLLM_SERVER_DEV_MODE", "1")]).unwrap().dev_mode);
+        assert!(!with_env(&[], &[("VLLM_SERVER_DEV_MODE", "0")]).unwrap().dev_mode);
+        assert!(with_env(&["--dev-mode"], &[]).unwrap().dev_mode);
+        assert!(with_env(&[], &[("VLLM_SERVER_DEV_MODE", "true")]).unwrap_err().contains("not an integer"));
+        assert!(SimConfig::default().dev_mode, "in-process servers (tests) serve them");
     }
 
     #[test]

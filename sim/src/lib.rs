@@ -3,8 +3,10 @@
 //!
 //! It serves vLLM's OpenAI-compatible API (completions and chat, unary and SSE), runs an engine
 //! shaped like vLLM v1 (continuous batching, token budget, chunked prefill, a paged KV cache with
-//! prefix caching and preemption), publishes KV-cache events on ZeroMQ byte-identical to vLLM's,
-//! and exposes vLLM's `vllm:*` Prometheus metrics. Step times come from a [`timing`] model of a
+//! prefix caching and preemption; `cache_salt` and LoRA adapters hashed into blocks as vLLM
+//! hashes them), publishes KV-cache events on ZeroMQ byte-identical to vLLM's, and exposes
+//! vLLM's `vllm:*` Prometheus metrics. LoRA adapters ([`lora`]) are served as vLLM serves them
+//! (`--lora-modules`, `/v1/models`, runtime load and unload). Step times come from a [`timing`] model of a
 //! mid-size model on one GPU, scaled by `time_scale` for tests.
 //!
 //! Use it as a binary (`vllm-sim --help`) or in-process with [`SimServer::start`].
@@ -16,6 +18,7 @@ pub mod engine;
 pub mod events;
 pub mod faults;
 pub mod kv_cache;
+pub mod lora;
 pub mod metrics;
 pub mod publisher;
 pub mod sampler;

@@ -8,7 +8,9 @@
 //!   (recompute: its blocks are freed and it goes back to the front of the waiting queue);
 //! - if nothing was preempted, waiting requests are admitted in order while there are seats
 //!   (`max_num_seqs`) and budget, after looking up their prompt's full blocks in the prefix
-//!   cache (at most `num_tokens - 1` tokens can hit, so the last token is always computed).
+//!   cache (at most `num_tokens - 1` tokens can hit, so the last token is always computed); a
+//!   request of a LoRA adapter that would make more than `max_loras` adapters run is skipped
+//!   (it keeps its place) and the ones behind it are tried.
 //!
 //! [`Scheduler::update`] then applies the step's outcome: computed tokens advance, requests
 //! whose whole context is computed get a new token from the [`Sampler`], finished ones free
@@ -20,9 +22,11 @@
 use crate::block_hash::{BlockHash, ExtraKey, hash_block_with};
 use crate::events::{BlockKeys, KvEvent};
 use crate::kv_cache::{BlockId, BlockPool};
+use crate::lora::LoraRequest;
 use crate::sampler::{ContextHash, Sampler};
 use crate::timing::StepShape;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 
 /// Engine-internal request id.
 pub type ReqId = u64;
@@ -44,6 +48,9 @@ pub struct SchedulerConfig {
     pub enable_prefix_caching: bool,
     /// Parent of every prompt's first block (vLLM's `NONE_HASH`, from `PYTHONHASHSEED`).
     pub hash_root: BlockHash,
+    /// Most distinct LoRA adapters in the running batch (`--max-loras`): a waiting request
+    /// of another adapter is skipped, as vLLM skips it, while that many run.
+    pub max_loras: usize,
 }
 
 /// A request as handed to the engine.
@@ -64,6 +71,8 @@ pub struct NewRequest {
     /// The request's `cache_salt` (non-empty): hashed into its first block, as vLLM does, so
     /// it shares cached blocks only with requests of the same salt.
     pub cache_salt: Option<String>,
+    /// The LoRA adapter it runs with: its blocks are hashed in the adapter's own space.
+    pub lora: Option<Arc<LoraRequest>>,
 }
 
 /// Why a request finished.
@@ -139,6 +148,7 @@ struct Request {
     num_cached_blocks: usize,
     num_cached_tokens: Option<usize>,
     cache_salt: Option<String>,
+    lora: Option<Arc<LoraRequest>>,
 }
 
 impl Request {
@@ -146,12 +156,16 @@ impl Request {
         self.tokens.len() - self.num_prompt
     }
 
-    /// vLLM's extra hash keys of the request's block `index`: the salt on block 0.
+    /// vLLM's extra hash keys of the request's block `index`, in its order: the adapter on
+    /// every block, the salt on block 0.
     fn extra_keys(&self, index: usize) -> Vec<ExtraKey<'_>> {
-        match &self.cache_salt {
-            Some(salt) if index == 0 => vec![ExtraKey::CacheSalt(salt)],
-            _ => Vec::new(),
-        }
+        let lora = self.lora.as_deref().map(|l| ExtraKey::Lora { name: &l.name, path: &l.path });
+        let salt = self.cache_salt.as_deref().filter(|_| index == 0).map(ExtraKey::CacheSalt);
+        lora.into_iter().chain(salt).collect()
+    }
+
+    fn lora_id(&self) -> Option<u32> {
+        self.lora.as_ref().map(|l| l.id)
     }
 
     /// Extends `block_hashes` to cover the first `n` full blocks.
@@ -171,7 +185,10 @@ impl Request {
                 (!keys.is_empty()).then(|| keys.iter().map(|k| k.event_value().to_owned()).collect())
             })
             .collect();
-        BlockKeys { lora: None, extra_keys: if extra_keys.iter().all(Option::is_none) { Vec::new() } else { extra_keys } }
+        BlockKeys {
+            lora: self.lora.as_ref().map(|l| (l.id, l.name.clone())),
+            extra_keys: if extra_keys.iter().all(Option::is_none) { Vec::new() } else { extra_keys },
+        }
     }
 }
 
@@ -223,6 +240,7 @@ impl Scheduler {
             num_cached_blocks: 0,
             num_cached_tokens: None,
             cache_salt: r.cache_salt,
+            lora: r.lora,
         };
         if self.cfg.enable_prefix_caching {
             req.ensure_hashes(req.tokens.len() / bs, bs, &self.cfg.hash_root);
@@ -280,8 +298,18 @@ impl Scheduler {
         }
 
         if step.preempted.is_empty() {
+            let mut loras: HashSet<u32> = self.running.iter().filter_map(|id| self.requests[id].lora_id()).collect();
+            // Requests skipped for their adapter keep their place at the front of the queue.
+            let mut at = 0;
             while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
-                let Some(&id) = self.waiting.front() else { break };
+                let Some(&id) = self.waiting.get(at) else { break };
+                if let Some(l) = self.requests[&id].lora_id()
+                    && loras.len() >= self.cfg.max_loras
+                    && !loras.contains(&l)
+                {
+                    at += 1;
+                    continue;
+                }
                 let hits = self.cached_prefix(id);
                 let req = &self.requests[&id];
                 let num_tokens = req.tokens.len();
@@ -293,7 +321,8 @@ impl Scheduler {
                 self.counters.prefix_cache_hits += (hits.len() * bs) as u64;
                 let req = self.requests.get_mut(&id).expect("waiting ids are live");
                 req.num_cached_tokens.get_or_insert(hits.len() * bs);
-                self.waiting.pop_front();
+                loras.extend(req.lora_id());
+                self.waiting.remove(at);
                 self.running.push(id);
                 self.record(&mut step, id, n);
                 budget -= n;

@@ -63,6 +63,7 @@ impl SimServer {
             max_model_len: cfg.max_model_len,
             enable_prefix_caching: cfg.enable_prefix_caching,
             hash_root: crate::block_hash::root_hash(cfg.python_hash_seed.as_deref()),
+            max_loras: cfg.max_loras,
         };
         let mut engines: Vec<Arc<EngineHandle>> = Vec::with_capacity(cfg.data_parallel_size);
         for rank in 0..cfg.data_parallel_size as u32 {
@@ -100,7 +101,16 @@ impl SimServer {
             listen,
             messages_options: Default::default(),
             response_store: Default::default(),
+            loras: Default::default(),
         });
+        // vLLM loads `--lora-modules` before serving and refuses to start when one fails.
+        for m in &state.cfg.lora_modules {
+            let req = crate::api::lora::LoadRequest { lora_name: m.name.clone(), lora_path: m.path.clone(), load_inplace: false };
+            if let Err(e) = state.load_lora(&req, m.base_model_name.as_deref()) {
+                stop.cancel();
+                return Err(SimError::Config(e.message));
+            }
+        }
         let accept = tokio::spawn(accept_loop(listener, router(state.clone()), stop.clone()));
         tracing::info!(addr = %listen, model = state.cfg.model_name(), dp = state.engines.len(), "vllm-sim listening");
         Ok(Self { state, stop, accept })

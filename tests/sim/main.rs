@@ -1,9 +1,10 @@
 //! vllm-sim beyond conformance: the properties later kvgate tests rely on (deterministic
 //! continuation, fault injection, DP ranks, event encodings, preemption, admission control,
-//! abort during prefill, the timing model, the Responses store). In-process servers on ephemeral
-//! ports.
+//! abort during prefill, the timing model, the Responses store, LoRA adapters). In-process
+//! servers on ephemeral ports.
 
 mod dialects;
+mod lora;
 
 use futures_util::StreamExt;
 use kvgate_tests::Target;

@@ -5,7 +5,7 @@
 
 use super::error::{ApiError, json_response};
 use super::generate::PreparedPrompt;
-use super::protocol::{ChatRequest, check_length, parse_body};
+use super::protocol::{ChatRequest, GenParams, check_length, parse_body};
 use super::response::{ChoiceState, ChunkFormat, Meta, collect, echo_header, finish_json, json_str, sse, write_usage};
 use super::{AppState, encode};
 use crate::dialect;
@@ -52,8 +52,9 @@ pub fn render_prompt(
 
 async fn run(st: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<Response, ApiError> {
     let req: ChatRequest = parse_body(body)?;
-    st.check_model(req.common.model.as_deref())?;
-    let params = req.common.validate(st.cfg.max_model_len)?;
+    let lora = st.resolve_model(req.common.model.as_deref())?;
+    let params = GenParams { lora, ..req.common.validate(st.cfg.max_model_len)? };
+    let model = st.reported_model(params.lora.as_deref());
     let text = render_prompt(
         &st.tokenizer,
         &req.messages,
@@ -66,7 +67,7 @@ async fn run(st: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<Response
     let max_tokens = check_length(tokens.len(), params.max_tokens, st.cfg.max_model_len)?;
     let prompt_len = tokens.len();
     let prompt_ids = if params.return_token_ids { Some(tokens.clone()) } else { None };
-    let meta = Meta::new("chatcmpl", headers, req.common.request_id.as_deref(), st.cfg.model_name(), st.cfg.enable_request_id_headers);
+    let meta = Meta::new("chatcmpl", headers, req.common.request_id.as_deref(), model, st.cfg.enable_request_id_headers);
     let generation = st.generate(headers, vec![PreparedPrompt { tokens, max_tokens }], &params).await?;
 
     if params.stream {
@@ -95,7 +96,7 @@ async fn run(st: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<Response
         })
         .collect();
     let body = json!({
-        "id": meta.id, "object": "chat.completion", "created": meta.created, "model": st.cfg.model_name(),
+        "id": meta.id, "object": "chat.completion", "created": meta.created, "model": model,
         "choices": choices, "service_tier": null, "system_fingerprint": "vllm-sim",
         "usage": {"prompt_tokens": prompt_total, "total_tokens": prompt_total + completion,
                   "completion_tokens": completion, "prompt_tokens_details": null},

@@ -4,7 +4,7 @@
 
 use super::error::{ApiError, json_response};
 use super::generate::PreparedPrompt;
-use super::protocol::{CompletionRequest, Prompt, check_length, check_token_ids, parse_body};
+use super::protocol::{CompletionRequest, GenParams, Prompt, check_length, check_token_ids, parse_body};
 use super::response::{ChoiceState, ChunkFormat, Meta, collect, echo_header, finish_json, json_str, sse, write_usage};
 use super::{AppState, encode};
 use crate::engine::Delivery;
@@ -26,8 +26,9 @@ pub async fn handle(State(st): State<Arc<AppState>>, headers: HeaderMap, body: B
 
 async fn run(st: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(body)?;
-    st.check_model(req.common.model.as_deref())?;
-    let params = req.common.validate(st.cfg.max_model_len)?;
+    let lora = st.resolve_model(req.common.model.as_deref())?;
+    let params = GenParams { lora, ..req.common.validate(st.cfg.max_model_len)? };
+    let model = st.reported_model(params.lora.as_deref());
     let add_special = req.add_special_tokens.unwrap_or(true);
     let raw: Vec<Vec<u32>> = match req.prompt {
         None => return Err(ApiError::bad_request("Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)", Some("prompt"))),
@@ -55,7 +56,7 @@ async fn run(st: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<Response
         let max_tokens = check_length(tokens.len(), params.max_tokens.or(Some(16)), st.cfg.max_model_len)?;
         prompts.push(PreparedPrompt { tokens, max_tokens });
     }
-    let meta = Meta::new("cmpl", headers, req.common.request_id.as_deref(), st.cfg.model_name(), st.cfg.enable_request_id_headers);
+    let meta = Meta::new("cmpl", headers, req.common.request_id.as_deref(), model, st.cfg.enable_request_id_headers);
     let n = params.n;
     let echo_texts: Vec<String> = if req.echo { prompts.iter().map(|p| st.tokenizer.decode(&p.tokens).unwrap_or_default()).collect() } else { Vec::new() };
     let per_choice_prompt: Vec<Vec<u32>> = prompts.iter().flat_map(|p| std::iter::repeat_n(p.tokens.clone(), n)).collect();
@@ -94,7 +95,7 @@ async fn run(st: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<Response
         }));
     }
     let body = json!({
-        "id": meta.id, "object": "text_completion", "created": meta.created, "model": st.cfg.model_name(),
+        "id": meta.id, "object": "text_completion", "created": meta.created, "model": model,
         "choices": choices, "service_tier": null, "system_fingerprint": "vllm-sim",
         "usage": {"prompt_tokens": prompt_total, "total_tokens": prompt_total + completion_total,
                   "completion_tokens": completion_total, "prompt_tokens_details": null},

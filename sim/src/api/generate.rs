@@ -104,6 +104,7 @@ impl AppState {
                     ignore_eos: p.ignore_eos,
                     seed,
                     cache_salt: p.cache_salt.clone(),
+                    lora: p.lora.clone(),
                 };
                 if !engine.submit(req, i * p.n + s, tx.clone()) {
                     return Err(ApiError::internal("engine is not running"));

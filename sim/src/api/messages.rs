@@ -20,7 +20,7 @@
 
 use super::error::{ApiError, json_response};
 use super::generate::PreparedPrompt;
-use super::protocol::{Common, check_length, parse_body};
+use super::protocol::{Common, GenParams, check_length, parse_body};
 use super::response::{ChoiceState, ChunkFormat, Meta, collect, echo_header, json_str, sse};
 use super::{AppState, render_dialect_chat};
 use crate::engine::Delivery;
@@ -76,7 +76,7 @@ pub fn anthropic_error(e: &ApiError) -> Response {
 }
 
 async fn run(st: &AppState, headers: &HeaderMap, req: &Value) -> Result<Response, ApiError> {
-    st.check_model(req.get("model").and_then(Value::as_str))?;
+    let lora = st.resolve_model(req.get("model").and_then(Value::as_str))?;
     let chat = dialect::to_chat(req, options(st)).map_err(|e| st.dialect_error(&e))?;
     let common = Common {
         model: chat["model"].as_str().map(str::to_owned),
@@ -86,11 +86,12 @@ async fn run(st: &AppState, headers: &HeaderMap, req: &Value) -> Result<Response
         cache_salt: chat.get("cache_salt").cloned(),
         ..Common::default()
     };
-    let params = common.validate(st.cfg.max_model_len)?;
+    let params = GenParams { lora, ..common.validate(st.cfg.max_model_len)? };
+    let model = st.reported_model(params.lora.as_deref());
     let tokens = render_dialect_chat(st, &chat).await?;
     let prompt_len = tokens.len();
     let max_tokens = check_length(prompt_len, params.max_tokens, st.cfg.max_model_len)?;
-    let meta = Meta::new("chatcmpl", headers, None, st.cfg.model_name(), st.cfg.enable_request_id_headers);
+    let meta = Meta::new("chatcmpl", headers, None, model, st.cfg.enable_request_id_headers);
     let generation = st.generate(headers, vec![PreparedPrompt { tokens, max_tokens }], &params).await?;
     if params.stream {
         let fmt = Events { tok: st.tokenizer.clone(), block_open: false, finish: None };
@@ -103,7 +104,7 @@ async fn run(st: &AppState, headers: &HeaderMap, req: &Value) -> Result<Response
     let text: String = r.tokens.iter().map(|&t| st.tokenizer.token_text(t)).collect();
     let mut body = json!({
         "id": meta.id, "type": "message", "role": "assistant", "content": [{"type": "text", "text": text}],
-        "model": st.cfg.model_name(), "stop_reason": stop_reason(r.finish),
+        "model": model, "stop_reason": stop_reason(r.finish),
         "usage": {"input_tokens": prompt_len, "output_tokens": r.tokens.len()},
     });
     let kv = st.kv_transfer_reply(chat.get("kv_transfer_params"), &meta.id);

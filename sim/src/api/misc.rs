@@ -15,22 +15,9 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use std::sync::Arc;
 
-/// `GET /v1/models`.
+/// `GET /v1/models`: the base model's cards (one per served name), then the adapters'.
 pub async fn models(State(st): State<Arc<AppState>>) -> Response {
-    let data: Vec<Value> = st
-        .served_names()
-        .iter()
-        .map(|name| {
-            json!({
-                "id": name, "object": "model", "created": st.created, "owned_by": "vllm", "root": st.cfg.model,
-                "parent": null, "max_model_len": st.cfg.max_model_len,
-                "permission": [{"id": format!("modelperm-{}", st.created), "object": "model_permission", "created": st.created,
-                    "allow_create_engine": false, "allow_sampling": true, "allow_logprobs": true, "allow_search_indices": false,
-                    "allow_view": true, "allow_fine_tuning": false, "organization": "*", "group": null, "is_blocking": false}],
-            })
-        })
-        .collect();
-    json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
+    super::lora::models_response(&st)
 }
 
 /// `GET /health`: 200 with an empty body.

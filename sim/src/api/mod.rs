@@ -5,6 +5,7 @@ pub mod chat;
 pub mod completions;
 pub mod error;
 pub mod generate;
+pub mod lora;
 pub mod messages;
 pub mod misc;
 pub mod protocol;
@@ -14,6 +15,7 @@ pub mod responses;
 use crate::config::SimConfig;
 use crate::engine::EngineHandle;
 use crate::faults::Faults;
+use crate::lora::LoraRequest;
 use crate::metrics::CacheInfo;
 use crate::tokenizer::ModelTokenizer;
 use axum::Router;
@@ -50,14 +52,30 @@ pub struct AppState {
     pub messages_options: OnceLock<MessagesOptions>,
     /// Responses API responses kept for `previous_response_id`, GET and cancel.
     pub response_store: responses::ResponseStore,
+    /// LoRA adapters loaded.
+    pub loras: lora::Loras,
 }
 
 impl AppState {
-    /// 404 unless `model` is absent or one of the served names.
+    /// 404 unless `model` is absent (or empty), one of the served names or a loaded adapter.
     pub fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
-        let Some(m) = model else { return Ok(()) };
+        self.resolve_model(model).map(|_| ())
+    }
+
+    /// The adapter a request's `model` names (`None`: the base model), or vLLM's 404 listing
+    /// the base model's names.
+    pub fn resolve_model(&self, model: Option<&str>) -> Result<Option<Arc<LoraRequest>>, ApiError> {
+        let Some(m) = model.filter(|m| !m.is_empty()) else { return Ok(None) };
         let names = self.served_names();
-        if names.iter().any(|n| n == m) { Ok(()) } else { Err(ApiError::model_not_found(m, &names)) }
+        if names.iter().any(|n| n == m) {
+            return Ok(None);
+        }
+        self.loras.get(m).map(Some).ok_or_else(|| ApiError::model_not_found(m, &names))
+    }
+
+    /// The `model` a response reports: the adapter's name for a LoRA request, as vLLM's.
+    pub fn reported_model<'a>(&'a self, lora: Option<&'a LoraRequest>) -> &'a str {
+        lora.map_or_else(|| self.cfg.model_name(), |l| l.name.as_str())
     }
 
     /// Names accepted in `model`.
@@ -108,10 +126,14 @@ pub async fn render_dialect_chat(st: &AppState, chat: &Value) -> Result<Vec<u32>
     encode(&st.tokenizer, text, false).await
 }
 
-/// All routes.
+/// All routes: vLLM's, with `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` only where
+/// runtime LoRA updating is allowed, as in vLLM.
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
-        .route("/v1/completions", post(completions::handle))
+    let mut r = Router::new();
+    if state.cfg.runtime_lora_updating {
+        r = r.route("/v1/load_lora_adapter", post(lora::load)).route("/v1/unload_lora_adapter", post(lora::unload));
+    }
+    r.route("/v1/completions", post(completions::handle))
         .route("/v1/chat/completions", post(chat::handle))
         .route("/v1/messages", post(messages::create))
         .route("/v1/messages/count_tokens", post(messages::count_tokens))

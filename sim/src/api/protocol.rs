@@ -137,6 +137,8 @@ pub struct GenParams {
     pub return_token_ids: bool,
     /// The prefix-cache salt, checked.
     pub cache_salt: Option<String>,
+    /// The LoRA adapter `model` names (set by the endpoint, which resolves the name).
+    pub lora: Option<std::sync::Arc<crate::lora::LoraRequest>>,
 }
 
 /// vLLM's `validate_cache_salt`: absent (or null), or a non-empty string of at most 128
@@ -203,6 +205,7 @@ impl Common {
             continuous_usage: so.continuous_usage_stats,
             return_token_ids: self.return_token_ids,
             cache_salt,
+            lora: None,
         })
     }
 }

@@ -137,7 +137,7 @@ struct Turn {
 }
 
 async fn run(st: &Arc<AppState>, headers: &HeaderMap, req: Value) -> Result<Response, ApiError> {
-    st.check_model(req.get("model").and_then(Value::as_str))?;
+    let lora = st.resolve_model(req.get("model").and_then(Value::as_str))?;
     let cache_salt = check_cache_salt(req.get("cache_salt"))?;
     let wants_store = req.get("store").and_then(Value::as_bool).unwrap_or(true);
     let background = req.get("background").and_then(Value::as_bool).unwrap_or(false);
@@ -162,7 +162,7 @@ async fn run(st: &Arc<AppState>, headers: &HeaderMap, req: Value) -> Result<Resp
     let turn = Turn {
         id: req.get("request_id").and_then(Value::as_str).map_or_else(|| format!("resp_{}", random_id()), str::to_owned),
         created: now(),
-        model: st.cfg.model_name().to_owned(),
+        model: st.reported_model(lora.as_deref()).to_owned(),
         max_output_tokens,
         prompt_len: tokens.len(),
         store: wants_store && st.cfg.responses_store,
@@ -180,6 +180,7 @@ async fn run(st: &Arc<AppState>, headers: &HeaderMap, req: Value) -> Result<Resp
         continuous_usage: false,
         return_token_ids: false,
         cache_salt,
+        lora,
     };
     let generation = st.generate(headers, vec![PreparedPrompt { tokens, max_tokens: max_output_tokens }], &params).await?;
     if background {

@@ -10,6 +10,7 @@ fn cfg(blocks: usize, budget: usize, seqs: usize) -> SchedulerConfig {
         max_model_len: 1024,
         enable_prefix_caching: true,
         hash_root: none_hash(),
+        max_loras: 1,
     }
 }
 
@@ -18,7 +19,7 @@ fn sched(c: SchedulerConfig) -> Scheduler {
 }
 
 fn req(id: ReqId, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
-    NewRequest { id, prompt, max_tokens, min_tokens: 0, ignore_eos: true, seed: 0, cache_salt: None }
+    NewRequest { id, prompt, max_tokens, min_tokens: 0, ignore_eos: true, seed: 0, cache_salt: None, lora: None }
 }
 
 /// Runs steps until idle; returns tokens per request in order.
@@ -230,7 +231,7 @@ fn stop_on_eos_only_after_min_tokens() {
     let c = cfg(64, 1024, 8);
     // Vocabulary of only EOS-free tokens, EOS probability 1: stops as soon as allowed.
     let mut s = Scheduler::new(c, Sampler::new(vec![50u32].into(), Some(2), 1.0));
-    s.add(NewRequest { id: 1, prompt: vec![1, 2, 3], max_tokens: 10, min_tokens: 3, ignore_eos: false, seed: 0, cache_salt: None });
+    s.add(NewRequest { id: 1, prompt: vec![1, 2, 3], max_tokens: 10, min_tokens: 3, ignore_eos: false, seed: 0, cache_salt: None, lora: None });
     let mut toks = Vec::new();
     let mut fin = None;
     while s.has_work() {
@@ -269,4 +270,43 @@ fn a_cache_salt_separates_prefixes_as_in_vllm() {
     assert_eq!(keys[1].extra_keys, vec![Some(vec!["a".to_string()]), None, None, None]);
     let b0 = hash_block_with(&none_hash(), &prompt[..4], &[ExtraKey::CacheSalt("a")]);
     assert_eq!(stored(&events)[1].0[..2], [b0.wire_id(), hash_block(Some(&b0), &prompt[4..8]).wire_id()]);
+}
+
+fn adapter(id: u32, name: &str) -> Option<Arc<LoraRequest>> {
+    Some(Arc::new(LoraRequest { id, name: name.into(), path: format!("/lora/{name}"), base_model_name: None }))
+}
+
+#[test]
+fn a_lora_request_hashes_in_its_adapters_space_and_publishes_it() {
+    let mut s = sched(cfg(64, 1024, 8));
+    let prompt: Vec<u32> = (1..=17).collect();
+    let on = |id, name: &str| NewRequest { lora: adapter(1, name), ..req(id, prompt.clone(), 1) };
+    assert_eq!(hits_of(&mut s, req(1, prompt.clone(), 1)), 0);
+    assert_eq!(hits_of(&mut s, on(2, "sql")), 0, "the adapter does not hit the base model's blocks");
+    assert_eq!(hits_of(&mut s, on(3, "sql")), 16, "its own repeat does");
+    let salted = NewRequest { cache_salt: Some("a".into()), ..on(4, "sql") };
+    assert_eq!(hits_of(&mut s, salted), 0, "a salt separates within the adapter too");
+    let events = s.take_events();
+    let keys: Vec<&BlockKeys> = events.iter().filter_map(|e| if let KvEvent::BlockStored { keys, .. } = e { Some(keys) } else { None }).collect();
+    let name = |n: &str| Some(vec![n.to_string()]);
+    assert_eq!(keys[1].lora, Some((1, "sql".to_string())));
+    assert_eq!(keys[1].extra_keys, vec![name("sql"); 4]);
+    assert_eq!(keys[2].extra_keys[0], Some(vec!["sql".to_string(), "a".to_string()]), "the name first, then the salt");
+    let l = ExtraKey::Lora { name: "sql", path: "/lora/sql" };
+    let b0 = hash_block_with(&none_hash(), &prompt[..4], &[l]);
+    assert_eq!(stored(&events)[1].0[..2], [b0.wire_id(), hash_block_with(&b0, &prompt[4..8], &[l]).wire_id()]);
+}
+
+#[test]
+fn at_most_max_loras_adapters_run_and_the_others_wait_their_turn() {
+    let mut s = sched(cfg(64, 1024, 8));
+    s.add(NewRequest { lora: adapter(1, "a"), ..req(1, vec![1, 2, 3], 3) });
+    s.add(NewRequest { lora: adapter(2, "b"), ..req(2, vec![4, 5, 6], 3) });
+    s.add(NewRequest { lora: adapter(1, "a"), ..req(3, vec![7, 8, 9], 3) });
+    s.add(req(4, vec![10, 11, 12], 3));
+    let step = s.schedule();
+    let ids: Vec<ReqId> = step.scheduled.iter().map(|&(id, _)| id).collect();
+    assert_eq!(ids, vec![1, 3, 4], "b waits while a runs; the base model does not count");
+    let out = run(&mut s);
+    assert_eq!(out[&2].len(), 3, "b runs once a is done");
 }
