@@ -316,9 +316,10 @@ impl Endpoint {
     }
 
     /// Whether its streams can move to another worker mid-way (docs/migration.md): the
-    /// continuation is re-wrapped only in chat's and completions' shapes.
+    /// continuation is re-wrapped in chat's and completions' shapes, and a Messages stream is
+    /// sent to its worker as chat.
     pub fn moves(self) -> bool {
-        matches!(self, Self::Chat | Self::Completions)
+        matches!(self, Self::Chat | Self::Completions | Self::Messages)
     }
 
     /// Whether only `POST` reaches it (a passthrough takes the client's method).

@@ -29,6 +29,7 @@ const CARRIED: &[&str] = &[
     "priority",
     "cache_salt",
     "vllm_xargs",
+    "watermarking",
 ];
 
 /// `max_tokens`' default for `/v1/completions` in vLLM.

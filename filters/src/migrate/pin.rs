@@ -3,8 +3,14 @@
 //! is pinned to its worker: the server's parsers (tools, structured output), several choices,
 //! log-probabilities, echo, beam search, penalties that count only output tokens (after a
 //! move the output so far is part of the prompt, so they would count differently), and stop
-//! strings (the server holds back text that may begin one). Three more reasons are found only
-//! once the stream runs (`NoTokenIds`, `ServerParsed`, see `stream`; `ContextTooLong`).
+//! strings (the server holds back text that may begin one), images and other media (the ids of
+//! their placeholder tokens do not carry the media), a thinking budget (the server counts the
+//! thinking tokens). Three more reasons are found only once the stream runs (`NoTokenIds`,
+//! `ServerParsed`, see `stream`; `ContextTooLong`).
+//!
+//! An Anthropic Messages stream moves as the chat stream it is translated into (`anthropic`):
+//! [`messages_pin_reason`] says which cannot be translated exactly, the chat request's
+//! [`pin_reason`] which of the others cannot move.
 
 use serde_json::Value;
 
@@ -38,9 +44,19 @@ pub enum PinReason {
     ServerParsed,
     /// Prompt + generated + one more token would not fit a worker's context.
     ContextTooLong,
-    /// An API whose stream the gateway does not yet re-wrap after a move (Anthropic Messages,
-    /// OpenAI Responses, and the other non-chat endpoints).
+    /// An API whose stream the gateway does not yet re-wrap after a move (OpenAI Responses and
+    /// the other endpoints but chat, completions and Anthropic Messages).
     Api,
+    /// Images, audio or video in the prompt: a continuation sends token ids, which do not carry
+    /// the media behind their placeholder tokens.
+    Multimodal,
+    /// An Anthropic Messages request whose chat form vLLM decides from its chat template
+    /// (system messages inside `messages`, `thinking: {"type": "disabled"}`): the gateway cannot
+    /// know it, so it cannot translate the request.
+    ServerTemplate,
+    /// An Anthropic Messages request the gateway's translation refuses (as vLLM refuses it):
+    /// it goes as sent, for the worker's own answer.
+    Untranslatable,
 }
 
 impl PinReason {
@@ -61,6 +77,9 @@ impl PinReason {
             Self::ServerParsed => "server_parsed",
             Self::ContextTooLong => "context_too_long",
             Self::Api => "api",
+            Self::Multimodal => "multimodal",
+            Self::ServerTemplate => "server_template",
+            Self::Untranslatable => "untranslatable",
         }
     }
 }
@@ -93,6 +112,13 @@ pub fn pin_reason(chat: bool, body: &Value) -> Option<PinReason> {
     if (truthy(get("response_format")) && !text_format) || guided {
         return Some(PinReason::StructuredOutput);
     }
+    if chat && has_media(get("messages")) {
+        return Some(PinReason::Multimodal);
+    }
+    // The server counts the thinking tokens against the budget as it generates them.
+    if truthy(get("thinking_token_budget")) {
+        return Some(PinReason::ServerParsed);
+    }
     let tools = get("tools").and_then(Value::as_array).is_some_and(|t| !t.is_empty());
     if chat && tools && get("tool_choice").and_then(Value::as_str) != Some("none") {
         return Some(PinReason::Tools);
@@ -120,6 +146,26 @@ pub fn pin_reason(chat: bool, body: &Value) -> Option<PinReason> {
     None
 }
 
+/// Whether chat `messages` hold a content part with media (an image, audio or video, by URL,
+/// data or embeddings).
+fn has_media(messages: Option<&Value>) -> bool {
+    let parts = messages.and_then(Value::as_array).into_iter().flatten().filter_map(|m| m.get("content")?.as_array()).flatten();
+    parts.filter_map(|p| p.get("type")?.as_str()).any(|t| ["image", "audio", "video"].iter().any(|m| t.contains(m)))
+}
+
+/// Why an Anthropic Messages request `body` cannot be translated into a chat request exactly
+/// as vLLM translates it, before the translation is tried: what vLLM decides from its chat
+/// template. `None` when it does not depend on the template.
+pub fn messages_pin_reason(body: &Value) -> Option<PinReason> {
+    // vLLM merges them into the leading system prompt or keeps them in place, as its template
+    // accepts (`_should_merge_inline_system`).
+    let inline_system =
+        body.get("messages").and_then(Value::as_array).is_some_and(|m| m.iter().any(|m| m.get("role").and_then(Value::as_str) == Some("system")));
+    // `reasoning_effort` "none", or "low" for a template that cannot turn thinking off.
+    let thinking_off = body.get("thinking").and_then(|t| t.get("type")).and_then(Value::as_str) == Some("disabled");
+    (inline_system || thinking_off).then_some(PinReason::ServerTemplate)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -133,6 +179,17 @@ mod tests {
         assert_eq!(pin_reason(true, &json!({"stream": true, "response_format": {"type": "text"}, "logprobs": false})), None);
         assert_eq!(pin_reason(true, &json!({"stream": true, "tools": [{"type": "function"}], "tool_choice": "none"})), None);
         assert_eq!(pin_reason(true, &json!({"stream": true, "presence_penalty": 0.0})), None);
+        assert_eq!(pin_reason(true, &json!({"stream": true, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]})), None);
+    }
+
+    #[test]
+    fn messages_that_depend_on_the_servers_template_are_not_translated() {
+        let plain = json!({"system": "s", "messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "adaptive"}});
+        assert_eq!(messages_pin_reason(&plain), None);
+        let inline = json!({"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "reminder"}]});
+        assert_eq!(messages_pin_reason(&inline), Some(PinReason::ServerTemplate));
+        let off = json!({"messages": [], "thinking": {"type": "disabled"}});
+        assert_eq!(messages_pin_reason(&off), Some(PinReason::ServerTemplate));
     }
 
     #[test]
@@ -152,6 +209,13 @@ mod tests {
             (true, json!({"stream": true, "frequency_penalty": 0.5}), PinReason::OutputPenalties),
             (true, json!({"stream": true, "stop": "\n"}), PinReason::StopStrings),
             (false, json!({"stream": true, "stop": ["END"]}), PinReason::StopStrings),
+            (
+                true,
+                json!({"stream": true, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}]}),
+                PinReason::Multimodal,
+            ),
+            (true, json!({"stream": true, "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}), PinReason::Multimodal),
+            (true, json!({"stream": true, "thinking_token_budget": 2048}), PinReason::ServerParsed),
         ];
         for (chat, body, want) in cases {
             assert_eq!(pin_reason(chat, &body), Some(want), "{body}");

@@ -138,12 +138,18 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
     // The whole body is parsed only when kv routing tokenizes it or a stream may move.
     let movable = stream && endpoint.moves() && cfg.migration.limit > 0;
     let mut parsed = ((endpoint.renders() && model.kv.is_some()) || movable).then(|| super::parsed::ParsedBody::parse_with(&body, prompt).ok()).flatten();
-    let (track, body, pinned) = match parsed.as_ref().filter(|_| movable).map(|p| track::start(endpoint == Endpoint::Chat, &body, &p.fields)) {
-        Some(Ok((t, sent))) => (Some(t), sent, None),
-        Some(Err(reason)) => (None, body, Some(reason)),
+    let (track, body, pinned, translated) = match parsed.as_ref().filter(|_| movable).map(|p| track::follow(endpoint, &body, &p.fields)) {
+        Some(Ok(f)) => (Some(f.tracker), f.body, None, f.translated),
+        Some(Err(reason)) => (None, body, Some(reason), None),
         // A stream of another API stays where it starts, and says why.
-        None if stream && endpoint.infers() && !endpoint.moves() => (None, body, Some(PinReason::Api)),
-        None => (None, body, None),
+        None if stream && endpoint.infers() && !endpoint.moves() => (None, body, Some(PinReason::Api), None),
+        None => (None, body, None, None),
+    };
+    // A Messages stream sent as chat goes to the chat path (the client's query, which vLLM
+    // does not read there, stays behind).
+    let (forward, reply) = match translated {
+        Some((path, reply)) => (super::state::Forward::post(path), Some(reply)),
+        None => (super::state::Forward::of(session.req()), None),
     };
     if model.kv.is_none() {
         parsed = None;
@@ -165,7 +171,7 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
     Ok(RequestState {
         cfg,
         endpoint,
-        forward: super::state::Forward::of(session.req()),
+        forward,
         start,
         ctx,
         body,
@@ -182,6 +188,7 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
         tried: Vec::new(),
         registered,
         track,
+        reply,
         predicted: None,
     })
 }

@@ -9,6 +9,10 @@
 //! worker that fails or stalls past `timeouts.first_byte_ms`, or a move order, sends the request
 //! back to the attempts ([`Relayed::Resend`], [`Relayed::Reroute`]), which resend it: the client
 //! has seen nothing of the body, so the next worker's stream continues it unseen.
+//!
+//! A Messages stream its worker was sent as chat (`track::follow`) is answered in the Anthropic
+//! API: what the tracker passes on (or the gateway adds at a stream's end) goes through the
+//! request's `MessagesReply`, and so does an error answer's body.
 
 use super::leg::{First, Leg};
 use super::migrate::{self, Moved, Stop, Warming};
@@ -63,12 +67,17 @@ pub async fn relay(gw: &Gateway, session: &mut ClientConn, req: &mut RequestStat
     if (200..300).contains(&status) && matches!(leg.first, First::Read(_)) {
         record_decision(req);
     }
-    // Only a stream that started is followed: an error answer passes as the worker sent it.
+    // Only a stream that started is followed: an error answer passes as the worker sent it, or
+    // reshaped for a client of another API.
     if status != 200 {
         req.track = None;
+        if let Some(reply) = req.reply.as_mut() {
+            reply.error_status();
+        }
     }
     if !session.head_sent() {
-        let header = match upstream::client_response_header(&leg.ex, req.id(), &leg.worker, req.track.is_some()) {
+        let rewritten = req.track.is_some() || req.reply.is_some();
+        let header = match upstream::client_response_header(&leg.ex, req.id(), &leg.worker, rewritten) {
             Ok(h) => h,
             Err(e) => return Relayed::Done(Outcome::Refused(GatewayError::BadUpstreamResponse(e.to_string()))),
         };
@@ -149,7 +158,8 @@ async fn settle(
         }
         Ok(Moved::Finished) => {
             answer(Err(MoveRefused::NotNow("finished")));
-            let usage = req.view.include_usage();
+            // The chat request a Messages stream is sent as asks for usage.
+            let usage = req.view.include_usage() || req.reply.is_some();
             req.track.as_ref().map(|t| t.synthetic_end(usage)).unwrap_or_default()
         }
         Err(Stop::ClientGone) => {
@@ -163,10 +173,20 @@ async fn settle(
             Bytes::from([&ev[..], b"data: [DONE]\n\n"].concat())
         }
     };
+    let end = translate(req, end, true);
     if session.write_body(end, true).await.is_err() {
         return Err(record::cancelled(gw, req));
     }
     Err(Outcome::Served(status))
+}
+
+/// The client's bytes for `bytes` of the worker's answer (`end`: its last): the same, or turned
+/// back into the client's API when its worker was asked in another.
+fn translate(req: &mut RequestState, bytes: Bytes, end: bool) -> Bytes {
+    match req.reply.as_mut() {
+        Some(reply) => reply.answer(&bytes, end).into(),
+        None => bytes,
+    }
 }
 
 /// How relaying one leg's body ended.
@@ -414,9 +434,19 @@ fn ready_to_move(req: &RequestState, order: MoveOrder) -> Option<MoveOrder> {
     }
 }
 
-/// Passes a chunk through the stream's tracker, if it has one: the bytes for the client, and
-/// the error the worker reported in the stream, if any.
+/// Passes a chunk through the stream's tracker, if it has one, and then through the request's
+/// translation back into the client's API, if any: the bytes for the client, and the error the
+/// worker reported in the stream, if any.
 fn follow(gw: &Gateway, req: &mut RequestState, bytes: Bytes, end: bool) -> (Bytes, Option<String>) {
+    let (out, failure) = track(gw, req, bytes, end);
+    // A leg that failed is not the answer's end: the stream continues elsewhere, or is ended by
+    // `settle`.
+    let last = end && failure.is_none();
+    (translate(req, out, last), failure)
+}
+
+/// [`follow`]'s first half: the tracker's part.
+fn track(gw: &Gateway, req: &mut RequestState, bytes: Bytes, end: bool) -> (Bytes, Option<String>) {
     let Some(t) = req.track.as_mut().filter(|t| !t.passes_through()) else { return (bytes, None) };
     let mut fed = t.feed(&bytes);
     if end && fed.failure.is_none() {

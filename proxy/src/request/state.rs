@@ -14,6 +14,7 @@ use crate::inflight::{Registered, RequestEntry};
 use bytes::Bytes;
 use kvgate_filters::cancel::RequestContext;
 use kvgate_filters::ledger::Booking;
+use kvgate_filters::migrate::anthropic::MessagesReply;
 use kvgate_plugins::RoutingPlugin;
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -41,6 +42,12 @@ impl Forward {
         };
         Self { method, target }
     }
+
+    /// A `POST` to one of the catalogue's paths (a request sent in another API than its
+    /// client's).
+    pub fn post(path: &'static str) -> Self {
+        Self { method: Cow::Borrowed("POST"), target: Cow::Borrowed(path) }
+    }
 }
 
 /// One request, from admission to its record.
@@ -55,8 +62,9 @@ pub struct RequestState {
     pub start: Instant,
     /// Its cancellation context (its id is the request id).
     pub ctx: Arc<RequestContext>,
-    /// The client's body, forwarded unchanged (but for the `request_id` a Responses request
-    /// naming none is given, `stored.rs`).
+    /// The body its worker gets: the client's (but for the `request_id` a Responses request
+    /// naming none is given, `stored.rs`, and the token ids a movable stream asks for,
+    /// `track.rs`), or the chat request a Messages stream is sent as (`track::follow`).
     pub body: Bytes,
     /// The stored response it makes or refers to (Responses API).
     pub stored: Option<super::stored::StoredRefs>,
@@ -84,6 +92,9 @@ pub struct RequestState {
     pub registered: Registered,
     /// The stream's follower while it may move to another worker (docs/migration.md).
     pub track: Option<Tracker>,
+    /// A Messages stream sent to its worker as chat: its answer, turned back into the
+    /// Anthropic API's events (or error shape) for the client.
+    pub reply: Option<MessagesReply>,
     /// What the `time` cost predicted on the worker it was placed on (its first token then
     /// calibrates that worker).
     pub predicted: Option<kvgate_filters::route::time::Prediction>,

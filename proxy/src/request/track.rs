@@ -4,11 +4,55 @@
 //! ask for, notices an error the worker reports inside the stream, and after a move re-wraps
 //! the destination's completion events in the client's shape. Only whole events are passed on,
 //! so what the client saw and what the record holds never disagree.
+//!
+//! An Anthropic Messages stream is followed as the chat stream vLLM itself makes of it: its
+//! worker gets the chat request vLLM's `/v1/messages` builds ([`follow`]), and the relay turns
+//! the chat events back into Anthropic ones (`MessagesReply`).
 
+use crate::endpoint::Endpoint;
 use bytes::{Bytes, BytesMut};
+use kvgate_filters::migrate::anthropic::MessagesReply;
 use kvgate_filters::migrate::events::{self, EventSplitter};
-use kvgate_filters::migrate::{ClientShape, PinReason, StreamRecord, pin_reason};
+use kvgate_filters::migrate::{ClientShape, PinReason, StreamRecord, messages_pin_reason, pin_reason};
+use kvgate_tokenize::dialect::messages::{self, MessagesOptions};
 use serde_json::Value;
+
+/// A stream followed from admission on.
+#[derive(Debug)]
+pub struct Followed {
+    /// Its tracker.
+    pub tracker: Tracker,
+    /// The body its worker gets.
+    pub body: Bytes,
+    /// For a request sent in another API than the client's: the path it goes to, and the
+    /// converter of its answer back into the client's API.
+    pub translated: Option<(&'static str, MessagesReply)>,
+}
+
+/// At admission: how a stream of `endpoint` that may move is followed (`parsed`: its body,
+/// parsed), or why it may not move. A Messages stream is sent as chat, unless it cannot be
+/// translated exactly or its chat form could not move either: it then goes as it is, pinned.
+pub fn follow(endpoint: Endpoint, body: &Bytes, parsed: &Value) -> Result<Followed, PinReason> {
+    if endpoint == Endpoint::Messages {
+        let chat = messages_as_chat(parsed)?;
+        let (tracker, body) = start(true, &Bytes::from(chat.to_string()), &chat)?;
+        return Ok(Followed { tracker, body, translated: Some(("/v1/chat/completions", MessagesReply::default())) });
+    }
+    let (tracker, body) = start(endpoint == Endpoint::Chat, body, parsed)?;
+    Ok(Followed { tracker, body, translated: None })
+}
+
+/// The chat request vLLM's `/v1/messages` builds from the Messages request `body` (streaming
+/// options included), when the gateway can build it exactly: not when vLLM decides part of it
+/// from its chat template, nor for images (they need the model's processor, and a continuation
+/// could not carry them), nor for a request the translation refuses.
+fn messages_as_chat(body: &Value) -> Result<Value, PinReason> {
+    if let Some(reason) = messages_pin_reason(body) {
+        return Err(reason);
+    }
+    // The options are vLLM's template-dependent choices, which the request does not reach.
+    messages::to_chat(body, &MessagesOptions::default()).map_err(|e| if e.reason() == "image" { PinReason::Multimodal } else { PinReason::Untranslatable })
+}
 
 /// At admission: a tracker for a stream that may move, and the body to send its worker (the
 /// client's, asking for token ids); or why it may not move.
@@ -227,6 +271,7 @@ impl Tracker {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn admission_asks_for_ids_unless_the_client_did_and_pins_what_cannot_move() {
@@ -242,6 +287,37 @@ mod tests {
         let body = Bytes::from_static(b"{\"messages\":[],\"stream\":true,\"n\":2}");
         let v: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(start(true, &body, &v).unwrap_err(), PinReason::SeveralChoices);
+    }
+
+    #[test]
+    fn a_messages_stream_is_sent_as_the_chat_request_vllm_builds_unless_it_cannot_move() {
+        let body = Bytes::from_static(b"{}");
+        let m = json!({"model": "m", "max_tokens": 9, "stream": true, "temperature": 0, "system": [{"type": "text", "text": "Be brief."}],
+                       "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "metadata": {"user_id": "u"}});
+        let f = follow(Endpoint::Messages, &body, &m).unwrap();
+        assert_eq!(f.translated.as_ref().map(|t| t.0), Some("/v1/chat/completions"));
+        let sent: Value = serde_json::from_slice(&f.body).unwrap();
+        assert_eq!(
+            sent,
+            json!({"model": "m", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], "max_tokens": 9,
+                   "max_completion_tokens": 9, "temperature": 0, "stream": true, "stream_options": {"include_usage": true, "continuous_usage_stats": true},
+                   "return_token_ids": true})
+        );
+        assert_eq!((f.tracker.shape, f.tracker.keep_ids), (ClientShape::Chat, false));
+        let pinned = |extra: Value| {
+            let mut b = m.clone();
+            b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            follow(Endpoint::Messages, &body, &b).unwrap_err()
+        };
+        assert_eq!(pinned(json!({"stop_sequences": ["END"]})), PinReason::StopStrings);
+        assert_eq!(pinned(json!({"tools": [{"name": "f", "input_schema": {}}]})), PinReason::Tools);
+        assert_eq!(pinned(json!({"thinking": {"type": "disabled"}})), PinReason::ServerTemplate);
+        assert_eq!(pinned(json!({"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 2048})), PinReason::ServerParsed);
+        assert_eq!(pinned(json!({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}})), PinReason::StructuredOutput);
+        let image = json!({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}});
+        assert_eq!(pinned(json!({"messages": [{"role": "user", "content": [image]}]})), PinReason::Multimodal);
+        assert_eq!(pinned(json!({"messages": [{"role": "user", "content": [{"type": "document"}]}]})), PinReason::Untranslatable);
+        assert!(follow(Endpoint::Chat, &Bytes::from_static(b"{\"stream\":true}"), &json!({"stream": true})).unwrap().translated.is_none());
     }
 
     #[test]
