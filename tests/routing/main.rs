@@ -537,12 +537,16 @@ async fn the_time_cost_calibrates_to_the_workers_measured_speed() {
     }
 }
 
-/// Sends one completion of `p` (with `cache_salt` when given) as request `id`; returns the worker
-/// that served it and the most cached blocks routing predicted on any worker.
-async fn salted_completion(c: &Cluster, id: &str, p: &[u32], salt: Option<&str>) -> (String, u64) {
+/// Sends one completion of `p` (with `cache_salt` and naming `model` when given) as request
+/// `id`; returns the worker that served it and the most cached blocks routing predicted on any
+/// worker.
+async fn salted_completion(c: &Cluster, id: &str, p: &[u32], salt: Option<&str>, model: Option<&str>) -> (String, u64) {
     let mut body = json!({"prompt": p, "max_tokens": 1});
     if let Some(s) = salt {
         body["cache_salt"] = s.into();
+    }
+    if let Some(m) = model {
+        body["model"] = m.into();
     }
     let r = c.http.post(c.url("/v1/completions")).header("x-request-id", id).json(&body).send().await.unwrap();
     assert_eq!(r.status(), 200, "{id}");
@@ -555,10 +559,10 @@ async fn salted_completion(c: &Cluster, id: &str, p: &[u32], salt: Option<&str>)
 
 /// Repeats `p` (salted as given) until routing predicts all its `blocks` cached somewhere (the
 /// worker's events having reached the index, which may show a store half applied for a moment).
-async fn repeat_until_cached(c: &Cluster, tag: &str, p: &[u32], salt: Option<&str>, blocks: u64) {
+async fn repeat_until_cached(c: &Cluster, tag: &str, p: &[u32], salt: Option<&str>, model: Option<&str>, blocks: u64) {
     let mut seen = 0;
     for i in 0..400 {
-        seen = salted_completion(c, &format!("{tag}-{i}"), p, salt).await.1;
+        seen = salted_completion(c, &format!("{tag}-{i}"), p, salt, model).await.1;
         if seen == blocks {
             return;
         }
@@ -575,7 +579,7 @@ async fn a_cache_salt_is_hashed_as_vllm_hashes_it() {
     let c = kv_cluster("").await;
     let p = prompt(23, 0, 16);
     let blocks = (p.len() / BS) as u64;
-    repeat_until_cached(&c, "plain", &p, None, blocks).await;
+    repeat_until_cached(&c, "plain", &p, None, None, blocks).await;
     let hits = || async {
         let mut h = 0.0;
         for i in 0..c.sims.len() {
@@ -584,11 +588,38 @@ async fn a_cache_salt_is_hashed_as_vllm_hashes_it() {
         h
     };
     let before = hits().await;
-    let (_, overlap) = salted_completion(&c, "salted-first", &p, Some("tenant-a")).await;
+    let (_, overlap) = salted_completion(&c, "salted-first", &p, Some("tenant-a"), None).await;
     assert_eq!(overlap, 0, "no worker holds the prompt under this salt");
     assert_eq!(hits().await, before, "and the worker found none in its own cache either");
     // The same salt matches the salted blocks.
-    repeat_until_cached(&c, "salted", &p, Some("tenant-a"), blocks).await;
-    let (_, other) = salted_completion(&c, "other-salt", &p, Some("tenant-b")).await;
+    repeat_until_cached(&c, "salted", &p, Some("tenant-a"), None, blocks).await;
+    let (_, other) = salted_completion(&c, "other-salt", &p, Some("tenant-b"), None).await;
     assert_eq!(other, 0, "another salt matches nothing");
+}
+
+#[tokio::test]
+async fn a_lora_adapters_blocks_are_its_own() {
+    // vLLM keys an adapter's blocks by its name (events carry `lora_name`): a prefix the
+    // adapter cached is a hit for the adapter, never for the base model, and the other way round.
+    // The simulator, like vLLM, loads only a folder holding an adapter_config.json.
+    let dir = kvgate_tests::cluster::TempDir::new();
+    std::fs::write(dir.0.join("adapter_config.json"), r#"{"r": 8, "peft_type": "LORA"}"#).unwrap();
+    let modules = vllm_sim::lora::parse_lora_modules(&[format!("sql={}", dir.0.display())]).unwrap();
+    let lora = SimConfig { enable_lora: true, lora_modules: modules, ..sim() };
+    let c = kv_cluster_on(lora, GatewayOpts { mode: "kv".into(), ..Default::default() }).await;
+    // The adapter is routable once the gateway has read the workers' model cards.
+    let listed = wait_until(Duration::from_secs(20), || async {
+        let v: Value = c.http.get(c.url("/v1/models")).send().await.unwrap().json().await.unwrap();
+        v["data"].as_array().is_some_and(|d| d.iter().any(|m| m["id"] == "sql" && m["parent"] == "sim-model"))
+    })
+    .await;
+    assert!(listed.is_some(), "the gateway lists the workers' adapter");
+    let p = prompt(41, 0, 16);
+    let blocks = (p.len() / BS) as u64;
+    repeat_until_cached(&c, "adapter", &p, None, Some("sql"), blocks).await;
+    let (_, base) = salted_completion(&c, "base-first", &p, None, None).await;
+    assert_eq!(base, 0, "the adapter's blocks are no hit for the base model");
+    repeat_until_cached(&c, "base", &p, None, None, blocks).await;
+    let (_, salted) = salted_completion(&c, "adapter-salted", &p, Some("tenant-a"), Some("sql")).await;
+    assert_eq!(salted, 0, "nor for the adapter under a salt");
 }
