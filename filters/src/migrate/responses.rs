@@ -1,0 +1,26 @@
+//! An OpenAI Responses stream (`/v1/responses`) served by a chat-completions stream, so that it
+//! can move (issue #34). vLLM 0.32's `/v1/responses` returns no token ids, so the gateway cannot
+//! continue its stream on another worker; its `/v1/chat/completions` does (`return_token_ids`).
+//! For a Responses request whose chat form is exactly what vLLM generates from, the gateway can
+//! send the worker that chat request instead and turn the chat stream into the Responses events
+//! vLLM would have sent (vLLM's non-Harmony path, `SimpleContext`, does the same internally: it
+//! builds a chat prompt and streams engine deltas as Responses events).
+//!
+//! - [`request`]: which Responses requests translate exactly ([`to_chat`]), and why the
+//!   others do not ([`Refusal`]);
+//! - [`convert`]: the chat stream (the worker's, then a continuation's re-wrapped as chat
+//!   chunks) turned into the Responses events ([`ResponsesStream`]).
+//!
+//! Both were compared with real vLLM 0.32 (the tiny test model on CPU, `--enable-scale-out`,
+//! with the model's template and with `filters/tests/fixtures/responses/template.jinja`, which
+//! prints reasoning, tool calls, tool results and the template variables): the token ids and
+//! sampling parameters of `/v1/responses/render` and of `/v1/chat/completions/render` for the
+//! translated request (10 requests), and `/v1/responses` streams against the converted chat
+//! streams of their translations (6 streams, byte for byte but for item ids and `created_at`;
+//! fixtures and `capture.py` in `filters/tests/fixtures/responses/`).
+
+pub mod convert;
+pub mod request;
+
+pub use convert::{ModelDefaults, ResponsesStream, StreamSetup};
+pub use request::{Refusal, ServerFacts, to_chat};
