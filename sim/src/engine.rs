@@ -3,8 +3,10 @@
 //! the step's tokens to the requests' channels, publishes the step's KV events as one batch, and
 //! updates its metrics.
 //!
-//! Commands (add, abort, reset prefix cache) are applied between steps, as vLLM's engine core
-//! does; the events a command causes (AllBlocksCleared) go out with the next step's batch. A request whose receiver is gone is aborted at the next delivery, so a client that
+//! Commands (add, abort, reset prefix cache, pause, resume) are applied between steps, as vLLM's
+//! engine core does; the events a command causes (AllBlocksCleared) go out with the next step's
+//! batch. A pause ([`PauseMode`]) aborts, drains or freezes what runs, and new requests queue
+//! until the resume. A request whose receiver is gone is aborted at the next delivery, so a client that
 //! disconnects frees its blocks within one step even if nobody sent an abort.
 //!
 //! Steps are paced against a virtual clock: each step starts when the previous one was due to
@@ -14,11 +16,11 @@
 use crate::faults::Faults;
 use crate::metrics::EngineMetrics;
 use crate::publisher::PublisherHandle;
-use crate::scheduler::{FinishReason, NewRequest, ReqId, Scheduler, TokenOutput};
+use crate::scheduler::{FinishReason, NewRequest, PauseState, ReqId, Scheduler, TokenOutput};
 use crate::timing::TimingModel;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -35,7 +37,20 @@ pub struct Delivery {
 enum Cmd {
     Add { req: NewRequest, choice: usize, tx: mpsc::UnboundedSender<Delivery>, arrival: Instant },
     Abort(ReqId),
-    Reset(oneshot::Sender<bool>),
+    Reset { running: bool, reply: oneshot::Sender<bool> },
+    Pause { mode: PauseMode, clear_cache: bool, reply: oneshot::Sender<()> },
+    Resume(oneshot::Sender<()>),
+}
+
+/// How `/pause` (and `/sleep`) treat requests in flight, as vLLM's `PauseMode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PauseMode {
+    /// Abort every request (running or waiting) now: each ends with `finish_reason: "abort"`.
+    Abort,
+    /// Let running requests finish; the pause completes when none runs.
+    Wait,
+    /// Freeze running requests where they are; they go on after `/resume`.
+    Keep,
 }
 
 /// The HTTP layer's handle on one engine.
@@ -49,6 +64,7 @@ pub struct EngineHandle {
     pub metrics: Arc<EngineMetrics>,
     /// Its KV event publisher, if events are on.
     pub publisher: Option<PublisherHandle>,
+    paused: AtomicBool,
 }
 
 impl EngineHandle {
@@ -82,13 +98,42 @@ impl EngineHandle {
         let _ = self.tx.send(Cmd::Abort(id));
     }
 
-    /// Drops the prefix cache; false if blocks are in use (as vLLM) or the engine stopped.
-    pub async fn reset_prefix_cache(&self) -> bool {
+    /// Drops the prefix cache; false if blocks are in use (as vLLM; `reset_running` preempts
+    /// running requests first) or the engine stopped.
+    pub async fn reset_prefix_cache(&self, reset_running: bool) -> bool {
         let (tx, rx) = oneshot::channel();
-        if self.tx.send(Cmd::Reset(tx)).is_err() {
+        if self.tx.send(Cmd::Reset { running: reset_running, reply: tx }).is_err() {
             return false;
         }
         rx.await.unwrap_or(false)
+    }
+
+    /// Pauses scheduling as vLLM's `pause_scheduler`; returns when the pause is complete (in
+    /// `wait` mode, once no request runs), the prefix cache dropped first when `clear_cache`.
+    /// New requests queue until [`EngineHandle::resume`]. False if the engine stopped.
+    pub async fn pause(&self, mode: PauseMode, clear_cache: bool) -> bool {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Cmd::Pause { mode, clear_cache, reply: tx }).is_err() {
+            return false;
+        }
+        self.paused.store(true, Ordering::Relaxed);
+        rx.await.is_ok()
+    }
+
+    /// Resumes scheduling (queued requests start); a pause still waiting completes.
+    pub async fn resume(&self) -> bool {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Cmd::Resume(tx)).is_err() {
+            return false;
+        }
+        let ok = rx.await.is_ok();
+        self.paused.store(false, Ordering::Relaxed);
+        ok
+    }
+
+    /// Whether the engine is paused.
+    pub fn is_paused(&self) -> bool {
+        self.paused.load(Ordering::Relaxed)
     }
 }
 
@@ -107,9 +152,16 @@ pub struct EngineParams {
 /// Spawns the engine task and returns its handle.
 pub fn spawn(sched: Scheduler, rank: u32, publisher: Option<PublisherHandle>, params: EngineParams) -> Arc<EngineHandle> {
     let (tx, rx) = mpsc::unbounded_channel();
-    let handle =
-        Arc::new(EngineHandle { tx, rank, next_id: AtomicU64::new(1), in_flight: AtomicI64::new(0), metrics: Arc::new(EngineMetrics::default()), publisher });
-    let task = EngineTask { sched, live: HashMap::new(), handle: handle.clone(), params };
+    let handle = Arc::new(EngineHandle {
+        tx,
+        rank,
+        next_id: AtomicU64::new(1),
+        in_flight: AtomicI64::new(0),
+        metrics: Arc::new(EngineMetrics::default()),
+        publisher,
+        paused: AtomicBool::new(false),
+    });
+    let task = EngineTask { sched, live: HashMap::new(), handle: handle.clone(), params, pausing: Vec::new() };
     tokio::spawn(task.run(rx));
     handle
 }
@@ -127,6 +179,9 @@ struct EngineTask {
     live: HashMap<ReqId, Live>,
     handle: Arc<EngineHandle>,
     params: EngineParams,
+    /// Pauses not complete yet (`wait` mode with requests running): their replies and whether
+    /// they clear the cache.
+    pausing: Vec<(oneshot::Sender<()>, bool)>,
 }
 
 impl EngineTask {
@@ -191,6 +246,7 @@ impl EngineTask {
             }
             let outs = self.sched.update(&step);
             self.deliver(outs);
+            self.finish_pause();
             self.flush_events();
             self.refresh_gauges();
             self.handle.metrics.steps.add(1);
@@ -207,9 +263,52 @@ impl EngineTask {
                 self.live.insert(id, Live { tx, choice, arrival, scheduled: false, last: arrival });
             }
             Cmd::Abort(id) => self.abort(id),
-            Cmd::Reset(reply) => {
+            Cmd::Reset { running, reply } => {
                 // Like vLLM, AllBlocksCleared goes out with the next step's batch, not now.
-                let _ = reply.send(self.sched.reset_prefix_cache());
+                let _ = reply.send(self.sched.reset_prefix_cache(running));
+            }
+            Cmd::Pause { mode, clear_cache, reply } => {
+                if mode == PauseMode::Abort {
+                    let aborted = self.sched.abort_all();
+                    self.end_aborted(aborted);
+                }
+                self.sched.set_pause(if mode == PauseMode::Keep { PauseState::PausedAll } else { PauseState::PausedNew });
+                self.pausing.push((reply, clear_cache));
+                self.finish_pause();
+            }
+            Cmd::Resume(reply) => {
+                self.sched.set_pause(PauseState::Unpaused);
+                // A pause still waiting for its requests is over too.
+                self.pausing.drain(..).for_each(|(r, _)| {
+                    let _ = r.send(());
+                });
+                let _ = reply.send(());
+            }
+        }
+    }
+
+    /// Completes the pending pauses once nothing runs (at once unless `wait` mode found requests
+    /// running), dropping the prefix cache first if one asked, as vLLM's `_finish_pause` does
+    /// (running requests, frozen by `keep`, are preempted to recompute after the resume).
+    fn finish_pause(&mut self) {
+        if self.pausing.is_empty() || (self.sched.pause_state() == PauseState::PausedNew && self.sched.has_running()) {
+            return;
+        }
+        if self.pausing.iter().any(|(_, clear)| *clear) && !self.sched.reset_prefix_cache(true) {
+            tracing::warn!(rank = self.handle.rank, "pause: the prefix cache could not be reset");
+        }
+        for (r, _) in self.pausing.drain(..) {
+            let _ = r.send(());
+        }
+    }
+
+    /// Tells the clients of aborted requests: one last output with `finish_reason: "abort"`.
+    fn end_aborted(&mut self, aborted: Vec<TokenOutput>) {
+        for out in aborted {
+            if let Some(l) = self.live.remove(&out.id) {
+                let _ = l.tx.send(Delivery { choice: l.choice, out });
+                self.handle.in_flight.fetch_sub(1, Ordering::Relaxed);
+                self.handle.metrics.aborted.add(1);
             }
         }
     }
@@ -243,6 +342,7 @@ impl EngineTask {
                 match reason {
                     FinishReason::Stop => m.success_stop.add(1),
                     FinishReason::Length => m.success_length.add(1),
+                    FinishReason::Abort => {}
                 }
             }
             let sent = l.tx.send(Delivery { choice: l.choice, out }).is_ok();

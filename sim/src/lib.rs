@@ -6,7 +6,8 @@
 //! prefix caching and preemption; `cache_salt` and LoRA adapters hashed into blocks as vLLM
 //! hashes them), publishes KV-cache events on ZeroMQ byte-identical to vLLM's, and exposes
 //! vLLM's `vllm:*` Prometheus metrics. LoRA adapters ([`lora`]) are served as vLLM serves them
-//! (`--lora-modules`, `/v1/models`, runtime load and unload). Step times come from a [`timing`] model of a
+//! (`--lora-modules`, `/v1/models`, runtime load and unload), and so are its development
+//! endpoints in dev mode (`/pause`, `/resume`, `/sleep`, `/wake_up`, `/reset_prefix_cache`, …). Step times come from a [`timing`] model of a
 //! mid-size model on one GPU, scaled by `time_scale` for tests.
 //!
 //! Use it as a binary (`vllm-sim --help`) or in-process with [`SimServer::start`].

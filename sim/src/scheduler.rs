@@ -17,6 +17,9 @@
 //! their blocks last-block-first. KV events accumulate in the block pool for the caller to
 //! publish once per step, as vLLM publishes one batch per step.
 //!
+//! Paused ([`PauseState`], vLLM's `/pause` and `/sleep`), waiting requests are not admitted
+//! (`PausedNew`) or nothing is scheduled at all (`PausedAll`).
+//!
 //! Time, channels and HTTP are not this module's business (see `engine`).
 
 use crate::block_hash::{BlockHash, ExtraKey, hash_block_with};
@@ -82,6 +85,9 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` or `max_model_len` was reached.
     Length,
+    /// The engine aborted it (`/pause` or `/sleep` in `abort` mode); its last output carries
+    /// no token.
+    Abort,
 }
 
 impl FinishReason {
@@ -90,11 +96,24 @@ impl FinishReason {
         match self {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
         }
     }
 }
 
-/// One generated token.
+/// vLLM's scheduler pause states (`/pause`, `/sleep`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PauseState {
+    /// Scheduling as usual.
+    #[default]
+    Unpaused,
+    /// Running requests go on; waiting ones (new, or preempted) are not admitted.
+    PausedNew,
+    /// Nothing is scheduled: running requests are frozen.
+    PausedAll,
+}
+
+/// One generated token, or the end of an aborted request (no token).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TokenOutput {
     /// The request it belongs to.
@@ -109,6 +128,13 @@ pub struct TokenOutput {
     pub num_cached_tokens: usize,
     /// Prompt length.
     pub num_prompt_tokens: usize,
+}
+
+impl TokenOutput {
+    /// The generated token ids it carries: one, or none for an abort.
+    pub fn ids(&self) -> &[u32] {
+        if self.finish == Some(FinishReason::Abort) { &[] } else { std::slice::from_ref(&self.token) }
+    }
 }
 
 /// A planned step.
@@ -202,6 +228,7 @@ pub struct Scheduler {
     waiting: VecDeque<ReqId>,
     running: Vec<ReqId>,
     counters: SchedulerCounters,
+    pause: PauseState,
 }
 
 fn ceil_div(a: usize, b: usize) -> usize {
@@ -219,6 +246,7 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             counters: SchedulerCounters::default(),
+            pause: PauseState::Unpaused,
         }
     }
 
@@ -266,6 +294,9 @@ impl Scheduler {
         let bs = self.cfg.block_size;
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut step = Step::default();
+        if self.pause == PauseState::PausedAll {
+            return step;
+        }
 
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
@@ -297,7 +328,7 @@ impl Scheduler {
             i += 1;
         }
 
-        if step.preempted.is_empty() {
+        if step.preempted.is_empty() && self.pause == PauseState::Unpaused {
             let mut loras: HashSet<u32> = self.running.iter().filter_map(|id| self.requests[id].lora_id()).collect();
             // Requests skipped for their adapter keep their place at the front of the queue.
             let mut at = 0;
@@ -371,9 +402,51 @@ impl Scheduler {
         out
     }
 
-    /// Drops the prefix cache if no block is in use (vLLM semantics).
-    pub fn reset_prefix_cache(&mut self) -> bool {
+    /// Drops the prefix cache if no block is in use (vLLM semantics); with `reset_running`,
+    /// running requests are preempted first (they recompute later), so it succeeds.
+    pub fn reset_prefix_cache(&mut self, reset_running: bool) -> bool {
+        if reset_running {
+            // Last first, each to the front of the queue: they come back in their order.
+            while let Some(id) = self.running.pop() {
+                self.preempt(id);
+            }
+        }
         self.pool.reset_prefix_cache()
+    }
+
+    /// Sets the pause state (`/pause`, `/resume`).
+    pub fn set_pause(&mut self, pause: PauseState) {
+        self.pause = pause;
+    }
+
+    /// The pause state.
+    pub fn pause_state(&self) -> PauseState {
+        self.pause
+    }
+
+    /// Aborts every request, running or waiting (`/pause?mode=abort`); returns their outputs,
+    /// each finished with [`FinishReason::Abort`], for the caller to deliver.
+    pub fn abort_all(&mut self) -> Vec<TokenOutput> {
+        let ids: Vec<ReqId> = self.running.iter().chain(&self.waiting).copied().collect();
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            let req = &self.requests[&id];
+            out.push(TokenOutput {
+                id,
+                token: 0,
+                finish: Some(FinishReason::Abort),
+                first: req.num_output() == 0,
+                num_cached_tokens: req.num_cached_tokens.unwrap_or(0),
+                num_prompt_tokens: req.num_prompt,
+            });
+            self.abort(id);
+        }
+        out
+    }
+
+    /// Whether requests are running (a pause in `wait` mode completes when none is).
+    pub fn has_running(&self) -> bool {
+        !self.running.is_empty()
     }
 
     /// KV events produced since the last call.
@@ -391,9 +464,14 @@ impl Scheduler {
         self.waiting.len()
     }
 
-    /// Whether there is anything to do.
+    /// Whether there is anything to do (paused: only running requests, and while
+    /// `PausedAll` nothing).
     pub fn has_work(&self) -> bool {
-        !self.running.is_empty() || !self.waiting.is_empty()
+        match self.pause {
+            PauseState::Unpaused => !self.running.is_empty() || !self.waiting.is_empty(),
+            PauseState::PausedNew => !self.running.is_empty(),
+            PauseState::PausedAll => false,
+        }
     }
 
     /// KV cache usage in [0, 1].

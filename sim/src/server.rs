@@ -102,6 +102,7 @@ impl SimServer {
             messages_options: Default::default(),
             response_store: Default::default(),
             loras: Default::default(),
+            sleep: Default::default(),
         });
         // vLLM loads `--lora-modules` before serving and refuses to start when one fails.
         for m in &state.cfg.lora_modules {

@@ -1,8 +1,9 @@
 //! vllm-sim beyond conformance: the properties later kvgate tests rely on (deterministic
 //! continuation, fault injection, DP ranks, event encodings, preemption, admission control,
-//! abort during prefill, the timing model, the Responses store, LoRA adapters). In-process
-//! servers on ephemeral ports.
+//! abort during prefill, the timing model, the Responses store, LoRA adapters, the development
+//! endpoints). In-process servers on ephemeral ports.
 
+mod control;
 mod dialects;
 mod lora;
 

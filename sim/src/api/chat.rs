@@ -6,7 +6,7 @@
 use super::error::{ApiError, json_response};
 use super::generate::PreparedPrompt;
 use super::protocol::{ChatRequest, GenParams, check_length, parse_body};
-use super::response::{ChoiceState, ChunkFormat, Meta, collect, echo_header, finish_json, json_str, sse, write_usage};
+use super::response::{ChoiceState, ChunkFormat, Meta, collect, delivery_ids_json, delivery_text, echo_header, finish_json, json_str, sse, write_usage};
 use super::{AppState, encode};
 use crate::dialect;
 use crate::engine::Delivery;
@@ -151,14 +151,14 @@ impl ChunkFormat for ChatChunks {
             out,
             "{{\"index\":{},\"delta\":{{\"content\":{}}},\"logprobs\":null,\"finish_reason\":{}",
             d.choice,
-            json_str(self.tok.token_text(d.out.token)),
+            json_str(delivery_text(&self.tok, d)),
             finish_json(d.out.finish)
         );
         if d.out.finish.is_some() {
             out.push_str(",\"stop_reason\":null");
         }
         if self.return_token_ids {
-            let _ = write!(out, ",\"token_ids\":[{}]", d.out.token);
+            let _ = write!(out, ",\"token_ids\":{}", delivery_ids_json(d));
         }
         out.push_str("}]");
         self.usage(s, out);

@@ -5,7 +5,7 @@
 use super::error::{ApiError, json_response};
 use super::generate::PreparedPrompt;
 use super::protocol::{CompletionRequest, GenParams, Prompt, check_length, check_token_ids, parse_body};
-use super::response::{ChoiceState, ChunkFormat, Meta, collect, echo_header, finish_json, json_str, sse, write_usage};
+use super::response::{ChoiceState, ChunkFormat, Meta, collect, delivery_ids_json, delivery_text, echo_header, finish_json, json_str, sse, write_usage};
 use super::{AppState, encode};
 use crate::engine::Delivery;
 use axum::extract::State;
@@ -122,7 +122,7 @@ impl ChunkFormat for CompletionChunks {
         {
             text.push_str(e);
         }
-        text.push_str(self.st_tok.token_text(d.out.token));
+        text.push_str(delivery_text(&self.st_tok, d));
         let _ = write!(
             out,
             "data: {{\"id\":{},\"object\":\"text_completion\",\"created\":{},\"model\":{},\"choices\":[{{\"index\":{},\"text\":{},\"logprobs\":null,\"finish_reason\":{},\"stop_reason\":null",
@@ -140,7 +140,7 @@ impl ChunkFormat for CompletionChunks {
             } else {
                 out.push_str(",\"prompt_token_ids\":null");
             }
-            let _ = write!(out, ",\"token_ids\":[{}]", d.out.token);
+            let _ = write!(out, ",\"token_ids\":{}", delivery_ids_json(d));
         }
         out.push_str("}]");
         if self.continuous_usage {

@@ -21,7 +21,7 @@
 use super::error::{ApiError, json_response};
 use super::generate::PreparedPrompt;
 use super::protocol::{Common, GenParams, check_length, parse_body};
-use super::response::{ChoiceState, ChunkFormat, Meta, collect, echo_header, json_str, sse};
+use super::response::{ChoiceState, ChunkFormat, Meta, collect, delivery_text, echo_header, json_str, sse};
 use super::{AppState, render_dialect_chat};
 use crate::engine::Delivery;
 use crate::scheduler::FinishReason;
@@ -116,11 +116,12 @@ async fn run(st: &AppState, headers: &HeaderMap, req: &Value) -> Result<Response
     Ok(resp)
 }
 
-/// `_to_anthropic_stop_reason` for text-only generations.
-fn stop_reason(f: Option<FinishReason>) -> &'static str {
+/// `_to_anthropic_stop_reason` for text-only generations (an abort has none).
+fn stop_reason(f: Option<FinishReason>) -> Option<&'static str> {
     match f {
-        Some(FinishReason::Length) => "max_tokens",
-        _ => "end_turn",
+        Some(FinishReason::Length) => Some("max_tokens"),
+        Some(FinishReason::Abort) => None,
+        _ => Some("end_turn"),
     }
 }
 
@@ -147,7 +148,7 @@ impl ChunkFormat for Events {
         if d.out.finish.is_some() {
             self.finish = d.out.finish;
         }
-        let text = self.tok.token_text(d.out.token);
+        let text = delivery_text(&self.tok, d);
         if text.is_empty() {
             return;
         }
@@ -167,8 +168,8 @@ impl ChunkFormat for Events {
             event(out, "content_block_stop", r#"{"type":"content_block_stop","index":0}"#);
         }
         let delta = format!(
-            "{{\"type\":\"message_delta\",\"delta\":{{\"stop_reason\":\"{}\",\"stop_sequence\":null}},\"usage\":{{\"input_tokens\":{prompt},\"output_tokens\":{completion}}}}}",
-            stop_reason(self.finish)
+            "{{\"type\":\"message_delta\",\"delta\":{{\"stop_reason\":{},\"stop_sequence\":null}},\"usage\":{{\"input_tokens\":{prompt},\"output_tokens\":{completion}}}}}",
+            stop_reason(self.finish).map_or_else(|| "null".to_owned(), json_str)
         );
         event(out, "message_delta", &delta);
     }

@@ -1,5 +1,5 @@
-//! The small endpoints: models, health, version, load, metrics, tokenize/detokenize, prefix
-//! cache reset, KV event discovery, and the simulator's own `/sim/faults`.
+//! The small endpoints: models, health, version, load, metrics, tokenize/detokenize, KV event
+//! discovery, and the simulator's own `/sim/faults`.
 
 use super::AppState;
 use super::chat::render_prompt;
@@ -108,19 +108,6 @@ pub async fn detokenize(State(st): State<Arc<AppState>>, body: Bytes) -> Respons
         Ok(v) => json_response(StatusCode::OK, &v),
         Err(e) => e.into_response(),
     }
-}
-
-/// `POST /reset_prefix_cache`: every engine drops its cache (and publishes AllBlocksCleared);
-/// `success` is false if some engine still had blocks in use, as vLLM reports.
-pub async fn reset_prefix_cache(State(st): State<Arc<AppState>>) -> Response {
-    let mut ok = true;
-    for e in &st.engines {
-        ok &= e.reset_prefix_cache().await;
-    }
-    if !ok {
-        tracing::warn!("Failed to reset prefix cache because some blocks are not freed yet");
-    }
-    json_response(StatusCode::OK, &json!({"success": ok}))
 }
 
 /// `GET /kv_event_sources`: per DP rank, the resolved event endpoints.

@@ -3,6 +3,7 @@
 
 pub mod chat;
 pub mod completions;
+pub mod control;
 pub mod error;
 pub mod generate;
 pub mod lora;
@@ -54,6 +55,8 @@ pub struct AppState {
     pub response_store: responses::ResponseStore,
     /// LoRA adapters loaded.
     pub loras: lora::Loras,
+    /// What `/sleep` put to sleep.
+    pub sleep: control::Sleep,
 }
 
 impl AppState {
@@ -127,11 +130,23 @@ pub async fn render_dialect_chat(st: &AppState, chat: &Value) -> Result<Vec<u32>
 }
 
 /// All routes: vLLM's, with `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` only where
-/// runtime LoRA updating is allowed, as in vLLM.
+/// runtime LoRA updating is allowed and the development endpoints only in dev mode, as in vLLM.
 pub fn router(state: Arc<AppState>) -> Router {
     let mut r = Router::new();
     if state.cfg.runtime_lora_updating {
         r = r.route("/v1/load_lora_adapter", post(lora::load)).route("/v1/unload_lora_adapter", post(lora::unload));
+    }
+    if state.cfg.dev_mode {
+        r = r
+            .route("/pause", post(control::pause))
+            .route("/resume", post(control::resume))
+            .route("/is_paused", get(control::is_paused))
+            .route("/sleep", post(control::sleep))
+            .route("/wake_up", post(control::wake_up))
+            .route("/is_sleeping", get(control::is_sleeping))
+            .route("/reset_prefix_cache", post(control::reset_prefix_cache))
+            .route("/reset_mm_cache", post(control::reset_other_cache))
+            .route("/reset_encoder_cache", post(control::reset_other_cache));
     }
     r.route("/v1/completions", post(completions::handle))
         .route("/v1/chat/completions", post(chat::handle))
@@ -148,7 +163,6 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(misc::metrics))
         .route("/tokenize", post(misc::tokenize))
         .route("/detokenize", post(misc::detokenize))
-        .route("/reset_prefix_cache", post(misc::reset_prefix_cache))
         .route("/kv_event_sources", get(misc::kv_event_sources))
         .route("/sim/faults", get(misc::get_faults).post(misc::set_faults))
         .fallback(misc::not_found)

@@ -149,7 +149,7 @@ impl<F: ChunkFormat> SseState<F> {
                         return None;
                     };
                     let c = &mut self.choices[d.choice];
-                    c.generated += 1;
+                    c.generated += d.out.ids().len();
                     c.done = d.out.finish.is_some();
                     let snapshot = *c;
                     self.fmt.token_chunk(&self.meta, &d, &snapshot, &mut out);
@@ -195,7 +195,7 @@ pub async fn collect(mut generation: Generation) -> Option<Vec<ChoiceResult>> {
     while left > 0 {
         let d = generation.recv().await?;
         let r = &mut res[d.choice];
-        r.tokens.push(d.out.token);
+        r.tokens.extend_from_slice(d.out.ids());
         r.cached_tokens = d.out.num_cached_tokens;
         if d.out.finish.is_some() {
             r.finish = d.out.finish;
@@ -205,11 +205,22 @@ pub async fn collect(mut generation: Generation) -> Option<Vec<ChoiceResult>> {
     Some(res)
 }
 
-/// `"stop"`/`"length"` as a JSON literal, or `null`.
+/// `"stop"`/`"length"`/`"abort"` as a JSON literal, or `null`.
 pub fn finish_json(f: Option<FinishReason>) -> &'static str {
     match f {
         Some(FinishReason::Stop) => "\"stop\"",
         Some(FinishReason::Length) => "\"length\"",
+        Some(FinishReason::Abort) => "\"abort\"",
         None => "null",
     }
+}
+
+/// The text of a delivery: its token's, or nothing for an abort.
+pub fn delivery_text<'a>(tok: &'a crate::tokenizer::ModelTokenizer, d: &Delivery) -> &'a str {
+    d.out.ids().first().map_or("", |&t| tok.token_text(t))
+}
+
+/// A delivery's token ids as a JSON list.
+pub fn delivery_ids_json(d: &Delivery) -> String {
+    serde_json::to_string(d.out.ids()).unwrap_or_else(|_| "[]".into())
 }

@@ -28,7 +28,7 @@
 use super::error::{ApiError, json_response};
 use super::generate::{Generation, PreparedPrompt};
 use super::protocol::{GenParams, check_cache_salt, parse_body};
-use super::response::{ChoiceState, ChunkFormat, Meta, collect, json_str, random_id, sse};
+use super::response::{ChoiceState, ChunkFormat, Meta, collect, delivery_text, json_str, random_id, sse};
 use super::{AppState, render_dialect_chat};
 use crate::engine::Delivery;
 use crate::scheduler::FinishReason;
@@ -279,7 +279,12 @@ impl Turn {
     }
 
     fn completed_with(&self, finish: Option<FinishReason>, output: Value, output_tokens: usize, cached: usize) -> Value {
-        let status = if finish == Some(FinishReason::Length) { "incomplete" } else { "completed" };
+        let status = match finish {
+            Some(FinishReason::Length) => "incomplete",
+            // vLLM: an aborted generation (a pause) is a cancelled response.
+            Some(FinishReason::Abort) => "cancelled",
+            _ => "completed",
+        };
         self.response(status, output, usage(self.prompt_len, cached, output_tokens))
     }
 }
@@ -370,7 +375,7 @@ impl ChunkFormat for Events {
         if d.out.finish.is_some() {
             self.finish = d.out.finish;
         }
-        let delta = self.st.tokenizer.token_text(d.out.token).to_owned();
+        let delta = delivery_text(&self.st.tokenizer, d).to_owned();
         if delta.is_empty() {
             return;
         }
