@@ -153,6 +153,7 @@ async fn a_messages_stream_moved_by_the_admin_is_the_workers_own_stream() {
     let (status, report) = answer.lock().clone().expect("the move was ordered");
     assert_eq!((status, report["how"].as_str()), (200, Some("continuation")), "{report}");
     assert_ne!(report["from"], report["to"]);
+    assert!(report["generated"].as_u64().is_some_and(|g| g >= 1), "moved mid-way: {report}");
     same_stream(&moved, &unmoved, !real, "moved vs unmoved");
     assert_eq!(record(&c, "msg-mv").await["moves"], 1);
     bookings_are_zero(&c).await;
@@ -179,8 +180,12 @@ async fn a_messages_stream_whose_worker_dies_is_the_unmoved_stream() {
 async fn a_messages_error_answer_is_the_workers_own() {
     // Longer than the worker's context: its chat endpoint refuses it, and the client gets what
     // its /v1/messages would have answered.
-    let c = Cluster::sims(1, sim(4.0), GatewayOpts::default()).await;
-    let body = request("sim-model", 5000);
+    let (c, real) = pair(GatewayOpts::default()).await;
+    let (model, worker) = match std::env::var("KVGATE_TARGET_URL") {
+        Ok(u) if real => (std::env::var("KVGATE_TARGET_MODEL").unwrap_or_else(|_| "tiny".into()), u),
+        _ => ("sim-model".into(), c.sims[0].url()),
+    };
+    let body = request(&model, 5000);
     let answer = |url: String| {
         let (http, body) = (c.http.clone(), body.clone());
         async move {
@@ -188,7 +193,7 @@ async fn a_messages_error_answer_is_the_workers_own() {
             (r.status().as_u16(), r.text().await.unwrap())
         }
     };
-    let (direct, through) = (answer(format!("{}/v1/messages", c.sims[0].url())).await, answer(c.url("/v1/messages")).await);
+    let (direct, through) = (answer(format!("{}/v1/messages", worker.trim_end_matches('/'))).await, answer(c.url("/v1/messages")).await);
     assert_eq!(through, direct);
     assert_eq!(direct.0, 400, "{direct:?}");
     let v: Value = serde_json::from_str(&through.1).unwrap();
