@@ -73,9 +73,10 @@ pub fn answered(gw: &Gateway, refs: Option<&StoredRefs>, worker: &crate::fleet::
     }
 }
 
-/// A response id in vLLM's form: `resp_` and 32 hex digits.
+/// A response id in vLLM 0.32's form: `resp_` and 16 hex digits (64 bits, as its
+/// `random_uuid`).
 fn new_response_id() -> String {
-    format!("resp_{:016x}{:016x}", super::admit::fresh_bits(), super::admit::fresh_bits())
+    format!("resp_{:016x}", super::admit::fresh_bits())
 }
 
 /// `body` (a JSON object) with `"request_id": id` as its first member; `None` when the body
@@ -107,7 +108,7 @@ mod tests {
         assert_eq!(v["request_id"].as_str(), refs.makes.as_deref());
         assert_eq!((v["input"].as_str(), v["model"].as_str()), (Some("hi"), Some("m")), "the rest is unchanged");
         let id = refs.makes.unwrap();
-        assert!(id.starts_with("resp_") && id.len() == 37 && id[5..].bytes().all(|c| c.is_ascii_hexdigit()), "{id}");
+        assert!(id.starts_with("resp_") && id.len() == 21 && id[5..].bytes().all(|c| c.is_ascii_hexdigit()), "{id}");
         assert_eq!(refs.refers_to.as_deref(), Some("resp_a"));
     }
 
