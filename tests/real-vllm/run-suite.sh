@@ -38,11 +38,12 @@ else:
     sys.exit("no three consecutive free ports below the ephemeral range")
 PY
 }
-start_server() { # PORT LOG → starts real vLLM (events on PORT+1, replay PORT+2), prints the pid
+start_server() { # PORT LOG [EXTRA VLLM ARGS] → starts real vLLM (events on PORT+1, replay PORT+2), prints the pid
   # Its own process group (setsid: the pid is the group's id), so cleanup ends exactly the
   # processes it started, engine cores included. The response store and the /render endpoints
   # are on for the drop-in tests (#34).
-  VLLM_ENABLE_RESPONSES_API_STORE=1 setsid bash "$here/run.sh" "$1" "$(($1 + 1))" --enable-scale-out > "$2" 2>&1 &
+  local p=$1 log=$2; shift 2
+  VLLM_ENABLE_RESPONSES_API_STORE=1 setsid bash "$here/run.sh" "$p" "$((p + 1))" --enable-scale-out "$@" > "$log" 2>&1 &
   echo $!
 }
 wait_healthy() { # PORT PID LOG → 0 up, 1 exited during start-up, 2 not up in time
@@ -60,14 +61,14 @@ wait_healthy() { # PORT PID LOG → 0 up, 1 exited during start-up, 2 not up in 
 }
 # Starts one server and waits for it; a server that dies during start-up is started once more on
 # fresh ports, as a second failure in a row is a real one. Sets $port and $pid.
-launch() { # LOG
-  local attempt
+launch() { # LOG [EXTRA VLLM ARGS]
+  local attempt log=$1; shift
   for attempt in 1 2; do
     port=$(pick_ports); taken="$taken $port $((port+1)) $((port+2))"
-    echo "starting real vLLM on :$port (events :$((port+1)), replay :$((port+2))), log $1"
-    pid=$(start_server "$port" "$1")
+    echo "starting real vLLM on :$port (events :$((port+1)), replay :$((port+2))), log $log $*"
+    pid=$(start_server "$port" "$log" "$@")
     pids="$pids $pid"
-    local rc=0; wait_healthy "$port" "$pid" "$1" || rc=$?
+    local rc=0; wait_healthy "$port" "$pid" "$log" || rc=$?
     [ "$rc" = 0 ] && return 0
     [ "$rc" = 1 ] && [ "$attempt" = 1 ] && { echo "starting it again on other ports"; continue; }
     return 1
@@ -86,7 +87,10 @@ trap cleanup EXIT
 # The two start one after the other: on 2 cores two concurrent start-ups take as long as two
 # serial ones, and a failure is then attributable to one server.
 launch "$(mktemp -t real-vllm.XXXXXX.log)"; port1=$port; pid1=$pid
-launch "$(mktemp -t real-vllm.XXXXXX.log)"; port2=$port; pid2=$pid
+# The second serves the tiny LoRA adapter setup.sh made, so the fleet test sees an adapter on
+# one worker only (#34).
+lora_dir="${KVGATE_VLLM_HOME:-$HOME/.cache/kvgate-real-vllm}/tiny-lora"
+launch "$(mktemp -t real-vllm.XXXXXX.log)" --enable-lora --max-lora-rank 8 --lora-modules "tiny-lora=$lora_dir"; port2=$port; pid2=$pid
 port=$port1; zport=$((port1 + 1))
 
 # The tokenizer folder lets the conformance suite compare kvgate's rendering with vLLM's /render.
@@ -96,7 +100,7 @@ export KVGATE_TARGET_URL="http://127.0.0.1:$port" KVGATE_TARGET_MODEL=tiny KVGAT
 cd "$root"
 # The second server is named for the drop-in test that needs two (stored responses' affinity);
 # the venv's Python runs the Anthropic and OpenAI SDKs.
-KVGATE_TARGET_URL_2="http://127.0.0.1:$port2" KVGATE_VLLM_PYTHON="${KVGATE_VLLM_HOME:-$HOME/.cache/kvgate-real-vllm}/venv/bin/python" \
+KVGATE_TARGET_URL_2="http://127.0.0.1:$port2" KVGATE_TARGET_LORA=tiny-lora KVGATE_VLLM_PYTHON="${KVGATE_VLLM_HOME:-$HOME/.cache/kvgate-real-vllm}/venv/bin/python" \
   cargo test -p kvgate-tests --test conformance --test gateway --test kv_index -- --test-threads=1
 # Two servers: moves between them, then the test that kills the second one (last: it is gone after).
 export KVGATE_TARGET_URL_2="http://127.0.0.1:$port2"
