@@ -316,10 +316,10 @@ impl Endpoint {
     }
 
     /// Whether its streams can move to another worker mid-way (docs/migration.md): the
-    /// continuation is re-wrapped in chat's and completions' shapes, and a Messages stream is
-    /// sent to its worker as chat.
+    /// continuation is re-wrapped in chat's and completions' shapes, and a Messages or
+    /// Responses stream is sent to its worker as chat.
     pub fn moves(self) -> bool {
-        matches!(self, Self::Chat | Self::Completions | Self::Messages)
+        matches!(self, Self::Chat | Self::Completions | Self::Messages | Self::Responses)
     }
 
     /// Whether only `POST` reaches it (a passthrough takes the client's method).

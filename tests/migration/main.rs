@@ -8,6 +8,7 @@
 //! only when `KVGATE_TARGET_PID_2` names the second server's process.
 
 mod messages;
+mod responses;
 
 use futures_util::StreamExt;
 use kvgate_tests::cluster::{Cluster, GatewayOpts, wait_until};

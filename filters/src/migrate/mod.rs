@@ -8,7 +8,10 @@
 //!   the client's shape;
 //! - [`events`]: whole server-sent events out of body chunks, and token id fields stripped;
 //! - [`anthropic`]: a chat stream turned into the Anthropic Messages stream vLLM makes of it,
-//!   for a Messages stream the gateway sends its worker as chat so that it can move.
+//!   for a Messages stream the gateway sends its worker as chat so that it can move;
+//! - [`responses`]: the same for an OpenAI Responses stream (the chat request that renders and
+//!   samples as the Responses request, and vLLM's Responses events from the chat stream);
+//! - [`reply`]: either converter behind one face, for the relay.
 //!
 //! The request path (`proxy/src/request/track.rs`, `proxy/src/request/migrate.rs`) drives them.
 
@@ -16,6 +19,7 @@ pub mod anthropic;
 pub mod continuation;
 pub mod events;
 pub mod pin;
+pub mod reply;
 pub mod responses;
 pub mod stream;
 

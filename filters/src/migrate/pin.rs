@@ -44,8 +44,8 @@ pub enum PinReason {
     ServerParsed,
     /// Prompt + generated + one more token would not fit a worker's context.
     ContextTooLong,
-    /// An API whose stream the gateway does not yet re-wrap after a move (OpenAI Responses and
-    /// the other endpoints but chat, completions and Anthropic Messages).
+    /// An API whose stream the gateway does not re-wrap after a move (every endpoint but chat,
+    /// completions, Anthropic Messages and OpenAI Responses).
     Api,
     /// Images, audio or video in the prompt: a continuation sends token ids, which do not carry
     /// the media behind their placeholder tokens.
@@ -54,9 +54,17 @@ pub enum PinReason {
     /// (system messages inside `messages`, `thinking: {"type": "disabled"}`): the gateway cannot
     /// know it, so it cannot translate the request.
     ServerTemplate,
-    /// An Anthropic Messages request the gateway's translation refuses (as vLLM refuses it):
-    /// it goes as sent, for the worker's own answer.
+    /// An Anthropic Messages or OpenAI Responses request the gateway's translation refuses (as
+    /// vLLM refuses it, or a form it does not cover): it goes as sent, for the worker's own
+    /// answer.
     Untranslatable,
+    /// A Responses request whose response the worker stores (`store`, its default, while the
+    /// workers may keep a response store; `previous_response_id`; `background`): only the
+    /// worker that made it can store it, so it is answered there.
+    Stored,
+    /// A Responses request to a model that is, or may be, a Harmony model (gpt-oss), whose
+    /// Responses vLLM renders and parses with Harmony rather than the chat template.
+    Harmony,
 }
 
 impl PinReason {
@@ -80,6 +88,26 @@ impl PinReason {
             Self::Multimodal => "multimodal",
             Self::ServerTemplate => "server_template",
             Self::Untranslatable => "untranslatable",
+            Self::Stored => "stored",
+            Self::Harmony => "harmony",
+        }
+    }
+}
+
+impl From<super::responses::Refusal> for PinReason {
+    /// Why a Responses stream that is not translated stays on its worker.
+    fn from(r: super::responses::Refusal) -> Self {
+        use super::responses::Refusal as R;
+        match r {
+            R::Unary => Self::Unary,
+            R::Harmony => Self::Harmony,
+            R::PreviousResponse | R::Store | R::Background => Self::Stored,
+            R::Tools => Self::Tools,
+            R::Reasoning => Self::ServerParsed,
+            R::StructuredOutput => Self::StructuredOutput,
+            R::Logprobs => Self::Logprobs,
+            R::Multimodal => Self::Multimodal,
+            R::ResponseMessages | R::KvTransfer | R::Invalid | R::Untranslatable => Self::Untranslatable,
         }
     }
 }

@@ -67,6 +67,18 @@ impl Model {
         }
     }
 
+    /// Whether the model is, or may be, a Harmony model (gpt-oss), whose Responses vLLM renders
+    /// with Harmony rather than the chat template: until a worker's model card is read, it may
+    /// be; then it is when the card's `root` (the weights' path or Hub id) names gpt-oss.
+    pub fn may_be_harmony(&self) -> bool {
+        let cards: Vec<_> = self.workers.iter().filter_map(|w| w.cards()).collect();
+        cards.is_empty()
+            || cards.iter().filter_map(|c| c.card(&self.cfg.name)).any(|card| {
+                let root = card.get("root").and_then(serde_json::Value::as_str).unwrap_or("").to_ascii_lowercase();
+                root.contains("gpt-oss") || root.contains("gpt_oss")
+            })
+    }
+
     /// The shortest context length (`max_model_len`) among the workers that reported theirs:
     /// what a continuation sent to any of them must fit.
     pub fn shortest_context(&self) -> Option<u32> {

@@ -103,6 +103,12 @@ fn view_of(endpoint: Endpoint, content_type: Option<&str>, body: &[u8], ids: boo
     }
 }
 
+/// Whether a stream of `endpoint` would move but for its API (so it is pinned with reason
+/// `api`): never while migration is off, when nothing moves.
+fn movable_api(cfg: &crate::config::Config, stream: bool, endpoint: Endpoint) -> bool {
+    stream && cfg.migration.limit > 0 && endpoint.infers() && !endpoint.moves()
+}
+
 /// Admits a request, or says how it ended.
 pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoint, ctx: Arc<RequestContext>, start: Instant) -> Result<RequestState, Outcome> {
     if gw.is_draining() {
@@ -138,15 +144,16 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
     // The whole body is parsed only when kv routing tokenizes it or a stream may move.
     let movable = stream && endpoint.moves() && cfg.migration.limit > 0;
     let mut parsed = ((endpoint.renders() && model.kv.is_some()) || movable).then(|| super::parsed::ParsedBody::parse_with(&body, prompt).ok()).flatten();
-    let (track, body, pinned, translated) = match parsed.as_ref().filter(|_| movable).map(|p| track::follow(endpoint, &body, &p.fields)) {
+    let facts = track::ModelFacts { harmony: model.may_be_harmony(), max_model_len: model.shortest_context() };
+    let (track, body, pinned, translated) = match parsed.as_ref().filter(|_| movable).map(|p| track::follow(endpoint, &body, &p.fields, facts)) {
         Some(Ok(f)) => (Some(f.tracker), f.body, None, f.translated),
         Some(Err(reason)) => (None, body, Some(reason), None),
         // A stream of another API stays where it starts, and says why.
-        None if stream && endpoint.infers() && !endpoint.moves() => (None, body, Some(PinReason::Api), None),
+        None if movable_api(&cfg, stream, endpoint) => (None, body, Some(PinReason::Api), None),
         None => (None, body, None, None),
     };
-    // A Messages stream sent as chat goes to the chat path (the client's query, which vLLM
-    // does not read there, stays behind).
+    // A Messages or Responses stream sent as chat goes to the chat path (the client's query,
+    // which vLLM does not read there, stays behind).
     let (forward, reply) = match translated {
         Some((path, reply)) => (super::state::Forward::post(path), Some(reply)),
         None => (super::state::Forward::of(session.req()), None),
@@ -154,7 +161,8 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
     if model.kv.is_none() {
         parsed = None;
     }
-    let (stored, body) = super::stored::read(endpoint, session.req().path(), body);
+    // A Responses stream sent as chat makes no stored response (the translation refuses those).
+    let (stored, body) = if reply.is_some() { (None, body) } else { super::stored::read(endpoint, session.req().path(), body) };
     let entry = RequestEntry::new(model.name.clone(), endpoint.label(), stream, view.priority_jump(), ctx.clone(), model.workers.clone(), start);
     let registered = gw.requests.register(entry);
     if let Some(reason) = pinned {

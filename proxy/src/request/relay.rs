@@ -12,7 +12,7 @@
 //!
 //! A Messages stream its worker was sent as chat (`track::follow`) is answered in the Anthropic
 //! API: what the tracker passes on (or the gateway adds at a stream's end) goes through the
-//! request's `MessagesReply`, and so does an error answer's body.
+//! request's `Reply` (Anthropic or Responses events), and so does an error answer's body.
 
 use super::leg::{First, Leg};
 use super::migrate::{self, Moved, Stop, Warming};
@@ -158,7 +158,7 @@ async fn settle(
         }
         Ok(Moved::Finished) => {
             answer(Err(MoveRefused::NotNow("finished")));
-            // The chat request a Messages stream is sent as asks for usage.
+            // The chat request a Messages or Responses stream is sent as asks for usage.
             let usage = req.view.include_usage() || req.reply.is_some();
             req.track.as_ref().map(|t| t.synthetic_end(usage)).unwrap_or_default()
         }

@@ -14,7 +14,7 @@ use crate::inflight::{Registered, RequestEntry};
 use bytes::Bytes;
 use kvgate_filters::cancel::RequestContext;
 use kvgate_filters::ledger::Booking;
-use kvgate_filters::migrate::anthropic::MessagesReply;
+use kvgate_filters::migrate::reply::Reply;
 use kvgate_plugins::RoutingPlugin;
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -94,7 +94,7 @@ pub struct RequestState {
     pub track: Option<Tracker>,
     /// A Messages stream sent to its worker as chat: its answer, turned back into the
     /// Anthropic API's events (or error shape) for the client.
-    pub reply: Option<MessagesReply>,
+    pub reply: Option<Reply>,
     /// What the `time` cost predicted on the worker it was placed on (its first token then
     /// calibrates that worker).
     pub predicted: Option<kvgate_filters::route::time::Prediction>,

@@ -7,12 +7,17 @@
 //!
 //! An Anthropic Messages stream is followed as the chat stream vLLM itself makes of it: its
 //! worker gets the chat request vLLM's `/v1/messages` builds ([`follow`]), and the relay turns
-//! the chat events back into Anthropic ones (`MessagesReply`).
+//! the chat events back into Anthropic ones (`MessagesReply`). An OpenAI Responses stream that
+//! the worker would not store is followed the same way: its worker gets the chat request that
+//! renders and samples as the Responses request, and the relay makes vLLM's Responses events
+//! of the chat events (`ResponsesStream`).
 
 use crate::endpoint::Endpoint;
 use bytes::{Bytes, BytesMut};
 use kvgate_filters::migrate::anthropic::MessagesReply;
 use kvgate_filters::migrate::events::{self, EventSplitter};
+use kvgate_filters::migrate::reply::Reply;
+use kvgate_filters::migrate::responses::{self, ResponsesStream, ServerFacts, StreamSetup};
 use kvgate_filters::migrate::{ClientShape, PinReason, StreamRecord, messages_pin_reason, pin_reason};
 use kvgate_tokenize::dialect::messages::{self, MessagesOptions};
 use serde_json::Value;
@@ -26,20 +31,40 @@ pub struct Followed {
     pub body: Bytes,
     /// For a request sent in another API than the client's: the path it goes to, and the
     /// converter of its answer back into the client's API.
-    pub translated: Option<(&'static str, MessagesReply)>,
+    pub translated: Option<(&'static str, Reply)>,
+}
+
+/// What admission knows of the model that decides how a Responses stream is followed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ModelFacts {
+    /// The model is, or may be, a Harmony model (gpt-oss).
+    pub harmony: bool,
+    /// The workers' context length, when known (the echoed `max_output_tokens` is bounded by
+    /// what the prompt leaves of it).
+    pub max_model_len: Option<u32>,
 }
 
 /// At admission: how a stream of `endpoint` that may move is followed (`parsed`: its body,
-/// parsed), or why it may not move. A Messages stream is sent as chat, unless it cannot be
-/// translated exactly or its chat form could not move either: it then goes as it is, pinned.
-pub fn follow(endpoint: Endpoint, body: &Bytes, parsed: &Value) -> Result<Followed, PinReason> {
-    if endpoint == Endpoint::Messages {
-        let chat = messages_as_chat(parsed)?;
-        let (tracker, body) = start(true, &Bytes::from(chat.to_string()), &chat)?;
-        return Ok(Followed { tracker, body, translated: Some(("/v1/chat/completions", MessagesReply::default())) });
-    }
-    let (tracker, body) = start(endpoint == Endpoint::Chat, body, parsed)?;
-    Ok(Followed { tracker, body, translated: None })
+/// parsed), or why it may not move. A Messages or Responses stream is sent as chat, unless it
+/// cannot be translated exactly or its chat form could not move either: it then goes as it is,
+/// pinned.
+pub fn follow(endpoint: Endpoint, body: &Bytes, parsed: &Value, model: ModelFacts) -> Result<Followed, PinReason> {
+    let (chat, reply) = match endpoint {
+        Endpoint::Messages => (messages_as_chat(parsed)?, Reply::Messages(MessagesReply::default())),
+        Endpoint::Responses => {
+            // Whether the workers keep a response store is theirs to know: a response that may
+            // be stored is made by its worker.
+            let chat = responses::to_chat(parsed, ServerFacts { harmony: model.harmony, store_enabled: true })?;
+            let setup = StreamSetup { max_model_len: model.max_model_len.map(u64::from), ..StreamSetup::default() };
+            (chat, Reply::Responses(Box::new(ResponsesStream::new(parsed, setup))))
+        }
+        _ => {
+            let (tracker, body) = start(endpoint == Endpoint::Chat, body, parsed)?;
+            return Ok(Followed { tracker, body, translated: None });
+        }
+    };
+    let (tracker, body) = start(true, &Bytes::from(chat.to_string()), &chat)?;
+    Ok(Followed { tracker, body, translated: Some(("/v1/chat/completions", reply)) })
 }
 
 /// The chat request vLLM's `/v1/messages` builds from the Messages request `body` (streaming
@@ -294,7 +319,7 @@ mod tests {
         let body = Bytes::from_static(b"{}");
         let m = json!({"model": "m", "max_tokens": 9, "stream": true, "temperature": 0, "system": [{"type": "text", "text": "Be brief."}],
                        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "metadata": {"user_id": "u"}});
-        let f = follow(Endpoint::Messages, &body, &m).unwrap();
+        let f = follow(Endpoint::Messages, &body, &m, ModelFacts::default()).unwrap();
         assert_eq!(f.translated.as_ref().map(|t| t.0), Some("/v1/chat/completions"));
         let sent: Value = serde_json::from_slice(&f.body).unwrap();
         assert_eq!(
@@ -307,7 +332,7 @@ mod tests {
         let pinned = |extra: Value| {
             let mut b = m.clone();
             b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-            follow(Endpoint::Messages, &body, &b).unwrap_err()
+            follow(Endpoint::Messages, &body, &b, ModelFacts::default()).unwrap_err()
         };
         assert_eq!(pinned(json!({"stop_sequences": ["END"]})), PinReason::StopStrings);
         assert_eq!(pinned(json!({"tools": [{"name": "f", "input_schema": {}}]})), PinReason::Tools);
@@ -317,7 +342,28 @@ mod tests {
         let image = json!({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}});
         assert_eq!(pinned(json!({"messages": [{"role": "user", "content": [image]}]})), PinReason::Multimodal);
         assert_eq!(pinned(json!({"messages": [{"role": "user", "content": [{"type": "document"}]}]})), PinReason::Untranslatable);
-        assert!(follow(Endpoint::Chat, &Bytes::from_static(b"{\"stream\":true}"), &json!({"stream": true})).unwrap().translated.is_none());
+        assert!(
+            follow(Endpoint::Chat, &Bytes::from_static(b"{\"stream\":true}"), &json!({"stream": true}), ModelFacts::default()).unwrap().translated.is_none()
+        );
+    }
+
+    #[test]
+    fn a_responses_stream_goes_as_chat_unless_its_worker_stores_it_or_the_model_may_be_harmony() {
+        let body = Bytes::from_static(b"{}");
+        let r = json!({"model": "m", "input": "hi", "instructions": "Be brief.", "stream": true, "store": false, "max_output_tokens": 5, "temperature": 0});
+        let f = follow(Endpoint::Responses, &body, &r, ModelFacts::default()).unwrap();
+        assert_eq!(f.translated.as_ref().map(|t| t.0), Some("/v1/chat/completions"));
+        assert!(matches!(f.translated, Some((_, Reply::Responses(_)))));
+        let sent: Value = serde_json::from_slice(&f.body).unwrap();
+        assert_eq!(sent["messages"], json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]));
+        assert_eq!((sent["max_tokens"].as_u64(), sent["return_token_ids"].as_bool()), (Some(5), Some(true)));
+        let stored = json!({"model": "m", "input": "hi", "stream": true});
+        assert_eq!(follow(Endpoint::Responses, &body, &stored, ModelFacts::default()).unwrap_err(), PinReason::Stored);
+        let harmony = ModelFacts { harmony: true, max_model_len: None };
+        assert_eq!(follow(Endpoint::Responses, &body, &r, harmony).unwrap_err(), PinReason::Harmony);
+        let mut stop = r.clone();
+        stop["stop"] = json!(["END"]);
+        assert_eq!(follow(Endpoint::Responses, &body, &stop, ModelFacts::default()).unwrap_err(), PinReason::StopStrings, "the chat form's own pins apply");
     }
 
     #[test]
