@@ -298,20 +298,28 @@ async fn a_real_vllm_server_killed_mid_stream_loses_no_stream() {
     let (c, real) = pair(GatewayOpts::default()).await;
     assert!(real);
     let model = std::env::var("KVGATE_TARGET_MODEL").unwrap_or_else(|_| "tiny".into());
-    // Completions, Messages, Messages, completions: round robin puts one of each on the
-    // second server, whichever it starts with. Long enough (1,900 tokens, seconds on CPU) that
-    // all four still stream when it is killed: the tiny model makes 200 in a third of a second.
-    let bodies: Vec<(&'static str, Value)> = (0..4)
+    // Completions, Messages, Responses, Responses, Messages, completions: round robin puts one
+    // of each on the second server, whichever it starts with. Long enough (1,900 tokens,
+    // seconds on CPU) that all six still stream when it is killed: the tiny model makes 200 in
+    // a third of a second.
+    responses::cards_read(&c, &model).await;
+    let prompt = |i: usize| format!("kill {i} {}", unique_text(20));
+    let bodies: Vec<(&'static str, Value)> = (0..6)
         .map(|i| match i {
-            0 | 3 => (
+            0 | 5 => (
                 "/v1/completions",
-                json!({"model": model, "prompt": format!("kill {i} {}", unique_text(20)), "max_tokens": 1900, "temperature": 0, "ignore_eos": true,
+                json!({"model": model, "prompt": prompt(i), "max_tokens": 1900, "temperature": 0, "ignore_eos": true,
                        "stream": true, "return_token_ids": true, "stream_options": {"include_usage": true}}),
             ),
-            _ => (
+            1 | 4 => (
                 "/v1/messages",
                 json!({"model": model, "max_tokens": 1900, "temperature": 0, "stream": true, "system": "Be brief.",
-                       "messages": [{"role": "user", "content": format!("kill {i} {}", unique_text(20))}]}),
+                       "messages": [{"role": "user", "content": prompt(i)}]}),
+            ),
+            _ => (
+                "/v1/responses",
+                json!({"model": model, "max_output_tokens": 1900, "temperature": 0, "stream": true, "store": false,
+                       "instructions": "Be brief.", "input": prompt(i)}),
             ),
         })
         .collect();
@@ -322,16 +330,20 @@ async fn a_real_vllm_server_killed_mid_stream_loses_no_stream() {
             let r = http.post(url).json(&b).send().await.expect("sent");
             assert_eq!(r.status(), 200);
             let raw = r.text().await.expect("the stream is never cut");
-            if path == "/v1/messages" { messages::essence(&raw) } else { essence(&sse::parse(&raw)) }
+            match path {
+                "/v1/messages" => messages::essence(&raw),
+                "/v1/responses" => responses::essence(&raw),
+                _ => essence(&sse::parse(&raw)),
+            }
         }
     };
     let mut want = Vec::new();
-    for i in 0..4 {
+    for i in 0..6 {
         want.push(run(i).await);
     }
-    // Round robin puts two of the four on the second server; kill it once they are streaming.
-    // (Only those: on a loaded CPU one server may finish its pair before the other starts.)
-    let handles: Vec<_> = (0..4).map(|i| tokio::spawn(run(i))).collect();
+    // Round robin puts three of the six on the second server; kill it once they are streaming.
+    // (Only those: on a loaded CPU one server may finish its three before the other starts.)
+    let handles: Vec<_> = (0..6).map(|i| tokio::spawn(run(i))).collect();
     let second = std::env::var("KVGATE_TARGET_URL_2").unwrap_or_default();
     wait_until(Duration::from_secs(60), || async {
         let v: Value = c.http.get(c.admin("/requests")).send().await.unwrap().json().await.unwrap();
@@ -343,10 +355,10 @@ async fn a_real_vllm_server_killed_mid_stream_loses_no_stream() {
             .filter(on_second)
             .filter(|r| r["phase"] == "running" && r["generated_tokens"].as_u64().unwrap_or(0) >= 5)
             .count()
-            == 2
+            == 3
     })
     .await
-    .expect("the second server's two streams are streaming");
+    .expect("the second server's three streams are streaming");
     let killed = std::process::Command::new("kill").args(["-9", &pid]).status().unwrap();
     assert!(killed.success());
     for (i, h) in handles.into_iter().enumerate() {
@@ -355,7 +367,7 @@ async fn a_real_vllm_server_killed_mid_stream_loses_no_stream() {
     bookings_are_zero(&c).await;
     let m = c.gateway_metrics().await;
     // A stream of each API was on it.
-    assert!(m.sum("kvgate_migrations_total", &[("reason", "failover"), ("outcome", "ok")]) >= 2.0);
+    assert!(m.sum("kvgate_migrations_total", &[("reason", "failover"), ("outcome", "ok")]) >= 3.0);
 }
 
 #[tokio::test]

@@ -53,7 +53,7 @@ fn normalised(raw: &str) -> String {
 
 /// What a Responses client reassembles: the text of the deltas, and the final response (ids
 /// and time written as placeholders) with its status and usage.
-fn essence(raw: &str) -> Value {
+pub(super) fn essence(raw: &str) -> Value {
     let ev = events(&normalised(raw));
     let text: String = ev.iter().filter(|e| e["type"] == "response.output_text.delta").filter_map(|e| e["delta"].as_str()).collect();
     let done = &ev.last().unwrap()["response"];
@@ -102,7 +102,7 @@ async fn record(c: &Cluster, id: &str) -> Value {
 
 /// Until the gateway has read a worker's model card (before, the model may be a Harmony model
 /// and its Responses streams stay put).
-async fn cards_read(c: &Cluster, model: &str) {
+pub(super) async fn cards_read(c: &Cluster, model: &str) {
     let read = wait_until(Duration::from_secs(20), || async {
         let v: Value = c.http.get(c.url("/v1/models")).send().await.unwrap().json().await.unwrap();
         v["data"].as_array().is_some_and(|d| d.iter().any(|m| m["id"] == model && m["owned_by"] != "kvgate"))
