@@ -94,7 +94,7 @@ fn request(model: &str, max: u64) -> Value {
 
 /// Streams `body` to `url` as request `id`; after `after` events, `then` runs once (a move
 /// order, a crash) with the worker serving it (`x-kvgate-worker`). Returns the raw stream.
-async fn stream<F, Fut>(http: &reqwest::Client, url: &str, body: &Value, id: &str, after: usize, then: F) -> String
+pub(super) async fn stream<F, Fut>(http: &reqwest::Client, url: &str, body: &Value, id: &str, after: usize, then: F) -> String
 where
     F: FnOnce(String) -> Fut,
     Fut: std::future::Future<Output = ()>,
@@ -115,10 +115,10 @@ where
     String::from_utf8(raw).unwrap()
 }
 
-async fn nothing(_: String) {}
+pub(super) async fn nothing(_: String) {}
 
 /// What the gateway recorded for request `id`, once it is finished.
-async fn record(c: &Cluster, id: &str) -> Value {
+pub(super) async fn record(c: &Cluster, id: &str) -> Value {
     let finished = || async {
         let v: Value = c.http.get(c.admin(&format!("/requests/{id}"))).send().await.ok()?.json().await.ok()?;
         (v["status"] == 200).then_some(v)

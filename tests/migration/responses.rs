@@ -6,8 +6,8 @@
 //! text, status and usage ([`essence`]). The unmoved stream says what the worker's own
 //! `/v1/responses` says. A stream the worker would store goes as it is, pinned `stored`.
 
+use super::messages::{nothing, record, stream};
 use super::{bookings_are_zero, pair, sim};
-use futures_util::StreamExt;
 use kvgate_tests::cluster::{Cluster, GatewayOpts, wait_until};
 use kvgate_tests::target::unique_text;
 use serde_json::{Value, json};
@@ -64,40 +64,6 @@ fn request(model: &str, max: u64) -> Value {
     json!({"model": model, "max_output_tokens": max, "temperature": 0, "stream": true, "store": false, "instructions": "You answer briefly.",
            "input": [{"role": "user", "content": unique_text(30)}, {"role": "assistant", "content": "Sure."},
                      {"role": "user", "content": [{"type": "input_text", "text": unique_text(10)}]}]})
-}
-
-/// Streams `body` to `url` as request `id`; after `after` events, `then` runs once (a move
-/// order, a crash) with the worker serving it. Returns the raw stream.
-async fn stream<F, Fut>(http: &reqwest::Client, url: &str, body: &Value, id: &str, after: usize, then: F) -> String
-where
-    F: FnOnce(String) -> Fut,
-    Fut: std::future::Future<Output = ()>,
-{
-    let r = http.post(url).header("x-request-id", id).json(body).send().await.expect("sent");
-    assert_eq!(r.status(), 200);
-    let serving = r.headers().get("x-kvgate-worker").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
-    let (mut raw, mut then, mut s) = (Vec::new(), Some(then), r.bytes_stream());
-    while let Some(chunk) = s.next().await {
-        raw.extend_from_slice(&chunk.expect("the stream is never cut"));
-        if raw.windows(2).filter(|w| w == b"\n\n").count() >= after
-            && let Some(f) = then.take()
-        {
-            f(serving.clone()).await;
-        }
-    }
-    String::from_utf8(raw).unwrap()
-}
-
-async fn nothing(_: String) {}
-
-/// What the gateway recorded for request `id`, once it is finished.
-async fn record(c: &Cluster, id: &str) -> Value {
-    let finished = || async {
-        let v: Value = c.http.get(c.admin(&format!("/requests/{id}"))).send().await.ok()?.json().await.ok()?;
-        (v["status"] == 200).then_some(v)
-    };
-    wait_until(Duration::from_secs(3), || async { finished().await.is_some() }).await.expect("recorded as finished");
-    finished().await.unwrap()
 }
 
 /// Until the gateway has read a worker's model card (before, the model may be a Harmony model
