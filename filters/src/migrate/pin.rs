@@ -10,7 +10,9 @@
 //!
 //! An Anthropic Messages stream moves as the chat stream it is translated into (`anthropic`):
 //! [`messages_pin_reason`] says which cannot be translated exactly, the chat request's
-//! [`pin_reason`] which of the others cannot move.
+//! [`pin_reason`] which of the others cannot move. An OpenAI Responses stream moves the same
+//! way; why one is not translated (`kvgate_tokenize::dialect::responses::stream::Refusal`) is
+//! told as one of these reasons by the gateway (`proxy/src/request/track.rs`).
 
 use serde_json::Value;
 
@@ -90,24 +92,6 @@ impl PinReason {
             Self::Untranslatable => "untranslatable",
             Self::Stored => "stored",
             Self::Harmony => "harmony",
-        }
-    }
-}
-
-impl From<super::responses::Refusal> for PinReason {
-    /// Why a Responses stream that is not translated stays on its worker.
-    fn from(r: super::responses::Refusal) -> Self {
-        use super::responses::Refusal as R;
-        match r {
-            R::Unary => Self::Unary,
-            R::Harmony => Self::Harmony,
-            R::PreviousResponse | R::Store | R::Background => Self::Stored,
-            R::Tools => Self::Tools,
-            R::Reasoning => Self::ServerParsed,
-            R::StructuredOutput => Self::StructuredOutput,
-            R::Logprobs => Self::Logprobs,
-            R::Multimodal => Self::Multimodal,
-            R::ResponseMessages | R::KvTransfer | R::Invalid | R::Untranslatable => Self::Untranslatable,
         }
     }
 }

@@ -6,8 +6,10 @@
 //! vLLM would have sent (vLLM's non-Harmony path, `SimpleContext`, does the same internally: it
 //! builds a chat prompt and streams engine deltas as Responses events).
 //!
-//! - [`request`]: which Responses requests translate exactly ([`to_chat`]), and why the
-//!   others do not ([`Refusal`]);
+//! - The request: which Responses requests translate exactly, that chat request, and why the
+//!   others do not, is `kvgate_tokenize::dialect::responses::stream` (`to_chat`, `Refusal`),
+//!   built on the same conversion of Responses input into chat messages as the prompt kvgate
+//!   renders for routing; the gateway calls it when it admits a stream (`request/track.rs`).
 //! - [`convert`]: the chat stream (the worker's, then a continuation's re-wrapped as chat
 //!   chunks) turned into the Responses events ([`ResponsesStream`]).
 //!
@@ -20,7 +22,5 @@
 //! fixtures and `capture.py` in `filters/tests/fixtures/responses/`).
 
 pub mod convert;
-pub mod request;
 
 pub use convert::{ModelDefaults, ResponsesStream, StreamSetup};
-pub use request::{Refusal, ServerFacts, to_chat};

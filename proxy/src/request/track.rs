@@ -9,17 +9,19 @@
 //! worker gets the chat request vLLM's `/v1/messages` builds ([`follow`]), and the relay turns
 //! the chat events back into Anthropic ones (`MessagesReply`). An OpenAI Responses stream that
 //! the worker would not store is followed the same way: its worker gets the chat request that
-//! renders and samples as the Responses request, and the relay makes vLLM's Responses events
-//! of the chat events (`ResponsesStream`).
+//! renders and samples as the Responses request (`dialect::responses::stream::to_chat`, its
+//! refusals told as pin reasons), and the relay makes vLLM's Responses events of the chat
+//! events (`ResponsesStream`).
 
 use crate::endpoint::Endpoint;
 use bytes::{Bytes, BytesMut};
 use kvgate_filters::migrate::anthropic::MessagesReply;
 use kvgate_filters::migrate::events::{self, EventSplitter};
 use kvgate_filters::migrate::reply::Reply;
-use kvgate_filters::migrate::responses::{self, ResponsesStream, ServerFacts, StreamSetup};
+use kvgate_filters::migrate::responses::{ResponsesStream, StreamSetup};
 use kvgate_filters::migrate::{ClientShape, PinReason, StreamRecord, messages_pin_reason, pin_reason};
 use kvgate_tokenize::dialect::messages::{self, MessagesOptions};
+use kvgate_tokenize::dialect::responses::stream::{self as responses_stream, Refusal, ServerFacts};
 use serde_json::Value;
 
 /// A stream followed from admission on.
@@ -54,7 +56,7 @@ pub fn follow(endpoint: Endpoint, body: &Bytes, parsed: &Value, model: ModelFact
         Endpoint::Responses => {
             // Whether the workers keep a response store is theirs to know: a response that may
             // be stored is made by its worker.
-            let chat = responses::to_chat(parsed, ServerFacts { harmony: model.harmony, store_enabled: true })?;
+            let chat = responses_stream::to_chat(parsed, ServerFacts { harmony: model.harmony, store_enabled: true }).map_err(responses_pin_reason)?;
             let setup = StreamSetup { max_model_len: model.max_model_len.map(u64::from), ..StreamSetup::default() };
             (chat, Reply::Responses(Box::new(ResponsesStream::new(parsed, setup))))
         }
@@ -77,6 +79,21 @@ fn messages_as_chat(body: &Value) -> Result<Value, PinReason> {
     }
     // The options are vLLM's template-dependent choices, which the request does not reach.
     messages::to_chat(body, &MessagesOptions::default()).map_err(|e| if e.reason() == "image" { PinReason::Multimodal } else { PinReason::Untranslatable })
+}
+
+/// Why a Responses stream that is not translated (`refusal`) stays on its worker.
+fn responses_pin_reason(refusal: Refusal) -> PinReason {
+    match refusal {
+        Refusal::Unary => PinReason::Unary,
+        Refusal::Harmony => PinReason::Harmony,
+        Refusal::PreviousResponse | Refusal::Store | Refusal::Background => PinReason::Stored,
+        Refusal::Tools => PinReason::Tools,
+        Refusal::Reasoning => PinReason::ServerParsed,
+        Refusal::StructuredOutput => PinReason::StructuredOutput,
+        Refusal::Logprobs => PinReason::Logprobs,
+        Refusal::Multimodal => PinReason::Multimodal,
+        Refusal::ResponseMessages | Refusal::KvTransfer | Refusal::Invalid | Refusal::Untranslatable => PinReason::Untranslatable,
+    }
 }
 
 /// At admission: a tracker for a stream that may move, and the body to send its worker (the
@@ -364,6 +381,33 @@ mod tests {
         let mut stop = r.clone();
         stop["stop"] = json!(["END"]);
         assert_eq!(follow(Endpoint::Responses, &body, &stop, ModelFacts::default()).unwrap_err(), PinReason::StopStrings, "the chat form's own pins apply");
+    }
+
+    #[test]
+    fn a_responses_refusal_is_told_as_the_pin_reason_it_stands_for() {
+        let body = Bytes::from_static(b"{}");
+        let r = json!({"model": "m", "input": "hi", "stream": true, "store": false});
+        let pinned = |extra: Value| {
+            let mut b = r.clone();
+            b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            follow(Endpoint::Responses, &body, &b, ModelFacts::default()).unwrap_err()
+        };
+        assert_eq!(pinned(json!({"stream": false})), PinReason::Unary);
+        assert_eq!(pinned(json!({"previous_response_id": "resp_1"})), PinReason::Stored);
+        assert_eq!(pinned(json!({"background": true, "store": true})), PinReason::Stored);
+        assert_eq!(pinned(json!({"tools": [{"type": "function", "name": "f"}]})), PinReason::Tools);
+        assert_eq!(pinned(json!({"reasoning": {"effort": "low"}})), PinReason::ServerParsed);
+        assert_eq!(pinned(json!({"text": {"format": {"type": "json_object"}}})), PinReason::StructuredOutput);
+        assert_eq!(pinned(json!({"include": ["message.output_text.logprobs"]})), PinReason::Logprobs);
+        assert_eq!(pinned(json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:x"}]}]})), PinReason::Multimodal);
+        for untranslatable in [
+            json!({"enable_response_messages": true}),
+            json!({"kv_transfer_params": {}}),
+            json!({"prompt": {"id": "p"}}),
+            json!({"input": [{"type": "item_reference", "id": "x"}]}),
+        ] {
+            assert_eq!(pinned(untranslatable), PinReason::Untranslatable);
+        }
     }
 
     #[test]

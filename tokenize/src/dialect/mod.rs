@@ -4,7 +4,8 @@
 //!   `vllm/entrypoints/anthropic/serving.py` `to_chat_completion_request`;
 //! - [`responses`]: OpenAI Responses (`/v1/responses`), after
 //!   `vllm/entrypoints/openai/responses/utils.py` `construct_input_messages` and
-//!   `construct_tool_dicts`;
+//!   `construct_tool_dicts`; also the streamed chat request the gateway sends a worker instead
+//!   of a Responses stream, so that the stream can move ([`responses::stream`]);
 //! - [`conversation`]: what any chat request's messages become before the template is applied
 //!   (vLLM's `parse_chat_messages`), used by [`render_chat`].
 //!

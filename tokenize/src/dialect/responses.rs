@@ -1,6 +1,11 @@
 //! OpenAI Responses requests (`/v1/responses`) as the chat request vLLM 0.32 renders for them
 //! (non-Harmony models: `construct_input_messages`, `construct_tool_dicts`,
-//! `ResponsesRequest.build_chat_params`).
+//! `ResponsesRequest.build_chat_params`). This module is kvgate's one conversion of Responses
+//! input into chat messages; two requests are built on it:
+//! - [`to_chat`]: the chat request vLLM renders, for the prompt's tokens (kv routing, vllm-sim);
+//! - [`stream::to_chat`]: the streamed chat request a worker generates the same tokens for, sent
+//!   instead of a Responses stream so that the stream can move, or why there is none
+//!   ([`stream::Refusal`]).
 //!
 //! The conversion, in vLLM's order:
 //! - `instructions` (when not empty) is a leading system message; instructions of earlier turns
@@ -9,15 +14,24 @@
 //!   system ones, then one assistant message per text part of its output messages; its
 //!   reasoning and function-call outputs are not replayed).
 //! - `input`: a string is one user message. Items: messages with a role are kept (content parts
-//!   `input_text`/`output_text` are text); an assistant `message` item contributes the text of
-//!   its *first* content part; `function_call` items become tool calls (`namespace__name` for a
-//!   namespaced call) and `reasoning` items become `reasoning` (the first `content` text, else
-//!   the first `summary` text) — both merged into the assistant message just before them when
-//!   it has none yet; `function_call_output` items become `tool` messages.
+//!   `input_text`/`output_text` are text); an assistant message contributes the text of its
+//!   *first* content part (an output message's, `type: "message"` with `output_text` or
+//!   `refusal` parts, or an input message's, `input_text` first); `function_call` items become
+//!   tool calls (`namespace__name` for a namespaced call) and `reasoning` items become
+//!   `reasoning` (the first `content` text, else the first `summary` text) — both merged into
+//!   the assistant message just before them when it has none yet; `function_call_output` items
+//!   become `tool` messages.
 //! - Function tools (namespaced ones flattened, custom tools as a one-string-argument function)
 //!   go to the template; other tool types (web search, MCP, …) do not.
 //! - A final assistant message or reasoning item with status `in_progress` or `incomplete` is
 //!   continued (`continue_final_message`) instead of answered (`add_generation_prompt`).
+//!
+//! Items vLLM's request model rejects (a missing or mistyped field, parts of output and input
+//! messages mixed) are refused as vLLM refuses them. Two forms vLLM would pass on as a raw chat
+//! message are not converted: an assistant message whose first part is not text (an image), and
+//! an untyped assistant message with no parts.
+
+pub mod stream;
 
 use super::python;
 use super::{DialectError, function_definition};
@@ -35,14 +49,7 @@ pub fn to_chat(body: &Value, previous: Option<&[Value]>) -> Result<Value, Dialec
     let req = body.as_object().ok_or_else(|| invalid("the body must be a JSON object"))?;
     check_fields(req, previous.is_some())?;
     let tool_choice = checked_tool_choice(req)?;
-    let input = req.get("input").ok_or_else(|| invalid("input is required"))?;
-    let mut messages = Vec::new();
-    if let Some(instr) = req.get("instructions").and_then(Value::as_str).filter(|i| !i.is_empty()) {
-        messages.push(json!({"role": "system", "content": instr}));
-    }
-    messages.extend(previous.unwrap_or_default().iter().cloned());
-    messages.extend(input_messages(input)?);
-    let continue_final = continues_final_message(input);
+    let (messages, continue_final) = chat_messages::<InputError>(req, previous.unwrap_or_default(), |_| Ok(()))?;
     let mut chat = Map::new();
     copy(req, &mut chat, &["model"]);
     chat.insert("messages".into(), Value::Array(messages));
@@ -222,30 +229,98 @@ fn function_tools(t: &Value) -> Result<Vec<Map<String, Value>>, DialectError> {
     }
 }
 
+/// Why the input could not be converted: the error [`to_chat`] reports, and what kind of fault
+/// it is, which [`stream::to_chat`] names its own way ([`stream::Refusal`]).
+#[derive(Debug)]
+struct InputError {
+    fault: Fault,
+    error: DialectError,
+}
+
+/// What is wrong with the input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// The request is invalid for vLLM: the input's or an item's shape, a role, a content part,
+    /// encrypted reasoning.
+    Request,
+    /// An item of a type vLLM converts, in a form its request model rejects or its conversion
+    /// fails on (a missing or mistyped field, an assistant message's parts).
+    Item,
+    /// An item of a type vLLM does not convert.
+    ItemType,
+    /// Images, audio or files in a message.
+    Media,
+}
+
+impl InputError {
+    fn new(fault: Fault, error: DialectError) -> Self {
+        Self { fault, error }
+    }
+
+    fn request(message: impl Into<String>) -> Self {
+        Self::new(Fault::Request, invalid(message))
+    }
+
+    fn item(message: impl Into<String>) -> Self {
+        Self::new(Fault::Item, invalid(message))
+    }
+
+    fn at(self, path: &str) -> Self {
+        Self { error: self.error.at(path), ..self }
+    }
+}
+
+impl From<InputError> for DialectError {
+    fn from(e: InputError) -> Self {
+        e.error
+    }
+}
+
+/// The chat messages vLLM makes of `instructions`, the `previous` turn's history and `input`
+/// (`construct_input_messages`), and whether the final one is continued
+/// (`should_continue_final_message`). `covered` is the caller's own scope: each input item
+/// object is put to it, in order, before it is converted.
+fn chat_messages<E: From<InputError>>(
+    req: &Map<String, Value>,
+    previous: &[Value],
+    mut covered: impl FnMut(&Map<String, Value>) -> Result<(), E>,
+) -> Result<(Vec<Value>, bool), E> {
+    let input = req.get("input").ok_or_else(|| InputError::request("input is required"))?;
+    let mut messages = Vec::new();
+    match req.get("instructions") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) if s.is_empty() => {}
+        Some(Value::String(s)) => messages.push(json!({"role": "system", "content": s})),
+        Some(_) => return Err(InputError::request("instructions must be a string").into()),
+    }
+    messages.extend(previous.iter().cloned());
+    let items = match input {
+        Value::String(s) => {
+            messages.push(json!({"role": "user", "content": s}));
+            return Ok((messages, false));
+        }
+        Value::Array(items) => items,
+        _ => return Err(InputError::request("input must be a string or a list of items").into()),
+    };
+    for (i, item) in items.iter().enumerate() {
+        let at = |e: InputError| e.at(&format!("input[{i}]"));
+        let obj = item.as_object().ok_or_else(|| at(InputError::request("an input item must be an object")))?;
+        covered(obj)?;
+        add_item(obj, &mut messages).map_err(at)?;
+    }
+    Ok((messages, continues_final_message(items)))
+}
+
 /// `should_continue_final_message`: the last input item is a partial assistant message.
-fn continues_final_message(input: &Value) -> bool {
-    let Some(last) = input.as_array().and_then(|items| items.last()) else { return false };
+fn continues_final_message(items: &[Value]) -> bool {
+    let Some(last) = items.last() else { return false };
     let kind = last.get("type").and_then(Value::as_str).unwrap_or("message");
     matches!(kind, "message" | "reasoning") && matches!(last.get("status").and_then(Value::as_str), Some("in_progress" | "incomplete"))
 }
 
-fn input_messages(input: &Value) -> Result<Vec<Value>, DialectError> {
-    let items = match input {
-        Value::String(s) => return Ok(vec![json!({"role": "user", "content": s})]),
-        Value::Array(items) => items,
-        _ => return Err(invalid("input must be a string or a list of items")),
-    };
-    let mut out: Vec<Value> = Vec::new();
-    for (i, item) in items.iter().enumerate() {
-        add_item(item, &mut out).map_err(|e| e.at(&format!("input[{i}]")))?;
-    }
-    Ok(out)
-}
-
 /// One item into the message list: a new message, or merged into the assistant message
 /// before it (`_construct_message_from_response_item`).
-fn add_item(item: &Value, out: &mut Vec<Value>) -> Result<(), DialectError> {
-    let obj = item.as_object().ok_or_else(|| invalid("an input item must be an object"))?;
+fn add_item(obj: &Map<String, Value>, out: &mut Vec<Value>) -> Result<(), InputError> {
     let kind = obj.get("type").and_then(Value::as_str);
     match kind {
         Some("function_call") | Some("custom_tool_call") => {
@@ -264,15 +339,13 @@ fn add_item(item: &Value, out: &mut Vec<Value>) -> Result<(), DialectError> {
             let text = reasoning_text(obj)?;
             merge_or_push("reasoning", text, out);
         }
-        Some("function_call_output") | Some("custom_tool_call_output") => {
-            out.push(json!({"role": "tool", "content": obj.get("output").cloned().unwrap_or(Value::Null), "tool_call_id": obj.get("call_id").cloned().unwrap_or(Value::Null)}));
-        }
+        Some("function_call_output") | Some("custom_tool_call_output") => out.push(tool_output(obj)?),
         Some("message") | None if obj.contains_key("role") => message_item(obj, kind.is_some(), out)?,
         Some(other) => {
             let reason = if other == "input_file" { "file" } else { "unknown_item" };
-            return Err(DialectError::invalid(reason, format!("Unsupported input item type: {other}")));
+            return Err(InputError::new(Fault::ItemType, DialectError::invalid(reason, format!("Unsupported input item type: {other}"))));
         }
-        None => return Err(invalid("an input item needs a type or a role")),
+        None => return Err(InputError::item("an input item needs a type or a role")),
     }
     Ok(())
 }
@@ -296,8 +369,8 @@ fn merge_or_push(key: &str, text: String, out: &mut Vec<Value>) {
     out.push(Value::Object(m));
 }
 
-fn tool_call(obj: &Map<String, Value>) -> Result<Value, DialectError> {
-    let field = |k: &str| obj.get(k).and_then(Value::as_str).ok_or_else(|| invalid(format!("a {} item needs a string '{k}'", obj["type"])));
+fn tool_call(obj: &Map<String, Value>) -> Result<Value, InputError> {
+    let field = |k: &str| obj.get(k).and_then(Value::as_str).ok_or_else(|| InputError::item(format!("a {} item needs a string '{k}'", obj["type"])));
     let call_id = field("call_id")?;
     let name = field("name")?;
     let (name, arguments) = if obj["type"] == "function_call" {
@@ -307,34 +380,47 @@ fn tool_call(obj: &Map<String, Value>) -> Result<Value, DialectError> {
         };
         (name, field("arguments")?.to_owned())
     } else {
-        let payload = obj.get("input").and_then(Value::as_str).unwrap_or("");
-        (name.to_owned(), python::json_dumps(&json!({CUSTOM_INPUT_KEY: payload}), false))
+        (name.to_owned(), python::json_dumps(&json!({CUSTOM_INPUT_KEY: field("input")?}), false))
     };
     Ok(json!({"id": call_id, "function": {"name": name, "arguments": arguments}, "type": "function"}))
 }
 
-fn reasoning_text(obj: &Map<String, Value>) -> Result<String, DialectError> {
-    let Some(Value::Array(summary)) = obj.get("summary") else {
-        return Err(invalid("a reasoning item needs a summary list"));
-    };
-    if obj.get("encrypted_content").is_some_and(|e| !e.is_null()) {
-        return Err(DialectError::invalid("encrypted_reasoning", "Encrypted content is not supported."));
+/// A tool's output as a `tool` message: its `output` (a string or parts) for the call
+/// `call_id`.
+fn tool_output(obj: &Map<String, Value>) -> Result<Value, InputError> {
+    let output = obj.get("output").filter(|o| o.is_string() || o.is_array());
+    let output = output.ok_or_else(|| InputError::item(format!("a {} item needs an output string or list", obj["type"])))?;
+    let call_id = obj.get("call_id").cloned().unwrap_or(Value::Null);
+    if !(call_id.is_string() || call_id.is_null()) {
+        return Err(InputError::item(format!("the call_id of a {} item must be a string", obj["type"])));
     }
-    let first_text = |list: &[Value]| list.first().and_then(|c| c.get("text")).and_then(Value::as_str).map(str::to_owned);
-    let content = obj.get("content").and_then(Value::as_array).filter(|c| !c.is_empty());
-    Ok(match content {
-        Some(c) => first_text(c).ok_or_else(|| invalid("reasoning content needs text"))?,
-        None => first_text(summary).unwrap_or_default(),
-    })
+    Ok(json!({"role": "tool", "content": output, "tool_call_id": call_id}))
 }
 
-fn message_item(obj: &Map<String, Value>, typed: bool, out: &mut Vec<Value>) -> Result<(), DialectError> {
+fn reasoning_text(obj: &Map<String, Value>) -> Result<String, InputError> {
+    let Some(Value::Array(summary)) = obj.get("summary") else {
+        return Err(InputError::item("a reasoning item needs a summary list"));
+    };
+    if obj.get("encrypted_content").is_some_and(|e| !e.is_null()) {
+        return Err(InputError::new(Fault::Request, DialectError::invalid("encrypted_reasoning", "Encrypted content is not supported.")));
+    }
+    let first_text = |list: &[Value], what: &str| match list.first() {
+        None => Ok(String::new()),
+        Some(part) => part.get("text").and_then(Value::as_str).map(str::to_owned).ok_or_else(|| InputError::item(format!("reasoning {what} needs text"))),
+    };
+    match obj.get("content").and_then(Value::as_array).filter(|c| !c.is_empty()) {
+        Some(content) => first_text(content, "content"),
+        None => first_text(summary, "summary"),
+    }
+}
+
+fn message_item(obj: &Map<String, Value>, typed: bool, out: &mut Vec<Value>) -> Result<(), InputError> {
     let role = obj
         .get("role")
         .and_then(Value::as_str)
         .filter(|r| ROLES.contains(r))
-        .ok_or_else(|| invalid("role must be 'user', 'assistant', 'system' or 'developer'"))?;
-    let content = obj.get("content").ok_or_else(|| invalid("a message needs content"))?;
+        .ok_or_else(|| InputError::request("role must be 'user', 'assistant', 'system' or 'developer'"))?;
+    let content = obj.get("content").ok_or_else(|| InputError::request("a message needs content"))?;
     if role != "assistant" {
         check_input_parts(content)?;
         out.push(json!({"role": role, "content": content}));
@@ -342,31 +428,55 @@ fn message_item(obj: &Map<String, Value>, typed: bool, out: &mut Vec<Value>) -> 
     }
     let text = match content {
         Value::String(s) => s.clone(),
-        Value::Array(parts) if typed => {
-            // An output message: vLLM reads its first part only.
-            let first = parts.first().ok_or_else(|| invalid("an assistant message needs content"))?;
-            first.get("text").and_then(Value::as_str).ok_or_else(|| invalid("the first part of an assistant message needs text"))?.to_owned()
-        }
-        _ => return Err(invalid("an assistant message without type \"message\" needs string content")),
+        Value::Array(parts) => assistant_text(parts, typed)?,
+        _ => return Err(InputError::request("content must be a string or a list of parts")),
     };
     merge_or_push("content", text, out);
     Ok(())
 }
 
+/// The text of an assistant message's parts, as vLLM reads them: an output message
+/// (`type: "message"`, `output_text` and `refusal` parts: `ResponseOutputMessage`) or an input
+/// message (`input_text`, `input_image`, `input_file` parts: `EasyInputMessageParam`) gives the
+/// text of its first part. vLLM's request model rejects other parts and mixes of the two kinds;
+/// its conversion fails on an output message without parts or that starts with a refusal.
+fn assistant_text(parts: &[Value], typed: bool) -> Result<String, InputError> {
+    fn kind(p: &Value) -> Option<&str> {
+        p.get("type").and_then(Value::as_str)
+    }
+    let has = |p: &Value, key: &str| p.get(key).is_some_and(Value::is_string);
+    let output = |p: &Value| match kind(p) {
+        Some("output_text") => has(p, "text"),
+        Some("refusal") => has(p, "refusal"),
+        _ => false,
+    };
+    let input = |p: &Value| match kind(p) {
+        Some("input_text") => has(p, "text"),
+        Some("input_image" | "input_file") => true,
+        _ => false,
+    };
+    let readable = (typed && parts.iter().all(output)) || parts.iter().all(input);
+    match parts.first() {
+        Some(first) if readable && matches!(kind(first), Some("output_text" | "input_text")) => Ok(first["text"].as_str().unwrap_or_default().to_owned()),
+        _ => Err(InputError::item("an assistant message's parts must be output text (type \"message\") or input parts, the first one text")),
+    }
+}
+
 /// Input message content: a string, or parts vLLM's renderer accepts.
-fn check_input_parts(content: &Value) -> Result<(), DialectError> {
+fn check_input_parts(content: &Value) -> Result<(), InputError> {
     let parts = match content {
         Value::String(_) => return Ok(()),
         Value::Array(p) => p,
-        _ => return Err(invalid("content must be a string or a list of parts")),
+        _ => return Err(InputError::request("content must be a string or a list of parts")),
     };
+    let media = |e: DialectError| Err(InputError::new(Fault::Media, e));
     for p in parts {
         match p.get("type").and_then(Value::as_str) {
             Some("input_text") if p.get("text").is_some_and(Value::is_string) => {}
-            Some("input_image") => return Err(DialectError::unsupported("image", "input_image parts need the model's multimodal processor")),
-            Some("input_audio") => return Err(DialectError::unsupported("audio", "input_audio parts need the model's multimodal processor")),
-            Some("input_file") => return Err(DialectError::invalid("file", "input_file parts are not supported by vLLM")),
-            _ => return Err(invalid("message content parts must be input_text, input_image or input_file")),
+            Some("input_image") => return media(DialectError::unsupported("image", "input_image parts need the model's multimodal processor")),
+            Some("input_audio") => return media(DialectError::unsupported("audio", "input_audio parts need the model's multimodal processor")),
+            Some("input_file") => return media(DialectError::invalid("file", "input_file parts are not supported by vLLM")),
+            _ => return Err(InputError::request("message content parts must be input_text, input_image or input_file")),
         }
     }
     Ok(())

@@ -1,6 +1,6 @@
 //! The Responses events vLLM 0.32 streams for a request, made from the chat stream of its
-//! translation ([`super::request::to_chat`]): vLLM's non-Harmony `/v1/responses` stream
-//! (`serving.py` `responses_stream_generator`, `streaming_events.py`
+//! translation (`kvgate_tokenize::dialect::responses::stream::to_chat`): vLLM's non-Harmony
+//! `/v1/responses` stream (`serving.py` `responses_stream_generator`, `streaming_events.py`
 //! `SimpleStreamingEventProcessor`), event for event and field for field.
 //!
 //! [`ResponsesStream`] takes the chat chunks one at a time ([`ResponsesStream::chunk`], or SSE

@@ -139,6 +139,47 @@ fn what_cannot_be_rendered_is_named() {
     assert!(to_chat(&json!({"input": "x", "prompt": {"id": "p"}}), None).is_err());
 }
 
+/// Where the gateway's two conversions of Responses input differed before they became this
+/// one (issue #34), vLLM 0.32's request model and `_construct_message_from_response_item`
+/// decide: what each case gives there is in its comment.
+#[test]
+fn item_forms_are_read_as_vllms_request_model_reads_them() {
+    let messages = |items: Value| chat(json!({"input": items}))["messages"].clone();
+    // An input message of the assistant's, typed or not: the first part's text (the images
+    // after it are dropped).
+    assert_eq!(
+        messages(json!([{"role": "assistant", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]}])),
+        json!([{"role": "assistant", "content": "a"}])
+    );
+    let with_image =
+        json!([{"type": "message", "role": "assistant", "content": [{"type": "input_text", "text": "a"}, {"type": "input_image", "image_url": "data:x"}]}]);
+    assert_eq!(messages(with_image), json!([{"role": "assistant", "content": "a"}]));
+    // An output message may hold refusals after its first text.
+    let refused_after =
+        json!([{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "a"}, {"type": "refusal", "refusal": "no"}]}]);
+    assert_eq!(messages(refused_after), json!([{"role": "assistant", "content": "a"}]));
+    // A tool output without a call id is a tool message without one.
+    assert_eq!(messages(json!([{"type": "function_call_output", "output": "x"}])), json!([{"role": "tool", "content": "x", "tool_call_id": null}]));
+    let refused = |body: Value| to_chat(&body, None).unwrap_err().reason();
+    let item = |it: Value| refused(json!({"input": [it]}));
+    // A 400 from the request model: output and input parts mixed, a summary or output part
+    // without text, a tool output without output or with a call id of another type, a custom
+    // tool call without input, instructions that are not a string.
+    assert_eq!(
+        item(json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "a"}, {"type": "input_text", "text": "b"}]})),
+        "invalid"
+    );
+    assert_eq!(item(json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": 5}]})), "invalid");
+    assert_eq!(item(json!({"type": "reasoning", "summary": [{"type": "summary_text"}]})), "invalid");
+    assert_eq!(item(json!({"type": "function_call_output", "call_id": "c"})), "invalid");
+    assert_eq!(item(json!({"type": "function_call_output", "call_id": 5, "output": "x"})), "invalid");
+    assert_eq!(item(json!({"type": "custom_tool_call_output", "call_id": "c", "output": null})), "invalid");
+    assert_eq!(item(json!({"type": "custom_tool_call", "call_id": "c", "name": "t"})), "invalid");
+    assert_eq!(refused(json!({"instructions": 5, "input": "x"})), "invalid");
+    // vLLM's conversion fails on an output message that starts with a refusal.
+    assert_eq!(item(json!({"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]})), "invalid");
+}
+
 #[test]
 fn renders_like_the_equivalent_chat_request() {
     let tok = ModelTokenizer::builtin();

@@ -2,7 +2,7 @@ use super::*;
 
 /// Responses requests and their translations; every one rendered by real vLLM 0.32 to the same
 /// token ids and sampling parameters on both endpoints ([`live_vllm_renders_each_translation_as_its_request`]).
-const REQUESTS: &str = include_str!("../../../../tests/fixtures/responses/requests.json");
+const REQUESTS: &str = include_str!("../../../../../filters/tests/fixtures/responses/requests.json");
 
 fn cases() -> Vec<(String, Value, Value)> {
     let all: Value = serde_json::from_str(REQUESTS).unwrap();
@@ -129,6 +129,40 @@ fn each_case_kvgate_cannot_make_exactly_alike_is_refused_with_its_reason() {
     .map(Refusal::label)
     .into();
     assert_eq!(labels.len(), 14);
+}
+
+#[test]
+fn input_is_converted_as_for_rendering_with_chat_text_parts() {
+    let body = json!({"stream": true, "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "a"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "b"}, {"type": "refusal", "refusal": "no"}]},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": [{"type": "input_text", "text": "d"}, {"type": "input_image", "image_url": "data:x"}]},
+    ]});
+    let chat = to_chat(&body, ServerFacts::default()).unwrap();
+    let rendered = super::super::to_chat(&body, None).unwrap();
+    assert_eq!(
+        chat["messages"],
+        json!([
+            {"role": "user", "content": [{"type": "text", "text": "a"}]},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"},
+            {"role": "assistant", "content": "d"},
+        ])
+    );
+    assert_eq!(rendered["messages"][0], json!({"role": "user", "content": [{"type": "input_text", "text": "a"}]}));
+    assert_eq!(chat["messages"].as_array().unwrap()[1..], rendered["messages"].as_array().unwrap()[1..]);
+    // vLLM converts these, a chat request cannot say them as vLLM's conversion does.
+    let item = |i: Value| to_chat(&json!({"stream": true, "input": [i]}), ServerFacts::default());
+    assert_eq!(item(json!({"type": "custom_tool_call_output", "call_id": "c", "output": "x"})), Err(Refusal::Untranslatable));
+    assert_eq!(item(json!({"type": "function_call_output", "output": "x"})), Err(Refusal::Untranslatable));
+    // What vLLM refuses is refused in order, item by item.
+    let two = |a: Value, b: Value| to_chat(&json!({"stream": true, "input": [a, b]}), ServerFacts::default());
+    let image = json!({"role": "user", "content": [{"type": "input_image", "image_url": "data:x"}]});
+    let custom = json!({"type": "custom_tool_call", "call_id": "c", "name": "t", "input": "x"});
+    assert_eq!(two(image.clone(), custom.clone()), Err(Refusal::Multimodal));
+    assert_eq!(two(custom, image), Err(Refusal::Untranslatable));
+    assert_eq!(item(json!({"type": "function_call", "call_id": "c", "name": "f"})), Err(Refusal::Untranslatable));
 }
 
 /// A JSON POST to a live server (`http://host:port`), its status and body.

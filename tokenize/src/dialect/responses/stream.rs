@@ -1,15 +1,15 @@
-//! Which OpenAI Responses requests the gateway may send a worker as a chat-completions request,
+//! Which OpenAI Responses streams the gateway may send a worker as a chat-completions request,
 //! and that chat request: one that vLLM 0.32 renders to the same prompt and samples with the same
-//! parameters as the Responses request itself, so the worker generates the same tokens.
+//! parameters as the Responses request itself, so the worker generates the same tokens and the
+//! stream can move (the gateway turns the chat stream back into Responses events:
+//! `kvgate_filters::migrate::responses::ResponsesStream`).
 //!
 //! How vLLM serves a Responses request on its non-Harmony path (`serving.py`
 //! `_create_responses`, `OnlineRenderer.render_responses`, `utils.py`
 //! `construct_input_messages`, `protocol.py` `build_chat_params` / `to_sampling_params`):
-//! - the chat messages: `instructions`, when not empty, as a leading `system` message; then
-//!   `input`, a string as one `user` message, or its items (messages keep their role and
-//!   content; an assistant output message contributes the text of its first part; a
-//!   `function_call` becomes a tool call and a `reasoning` item the `reasoning` of the assistant
-//!   message before it when that has none; a `function_call_output` a `tool` message);
+//! - the chat messages: the parent module's conversion ([`super`]); input text parts are chat's
+//!   `text` parts here (vLLM's chat parser reads both alike; chat's request schema does not
+//!   take `input_text`);
 //! - the chat template kwargs: `add_generation_prompt` (false, with `continue_final_message`
 //!   true, when the last item is a message or reasoning item with status `in_progress` or
 //!   `incomplete`), the request's `chat_template_kwargs`, and `reasoning_effort` /
@@ -22,11 +22,16 @@
 //!   `priority`, `cache_salt`, `session_id`, `mm_processor_kwargs`, `media_io_kwargs` as chat
 //!   reads them; `truncation: "auto"` is chat's `truncate_prompt_tokens: -1`.
 //!
-//! [`to_chat`] builds that chat request (streamed, with usage in every chunk, which the
-//! [`super::convert`] side reads) or says why it cannot ([`Refusal`]). Fields vLLM ignores on this
-//! path (`user`, `metadata`, `service_tier`, `max_tool_calls`, `parallel_tool_calls` without
-//! tools, `top_logprobs` without the logprobs `include`, `include` entries other than logprobs,
-//! unknown fields such as `n`) only shape the response object ([`super::convert`] echoes them).
+//! [`to_chat`] builds that chat request (streamed, with usage in every chunk, which
+//! `ResponsesStream` reads) or says why it cannot ([`Refusal`]). Besides the request options
+//! a moved stream cannot carry and the input vLLM refuses, it leaves to the worker input that
+//! vLLM converts but this translation was not checked to send alike: custom tool calls and
+//! their output, and tool output given as parts or without a `call_id` (chat's request schema
+//! takes neither `input_text` parts in a tool message nor one without `tool_call_id`). Fields
+//! vLLM ignores on this path (`user`, `metadata`, `service_tier`, `max_tool_calls`,
+//! `parallel_tool_calls` without tools, `top_logprobs` without the logprobs `include`,
+//! `include` entries other than logprobs, unknown fields such as `n`) only shape the response
+//! object (`ResponsesStream` echoes them).
 //!
 //! Checked against real vLLM 0.32 (`--enable-scale-out`, the model's template and the fixtures'
 //! `template.jinja`): for every request of `filters/tests/fixtures/responses/requests.json`
@@ -35,6 +40,7 @@
 //! those of `/v1/chat/completions/render` for the translation (the ignored test
 //! `live_vllm_renders_each_translation_as_its_request`).
 
+use super::{Fault, InputError, chat_messages};
 use serde_json::{Map, Value, json};
 
 /// What the gateway knows of the model and its workers that decides whether a Responses request
@@ -167,16 +173,8 @@ pub fn to_chat(body: &Value, server: ServerFacts) -> Result<Value, Refusal> {
         return Err(Refusal::Unary);
     }
     refuse_options(req, server)?;
-    let mut messages = Vec::new();
-    match get("instructions") {
-        None => {}
-        Some(Value::String(s)) if s.is_empty() => {}
-        Some(Value::String(s)) => messages.push(json!({"role": "system", "content": s})),
-        Some(_) => return Err(Refusal::Invalid),
-    }
-    let input = get("input").ok_or(Refusal::Invalid)?;
-    let continue_final = continues_final_message(input);
-    messages.extend(input_messages(input)?);
+    let (mut messages, continue_final) = chat_messages(req, &[], covered)?;
+    messages.iter_mut().for_each(chat_parts);
 
     let mut chat = Map::new();
     if let Some(model) = get("model") {
@@ -280,134 +278,35 @@ fn refuse_options(req: &Map<String, Value>, server: ServerFacts) -> Result<(), R
     Ok(())
 }
 
-/// `should_continue_final_message`: the last input item is a message or reasoning item that is
-/// still in progress or incomplete.
-fn continues_final_message(input: &Value) -> bool {
-    let Some(last) = input.as_array().and_then(|items| items.last()) else { return false };
-    let kind = last.get("type").and_then(Value::as_str).unwrap_or("message");
-    matches!(kind, "message" | "reasoning") && matches!(last.get("status").and_then(Value::as_str), Some("in_progress" | "incomplete"))
-}
-
-/// `construct_input_messages` for `input` (without instructions).
-fn input_messages(input: &Value) -> Result<Vec<Value>, Refusal> {
-    let items = match input {
-        Value::String(s) => return Ok(vec![json!({"role": "user", "content": s})]),
-        Value::Array(items) => items,
-        _ => return Err(Refusal::Invalid),
-    };
-    let mut out = Vec::new();
-    for item in items {
-        add_item(item, &mut out)?;
-    }
-    Ok(out)
-}
-
-/// One input item: a new message, or merged into the assistant message before it
-/// (`_construct_message_from_response_item`).
-fn add_item(item: &Value, out: &mut Vec<Value>) -> Result<(), Refusal> {
-    let obj = item.as_object().ok_or(Refusal::Invalid)?;
-    let str_field = |k: &str| obj.get(k).and_then(Value::as_str).ok_or(Refusal::Untranslatable);
-    match obj.get("type").and_then(Value::as_str) {
-        Some("function_call") => {
-            let name = match obj.get("namespace").and_then(Value::as_str).filter(|n| !n.is_empty()) {
-                Some(ns) => format!("{ns}__{}", str_field("name")?),
-                None => str_field("name")?.to_owned(),
-            };
-            let call = json!({"id": str_field("call_id")?, "function": {"name": name, "arguments": str_field("arguments")?}, "type": "function"});
-            match last_assistant(out) {
-                Some(prev) => match prev.get_mut("tool_calls") {
-                    Some(Value::Array(calls)) => calls.push(call),
-                    _ => {
-                        prev.insert("tool_calls".into(), json!([call]));
-                    }
-                },
-                None => out.push(json!({"role": "assistant", "tool_calls": [call]})),
-            }
+impl From<InputError> for Refusal {
+    /// Input vLLM refuses is `Invalid`, but an item of a known type in a form vLLM's model
+    /// rejects, or of a type it does not convert, is `Untranslatable`, and media `Multimodal`.
+    fn from(e: InputError) -> Self {
+        match e.fault {
+            Fault::Request => Self::Invalid,
+            Fault::Item | Fault::ItemType => Self::Untranslatable,
+            Fault::Media => Self::Multimodal,
         }
-        Some("reasoning") => {
-            if obj.get("encrypted_content").is_some_and(|e| !e.is_null()) {
-                return Err(Refusal::Invalid);
-            }
-            let Some(Value::Array(summary)) = obj.get("summary") else { return Err(Refusal::Untranslatable) };
-            let first_text = |list: &[Value]| list.first().map(|c| c.get("text").and_then(Value::as_str).map(str::to_owned).ok_or(Refusal::Untranslatable));
-            let text = match obj.get("content").and_then(Value::as_array).filter(|c| !c.is_empty()) {
-                Some(content) => first_text(content).transpose()?.unwrap_or_default(),
-                None => first_text(summary).transpose()?.unwrap_or_default(),
-            };
-            merge_or_push("reasoning", text, out);
-        }
-        Some("function_call_output") => {
-            let output = str_field("output")?;
-            out.push(json!({"role": "tool", "content": output, "tool_call_id": str_field("call_id")?}));
-        }
-        Some("message") | None if obj.contains_key("role") => message_item(obj, out)?,
-        _ => return Err(Refusal::Untranslatable),
     }
-    Ok(())
 }
 
-/// The message before, when it is the assistant's.
-fn last_assistant(out: &mut [Value]) -> Option<&mut Map<String, Value>> {
-    out.last_mut().filter(|m| m["role"] == "assistant").and_then(Value::as_object_mut)
-}
-
-/// Sets `key` on the assistant message before when it has none, else starts a new message.
-fn merge_or_push(key: &str, text: String, out: &mut Vec<Value>) {
-    if let Some(prev) = last_assistant(out)
-        && prev.get(key).is_none_or(Value::is_null)
-    {
-        prev.insert(key.into(), text.into());
-        return;
-    }
-    let mut m = Map::new();
-    m.insert("role".into(), "assistant".into());
-    m.insert(key.into(), text.into());
-    out.push(Value::Object(m));
-}
-
-fn message_item(obj: &Map<String, Value>, out: &mut Vec<Value>) -> Result<(), Refusal> {
-    let role = obj.get("role").and_then(Value::as_str).filter(|r| ["user", "assistant", "system", "developer"].contains(r)).ok_or(Refusal::Invalid)?;
-    let content = obj.get("content").ok_or(Refusal::Invalid)?;
-    if role == "assistant" {
-        let text = assistant_text(content, obj.contains_key("type"))?;
-        merge_or_push("content", text, out);
-        return Ok(());
-    }
-    let content = match content {
-        Value::String(_) => content.clone(),
-        Value::Array(parts) => Value::Array(parts.iter().map(input_part).collect::<Result<_, _>>()?),
-        _ => return Err(Refusal::Invalid),
+/// Whether an input item is one this translation covers: not a custom tool call or its output,
+/// nor a tool output given as parts or without a `call_id` (a chat `tool` message needs one).
+fn covered(item: &Map<String, Value>) -> Result<(), Refusal> {
+    let uncovered = match item.get("type").and_then(Value::as_str) {
+        Some("custom_tool_call" | "custom_tool_call_output") => true,
+        Some("function_call_output") => !["output", "call_id"].iter().all(|k| item.get(*k).is_some_and(Value::is_string)),
+        _ => false,
     };
-    out.push(json!({"role": role, "content": content}));
-    Ok(())
+    if uncovered { Err(Refusal::Untranslatable) } else { Ok(()) }
 }
 
-/// An input message's content part as chat takes it: `input_text` is chat's `text` (vLLM's
-/// chat parser reads both alike; chat's request schema does not take `input_text`).
-fn input_part(part: &Value) -> Result<Value, Refusal> {
-    match part.get("type").and_then(Value::as_str) {
-        Some("input_text") => match part.get("text") {
-            Some(Value::String(text)) => Ok(json!({"type": "text", "text": text})),
-            _ => Err(Refusal::Invalid),
-        },
-        Some("input_image" | "input_audio" | "input_file") => Err(Refusal::Multimodal),
-        _ => Err(Refusal::Invalid),
+/// A message's `input_text` parts as chat's `text` parts.
+fn chat_parts(message: &mut Value) {
+    let Some(Value::Array(parts)) = message.get_mut("content") else { return };
+    for part in parts.iter_mut().filter(|p| p["type"] == "input_text") {
+        *part = json!({"type": "text", "text": part["text"]});
     }
-}
-
-/// The text an assistant message item contributes: its string content, or the text of its first
-/// part (output text parts of an output message, `type: "message"`, or input text parts).
-fn assistant_text(content: &Value, typed: bool) -> Result<String, Refusal> {
-    let parts = match content {
-        Value::String(s) => return Ok(s.clone()),
-        Value::Array(parts) => parts,
-        _ => return Err(Refusal::Invalid),
-    };
-    let all = |kind: &str| parts.iter().all(|p| p.get("type").and_then(Value::as_str) == Some(kind) && p.get("text").is_some_and(Value::is_string));
-    if parts.is_empty() || !(all("input_text") || typed && all("output_text")) {
-        return Err(Refusal::Untranslatable);
-    }
-    Ok(parts[0]["text"].as_str().unwrap_or_default().to_owned())
 }
 
 #[cfg(test)]
