@@ -10,7 +10,7 @@
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use kvgate_bench::cluster::{self, Procs, SimOptions};
 use kvgate_bench::load::report::{self, Report, Slo};
-use kvgate_bench::load::workload::{self, Workload};
+use kvgate_bench::load::workload::{self, Api, Workload};
 use kvgate_bench::load::{RunOptions, run};
 use kvgate_bench::peers::{self, Peer};
 use kvgate_bench::trace;
@@ -192,10 +192,33 @@ enum Kind {
     SharedPrefix,
     /// Multi-turn chat sessions (text), each turn after the previous answer.
     Chat,
+    /// Multi-turn coding-agent sessions: a shared system prompt (--system-tokens) and tool list
+    /// (--tools), a task, then turns returning the result (--tool-result-tokens) of a tool call
+    /// appended to the previous answer, a user follow-up every 4th turn; served with a chat
+    /// template that prints tools and tool calls (Qwen2.5's).
+    Agent,
     /// Short chat-like prompts (--short-tokens, continuing --conversations conversations) mixed
     /// with long documents (--long-fraction of the requests, --doc-tokens, --docs distinct
     /// documents, each re-asked), Poisson at --rate.
     Mixed,
+}
+
+/// `--apis`: how session workloads are sent.
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
+enum ApiArg {
+    /// OpenAI chat completions.
+    Chat,
+    /// Anthropic Messages.
+    Messages,
+}
+
+impl From<ApiArg> for Api {
+    fn from(a: ApiArg) -> Api {
+        match a {
+            ApiArg::Chat => Api::Chat,
+            ApiArg::Messages => Api::Messages,
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq, Debug)]
@@ -247,7 +270,7 @@ struct Common {
     /// tokenizer). The trace is token ids, chat is text.
     #[arg(long, value_enum)]
     prompts: Option<Prompts>,
-    /// shared-prefix / chat / mixed: seed of the texts, ids and arrivals.
+    /// shared-prefix / chat / agent / mixed: seed of the texts, ids and arrivals.
     #[arg(long, default_value_t = 42)]
     seed: u64,
     /// shared-prefix: prefixes.
@@ -276,21 +299,34 @@ struct Common {
     /// default 48 average 480k tokens, more than one default worker's KV cache holds).
     #[arg(long, default_value_t = 48)]
     docs: u32,
-    /// shared-prefix / chat / mixed: output tokens per request.
+    /// shared-prefix / chat / agent / mixed: output tokens per request.
     #[arg(long, default_value_t = 64)]
     output_tokens: u32,
-    /// shared-prefix / mixed: requests (chat: sessions).
+    /// shared-prefix / mixed: requests (chat / agent: sessions).
     #[arg(long, default_value_t = 400)]
     requests: usize,
-    /// shared-prefix / mixed: requests per second (chat: sessions started per second).
+    /// shared-prefix / mixed: requests per second (chat / agent: sessions started per second).
     #[arg(long, default_value_t = 10.0)]
     rate: f64,
-    /// chat: turns per session.
+    /// chat / agent: turns per session.
     #[arg(long, default_value_t = 4)]
     turns: usize,
-    /// chat: pause between an answer and the next turn, ms.
+    /// chat / agent: pause between an answer and the next turn, ms.
     #[arg(long, default_value_t = 500)]
     think_ms: u64,
+    /// chat / agent: the APIs the sessions are sent as, comma-separated (chat, messages); each
+    /// is a run of its own (compare: on a fresh cluster), in this order for every target.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "chat")]
+    apis: Vec<ApiArg>,
+    /// agent: tokens of the shared system prompt, before the tools.
+    #[arg(long, default_value_t = 2000)]
+    system_tokens: usize,
+    /// agent: tools offered (shared by every session).
+    #[arg(long, default_value_t = 12)]
+    tools: usize,
+    /// agent: tokens of a tool result (each between half and 1.5 times this).
+    #[arg(long, default_value_t = 300)]
+    tool_result_tokens: usize,
     /// Goodput SLO: time to first token, ms.
     #[arg(long, default_value_t = 2000.0)]
     slo_ttft_ms: f64,
@@ -310,11 +346,23 @@ impl Common {
     fn format(&self) -> Result<workload::PromptFormat, String> {
         let p = match (self.workload, self.prompts) {
             (Kind::Trace, Some(Prompts::Text)) => return Err("--prompts text: the trace workload replays token ids".into()),
-            (Kind::Chat, Some(Prompts::Ids)) => return Err("--prompts ids: the chat workload sends text".into()),
+            (Kind::Chat | Kind::Agent, Some(Prompts::Ids)) => return Err("--prompts ids: the chat and agent workloads send text".into()),
             (Kind::Trace, _) => Prompts::Ids,
             (_, p) => p.unwrap_or(Prompts::Text),
         };
         Ok(if p == Prompts::Ids { workload::PromptFormat::Ids } else { workload::PromptFormat::Text })
+    }
+
+    /// The APIs sessions are sent as; Messages only for the session workloads.
+    fn apis(&self) -> Result<Vec<Api>, String> {
+        let apis: Vec<Api> = self.apis.iter().map(|&a| a.into()).collect();
+        if apis.is_empty() {
+            return Err("--apis: name at least one".into());
+        }
+        if !matches!(self.workload, Kind::Chat | Kind::Agent) && apis != [Api::Chat] {
+            return Err("--apis: only the chat and agent workloads are sent as Messages (the others send their own paths)".into());
+        }
+        Ok(apis)
     }
 
     fn workload(&self) -> Result<(Workload, String), String> {
@@ -405,6 +453,35 @@ impl Common {
                 let note = format!("Workload: {} chat sessions of {} turns, {} sessions/s.", self.requests, self.turns, self.rate);
                 (w, note)
             }
+            Kind::Agent => {
+                let a = workload::AgentSessions {
+                    sessions: self.requests,
+                    turns: self.turns,
+                    system_tokens: self.system_tokens,
+                    tools: self.tools,
+                    user_tokens: 60,
+                    tool_result_tokens: self.tool_result_tokens,
+                    user_every: 4,
+                    output_tokens: self.output_tokens,
+                    rate: self.rate,
+                    think: Duration::from_millis(self.think_ms),
+                    seed: self.seed,
+                };
+                let note = format!(
+                    "Workload: {} agent sessions of {} turns, {} sessions/s, seed {}: a shared system prompt of {} tokens and {} tools, a task of 60 tokens, then tool results of {}-{} tokens after a tool call appended to each answer (a 60-token user follow-up every 4th turn), {} output tokens, {} ms think time.",
+                    a.sessions,
+                    a.turns,
+                    a.rate,
+                    a.seed,
+                    a.system_tokens,
+                    a.tools,
+                    a.tool_result_tokens / 2,
+                    a.tool_result_tokens / 2 + a.tool_result_tokens,
+                    a.output_tokens,
+                    self.think_ms
+                );
+                (workload::agent_sessions(a), note)
+            }
         })
     }
 
@@ -425,18 +502,28 @@ fn finish(reports: &[Report], common: &Common, note: &str) {
 async fn main() {
     let cli = Cli::parse();
     let code = match cli.cmd {
-        Cmd::Run { url, label, workers, common } => match common.workload() {
-            Ok((w, note)) => {
-                let o = RunOptions {
-                    label,
-                    url: url.trim_end_matches('/').to_string(),
-                    model: common.model.clone(),
-                    worker_urls: workers,
-                    slo: common.slo(),
-                    progress: !common.quiet,
+        Cmd::Run { url, label, workers, common } => match common.workload().and_then(|w| Ok((w, common.apis()?))) {
+            Ok(((w, note), apis)) => {
+                let mut reports = Vec::new();
+                let mut runs = Vec::new();
+                for &api in &apis {
+                    let o = RunOptions {
+                        label: if apis.len() > 1 { format!("{label} {}", api.name()) } else { label.clone() },
+                        url: url.trim_end_matches('/').to_string(),
+                        model: common.model.clone(),
+                        worker_urls: workers.clone(),
+                        slo: common.slo(),
+                        progress: !common.quiet,
+                        api,
+                    };
+                    reports.push(run(&o, &w).await);
+                    runs.push((label.clone(), api));
+                }
+                let note = match by_api(&runs, &reports) {
+                    Some(t) => format!("{note}\n\n{t}"),
+                    None => note,
                 };
-                let r = run(&o, &w).await;
-                finish(&[r], &common, &note);
+                finish(&reports, &common, &note);
                 0
             }
             Err(e) => {
@@ -462,7 +549,7 @@ struct Peers {
 
 #[allow(clippy::too_many_arguments)]
 async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path, sim_args: &str, kvgate_routing: &str, peers: &Peers, common: &Common) -> i32 {
-    let (w, note) = match common.workload() {
+    let ((w, note), apis) = match common.workload().and_then(|w| Ok((w, common.apis()?))) {
         Ok(x) => x,
         Err(e) => {
             eprintln!("kvgate-bench: {e}");
@@ -487,12 +574,33 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
             return 2;
         }
     };
-    let base =
+    let mut base =
         SimOptions { bin: sim_bin.to_path_buf(), model: common.model.clone(), args: sim_args.split_whitespace().map(String::from).collect(), env: Vec::new() };
     let mut reports = Vec::new();
-    let mut notes = vec![note, format!("Cluster: {n} vllm-sim workers ({}), fresh for every target.", if sim_args.is_empty() { "defaults" } else { sim_args })];
+    let mut runs = Vec::new();
+    let fresh = if apis.len() > 1 { "fresh for every target and API" } else { "fresh for every target" };
+    let mut notes = vec![note, format!("Cluster: {n} vllm-sim workers ({}), {fresh}.", if sim_args.is_empty() { "defaults" } else { sim_args })];
+    // The workers' own tokenizer (vllm-sim's built-in one), so text prompts hash to the blocks
+    // the workers cache; the agent workload's adds a chat template that prints tools, written
+    // next to the results and given to the workers and kvgate alike.
+    let mut kvgate_tokenizer = "tokenizer: builtin".to_string();
+    if matches!(common.workload, Kind::Agent) {
+        let dir = common.out.join("tokenizer");
+        match workload::write_agent_tokenizer(&dir).and_then(|()| dir.canonicalize()) {
+            Ok(dir) => {
+                base.args.extend(["--tokenizer".to_string(), dir.display().to_string()]);
+                kvgate_tokenizer = format!("tokenizer: {}", dir.display());
+                notes.push(format!("Workers and kvgate: --tokenizer / tokenizer: {} (vllm-sim's built-in tokenizer, Qwen2.5's chat template).", dir.display()));
+            }
+            Err(e) => {
+                eprintln!("kvgate-bench: cannot write the agent tokenizer into {}: {e}", dir.display());
+                return 1;
+            }
+        }
+    }
     let logs = common.out.join("logs");
-    for (t, peer) in targets.iter().zip(&parsed) {
+    for ((t, peer), &api) in targets.iter().zip(&parsed).flat_map(|tp| apis.iter().map(move |a| (tp, a))) {
+        let label = if apis.len() > 1 { format!("{t} {}", api.name()) } else { t.clone() };
         let mut procs = Procs::default();
         // The workers as this target needs them (vllm-router kv_aware: full 32-byte hashes).
         let mut sims = base.clone();
@@ -522,9 +630,7 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
                     routing.push('\n');
                     routing.push_str(line.trim());
                 }
-                // The workers' own tokenizer (vllm-sim's built-in one), so text prompts hash
-                // to the blocks the workers cache.
-                cluster::start_kvgate(&mut procs, kvgate_bin, &common.model, &routing, &workers, "tokenizer: builtin")
+                cluster::start_kvgate(&mut procs, kvgate_bin, &common.model, &routing, &workers, &kvgate_tokenizer)
                     .await
                     .map(|g| Some((g.url, Metrics::Gateway(g.admin))))
             }
@@ -548,32 +654,144 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
                 continue;
             }
         };
-        eprintln!("kvgate-bench: {t} at {url}");
+        eprintln!("kvgate-bench: {label} at {url}");
         if !warm_jobs.is_empty() {
             warm(&warm_jobs, &common.model, &workers).await;
         }
         let o = RunOptions {
-            label: t.clone(),
+            label: label.clone(),
             url,
             model: common.model.clone(),
             worker_urls: workers.iter().map(|w| w.url.clone()).collect(),
             slo: common.slo(),
             progress: !common.quiet,
+            api,
         };
         reports.push(run(&o, &w).await);
-        let line = match (peer, &prom) {
-            (Some(Peer { router: peers::Router::VllmRouter, policy, .. }), Metrics::Peer(prom)) if policy == "kv_aware" => kv_lookups(prom).await,
-            (None, Metrics::Gateway(admin)) => decision_times(admin, &common.model).await,
-            _ => None,
+        runs.push((t.clone(), api));
+        let lines = match (peer, &prom) {
+            (Some(Peer { router: peers::Router::VllmRouter, policy, .. }), Metrics::Peer(prom)) if policy == "kv_aware" => vec![kv_lookups(prom).await],
+            (None, Metrics::Gateway(admin)) => vec![decision_times(admin, &common.model).await, gateway_counts(admin, &common.model).await],
+            _ => Vec::new(),
         };
-        if let Some(line) = line {
-            eprintln!("kvgate-bench: {t}: {line}");
-            notes.push(format!("{t}: {line}"));
+        for line in lines.into_iter().flatten() {
+            eprintln!("kvgate-bench: {label}: {line}");
+            notes.push(format!("{label}: {line}"));
         }
         drop(procs);
     }
+    if let Some(t) = by_api(&runs, &reports) {
+        notes.push(t);
+    }
     finish(&reports, common, &notes.join("\n"));
     0
+}
+
+/// kvgate's own counts after a run: its requests by endpoint and status, the Messages and
+/// Responses prompts it could not render and routed by load alone
+/// (`kvgate_render_fallback_total`), how the requests spread over the workers
+/// (`kvgate_routing_decisions_total`), and how many prompt blocks the chosen worker held
+/// (`kvgate_routing_overlap_blocks`, kv mode).
+async fn gateway_counts(admin: &str, model: &str) -> Option<String> {
+    let text = reqwest::get(format!("{admin}/metrics")).await.ok()?.text().await.ok()?;
+    let m = kvgate_tests::prom::Metrics::parse(&text);
+    let mut requests = std::collections::BTreeMap::<String, f64>::new();
+    let mut fallbacks = std::collections::BTreeMap::<String, f64>::new();
+    let mut per_worker: Vec<f64> = Vec::new();
+    for s in &m.samples {
+        let label = |k: &str| s.labels.get(k).cloned().unwrap_or_default();
+        match s.name.as_str() {
+            "kvgate_requests_total" if label("model") == model => *requests.entry(format!("{} {}", label("endpoint"), label("status"))).or_default() += s.value,
+            "kvgate_render_fallback_total" => *fallbacks.entry(format!("{} {}", label("endpoint"), label("reason"))).or_default() += s.value,
+            "kvgate_routing_decisions_total" if label("model") == model => per_worker.push(s.value),
+            _ => {}
+        }
+    }
+    let list = |map: &std::collections::BTreeMap<String, f64>| {
+        let l: Vec<String> = map.iter().filter(|(_, v)| **v > 0.0).map(|(k, v)| format!("{k}: {v}")).collect();
+        if l.is_empty() { "none".to_string() } else { l.join(", ") }
+    };
+    let name = "kvgate_routing_overlap_blocks";
+    let decisions = m.sum(&format!("{name}_count"), &[("model", model)]);
+    let overlap = if decisions > 0.0 {
+        format!(
+            "; prompt blocks cached on the chosen worker ({name}): mean {:.1} over {decisions} decisions",
+            m.sum(&format!("{name}_sum"), &[("model", model)]) / decisions
+        )
+    } else {
+        String::new()
+    };
+    per_worker.sort_by(|a, b| b.total_cmp(a));
+    let spread = if per_worker.is_empty() {
+        String::new()
+    } else {
+        let counts: Vec<String> = per_worker.iter().map(|v| v.to_string()).collect();
+        format!("; requests per worker, most first (kvgate_routing_decisions_total): {}", counts.join(" / "))
+    };
+    Some(format!(
+        "requests by endpoint and status (kvgate_requests_total): {}; render fallbacks (kvgate_render_fallback_total): {}{spread}{overlap}",
+        list(&requests),
+        list(&fallbacks)
+    ))
+}
+
+/// The session workloads' comparison across APIs, when a run names a `kvgate-round_robin`
+/// target or more than one API: per API and target the hit rate and TTFT p50 / p99, against
+/// round_robin's on the same API (its TTFT ÷ this one's: above 1 is faster than round_robin),
+/// and per target Messages against chat.
+fn by_api(runs: &[(String, Api)], reports: &[Report]) -> Option<String> {
+    let apis: Vec<Api> = runs.iter().map(|r| r.1).fold(Vec::new(), |mut v, a| {
+        if !v.contains(&a) {
+            v.push(a);
+        }
+        v
+    });
+    let baseline = |api: Api| runs.iter().zip(reports).find(|((t, a), _)| *a == api && t == "kvgate-round_robin").map(|(_, r)| r);
+    if apis.len() < 2 && apis.iter().all(|&a| baseline(a).is_none()) {
+        return None;
+    }
+    let hit = |r: &Report| r.hit_rate.map_or("n/a".into(), |h| format!("{h:.3}"));
+    let ratio = |a: f64, b: f64| if b > 0.0 { format!("{:.2}×", a / b) } else { "n/a".into() };
+    let mut t = String::from(
+        "By API (TTFT vs round_robin: round_robin's ÷ this target's, on the same API):\n\n| API | target | ok | hit rate | TTFT p50 | TTFT p99 | hit rate − round_robin's | TTFT p50 vs round_robin | TTFT p99 vs round_robin |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for &api in &apis {
+        let base = baseline(api);
+        for ((target, _), r) in runs.iter().zip(reports).filter(|((_, a), _)| *a == api) {
+            let (dh, p50, p99) = match base {
+                Some(b) if !std::ptr::eq(b, r) => (
+                    match (r.hit_rate, b.hit_rate) {
+                        (Some(x), Some(y)) => format!("{:+.3}", x - y),
+                        _ => "n/a".into(),
+                    },
+                    ratio(b.ttft_ms.p50, r.ttft_ms.p50),
+                    ratio(b.ttft_ms.p99, r.ttft_ms.p99),
+                ),
+                _ => ("".into(), "".into(), "".into()),
+            };
+            t.push_str(&format!(
+                "| {} | {target} | {}/{} | {} | {:.0} ms | {:.0} ms | {dh} | {p50} | {p99} |\n",
+                api.name(),
+                r.ok,
+                r.requests,
+                hit(r),
+                r.ttft_ms.p50,
+                r.ttft_ms.p99
+            ));
+        }
+    }
+    if apis.contains(&Api::Chat) && apis.contains(&Api::Messages) {
+        t.push_str("\nMessages against chat, same target:\n\n| target | hit rate, messages − chat | TTFT p50, messages ÷ chat | TTFT p99, messages ÷ chat |\n|---|---:|---:|---:|\n");
+        for ((target, _), m) in runs.iter().zip(reports).filter(|((_, a), _)| *a == Api::Messages) {
+            let Some(c) = runs.iter().zip(reports).find(|((t, a), _)| t == target && *a == Api::Chat).map(|(_, r)| r) else { continue };
+            let dh = match (m.hit_rate, c.hit_rate) {
+                (Some(x), Some(y)) => format!("{:+.3}", x - y),
+                _ => "n/a".into(),
+            };
+            t.push_str(&format!("| {target} | {dh} | {} | {} |\n", ratio(m.ttft_ms.p50, c.ttft_ms.p50), ratio(m.ttft_ms.p99, c.ttft_ms.p99)));
+        }
+    }
+    Some(t)
 }
 
 /// The first `n` requests of `common`'s workload with the next seed (other unique parts, the

@@ -1,6 +1,9 @@
 //! One streamed request, timed from the client's side: time to the first token event, the
 //! gaps between token events, end to end, the status, and the output token count from the
-//! usage chunk (or the token events when the server sends no usage).
+//! usage chunk (or the token events when the server sends no usage). OpenAI streams (a token
+//! event is a chunk with text, delta content or token ids; the end is `[DONE]`) and Anthropic
+//! Messages streams (a token event is a `content_block_delta` with text; usage comes in
+//! `message_delta`, the end is `message_stop`).
 
 use std::time::{Duration, Instant};
 
@@ -74,8 +77,31 @@ pub async fn send(http: &reqwest::Client, url: &str, body: &serde_json::Value, s
                             usage = Some(n);
                             prompt_tokens = v.pointer("/usage/prompt_tokens").and_then(|n| n.as_u64()).unwrap_or(0);
                         }
+                        // Anthropic Messages: text in `content_block_delta`, usage in
+                        // `message_delta`, the end in `message_stop` (no `[DONE]`).
+                        let piece = match v["type"].as_str() {
+                            Some("content_block_delta") => v["delta"]["text"].as_str(),
+                            Some("message_delta") => {
+                                if let Some(n) = v.pointer("/usage/output_tokens").and_then(|n| n.as_u64()) {
+                                    usage = Some(n);
+                                    prompt_tokens = v.pointer("/usage/input_tokens").and_then(|n| n.as_u64()).unwrap_or(0);
+                                }
+                                None
+                            }
+                            Some("message_stop") => {
+                                done = true;
+                                None
+                            }
+                            Some("error") => {
+                                s.error = Some(format!("error event: {}", v["error"]));
+                                None
+                            }
+                            _ => {
+                                let choice = &v["choices"][0];
+                                choice["text"].as_str().or_else(|| choice["delta"]["content"].as_str())
+                            }
+                        };
                         let choice = &v["choices"][0];
-                        let piece = choice["text"].as_str().or_else(|| choice["delta"]["content"].as_str());
                         let is_token = piece.is_some_and(|p| !p.is_empty()) || choice["token_ids"].as_array().is_some_and(|t| !t.is_empty());
                         if is_token {
                             let now = Instant::now();
@@ -101,7 +127,7 @@ pub async fn send(http: &reqwest::Client, url: &str, body: &serde_json::Value, s
     s.output_tokens = usage.unwrap_or(events);
     s.prompt_tokens = prompt_tokens;
     if s.status == 200 && s.error.is_none() && !done {
-        s.error = Some("stream ended without [DONE]".into());
+        s.error = Some("stream ended without [DONE] or message_stop".into());
     }
     if s.status != 200 && s.error.is_none() {
         s.error = Some(format!("HTTP {}", s.status));

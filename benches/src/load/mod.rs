@@ -1,6 +1,6 @@
 //! `kvgate-bench`'s load generator: sends a [`Workload`] to any OpenAI-compatible endpoint,
 //! open loop (requests leave at their scheduled times whatever the answers) or as closed-loop
-//! chat sessions, measures each request from the client's side, and summarizes the run with
+//! sessions (chat completions or Anthropic Messages), measures each request from the client's side, and summarizes the run with
 //! the workers' own prefix-cache counters read before and after.
 
 pub mod client;
@@ -14,7 +14,7 @@ use std::io::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
-use workload::{Session, Workload};
+use workload::{Api, Session, Workload};
 
 /// Most requests in flight at once (a bound on the generator's own memory and sockets).
 pub const MAX_IN_FLIGHT: usize = 4096;
@@ -34,6 +34,8 @@ pub struct RunOptions {
     pub slo: Slo,
     /// Draw a progress bar on stderr.
     pub progress: bool,
+    /// The API sessions are sent as (open-loop workloads carry their own paths).
+    pub api: Api,
 }
 
 /// Sums `vllm:prefix_cache_hits_total` and `vllm:prefix_cache_queries_total` over `urls`.
@@ -132,23 +134,23 @@ pub async fn run(o: &RunOptions, workload: &Workload) -> Report {
     report::summarize(&o.label, &samples, duration, o.slo, hit_rate)
 }
 
-/// One session: each turn carries the whole history so far.
+/// One session: each turn carries the whole history so far, sent as `o.api`.
 async fn converse(http: &reqwest::Client, o: &RunOptions, s: Session, start: Instant, progress: &Progress) -> Vec<Sample> {
     tokio::time::sleep_until((start + s.start).into()).await;
-    let mut messages = vec![serde_json::json!({"role": "system", "content": s.system})];
+    let url = format!("{}{}", o.url, o.api.path());
+    let mut answers: Vec<String> = Vec::with_capacity(s.turns.len());
     let mut out = Vec::with_capacity(s.turns.len());
-    for (i, turn) in s.turns.iter().enumerate() {
+    for i in 0..s.turns.len() {
         if i > 0 {
             tokio::time::sleep(s.think).await;
         }
-        messages.push(serde_json::json!({"role": "user", "content": turn}));
-        let body = serde_json::json!({"model": o.model, "messages": messages, "max_tokens": s.output_tokens, "ignore_eos": true,
-                                      "stream": true, "stream_options": {"include_usage": true}});
+        let mut body = s.request(o.api, &s.history(&answers));
+        body["model"] = o.model.clone().into();
         let sent = Instant::now();
-        let mut sample = client::send(http, &format!("{}/v1/chat/completions", o.url), &body, sent).await;
+        let mut sample = client::send(http, &url, &body, sent).await;
         sample.due = sent - start;
         progress.tick(sample.ok());
-        messages.push(serde_json::json!({"role": "assistant", "content": sample.text}));
+        answers.push(std::mem::take(&mut sample.text));
         let failed = !sample.ok();
         let due = sample.due;
         out.push(sample);

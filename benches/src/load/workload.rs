@@ -1,7 +1,8 @@
 //! Workloads: what to send and when. Open-loop request lists (a Mooncake trace replay,
 //! synthetic shared-prefix traffic, or a mix of short chat-like prompts and long documents,
-//! with Poisson arrivals) and closed-loop multi-turn chat sessions (each turn waits for the
-//! previous answer and sends the history back).
+//! with Poisson arrivals) and closed-loop multi-turn sessions (each turn waits for the
+//! previous answer and sends the history back): chat, or a coding agent's with tools, tool calls
+//! and tool results, sent as chat completions or as Anthropic Messages ([`Api`]).
 //!
 //! Synthetic prompts are drawn as token ids or as text ([`PromptFormat`]): text is made of
 //! words that are one token each in vllm-sim's built-in tokenizer ([`words`]), so a text prompt
@@ -25,19 +26,224 @@ pub struct Job {
     pub body: Value,
 }
 
-/// A multi-turn chat session: turn k is sent when turn k−1 has been answered, plus `think`.
+/// A multi-turn session: turn k is sent when turn k−1 has been answered, plus `think`. The
+/// same session can be sent as chat completions or as Anthropic Messages ([`Api`]); both
+/// forms carry the same conversation ([`Session::request`]).
 #[derive(Debug, Clone)]
 pub struct Session {
     /// When the first turn goes out.
     pub start: Duration,
-    /// The system prompt shared by the session's turns.
-    pub system: String,
-    /// The user messages, in order.
-    pub turns: Vec<String>,
+    /// The system prompt shared by the session's turns, in parts: Messages sends one text block
+    /// per part, chat their concatenation (vLLM joins system blocks without a separator).
+    pub system: Vec<String>,
+    /// Tools offered to the model (empty: none sent).
+    pub tools: Vec<Tool>,
+    /// What the client sends, in order.
+    pub turns: Vec<Turn>,
     /// Output tokens per turn.
     pub output_tokens: u32,
     /// Pause between an answer and the next turn.
     pub think: Duration,
+}
+
+/// The API a session is sent as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    /// OpenAI chat completions (`/v1/chat/completions`).
+    Chat,
+    /// Anthropic Messages (`/v1/messages`).
+    Messages,
+}
+
+impl Api {
+    /// `chat` or `messages`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Api::Chat => "chat",
+            Api::Messages => "messages",
+        }
+    }
+
+    /// The request path.
+    pub fn path(self) -> &'static str {
+        match self {
+            Api::Chat => "/v1/chat/completions",
+            Api::Messages => "/v1/messages",
+        }
+    }
+}
+
+/// A tool an agent session offers: a function of string parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tool {
+    /// Its name.
+    pub name: String,
+    /// What it does.
+    pub description: String,
+    /// Parameters (all required strings) and their descriptions.
+    pub params: Vec<(String, String)>,
+}
+
+impl Tool {
+    /// The JSON schema of its input.
+    fn schema(&self) -> Value {
+        let props: serde_json::Map<String, Value> = self.params.iter().map(|(p, d)| (p.clone(), json!({"type": "string", "description": d}))).collect();
+        json!({"type": "object", "properties": props, "required": self.params.iter().map(|(p, _)| p.as_str()).collect::<Vec<_>>()})
+    }
+}
+
+/// A tool call the client writes into the assistant's turn (the simulated model writes text
+/// only), as an agent's model would have asked for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCall {
+    /// Call id (`toolu_…`), echoed by the result.
+    pub id: String,
+    /// The tool.
+    pub name: String,
+    /// Its arguments, string-valued.
+    pub input: Vec<(String, String)>,
+}
+
+impl ToolCall {
+    fn input(&self) -> Value {
+        Value::Object(self.input.iter().map(|(k, v)| (k.clone(), Value::String(v.clone()))).collect())
+    }
+}
+
+/// What the client sends next in a session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Turn {
+    /// A user message.
+    User(String),
+    /// The previous answer ends with `call`, and this turn returns its result.
+    ToolResult {
+        /// The call appended to the previous answer.
+        call: ToolCall,
+        /// What the tool returned.
+        output: String,
+    },
+}
+
+/// One message of a session's history, whatever the API.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Entry {
+    /// The user's text.
+    User(String),
+    /// The model's answer, and the tool call the client appended to it.
+    Assistant {
+        /// The generated text.
+        text: String,
+        /// The call, when the next turn returns a tool result.
+        call: Option<ToolCall>,
+    },
+    /// A tool's result.
+    ToolResult {
+        /// The call it answers.
+        id: String,
+        /// Its text.
+        output: String,
+    },
+}
+
+impl Session {
+    /// The history after turn `turn` is sent, given the answers so far (`answers[k]` for turn
+    /// k < `turn`).
+    pub fn history(&self, answers: &[String]) -> Vec<Entry> {
+        let mut h = Vec::with_capacity(2 * answers.len() + 1);
+        for (k, turn) in self.turns.iter().enumerate().take(answers.len() + 1) {
+            if k > 0 {
+                let call = match turn {
+                    Turn::ToolResult { call, .. } => Some(call.clone()),
+                    Turn::User(_) => None,
+                };
+                h.push(Entry::Assistant { text: answers[k - 1].clone(), call });
+            }
+            h.push(match turn {
+                Turn::User(t) => Entry::User(t.clone()),
+                Turn::ToolResult { call, output } => Entry::ToolResult { id: call.id.clone(), output: output.clone() },
+            });
+        }
+        h
+    }
+
+    /// The streamed request body (without `model`) of `history` sent as `api`. Chat: the system
+    /// parts joined in a system message, tool calls with JSON-string arguments, results as
+    /// `tool` messages, `ignore_eos` (as every chat workload here) and usage in the stream.
+    /// Messages: `system` as text blocks (the last marked `cache_control`, as agents mark it),
+    /// content as blocks, `tool_use` / `tool_result` blocks, `max_tokens`, `stream`. vLLM
+    /// converts the second into the first (`kvgate_tokenize::dialect::messages`), so both
+    /// render to the same prompt.
+    pub fn request(&self, api: Api, history: &[Entry]) -> Value {
+        match api {
+            Api::Chat => {
+                let mut messages = Vec::with_capacity(history.len() + 1);
+                if !self.system.is_empty() {
+                    messages.push(json!({"role": "system", "content": self.system.concat()}));
+                }
+                for e in history {
+                    messages.push(match e {
+                        Entry::User(t) => json!({"role": "user", "content": t}),
+                        Entry::Assistant { text, call: None } => json!({"role": "assistant", "content": text}),
+                        Entry::Assistant { text, call: Some(c) } => json!({
+                            "role": "assistant",
+                            "content": if text.is_empty() { Value::Null } else { text.clone().into() },
+                            "tool_calls": [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.input().to_string()}}],
+                        }),
+                        Entry::ToolResult { id, output } => json!({"role": "tool", "tool_call_id": id, "content": output}),
+                    });
+                }
+                let mut body = json!({"messages": messages, "max_tokens": self.output_tokens, "ignore_eos": true,
+                                      "stream": true, "stream_options": {"include_usage": true}});
+                if !self.tools.is_empty() {
+                    let tools: Vec<Value> = self
+                        .tools
+                        .iter()
+                        .map(|t| json!({"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.schema()}}))
+                        .collect();
+                    body["tools"] = tools.into();
+                }
+                body
+            }
+            Api::Messages => {
+                let last = self.system.len().saturating_sub(1);
+                let system: Vec<Value> = self
+                    .system
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| {
+                        if i == last { json!({"type": "text", "text": s, "cache_control": {"type": "ephemeral"}}) } else { json!({"type": "text", "text": s}) }
+                    })
+                    .collect();
+                let messages: Vec<Value> = history
+                    .iter()
+                    .map(|e| match e {
+                        Entry::User(t) => json!({"role": "user", "content": [{"type": "text", "text": t}]}),
+                        Entry::Assistant { text, call } => {
+                            let mut blocks = Vec::new();
+                            if !text.is_empty() || call.is_none() {
+                                blocks.push(json!({"type": "text", "text": text}));
+                            }
+                            if let Some(c) = call {
+                                blocks.push(json!({"type": "tool_use", "id": c.id, "name": c.name, "input": c.input()}));
+                            }
+                            json!({"role": "assistant", "content": blocks})
+                        }
+                        Entry::ToolResult { id, output } => json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": id, "content": output}]}),
+                    })
+                    .collect();
+                let mut body = json!({"messages": messages, "max_tokens": self.output_tokens, "stream": true});
+                if !system.is_empty() {
+                    body["system"] = system.into();
+                }
+                if !self.tools.is_empty() {
+                    let tools: Vec<Value> =
+                        self.tools.iter().map(|t| json!({"name": t.name, "description": t.description, "input_schema": t.schema()})).collect();
+                    body["tools"] = tools.into();
+                }
+                body
+            }
+        }
+    }
 }
 
 /// What a run sends.
@@ -330,14 +536,136 @@ pub fn chat_sessions(c: ChatSessions) -> Workload {
         (0..sessions)
             .map(|i| Session {
                 start: Duration::from_secs_f64(i as f64 / rate.max(1e-9)),
-                system: system.clone(),
-                turns: (0..turns).map(|t| format!("Turn {t} of conversation {i}: {}", words(words_per_turn, &mut rng))).collect(),
+                system: vec![system.clone()],
+                tools: Vec::new(),
+                turns: (0..turns).map(|t| Turn::User(format!("Turn {t} of conversation {i}: {}", words(words_per_turn, &mut rng)))).collect(),
                 output_tokens,
                 think,
             })
             .collect(),
     )
 }
+
+/// Multi-turn agent sessions, as a coding agent drives a model: a long system prompt and a
+/// tool list shared by every session, a task from the user, then turns that return the result
+/// of a tool call the client appends to the model's previous answer (every
+/// `user_every`-th turn is a user follow-up instead). Text of one-token words ([`words`]), so
+/// sizes are tokens of vllm-sim's built-in tokenizer.
+#[derive(Debug, Clone, Copy)]
+pub struct AgentSessions {
+    /// Conversations.
+    pub sessions: usize,
+    /// Turns per conversation (the first is the user's task).
+    pub turns: usize,
+    /// Tokens of the shared system prompt (before the tools).
+    pub system_tokens: usize,
+    /// Tools offered (shared).
+    pub tools: usize,
+    /// Tokens of a user message.
+    pub user_tokens: usize,
+    /// Tokens of a tool result (each between half and 1.5 times this).
+    pub tool_result_tokens: usize,
+    /// Every this many turns a user follow-up instead of a tool result (0: never).
+    pub user_every: usize,
+    /// Output tokens per turn.
+    pub output_tokens: u32,
+    /// Sessions started per second.
+    pub rate: f64,
+    /// Pause between an answer and the next turn.
+    pub think: Duration,
+    /// Seed of everything.
+    pub seed: u64,
+}
+
+/// Tool names of the agent workload (more tools are numbered).
+const TOOL_NAMES: [&str; 12] = [
+    "read_file",
+    "write_file",
+    "edit_file",
+    "list_directory",
+    "search_code",
+    "run_command",
+    "run_tests",
+    "git_diff",
+    "git_log",
+    "web_fetch",
+    "todo_write",
+    "ask_user",
+];
+
+/// Parameter names the agent workload's tools draw from.
+const PARAM_NAMES: [&str; 8] = ["path", "pattern", "command", "content", "query", "revision", "url", "timeout"];
+
+/// The sessions of `a`.
+pub fn agent_sessions(a: AgentSessions) -> Workload {
+    let text = |rng: &mut Rng, n: usize| {
+        let mut p = Prompt::new(PromptFormat::Text);
+        p.draw(rng, n, 0);
+        let Prompt::Text(t) = p else { unreachable!("a text prompt") };
+        t
+    };
+    // The shared parts come from sub-streams of the seed, the sessions' own from the main one.
+    let mut shared = Rng::stream(a.seed, u64::MAX - 1);
+    let system = vec![
+        "You are an interactive coding agent. Use the tools below to help the user with software engineering tasks.".to_string(),
+        format!("\n\n# Guidelines\n{}", text(&mut shared, a.system_tokens)),
+    ];
+    let tools: Vec<Tool> = (0..a.tools)
+        .map(|k| {
+            let name = TOOL_NAMES.get(k).map_or_else(|| format!("tool_{k}"), |n| (*n).to_string());
+            let n_params = 1 + (shared.next_u64() % 3) as usize;
+            let first = (shared.next_u64() % PARAM_NAMES.len() as u64) as usize;
+            let params =
+                (0..n_params).map(|j| (PARAM_NAMES[(first + j) % PARAM_NAMES.len()].to_string(), text(&mut shared, 8).trim_start().to_string())).collect();
+            Tool { name, description: text(&mut shared, 40).trim_start().to_string(), params }
+        })
+        .collect();
+    let mut rng = Rng::seeded(a.seed);
+    Workload::Sessions(
+        (0..a.sessions)
+            .map(|i| {
+                let turns = (0..a.turns)
+                    .map(|t| {
+                        if t == 0 {
+                            return Turn::User(format!("Task {i}:{}", text(&mut rng, a.user_tokens)));
+                        }
+                        if (a.user_every > 0 && t % a.user_every == 0) || tools.is_empty() {
+                            return Turn::User(text(&mut rng, a.user_tokens).trim_start().to_string());
+                        }
+                        let tool = &tools[(rng.next_u64() % tools.len() as u64) as usize];
+                        let input = tool.params.iter().map(|(p, _)| (p.clone(), text(&mut rng, 4).trim_start().to_string())).collect();
+                        let call = ToolCall { id: format!("toolu_{i:04}_{t:03}"), name: tool.name.clone(), input };
+                        let n = a.tool_result_tokens / 2 + (rng.next_u64() % (a.tool_result_tokens as u64 + 1)) as usize;
+                        Turn::ToolResult { call, output: text(&mut rng, n.max(1)).trim_start().to_string() }
+                    })
+                    .collect();
+                Session {
+                    start: Duration::from_secs_f64(i as f64 / a.rate.max(1e-9)),
+                    system: system.clone(),
+                    tools: tools.clone(),
+                    turns,
+                    output_tokens: a.output_tokens,
+                    think: a.think,
+                }
+            })
+            .collect(),
+    )
+}
+
+/// The tokenizer the agent workload is served with: vllm-sim's built-in one (`tokenizer.json`
+/// and `tokenizer_config.json` as shipped) with a chat template that prints tools and tool calls
+/// (`chat_template.jinja`, Qwen2.5's), written into `dir`, for both the workers (`--tokenizer`)
+/// and kvgate (`tokenizer:`), so that tools and tool calls are part of the prompt and the two
+/// render it alike.
+pub fn write_agent_tokenizer(dir: &std::path::Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(dir.join("tokenizer.json"), include_str!("../../../tokenize/assets/tokenizer/tokenizer.json"))?;
+    std::fs::write(dir.join("tokenizer_config.json"), include_str!("../../../tokenize/assets/tokenizer/tokenizer_config.json"))?;
+    std::fs::write(dir.join("chat_template.jinja"), AGENT_TEMPLATE)
+}
+
+/// The agent workload's chat template.
+pub const AGENT_TEMPLATE: &str = include_str!("agent_template.jinja");
 
 #[cfg(test)]
 mod tests {
@@ -475,6 +803,107 @@ mod tests {
         let Workload::Open(c) = mixed(mixed_default(PromptFormat::Text, 8)) else { panic!() };
         assert!(a.iter().zip(&b).all(|(x, y)| x.body == y.body && x.at == y.at), "same seed, same workload");
         assert!(a.iter().zip(&c).any(|(x, y)| x.body != y.body), "another seed, another workload");
+    }
+
+    fn agent_default(seed: u64) -> AgentSessions {
+        AgentSessions {
+            sessions: 6,
+            turns: 9,
+            system_tokens: 300,
+            tools: 5,
+            user_tokens: 20,
+            tool_result_tokens: 40,
+            user_every: 4,
+            output_tokens: 16,
+            rate: 2.0,
+            think: Duration::from_millis(10),
+            seed,
+        }
+    }
+
+    #[test]
+    fn agent_sessions_share_their_prefix_and_alternate_tool_results_with_follow_ups() {
+        let Workload::Sessions(s) = agent_sessions(agent_default(42)) else { panic!() };
+        assert_eq!(s.len(), 6);
+        assert!(s.iter().all(|x| x.system == s[0].system && x.tools == s[0].tools), "shared system prompt and tools");
+        assert_eq!(s[0].tools.len(), 5);
+        assert_eq!(s[0].tools[0].name, "read_file");
+        assert!(s[0].system[1].matches(' ').count() >= 300, "the system prompt's words: {}", s[0].system[1]);
+        for x in &s {
+            assert!(matches!(x.turns[0], Turn::User(_)));
+            for (t, turn) in x.turns.iter().enumerate().skip(1) {
+                match turn {
+                    Turn::User(_) => assert_eq!(t % 4, 0, "a follow-up every 4th turn"),
+                    Turn::ToolResult { call, output } => {
+                        assert_ne!(t % 4, 0);
+                        assert!(x.tools.iter().any(|tool| tool.name == call.name && tool.params.len() == call.input.len()));
+                        assert!((20..=60).contains(&(output.matches(' ').count() + 1)), "{output}");
+                    }
+                }
+            }
+        }
+        let Workload::Sessions(again) = agent_sessions(agent_default(42)) else { panic!() };
+        assert!(s.iter().zip(&again).all(|(a, b)| a.turns == b.turns && a.system == b.system && a.tools == b.tools), "deterministic");
+        let Workload::Sessions(other) = agent_sessions(agent_default(43)) else { panic!() };
+        assert_ne!(s[0].turns, other[0].turns);
+        assert_ne!(s[0].system, other[0].system);
+        assert_eq!(s[1].start, Duration::from_millis(500));
+    }
+
+    /// The chat and Messages forms of every turn of every session render to the same prompt,
+    /// the way vllm-sim, kvgate and vLLM render them (a Messages request converted to chat,
+    /// then the template), with tools, tool calls and tool results printed by the agent
+    /// template, and with the chat workload's plain template too.
+    #[test]
+    fn a_session_renders_alike_as_chat_and_as_messages() {
+        use kvgate_tokenize::dialect::{self, messages};
+        let dir = std::env::temp_dir().join(format!("kvgate-bench-agent-tokenizer-{}", std::process::id()));
+        write_agent_tokenizer(&dir).unwrap();
+        let agent_tok = kvgate_tokenize::ModelTokenizer::load(&dir).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let builtin = kvgate_tokenize::ModelTokenizer::builtin();
+        let chat = chat_sessions(ChatSessions {
+            sessions: 2,
+            turns: 3,
+            words_per_turn: 10,
+            system_words: 20,
+            output_tokens: 8,
+            rate: 1.0,
+            think: Duration::ZERO,
+            seed: 1,
+        });
+        for (w, tok) in [(agent_sessions(agent_default(42)), &agent_tok), (chat, &builtin)] {
+            let opts = messages::MessagesOptions::for_tokenizer(tok);
+            let Workload::Sessions(sessions) = w else { panic!() };
+            for s in &sessions {
+                let mut answers = Vec::new();
+                for t in 0..s.turns.len() {
+                    let h = s.history(&answers);
+                    assert_eq!(h.len(), 2 * t + 1);
+                    let mut as_chat = s.request(Api::Chat, &h);
+                    let mut as_messages = s.request(Api::Messages, &h);
+                    as_chat["model"] = "m".into();
+                    as_messages["model"] = "m".into();
+                    let a = dialect::render_chat(tok, &as_chat).unwrap();
+                    let b = dialect::render_chat(tok, &messages::to_chat(&as_messages, &opts).unwrap()).unwrap();
+                    assert_eq!(a, b, "turn {t}");
+                    assert_eq!(tok.encode(&a, false).unwrap(), tok.encode(&b, false).unwrap());
+                    assert!(a.ends_with("<|im_start|>assistant\n"), "{a}");
+                    if !s.tools.is_empty() {
+                        assert!(a.contains("<tools>") && a.contains("\"name\": \"read_file\""), "tools printed: {a}");
+                        if t > 1 {
+                            assert!(a.contains("<tool_call>") && a.contains("<tool_response>"), "calls and results printed: {a}");
+                        }
+                    }
+                    answers.push(format!(" answer {t} with some text"));
+                }
+                // A later turn's prompt extends an earlier one's (what the prefix cache reuses),
+                // up to the generation prompt.
+                let full = dialect::render_chat(tok, &s.request(Api::Chat, &s.history(&answers[..answers.len() - 1]))).unwrap();
+                let first = dialect::render_chat(tok, &s.request(Api::Chat, &s.history(&[]))).unwrap();
+                assert!(full.starts_with(first.trim_end_matches("<|im_start|>assistant\n")));
+            }
+        }
     }
 
     #[test]
