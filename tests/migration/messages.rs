@@ -130,7 +130,7 @@ pub(super) async fn record(c: &Cluster, id: &str) -> Value {
 #[tokio::test]
 async fn a_messages_stream_moved_by_the_admin_is_the_workers_own_stream() {
     let (c, real) = pair(GatewayOpts::default()).await;
-    let (model, max) = if real { (std::env::var("KVGATE_TARGET_MODEL").unwrap_or_else(|_| "tiny".into()), 160) } else { ("sim-model".into(), 48) };
+    let (model, max) = if real { (std::env::var("KVGATE_TARGET_MODEL").unwrap_or_else(|_| "tiny".into()), 480) } else { ("sim-model".into(), 48) };
     let worker = match std::env::var("KVGATE_TARGET_URL") {
         Ok(u) if real => u,
         _ => c.sims[0].url(),

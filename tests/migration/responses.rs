@@ -52,12 +52,18 @@ fn normalised(raw: &str) -> String {
 }
 
 /// What a Responses client reassembles: the text of the deltas, and the final response (ids
-/// and time written as placeholders) with its status and usage.
+/// and time written as placeholders) with its status and usage. The prompt's cache counts
+/// (`input_tokens_details`) are left out: vLLM's Responses endpoint always reports them, its
+/// chat endpoint (which a translated stream goes through) only with
+/// `--enable-prompt-tokens-details`, and the suite's servers run without it
+/// (docs/migration.md, "Known differences").
 pub(super) fn essence(raw: &str) -> Value {
     let ev = events(&normalised(raw));
     let text: String = ev.iter().filter(|e| e["type"] == "response.output_text.delta").filter_map(|e| e["delta"].as_str()).collect();
     let done = &ev.last().unwrap()["response"];
-    json!({"text": text, "status": done["status"], "output": done["output"], "usage": done["usage"], "incomplete": done["incomplete_details"]})
+    let mut usage = done["usage"].clone();
+    usage.as_object_mut().map(|u| u.remove("input_tokens_details"));
+    json!({"text": text, "status": done["status"], "output": done["output"], "usage": usage, "incomplete": done["incomplete_details"]})
 }
 
 fn request(model: &str, max: u64) -> Value {
@@ -80,7 +86,7 @@ pub(super) async fn cards_read(c: &Cluster, model: &str) {
 #[tokio::test]
 async fn a_responses_stream_moved_by_the_admin_is_the_unmoved_stream() {
     let (c, real) = pair(GatewayOpts::default()).await;
-    let (model, max) = if real { (std::env::var("KVGATE_TARGET_MODEL").unwrap_or_else(|_| "tiny".into()), 160) } else { ("sim-model".into(), 48) };
+    let (model, max) = if real { (std::env::var("KVGATE_TARGET_MODEL").unwrap_or_else(|_| "tiny".into()), 480) } else { ("sim-model".into(), 48) };
     let worker = match std::env::var("KVGATE_TARGET_URL") {
         Ok(u) if real => u,
         _ => c.sims[0].url(),

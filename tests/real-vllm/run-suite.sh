@@ -41,9 +41,11 @@ PY
 start_server() { # PORT LOG [EXTRA VLLM ARGS] → starts real vLLM (events on PORT+1, replay PORT+2), prints the pid
   # Its own process group (setsid: the pid is the group's id), so cleanup ends exactly the
   # processes it started, engine cores included. The response store and the /render endpoints
-  # are on for the drop-in tests (#34).
+  # are on for the drop-in tests (#34). LoRA is enabled on both, adapters or not: a LoRA-enabled
+  # CPU engine computes the base model slightly differently (greedy outputs differ after a few
+  # tokens), and the tests compare the two servers' outputs.
   local p=$1 log=$2; shift 2
-  VLLM_ENABLE_RESPONSES_API_STORE=1 setsid bash "$here/run.sh" "$p" "$((p + 1))" --enable-scale-out "$@" > "$log" 2>&1 &
+  VLLM_ENABLE_RESPONSES_API_STORE=1 setsid bash "$here/run.sh" "$p" "$((p + 1))" --enable-scale-out --enable-lora --max-lora-rank 8 "$@" > "$log" 2>&1 &
   echo $!
 }
 wait_healthy() { # PORT PID LOG → 0 up, 1 exited during start-up, 2 not up in time
@@ -90,7 +92,7 @@ launch "$(mktemp -t real-vllm.XXXXXX.log)"; port1=$port; pid1=$pid
 # The second serves the tiny LoRA adapter setup.sh made, so the fleet test sees an adapter on
 # one worker only (#34).
 lora_dir="${KVGATE_VLLM_HOME:-$HOME/.cache/kvgate-real-vllm}/tiny-lora"
-launch "$(mktemp -t real-vllm.XXXXXX.log)" --enable-lora --max-lora-rank 8 --lora-modules "tiny-lora=$lora_dir"; port2=$port; pid2=$pid
+launch "$(mktemp -t real-vllm.XXXXXX.log)" --lora-modules "tiny-lora=$lora_dir"; port2=$port; pid2=$pid
 port=$port1; zport=$((port1 + 1))
 
 # The tokenizer folder lets the conformance suite compare kvgate's rendering with vLLM's /render.
