@@ -27,7 +27,8 @@ async fn pair(opts: GatewayOpts) -> (Cluster, bool) {
     match (std::env::var("KVGATE_TARGET_URL"), std::env::var("KVGATE_TARGET_URL_2")) {
         (Ok(a), Ok(b)) => {
             let model = std::env::var("KVGATE_TARGET_MODEL").unwrap_or_else(|_| "tiny".into());
-            (Cluster::front(&[a, b], GatewayOpts { model, ..opts }).await, true)
+            // Two real servers on 2 shared cores: a `/health` may take seconds while both compute.
+            (Cluster::front(&[a, b], GatewayOpts { model, health_timeout: (5000, 3), ..opts }).await, true)
         }
         _ => (Cluster::sims(2, sim(1.0), opts).await, false),
     }

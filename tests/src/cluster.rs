@@ -19,6 +19,10 @@ pub struct GatewayOpts {
     pub extra: String,
     /// `health.interval_ms`.
     pub health_interval_ms: u64,
+    /// `health.timeout_ms` and `health.unhealthy_threshold`: quick to judge by default (fault
+    /// tests kill workers); lenient for real vLLM on shared cores, whose `/health` can take
+    /// seconds to answer while it computes.
+    pub health_timeout: (u64, u32),
     /// Extra YAML inside the model's `routing:` section (e.g. `temperature: 0.5`).
     pub routing_extra: String,
     /// Extra YAML at the model level (e.g. a `shedding:` section).
@@ -32,6 +36,7 @@ impl Default for GatewayOpts {
             mode: "round_robin".into(),
             extra: String::new(),
             health_interval_ms: 100,
+            health_timeout: (500, 1),
             routing_extra: String::new(),
             model_extra: String::new(),
         }
@@ -68,11 +73,13 @@ pub fn gateway_yaml_workers(workers_in: &[WorkerEntry], o: &GatewayOpts) -> Stri
         }
     }
     format!(
-        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nthreads: 2\n{extra}\nhealth:\n  interval_ms: {hi}\n  timeout_ms: 500\n  unhealthy_threshold: 1\n  healthy_threshold: 1\nshutdown:\n  drain_timeout_s: 30\nmodels:\n  - name: {model}\n    routing:\n      mode: {mode}\n{routing_extra}{model_extra}    workers:\n{workers}",
+        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nthreads: 2\n{extra}\nhealth:\n  interval_ms: {hi}\n  timeout_ms: {ht}\n  unhealthy_threshold: {hu}\n  healthy_threshold: 1\nshutdown:\n  drain_timeout_s: 30\nmodels:\n  - name: {model}\n    routing:\n      mode: {mode}\n{routing_extra}{model_extra}    workers:\n{workers}",
         model_extra = o.model_extra.lines().map(|l| format!("    {l}\n")).collect::<String>(),
         routing_extra = o.routing_extra.lines().map(|l| format!("      {l}\n")).collect::<String>(),
         extra = o.extra,
         hi = o.health_interval_ms,
+        ht = o.health_timeout.0,
+        hu = o.health_timeout.1,
         model = o.model,
         mode = o.mode,
     )

@@ -33,9 +33,10 @@ pub struct Worker {
     max_model_len: AtomicU32,
     /// What its `/v1/models` said, and when (`None`: not read yet).
     cards: RwLock<(Option<Arc<ModelCards>>, Option<Instant>)>,
-    /// Paused by a fleet operation (`POST /pause` on the admin listener): no new request is
-    /// placed on it until `/resume`; they wait in the router queue instead.
+    /// Paused by a fleet operation (`POST /pause` on the admin listener) until `/resume`.
     paused: AtomicBool,
+    /// Put to sleep by a fleet operation (`POST /sleep`) until a whole `/wake_up`.
+    asleep: AtomicBool,
     /// Last resolved address; refreshed by the health task so DNS changes are followed without
     /// a lookup (a blocking-pool hop) on the request path.
     addr: RwLock<Option<SocketAddr>>,
@@ -65,6 +66,7 @@ impl Worker {
             max_model_len: AtomicU32::new(0),
             cards: RwLock::new((None, None)),
             paused: AtomicBool::new(false),
+            asleep: AtomicBool::new(false),
             addr: RwLock::new(None),
             idle: Arc::default(),
             probe_idle: Arc::default(),
@@ -180,14 +182,21 @@ impl Worker {
         self.cards.read().0.as_ref().is_some_and(|c| c.has_adapter(name))
     }
 
-    /// Whether a fleet operation paused it.
+    /// Whether a fleet operation paused it or put it to sleep: no new request is placed on it
+    /// then; requests wait in the router queue instead.
     pub fn is_paused(&self) -> bool {
-        self.paused.load(Ordering::Acquire)
+        self.paused.load(Ordering::Acquire) || self.asleep.load(Ordering::Acquire)
     }
 
-    /// Pauses it (no new request is placed on it) or resumes it.
+    /// Pauses it (`/pause`) or resumes it (`/resume`).
     pub fn set_paused(&self, paused: bool) {
         self.paused.store(paused, Ordering::Release);
+    }
+
+    /// Puts it to sleep (`/sleep`) or wakes it (`/wake_up`): apart from a pause, so that a
+    /// `/resume` does not wake a sleeping worker, nor a `/wake_up` resume a paused one.
+    pub fn set_asleep(&self, asleep: bool) {
+        self.asleep.store(asleep, Ordering::Release);
     }
 
     /// How old its last report is (`None`: never polled).

@@ -9,8 +9,11 @@
 //!   flight freeze and continue on `/resume`) unless the operator names a mode: vLLM's own
 //!   default, `abort`, would fail every stream in flight;
 //! - `/resume` unpauses the workers that resumed, then wakes the waiting requests;
-//! - `/sleep` pauses the workers the same way (a sleeping worker has no KV cache and must not
-//!   be sent requests) and forgets their cached prefixes; `/wake_up` unpauses them;
+//! - `/sleep` holds requests off the workers the same way (a sleeping worker has no KV cache
+//!   and must not be sent requests) and forgets their cached prefixes; a whole `/wake_up`
+//!   (without `tags`, which wake only part of a worker) lets them take requests again. Sleep
+//!   and pause are apart: `/resume` does not wake a sleeping worker, nor `/wake_up` resume a
+//!   paused one;
 //! - `/reset_prefix_cache` forgets the cached prefixes of the workers that reset theirs;
 //! - loading or unloading a LoRA adapter re-reads the workers' model cards at once, so requests
 //!   naming the adapter reach exactly the workers that have it.
@@ -18,8 +21,8 @@
 //! Query: `model=<name>` picks one model (default: all); `timeout_ms` bounds each worker's
 //! answer (default 60 000); every other parameter, and a JSON body, go to the workers as they
 //! came. A worker serving several models is asked once. The answer is 200 when every worker
-//! answered 2xx, else 502, with `{"operation", "results": [{"model", "worker", "status",
-//! "body"} | {"model", "worker", "error"}]}`.
+//! succeeded (2xx, and no `{"success": false}`), else 502, with `{"operation", "results": [{"models", "worker", "status",
+//! "body", "succeeded"} | {"models", "worker", "error", "succeeded": false}]}`.
 
 use crate::downstream::conn::ClientConn;
 use crate::downstream::errors::ClientError;
@@ -73,6 +76,8 @@ struct Order {
     /// The query the workers get (the gateway's own parameters removed).
     query: String,
     timeout: Duration,
+    /// A `/wake_up` with `tags`: part of the worker (its weights, say) wakes, not all of it.
+    partial: bool,
 }
 
 impl Order {
@@ -94,7 +99,8 @@ impl Order {
         if effect == Effect::Pause && !rest.iter().any(|p| p.starts_with("mode=")) {
             rest.push("mode=keep");
         }
-        Ok(Self { model, query: rest.join("&"), timeout })
+        let partial = rest.iter().any(|p| p.starts_with("tags="));
+        Ok(Self { model, query: rest.join("&"), timeout, partial })
     }
 
     fn target(&self, path: &str) -> String {
@@ -143,8 +149,8 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut ClientConn, path: &str, quer
         Ok(t) => t,
         Err(e) => return respond_error(session, &e, &[]).await,
     };
-    let results = run(gw, effect, &order.target(path), (!body.is_empty()).then_some(&body[..]), order.timeout, &targets).await;
-    let ok = results.iter().all(|r| r.get("status").and_then(Value::as_u64).is_some_and(|s| (200..300).contains(&s)));
+    let results = run(gw, effect, &order, &order.target(path), (!body.is_empty()).then_some(&body[..]), &targets).await;
+    let ok = results.iter().all(|r| r["succeeded"] == true);
     tracing::info!(operation = path, model = order.model.as_deref().unwrap_or("*"), workers = results.len(), ok, "fleet operation");
     respond_json(session, if ok { 200 } else { 502 }, &json!({"operation": path, "results": results})).await;
 }
@@ -172,28 +178,26 @@ fn targets(gw: &Gateway, model: Option<&str>) -> Result<Targets, ClientError> {
 }
 
 /// The operation on every target at once: the gateway's part before and after each worker's.
-async fn run(gw: &Arc<Gateway>, effect: Effect, target: &str, body: Option<&[u8]>, timeout: Duration, targets: &Targets) -> Vec<Value> {
-    if matches!(effect, Effect::Pause | Effect::Sleep) {
-        targets.iter().for_each(|(w, _)| w.set_paused(true));
+async fn run(gw: &Arc<Gateway>, effect: Effect, order: &Order, target: &str, body: Option<&[u8]>, targets: &Targets) -> Vec<Value> {
+    match effect {
+        Effect::Pause => targets.iter().for_each(|(w, _)| w.set_paused(true)),
+        Effect::Sleep => targets.iter().for_each(|(w, _)| w.set_asleep(true)),
+        _ => {}
     }
     let calls = targets.iter().map(|(w, serving)| async move {
-        let answer = crate::upstream::call(gw, w, "POST", target, body, timeout, MAX_BODY).await;
+        let answer = crate::upstream::call(gw, w, "POST", target, body, order.timeout, MAX_BODY).await;
         let succeeded = matches!(&answer, Ok((s, b)) if (200..300).contains(s) && !reports_failure(b));
-        after(gw, effect, w, serving, succeeded, answer.as_ref().ok().map(|(s, _)| *s), timeout).await;
+        after(gw, effect, order, w, serving, succeeded, answer.as_ref().ok().map(|(s, _)| *s)).await;
         let names: Vec<&str> = serving.iter().map(|(m, _)| m.cfg.name.as_str()).collect();
         match answer {
             Ok((status, b)) => {
                 let body = serde_json::from_slice::<Value>(&b).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&b).into_owned()));
-                json!({"models": names, "worker": w.label, "status": status, "body": body})
+                json!({"models": names, "worker": w.label, "status": status, "body": body, "succeeded": succeeded})
             }
-            Err(e) => json!({"models": names, "worker": w.label, "error": e.to_string()}),
+            Err(e) => json!({"models": names, "worker": w.label, "error": e.to_string(), "succeeded": false}),
         }
     });
-    let results = futures_util::future::join_all(calls).await;
-    if matches!(effect, Effect::Resume | Effect::WakeUp) {
-        gw.resumed.send_modify(|n| *n = n.wrapping_add(1));
-    }
-    results
+    futures_util::future::join_all(calls).await
 }
 
 /// vLLM answers some failures with a 200 whose body says so (`{"success": false}` from a
@@ -202,20 +206,26 @@ fn reports_failure(body: &[u8]) -> bool {
     serde_json::from_slice::<Value>(body).ok().and_then(|v| v.get("success")?.as_bool()) == Some(false)
 }
 
-/// The gateway's part after worker `w` answered (`status`, `None`: no answer).
-async fn after(gw: &Gateway, effect: Effect, w: &Worker, serving: &[(Arc<Model>, usize)], succeeded: bool, status: Option<u16>, timeout: Duration) {
+/// The gateway's part after worker `w` answered (`status`, `None`: no answer). Requests waiting
+/// for a paused model are woken as soon as one worker takes requests again, not when the
+/// slowest has answered.
+async fn after(gw: &Gateway, effect: Effect, order: &Order, w: &Worker, serving: &[(Arc<Model>, usize)], succeeded: bool, status: Option<u16>) {
     let forget = || serving.iter().for_each(|(m, i)| m.kv.iter().for_each(|kv| kv.forget_worker(*i)));
+    // A worker without vLLM's dev endpoints (404) was never paused or asleep there: the
+    // gateway's own hold is the whole of it, and lifting it is the whole resume. One that failed
+    // otherwise may still be held, so it stays out of routing until a later call succeeds.
+    let lifted = succeeded || status == Some(404);
     match effect {
-        // A worker without vLLM's dev endpoints (404) was never paused there: the gateway's
-        // own pause is the whole pause, and resuming it is the whole resume. One that failed
-        // otherwise may still be paused, so it stays out of routing until a resume succeeds.
-        Effect::Resume | Effect::WakeUp if succeeded || status == Some(404) => w.set_paused(false),
-        Effect::Sleep if succeeded => forget(),
-        Effect::ResetCache if succeeded => forget(),
+        Effect::Resume if lifted => w.set_paused(false),
+        Effect::WakeUp if lifted && !order.partial => w.set_asleep(false),
+        Effect::Sleep | Effect::ResetCache if succeeded => forget(),
         Effect::Adapters => {
-            crate::tasks::worker_metrics::refresh_cards(gw, w, timeout).await;
+            crate::tasks::worker_metrics::refresh_cards(gw, w, order.timeout).await;
         }
-        _ => {}
+        _ => return,
+    }
+    if matches!(effect, Effect::Resume | Effect::WakeUp | Effect::Adapters) {
+        gw.resumed.send_modify(|n| *n = n.wrapping_add(1));
     }
 }
 
@@ -226,7 +236,11 @@ mod tests {
     #[test]
     fn the_gateway_keeps_its_parameters_and_defaults_a_pause_to_keep() {
         let o = Order::read(Effect::Pause, Some("model=my%2Fmodel&timeout_ms=500&clear_cache=false")).unwrap();
-        assert_eq!(o, Order { model: Some("my/model".into()), query: "clear_cache=false&mode=keep".into(), timeout: Duration::from_millis(500) });
+        assert_eq!(
+            o,
+            Order { model: Some("my/model".into()), query: "clear_cache=false&mode=keep".into(), timeout: Duration::from_millis(500), partial: false }
+        );
+        assert!(Order::read(Effect::WakeUp, Some("tags=weights")).unwrap().partial);
         assert_eq!(o.target("/pause"), "/pause?clear_cache=false&mode=keep");
         let o = Order::read(Effect::Pause, Some("mode=abort")).unwrap();
         assert_eq!(o.query, "mode=abort", "the operator's mode is sent as given");

@@ -99,6 +99,9 @@ fn order(gw: &Gateway, req: &MoveBody) -> Result<(Arc<RequestEntry>, u64, Reply)
             if !w.is_healthy() {
                 return Err(ClientError::conflict(format!("worker {name} is unhealthy")));
             }
+            if w.is_paused() {
+                return Err(ClientError::conflict(format!("worker {name} is paused or asleep (a fleet operation)")));
+            }
             Some(w)
         }
     };

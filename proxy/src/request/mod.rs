@@ -141,9 +141,11 @@ async fn attempt(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestS
                     Ok(w) => w,
                     // No untried worker left: the answer below says why the tried ones failed.
                     Err(GatewayError::NoHealthyWorker(_)) => break,
-                    // Paused since the request passed phase 2: it waits there again.
-                    Err(GatewayError::Paused(_)) => match queue::wait_resumed(gw, session, req).await {
-                        Ok(()) => continue,
+                    // Paused since the request passed phase 2: it waits there again. A wait that
+                    // had nothing to wait for would only spin: the pause is the answer then.
+                    Err(GatewayError::Paused(m)) => match queue::wait_resumed(gw, session, req).await {
+                        Ok(true) => continue,
+                        Ok(false) => return Outcome::Refused(GatewayError::Paused(m)),
                         Err(outcome) => return outcome,
                     },
                     Err(e) => return Outcome::Refused(e),

@@ -47,13 +47,16 @@ pub async fn wait(gw: &Arc<Gateway>, session: &mut ClientConn, req: &RequestStat
 }
 
 /// Waits while every worker that could take `req` (healthy, serving its adapter, not tried
-/// yet) is paused, until one is resumed, the wait
-/// passes `routing.queue_max_wait_ms` (503), more than `routing.queue_max_len` requests wait
-/// (429), or the client leaves. Returns at once when nothing is paused.
-pub async fn wait_resumed(gw: &Arc<Gateway>, session: &mut ClientConn, req: &RequestState) -> Result<(), Outcome> {
+/// yet; its stored response's worker only, when it refers to one) is paused, until one is
+/// resumed, the wait passes `routing.queue_max_wait_ms` (503), more than
+/// `routing.queue_max_len` requests wait (429), or the client leaves. `Ok(false)` at once when
+/// nothing that could take it is paused.
+pub async fn wait_resumed(gw: &Arc<Gateway>, session: &mut ClientConn, req: &RequestState) -> Result<bool, Outcome> {
     let adapter = crate::fleet::Fleet::adapter(&req.model, req.view.model.as_deref());
-    if !held_by_pause(&req.model, adapter, &req.tried) {
-        return Ok(());
+    let home = req.stored.as_ref().and_then(|refs| super::stored::home(gw, &req.model, refs)).and_then(Result::ok);
+    let held = || held_by_pause(&req.model, adapter, &req.tried, home);
+    if !held() {
+        return Ok(false);
     }
     let name = req.model_name();
     let routing = &req.model.cfg.routing;
@@ -68,32 +71,38 @@ pub async fn wait_resumed(gw: &Arc<Gateway>, session: &mut ClientConn, req: &Req
     let limit = tokio::time::sleep(std::time::Duration::from_millis(routing.queue_max_wait_ms));
     tokio::pin!(limit);
     let r = loop {
-        if !held_by_pause(&req.model, adapter, &req.tried) {
-            break Ok(());
+        if !held() {
+            break Ok(true);
         }
         tokio::select! {
             _ = resumed.changed() => {}
+            // A worker may also come back by turning healthy or by a reload: looked at again
+            // twice a second.
+            () = tokio::time::sleep(RECHECK) => {}
             () = &mut limit => break Err(Outcome::Refused(GatewayError::PausedTooLong(name.to_string()))),
             _ = client_closed(session) => break Err(super::record::cancelled(gw, req)),
         }
     };
     depth.dec();
     match &r {
-        Ok(()) => gw.metrics.queue_wait.with_label_values(&[name]).observe(began.elapsed().as_secs_f64()),
+        Ok(_) => gw.metrics.queue_wait.with_label_values(&[name]).observe(began.elapsed().as_secs_f64()),
         Err(Outcome::Refused(_)) => gw.metrics.rejected.with_label_values(&[name, "paused"]).inc(),
         Err(_) => {}
     }
     r
 }
 
-/// Whether every healthy worker of `model` that serves `adapter`, outside `tried`, is paused
-/// (and one is).
-fn held_by_pause(model: &crate::fleet::Model, adapter: Option<&str>, tried: &[usize]) -> bool {
+/// How often a request waiting for a paused model looks again without being woken.
+const RECHECK: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Whether every worker of `model` that could take a request (healthy, serving `adapter`,
+/// outside `tried`; only `home` when given) is paused, and one is.
+fn held_by_pause(model: &crate::fleet::Model, adapter: Option<&str>, tried: &[usize], home: Option<usize>) -> bool {
     let mut serving = model
         .workers
         .iter()
         .enumerate()
-        .filter(|(i, w)| !tried.contains(i) && w.is_healthy() && adapter.is_none_or(|a| w.has_adapter(a)))
+        .filter(|(i, w)| home.is_none_or(|h| h == *i) && !tried.contains(i) && w.is_healthy() && adapter.is_none_or(|a| w.has_adapter(a)))
         .map(|(_, w)| w)
         .peekable();
     serving.peek().is_some() && serving.all(|w| w.is_paused())

@@ -465,3 +465,34 @@ async fn adapter_requests_reach_only_the_workers_that_have_the_adapter() {
     assert_eq!(r[0]["excluded"][0]["reason"], "no_adapter", "{r}");
     assert_clean(&gw);
 }
+
+/// A request whose stored response lives on a paused worker waits for that worker, though
+/// another is free (it could not serve the request), and is served there on resume.
+#[tokio::test]
+async fn a_request_for_a_paused_workers_stored_response_waits_for_it() {
+    let (home, other) = (fake_worker(Script::Answer).await, fake_worker(Script::Answer).await);
+    let gw = gateway(&[&home, &other], "", true);
+    let worker = gw.fleet().model("m").cloned().unwrap().workers[0].clone();
+    gw.stored_responses.remember("resp_0123456789abcdef", &worker.url);
+    worker.set_paused(true);
+    let body = r#"{"model":"m","input":"again","previous_response_id":"resp_0123456789abcdef"}"#;
+    let request = format!("POST /v1/responses HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len());
+    let gw2 = gw.clone();
+    let held = tokio::spawn(async move {
+        let (mut session, mut client) = client(&request).await;
+        serve(&gw2, &mut session, Endpoint::Responses).await;
+        session.shutdown().await;
+        drop(session);
+        let mut out = Vec::new();
+        let _ = client.read_to_end(&mut out).await;
+        String::from_utf8_lossy(&out).into_owned()
+    });
+    let queued = gw.metrics.queued.with_label_values(&["m"]);
+    until(|| queued.get() == 1).await;
+    worker.set_paused(false);
+    gw.resumed.send_modify(|n| *n += 1);
+    let resp = held.await.unwrap();
+    assert_eq!(status_of(&resp), 200, "{resp}");
+    assert!(resp.contains(&format!("x-kvgate-worker: {}", home.url)), "{resp}");
+    assert_eq!(other.requests.load(Ordering::SeqCst), 0);
+}

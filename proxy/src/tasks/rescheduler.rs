@@ -174,7 +174,8 @@ fn view(model: &Model, r: &Rescheduling, metric: LoadMetric) -> Vec<Instance> {
             Instance {
                 id: i as u32,
                 load: c.kv_usage + pending,
-                healthy: c.healthy,
+                // A paused or sleeping worker takes no stream: to the rescheduler it is down.
+                healthy: c.healthy && !w.is_paused(),
                 stale: w.report_age().is_some_and(|a| a > stale_after),
                 node: wc.and_then(|c| c.node.clone()),
                 unit: wc.and_then(|c| c.unit.clone()),
