@@ -117,6 +117,7 @@ async fn moved_equals_unmoved(c: &Cluster, real: bool) {
         ),
     ];
     let model = if real { std::env::var("KVGATE_TARGET_MODEL").unwrap_or_else(|_| "tiny".into()) } else { "sim-model".into() };
+    let mut moved_ok = 0;
     for (i, (path, mut body)) in cases.into_iter().enumerate() {
         body["model"] = json!(model);
         let max = if i % 2 == 1 { warmed_max } else { max };
@@ -126,6 +127,15 @@ async fn moved_equals_unmoved(c: &Cluster, real: bool) {
         // Odd cases name the destination, which is warmed up before the move.
         let (moved, answer) = run_aimed(c, path, &body, &format!("mv-{i}"), Some(4), i % 2 == 1).await;
         let (status, report) = answer.expect("the move was ordered");
+        // On real vLLM the warm-up is a prefill on the other server, which shares 2 cores with
+        // this stream's: it can outlast the stream, which then rightly ends where it is (409).
+        // The stream must still be whole; the moved-stream checks need a move.
+        if real && i % 2 == 1 && status == 409 && report.to_string().contains("warmed up") {
+            eprintln!("{path} case {i}: the stream ended during the warm-up; not moved: {report}");
+            assert_eq!(essence(&moved), essence(&reference), "{path} case {i}: unmoved, as the reference");
+            continue;
+        }
+        moved_ok += 1;
         assert_eq!(status, 200, "{path} {report}");
         assert_eq!(report["how"], "continuation", "{report}");
         // `generated` counts the tokens whose text the client saw: a model that streams tokens
@@ -164,7 +174,8 @@ async fn moved_equals_unmoved(c: &Cluster, real: bool) {
     }
     bookings_are_zero(c).await;
     let m = c.gateway_metrics().await;
-    assert_eq!(m.sum("kvgate_migrations_total", &[("reason", "admin"), ("outcome", "ok")]), 4.0);
+    assert!(moved_ok >= 2, "the unaimed moves happen everywhere");
+    assert_eq!(m.sum("kvgate_migrations_total", &[("reason", "admin"), ("outcome", "ok")]), f64::from(moved_ok));
     assert!(m.has("kvgate_migration_pause_seconds_count"));
 }
 
