@@ -519,16 +519,17 @@ async fn next_chunk(
 ) -> Next {
     let warm = or_never(warming.as_mut().map(|w| &mut w.done));
     let stalled = or_never(limit.map(|limit| stall.arm(limit)));
-    // Orders and a finished warm-up are looked at before the worker's next chunk: a worker that
-    // always has the next chunk ready (a fast model, a gateway behind) would otherwise keep an
-    // order waiting until its stream ended. Both are rare, and a pending mailbox costs a poll.
+    // The client leaving, orders and a finished warm-up are looked at before the worker's next
+    // chunk: a worker that always has the next chunk ready (a fast model, a gateway behind)
+    // would otherwise keep a departed client's request running, or an order waiting, until the
+    // stream ended. All are rare, and a pending one costs a poll.
     tokio::select! {
         biased;
+        _ = client_closed(session) => Next::ClientGone,
         o = or_never(orders.map(Mailbox::next)) => Next::Order(o),
         () = warm => Next::Warmed,
         r = ex.response.read_body() => Next::Chunk(r.map_err(|e| LegError::new(LegErrorKind::Midstream, worker, e.to_string()).with_source(e))),
         () = stalled => Next::Chunk(Err(LegError::new(LegErrorKind::Stalled, worker, "worker stalled past timeouts.upstream_read_idle_ms"))),
-        _ = client_closed(session) => Next::ClientGone,
     }
 }
 
