@@ -20,7 +20,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The events of an Anthropic stream (`event: <type>` + `data: <json>`), each checked to name
 /// its own type.
-fn events(raw: &str) -> Vec<Value> {
+pub(super) fn events(raw: &str) -> Vec<Value> {
     raw.split("\n\n")
         .filter(|b| !b.is_empty())
         .map(|b| {

@@ -17,16 +17,7 @@ use std::time::Duration;
 /// The events of a Responses stream (`event: <type>` + `data: <json>`), each checked to name
 /// its own type, numbered from 0 without a gap, with exactly one `response.completed`, last.
 fn events(raw: &str) -> Vec<Value> {
-    let ev: Vec<Value> = raw
-        .split("\n\n")
-        .filter(|b| !b.is_empty())
-        .map(|b| {
-            let (name, data) = b.split_once('\n').unwrap_or_else(|| panic!("an event without data: {b:?}"));
-            let v: Value = serde_json::from_str(data.strip_prefix("data: ").unwrap_or_else(|| panic!("{b:?}"))).unwrap();
-            assert_eq!(name.strip_prefix("event: "), v["type"].as_str(), "{b}");
-            v
-        })
-        .collect();
+    let ev = super::messages::events(raw);
     for (i, e) in ev.iter().enumerate() {
         assert_eq!(e["sequence_number"].as_u64(), Some(i as u64), "sequence numbers continue: {e}");
     }

@@ -186,6 +186,23 @@ fn skip_value(b: &[u8], mut i: usize) -> usize {
     i
 }
 
+/// The `data:` payloads of a named-event stream (`event: <type>` + `data: <json>`, as the
+/// Anthropic and Responses streams are), parsed, each checked against its `event:` name. For
+/// the converters' tests.
+#[cfg(test)]
+pub(crate) fn typed_events(stream: &str) -> Vec<serde_json::Value> {
+    stream
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let (name, data) = e.split_once('\n').unwrap();
+            let v: serde_json::Value = serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap();
+            assert_eq!(name.strip_prefix("event: "), v["type"].as_str(), "{e}");
+            v
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

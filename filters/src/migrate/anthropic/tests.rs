@@ -1,4 +1,5 @@
 use super::*;
+use crate::migrate::events::typed_events as events;
 
 /// Real vLLM 0.32 (the tiny test model, greedy): a chat stream asked as vLLM's `/v1/messages`
 /// asks it (`stream_options` with continuous usage; token ids stripped, as the gateway strips
@@ -9,20 +10,6 @@ const VLLM_MESSAGES: &str = include_str!("vllm_messages.sse");
 
 fn convert(chat: &str) -> String {
     String::from_utf8(MessagesStream::default().feed(chat.as_bytes())).unwrap()
-}
-
-/// The `data:` payloads of an Anthropic stream, parsed, each checked against its `event:` name.
-fn events(stream: &str) -> Vec<Value> {
-    stream
-        .split("\n\n")
-        .filter(|e| !e.is_empty())
-        .map(|e| {
-            let (name, data) = e.split_once('\n').unwrap();
-            let v: Value = serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap();
-            assert_eq!(name.strip_prefix("event: "), v["type"].as_str(), "{e}");
-            v
-        })
-        .collect()
 }
 
 fn chunk(delta: Value, finish: Option<&str>) -> String {

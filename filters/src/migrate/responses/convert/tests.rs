@@ -1,5 +1,6 @@
 use super::*;
 use crate::migrate::events::strip_token_ids;
+use crate::migrate::events::typed_events as events;
 
 /// Real vLLM 0.32 (the tiny test model on CPU, `tests/real-vllm/run.sh` with
 /// `--enable-prompt-tokens-details` and the fixtures' `template.jinja`): for each request of
@@ -64,20 +65,6 @@ fn normalized(stream: &str) -> String {
         }
     }
     out
-}
-
-/// The `data:` payloads of a Responses stream, parsed, each checked against its `event:` line.
-fn events(stream: &str) -> Vec<Value> {
-    stream
-        .split("\n\n")
-        .filter(|e| !e.is_empty())
-        .map(|e| {
-            let (name, data) = e.split_once('\n').unwrap();
-            let v: Value = serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap();
-            assert_eq!(name.strip_prefix("event: "), v["type"].as_str(), "{e}");
-            v
-        })
-        .collect()
 }
 
 fn kinds(stream: &str) -> Vec<String> {
