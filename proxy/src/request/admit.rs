@@ -144,7 +144,12 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
     // The whole body is parsed only when kv routing tokenizes it or a stream may move.
     let movable = stream && endpoint.moves() && cfg.migration.limit > 0;
     let mut parsed = ((endpoint.renders() && model.kv.is_some()) || movable).then(|| super::parsed::ParsedBody::parse_with(&body, prompt).ok()).flatten();
-    let facts = track::ModelFacts { harmony: model.may_be_harmony(), max_model_len: model.shortest_context() };
+    // Only a Responses stream reads them; the cards' scan stays off every other request's path.
+    let facts = if endpoint == Endpoint::Responses && movable {
+        track::ModelFacts { harmony: model.may_be_harmony(), max_model_len: model.shortest_context() }
+    } else {
+        track::ModelFacts::default()
+    };
     let (track, body, pinned, translated) = match parsed.as_ref().filter(|_| movable).map(|p| track::follow(endpoint, &body, &p.fields, facts)) {
         Some(Ok(f)) => (Some(f.tracker), f.body, None, f.translated),
         Some(Err(reason)) => (None, body, Some(reason), None),
