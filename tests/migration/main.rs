@@ -471,11 +471,17 @@ async fn a_request_still_waiting_for_its_first_token_moves_by_resend() {
     let body = json!({"prompt": unique_text(20), "max_tokens": 8, "temperature": 0, "ignore_eos": true, "stream": true});
     let (http, url) = (c.http.clone(), c.url("/v1/completions"));
     let b = body.clone();
+    let (head_tx, head_rx) = tokio::sync::oneshot::channel();
     let client = tokio::spawn(async move {
         let r = http.post(url).header("x-request-id", "early").json(&b).send().await.unwrap();
         let worker = r.headers().get("x-kvgate-worker").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
+        let _ = head_tx.send(());
         (worker, sse::parse(&r.text().await.unwrap()))
     });
+    // The order goes once the client holds the head: an order that arrives while the worker's
+    // header is still on its way (a loaded machine) reroutes the request before any head, and
+    // the head then names the second worker.
+    tokio::time::timeout(Duration::from_secs(3), head_rx).await.expect("the head comes before the first token").unwrap();
     let from = wait_until(Duration::from_secs(3), || async {
         // A poll that fails in transport (a loaded machine) is just tried again.
         let Ok(r) = c.http.get(c.admin("/requests/early")).send().await else { return false };
