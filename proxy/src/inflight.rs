@@ -81,8 +81,6 @@ pub struct RequestEntry {
     worker: Mutex<Option<Arc<Worker>>>,
     /// Every placement decision taken for it.
     pub receipt: Mutex<RouteReceipt>,
-    /// The model's workers as of its arrival (the receipt names them by id).
-    pub workers: Arc<[Arc<Worker>]>,
     /// Orders to move it to another worker.
     pub mailbox: Mailbox,
     pinned: Mutex<Option<&'static str>>,
@@ -91,15 +89,7 @@ pub struct RequestEntry {
 
 impl RequestEntry {
     /// A new entry in the queued phase, for a request that arrived at `started`.
-    pub fn new(
-        model: Arc<str>,
-        endpoint: &'static str,
-        stream: bool,
-        priority: f64,
-        ctx: Arc<RequestContext>,
-        workers: Arc<[Arc<Worker>]>,
-        started: Instant,
-    ) -> Self {
+    pub fn new(model: Arc<str>, endpoint: &'static str, stream: bool, priority: f64, ctx: Arc<RequestContext>, started: Instant) -> Self {
         Self {
             model,
             endpoint,
@@ -114,7 +104,6 @@ impl RequestEntry {
             finished_after_us: AtomicU64::new(0),
             worker: Mutex::new(None),
             receipt: Mutex::new(RouteReceipt::default()),
-            workers,
             mailbox: Mailbox::default(),
             pinned: Mutex::new(None),
             moves: AtomicU64::new(0),
@@ -214,7 +203,7 @@ impl RequestEntry {
             "status": self.status(), "moves": self.moves(), "pinned": self.pinned(),
         });
         if with_receipt {
-            v["route_receipt"] = self.receipt.lock().to_json(&self.workers);
+            v["route_receipt"] = self.receipt.lock().to_json();
         }
         v
     }
@@ -343,7 +332,7 @@ mod tests {
     use super::*;
 
     fn entry(id: &str) -> RequestEntry {
-        RequestEntry::new("m".into(), "completions", true, 0.0, RequestContext::new(id), Arc::from(Vec::new()), Instant::now())
+        RequestEntry::new("m".into(), "completions", true, 0.0, RequestContext::new(id), Instant::now())
     }
 
     #[test]

@@ -57,6 +57,9 @@ pub struct Placement {
     pub attempt: u32,
     /// Who decided.
     pub decided_by: DecidedBy,
+    /// The model's workers when it was decided: the ids below index them (a reload between
+    /// two placements of one request renumbers the fleet).
+    pub workers: Arc<[Arc<Worker>]>,
     /// The candidates as routing saw them.
     pub candidates: Vec<Candidate>,
     /// Workers left out, by id.
@@ -86,15 +89,15 @@ impl RouteReceipt {
         }
     }
 
-    /// JSON for the admin API; worker ids are resolved to URLs through `workers`.
-    pub fn to_json(&self, workers: &[Arc<Worker>]) -> Value {
-        Value::Array(self.placements.iter().map(|p| p.to_json(workers)).collect())
+    /// JSON for the admin API, worker ids resolved to URLs.
+    pub fn to_json(&self) -> Value {
+        Value::Array(self.placements.iter().map(Placement::to_json).collect())
     }
 }
 
 impl Placement {
-    fn to_json(&self, workers: &[Arc<Worker>]) -> Value {
-        let url = |id: u32| workers.get(id as usize).map(|w| w.label.clone());
+    fn to_json(&self) -> Value {
+        let url = |id: u32| self.workers.get(id as usize).map(|w| w.label.clone());
         let policy = self.kv.map(KvPolicy::new);
         let req = RequestSummary { prompt_tokens: self.prompt.0, prompt_blocks: self.prompt.1, ..RequestSummary::default() }.among(&self.candidates);
         let candidates: Vec<Value> = self
@@ -156,10 +159,10 @@ mod tests {
     #[test]
     fn a_receipt_explains_the_choice_with_cost_terms_and_exclusions() {
         let w = |p: u16| Arc::new(Worker::new(crate::config::UpstreamUrl::parse(&format!("http://127.0.0.1:{p}")).unwrap()));
-        let workers = vec![w(1), w(2), w(3)];
         let mut r = RouteReceipt::default();
         r.placements.push(Placement {
             attempt: 1,
+            workers: Arc::from(vec![w(1), w(2), w(3)]),
             decided_by: DecidedBy::Builtin("kv"),
             candidates: vec![
                 Candidate { id: 0, overlap_blocks: 4, ..Candidate::default() },
@@ -172,7 +175,7 @@ mod tests {
             outcome: None,
         });
         r.leg_ended("ok");
-        let v = r.to_json(&workers);
+        let v = r.to_json();
         assert_eq!(v[0]["chosen"]["url"], "http://127.0.0.1:1");
         assert_eq!(v[0]["excluded"][0]["reason"], "unhealthy");
         assert_eq!(v[0]["candidates"][0]["cost"], 4.0, "cached prompt: only its 4 decode blocks");

@@ -306,81 +306,192 @@ async fn with_migration_off_a_dying_worker_cuts_its_streams() {
 
 #[tokio::test]
 async fn a_real_vllm_server_killed_mid_stream_loses_no_stream() {
-    let (Ok(pid), true) = (std::env::var("KVGATE_TARGET_PID_2"), std::env::var("KVGATE_TARGET_URL_2").is_ok()) else {
+    let (Ok(pid), Ok(second)) = (std::env::var("KVGATE_TARGET_PID_2"), std::env::var("KVGATE_TARGET_URL_2")) else {
         eprintln!("KVGATE_TARGET_PID_2 not set: the real-vLLM kill test runs under tests/real-vllm/run-suite.sh");
         return;
     };
-    let (c, real) = pair(GatewayOpts::default()).await;
-    assert!(real);
-    let model = std::env::var("KVGATE_TARGET_MODEL").unwrap_or_else(|_| "tiny".into());
-    // Completions, Messages, Messages, completions: round robin puts one of each on the
-    // second server, whichever it starts with. Long enough (1,900 tokens, seconds on CPU) that
-    // all four still stream when it is killed: the tiny model makes 200 in a third of a second.
-    let bodies: Vec<(&'static str, Value)> = (0..4)
-        .map(|i| match i {
-            0 | 3 => (
-                "/v1/completions",
-                json!({"model": model, "prompt": format!("kill {i} {}", unique_text(20)), "max_tokens": 1900, "temperature": 0, "ignore_eos": true,
-                       "stream": true, "return_token_ids": true, "stream_options": {"include_usage": true}}),
-            ),
-            _ => (
-                "/v1/messages",
-                json!({"model": model, "max_tokens": 1900, "temperature": 0, "stream": true, "system": "Be brief.",
-                       "messages": [{"role": "user", "content": format!("kill {i} {}", unique_text(20))}]}),
-            ),
-        })
-        .collect();
-    let run = |i: usize| {
-        let (http, (path, b)) = (c.http.clone(), bodies[i].clone());
-        let url = c.url(path);
-        async move {
-            let r = http.post(url).json(&b).send().await.expect("sent");
-            assert_eq!(r.status(), 200);
-            let raw = r.text().await.expect("the stream is never cut");
-            if path == "/v1/messages" { messages::essence(&raw) } else { essence(&sse::parse(&raw)) }
+    let (first, model) = (std::env::var("KVGATE_TARGET_URL").expect("a pair"), std::env::var("KVGATE_TARGET_MODEL").unwrap_or_else(|_| "tiny".into()));
+    // The gateway starts with the second server only, so that all three streams run there; the
+    // first joins (a config reload) while they stream. (Two busy vLLM servers on 2 cores starve
+    // each other and the gateway: with both serving from the start, the second's three streams
+    // could not reliably be seen running together.)
+    let opts = GatewayOpts { model: model.clone(), health_timeout: (5000, 3), ..GatewayOpts::default() };
+    let c = Cluster::front(std::slice::from_ref(&second), opts.clone()).await;
+    responses::cards_read(&c, &model).await;
+    // A completion, a Messages and a Responses stream, each 3,900 tokens (over ten seconds on
+    // CPU), so all still stream when the server is killed. Messages and Responses have no
+    // `ignore_eos`: a prompt is kept only if its unmoved stream runs to its token limit (some
+    // end early, and a stream that ended before the kill proves nothing).
+    let mut kill = KillRun { c: &c, bodies: Vec::new(), want: Vec::new() };
+    for i in 0..3 {
+        kill.add_long_stream(&model, i).await;
+    }
+    // Kill once the gateway shows all three generating. This machine stalls every process but
+    // vLLM's for seconds at times, so a try may miss the window (the streams then end whole,
+    // unkilled): up to three tries.
+    let mut tries = 0;
+    let handles = loop {
+        tries += 1;
+        let (handles, streaming) = kill.all_streaming(&first, &second, &opts, tries).await;
+        if streaming.is_ok() {
+            break handles;
         }
+        for (i, h) in handles {
+            assert_eq!(whole(h.await.unwrap()), whole(kill.want[i].clone()), "stream {i} ({}), unkilled", kill.bodies[i].0);
+        }
+        assert!(tries < 3, "the second server's three streams were never seen running together: {}", streaming.unwrap_err());
     };
-    let mut want = Vec::new();
-    for i in 0..4 {
-        want.push(run(i).await);
-    }
-    // Round robin puts two of the four on the second server; kill it once they are streaming.
-    // (Only those: on a loaded CPU one server may finish its pair before the other starts.)
-    let handles: Vec<_> = (0..4).map(|i| tokio::spawn(run(i))).collect();
-    let second = std::env::var("KVGATE_TARGET_URL_2").unwrap_or_default();
-    let streaming = wait_until(Duration::from_secs(60), || async {
-        let v: Value = c.http.get(c.admin("/requests")).send().await.unwrap().json().await.unwrap();
-        let on_second = |r: &&Value| r["worker"].as_str().is_some_and(|w| w.trim_end_matches('/') == second.trim_end_matches('/'));
-        v["requests"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(on_second)
-            .filter(|r| r["phase"] == "running" && r["generated_tokens"].as_u64().unwrap_or(0) >= 5)
-            .count()
-            == 2
-    })
-    .await;
-    // KNOWN ISSUE (#34, end of the session of 2026-11-27): on this 2-core machine the gateway's
-    // registry was seen not to show both streams of the second server running at once, so the
-    // kill could not be timed; the cause is not found yet. Until it is, that case is reported,
-    // not failed, and the streams are still checked whole.
-    if streaming.is_none() {
-        eprintln!("KNOWN ISSUE: the second server's two streams were never seen streaming together; not killed");
-        for (i, h) in handles.into_iter().enumerate() {
-            assert_eq!(h.await.unwrap(), want[i], "stream {i}");
-        }
-        return;
-    }
     let killed = std::process::Command::new("kill").args(["-9", &pid]).status().unwrap();
     assert!(killed.success());
-    for (i, h) in handles.into_iter().enumerate() {
-        assert_eq!(h.await.unwrap(), want[i], "stream {i}");
+    for (i, h) in handles {
+        assert_eq!(whole(h.await.unwrap()), whole(kill.want[i].clone()), "stream {i} ({})", kill.bodies[i].0);
     }
-    bookings_are_zero(&c).await;
+    // Each continued on the first server: a second placement.
+    for i in 0..3 {
+        let v: Value = c.http.get(c.admin(&format!("/requests/kill-{tries}-{i}"))).send().await.unwrap().json().await.unwrap();
+        let legs = v["route_receipt"].as_array().cloned().unwrap_or_default();
+        let url = |l: &Value| l["chosen"]["url"].as_str().unwrap_or_default().to_string();
+        assert!(legs.len() >= 2 && same_url(&url(&legs[0]), &second) && !same_url(&url(&legs[1]), &second), "stream {i} ({}) moved: {v}", kill.bodies[i].0);
+    }
     let m = c.gateway_metrics().await;
-    // A stream of each API was on it.
-    assert!(m.sum("kvgate_migrations_total", &[("reason", "failover"), ("outcome", "ok")]) >= 2.0);
+    assert!(m.sum("kvgate_migrations_total", &[("reason", "failover"), ("outcome", "ok")]) >= 3.0);
+    bookings_are_zero(&c).await;
+}
+
+fn same_url(a: &str, b: &str) -> bool {
+    a.trim_end_matches('/') == b.trim_end_matches('/')
+}
+
+/// What must match between a stream killed mid-way and the same stream unmoved when both are
+/// this long: everything but the text (`text` → whether there was any, token ids → how many).
+/// Real vLLM's greedy output is not batch-invariant: over thousands of near-random tokens
+/// (the tiny model), a stream run beside others can pick another token than the same stream
+/// run alone, moved or not. Exact identity is shown on vllm-sim and on shorter real streams.
+fn whole(mut v: Value) -> Value {
+    match &mut v {
+        Value::Object(m) => {
+            for (k, x) in m.iter_mut() {
+                *x = match (k.as_str(), &*x) {
+                    ("text", Value::String(t)) => json!(!t.is_empty()),
+                    ("ids", Value::Array(a)) => json!(a.len()),
+                    _ => whole(x.take()),
+                };
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(|x| *x = whole(x.take())),
+        _ => {}
+    }
+    v
+}
+
+/// Each kill-test stream's length: most of the real servers' `--max-model-len` (4,096).
+const KILL_TOKENS: u32 = 3900;
+
+/// The kill test's streams: each body and its unmoved outcome.
+struct KillRun<'a> {
+    c: &'a Cluster,
+    bodies: Vec<(&'static str, Value)>,
+    want: Vec<Value>,
+}
+
+impl KillRun<'_> {
+    /// Adds stream `i` (0: completions, 1: Messages, 2: Responses), trying prompts until its
+    /// unmoved run reaches the token limit.
+    async fn add_long_stream(&mut self, model: &str, i: usize) {
+        for attempt in 0..8 {
+            let prompt = format!("kill {i} {attempt} {}", unique_text(12));
+            let body = match i {
+                0 => (
+                    "/v1/completions",
+                    json!({"model": model, "prompt": prompt, "max_tokens": KILL_TOKENS, "temperature": 0, "ignore_eos": true,
+                       "stream": true, "return_token_ids": true, "stream_options": {"include_usage": true}}),
+                ),
+                1 => (
+                    "/v1/messages",
+                    json!({"model": model, "max_tokens": KILL_TOKENS, "temperature": 0, "stream": true, "system": "Be brief.",
+                       "messages": [{"role": "user", "content": prompt}]}),
+                ),
+                _ => (
+                    "/v1/responses",
+                    json!({"model": model, "max_output_tokens": KILL_TOKENS, "temperature": 0, "stream": true, "store": false,
+                       "instructions": "Be brief.", "input": prompt}),
+                ),
+            };
+            self.bodies.push(body);
+            let want = self.run(i, format!("ref-{i}-{attempt}")).await;
+            let full = want["end"]["delta"]["stop_reason"] == "max_tokens" || want["status"] == "incomplete" || i == 0;
+            if full {
+                self.want.push(want);
+                return;
+            }
+            self.bodies.pop();
+        }
+        panic!("no prompt of 8 made stream {i} run to its token limit");
+    }
+
+    /// Try `t`: starts the three streams on the second server (the gateway's only worker),
+    /// adds the first, and waits until the gateway shows all three generating (`Err`: the last
+    /// registry seen, once they ended first).
+    async fn all_streaming(
+        &self,
+        first: &str,
+        second: &str,
+        opts: &GatewayOpts,
+        t: usize,
+    ) -> (Vec<(usize, tokio::task::JoinHandle<Value>)>, Result<(), Value>) {
+        let c = self.c;
+        let reload = |urls: Vec<String>| async move {
+            std::fs::write(&c.config_path, kvgate_tests::cluster::gateway_yaml(&urls, opts)).unwrap();
+            // Applied now, not when the file watch notices (seconds on a loaded machine).
+            let r = c.http.post(c.admin("/reload")).send().await.unwrap();
+            assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+            workers_listed(c, urls.len()).await;
+        };
+        if t > 1 {
+            reload(vec![second.to_string()]).await;
+        }
+        let handles: Vec<_> = (0..3).map(|i| (i, tokio::spawn(self.run(i, format!("kill-{t}-{i}"))))).collect();
+        for i in 0..3 {
+            let placed = wait_until(Duration::from_secs(60), || async {
+                let Ok(r) = c.http.get(c.admin(&format!("/requests/kill-{t}-{i}"))).send().await else { return false };
+                r.json::<Value>().await.is_ok_and(|v| v["worker"].is_string())
+            })
+            .await;
+            assert!(placed.is_some(), "stream {i} placed");
+        }
+        reload(vec![first.to_string(), second.to_string()]).await;
+        let last = std::sync::Mutex::new(Value::Null);
+        let seen = wait_until(Duration::from_secs(90), || async {
+            let Ok(r) = c.http.get(c.admin("/requests")).send().await else { return false };
+            let v: Value = r.json().await.unwrap_or(Value::Null);
+            let running = |r: &&Value| r["phase"] == "running" && r["generated_tokens"].as_u64().unwrap_or(0) >= 5;
+            let (n, all_running) = v["requests"].as_array().map_or((0, 0), |a| (a.len(), a.iter().filter(running).count()));
+            *last.lock().unwrap() = v;
+            // Ended before being seen together: a missed try.
+            all_running == 3 || n == 0
+        })
+        .await;
+        let v = std::mem::take(&mut *last.lock().unwrap());
+        let ok = seen.is_some() && v["requests"].as_array().is_some_and(|a| !a.is_empty());
+        (handles, if ok { Ok(()) } else { Err(v) })
+    }
+
+    /// Runs stream `i` under `id`; what the client reassembled.
+    fn run(&self, i: usize, id: String) -> impl std::future::Future<Output = Value> + Send + 'static {
+        let (http, (path, b)) = (self.c.http.clone(), self.bodies[i].clone());
+        let url = self.c.url(path);
+        async move {
+            let r = http.post(url).header("x-request-id", &id).json(&b).send().await.expect("sent");
+            let status = r.status();
+            let raw = r.text().await.expect("the stream is never cut");
+            assert_eq!(status, 200, "{id}: {raw}");
+            match path {
+                "/v1/messages" => messages::essence(&raw),
+                "/v1/responses" => responses::essence(&raw),
+                _ => essence(&sse::parse(&raw)),
+            }
+        }
+    }
 }
 
 #[tokio::test]
@@ -408,7 +519,8 @@ async fn the_rescheduler_moves_streams_and_they_stay_identical() {
 }
 
 async fn workers_listed(c: &Cluster, n: usize) {
-    wait_until(Duration::from_secs(3), || async {
+    // Generous: a loaded machine (two busy vLLM servers on 2 cores) delays the file watch.
+    wait_until(Duration::from_secs(20), || async {
         let v: Value = c.http.get(c.admin("/workers")).send().await.unwrap().json().await.unwrap();
         v["models"][0]["workers"].as_array().unwrap().len() == n
     })
@@ -427,7 +539,8 @@ async fn a_stream_moves_to_a_worker_added_after_it_started() {
     let r = c.http.post(c.url("/v1/completions")).header("x-request-id", "grow").json(&body).send().await.unwrap();
     let mut s = r.bytes_stream();
     let mut raw = Vec::from(s.next().await.unwrap().unwrap().as_ref());
-    std::fs::write(&c.config_path, kvgate_tests::cluster::gateway_yaml(&[c.sims[0].url(), c.sims[1].url()], &GatewayOpts::default())).unwrap();
+    // The new worker listed first: the reload renumbers the fleet under the running stream.
+    std::fs::write(&c.config_path, kvgate_tests::cluster::gateway_yaml(&[c.sims[1].url(), c.sims[0].url()], &GatewayOpts::default())).unwrap();
     workers_listed(&c, 2).await;
     let r = c.http.post(c.admin("/migrate")).json(&json!({"request_id": "grow", "to": c.sims[1].url()})).send().await.unwrap();
     let (status, report) = (r.status().as_u16(), r.json::<Value>().await.unwrap());
@@ -440,6 +553,10 @@ async fn a_stream_moves_to_a_worker_added_after_it_started() {
     assert_eq!(essence(&sse::parse(&String::from_utf8(raw).unwrap())), essence(&reference));
     assert!(c.sim_metrics(1).await.sum("vllm:request_success_total", &[]) >= 1.0, "the new worker finished it");
     bookings_are_zero(&c).await;
+    // The receipt names each leg's worker as the fleet was when it was placed.
+    let v: Value = c.http.get(c.admin("/requests/grow")).send().await.unwrap().json().await.unwrap();
+    let chosen: Vec<String> = v["route_receipt"].as_array().unwrap().iter().map(|l| l["chosen"]["url"].as_str().unwrap_or_default().to_string()).collect();
+    assert!(chosen.len() == 2 && same_url(&chosen[0], &c.sims[0].url()) && same_url(&chosen[1], &c.sims[1].url()), "{v}");
 }
 
 #[tokio::test]

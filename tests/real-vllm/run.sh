@@ -7,8 +7,10 @@
 set -euo pipefail
 home=${KVGATE_VLLM_HOME:-$HOME/.cache/kvgate-real-vllm}
 port=$1; zport=$2; shift 2
+# --max-model-len 4096 (the model's own limit): the kill test needs streams long enough (3,900
+# tokens, over ten seconds here) to be killed mid-way.
 export HF_HUB_OFFLINE=1 VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 exec "$home/venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$home/tiny-llama" \
-  --host 127.0.0.1 --port "$port" --served-model-name tiny --max-model-len 2048 --block-size 32 \
+  --host 127.0.0.1 --port "$port" --served-model-name tiny --max-model-len 4096 --block-size 32 \
   --kv-events-config "{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:$zport\",\"replay_endpoint\":\"tcp://*:$((zport+1))\",\"topic\":\"kv\"}" \
   "$@"

@@ -90,7 +90,7 @@ fn order(gw: &Gateway, req: &MoveBody) -> Result<(Arc<RequestEntry>, u64, Reply)
             let name = name.trim_end_matches('/');
             // The fleet in force: a worker added since the request arrived is a valid target.
             let fleet = gw.fleet();
-            let workers = fleet.models.get(&*entry.model).map(|m| m.workers.clone()).unwrap_or_else(|| entry.workers.clone());
+            let workers = fleet.models.get(&*entry.model).map(|m| m.workers.clone()).unwrap_or_default();
             let w = workers.iter().find(|w| w.label == name || w.url.to_string().trim_end_matches('/') == name).cloned();
             let w = w.ok_or_else(|| ClientError::bad_request(format!("no worker {name:?} serves model {:?}", entry.model), Some("to")))?;
             if entry.worker().is_some_and(|cur| Arc::ptr_eq(&cur, &w)) {

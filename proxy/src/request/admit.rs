@@ -168,7 +168,7 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
     }
     // A Responses stream sent as chat makes no stored response (the translation refuses those).
     let (stored, body) = if reply.is_some() { (None, body) } else { super::stored::read(endpoint, session.req().path(), body) };
-    let entry = RequestEntry::new(model.name.clone(), endpoint.label(), stream, view.priority_jump(), ctx.clone(), model.workers.clone(), start);
+    let entry = RequestEntry::new(model.name.clone(), endpoint.label(), stream, view.priority_jump(), ctx.clone(), start);
     let registered = gw.requests.register(entry);
     if let Some(reason) = pinned {
         record::pinned(gw, registered.entry(), &model.cfg.name, reason);

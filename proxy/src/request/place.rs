@@ -85,7 +85,17 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
     let prompt = req.kv.as_ref().map_or((0, 0), |k| (k.tokens as u32, k.chain.len() as u32));
     let kv = model.kv.as_ref().map(|k| k.policy.params());
     let attempt = req.tried.len() as u32;
-    req.entry().receipt.lock().placements.push(Placement { attempt, decided_by, candidates, excluded, chosen: Some(idx as u32), kv, prompt, outcome: None });
+    req.entry().receipt.lock().placements.push(Placement {
+        attempt,
+        workers: model.workers.clone(),
+        decided_by,
+        candidates,
+        excluded,
+        chosen: Some(idx as u32),
+        kv,
+        prompt,
+        outcome: None,
+    });
     req.entry().placed(&worker, req.prompt_tokens());
     Ok(worker)
 }
