@@ -344,7 +344,10 @@ async fn a_real_vllm_server_killed_mid_stream_loses_no_stream() {
     let killed = std::process::Command::new("kill").args(["-9", &pid]).status().unwrap();
     assert!(killed.success());
     for (i, h) in handles {
-        assert_eq!(whole(h.await.unwrap()), whole(kill.want[i].clone()), "stream {i} ({})", kill.bodies[i].0);
+        let got = h.await.unwrap();
+        // Reported, not asserted (see `whole`): how often the text stays identical too.
+        eprintln!("kill test: stream {i} ({}) text identical to unmoved: {}", kill.bodies[i].0, got == kill.want[i]);
+        assert_eq!(whole(got), whole(kill.want[i].clone()), "stream {i} ({})", kill.bodies[i].0);
     }
     // Each continued on the first server: a second placement.
     for i in 0..3 {
