@@ -6,6 +6,7 @@
 //!   read by every routing mode and by shedding;
 //! - [`migrate`]: which streams may move to another worker, the continuation request that
 //!   moves them, and the re-wrapping of its events;
+//! - [`plan`]: the planner's scaling decisions (seed 002) from the load it pulls;
 //! - [`reschedule`]: the rescheduler's policies (seed 004), pair validation and request
 //!   selection;
 //! - [`shed`]: busy detection (seed 000) and the 503 body sent when every worker is busy.
@@ -15,6 +16,7 @@
 pub mod cancel;
 pub mod ledger;
 pub mod migrate;
+pub mod plan;
 pub mod reschedule;
 pub mod route;
 pub mod shed;
