@@ -5,11 +5,13 @@
 
 mod load;
 mod passthrough;
+mod planner;
 mod rescheduling;
 mod values;
 
 pub use load::{ConfigError, load_file, load_str};
 pub use passthrough::{Passthrough, PathPattern};
+pub use planner::{PlanMode, Planner};
 pub use rescheduling::{LoadMetric, Rescheduling};
 pub use values::{ByteSize, UpstreamUrl, ZmqEndpoint};
 
@@ -274,6 +276,9 @@ pub struct ModelConfig {
     /// When workers are too busy for new requests.
     #[serde(default)]
     pub shedding: Shedding,
+    /// Scaling its fleet (seed 002).
+    #[serde(default)]
+    pub planner: Planner,
     /// The vLLM servers serving it.
     pub workers: Vec<WorkerConfig>,
 }

@@ -103,6 +103,7 @@ fn the_shipped_example_config_loads_with_its_documented_defaults() {
     let c = load(include_str!("../../../../conf/kvgate.yaml")).unwrap();
     assert_eq!(c.migration, Migration::default(), "conf/kvgate.yaml shows the defaults");
     assert_eq!(c.rescheduling, Rescheduling::default(), "conf/kvgate.yaml shows the seed's defaults");
+    assert_eq!(c.models[0].planner, crate::config::Planner::default(), "conf/kvgate.yaml shows seed 002's defaults");
     assert_eq!(c.models[0].workers[0].node.as_deref(), Some("node-a"));
 }
 
