@@ -21,9 +21,26 @@
 /// `NEW_PREFILL_WORKER_QUEUE_BUFFER_PERIOD`).
 pub const PREFILL_QUEUE_BUFFER_PERIOD: f64 = 3.0;
 
-/// The seed's knobs, with its defaults.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// Whether the planner changes the fleet or only records what it would do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PlanMode {
+    /// Scale the fleet.
+    #[default]
+    Act,
+    /// Decide and record, change nothing (the seed's `--no-operation`).
+    ObserveOnly,
+}
+
+/// A model's planner settings: the seed's knobs under their own names (dashes become
+/// underscores), with its defaults; a model's `planner` config section.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct PlanParams {
+    /// Whether the model's fleet is planned (off by default).
+    pub enabled: bool,
+    /// `act` or `observe_only`.
+    pub mode: PlanMode,
     /// Seconds between pulls.
     pub metric_pulling_interval_s: f64,
     /// Seconds between decisions.
@@ -51,6 +68,8 @@ pub struct PlanParams {
 impl Default for PlanParams {
     fn default() -> Self {
         Self {
+            enabled: false,
+            mode: PlanMode::Act,
             metric_pulling_interval_s: 1.0,
             adjustment_interval_s: 30.0,
             min_gpu_budget: 1,

@@ -258,7 +258,7 @@ fn model(cfg: &Config, m: &ModelConfig) -> Result<(), Invalid> {
         return Err((format!("model {:?}: block_size must be within 1..=1024", m.name), at("block_size".into(), 1)));
     }
     m.shedding.thresholds.validate().map_err(|e| (format!("model {:?}: shedding: {e}", m.name), at("shedding".into(), 1)))?;
-    m.planner.validate().map_err(|e| (format!("model {:?}: planner: {e}", m.name), at("planner".into(), 1)))?;
+    super::planner::validate(&m.planner).map_err(|e| (format!("model {:?}: planner: {e}", m.name), at("planner".into(), 1)))?;
     routing(cfg, m)?;
     workers(m)
 }
