@@ -326,9 +326,9 @@ async fn a_real_vllm_server_killed_mid_stream_loses_no_stream() {
     for i in 0..3 {
         kill.add_long_stream(&model, i).await;
     }
-    // Kill once the gateway shows all three generating. This machine stalls every process but
-    // vLLM's for seconds at times, so a try may miss the window (the streams then end whole,
-    // unkilled): up to three tries.
+    // Kill once the gateway shows all three generating. Should this machine stall the gateway
+    // or the test for the whole window (seen for up to 17 s before run.sh pinned vLLM to its own
+    // cores), the streams end whole, unkilled, and the test tries again, up to three times.
     let mut tries = 0;
     let handles = loop {
         tries += 1;
