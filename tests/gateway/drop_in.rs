@@ -69,7 +69,7 @@ async fn the_anthropic_and_openai_sdks_work_through_the_gateway() {
         return;
     };
     let model = std::env::var("KVGATE_TARGET_MODEL").unwrap_or_else(|_| "tiny".into());
-    let c = Cluster::front(&[url.clone(), url2], GatewayOpts { model: model.clone(), health_timeout: (5000, 3), ..Default::default() }).await;
+    let c = Cluster::front(&[url.clone(), url2], GatewayOpts::real_vllm(&model)).await;
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/real-vllm/sdk_drop_in.py");
     let gateway = c.url("");
     let out = tokio::process::Command::new(python).args([script, gateway.trim_end_matches('/'), &url, &model]).output().await.expect("python runs");

@@ -34,7 +34,7 @@ async fn a_real_fleet_serves_its_adapter_and_obeys_fleet_operations() {
         return;
     };
     let model = std::env::var("KVGATE_TARGET_MODEL").unwrap_or_else(|_| "tiny".into());
-    let c = Cluster::front(&[url.clone(), url2.clone()], GatewayOpts { model: model.clone(), health_timeout: (5000, 3), ..Default::default() }).await;
+    let c = Cluster::front(&[url.clone(), url2.clone()], GatewayOpts::real_vllm(&model)).await;
     let direct: Value = c.http.get(format!("{url2}/v1/models")).send().await.unwrap().json().await.unwrap();
     let want = direct["data"].as_array().unwrap().iter().find(|m| m["id"] == lora.as_str()).cloned().expect("the second server lists the adapter");
     let got = card(&c, &lora).await;

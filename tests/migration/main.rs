@@ -27,8 +27,8 @@ async fn pair(opts: GatewayOpts) -> (Cluster, bool) {
     match (std::env::var("KVGATE_TARGET_URL"), std::env::var("KVGATE_TARGET_URL_2")) {
         (Ok(a), Ok(b)) => {
             let model = std::env::var("KVGATE_TARGET_MODEL").unwrap_or_else(|_| "tiny".into());
-            // Two real servers on 2 shared cores: a `/health` may take seconds while both compute.
-            (Cluster::front(&[a, b], GatewayOpts { model, health_timeout: (5000, 3), ..opts }).await, true)
+            let real = GatewayOpts::real_vllm(&model);
+            (Cluster::front(&[a, b], GatewayOpts { model, health_timeout: real.health_timeout, ..opts }).await, true)
         }
         _ => (Cluster::sims(2, sim(1.0), opts).await, false),
     }
@@ -312,10 +312,9 @@ async fn a_real_vllm_server_killed_mid_stream_loses_no_stream() {
     };
     let (first, model) = (std::env::var("KVGATE_TARGET_URL").expect("a pair"), std::env::var("KVGATE_TARGET_MODEL").unwrap_or_else(|_| "tiny".into()));
     // The gateway starts with the second server only, so that all three streams run there; the
-    // first joins (a config reload) while they stream. (Two busy vLLM servers on 2 cores starve
-    // each other and the gateway: with both serving from the start, the second's three streams
-    // could not reliably be seen running together.)
-    let opts = GatewayOpts { model: model.clone(), health_timeout: (5000, 3), ..GatewayOpts::default() };
+    // first joins (a reload) while they stream. (With both from the start, round robin over
+    // streams sent together could put two of one API on the server killed.)
+    let opts = GatewayOpts::real_vllm(&model);
     let c = Cluster::front(std::slice::from_ref(&second), opts.clone()).await;
     responses::cards_read(&c, &model).await;
     // A completion, a Messages and a Responses stream, each 3,900 tokens (over ten seconds on
@@ -522,7 +521,7 @@ async fn the_rescheduler_moves_streams_and_they_stay_identical() {
 }
 
 async fn workers_listed(c: &Cluster, n: usize) {
-    // Generous: a loaded machine (two busy vLLM servers on 2 cores) delays the file watch.
+    // Generous: on a loaded machine the file watch can take seconds to notice an edit.
     wait_until(Duration::from_secs(20), || async {
         let v: Value = c.http.get(c.admin("/workers")).send().await.unwrap().json().await.unwrap();
         v["models"][0]["workers"].as_array().unwrap().len() == n

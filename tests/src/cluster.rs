@@ -20,8 +20,7 @@ pub struct GatewayOpts {
     /// `health.interval_ms`.
     pub health_interval_ms: u64,
     /// `health.timeout_ms` and `health.unhealthy_threshold`: quick to judge by default (fault
-    /// tests kill workers); lenient for real vLLM on shared cores, whose `/health` can take
-    /// seconds to answer while it computes.
+    /// tests kill workers); lenient for real vLLM ([`GatewayOpts::real_vllm`]).
     pub health_timeout: (u64, u32),
     /// Extra YAML inside the model's `routing:` section (e.g. `temperature: 0.5`).
     pub routing_extra: String,
@@ -40,6 +39,14 @@ impl Default for GatewayOpts {
             routing_extra: String::new(),
             model_extra: String::new(),
         }
+    }
+}
+
+impl GatewayOpts {
+    /// For real vLLM serving `model`: health judged leniently, as a real server on shared cores
+    /// can take seconds to answer `/health` while it computes.
+    pub fn real_vllm(model: &str) -> Self {
+        Self { model: model.into(), health_timeout: (5000, 3), ..Self::default() }
     }
 }
 
