@@ -133,6 +133,9 @@ pub enum Reason {
     GracePeriod,
     /// The queue's trend brings it under the threshold within the buffer period.
     QueueDraining,
+    /// Fewer workers than `min_gpu_budget` asks for (a fleet that starts empty, or lost one):
+    /// one is added whatever the load.
+    BelowMinBudget,
 }
 
 impl Reason {
@@ -147,6 +150,7 @@ impl Reason {
             Self::MinBudget => "min_budget",
             Self::GracePeriod => "grace_period",
             Self::QueueDraining => "queue_draining",
+            Self::BelowMinBudget => "below_min_budget",
         }
     }
 }
@@ -212,6 +216,9 @@ impl Planner {
 
     fn decode_change(&self, now: Workers, kv: Option<f64>) -> (Change, Reason) {
         let p = &self.params;
+        if now.decode * p.decode_engine_num_gpu < p.min_gpu_budget.max(1) && self.gpus(now) + p.decode_engine_num_gpu <= p.max_gpu_budget {
+            return (Change::Up, Reason::BelowMinBudget);
+        }
         let Some(kv) = kv else { return (Change::Hold, Reason::NoData) };
         if kv > p.decode_kv_scale_up_threshold {
             if self.gpus(now) + p.decode_engine_num_gpu > p.max_gpu_budget {
@@ -295,6 +302,16 @@ mod tests {
         interval(&mut p, 0.2, None);
         assert_eq!(p.adjust(decode_only(3), false).unwrap().decode, (Change::Down, Reason::UnderThreshold));
         assert_eq!(p.adjust(decode_only(3), false).unwrap().decode, (Change::Hold, Reason::NoData), "a new interval starts empty");
+    }
+
+    #[test]
+    fn a_fleet_under_its_minimum_grows_whatever_the_load() {
+        let mut p = Planner::new(PlanParams { min_gpu_budget: 2, ..PlanParams::default() });
+        assert_eq!(p.adjust(decode_only(0), false).unwrap().decode, (Change::Up, Reason::BelowMinBudget), "no data needed");
+        interval(&mut p, 0.1, None);
+        assert_eq!(p.adjust(decode_only(1), false).unwrap().decode, (Change::Up, Reason::BelowMinBudget), "even when idle");
+        interval(&mut p, 0.1, None);
+        assert_eq!(p.adjust(decode_only(2), false).unwrap().decode.0, Change::Hold, "at the minimum (and in the grace period)");
     }
 
     #[test]

@@ -35,8 +35,13 @@ pub struct Gateway {
     /// Bumped whenever a fleet operation resumes workers: requests waiting for a paused
     /// model watch it (phase 2).
     pub resumed: tokio::sync::watch::Sender<u64>,
+    /// Each planner's state, for `GET /planner`.
+    pub planner_status: parking_lot::Mutex<serde_json::Value>,
     /// The rescheduler's last cycle, for `GET /rescheduling`.
     pub rescheduling_last: parking_lot::Mutex<serde_json::Value>,
+    /// Workers added at run time (the planner's), by model; each rebuild of the fleet adds
+    /// them to the file's, so they survive reloads.
+    added: parking_lot::Mutex<crate::fleet::ByName<Vec<crate::config::WorkerConfig>>>,
     /// One apply at a time: prepare plugins → build the fleet → swap → commit must not
     /// interleave with another reload's, or the fleet and the plugin registry would disagree.
     applying: parking_lot::Mutex<()>,
@@ -72,6 +77,8 @@ impl Gateway {
             migrations: tokio::sync::Semaphore::new(max_moves),
             resumed: tokio::sync::watch::Sender::new(0),
             rescheduling_last: parking_lot::Mutex::new(serde_json::Value::Null),
+            planner_status: parking_lot::Mutex::new(serde_json::Value::Array(Vec::new())),
+            added: parking_lot::Mutex::new(Default::default()),
             applying: parking_lot::Mutex::new(()),
         }))
     }
@@ -99,7 +106,7 @@ impl Gateway {
         let before: std::collections::HashSet<String> = self.fleet().all_workers().iter().map(|(m, w)| format!("{m}@{}", w.url)).collect();
         let old_fleet = self.fleet();
         let slots = self.plugins.prepare(&cfg.plugins)?;
-        let fleet = self.registry.build(&cfg, Some(&old_fleet), &slots)?;
+        let fleet = self.registry.build(&self.with_added(&cfg), Some(&old_fleet), &slots)?;
 
         let after: std::collections::HashSet<String> = fleet.all_workers().iter().map(|(m, w)| format!("{m}@{}", w.url)).collect();
         for added in after.difference(&before) {
@@ -139,6 +146,46 @@ impl Gateway {
             }
         }
         Ok(())
+    }
+
+    /// `cfg` with the workers added at run time appended to their models' (a URL the file
+    /// already lists is the file's).
+    fn with_added(&self, cfg: &Config) -> Config {
+        let added = self.added.lock();
+        let mut out = cfg.clone();
+        for m in &mut out.models {
+            let Some(extra) = added.get(&m.name) else { continue };
+            for w in extra {
+                if !m.workers.iter().any(|c| c.url == w.url) {
+                    m.workers.push(w.clone());
+                }
+            }
+        }
+        out
+    }
+
+    /// Changes the workers added at run time to `model` (`change` edits the list) and rebuilds
+    /// the fleet around them: routing state, bookings and queue go on (docs/planner.md). On
+    /// error nothing changes. Blocks while it builds (a model in approximate mode reloads its
+    /// tokenizer): call it off the async workers.
+    pub fn update_added_workers(&self, model: &str, change: impl FnOnce(&mut Vec<crate::config::WorkerConfig>)) -> Result<(), String> {
+        let before = {
+            let mut added = self.added.lock();
+            let list = added.entry(model.to_string()).or_default();
+            let before = list.clone();
+            change(list);
+            before
+        };
+        let r = self.apply((*self.config()).clone());
+        if r.is_err() {
+            self.added.lock().insert(model.to_string(), before);
+        }
+        r
+    }
+
+    /// The workers added at run time to `model`.
+    pub fn added_workers(&self, model: &str) -> Vec<crate::config::WorkerConfig> {
+        self.added.lock().get(model).cloned().unwrap_or_default()
     }
 
     /// Re-reads the config file; on error the running config stays and the error is returned.

@@ -37,7 +37,11 @@ pub struct KvRouting {
     pub cache: Cache,
     /// Index ids of each worker's DP ranks (the index counts ranks, not workers).
     pub rank_ids: Vec<Vec<WorkerId>>,
-    /// Event sources to subscribe to (events mode).
+    /// One past the highest index id ever handed out (ids of removed workers below it may be
+    /// reused only once none is left above).
+    next_id: WorkerId,
+    /// Event sources to subscribe to (events mode), of the workers whose endpoints are
+    /// configured; `kv_events: auto` workers' are found at run time (`tasks::kv_subscribers`).
     pub sources: Vec<Source>,
     /// The cost policy.
     pub policy: KvPolicy,
@@ -45,55 +49,18 @@ pub struct KvRouting {
     pub max_prefix_blocks: usize,
 }
 
+/// Index ids an events index has room for: one bitset word, so a fleet that grows (the
+/// planner, discovery) keeps its index without costing lookups anything.
+const INDEX_IDS: usize = 64;
+
 impl KvRouting {
     /// Builds the state for a model (loads its tokenizer: an error rejects the config).
     pub fn build(m: &ModelConfig) -> Result<Self, String> {
+        let tokenizer = load_tokenizer(m)?;
+        let ranks: usize = m.workers.iter().map(|w| w.dp_size as usize).sum();
         let r = &m.routing;
-        let hasher = Hasher::new(m.block_size as usize, DEFAULT_SEED);
-        let tokenizer = match &m.tokenizer {
-            Some(p) => {
-                // `builtin`: the small tokenizer shipped with the repository (vllm-sim's).
-                let tok = if p.as_os_str() == "builtin" {
-                    ModelTokenizer::builtin()
-                } else {
-                    ModelTokenizer::load(p).map_err(|e| format!("model {:?}: {e}", m.name))?
-                };
-                let cache = SegmentCache::new(tok, kvgate_tokenize::segmented::DEFAULT_CAPACITY);
-                if !cache.enabled(false) {
-                    tracing::warn!(model = %m.name, "this tokenizer cannot be tokenized by segments exactly; every prompt is tokenized in full");
-                }
-                Some(Arc::new(cache))
-            }
-            None => None,
-        };
-        let messages = tokenizer.as_ref().map(|t| kvgate_tokenize::dialect::messages::MessagesOptions::for_tokenizer(t.tokenizer())).unwrap_or_default();
-        let mut rank_ids = Vec::with_capacity(m.workers.len());
-        let mut sources = Vec::new();
-        let mut next: WorkerId = 0;
-        for w in &m.workers {
-            let mut ranks = Vec::new();
-            for rank in 0..w.dp_size {
-                ranks.push(next);
-                // A cost that never consults the cache needs no subscribers either.
-                if r.kv_events
-                    && r.uses_cache()
-                    && let Some(ep) = &w.kv_events
-                {
-                    sources.push(Source {
-                        endpoint: rank_endpoint(&ep.0, rank)?,
-                        replay: w.replay.as_ref().map(|e| rank_endpoint(&e.0, rank)).transpose()?,
-                        topic: String::new(),
-                        worker: next,
-                        hasher,
-                        label: source_label(&w.url, rank),
-                    });
-                }
-                next += 1;
-            }
-            rank_ids.push(ranks);
-        }
         let cache = if r.kv_events {
-            Cache::Events(Arc::new(FlatIndex::new(next.max(1) as usize, 1 << 16)))
+            Cache::Events(Arc::new(FlatIndex::new(ranks.clamp(INDEX_IDS, 256), 1 << 16)))
         } else {
             Cache::Approx(ApproxIndex::new(ApproxConfig {
                 ttl: Duration::from_secs_f64(r.ttl_secs),
@@ -101,6 +68,83 @@ impl KvRouting {
                 prune_target_ratio: r.prune_target_ratio,
             }))
         };
+        let mut next: WorkerId = 0;
+        let rank_ids = m
+            .workers
+            .iter()
+            .map(|w| {
+                (0..w.dp_size)
+                    .map(|_| {
+                        next += 1;
+                        next - 1
+                    })
+                    .collect()
+            })
+            .collect();
+        Self::assemble(m, tokenizer, cache, rank_ids, next)
+    }
+
+    /// The state for `m` when only its workers changed since `old` was built for
+    /// `old_workers`: the tokenizer and the events index are kept, and so is every remaining
+    /// worker's index id (what the index knows of its cache); a removed worker's blocks are
+    /// forgotten, and a new worker gets an id never used before while there is one (a removed
+    /// worker's subscriber may still be stopping). `None` where it cannot be kept (approximate
+    /// mode, or no room in the index): build afresh.
+    pub fn regroup(old: &KvRouting, old_workers: &[crate::config::WorkerConfig], m: &ModelConfig) -> Option<Self> {
+        let Cache::Events(index) = &old.cache else { return None };
+        let was: std::collections::HashMap<&UpstreamUrl, (&Vec<WorkerId>, u32)> =
+            old_workers.iter().zip(&old.rank_ids).map(|(w, ids)| (&w.url, (ids, w.dp_size))).collect();
+        let kept: Vec<Option<&Vec<WorkerId>>> = m.workers.iter().map(|w| was.get(&w.url).filter(|(_, dp)| *dp == w.dp_size).map(|(ids, _)| *ids)).collect();
+        let in_use: std::collections::HashSet<WorkerId> = kept.iter().flatten().flat_map(|ids| ids.iter().copied()).collect();
+        for &id in old.rank_ids.iter().flatten().filter(|id| !in_use.contains(id)) {
+            index.clear(id);
+        }
+        let mut next = old.next_id;
+        let mut reusable = (0..old.next_id).filter(|id| !in_use.contains(id));
+        let mut rank_ids = Vec::with_capacity(m.workers.len());
+        for (w, kept) in m.workers.iter().zip(kept) {
+            if let Some(ids) = kept {
+                rank_ids.push(ids.clone());
+                continue;
+            }
+            let mut ids = Vec::new();
+            for _ in 0..w.dp_size {
+                let id = if (next as usize) < index.max_workers() {
+                    next += 1;
+                    next - 1
+                } else {
+                    let id = reusable.next()?;
+                    index.clear(id);
+                    id
+                };
+                ids.push(id);
+            }
+            rank_ids.push(ids);
+        }
+        Self::assemble(m, old.tokenizer.clone(), Cache::Events(index.clone()), rank_ids, next).ok()
+    }
+
+    fn assemble(m: &ModelConfig, tokenizer: Option<Arc<SegmentCache>>, cache: Cache, rank_ids: Vec<Vec<WorkerId>>, next_id: WorkerId) -> Result<Self, String> {
+        let r = &m.routing;
+        let hasher = Hasher::new(m.block_size as usize, DEFAULT_SEED);
+        let messages = tokenizer.as_ref().map(|t| kvgate_tokenize::dialect::messages::MessagesOptions::for_tokenizer(t.tokenizer())).unwrap_or_default();
+        let mut sources = Vec::new();
+        // A cost that never consults the cache needs no subscribers either.
+        if r.kv_events && r.uses_cache() {
+            for (w, ids) in m.workers.iter().zip(&rank_ids) {
+                let Some(crate::config::KvEvents::At(ep)) = &w.kv_events else { continue };
+                for (rank, &id) in (0u32..).zip(ids) {
+                    sources.push(Source {
+                        endpoint: rank_endpoint(&ep.0, rank)?,
+                        replay: w.replay.as_ref().map(|e| rank_endpoint(&e.0, rank)).transpose()?,
+                        topic: String::new(),
+                        worker: id,
+                        hasher,
+                        label: source_label(&w.url, rank),
+                    });
+                }
+            }
+        }
         if r.cost == Cost::Time && r.overlap_score_weight != 1.0 {
             tracing::warn!(model = %m.name, weight = r.overlap_score_weight, "routing.overlap_score_weight applies to cost: blocks only; the time cost (the default) ignores it");
         }
@@ -110,6 +154,7 @@ impl KvRouting {
             messages,
             cache,
             rank_ids,
+            next_id,
             sources,
             policy: KvPolicy::new(KvParams {
                 cost: r.cost,
@@ -155,9 +200,10 @@ impl KvRouting {
         }
     }
 
-    /// Index ids in use (for [`Matches::to_dense`]).
+    /// One past the highest index id in use (for [`Matches::to_dense`]; ids of removed workers
+    /// leave gaps).
     pub fn rank_count(&self) -> usize {
-        self.rank_ids.iter().map(Vec::len).sum()
+        self.rank_ids.iter().flatten().max().map_or(0, |&id| id as usize + 1)
     }
 
     /// Adds prefix knowledge to worker `c.id`'s candidate: its best overlap over its DP ranks
@@ -205,6 +251,18 @@ impl KvRouting {
             Cache::Approx(_) => 0,
         }
     }
+}
+
+/// A model's tokenizer with its segment cache, if configured.
+fn load_tokenizer(m: &ModelConfig) -> Result<Option<Arc<SegmentCache>>, String> {
+    let Some(p) = &m.tokenizer else { return Ok(None) };
+    // `builtin`: the small tokenizer shipped with the repository (vllm-sim's).
+    let tok = if p.as_os_str() == "builtin" { ModelTokenizer::builtin() } else { ModelTokenizer::load(p).map_err(|e| format!("model {:?}: {e}", m.name))? };
+    let cache = SegmentCache::new(tok, kvgate_tokenize::segmented::DEFAULT_CAPACITY);
+    if !cache.enabled(false) {
+        tracing::warn!(model = %m.name, "this tokenizer cannot be tokenized by segments exactly; every prompt is tokenized in full");
+    }
+    Ok(Some(Arc::new(cache)))
 }
 
 /// Metrics/log label of a worker's DP rank.

@@ -20,11 +20,15 @@
 //! - [`sse`]: reading a worker's Server-Sent Events stream;
 //! - [`http`]: the Pingora services (public API, admin);
 //! - [`tasks`]: background work under one supervisor;
+//! - [`planner`]: seed 002's planner acting on a model's fleet (pull, decide, scale up, drain
+//!   and stop);
+//! - [`connector`]: how the planner starts and stops workers (`local` processes);
 //! - [`plugins`]: loaded WebAssembly routing policies;
 //! - [`server`]: starting and stopping (drain on SIGTERM);
 //! - `demo` (feature `demo`): `kvgate demo` on in-process simulated workers.
 
 pub mod config;
+pub(crate) mod connector;
 #[cfg(feature = "demo")]
 pub mod demo;
 pub(crate) mod downstream;
@@ -40,6 +44,7 @@ pub(crate) mod kv_routing;
 pub(crate) mod metrics;
 pub(crate) mod move_order;
 pub(crate) mod or_never;
+pub(crate) mod planner;
 pub mod plugins;
 pub(crate) mod receipt;
 pub(crate) mod request;

@@ -2,6 +2,8 @@
 //! listeners. Where seed 003 names a metric (`dynamo_frontend_model_cancellation_total`), the
 //! kvgate equivalent keeps its labels.
 
+pub mod planner;
+
 use prometheus::{Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
 const LATENCY_BUCKETS: &[f64] = &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0];
@@ -91,6 +93,8 @@ pub struct Metrics {
     /// `kvgate_render_fallback_total{endpoint,reason}`: Messages and Responses prompts kv
     /// routing could not render exactly as vLLM does, placed by load instead.
     pub render_fallback: IntCounterVec,
+    /// The planner's (`kvgate_planner_*`).
+    pub planner: planner::PlannerMetrics,
 }
 
 impl Metrics {
@@ -218,6 +222,7 @@ impl Metrics {
             queued: gauge("kvgate_queued_requests", "Requests held in the router queue.", &["model"]),
             queue_wait: hist("kvgate_queue_wait_seconds", "Time requests spent in the router queue.", LATENCY_BUCKETS, &["model"]),
             rejected: counter("kvgate_tasks_rejected_total", "Requests refused by shedding or the router queue.", &["model", "reason"]),
+            planner: planner::PlannerMetrics::new(&registry),
             registry,
         }
     }

@@ -18,6 +18,8 @@ pub enum MoveReason {
     Admin,
     /// A rescheduling policy (its name).
     Rescheduler(&'static str),
+    /// The planner removes its worker.
+    ScaleDown,
 }
 
 impl MoveReason {
@@ -27,6 +29,7 @@ impl MoveReason {
             Self::Failover => "failover",
             Self::Admin => "admin",
             Self::Rescheduler(policy) => policy,
+            Self::ScaleDown => "scale_down",
         }
     }
 }

@@ -265,6 +265,11 @@ impl FlatIndex {
         w.table.memory_bytes() + maps + spill
     }
 
+    /// Workers (ids) it has room for.
+    pub fn max_workers(&self) -> usize {
+        self.max_workers
+    }
+
     /// Shared-table slots (for tests and diagnostics).
     pub fn table_capacity(&self) -> usize {
         self.writer.lock().table.capacity()

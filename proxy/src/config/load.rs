@@ -326,8 +326,9 @@ fn workers(m: &ModelConfig) -> Result<(), Invalid> {
     if slots > 256 {
         return Err((format!("model {:?}: at most 256 worker DP ranks per model", m.name), at(m.name.clone(), 1)));
     }
-    if m.workers.is_empty() {
-        return Err((format!("model {:?}: at least one worker is required", m.name), at(m.name.clone(), 1)));
+    let planned = m.planner.rules.enabled && m.planner.rules.mode == super::PlanMode::Act && m.planner.connector.is_some();
+    if m.workers.is_empty() && !planned {
+        return Err((format!("model {:?}: at least one worker is required (or a planner with a connector to start them)", m.name), at(m.name.clone(), 1)));
     }
     let mut urls = std::collections::HashSet::new();
     for w in &m.workers {
@@ -337,8 +338,15 @@ fn workers(m: &ModelConfig) -> Result<(), Invalid> {
         if !(1..=64).contains(&w.dp_size) {
             return Err((format!("worker {}: dp_size must be within 1..=64", w.url), at("dp_size".into(), 1)));
         }
-        if w.replay.is_some() && w.kv_events.is_none() {
-            return Err((format!("worker {}: replay needs kv_events", w.url), at("replay".into(), 1)));
+        match (&w.replay, &w.kv_events) {
+            (Some(_), None) => return Err((format!("worker {}: replay needs kv_events", w.url), at("replay".into(), 1))),
+            (Some(_), Some(super::KvEvents::Auto)) => {
+                return Err((
+                    format!("worker {}: with kv_events: auto the replay endpoint comes from the worker's /kv_event_sources", w.url),
+                    at("replay".into(), 1),
+                ));
+            }
+            _ => {}
         }
     }
     Ok(())

@@ -11,9 +11,9 @@ mod values;
 
 pub use load::{ConfigError, load_file, load_str};
 pub use passthrough::{Passthrough, PathPattern};
-pub use planner::{PlanMode, Planner};
+pub use planner::{ConnectorConfig, DrainMode, LocalConnector, PlanMode, PlanParams, Planner};
 pub use rescheduling::{LoadMetric, Rescheduling};
-pub use values::{ByteSize, UpstreamUrl, ZmqEndpoint};
+pub use values::{ByteSize, KvEvents, UpstreamUrl, ZmqEndpoint};
 
 use kvgate_filters::route::Mode;
 use serde::Deserialize;
@@ -404,9 +404,10 @@ impl Default for Routing {
 pub struct WorkerConfig {
     /// Base URL, `http://host:port`.
     pub url: UpstreamUrl,
-    /// Its KV events PUB endpoint (`tcp://host:port`), if it publishes events.
+    /// Its KV events PUB endpoint (`tcp://host:port`), or `auto` (read from its
+    /// `GET /kv_event_sources`), if it publishes events.
     #[serde(default)]
-    pub kv_events: Option<ZmqEndpoint>,
+    pub kv_events: Option<KvEvents>,
     /// Its KV events replay ROUTER endpoint.
     #[serde(default)]
     pub replay: Option<ZmqEndpoint>,
@@ -419,6 +420,36 @@ pub struct WorkerConfig {
     /// Its unit (the rescheduler's scope `unit` and failure domains `*-unit`).
     #[serde(default)]
     pub unit: Option<String>,
+    /// Where it came from: the file, or added at run time (never read from the file).
+    #[serde(skip)]
+    pub origin: Origin,
+}
+
+impl WorkerConfig {
+    /// A worker added at run time at `url`, with its KV events found through the worker.
+    pub fn added(url: UpstreamUrl, kv_events: bool, origin: Origin) -> Self {
+        Self { url, kv_events: kv_events.then_some(KvEvents::Auto), replay: None, dp_size: 1, node: None, unit: None, origin }
+    }
+}
+
+/// Where a worker came from (`GET /workers` shows it).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Origin {
+    /// The config file.
+    #[default]
+    Config,
+    /// Started by the model's planner through its connector; the connector's name for it.
+    Planner(String),
+}
+
+impl Origin {
+    /// As `GET /workers` shows it.
+    pub fn label(&self) -> String {
+        match self {
+            Self::Config => "config".into(),
+            Self::Planner(name) => format!("planner:{name}"),
+        }
+    }
 }
 
 fn default_listen() -> SocketAddr {

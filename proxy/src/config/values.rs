@@ -88,6 +88,28 @@ impl<'de> Deserialize<'de> for ZmqEndpoint {
     }
 }
 
+/// Where a worker's KV events come from.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum KvEvents {
+    /// Its PUB endpoint.
+    At(ZmqEndpoint),
+    /// Whatever its `GET /kv_event_sources` names (vLLM and vllm-sim serve it), read again
+    /// after the worker restarts.
+    Auto,
+}
+
+impl<'de> Deserialize<'de> for KvEvents {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if s == "auto" {
+            return Ok(Self::Auto);
+        }
+        ZmqEndpoint::deserialize(de::value::StrDeserializer::<D::Error>::new(&s))
+            .map(Self::At)
+            .map_err(|_| de::Error::custom(format!("{s:?}: expected tcp://host:port or auto")))
+    }
+}
+
 /// A byte count: an integer, or a string with a unit (`512KiB`, `32MiB`, `1GiB`, `10MB`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ByteSize(pub u64);

@@ -21,7 +21,7 @@ pub use cards::ModelCards;
 pub use model::Model;
 pub use registry::WorkerRegistry;
 pub use stored_responses::StoredResponses;
-pub use worker::{ReportedLoad, Worker};
+pub use worker::{FoundKvSource, ReportedLoad, Worker};
 
 use std::collections::HashMap;
 use std::sync::Arc;

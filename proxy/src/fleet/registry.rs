@@ -28,6 +28,13 @@ impl WorkerRegistry {
         };
         let same_cfg = |m: &ModelConfig| old.and_then(|f| f.models.get(&m.name)).filter(|o| o.cfg == *m).cloned();
         let unchanged = |m: &ModelConfig| same_cfg(m).filter(|o| same_slot(&o.plugin, &slot(m)));
+        // Only its workers changed (the planner, discovery, or a reload that only adds or removes
+        // workers): its KV index and router queue go on.
+        let regrouped = |m: &ModelConfig| {
+            let o = old.and_then(|f| f.models.get(&m.name))?;
+            let without_workers = |c: &ModelConfig| ModelConfig { workers: Vec::new(), ..c.clone() };
+            (without_workers(&o.cfg) == without_workers(m)).then(|| o.clone())
+        };
         let kv: Vec<Option<Arc<crate::kv_routing::KvRouting>>> = cfg
             .models
             .iter()
@@ -35,7 +42,11 @@ impl WorkerRegistry {
                 if same_cfg(m).is_some() {
                     return Ok(None); // not needed: the model's state is reused below
                 }
-                (m.routing.builtin() == kvgate_filters::route::Mode::Kv).then(|| crate::kv_routing::KvRouting::build(m).map(Arc::new)).transpose()
+                if m.routing.builtin() != kvgate_filters::route::Mode::Kv {
+                    return Ok(None);
+                }
+                let regrouped = regrouped(m).and_then(|o| o.kv.as_ref().and_then(|kv| crate::kv_routing::KvRouting::regroup(kv, &o.cfg.workers, m)));
+                regrouped.map_or_else(|| crate::kv_routing::KvRouting::build(m), Ok).map(|kv| Some(Arc::new(kv)))
             })
             .collect::<Result<_, _>>()?;
         let mut known = self.by_url.lock();
@@ -72,8 +83,10 @@ impl WorkerRegistry {
                 .collect::<Vec<_>>()
                 .into();
             order.push(m.name.clone());
-            let queue = m.routing.queue_threshold.map(|_| {
-                Arc::new(kvgate_filters::route::RouterQueue::new(m.routing.queue_max_len, std::time::Duration::from_millis(m.routing.queue_max_wait_ms)))
+            let queue = regrouped(m).and_then(|o| o.queue.clone()).or_else(|| {
+                m.routing.queue_threshold.map(|_| {
+                    Arc::new(kvgate_filters::route::RouterQueue::new(m.routing.queue_max_len, std::time::Duration::from_millis(m.routing.queue_max_wait_ms)))
+                })
             });
             let policy: Arc<dyn Policy> = Arc::from(m.routing.builtin().policy());
             let ledger = Model::new_ledger(m, &workers);

@@ -47,6 +47,22 @@ pub struct Worker {
     pub probe_idle: Arc<crate::upstream::pool::IdlePool>,
     /// How fast it prefills and steps against the `time` cost's priors, as measured.
     pub calibration: super::calibration::Calibration,
+    /// The KV-event publishers its `GET /kv_event_sources` named (`kv_events: auto`; `None`:
+    /// not read since it started or came back).
+    kv_sources: RwLock<Option<Arc<[FoundKvSource]>>>,
+}
+
+/// A KV-event publisher a worker named in its `GET /kv_event_sources`, for one DP rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FoundKvSource {
+    /// The DP rank.
+    pub rank: u32,
+    /// Its PUB endpoint, as the gateway connects to it.
+    pub endpoint: String,
+    /// Its replay ROUTER endpoint.
+    pub replay: Option<String>,
+    /// The topic it publishes under.
+    pub topic: String,
 }
 
 impl Worker {
@@ -71,7 +87,18 @@ impl Worker {
             idle: Arc::default(),
             probe_idle: Arc::default(),
             calibration: Default::default(),
+            kv_sources: RwLock::new(None),
         }
+    }
+
+    /// The KV-event publishers it named, once read.
+    pub fn kv_sources(&self) -> Option<Arc<[FoundKvSource]>> {
+        self.kv_sources.read().clone()
+    }
+
+    /// Records the KV-event publishers it named.
+    pub fn set_kv_sources(&self, found: Vec<FoundKvSource>) {
+        *self.kv_sources.write() = Some(found.into());
     }
 
     /// The worker's address: the cached one, or a fresh lookup (then cached).
@@ -111,6 +138,8 @@ impl Worker {
             self.consecutive_failures.store(0, Ordering::Relaxed);
             let n = self.consecutive_successes.fetch_add(1, Ordering::Relaxed) + 1;
             if n >= healthy_after && !self.healthy.swap(true, Ordering::Relaxed) {
+                // It may have restarted with other publishers: read them again.
+                *self.kv_sources.write() = None;
                 return Some(true);
             }
         } else {

@@ -1,7 +1,8 @@
 //! The admin listener: `/metrics`, `/health`, `GET /workers` (each worker's health and load),
 //! `GET /requests` (the requests in flight) and `GET /requests/{id}` (one request, in flight or
 //! recently finished, with its route receipt), `POST /migrate` (move a request to another
-//! worker; `super::migrate`), `GET /rescheduling` (the rescheduler's last cycle),
+//! worker; `super::migrate`), `GET /rescheduling` (the rescheduler's last cycle), `GET /planner`
+//! (each planner's mode, workers wanted, last decision and the workers it started),
 //! `POST /reload` (re-read the config file; a bad file is refused and the old config stays),
 //! `GET /busy_threshold` and `POST /busy_threshold` (seed 000's shapes: read or set a model's
 //! busy thresholds at run time), `GET /plugins` and `POST /plugins/reload` (re-read every
@@ -32,6 +33,10 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut ClientConn, method: &str, pa
             let last = gw.rescheduling_last.lock().clone();
             respond_json(session, 200, &json!({"enabled": gw.config().rescheduling.enable_rescheduling, "last_cycle": last})).await
         }
+        ("GET", "/planner") => {
+            let planners = gw.planner_status.lock().clone();
+            respond_json(session, 200, &json!({"planners": planners})).await
+        }
         ("GET", "/busy_threshold") => list_thresholds(gw, session).await,
         ("POST", "/busy_threshold") => set_threshold(gw, session).await,
         ("GET", "/plugins") => list_plugins(gw, session).await,
@@ -43,7 +48,8 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut ClientConn, method: &str, pa
         (_, p) if super::fleet_ops::OPERATIONS.contains(&p) => respond_error(session, &ClientError::method_not_allowed(method, path), &[]).await,
         (
             _,
-            "/metrics" | "/health" | "/workers" | "/requests" | "/reload" | "/migrate" | "/rescheduling" | "/busy_threshold" | "/plugins" | "/plugins/reload",
+            "/metrics" | "/health" | "/workers" | "/requests" | "/reload" | "/migrate" | "/rescheduling" | "/planner" | "/busy_threshold" | "/plugins"
+            | "/plugins/reload",
         ) => respond_error(session, &ClientError::method_not_allowed(method, path), &[]).await,
         _ => respond_error(session, &ClientError::not_found(path), &[]).await,
     }
@@ -65,7 +71,8 @@ async fn workers(gw: &Arc<Gateway>, session: &mut ClientConn) {
                         w.reported().iter().map(|r| json!({"kv_usage": r.kv_usage, "waiting": r.waiting, "total_blocks": r.total_blocks})).collect();
                     let id = i as u16;
                     let adapters = w.cards().map(|c| c.adapters.clone()).unwrap_or_default();
-                    json!({"id": i, "url": w.label, "healthy": w.is_healthy(), "paused": w.is_paused(), "adapters": adapters, "in_flight": m.ledger.requests(id),
+                    let origin = m.cfg.workers.get(i).map(|c| c.origin.label());
+                    json!({"id": i, "url": w.label, "origin": origin, "healthy": w.is_healthy(), "paused": w.is_paused(), "adapters": adapters, "in_flight": m.ledger.requests(id),
                            "booked_prefill_tokens": m.ledger.prefill_tokens(id), "booked_blocks": m.ledger.active_blocks(id),
                            "queue_busy": m.queue_busy(i), "reported": reported})
                 })

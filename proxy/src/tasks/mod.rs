@@ -10,12 +10,14 @@
 //! - [`ledger_upkeep`]: booking expiry and the ledger gauges;
 //! - [`config_watch`]: config file watch and SIGHUP → reload;
 //! - [`plugin_watch`]: plugin file polling → hot swap;
-//! - [`rescheduler`]: seed 004's rescheduling loop (moves requests between workers).
+//! - [`rescheduler`]: seed 004's rescheduling loop (moves requests between workers);
+//! - [`planner`]: seed 002's planner for every planned model (scales its fleet).
 
 pub mod config_watch;
 pub mod health;
 pub mod kv_subscribers;
 pub mod ledger_upkeep;
+pub mod planner;
 pub mod plugin_watch;
 pub mod queue_release;
 pub mod rescheduler;
@@ -54,11 +56,13 @@ pub enum Task {
     PluginWatch,
     /// [`rescheduler`].
     Rescheduler,
+    /// [`planner`].
+    Planner,
 }
 
 impl Task {
     /// Every task, in start order.
-    pub const ALL: [Task; 8] = [
+    pub const ALL: [Task; 9] = [
         Task::Health,
         Task::WorkerMetrics,
         Task::KvSubscribers,
@@ -67,6 +71,7 @@ impl Task {
         Task::ConfigWatch,
         Task::PluginWatch,
         Task::Rescheduler,
+        Task::Planner,
     ];
 
     /// Name for logs.
@@ -80,6 +85,7 @@ impl Task {
             Task::ConfigWatch => "config_watch",
             Task::PluginWatch => "plugin_watch",
             Task::Rescheduler => "rescheduler",
+            Task::Planner => "planner",
         }
     }
 
@@ -94,6 +100,7 @@ impl Task {
             Task::ConfigWatch => Box::pin(config_watch::run(gw, watch)),
             Task::Rescheduler => Box::pin(rescheduler::run(gw)),
             Task::PluginWatch => Box::pin(plugin_watch::run(gw)),
+            Task::Planner => Box::pin(planner::run(gw)),
         };
         set.spawn(async move {
             if !delay.is_zero() {

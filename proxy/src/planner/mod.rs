@@ -1,0 +1,264 @@
+//! Seed 002's planner acting on one model's fleet (issue #35; docs/planner.md). Every
+//! `metric_pulling_interval_s` it pulls the load the gateway already holds, every
+//! `adjustment_interval_s` it asks the rules (`kvgate_filters::plan`) for a decision, and in
+//! `act` mode it carries the decision out through the model's connector, one change at a time:
+//! - [`change`]: a scale-up (start, wait until it answers, join routing) and a scale-down
+//!   (leave routing, move its streams, wait for the rest, stop it);
+//! - [`record`]: the decision log (JSON lines) and the `kvgate_planner_*` metrics.
+//!
+//! Workers the connector reports dead are taken out of routing and replaced.
+
+pub mod change;
+pub mod record;
+
+use crate::config::{Origin, Planner as PlannerConfig, WorkerConfig};
+use crate::connector::{Connector, Managed};
+use crate::fleet::Model;
+use crate::gateway::Gateway;
+use kvgate_filters::plan::{Change, Decision, PlanMode, Planner, Pull, Workers};
+use record::Recorder;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// One planned model.
+pub struct ModelPlanner {
+    model: String,
+    cfg: PlannerConfig,
+    rules: Planner,
+    connector: Option<Arc<dyn Connector>>,
+    recorder: Recorder,
+    /// The change under way; pulls and decisions wait for it (the seed blocks them).
+    change: Option<tokio::task::JoinHandle<change::Outcome>>,
+    /// Workers wanted: the running count when planning started, then each decision's.
+    desired: Option<u32>,
+    next_pull: Instant,
+    next_adjust: Instant,
+    last: Option<Decision>,
+}
+
+impl ModelPlanner {
+    /// Starts planning `model` with `cfg`: the connector adopts what its state file lists;
+    /// those workers join routing at once, and workers an earlier planner left in routing that
+    /// the connector does not run leave it.
+    pub fn start(gw: &Arc<Gateway>, model: &str, cfg: PlannerConfig) -> Self {
+        let now = Instant::now();
+        let mut me = Self {
+            model: model.to_string(),
+            rules: Planner::new(cfg.rules),
+            recorder: Recorder::new(model, cfg.log.as_deref(), &gw.metrics),
+            connector: None,
+            change: None,
+            desired: None,
+            next_pull: now,
+            next_adjust: now + secs(cfg.rules.adjustment_interval_s),
+            last: None,
+            cfg,
+        };
+        me.connect(gw);
+        me
+    }
+
+    /// Builds the connector and puts the workers it already runs into routing.
+    fn connect(&mut self, gw: &Arc<Gateway>) {
+        self.connector = self.cfg.connector.as_ref().map(|c| Arc::from(crate::connector::build(c, &self.model, self.cfg.rules.decode_engine_num_gpu)));
+        let running = self.connector.as_ref().map(|c| c.list()).unwrap_or_default();
+        let (gw, model) = (gw.clone(), self.model.clone());
+        tokio::task::spawn_blocking(move || {
+            let r = gw.update_added_workers(&model, |l| l.retain(|w| running.iter().any(|m| m.url == w.url)));
+            if let Err(e) = r {
+                tracing::error!(model, error = %e, "planner: cannot take stale workers out of routing");
+            }
+            // Adopted workers are warm already: they join at once.
+            join(&gw, &model, &running);
+        });
+    }
+
+    /// Takes a reloaded section: new rules (a new interval starts); the connector is kept
+    /// unless its own settings changed.
+    pub fn reconfigure(&mut self, gw: &Arc<Gateway>, cfg: PlannerConfig) {
+        let reconnect = cfg.connector != self.cfg.connector;
+        if cfg.log != self.cfg.log {
+            self.recorder = Recorder::new(&self.model, cfg.log.as_deref(), &gw.metrics);
+        }
+        self.rules = Planner::new(cfg.rules);
+        self.next_adjust = Instant::now() + secs(cfg.rules.adjustment_interval_s);
+        self.cfg = cfg;
+        if reconnect {
+            // The old connector stops its workers as it goes (unless a state file keeps them
+            // for the new one to adopt).
+            self.connector = None;
+            self.desired = None;
+            self.connect(gw);
+        }
+    }
+
+    /// Its config section.
+    pub fn config(&self) -> &PlannerConfig {
+        &self.cfg
+    }
+
+    /// One step: finish a change that ended, reap dead workers, pull and decide when due, act.
+    pub async fn tick(&mut self, gw: &Arc<Gateway>) {
+        if self.change.as_ref().is_some_and(|h| h.is_finished()) {
+            let outcome = match self.change.take().expect("checked").await {
+                Ok(o) => o,
+                Err(e) => change::Outcome::failed(change::Kind::Up, Duration::ZERO, format!("the change task failed: {e}")),
+            };
+            self.recorder.change(&outcome);
+        }
+        self.reap(gw).await;
+        let Some(model) = gw.fleet().model(&self.model).cloned() else { return };
+        let now = Instant::now();
+        let adjusting = self.change.is_some();
+        let running = model.workers.len() as u32;
+        if now >= self.next_pull {
+            self.next_pull = now + secs(self.cfg.rules.metric_pulling_interval_s);
+            if let Some(pull) = pull(&model) {
+                self.rules.observe(pull, adjusting);
+                self.recorder.pull(&pull, running, adjusting);
+            }
+        }
+        if now >= self.next_adjust {
+            self.next_adjust = now + secs(self.cfg.rules.adjustment_interval_s);
+            if let Some(d) = self.rules.adjust(Workers { decode: running, prefill: 0 }, adjusting) {
+                let act = self.cfg.rules.mode == PlanMode::Act && self.connector.is_some();
+                let wanted = match d.decode.0 {
+                    Change::Up => running + 1,
+                    Change::Down => running - 1,
+                    Change::Hold => running,
+                };
+                if act {
+                    self.desired = Some(wanted);
+                }
+                self.recorder.decision(&d, running, wanted, act);
+                self.last = Some(d);
+                if act {
+                    self.act(gw, &model, d.decode.0);
+                }
+            }
+        }
+        // A worker that died is replaced without waiting for a decision.
+        if self.change.is_none()
+            && let Some(want) = self.desired
+            && running < want
+        {
+            self.act(gw, &model, Change::Up);
+        }
+        self.recorder.workers(running, self.desired.unwrap_or(running));
+    }
+
+    /// Starts the change `c`.
+    fn act(&mut self, gw: &Arc<Gateway>, model: &Model, c: Change) {
+        let Some(connector) = self.connector.clone() else { return };
+        let gw = gw.clone();
+        let name = self.model.clone();
+        match c {
+            Change::Hold => {}
+            Change::Up => {
+                let ready = match &self.cfg.connector {
+                    Some(crate::config::ConnectorConfig::Local(l)) => secs(l.ready_timeout_s),
+                    None => return,
+                };
+                self.change = Some(tokio::spawn(async move { change::scale_up(&gw, &name, connector.as_ref(), ready).await }));
+            }
+            Change::Down => {
+                let Some(victim) = victim(model, connector.as_ref()) else {
+                    tracing::info!(model = %self.model, "planner: scale-down held: every worker is in the config file (the planner removes only its own)");
+                    self.desired = Some(model.workers.len() as u32);
+                    return;
+                };
+                let how = change::Drain { timeout: secs(self.cfg.drain_timeout_s), migrate: self.cfg.drain == crate::config::DrainMode::Migrate };
+                self.change = Some(tokio::spawn(async move { change::scale_down(&gw, &name, connector.as_ref(), victim, how).await }));
+            }
+        }
+    }
+
+    /// Takes workers that died out of routing.
+    async fn reap(&mut self, gw: &Arc<Gateway>) {
+        let Some(c) = &self.connector else { return };
+        let dead = c.reap();
+        if dead.is_empty() {
+            return;
+        }
+        for d in &dead {
+            tracing::warn!(model = %self.model, worker = %d.name, "planner: worker exited without being stopped; it leaves routing and is replaced");
+            self.recorder.exit(d);
+        }
+        let (gw, model) = (gw.clone(), self.model.clone());
+        let urls: Vec<_> = dead.into_iter().map(|d| d.url).collect();
+        let left = tokio::task::spawn_blocking(move || gw.update_added_workers(&model, |l| l.retain(|w| !urls.contains(&w.url)))).await;
+        if let Ok(Err(e)) = left {
+            tracing::error!(model = %self.model, error = %e, "planner: cannot take a dead worker out of routing");
+        }
+    }
+
+    /// `GET /planner`'s view.
+    pub fn to_json(&self) -> serde_json::Value {
+        let last = self.last.map(|d| serde_json::json!({"change": record::change_label(d.decode.0), "reason": d.decode.1.label(), "kv_usage": d.decode_kv}));
+        let workers: Vec<_> = self
+            .connector
+            .as_ref()
+            .map(|c| c.list())
+            .unwrap_or_default()
+            .into_iter()
+            .map(|m| serde_json::json!({"name": m.name, "url": m.url.to_string(), "gpus": m.gpus}))
+            .collect();
+        serde_json::json!({
+            "model": self.model, "mode": if self.cfg.rules.mode == PlanMode::Act { "act" } else { "observe_only" },
+            "connector": self.connector.as_ref().map(|c| c.kind()), "desired": self.desired,
+            "changing": self.change.is_some(), "last_decision": last, "started_workers": workers,
+        })
+    }
+}
+
+/// The load now: the average KV utilisation (fullest rank) of the healthy workers that
+/// reported theirs, and the requests waiting (router queue + the workers' own) per worker.
+/// `None` when no worker reported.
+pub fn pull(model: &Model) -> Option<Pull> {
+    let mut kv = Vec::new();
+    let mut waiting = model.queue.as_ref().map_or(0, |q| q.len()) as f64;
+    for w in model.workers.iter().filter(|w| w.is_healthy()) {
+        let r = w.reported_summary();
+        if r.ranks > 0 {
+            kv.push(r.kv_usage);
+            waiting += r.waiting as f64;
+        }
+    }
+    if kv.is_empty() {
+        return None;
+    }
+    let n = kv.len() as f64;
+    Some(Pull { decode_kv: kv.iter().sum::<f64>() / n, prefill_queue: Some(waiting / n) })
+}
+
+/// The worker a scale-down removes: one the planner started (never one of the file's), the
+/// one with the fewest requests in flight, the newest among equals.
+fn victim(model: &Model, connector: &dyn Connector) -> Option<Managed> {
+    let started = connector.list();
+    model
+        .workers
+        .iter()
+        .enumerate()
+        .filter_map(|(i, w)| started.iter().find(|m| m.url == w.url).map(|m| (model.ledger.requests(i as u16), std::cmp::Reverse(i), m)))
+        .min_by_key(|(n, newest, _)| (*n, *newest))
+        .map(|(_, _, m)| m.clone())
+}
+
+/// Puts `workers` into routing.
+fn join(gw: &Gateway, model: &str, workers: &[Managed]) {
+    let added: Vec<WorkerConfig> = workers.iter().map(|m| WorkerConfig::added(m.url.clone(), m.kv_events, Origin::Planner(m.name.clone()))).collect();
+    let r = gw.update_added_workers(model, |l| {
+        for w in added {
+            if !l.iter().any(|x| x.url == w.url) {
+                l.push(w);
+            }
+        }
+    });
+    if let Err(e) = r {
+        tracing::error!(model, error = %e, "planner: cannot add workers to routing");
+    }
+}
+
+fn secs(s: f64) -> Duration {
+    Duration::from_secs_f64(s)
+}
