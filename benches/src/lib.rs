@@ -7,6 +7,7 @@
 pub mod cluster;
 pub mod load;
 pub mod peers;
+pub mod planner;
 pub mod reschedule;
 pub mod trace;
 

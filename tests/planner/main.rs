@@ -138,3 +138,90 @@ async fn the_local_connector_scales_sims_one_to_three_and_back_without_a_failed_
     assert_eq!(m.sum("kvgate_planner_changes_failed_total", &[]), 0.0);
     assert!(m.sum("kvgate_planner_decisions_total", &[("change", "down"), ("reason", "under_threshold")]) >= 2.0);
 }
+
+/// Real vLLM (tests/real-vllm/run-suite.sh, which sets `KVGATE_VLLM_RUN` to its `run.sh`): the
+/// local connector starts a real vLLM server from the template; it joins routing with its KV
+/// events found through `/kv_event_sources`; streams run on it; a scale-down moves them to
+/// the configured server and stops it, its whole process group gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_real_vllm_worker_started_by_the_local_connector_joins_and_leaves_cleanly() {
+    let (Ok(run), Ok(first)) = (std::env::var("KVGATE_VLLM_RUN"), std::env::var("KVGATE_TARGET_URL")) else {
+        eprintln!("KVGATE_VLLM_RUN not set: the real-vLLM planner test runs under tests/real-vllm/run-suite.sh");
+        return;
+    };
+    let model = std::env::var("KVGATE_TARGET_MODEL").unwrap_or_else(|_| "tiny".into());
+    let tokenizer = std::env::var("KVGATE_TARGET_TOKENIZER").expect("KVGATE_TARGET_TOKENIZER names the tiny model's tokenizer");
+    let zmq = std::env::var("KVGATE_TARGET_ZMQ").expect("KVGATE_TARGET_ZMQ names the first server's KV events");
+    let dir = TempDir::new();
+    // Below the ephemeral range, as the suite picks its own (vLLM binds its KV port late).
+    let ports = 20000 + (std::process::id() % 5000) as u16 * 2;
+    let rules = |min: u32| {
+        format!(
+            "      metric_pulling_interval_s: 0.5\n      adjustment_interval_s: 2\n      min_gpu_budget: {min}\n      max_gpu_budget: 2\n      decode_kv_scale_up_threshold: 0.99\n      decode_kv_scale_down_threshold: 0.9\n      new_decode_worker_grace_period: 0\n      drain_timeout_s: 120\n"
+        )
+    };
+    let yaml = |min: u32| {
+        format!(
+            "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nthreads: 2\nload:\n  interval_ms: 200\nhealth:\n  interval_ms: 500\n  timeout_ms: 5000\n  unhealthy_threshold: 3\n  healthy_threshold: 1\n\
+             models:\n  - name: {model}\n    tokenizer: {tokenizer}\n    block_size: 32\n    routing:\n      mode: kv\n    planner:\n      enabled: true\n      log: {log}\n{rules}      connector:\n        kind: local\n        command: \"bash {run} {{port}} {{kv_port}}\"\n        ports_from: {ports}\n        kv_ports_from: {kv}\n        log_dir: {logs}\n        ready_timeout_s: 300\n        stop_timeout_s: 30\n    workers:\n      - url: {first}\n        kv_events: {zmq}\n",
+            log = dir.0.join("planner.jsonl").display(),
+            logs = dir.0.join("workers").display(),
+            kv = ports + 100,
+            rules = rules(min),
+        )
+    };
+    let c = Cluster::front_yaml(yaml(2)).await;
+    // Below its minimum of 2: the planner starts one real vLLM (a minute or two on 2 cores).
+    let joined = wait_until(Duration::from_secs(300), || async { workers(&c).await.len() == 2 }).await;
+    let logs = || {
+        std::fs::read_dir(dir.0.join("workers"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| std::fs::read_to_string(e.path()).unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    assert!(joined.is_some(), "the started vLLM joined: {:?}\n{}", log_lines(&dir.0), logs());
+    let started = workers(&c).await.into_iter().find(|w| w["origin"].as_str().is_some_and(|o| o.starts_with("planner:"))).expect("a planner worker");
+    let url = started["url"].as_str().unwrap().to_string();
+    // Its events, found through /kv_event_sources: a request sent to it directly is indexed.
+    let body = json!({"model": model, "prompt": unique_text(60), "max_tokens": 1});
+    assert_eq!(c.http.post(format!("{url}/v1/completions")).json(&body).send().await.unwrap().status(), 200);
+    let source = format!("{url}#0");
+    let indexed = wait_until(Duration::from_secs(30), || async { c.gateway_metrics().await.sum("kvgate_kv_index_blocks", &[("source", &source)]) > 0.0 }).await;
+    assert!(indexed.is_some(), "kv_events: auto subscribed the started vLLM");
+
+    // Streams on both (round robin over placement by load), then the minimum drops to 1.
+    let streams: Vec<_> = (0..4)
+        .map(|i| {
+            let (http, u) = (c.http.clone(), c.url("/v1/completions"));
+            let body = json!({"model": model, "prompt": format!("{i} {}", unique_text(40)), "max_tokens": 300, "ignore_eos": true, "temperature": 0,
+                              "stream": true, "stream_options": {"include_usage": true}});
+            tokio::spawn(async move { sse::stream(&http, &u, &body).await })
+        })
+        .collect();
+    let on_it = wait_until(Duration::from_secs(60), || async {
+        let v: Value = c.http.get(c.admin("/requests")).send().await.unwrap().json().await.unwrap();
+        v["requests"].as_array().is_some_and(|r| r.iter().any(|e| e["worker"].as_str() == Some(url.as_str()) && e["phase"] == "running"))
+    })
+    .await;
+    assert!(on_it.is_some(), "a stream runs on the started worker");
+    std::fs::write(&c.config_path, yaml(1)).unwrap();
+    assert_eq!(c.http.post(c.admin("/reload")).send().await.unwrap().status(), 200);
+    let left = wait_until(Duration::from_secs(180), || async { log_lines(&dir.0).iter().any(|l| l["event"] == "change" && l["change"] == "down") }).await;
+    assert!(left.is_some(), "scaled down: {:?}", log_lines(&dir.0));
+    for s in streams {
+        let (status, _, body) = s.await.unwrap();
+        assert_eq!(status, 200);
+        assert!(body.done, "every stream ends with [DONE]");
+        assert_eq!(body.essence()["usage"]["completion_tokens"], 300, "no stream cut short");
+    }
+    let change = log_lines(&dir.0).into_iter().find(|l| l["event"] == "change" && l["change"] == "down").unwrap();
+    assert_eq!(change["ok"], true, "{change}");
+    assert!(change["moved"].as_u64().unwrap() >= 1, "its stream moved off it: {change}");
+    assert_eq!(change["left_behind"], 0, "{change}");
+    assert_eq!(workers(&c).await.len(), 1);
+    // Stopped: nothing answers on its port any more.
+    assert!(c.http.get(format!("{url}/health")).timeout(Duration::from_secs(2)).send().await.is_err(), "the worker exited");
+}

@@ -108,3 +108,6 @@ KVGATE_TARGET_URL_2="http://127.0.0.1:$port2" KVGATE_TARGET_LORA=tiny-lora KVGAT
 export KVGATE_TARGET_URL_2="http://127.0.0.1:$port2"
 cargo test -p kvgate-tests --test migration -- --test-threads=1 --skip a_real_vllm_server_killed
 KVGATE_TARGET_PID_2="$pid2" cargo test -p kvgate-tests --test migration -- --test-threads=1 a_real_vllm_server_killed
+# The planner's local connector starts a real vLLM from run.sh (the second server is gone, so
+# two still fit) and stops it after its streams moved to the first (#35).
+KVGATE_VLLM_RUN="$here/run.sh" cargo test -p kvgate-tests --test planner -- --test-threads=1 a_real_vllm_worker

@@ -94,6 +94,121 @@ enum Cmd {
     /// The rescheduler on a skewed fleet: a burst of long decodes on the first workers, then a
     /// scale-out; the same burst without and with `decode_load` (benches/RESULTS.md).
     Reschedule(RescheduleArgs),
+    /// The planner (seed 002) with the local connector starting vllm-sim workers: a load ramp
+    /// up and down, and a scale-down by migration against one by waiting (benches/RESULTS.md).
+    Planner(PlannerArgs),
+}
+
+#[derive(Args)]
+struct PlannerArgs {
+    /// `ramp`, `drain` or `all`.
+    #[arg(long, default_value = "all")]
+    scenario: String,
+    /// The vllm-sim binary.
+    #[arg(long, default_value = "target/release/vllm-sim")]
+    sim_bin: PathBuf,
+    /// The kvgate binary.
+    #[arg(long, default_value = "target/release/kvgate")]
+    kvgate_bin: PathBuf,
+    /// Where the decision logs and the plot go.
+    #[arg(long, default_value = "benches/out/planner")]
+    out: PathBuf,
+    /// vllm-sim's --time-scale.
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// vllm-sim's KV blocks per worker.
+    #[arg(long, default_value_t = 400)]
+    gpu_blocks: usize,
+    /// Prompt tokens per stream.
+    #[arg(long, default_value_t = 256)]
+    prompt_tokens: usize,
+    /// Output tokens per stream.
+    #[arg(long, default_value_t = 256)]
+    output_tokens: usize,
+    /// ramp: clients in each step, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "2,8,16,32,16,8,2")]
+    steps: Vec<usize>,
+    /// ramp: seconds per step.
+    #[arg(long, default_value_t = 20.0)]
+    step_s: f64,
+    /// The planner's adjustment_interval_s.
+    #[arg(long, default_value_t = 5.0)]
+    interval_s: f64,
+    /// The planner's max_gpu_budget (one GPU per worker).
+    #[arg(long, default_value_t = 4)]
+    max_workers: u32,
+    /// drain: streams running at the scale-down.
+    #[arg(long, default_value_t = 16)]
+    drain_streams: usize,
+    /// drain: their output tokens.
+    #[arg(long, default_value_t = 2000)]
+    drain_tokens: usize,
+}
+
+async fn planner(a: PlannerArgs) -> i32 {
+    let o = kvgate_bench::planner::Options {
+        sim_bin: a.sim_bin,
+        kvgate_bin: a.kvgate_bin,
+        out: a.out,
+        time_scale: a.time_scale,
+        gpu_blocks: a.gpu_blocks,
+        prompt_tokens: a.prompt_tokens,
+        output_tokens: a.output_tokens,
+        steps: a.steps,
+        step_s: a.step_s,
+        interval_s: a.interval_s,
+        max_workers: a.max_workers,
+        drain_streams: a.drain_streams,
+        drain_tokens: a.drain_tokens,
+    };
+    let mut code = 0;
+    if matches!(a.scenario.as_str(), "ramp" | "all") {
+        match kvgate_bench::planner::ramp(&o).await {
+            Ok(r) => {
+                let changes: Vec<String> = r.changes.iter().map(|(c, ok)| if *ok { c.clone() } else { format!("{c} (failed)") }).collect();
+                println!("ramp: clients {:?}, {} s each, adjustment_interval_s {}, max {} workers", o.steps, o.step_s, o.interval_s, o.max_workers);
+                println!("| requests | failed | peak workers | changes | oscillated | TTFT p50 | TTFT p99 | ITL p99 |");
+                println!("|---:|---:|---:|---|---|---:|---:|---:|");
+                println!(
+                    "| {} | {} | {} | {} | {} | {:.0} ms | {:.0} ms | {:.1} ms |",
+                    r.requests,
+                    r.failed,
+                    r.peak,
+                    changes.join(" "),
+                    if r.oscillated { "yes" } else { "no" },
+                    r.ttft_ms.0,
+                    r.ttft_ms.1,
+                    r.itl_p99_ms
+                );
+                println!("decision log: {}, plot: {}", r.log.display(), r.plot.display());
+                if r.failed > 0 || r.oscillated {
+                    code = 1;
+                }
+            }
+            Err(e) => {
+                eprintln!("kvgate-bench planner ramp: {e}");
+                code = 1;
+            }
+        }
+    }
+    if matches!(a.scenario.as_str(), "drain" | "all") {
+        println!("drain: {} streams of {}+{} tokens on 2 workers, then a scale-down to 1", o.drain_streams, o.prompt_tokens, o.drain_tokens);
+        println!("| scale-down | streams | failed | moved | decision → exit | drained in | longest token gap | ITL p99 |");
+        println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+        for mode in ["migrate", "wait"] {
+            match kvgate_bench::planner::drain(&o, mode).await {
+                Ok(d) => println!(
+                    "| {} | {} | {} | {} | {:.2} s | {:.2} s | {:.0} ms | {:.1} ms |",
+                    d.mode, d.streams, d.failed, d.moved, d.decision_to_exit_s, d.drained_s, d.max_gap_ms, d.itl_p99_ms
+                ),
+                Err(e) => {
+                    eprintln!("kvgate-bench planner drain ({mode}): {e}");
+                    code = 1;
+                }
+            }
+        }
+    }
+    code
 }
 
 #[derive(Args)]
@@ -536,6 +651,7 @@ async fn main() {
             compare(workers, &targets, &sim_bin, &kvgate_bin, &sim_args, &kvgate_routing, &peers, &common).await
         }
         Cmd::Reschedule(a) => reschedule(a).await,
+        Cmd::Planner(a) => planner(a).await,
     };
     std::process::exit(code);
 }

@@ -134,13 +134,15 @@ async fn empty(gw: &Gateway, model: &str, w: &Arc<crate::fleet::Worker>, how: Dr
     let (mut ok, mut failed) = (0u64, 0u64);
     loop {
         let on_it: Vec<_> = gw.requests.snapshot().into_iter().filter(|e| &*e.model == model && e.worker().is_some_and(|x| Arc::ptr_eq(&x, w))).collect();
-        while let Some(r) = replies.try_join_next() {
-            match r {
-                Ok(true) => ok += 1,
-                _ => failed += 1,
-            }
-        }
         if on_it.is_empty() || Instant::now() >= deadline {
+            // A moved request leaves the worker before its order's answer is read: collect the
+            // answers (a move answers once the continuation streams).
+            while let Ok(Some(r)) = tokio::time::timeout_at(deadline.max(Instant::now() + POLL).into(), replies.join_next()).await {
+                match r {
+                    Ok(true) => ok += 1,
+                    _ => failed += 1,
+                }
+            }
             replies.abort_all();
             let m = &gw.metrics.planner.moved;
             m.with_label_values(&[model, "ok"]).inc_by(ok);

@@ -34,6 +34,9 @@ pub struct ModelPlanner {
     next_pull: Instant,
     next_adjust: Instant,
     last: Option<Decision>,
+    /// After a failed change, no replacement is started before this (a worker that cannot
+    /// start is not restarted in a tight loop).
+    retry_at: Instant,
 }
 
 impl ModelPlanner {
@@ -52,6 +55,7 @@ impl ModelPlanner {
             next_pull: now,
             next_adjust: now + secs(cfg.rules.adjustment_interval_s),
             last: None,
+            retry_at: now,
             cfg,
         };
         me.connect(gw);
@@ -84,12 +88,24 @@ impl ModelPlanner {
         self.next_adjust = Instant::now() + secs(cfg.rules.adjustment_interval_s);
         self.cfg = cfg;
         if reconnect {
-            // The old connector stops its workers as it goes (unless a state file keeps them
-            // for the new one to adopt).
-            self.connector = None;
+            if let Some(old) = self.connector.take() {
+                tokio::spawn(retire(gw.clone(), self.model.clone(), old, self.drain()));
+            }
             self.desired = None;
             self.connect(gw);
         }
+    }
+
+    /// Stops planning: every worker it started is drained (as a scale-down drains one) and
+    /// stopped, in the background.
+    pub fn stop(self, gw: &Arc<Gateway>) {
+        if let Some(c) = self.connector.clone() {
+            tokio::spawn(retire(gw.clone(), self.model.clone(), c, self.drain()));
+        }
+    }
+
+    fn drain(&self) -> change::Drain {
+        change::Drain { timeout: secs(self.cfg.drain_timeout_s), migrate: self.cfg.drain == crate::config::DrainMode::Migrate }
     }
 
     /// Its config section.
@@ -104,6 +120,9 @@ impl ModelPlanner {
                 Ok(o) => o,
                 Err(e) => change::Outcome::failed(change::Kind::Up, Duration::ZERO, format!("the change task failed: {e}")),
             };
+            if outcome.error.is_some() {
+                self.retry_at = Instant::now() + secs(self.cfg.rules.adjustment_interval_s);
+            }
             self.recorder.change(&outcome);
         }
         self.reap(gw).await;
@@ -139,6 +158,7 @@ impl ModelPlanner {
         }
         // A worker that died is replaced without waiting for a decision.
         if self.change.is_none()
+            && now >= self.retry_at
             && let Some(want) = self.desired
             && running < want
         {
@@ -167,7 +187,7 @@ impl ModelPlanner {
                     self.desired = Some(model.workers.len() as u32);
                     return;
                 };
-                let how = change::Drain { timeout: secs(self.cfg.drain_timeout_s), migrate: self.cfg.drain == crate::config::DrainMode::Migrate };
+                let how = self.drain();
                 self.change = Some(tokio::spawn(async move { change::scale_down(&gw, &name, connector.as_ref(), victim, how).await }));
             }
         }
@@ -242,6 +262,15 @@ fn victim(model: &Model, connector: &dyn Connector) -> Option<Managed> {
         .filter_map(|(i, w)| started.iter().find(|m| m.url == w.url).map(|m| (model.ledger.requests(i as u16), std::cmp::Reverse(i), m)))
         .min_by_key(|(n, newest, _)| (*n, *newest))
         .map(|(_, _, m)| m.clone())
+}
+
+/// Drains and stops every worker `connector` runs, one after another (a connector whose
+/// planner was turned off or given another connector).
+async fn retire(gw: Arc<Gateway>, model: String, connector: Arc<dyn Connector>, how: change::Drain) {
+    for m in connector.list() {
+        let o = change::scale_down(&gw, &model, connector.as_ref(), m, how).await;
+        tracing::info!(model, worker = ?o.worker, moved = o.moved.0, "planner: worker retired");
+    }
 }
 
 /// Puts `workers` into routing.

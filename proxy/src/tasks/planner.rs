@@ -1,7 +1,6 @@
 //! Runs seed 002's planner for every model whose `planner.enabled` is set (`crate::planner`):
 //! starts one when a model gets a planner, reconfigures it on reload, and when a model loses
-//! its planner takes the workers it started out of routing (its connector stops them unless a
-//! state file keeps them for a later planner). Publishes each planner's state for
+//! its planner drains and stops the workers it started. Publishes each planner's state for
 //! `GET /planner`.
 
 use crate::gateway::Gateway;
@@ -29,10 +28,10 @@ pub async fn run(gw: Arc<Gateway>) {
         }
         let gone: Vec<String> = planners.keys().filter(|name| !cfg.models.iter().any(|m| &m.name == *name && m.planner.rules.enabled)).cloned().collect();
         for name in gone {
-            planners.remove(&name);
-            tracing::info!(model = %name, "planner: off; the workers it started leave routing");
-            let gw = gw.clone();
-            let _ = tokio::task::spawn_blocking(move || gw.update_added_workers(&name, Vec::clear)).await;
+            if let Some(p) = planners.remove(&name) {
+                tracing::info!(model = %name, "planner: off; the workers it started are drained and stopped");
+                p.stop(&gw);
+            }
         }
         drop(cfg);
         for p in planners.values_mut() {
