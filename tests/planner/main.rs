@@ -232,3 +232,22 @@ async fn a_real_vllm_worker_started_by_the_local_connector_joins_and_leaves_clea
     // Stopped: nothing answers on its port any more.
     assert!(c.http.get(format!("{url}/health")).timeout(Duration::from_secs(2)).send().await.is_err(), "the worker exited");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn observe_only_decides_and_records_but_starts_nothing() {
+    let dir = TempDir::new();
+    let sim = vllm_sim::SimServer::start(kvgate_tests::target::test_sim_config()).await.expect("sim starts");
+    let planner = "      mode: observe_only\n      metric_pulling_interval_s: 0.1\n      adjustment_interval_s: 0.5\n      min_gpu_budget: 2\n";
+    let c = Cluster::front_yaml(planner_yaml(&dir.0, planner, &format!("\n      - url: {}", sim.url()), "round_robin")).await;
+    let decided = wait_until(Duration::from_secs(20), || async { log_lines(&dir.0).iter().filter(|l| l["event"] == "decision").count() >= 3 }).await;
+    assert!(decided.is_some(), "decisions are made: {:?}", log_lines(&dir.0));
+    let lines = log_lines(&dir.0);
+    let decisions: Vec<&Value> = lines.iter().filter(|l| l["event"] == "decision").collect();
+    assert!(decisions.iter().all(|d| d["acted"] == false && d["change"] == "up" && d["reason"] == "below_min_budget"), "{decisions:?}");
+    assert!(!lines.iter().any(|l| l["event"] == "change"), "nothing was started: {lines:?}");
+    assert_eq!(workers(&c).await.len(), 1);
+    let status: Value = c.http.get(c.admin("/planner")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(status["planners"][0]["mode"], "observe_only", "{status}");
+    assert_eq!(status["planners"][0]["started_workers"], json!([]), "{status}");
+    assert!(c.gateway_metrics().await.sum("kvgate_planner_decisions_total", &[("change", "up"), ("reason", "below_min_budget")]) >= 3.0);
+}
