@@ -99,6 +99,11 @@ impl Gateway {
     /// changed plugins: call it off the async workers.
     pub fn apply(&self, cfg: Config) -> Result<(), String> {
         let _one = self.applying.lock();
+        self.apply_locked(cfg)
+    }
+
+    /// [`Gateway::apply`], with `applying` held by the caller.
+    fn apply_locked(&self, cfg: Config) -> Result<(), String> {
         let old = self.config();
         if old.listen != cfg.listen || old.admin_listen != cfg.admin_listen || old.threads != cfg.threads {
             tracing::warn!("listen, admin_listen and threads take effect at the next restart");
@@ -169,6 +174,10 @@ impl Gateway {
     /// error nothing changes. Blocks while it builds (a model in approximate mode reloads its
     /// tokenizer): call it off the async workers.
     pub fn update_added_workers(&self, model: &str, change: impl FnOnce(&mut Vec<crate::config::WorkerConfig>)) -> Result<(), String> {
+        // The edit and the rebuild under one lock: a reload in between would otherwise be
+        // undone by a rebuild from the config read before it, and a failed rebuild puts back
+        // exactly this edit.
+        let _one = self.applying.lock();
         let before = {
             let mut added = self.added.lock();
             let list = added.entry(model.to_string()).or_default();
@@ -176,7 +185,7 @@ impl Gateway {
             change(list);
             before
         };
-        let r = self.apply((*self.config()).clone());
+        let r = self.apply_locked((*self.config()).clone());
         if r.is_err() {
             self.added.lock().insert(model.to_string(), before);
         }

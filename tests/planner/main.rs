@@ -1,6 +1,8 @@
 //! The planner end to end (issue #35): a gateway whose model's workers are vllm-sim processes
 //! the `local` connector starts from a command template, under load that rises and falls.
 
+mod kubernetes;
+
 use kvgate_tests::cluster::{Cluster, TempDir, wait_until};
 use kvgate_tests::prom::Metrics;
 use kvgate_tests::sse;

@@ -5,6 +5,7 @@
 
 pub mod cluster;
 pub mod events;
+pub mod fake_kube;
 pub mod guests;
 pub mod prom;
 pub mod sse;

@@ -326,7 +326,8 @@ fn workers(m: &ModelConfig) -> Result<(), Invalid> {
     if slots > 256 {
         return Err((format!("model {:?}: at most 256 worker DP ranks per model", m.name), at(m.name.clone(), 1)));
     }
-    let planned = m.planner.rules.enabled && m.planner.rules.mode == super::PlanMode::Act && m.planner.connector.is_some();
+    // A connector brings workers: the ones it starts, adopts or discovers.
+    let planned = m.planner.rules.enabled && m.planner.connector.is_some();
     if m.workers.is_empty() && !planned {
         return Err((format!("model {:?}: at least one worker is required (or a planner with a connector to start them)", m.name), at(m.name.clone(), 1)));
     }

@@ -11,7 +11,7 @@ mod values;
 
 pub use load::{ConfigError, load_file, load_str};
 pub use passthrough::{Passthrough, PathPattern};
-pub use planner::{ConnectorConfig, DrainMode, LocalConnector, PlanMode, PlanParams, Planner};
+pub use planner::{ConnectorConfig, DrainMode, KubernetesConnector, LocalConnector, PlanMode, PlanParams, Planner, WorkloadKind};
 pub use rescheduling::{LoadMetric, Rescheduling};
 pub use values::{ByteSize, KvEvents, UpstreamUrl, ZmqEndpoint};
 
@@ -438,8 +438,10 @@ pub enum Origin {
     /// The config file.
     #[default]
     Config,
-    /// Started by the model's planner through its connector; the connector's name for it.
+    /// Started by the model's planner through its local connector; the connector's name for it.
     Planner(String),
+    /// Found in the EndpointSlices of the model's kubernetes connector; its pod.
+    Kubernetes(String),
 }
 
 impl Origin {
@@ -448,6 +450,7 @@ impl Origin {
         match self {
             Self::Config => "config".into(),
             Self::Planner(name) => format!("planner:{name}"),
+            Self::Kubernetes(pod) => format!("kubernetes:{pod}"),
         }
     }
 }

@@ -77,6 +77,62 @@ impl<'de> Deserialize<'de> for Planner {
 pub enum ConnectorConfig {
     /// Worker processes on this machine, started from a command template.
     Local(LocalConnector),
+    /// A Deployment or StatefulSet scaled through its `scale` subresource, its workers found
+    /// from EndpointSlices.
+    Kubernetes(KubernetesConnector),
+}
+
+/// The `kubernetes` connector.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesConnector {
+    /// `Deployment/<name>` or `StatefulSet/<name>`: what is scaled.
+    pub workload: String,
+    /// Label selector of the workers' EndpointSlices (e.g.
+    /// `kubernetes.io/service-name=vllm-llama`).
+    pub selector: String,
+    /// The name of the workers' HTTP port in the EndpointSlices. Default `http`.
+    #[serde(default = "default_port_name")]
+    pub port_name: String,
+    /// The namespace. Default: the kubeconfig context's, or the pod's own in a cluster.
+    #[serde(default)]
+    pub namespace: Option<String>,
+    /// A kubeconfig file. Default: in-cluster credentials when in a pod, else `$KUBECONFIG`
+    /// or `~/.kube/config`.
+    #[serde(default)]
+    pub kubeconfig: Option<PathBuf>,
+    /// Seconds a new replica has to appear ready in the EndpointSlices, and a removed one to
+    /// leave them. Default 600.
+    #[serde(default = "default_ready_timeout")]
+    pub ready_timeout_s: f64,
+    /// Whether the workers publish KV events, found through their `GET /kv_event_sources`.
+    /// Default true.
+    #[serde(default = "default_true")]
+    pub kv_events: bool,
+}
+
+/// What the kubernetes connector scales.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkloadKind {
+    /// `apps/v1` Deployment (the replica removed is steered by `pod-deletion-cost`).
+    Deployment,
+    /// `apps/v1` StatefulSet (the replica removed is always the highest ordinal).
+    StatefulSet,
+}
+
+impl KubernetesConnector {
+    /// The workload's kind and name.
+    pub fn workload(&self) -> Result<(WorkloadKind, &str), String> {
+        match self.workload.split_once('/') {
+            Some(("Deployment", n)) if !n.is_empty() => Ok((WorkloadKind::Deployment, n)),
+            Some(("StatefulSet", n)) if !n.is_empty() => Ok((WorkloadKind::StatefulSet, n)),
+            _ => Err(format!("connector.workload {:?}: expected Deployment/<name> or StatefulSet/<name>", self.workload)),
+        }
+    }
+}
+
+fn default_port_name() -> String {
+    "http".into()
 }
 
 /// The `local` connector: `command` is run by `sh -c` in a process group of its own, with
@@ -170,6 +226,7 @@ pub fn validate(p: &Planner) -> Result<(), String> {
     }
     match &p.connector {
         Some(ConnectorConfig::Local(l)) => local(l, r),
+        Some(ConnectorConfig::Kubernetes(k)) => kubernetes(k),
         None => Ok(()),
     }
 }
@@ -196,6 +253,17 @@ fn local(l: &LocalConnector, r: &PlanParams) -> Result<(), String> {
     let positive = |v: f64| v.is_finite() && v > 0.0;
     if !positive(l.ready_timeout_s) || !positive(l.stop_timeout_s) {
         return Err("connector.ready_timeout_s and stop_timeout_s must be positive".into());
+    }
+    Ok(())
+}
+
+fn kubernetes(k: &KubernetesConnector) -> Result<(), String> {
+    k.workload()?;
+    if k.selector.trim().is_empty() || k.port_name.is_empty() {
+        return Err("connector.selector and connector.port_name must not be empty".into());
+    }
+    if !(k.ready_timeout_s.is_finite() && k.ready_timeout_s > 0.0) {
+        return Err("connector.ready_timeout_s must be positive".into());
     }
     Ok(())
 }
@@ -228,6 +296,12 @@ mod tests {
         assert!(parse("adjustment_interval: 5").unwrap_err().contains("unknown field"), "a seed knob misspelt");
         assert!(parse("connector: {kind: local, command: x, ports_from: 1, nope: 2}").unwrap_err().contains("unknown field"));
         assert!(parse("connector: {kind: cloud}").unwrap_err().contains("unknown variant"));
+        let k = parse("enabled: true\nconnector: {kind: kubernetes, workload: StatefulSet/vllm, selector: app=vllm}").unwrap();
+        let Some(ConnectorConfig::Kubernetes(c)) = &k.connector else { panic!("{k:?}") };
+        assert_eq!((c.workload().unwrap(), c.port_name.as_str()), ((WorkloadKind::StatefulSet, "vllm"), "http"));
+        assert_eq!(validate(&k), Ok(()));
+        let bad = parse("connector: {kind: kubernetes, workload: Pod/x, selector: a=b}").unwrap();
+        assert!(validate(&bad).unwrap_err().contains("Deployment/<name>"));
     }
 
     #[test]

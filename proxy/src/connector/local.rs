@@ -36,6 +36,10 @@ struct Saved {
     gpus: Vec<u32>,
     /// Its pid, which is also its process group's id.
     pid: i32,
+    /// Its start time (`/proc/<pid>/stat` field 22, clock ticks since boot): a pid reused by
+    /// another process has another, so that one is never adopted. 0: not known.
+    #[serde(default)]
+    started: u64,
 }
 
 /// The `local` connector.
@@ -61,7 +65,7 @@ impl Local {
 
     fn managed(&self, s: &Saved) -> Managed {
         let url = UpstreamUrl::parse(&format!("http://{}:{}", self.cfg.host, s.port)).expect("host checked by the config");
-        Managed { name: s.name.clone(), url, gpus: s.gpus.clone(), kv_events: self.cfg.kv_events }
+        Managed { name: s.name.clone(), url, gpus: s.gpus.clone(), kv_events: self.cfg.kv_events, origin: crate::config::Origin::Planner(s.name.clone()) }
     }
 
     /// The lowest port pair free in the range and on the machine, and GPUs from the pool.
@@ -142,14 +146,25 @@ fn adopt(path: &Path) -> Vec<Saved> {
         .filter(|s| {
             let cmdline = std::fs::read(format!("/proc/{}/cmdline", s.pid)).unwrap_or_default();
             let port = s.port.to_string();
-            alive(s.pid) && cmdline.split(|&b| b == 0 || b == b'=' || b == b' ').any(|arg| arg == port.as_bytes())
+            let same = s.started == 0 || start_time(s.pid) == Some(s.started);
+            alive(s.pid) && same && cmdline.split(|&b| b == 0 || b == b'=' || b == b' ').any(|arg| arg == port.as_bytes())
         })
         .collect()
+}
+
+/// A process's start time, in clock ticks since boot (`/proc/<pid>/stat` field 22).
+fn start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name's closing parenthesis, the state being field 3.
+    stat.rsplit_once(')')?.1.split_whitespace().nth(19)?.parse().ok()
 }
 
 /// Running: it exists and is not a zombie (one that exited but was not waited for by its
 /// parent is as good as gone).
 fn alive(pid: i32) -> bool {
+    if pid <= 1 {
+        return false;
+    }
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     // The state follows the command name's closing parenthesis.
     let zombie = stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'));
@@ -158,7 +173,10 @@ fn alive(pid: i32) -> bool {
 
 /// Signals a worker's whole process group (gone already: nothing to do).
 fn signal_group(pid: i32, sig: Signal) {
-    let _ = killpg(Pid::from_raw(pid), sig);
+    // 0 would be our own group, 1 init's: never ours to signal.
+    if pid > 1 {
+        let _ = killpg(Pid::from_raw(pid), sig);
+    }
 }
 
 #[async_trait::async_trait]
@@ -170,9 +188,10 @@ impl Connector for Local {
     async fn add(&self) -> Result<Managed, ConnectorError> {
         let mut procs = self.procs.lock();
         let (port, kv_port, gpus) = self.claim(&procs)?;
-        let mut saved = Saved { name: format!("{}-{port}", sanitize(&self.model)), port, kv_port, gpus, pid: 0 };
+        let mut saved = Saved { name: format!("{}-{port}", sanitize(&self.model)), port, kv_port, gpus, pid: 0, started: 0 };
         let child = self.spawn(&saved).map_err(ConnectorError::Start)?;
         saved.pid = child.id().and_then(|p| i32::try_from(p).ok()).unwrap_or(0);
+        saved.started = start_time(saved.pid).unwrap_or(0);
         tracing::info!(model = %self.model, worker = %saved.name, pid = saved.pid, command = %self.render(&saved), "planner: worker started");
         let m = self.managed(&saved);
         procs.push(Proc { saved, child: Some(child) });
@@ -232,6 +251,10 @@ impl Connector for Local {
         }
         gone.iter().map(|s| self.managed(s)).collect()
     }
+
+    fn ready_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.cfg.ready_timeout_s)
+    }
 }
 
 impl Drop for Local {
@@ -288,7 +311,7 @@ mod tests {
     #[test]
     fn the_template_gets_every_placeholder() {
         let (c, _d) = connector("srv --port {port} --kv {kv_port} --gpu {gpu} --name {name} --model {model}", "gpus: [3, 5]");
-        let s = Saved { name: "org_model-8100".into(), port: 8100, kv_port: 9100, gpus: vec![3], pid: 0 };
+        let s = Saved { name: "org_model-8100".into(), port: 8100, kv_port: 9100, gpus: vec![3], pid: 0, started: 0 };
         assert_eq!(c.render(&s), "srv --port 8100 --kv 9100 --gpu 3 --name org_model-8100 --model org/model");
     }
 

@@ -1,13 +1,16 @@
 //! How the planner gets workers and gives them back: one [`Connector`] per planned model,
 //! built from its `planner.connector` section.
-//! - [`local`]: worker processes on this machine, from a command template.
+//! - [`local`]: worker processes on this machine, from a command template;
+//! - [`kubernetes`]: a Deployment or StatefulSet scaled through its `scale` subresource, its
+//!   workers discovered from EndpointSlices.
 //!
 //! A connector only starts and stops workers; the planner decides when, waits for a new one to
 //! answer before it joins routing, and drains one before it is stopped.
 
+pub mod kubernetes;
 pub mod local;
 
-use crate::config::{ConnectorConfig, UpstreamUrl};
+use crate::config::{ConnectorConfig, Origin, UpstreamUrl};
 
 /// A worker a connector runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,6 +23,8 @@ pub struct Managed {
     pub gpus: Vec<u32>,
     /// Whether it publishes KV events, found through its `GET /kv_event_sources`.
     pub kv_events: bool,
+    /// How `GET /workers` names where it came from.
+    pub origin: Origin,
 }
 
 /// Why a connector could not do what was asked.
@@ -28,6 +33,12 @@ pub enum ConnectorError {
     /// Every port of its range, or every GPU of its pool, is taken.
     #[error("no room for another worker: {0}")]
     Exhausted(String),
+    /// The cluster refused or failed a call.
+    #[error("kubernetes: {0}")]
+    Cluster(String),
+    /// A new worker did not appear, or a removed one did not go, in time.
+    #[error("{0}")]
+    Timeout(String),
     /// The worker could not be started.
     #[error("cannot start the worker: {0}")]
     Start(#[source] std::io::Error),
@@ -50,11 +61,25 @@ pub trait Connector: Send + Sync {
     /// The workers that exited without being removed since the last call (each once); they
     /// are forgotten, their ports and GPUs free again.
     fn reap(&self) -> Vec<Managed>;
+    /// Whether [`Connector::list`] is what the cluster reports ready (discovery): the planner
+    /// then keeps routing equal to it, and the cluster's own controller replaces workers that
+    /// die.
+    fn discovers(&self) -> bool {
+        false
+    }
+    /// Whether worker `name` is one [`Connector::remove`] can remove (a StatefulSet only ever
+    /// removes its highest ordinal).
+    fn can_remove(&self, _name: &str) -> bool {
+        true
+    }
+    /// Seconds a new worker has to come up.
+    fn ready_timeout(&self) -> std::time::Duration;
 }
 
 /// The connector a planned model's section asks for.
 pub fn build(cfg: &ConnectorConfig, model: &str, gpus_per_worker: u32) -> Box<dyn Connector> {
     match cfg {
         ConnectorConfig::Local(l) => Box::new(local::Local::new(l.clone(), model, gpus_per_worker)),
+        ConnectorConfig::Kubernetes(k) => Box::new(kubernetes::Kubernetes::new(k.clone())),
     }
 }

@@ -17,6 +17,9 @@ use std::time::{Duration, Instant};
 
 /// How often a change looks at its worker.
 const POLL: Duration = Duration::from_millis(50);
+/// How long a scale-down waits after its worker left routing before it looks for requests on
+/// it.
+const SETTLE: Duration = Duration::from_millis(250);
 
 /// Which way a change went.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,6 +38,9 @@ pub struct Drain {
     /// Move its streams (else wait for them).
     pub migrate: bool,
 }
+
+/// Workers a scale-down is emptying (discovery must not put them back into routing).
+pub type Draining = Arc<parking_lot::Mutex<HashSet<crate::config::UpstreamUrl>>>;
 
 /// What a change did.
 #[derive(Debug, Clone)]
@@ -74,17 +80,25 @@ pub async fn scale_up(gw: &Arc<Gateway>, model: &str, connector: &dyn Connector,
         let _ = connector.remove(&m.name).await;
         return fail(e);
     }
+    // It may have died since it answered: a dead one must not join (the reaper already took
+    // it out).
+    if !connector.list().iter().any(|x| x.name == m.name) {
+        return fail(format!("worker {} exited after it answered", m.name));
+    }
     let (g, name, joined) = (gw.clone(), model.to_string(), m.clone());
-    match tokio::task::spawn_blocking(move || super::join(&g, &name, &[joined])).await {
+    match tokio::task::spawn_blocking(move || super::join(&g, &name, &[joined])).await.map_err(|e| e.to_string()).and_then(|r| r) {
         Ok(()) => {
             Outcome { worker: Some(m.name.clone()), took: t0.elapsed(), drained_in: Duration::ZERO, moved: (0, 0), left_behind: 0, error: None, kind: Kind::Up }
         }
-        Err(e) => fail(e.to_string()),
+        Err(e) => {
+            let _ = connector.remove(&m.name).await;
+            fail(e)
+        }
     }
 }
 
 /// Waits until `m`'s health path answers 200.
-async fn ready(gw: &Gateway, m: &Managed, connector: &dyn Connector, within: Duration) -> Result<(), String> {
+pub async fn ready(gw: &Gateway, m: &Managed, connector: &dyn Connector, within: Duration) -> Result<(), String> {
     let path = gw.config().health.path.clone();
     let probe = crate::fleet::Worker::new(m.url.clone());
     let deadline = Instant::now() + within;
@@ -103,8 +117,15 @@ async fn ready(gw: &Gateway, m: &Managed, connector: &dyn Connector, within: Dur
 }
 
 /// Takes `victim` out of routing, empties it and stops it.
-pub async fn scale_down(gw: &Arc<Gateway>, model: &str, connector: &dyn Connector, victim: Managed, how: Drain) -> Outcome {
+pub async fn scale_down(gw: &Arc<Gateway>, model: &str, connector: &dyn Connector, victim: Managed, how: Drain, draining: &Draining) -> Outcome {
     let t0 = Instant::now();
+    draining.lock().insert(victim.url.clone());
+    let o = drain_and_stop(gw, model, connector, victim.clone(), how, t0).await;
+    draining.lock().remove(&victim.url);
+    o
+}
+
+async fn drain_and_stop(gw: &Arc<Gateway>, model: &str, connector: &dyn Connector, victim: Managed, how: Drain, t0: Instant) -> Outcome {
     let worker = gw.fleet().model(model).and_then(|m| m.workers.iter().find(|w| w.url == victim.url).cloned());
     let (g, name, url) = (gw.clone(), model.to_string(), victim.url.clone());
     let left = tokio::task::spawn_blocking(move || g.update_added_workers(&name, |l| l.retain(|w| w.url != url))).await;
@@ -115,13 +136,16 @@ pub async fn scale_down(gw: &Arc<Gateway>, model: &str, connector: &dyn Connecto
         return Outcome { worker: Some(victim.name), ..Outcome::failed(Kind::Down, t0.elapsed(), format!("cannot take it out of routing: {e}")) };
     }
     let left_routing = Instant::now();
+    // Requests that picked it from the fleet as it was a moment ago may still be on their way
+    // to it: they are seen on it, and moved, within this settle time.
+    tokio::time::sleep(SETTLE).await;
     let (moved, left_behind) = match worker {
         Some(w) => empty(gw, model, &w, how).await,
         None => ((0, 0), 0),
     };
     let drained_in = left_routing.elapsed();
-    let _ = connector.remove(&victim.name).await;
-    Outcome { kind: Kind::Down, worker: Some(victim.name), took: t0.elapsed(), drained_in, moved, left_behind, error: None }
+    let error = connector.remove(&victim.name).await.err().map(|e| e.to_string());
+    Outcome { kind: Kind::Down, worker: Some(victim.name), took: t0.elapsed(), drained_in, moved, left_behind, error }
 }
 
 /// Moves (or waits for) every request on `w` until none is left or the drain times out;

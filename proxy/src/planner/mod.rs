@@ -11,7 +11,7 @@
 pub mod change;
 pub mod record;
 
-use crate::config::{Origin, Planner as PlannerConfig, WorkerConfig};
+use crate::config::{Planner as PlannerConfig, WorkerConfig};
 use crate::connector::{Connector, Managed};
 use crate::fleet::Model;
 use crate::gateway::Gateway;
@@ -37,6 +37,8 @@ pub struct ModelPlanner {
     /// After a failed change, no replacement is started before this (a worker that cannot
     /// start is not restarted in a tight loop).
     retry_at: Instant,
+    /// Workers being drained: out of routing even while discovery still lists them.
+    draining: change::Draining,
 }
 
 impl ModelPlanner {
@@ -56,25 +58,44 @@ impl ModelPlanner {
             next_adjust: now + secs(cfg.rules.adjustment_interval_s),
             last: None,
             retry_at: now,
+            draining: Default::default(),
             cfg,
         };
-        me.connect(gw);
+        me.connect(gw, true);
         me
     }
 
-    /// Builds the connector and puts the workers it already runs into routing.
-    fn connect(&mut self, gw: &Arc<Gateway>) {
-        self.connector = self.cfg.connector.as_ref().map(|c| Arc::from(crate::connector::build(c, &self.model, self.cfg.rules.decode_engine_num_gpu)));
-        let running = self.connector.as_ref().map(|c| c.list()).unwrap_or_default();
-        let (gw, model) = (gw.clone(), self.model.clone());
-        tokio::task::spawn_blocking(move || {
-            let r = gw.update_added_workers(&model, |l| l.retain(|w| running.iter().any(|m| m.url == w.url)));
-            if let Err(e) = r {
-                tracing::error!(model, error = %e, "planner: cannot take stale workers out of routing");
-            }
-            // Adopted workers are warm already: they join at once.
-            join(&gw, &model, &running);
-        });
+    /// Builds the connector and puts the workers it already runs into routing once they
+    /// answer. `prune`: workers an earlier planner left in routing that this connector does
+    /// not run leave it (not on a reconfigure: the old connector's are being drained).
+    fn connect(&mut self, gw: &Arc<Gateway>, prune: bool) {
+        let connector: Option<Arc<dyn Connector>> =
+            self.cfg.connector.as_ref().map(|c| Arc::from(crate::connector::build(c, &self.model, self.cfg.rules.decode_engine_num_gpu)));
+        self.connector = connector.clone();
+        let running = connector.as_ref().map(|c| c.list()).unwrap_or_default();
+        if prune {
+            let (gw, model, keep) = (gw.clone(), self.model.clone(), running.clone());
+            tokio::task::spawn_blocking(move || {
+                if let Err(e) = gw.update_added_workers(&model, |l| l.retain(|w| keep.iter().any(|m| m.url == w.url))) {
+                    tracing::error!(model, error = %e, "planner: cannot take stale workers out of routing");
+                }
+            });
+        }
+        let Some(connector) = connector.filter(|c| !c.discovers()) else { return };
+        for m in running {
+            // Adopted from a state file: one still loading joins when it answers.
+            let (gw, model, connector) = (gw.clone(), self.model.clone(), connector.clone());
+            tokio::spawn(async move {
+                match change::ready(&gw, &m, connector.as_ref(), connector.ready_timeout()).await {
+                    Ok(()) => {
+                        if let Err(e) = tokio::task::spawn_blocking(move || join(&gw, &model, &[m])).await.map_err(|e| e.to_string()).and_then(|r| r) {
+                            tracing::error!(error = %e, "planner: cannot add an adopted worker to routing");
+                        }
+                    }
+                    Err(e) => tracing::error!(error = %e, "planner: an adopted worker does not answer; it stays out of routing"),
+                }
+            });
+        }
     }
 
     /// Takes a reloaded section: new rules (a new interval starts); the connector is kept
@@ -92,7 +113,7 @@ impl ModelPlanner {
                 tokio::spawn(retire(gw.clone(), self.model.clone(), old, self.drain()));
             }
             self.desired = None;
-            self.connect(gw);
+            self.connect(gw, false);
         }
     }
 
@@ -126,6 +147,7 @@ impl ModelPlanner {
             self.recorder.change(&outcome);
         }
         self.reap(gw).await;
+        self.discover(gw).await;
         let Some(model) = gw.fleet().model(&self.model).cloned() else { return };
         let now = Instant::now();
         let adjusting = self.change.is_some();
@@ -156,8 +178,11 @@ impl ModelPlanner {
                 }
             }
         }
-        // A worker that died is replaced without waiting for a decision.
-        if self.change.is_none()
+        // A worker that died is replaced without waiting for a decision (a cluster's own
+        // controller replaces those it runs).
+        let replaces = self.connector.as_ref().is_some_and(|c| !c.discovers());
+        if replaces
+            && self.change.is_none()
             && now >= self.retry_at
             && let Some(want) = self.desired
             && running < want
@@ -175,10 +200,7 @@ impl ModelPlanner {
         match c {
             Change::Hold => {}
             Change::Up => {
-                let ready = match &self.cfg.connector {
-                    Some(crate::config::ConnectorConfig::Local(l)) => secs(l.ready_timeout_s),
-                    None => return,
-                };
+                let ready = connector.ready_timeout();
                 self.change = Some(tokio::spawn(async move { change::scale_up(&gw, &name, connector.as_ref(), ready).await }));
             }
             Change::Down => {
@@ -187,9 +209,27 @@ impl ModelPlanner {
                     self.desired = Some(model.workers.len() as u32);
                     return;
                 };
-                let how = self.drain();
-                self.change = Some(tokio::spawn(async move { change::scale_down(&gw, &name, connector.as_ref(), victim, how).await }));
+                let (how, draining) = (self.drain(), self.draining.clone());
+                self.change = Some(tokio::spawn(async move { change::scale_down(&gw, &name, connector.as_ref(), victim, how, &draining).await }));
             }
+        }
+    }
+
+    /// With a discovering connector, makes the workers in routing the ones it lists ready,
+    /// less those being drained.
+    async fn discover(&mut self, gw: &Arc<Gateway>) {
+        let Some(c) = self.connector.as_ref().filter(|c| c.discovers()) else { return };
+        let draining = self.draining.lock().clone();
+        let want: Vec<Managed> = c.list().into_iter().filter(|m| !draining.contains(&m.url)).collect();
+        let have: Vec<_> = gw.added_workers(&self.model).into_iter().map(|w| w.url).collect();
+        if want.len() == have.len() && want.iter().all(|m| have.contains(&m.url)) {
+            return;
+        }
+        let (gw, model) = (gw.clone(), self.model.clone());
+        let added: Vec<WorkerConfig> = want.iter().map(|m| WorkerConfig::added(m.url.clone(), m.kv_events, m.origin.clone())).collect();
+        let r = tokio::task::spawn_blocking(move || gw.update_added_workers(&model, |l| *l = added)).await;
+        if let Ok(Err(e)) = r {
+            tracing::error!(model = %self.model, error = %e, "planner: cannot follow the discovered workers");
         }
     }
 
@@ -259,7 +299,9 @@ fn victim(model: &Model, connector: &dyn Connector) -> Option<Managed> {
         .workers
         .iter()
         .enumerate()
-        .filter_map(|(i, w)| started.iter().find(|m| m.url == w.url).map(|m| (model.ledger.requests(i as u16), std::cmp::Reverse(i), m)))
+        .filter_map(|(i, w)| {
+            started.iter().find(|m| m.url == w.url && connector.can_remove(&m.name)).map(|m| (model.ledger.requests(i as u16), std::cmp::Reverse(i), m))
+        })
         .min_by_key(|(n, newest, _)| (*n, *newest))
         .map(|(_, _, m)| m.clone())
 }
@@ -267,25 +309,23 @@ fn victim(model: &Model, connector: &dyn Connector) -> Option<Managed> {
 /// Drains and stops every worker `connector` runs, one after another (a connector whose
 /// planner was turned off or given another connector).
 async fn retire(gw: Arc<Gateway>, model: String, connector: Arc<dyn Connector>, how: change::Drain) {
+    let draining = change::Draining::default();
     for m in connector.list() {
-        let o = change::scale_down(&gw, &model, connector.as_ref(), m, how).await;
+        let o = change::scale_down(&gw, &model, connector.as_ref(), m, how, &draining).await;
         tracing::info!(model, worker = ?o.worker, moved = o.moved.0, "planner: worker retired");
     }
 }
 
 /// Puts `workers` into routing.
-fn join(gw: &Gateway, model: &str, workers: &[Managed]) {
-    let added: Vec<WorkerConfig> = workers.iter().map(|m| WorkerConfig::added(m.url.clone(), m.kv_events, Origin::Planner(m.name.clone()))).collect();
-    let r = gw.update_added_workers(model, |l| {
+fn join(gw: &Gateway, model: &str, workers: &[Managed]) -> Result<(), String> {
+    let added: Vec<WorkerConfig> = workers.iter().map(|m| WorkerConfig::added(m.url.clone(), m.kv_events, m.origin.clone())).collect();
+    gw.update_added_workers(model, |l| {
         for w in added {
             if !l.iter().any(|x| x.url == w.url) {
                 l.push(w);
             }
         }
-    });
-    if let Err(e) = r {
-        tracing::error!(model, error = %e, "planner: cannot add workers to routing");
-    }
+    })
 }
 
 fn secs(s: f64) -> Duration {
