@@ -304,7 +304,7 @@ pub async fn drain(o: &Options, mode: &str) -> Result<Drain, String> {
             tokio::spawn(async move { client::send(&http, &url, &body, Instant::now()).await })
         })
         .collect();
-    wait_running(&gw, o.drain_streams).await?;
+    crate::reschedule::wait_running(&gw.http, &gw.admin, o.drain_streams).await?;
     // The operator lowers the minimum: the next interval removes a worker.
     let text = std::fs::read_to_string(&gw.config).map_err(|e| e.to_string())?.replace("min_gpu_budget: 2", "min_gpu_budget: 1");
     std::fs::write(&gw.config, text).map_err(|e| e.to_string())?;
@@ -333,21 +333,6 @@ pub async fn drain(o: &Options, mode: &str) -> Result<Drain, String> {
         max_gap_ms: max_gap.as_secs_f64() * 1e3,
         itl_p99_ms: if itl.is_empty() { 0.0 } else { percentile(&mut itl, 0.99).as_secs_f64() * 1e3 },
     })
-}
-
-async fn wait_running(gw: &Gateway, n: usize) -> Result<(), String> {
-    let start = Instant::now();
-    loop {
-        let v: Value = gw.http.get(format!("{}/requests", gw.admin)).send().await.map_err(|e| e.to_string())?.json().await.map_err(|e| e.to_string())?;
-        let running = v["requests"].as_array().map_or(0, |r| r.iter().filter(|e| e["phase"] == "running").count());
-        if running >= n {
-            return Ok(());
-        }
-        if start.elapsed() > Duration::from_secs(120) {
-            return Err(format!("only {running} of {n} streams started"));
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// The log once its scale-down change is written.

@@ -123,7 +123,8 @@ async fn burst(o: &Options, workers: &[SimWorker], rescheduling: &str, seed: u64
     Ok(figures(&samples, &metrics))
 }
 
-async fn wait_running(http: &reqwest::Client, admin: &str, n: usize) -> Result<(), String> {
+/// Waits until `n` requests are running (streaming) on the gateway whose admin URL is `admin`.
+pub async fn wait_running(http: &reqwest::Client, admin: &str, n: usize) -> Result<(), String> {
     let start = Instant::now();
     loop {
         let v: serde_json::Value = http.get(format!("{admin}/requests")).send().await.map_err(|e| e.to_string())?.json().await.map_err(|e| e.to_string())?;

@@ -116,7 +116,10 @@ async fn the_local_connector_scales_sims_one_to_three_and_back_without_a_failed_
     // workers removed.
     tokio::time::sleep(Duration::from_secs(3)).await;
     stop_high.store(true, Ordering::Relaxed);
-    let back = wait_until(Duration::from_secs(60), || async { workers(&c).await.len() == 1 }).await;
+    let back = wait_until(Duration::from_secs(60), || async {
+        workers(&c).await.len() == 1 && log_lines(&dir.0).iter().filter(|l| l["event"] == "change" && l["change"] == "down").count() == 2
+    })
+    .await;
     assert!(back.is_some(), "scaled back to 1: {:?}", log_lines(&dir.0));
     stop_low.store(true, Ordering::Relaxed);
     let mut results = Vec::new();
@@ -252,4 +255,72 @@ async fn observe_only_decides_and_records_but_starts_nothing() {
     assert_eq!(status["planners"][0]["mode"], "observe_only", "{status}");
     assert_eq!(status["planners"][0]["started_workers"], json!([]), "{status}");
     assert!(c.gateway_metrics().await.sum("kvgate_planner_decisions_total", &[("change", "up"), ("reason", "below_min_budget")]) >= 3.0);
+}
+
+/// `kv_events: auto` on a configured worker: its publisher is read from `/kv_event_sources`,
+/// and read again when the worker comes back after a restart with another publisher.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_events_auto_follows_a_worker_that_restarts_with_another_publisher() {
+    let first = vllm_sim::SimServer::start(kvgate_tests::target::test_sim_config()).await.expect("sim starts");
+    let url = first.url();
+    let addr: std::net::SocketAddr = url.trim_start_matches("http://").parse().unwrap();
+    let yaml = format!(
+        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nthreads: 2\nhealth:\n  interval_ms: 100\n  timeout_ms: 500\n  unhealthy_threshold: 1\n  healthy_threshold: 1\n\
+         models:\n  - name: sim-model\n    tokenizer: builtin\n    routing:\n      mode: kv\n    workers:\n      - url: {url}\n        kv_events: auto\n"
+    );
+    let c = Cluster::front_yaml(yaml).await;
+    let source = format!("{url}#0");
+    let indexed = |c: &Cluster| {
+        let (http, u, source) = (c.http.clone(), c.url("/v1/completions"), source.clone());
+        let admin = c.admin("/metrics");
+        async move {
+            let body = json!({"model": "sim-model", "prompt": unique_text(80), "max_tokens": 1});
+            let _ = http.post(&u).json(&body).send().await;
+            let m = Metrics::parse(&http.get(&admin).send().await.unwrap().text().await.unwrap());
+            m.sum("kvgate_kv_events_total", &[("source", &source), ("result", "applied")])
+        }
+    };
+    let before = wait_until(Duration::from_secs(10), || async { indexed(&c).await > 0.0 }).await;
+    assert!(before.is_some(), "the publisher named by /kv_event_sources is followed");
+    let old_endpoint = first.kv_event_endpoints()[0].clone();
+    first.shutdown().await;
+    // A restart takes a while: the gateway sees the worker down first.
+    let down = wait_until(Duration::from_secs(10), || async {
+        let v: Value = c.http.get(c.admin("/workers")).send().await.unwrap().json().await.unwrap();
+        v["models"][0]["workers"][0]["healthy"] == false
+    })
+    .await;
+    assert!(down.is_some(), "the stopped worker was seen unhealthy");
+    // The same HTTP address, a new publisher port.
+    let second = vllm_sim::SimServer::start(vllm_sim::SimConfig { listen: addr, ..kvgate_tests::target::test_sim_config() }).await.expect("sim restarts");
+    assert_ne!(second.kv_event_endpoints()[0], old_endpoint, "the restarted worker publishes elsewhere");
+    let applied = indexed(&c).await;
+    let after = wait_until(Duration::from_secs(15), || async { indexed(&c).await > applied }).await;
+    assert!(after.is_some(), "events of the restarted worker's new publisher are applied");
+}
+
+/// A planner worker that crashes is reaped, leaves routing and is replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_planner_worker_is_reaped_and_replaced() {
+    let dir = TempDir::new();
+    let planner = "      metric_pulling_interval_s: 0.1\n      adjustment_interval_s: 0.5\n";
+    let c = Cluster::front_yaml(planner_yaml(&dir.0, planner, "[]", "round_robin")).await;
+    assert!(wait_until(Duration::from_secs(30), || async { workers(&c).await.len() == 1 }).await.is_some());
+    let first = workers(&c).await[0]["url"].as_str().unwrap().to_string();
+    // vllm-sim's fault injection: it exits with an error at its next generated token.
+    let r = c.http.post(format!("{first}/sim/faults")).json(&json!({"crash_after_tokens": 1})).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let body = json!({"model": "sim-model", "prompt": "crash", "max_tokens": 4});
+    let _ = c.http.post(format!("{first}/v1/completions")).json(&body).send().await;
+    // The replacement may take the port the crashed one freed: it is told apart by its start.
+    let replaced = wait_until(Duration::from_secs(30), || async {
+        let ups = log_lines(&dir.0).iter().filter(|l| l["event"] == "change" && l["change"] == "up" && l["ok"] == true).count();
+        let now = workers(&c).await;
+        ups == 2 && now.len() == 1 && now[0]["healthy"] == true
+    })
+    .await;
+    assert!(replaced.is_some(), "{:?} {:?}", workers(&c).await, log_lines(&dir.0));
+    let lines = log_lines(&dir.0);
+    assert!(lines.iter().any(|l| l["event"] == "exit" && l["url"].as_str() == Some(first.as_str())), "{lines:?}");
+    assert_eq!(c.gateway_metrics().await.sum("kvgate_planner_worker_exits_total", &[]), 1.0);
 }
