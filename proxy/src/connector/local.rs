@@ -351,6 +351,15 @@ mod tests {
         let (c, dir) = connector("sleep 300 {port}", "");
         let a = c.add().await.unwrap();
         let cfg = c.cfg.clone();
+        // A gateway restarts long after its workers started: let this one finish its exec (its
+        // command line is briefly empty while the shell becomes `sleep`).
+        let pid = c.procs.lock()[0].saved.pid;
+        for _ in 0..500 {
+            if std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default().starts_with(b"sleep") {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         // The gateway goes away without stopping it (a state file keeps workers running)...
         std::mem::forget(c);
         // ...and the next one finds it.
