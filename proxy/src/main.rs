@@ -71,6 +71,14 @@ fn main() {
             std::process::exit(1);
         }
     };
+    if !cfg.admin_listen.ip().is_loopback() && cfg.admin_token.is_none() {
+        // Not refused: a private network may be the operator's choice; said loudly.
+        eprintln!(
+            "{}: warning: admin_listen {} is not a loopback address and no admin token is set (admin_token_file or KVGATE_ADMIN_TOKEN): anyone who reaches it can reload, migrate and list requests",
+            path.display(),
+            cfg.admin_listen
+        );
+    }
     if check {
         // Plugins are compiled and started as the gateway would, so a broken module fails here.
         for p in &cfg.plugins {

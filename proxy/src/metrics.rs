@@ -95,6 +95,8 @@ pub struct Metrics {
     pub render_fallback: IntCounterVec,
     /// The planner's (`kvgate_planner_*`).
     pub planner: planner::PlannerMetrics,
+    /// `kvgate_admin_unauthorized_total`: admin requests refused for a missing or wrong token.
+    pub admin_unauthorized: IntCounter,
 }
 
 impl Metrics {
@@ -223,6 +225,12 @@ impl Metrics {
             queue_wait: hist("kvgate_queue_wait_seconds", "Time requests spent in the router queue.", LATENCY_BUCKETS, &["model"]),
             rejected: counter("kvgate_tasks_rejected_total", "Requests refused by shedding or the router queue.", &["model", "reason"]),
             planner: planner::PlannerMetrics::new(&registry),
+            admin_unauthorized: {
+                let c = IntCounter::new("kvgate_admin_unauthorized_total", "Admin requests refused with 401: no admin token, or a wrong one.")
+                    .expect("valid metric");
+                registry.register(Box::new(c.clone())).expect("unique metric");
+                c
+            },
             registry,
         }
     }

@@ -179,3 +179,56 @@ async fn adapter_requests_land_only_on_workers_with_the_adapter() {
     assert_eq!(s, 404, "{v}");
     c.sims = vec![plain, lora];
 }
+
+/// With an admin token, every admin endpoint but `/metrics` and `/health` answers 401 without
+/// it or with a wrong one (counted), and works with it (#36).
+#[tokio::test]
+async fn the_admin_token_guards_every_admin_endpoint_but_metrics_and_health() {
+    let sim = vllm_sim::SimServer::start(kvgate_tests::target::test_sim_config()).await.expect("sim starts");
+    let dir = kvgate_tests::cluster::TempDir::new();
+    let token_file = dir.0.join("admin-token");
+    std::fs::write(&token_file, "t0ken-for-tests\n").unwrap();
+    let opts = GatewayOpts { extra: format!("admin_token_file: {}", token_file.display()), ..GatewayOpts::default() };
+    let c = Cluster::front(&[sim.url()], opts).await;
+    let guarded: &[(&str, &str)] = &[
+        ("GET", "/workers"),
+        ("GET", "/requests"),
+        ("GET", "/requests/abc"),
+        ("POST", "/reload"),
+        ("POST", "/migrate"),
+        ("GET", "/rescheduling"),
+        ("GET", "/planner"),
+        ("GET", "/busy_threshold"),
+        ("POST", "/busy_threshold"),
+        ("GET", "/plugins"),
+        ("POST", "/plugins/reload"),
+        ("POST", "/pause"),
+        ("POST", "/reset_prefix_cache"),
+        ("GET", "/no-such-path"),
+    ];
+    let send = |m: &str, p: &str, auth: Option<&str>| {
+        let mut r = c.http.request(m.parse().unwrap(), c.admin(p));
+        if let Some(a) = auth {
+            r = r.header("authorization", a);
+        }
+        async move { r.send().await.unwrap() }
+    };
+    for (m, p) in guarded {
+        for auth in [None, Some("Bearer wrong"), Some("Bearer t0ken-for-tests-"), Some("t0ken-for-tests")] {
+            let r = send(m, p, auth).await;
+            assert_eq!(r.status(), 401, "{m} {p} with {auth:?}");
+            assert_eq!(r.headers().get("www-authenticate").and_then(|v| v.to_str().ok()), Some("Bearer"));
+            let v: Value = r.json().await.unwrap();
+            assert_eq!(v["error"]["type"], "authentication_error", "{v}");
+            assert!(!v.to_string().contains("t0ken-for-tests"), "the token is never echoed");
+        }
+    }
+    for p in ["/metrics", "/health"] {
+        assert_eq!(send("GET", p, None).await.status(), 200, "{p} stays open");
+    }
+    let ok = send("GET", "/workers", Some("Bearer t0ken-for-tests")).await;
+    assert_eq!(ok.status(), 200);
+    assert_eq!(send("POST", "/reload", Some("Bearer t0ken-for-tests")).await.status(), 200);
+    let refused = c.gateway_metrics().await.sum("kvgate_admin_unauthorized_total", &[]);
+    assert_eq!(refused, (guarded.len() * 4) as f64);
+}

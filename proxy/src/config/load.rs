@@ -70,6 +70,8 @@ pub fn load_str(text: &str, origin: &str, env: impl IntoIterator<Item = (String,
         err(loc.as_ref().map(|l| l.line()), loc.as_ref().map(|l| l.column()), strip_location(&e.to_string()))
     })?;
 
+    let env: Vec<(String, String)> = env.into_iter().collect();
+    let token_var = env.iter().find(|(k, _)| k == "KVGATE_ADMIN_TOKEN").map(|(_, v)| v.clone());
     let overrides: Vec<(String, Vec<String>, String)> = env
         .into_iter()
         .filter_map(|(k, v)| {
@@ -98,7 +100,25 @@ pub fn load_str(text: &str, origin: &str, env: impl IntoIterator<Item = (String,
         let (line, column) = needle.and_then(|n| locate(text, &n)).map(|(l, c)| (Some(l), Some(c))).unwrap_or((None, None));
         err(line, column, msg)
     })?;
+    cfg.admin_token = admin_token(&cfg, token_var.as_deref()).map_err(|(msg, from_file)| match from_file {
+        true => {
+            let (line, column) = locate(text, &("admin_token_file".to_string(), 1)).map(|(l, c)| (Some(l), Some(c))).unwrap_or((None, None));
+            err(line, column, msg)
+        }
+        false => ConfigError { origin: "environment variable KVGATE_ADMIN_TOKEN".into(), line: None, column: None, message: msg },
+    })?;
     Ok(cfg)
+}
+
+/// The admin token: `KVGATE_ADMIN_TOKEN` when set, else `admin_token_file`'s contents. The
+/// error says whether the file was at fault. The token itself is never put in a message.
+fn admin_token(cfg: &Config, var: Option<&str>) -> Result<Option<super::AdminToken>, (String, bool)> {
+    if let Some(v) = var {
+        return super::AdminToken::new(v).map(Some).map_err(|e| (e, false));
+    }
+    let Some(path) = &cfg.admin_token_file else { return Ok(None) };
+    let text = std::fs::read_to_string(path).map_err(|e| (format!("admin_token_file {}: {e}", path.display()), true))?;
+    super::AdminToken::new(&text).map(Some).map_err(|e| (format!("admin_token_file {}: {e}", path.display()), true))
 }
 
 /// serde_yaml appends " at line L column C"; the location is reported separately.

@@ -3,12 +3,14 @@
 //!
 //! Every key is documented in conf/kvgate.yaml. Unknown keys are errors.
 
+mod admin_token;
 mod load;
 mod passthrough;
 mod planner;
 mod rescheduling;
 mod values;
 
+pub use admin_token::AdminToken;
 pub use load::{ConfigError, load_file, load_str};
 pub use passthrough::{Passthrough, PathPattern};
 pub use planner::{ConnectorConfig, DrainMode, KubernetesConnector, LocalConnector, PlanMode, PlanParams, Planner, WorkloadKind};
@@ -30,6 +32,13 @@ pub struct Config {
     /// Admin endpoints (`/metrics`, `/workers`, `/reload`, …); loopback by default.
     #[serde(default = "default_admin_listen")]
     pub admin_listen: SocketAddr,
+    /// A file holding the bearer token every admin endpoint but `/metrics` and `/health`
+    /// requires (`KVGATE_ADMIN_TOKEN` gives it too, and wins). Unset: no token.
+    #[serde(default)]
+    pub admin_token_file: Option<PathBuf>,
+    /// The token itself, read from `admin_token_file` or `KVGATE_ADMIN_TOKEN` at load.
+    #[serde(skip)]
+    pub admin_token: Option<AdminToken>,
     /// Worker threads of the proxy service.
     #[serde(default = "default_threads")]
     pub threads: usize,

@@ -98,7 +98,12 @@ impl ClientError {
         )
     }
 
-    /// 405.
+    /// 401: an admin endpoint without the admin token, or with a wrong one.
+    pub fn unauthorized() -> Self {
+        Self::new(401, "authentication_error", "This admin endpoint requires the admin token: Authorization: Bearer <token>.".to_string(), None)
+    }
+
+    /// 405: the path exists, the method does not.
     pub fn method_not_allowed(method: &str, path: &str) -> Self {
         Self::new(405, "invalid_request_error", format!("Method {method} is not allowed on {path}"), None)
     }

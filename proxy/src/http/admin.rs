@@ -19,8 +19,17 @@ use crate::gateway::Gateway;
 use serde_json::json;
 use std::sync::Arc;
 
-/// Dispatches an admin request.
+/// Dispatches an admin request. With an admin token configured, every endpoint but
+/// `/metrics` and `/health` requires it (`Authorization: Bearer <token>`); others get a 401.
 pub async fn serve(gw: &Arc<Gateway>, session: &mut ClientConn, method: &str, path: &str) {
+    if !matches!(path, "/metrics" | "/health")
+        && let Some(token) = &gw.config().admin_token
+        && !token.admits(session.req().header("authorization"))
+    {
+        gw.metrics.admin_unauthorized.inc();
+        let challenge = [("www-authenticate", "Bearer".to_string())];
+        return respond_error(session, &ClientError::unauthorized(), &challenge).await;
+    }
     match (method, path) {
         ("GET", "/metrics") => local::metrics(gw, session).await,
         ("GET", "/health") => local::health(gw, session).await,

@@ -139,3 +139,20 @@ fn passthrough_rules_are_checked_where_they_are_written() {
     assert!(e.message.contains("starts with '/'"), "{e}");
     assert_eq!(load(GOOD).unwrap().responses.remembered_ids, 100_000);
 }
+
+#[test]
+fn the_admin_token_comes_from_the_environment_or_a_file_and_errors_are_located() {
+    let base = "models:\n  - name: m\n    workers:\n      - url: http://a:1\n";
+    let env = |v: &str| vec![("KVGATE_ADMIN_TOKEN".to_string(), v.to_string())];
+    let c = load_str(base, "t", env("abc")).unwrap();
+    assert!(c.admin_token.as_ref().unwrap().admits(Some(b"Bearer abc")));
+    assert!(load_str(base, "t", Vec::new()).unwrap().admin_token.is_none());
+    let e = load_str(base, "t", env("  ")).unwrap_err();
+    assert_eq!(e.origin, "environment variable KVGATE_ADMIN_TOKEN");
+    let missing = format!("admin_token_file: /nonexistent/kvgate-token\n{base}");
+    let e = load_str(&missing, "t", Vec::new()).unwrap_err();
+    assert_eq!((e.line, e.column), (Some(1), Some(1)), "{e}");
+    assert!(e.message.contains("/nonexistent/kvgate-token"), "{e}");
+    // The variable wins over the file.
+    assert!(load_str(&missing, "t", env("abc")).is_ok());
+}
