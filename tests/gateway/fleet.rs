@@ -232,3 +232,33 @@ async fn the_admin_token_guards_every_admin_endpoint_but_metrics_and_health() {
     let refused = c.gateway_metrics().await.sum("kvgate_admin_unauthorized_total", &[]);
     assert_eq!(refused, (guarded.len() * 4) as f64);
 }
+
+/// `x-kvgate-worker` names the worker without its address by default; `url` and `off` as
+/// asked (#36).
+#[tokio::test]
+async fn the_worker_header_hides_addresses_by_default() {
+    let sim = vllm_sim::SimServer::start(kvgate_tests::target::test_sim_config()).await.expect("sim starts");
+    let yaml = |header: &str, name: &str| {
+        format!("listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\n{header}models:\n  - name: sim-model\n    workers:\n      - url: {}\n{name}", sim.url())
+    };
+    let body = json!({"model": "sim-model", "prompt": "hello", "max_tokens": 2});
+    let header = |c: &Cluster| {
+        let (http, url) = (c.http.clone(), c.url("/v1/completions"));
+        let body = body.clone();
+        async move {
+            let r = http.post(url).json(&body).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            r.headers().get("x-kvgate-worker").map(|v| v.to_str().unwrap().to_string())
+        }
+    };
+    let default = Cluster::front_yaml(yaml("", "")).await;
+    let shown = header(&default).await.expect("a worker header");
+    assert!(shown.starts_with("w-") && !shown.contains("127.0.0.1"), "{shown}");
+    assert_eq!(header(&default).await.as_deref(), Some(shown.as_str()), "stable");
+    let named = Cluster::front_yaml(yaml("", "        name: gpu-node-7\n")).await;
+    assert_eq!(header(&named).await.as_deref(), Some("gpu-node-7"));
+    let url = Cluster::front_yaml(yaml("worker_header: url\n", "")).await;
+    assert_eq!(header(&url).await, Some(sim.url()));
+    let off = Cluster::front_yaml(yaml("worker_header: off\n", "")).await;
+    assert_eq!(header(&off).await, None);
+}

@@ -67,7 +67,8 @@ pub fn gateway_yaml(urls: &[String], o: &GatewayOpts) -> String {
     gateway_yaml_workers(&entries, o)
 }
 
-/// The YAML of a gateway serving `workers`.
+/// The YAML of a gateway serving `workers`. Its responses name their worker by URL
+/// (`worker_header: url`, not the default): the tests tell workers apart by address.
 pub fn gateway_yaml_workers(workers_in: &[WorkerEntry], o: &GatewayOpts) -> String {
     let mut workers = String::new();
     for w in workers_in {
@@ -80,7 +81,7 @@ pub fn gateway_yaml_workers(workers_in: &[WorkerEntry], o: &GatewayOpts) -> Stri
         }
     }
     format!(
-        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nthreads: 2\n{extra}\nhealth:\n  interval_ms: {hi}\n  timeout_ms: {ht}\n  unhealthy_threshold: {hu}\n  healthy_threshold: 1\nshutdown:\n  drain_timeout_s: 30\nmodels:\n  - name: {model}\n    routing:\n      mode: {mode}\n{routing_extra}{model_extra}    workers:\n{workers}",
+        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nthreads: 2\nworker_header: url\n{extra}\nhealth:\n  interval_ms: {hi}\n  timeout_ms: {ht}\n  unhealthy_threshold: {hu}\n  healthy_threshold: 1\nshutdown:\n  drain_timeout_s: 30\nmodels:\n  - name: {model}\n    routing:\n      mode: {mode}\n{routing_extra}{model_extra}    workers:\n{workers}",
         model_extra = o.model_extra.lines().map(|l| format!("    {l}\n")).collect::<String>(),
         routing_extra = o.routing_extra.lines().map(|l| format!("      {l}\n")).collect::<String>(),
         extra = o.extra,

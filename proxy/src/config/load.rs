@@ -359,6 +359,9 @@ fn workers(m: &ModelConfig) -> Result<(), Invalid> {
         if !(1..=64).contains(&w.dp_size) {
             return Err((format!("worker {}: dp_size must be within 1..=64", w.url), at("dp_size".into(), 1)));
         }
+        if w.name.as_ref().is_some_and(|n| n.is_empty() || n.len() > 128 || !n.bytes().all(|b| b.is_ascii_graphic())) {
+            return Err((format!("worker {}: name must be 1 to 128 visible ASCII characters (it goes into a response header)", w.url), at("name".into(), 1)));
+        }
         match (&w.replay, &w.kv_events) {
             (Some(_), None) => return Err((format!("worker {}: replay needs kv_events", w.url), at("replay".into(), 1))),
             (Some(_), Some(super::KvEvents::Auto)) => {

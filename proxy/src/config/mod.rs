@@ -39,6 +39,10 @@ pub struct Config {
     /// The token itself, read from `admin_token_file` or `KVGATE_ADMIN_TOKEN` at load.
     #[serde(skip)]
     pub admin_token: Option<AdminToken>,
+    /// What the `x-kvgate-worker` response header shows: the worker's `name` (default), its
+    /// `url`, or nothing (`off`).
+    #[serde(default)]
+    pub worker_header: WorkerHeader,
     /// Worker threads of the proxy service.
     #[serde(default = "default_threads")]
     pub threads: usize,
@@ -429,16 +433,49 @@ pub struct WorkerConfig {
     /// Its unit (the rescheduler's scope `unit` and failure domains `*-unit`).
     #[serde(default)]
     pub unit: Option<String>,
+    /// Its name in the `x-kvgate-worker` response header (`worker_header: name`). Default: the
+    /// planner's name for a worker it started, else `w-` and a hash of the URL.
+    #[serde(default)]
+    pub name: Option<String>,
     /// Where it came from: the file, or added at run time (never read from the file).
     #[serde(skip)]
     pub origin: Origin,
 }
 
 impl WorkerConfig {
+    /// Its name in the `x-kvgate-worker` header: `name`, the name its origin gives it, or `w-`
+    /// and 8 hex digits of a hash of its URL (stable, and no address in it).
+    pub fn shown_name(&self) -> String {
+        if let Some(n) = &self.name {
+            return n.clone();
+        }
+        match &self.origin {
+            Origin::Planner(n) | Origin::Kubernetes(n) => n.clone(),
+            Origin::Config => {
+                // FNV-1a: the same name on every gateway and restart.
+                let h = self.url.to_string().bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+                format!("w-{:08x}", h >> 32)
+            }
+        }
+    }
+
     /// A worker added at run time at `url`, with its KV events found through the worker.
     pub fn added(url: UpstreamUrl, kv_events: bool, origin: Origin) -> Self {
-        Self { url, kv_events: kv_events.then_some(KvEvents::Auto), replay: None, dp_size: 1, node: None, unit: None, origin }
+        Self { url, kv_events: kv_events.then_some(KvEvents::Auto), replay: None, dp_size: 1, node: None, unit: None, name: None, origin }
     }
+}
+
+/// What the `x-kvgate-worker` response header shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkerHeader {
+    /// The worker's name: its `name`, or a name made from its URL that does not show it.
+    #[default]
+    Name,
+    /// Its URL (an internal address: for a private deployment).
+    Url,
+    /// No header.
+    Off,
 }
 
 /// Where a worker came from (`GET /workers` shows it).

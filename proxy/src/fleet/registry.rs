@@ -76,7 +76,7 @@ impl WorkerRegistry {
                 .workers
                 .iter()
                 .map(|w| {
-                    let worker = known.get(&w.url).cloned().unwrap_or_else(|| Arc::new(Worker::new(w.url.clone())));
+                    let worker = known.get(&w.url).cloned().unwrap_or_else(|| Arc::new(Worker::named(w.url.clone(), w.shown_name())));
                     next.insert(w.url.clone(), worker.clone());
                     worker
                 })

@@ -20,6 +20,9 @@ pub struct Worker {
     pub host_header: String,
     /// The URL as text (metric label, logs), made once.
     pub label: String,
+    /// Its name for clients (`x-kvgate-worker` with `worker_header: name`), set when it is
+    /// first configured.
+    pub name: String,
     /// What the gateway booked on it (read through a model's ledger).
     pub booked: Arc<WorkerCounters>,
     healthy: AtomicBool,
@@ -68,9 +71,15 @@ pub struct FoundKvSource {
 impl Worker {
     /// A worker at `url`, healthy until its first check says otherwise.
     pub fn new(url: UpstreamUrl) -> Self {
+        Self::named(url, String::new())
+    }
+
+    /// A worker at `url` shown to clients as `name`.
+    pub fn named(url: UpstreamUrl, name: String) -> Self {
         Self {
             host_header: url.authority.clone(),
             label: url.to_string(),
+            name,
             booked: Arc::default(),
             url,
             // Optimistic until the first check: a fresh gateway serves at once.

@@ -77,7 +77,7 @@ pub async fn relay(gw: &Gateway, session: &mut ClientConn, req: &mut RequestStat
     }
     if !session.head_sent() {
         let rewritten = req.track.is_some() || req.reply.is_some();
-        let header = match upstream::client_response_header(&leg.ex, req.id(), &leg.worker, rewritten) {
+        let header = match upstream::client_response_header(&leg.ex, req.id(), &leg.worker, req.cfg.worker_header, rewritten) {
             Ok(h) => h,
             Err(e) => return Relayed::Done(Outcome::Refused(GatewayError::BadUpstreamResponse(e.to_string()))),
         };

@@ -202,7 +202,7 @@ async fn success_names_the_worker_and_leaves_nothing_behind() {
     let (aborted, resp) = serve_one(&gw, &post_with_id(r#"{"model":"m","prompt":"x"}"#, "req-1")).await;
     assert!(!aborted);
     assert_eq!(status_of(&resp), 200, "{resp}");
-    assert!(resp.contains(&format!("x-kvgate-worker: {}", w.url)), "{resp}");
+    assert!(resp.contains(&format!("x-kvgate-worker: {}", shown(&gw, &w.url))) && !resp.contains(&w.url), "named, its address not shown: {resp}");
     assert!(resp.ends_with(r#"{"choices":[{"text":"hi"}]}"#), "{resp}");
     assert_clean(&gw);
     let done = gw.requests.find("req-1").expect("kept as finished");
@@ -456,7 +456,7 @@ async fn adapter_requests_reach_only_the_workers_that_have_the_adapter() {
     for _ in 0..4 {
         let (_, resp) = serve_one(&gw, &post(r#"{"model":"sql","prompt":"x"}"#)).await;
         assert_eq!(status_of(&resp), 200, "{resp}");
-        assert!(resp.contains(&format!("x-kvgate-worker: {}", lora.url)), "{resp}");
+        assert!(resp.contains(&format!("x-kvgate-worker: {}", shown(&gw, &lora.url))), "{resp}");
     }
     assert_eq!(plain.requests.load(Ordering::SeqCst), 0);
     let (_, resp) = serve_one(&gw, &post(r#"{"model":"other-adapter","prompt":"x"}"#)).await;
@@ -493,6 +493,14 @@ async fn a_request_for_a_paused_workers_stored_response_waits_for_it() {
     gw.resumed.send_modify(|n| *n += 1);
     let resp = held.await.unwrap();
     assert_eq!(status_of(&resp), 200, "{resp}");
-    assert!(resp.contains(&format!("x-kvgate-worker: {}", home.url)), "{resp}");
+    assert!(resp.contains(&format!("x-kvgate-worker: {}", shown(&gw, &home.url))), "{resp}");
     assert_eq!(other.requests.load(Ordering::SeqCst), 0);
+}
+
+/// The name `x-kvgate-worker` shows for the worker at `url` (`worker_header: name`, the default).
+fn shown(gw: &Gateway, url: &str) -> String {
+    let fleet = gw.fleet();
+    let w = fleet.all_workers().into_iter().find(|(_, w)| w.label == url.trim_end_matches('/')).expect("a worker at that URL").1;
+    assert!(w.name.starts_with("w-"), "{}", w.name);
+    w.name.clone()
 }

@@ -144,7 +144,13 @@ fn line(w: &mut Vec<u8>, name: &[u8], value: &[u8]) {
 /// and the worker that answered (`x-kvgate-worker`) in place of any the worker sent. A body the gateway may rewrite (a followed
 /// stream: ids stripped, continued on another worker) always goes out chunked, since the
 /// worker's length would no longer be its length. Names go out as the worker wrote them.
-pub fn client_response_header(ex: &Exchange, request_id: &str, worker: &Worker, rewritten: bool) -> Result<ResponseHead, ClientBadHeader> {
+pub fn client_response_header(
+    ex: &Exchange,
+    request_id: &str,
+    worker: &Worker,
+    shown: crate::config::WorkerHeader,
+    rewritten: bool,
+) -> Result<ResponseHead, ClientBadHeader> {
     let up = &ex.response;
     let mut h = ResponseHead::new(up.status());
     let connection = naming(up.header("connection"));
@@ -160,9 +166,18 @@ pub fn client_response_header(ex: &Exchange, request_id: &str, worker: &Worker, 
         }
     }
     h.header(b"x-request-id", request_id.as_bytes())?;
-    // A worker's URL is checked when it is configured (`UpstreamUrl::parse`): no byte in it
-    // can split the head.
-    h.parsed_header(b"x-kvgate-worker", worker.label.as_bytes());
+    match shown {
+        // A worker's URL is checked when it is configured (`UpstreamUrl::parse`): no byte in it
+        // can split the head.
+        crate::config::WorkerHeader::Url => {
+            h.parsed_header(b"x-kvgate-worker", worker.label.as_bytes());
+        }
+        // A name comes from the config or a connector: checked here.
+        crate::config::WorkerHeader::Name if !worker.name.is_empty() => {
+            h.header(b"x-kvgate-worker", worker.name.as_bytes())?;
+        }
+        _ => {}
+    }
     Ok(h)
 }
 
@@ -428,7 +443,7 @@ mod tests {
         theirs.write_all(wire).await.unwrap();
         let response = WorkerResponse::read(ours, false).await.unwrap();
         let ex = Exchange { status: response.status(), response, sent_at: Instant::now(), home: Arc::default() };
-        client_response_header(&ex, "gw-id", &worker(), rewritten).unwrap()
+        client_response_header(&ex, "gw-id", &worker(), crate::config::WorkerHeader::Url, rewritten).unwrap()
     }
 
     #[tokio::test]
