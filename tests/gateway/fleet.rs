@@ -262,3 +262,40 @@ async fn the_worker_header_hides_addresses_by_default() {
     let off = Cluster::front_yaml(yaml("worker_header: off\n", "")).await;
     assert_eq!(header(&off).await, None);
 }
+
+/// Past `max_connections`, a new client connection is closed at once and counted; one that
+/// closes makes room (#36).
+#[tokio::test]
+async fn connections_past_the_cap_are_closed_and_counted() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let sim = vllm_sim::SimServer::start(kvgate_tests::target::test_sim_config()).await.expect("sim starts");
+    let c = Cluster::front(&[sim.url()], GatewayOpts { extra: "max_connections: 2".into(), ..GatewayOpts::default() }).await;
+    let addr = c.gw().listen;
+    // Two slow clients, each with half a request head.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+        held.push(s);
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut third = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut buf = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(5), third.read(&mut buf)).await.expect("closed, not left hanging").unwrap_or(0);
+    assert_eq!(n, 0, "the third connection is closed without an answer");
+    let refused = c.gateway_metrics().await.sum("kvgate_refused_connections_total", &[("reason", "max_connections")]);
+    assert_eq!(refused, 1.0);
+    drop(held.pop());
+    let freed = wait_until(Duration::from_secs(5), || async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let req = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+        if s.write_all(req).await.is_err() {
+            return false;
+        }
+        let mut out = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut out)).await;
+        out.starts_with(b"HTTP/1.1 200")
+    })
+    .await;
+    assert!(freed.is_some(), "a closed connection makes room for the next");
+}

@@ -259,6 +259,9 @@ fn top_level(cfg: &Config) -> Result<(), Invalid> {
     if !(1..=100_000).contains(&cfg.migration.max_concurrent) {
         return Err(("migration.max_concurrent must be within 1..=100000".into(), at("max_concurrent".into(), 1)));
     }
+    if cfg.max_connections == 0 {
+        return Err(("max_connections must be at least 1".into(), at("max_connections".into(), 1)));
+    }
     let h = &cfg.health;
     if h.interval_ms == 0 || h.timeout_ms == 0 || h.unhealthy_threshold == 0 || h.healthy_threshold == 0 {
         return Err(("health: interval_ms, timeout_ms and both thresholds must be at least 1".into(), at("health".into(), 1)));

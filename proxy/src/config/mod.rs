@@ -39,6 +39,10 @@ pub struct Config {
     /// The token itself, read from `admin_token_file` or `KVGATE_ADMIN_TOKEN` at load.
     #[serde(skip)]
     pub admin_token: Option<AdminToken>,
+    /// Client connections open at once on each listener; the next one is closed at once
+    /// (`kvgate_refused_connections_total{reason="max_connections"}`).
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
     /// What the `x-kvgate-worker` response header shows: the worker's `name` (default), its
     /// `url`, or nothing (`off`).
     #[serde(default)]
@@ -506,6 +510,9 @@ fn default_listen() -> SocketAddr {
 }
 fn default_admin_listen() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 9090))
+}
+fn default_max_connections() -> usize {
+    10_000
 }
 fn default_threads() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2)

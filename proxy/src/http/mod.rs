@@ -52,6 +52,8 @@ pub struct GatewayApp {
     /// Wakes the connections waiting for their next request when the service stops; one per
     /// thread (modulo [`STOP_SHARDS`]).
     stopped: [Notify; STOP_SHARDS],
+    /// Client connections open on this listener.
+    open: AtomicUsize,
 }
 
 /// This thread's shard of [`GatewayApp::stopped`].
@@ -66,7 +68,7 @@ fn stop_shard() -> usize {
 impl GatewayApp {
     /// The application for `role`'s listener.
     pub fn new(gw: Arc<Gateway>, role: Role) -> Self {
-        Self { gw, role, stopping: AtomicBool::new(false), stopped: std::array::from_fn(|_| Notify::new()) }
+        Self { gw, role, stopping: AtomicBool::new(false), stopped: std::array::from_fn(|_| Notify::new()), open: AtomicUsize::new(0) }
     }
 
     /// Reads the next request's head. False: there is none to serve (the client closed or was
@@ -181,11 +183,33 @@ impl GatewayApp {
     }
 }
 
+/// Counts a client connection in [`GatewayApp::open`] while it lives.
+struct OpenConnection<'a>(&'a AtomicUsize);
+
+impl<'a> OpenConnection<'a> {
+    fn new(open: &'a AtomicUsize) -> Self {
+        open.fetch_add(1, Ordering::Relaxed);
+        Self(open)
+    }
+}
+
+impl Drop for OpenConnection<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 #[async_trait]
 impl ServerApp for GatewayApp {
     /// Serves the connection's requests in turn, until it cannot carry another: one task and
     /// one boxed future per connection, not per request.
     async fn process_new(self: &Arc<Self>, stream: Stream, shutdown: &ShutdownWatch) -> Option<Stream> {
+        let _open = OpenConnection::new(&self.open);
+        if self.open.load(Ordering::Relaxed) > self.gw.config().max_connections {
+            // Past the cap: closed before a byte is read or a buffer allocated.
+            self.gw.metrics.refused_connections.with_label_values(&["max_connections"]).inc();
+            return None;
+        }
         let mut session = ClientConn::new(stream);
         while self.serve_one(&mut session, shutdown).await {}
         session.shutdown().await;
