@@ -119,8 +119,13 @@ impl Gateway {
         Ok(())
     }
 
-    /// Stops it with SIGTERM, so its connector stops the workers it started.
-    fn stop(mut self) {
+    /// Stops it (see `Drop`).
+    fn stop(self) {}
+}
+
+impl Drop for Gateway {
+    /// SIGTERM, so its connector stops the workers it started; also when a run fails half-way.
+    fn drop(&mut self) {
         let _ = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status();
         let _ = self.child.wait();
         let _ = std::fs::remove_file(&self.config);
