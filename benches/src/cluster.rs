@@ -103,6 +103,19 @@ pub struct Kvgate {
     pub admin: String,
 }
 
+/// Starts the `kvgate` binary `bin` on the config file `config`, quiet (warnings only, output
+/// discarded).
+pub fn spawn_kvgate(bin: &Path, config: &Path) -> Result<Child, String> {
+    Command::new(bin)
+        .arg("--config")
+        .arg(config)
+        .env("KVGATE_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("{}: {e}", bin.display()))
+}
+
 /// Starts `kvgate` with `routing` (lines of a model's `routing:` section) in front of
 /// `workers`; returns once it is healthy and, in kv mode with events, has applied events from
 /// every worker.
@@ -121,15 +134,7 @@ pub async fn start_kvgate(procs: &mut Procs, bin: &Path, model: &str, routing: &
     );
     let path = std::env::temp_dir().join(format!("kvgate-bench-{}-{}.yaml", std::process::id(), ports[0]));
     std::fs::write(&path, config).map_err(|e| e.to_string())?;
-    let child = Command::new(bin)
-        .arg("--config")
-        .arg(&path)
-        .env("KVGATE_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("{}: {e}", bin.display()))?;
-    procs.0.push(child);
+    procs.0.push(spawn_kvgate(bin, &path)?);
     let url = format!("http://127.0.0.1:{}", ports[0]);
     let admin = format!("http://127.0.0.1:{}", ports[1]);
     let up = wait_ok(&http, &format!("{url}/health"), Duration::from_secs(30)).await;

@@ -7,12 +7,12 @@
 //!   waiting: the time from the decision to the worker's exit, the longest pause a client saw
 //!   between two tokens, and failures.
 
-use crate::cluster::{free_ports, wait_ok};
+use crate::cluster::{free_ports, spawn_kvgate, wait_ok};
 use crate::load::client;
 use crate::{Rng, percentile};
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -64,14 +64,7 @@ impl Gateway {
         let ports = free_ports(3);
         let config = o.out.join(format!("kvgate-planner-{}.yaml", ports[0]));
         std::fs::write(&config, Self::yaml(o, planner, log, &ports, mode, gpu_blocks)).map_err(|e| e.to_string())?;
-        let child = Command::new(&o.kvgate_bin)
-            .arg("--config")
-            .arg(&config)
-            .env("KVGATE_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| format!("{}: {e}", o.kvgate_bin.display()))?;
+        let child = spawn_kvgate(&o.kvgate_bin, &config)?;
         let http = reqwest::Client::builder().pool_max_idle_per_host(256).build().map_err(|e| e.to_string())?;
         let gw = Self { child, url: format!("http://127.0.0.1:{}", ports[0]), admin: format!("http://127.0.0.1:{}", ports[1]), config, http };
         // /health says 503 until a worker is healthy, and the planner starts with none.

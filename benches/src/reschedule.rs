@@ -6,11 +6,10 @@
 //! binaries, workers and workload; per-request TTFT and TPOT are measured by the client, the
 //! migration pause by the gateway (`kvgate_migration_pause_seconds`).
 
-use crate::cluster::{Procs, SimOptions, SimWorker, free_ports, start_sims, wait_ok};
+use crate::cluster::{Procs, SimOptions, SimWorker, free_ports, spawn_kvgate, start_sims, wait_ok};
 use crate::load::client;
 use crate::{Rng, percentile};
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// What to run.
@@ -88,8 +87,7 @@ async fn burst(o: &Options, workers: &[SimWorker], rescheduling: &str, seed: u64
     let path = std::env::temp_dir().join(format!("kvgate-resched-{}-{}.yaml", std::process::id(), ports[0]));
     std::fs::write(&path, config(&ports, &workers[..o.initial], rescheduling)).map_err(|e| e.to_string())?;
     let mut procs = Procs::default();
-    let child = Command::new(&o.kvgate_bin).arg("--config").arg(&path).env("KVGATE_LOG", "warn").stdout(Stdio::null()).stderr(Stdio::null()).spawn();
-    procs.0.push(child.map_err(|e| format!("{}: {e}", o.kvgate_bin.display()))?);
+    procs.0.push(spawn_kvgate(&o.kvgate_bin, &path)?);
     let (url, admin) = (format!("http://127.0.0.1:{}", ports[0]), format!("http://127.0.0.1:{}", ports[1]));
     wait_ok(&http, &format!("{url}/health"), Duration::from_secs(30)).await?;
     let mut rng = Rng(0x5eed ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));

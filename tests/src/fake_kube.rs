@@ -109,7 +109,7 @@ impl FakeKube {
         if let Some(p) = g.pods.iter_mut().find(|p| p.name == pod) {
             p.ready = ready;
         }
-        self.publish(&mut g, "MODIFIED");
+        self.publish(&mut g);
     }
 
     /// Ends every watch in progress (as an API server does at its timeout or on restart).
@@ -139,7 +139,7 @@ impl FakeKube {
             let p = g.pods.remove(i);
             tokio::spawn(p.sim.shutdown());
         }
-        self.publish(&mut g, "MODIFIED");
+        self.publish(&mut g);
     }
 
     /// The slices now: one per pod (each pod's simulator listens on a port of its own).
@@ -160,24 +160,21 @@ impl FakeKube {
             .collect()
     }
 
-    /// Records the change as watch events: every pod's slice modified (or added), and slices
-    /// of pods that are gone deleted.
-    fn publish(&self, g: &mut Inner, kind: &str) {
-        let before: Vec<String> = g.history.iter().filter_map(|(_, e)| e["object"]["metadata"]["name"].as_str().map(str::to_string)).collect();
+    /// Records the change as watch events: every pod's slice added (new to the watchers) or
+    /// modified, and the slices of pods that are gone deleted.
+    fn publish(&self, g: &mut Inner) {
+        let known = g.known_slices();
         g.rv += 1;
         let now = Self::slices_now(g);
         let names: Vec<String> = now.iter().filter_map(|s| s["metadata"]["name"].as_str().map(str::to_string)).collect();
         let mut out = Vec::new();
-        for s in now {
-            let name = s["metadata"]["name"].as_str().unwrap_or_default().to_string();
-            let t = if before.contains(&name) { kind } else { "ADDED" };
+        for (s, name) in now.into_iter().zip(&names) {
+            let t = if known.contains(name) { "MODIFIED" } else { "ADDED" };
             out.push(json!({"type": t, "object": s}));
         }
-        let gone: Vec<String> = g.known_slices().into_iter().filter(|n| !names.contains(n)).collect();
-        for n in gone {
-            let mut s = json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-                               "metadata": {"name": n, "namespace": NS, "resourceVersion": g.rv.to_string()}, "endpoints": []});
-            s["metadata"]["labels"] = json!({"kubernetes.io/service-name": DEPLOYMENT});
+        for n in known.into_iter().filter(|n| !names.contains(n)) {
+            let s = json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4", "endpoints": [],
+                           "metadata": {"name": n, "namespace": NS, "resourceVersion": g.rv.to_string(), "labels": {"kubernetes.io/service-name": DEPLOYMENT}}});
             out.push(json!({"type": "DELETED", "object": s}));
         }
         for e in out {

@@ -117,8 +117,9 @@ fn admin_token(cfg: &Config, var: Option<&str>) -> Result<Option<super::AdminTok
         return super::AdminToken::new(v).map(Some).map_err(|e| (e, false));
     }
     let Some(path) = &cfg.admin_token_file else { return Ok(None) };
-    let text = std::fs::read_to_string(path).map_err(|e| (format!("admin_token_file {}: {e}", path.display()), true))?;
-    super::AdminToken::new(&text).map(Some).map_err(|e| (format!("admin_token_file {}: {e}", path.display()), true))
+    let in_file = |e: String| (format!("admin_token_file {}: {e}", path.display()), true);
+    let text = std::fs::read_to_string(path).map_err(|e| in_file(e.to_string()))?;
+    super::AdminToken::new(&text).map(Some).map_err(in_file)
 }
 
 /// serde_yaml appends " at line L column C"; the location is reported separately.

@@ -152,11 +152,16 @@ fn adopt(path: &Path) -> Vec<Saved> {
         .collect()
 }
 
-/// A process's start time, in clock ticks since boot (`/proc/<pid>/stat` field 22).
-fn start_time(pid: i32) -> Option<u64> {
+/// `/proc/<pid>/stat`'s fields from the state on (field 3: the ones after the command name's
+/// closing parenthesis, as the name may hold spaces).
+fn stat_fields(pid: i32) -> Option<Vec<String>> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command name's closing parenthesis, the state being field 3.
-    stat.rsplit_once(')')?.1.split_whitespace().nth(19)?.parse().ok()
+    Some(stat.rsplit_once(')')?.1.split_whitespace().map(str::to_string).collect())
+}
+
+/// A process's start time, in clock ticks since boot (field 22).
+fn start_time(pid: i32) -> Option<u64> {
+    stat_fields(pid)?.get(19)?.parse().ok()
 }
 
 /// Running: it exists and is not a zombie (one that exited but was not waited for by its
@@ -165,9 +170,7 @@ fn alive(pid: i32) -> bool {
     if pid <= 1 {
         return false;
     }
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // The state follows the command name's closing parenthesis.
-    let zombie = stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'));
+    let zombie = stat_fields(pid).is_some_and(|f| f.first().is_some_and(|state| state == "Z"));
     kill(Pid::from_raw(pid), None).is_ok() && !zombie
 }
 

@@ -27,6 +27,13 @@ pub struct Managed {
     pub origin: Origin,
 }
 
+impl Managed {
+    /// It as a worker of the model's fleet.
+    pub fn worker_config(&self) -> crate::config::WorkerConfig {
+        crate::config::WorkerConfig::added(self.url.clone(), self.kv_events, self.origin.clone())
+    }
+}
+
 /// Why a connector could not do what was asked.
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectorError {

@@ -62,9 +62,14 @@ pub struct Outcome {
 }
 
 impl Outcome {
+    /// A change of `kind` on `worker` that took `took` and drained nothing.
+    fn new(kind: Kind, worker: Option<String>, took: Duration) -> Self {
+        Self { kind, worker, took, drained_in: Duration::ZERO, moved: (0, 0), left_behind: 0, error: None }
+    }
+
     /// A change that failed.
     pub fn failed(kind: Kind, took: Duration, error: String) -> Self {
-        Self { kind, worker: None, took, drained_in: Duration::ZERO, moved: (0, 0), left_behind: 0, error: Some(error) }
+        Self { error: Some(error), ..Self::new(kind, None, took) }
     }
 }
 
@@ -85,11 +90,8 @@ pub async fn scale_up(gw: &Arc<Gateway>, model: &str, connector: &dyn Connector,
     if !connector.list().iter().any(|x| x.name == m.name) {
         return fail(format!("worker {} exited after it answered", m.name));
     }
-    let (g, name, joined) = (gw.clone(), model.to_string(), m.clone());
-    match tokio::task::spawn_blocking(move || super::join(&g, &name, &[joined])).await.map_err(|e| e.to_string()).and_then(|r| r) {
-        Ok(()) => {
-            Outcome { worker: Some(m.name.clone()), took: t0.elapsed(), drained_in: Duration::ZERO, moved: (0, 0), left_behind: 0, error: None, kind: Kind::Up }
-        }
+    match super::join(gw, model, &m).await {
+        Ok(()) => Outcome::new(Kind::Up, Some(m.name.clone()), t0.elapsed()),
         Err(e) => {
             let _ = connector.remove(&m.name).await;
             fail(e)
@@ -127,12 +129,8 @@ pub async fn scale_down(gw: &Arc<Gateway>, model: &str, connector: &dyn Connecto
 
 async fn drain_and_stop(gw: &Arc<Gateway>, model: &str, connector: &dyn Connector, victim: Managed, how: Drain, t0: Instant) -> Outcome {
     let worker = gw.fleet().model(model).and_then(|m| m.workers.iter().find(|w| w.url == victim.url).cloned());
-    let (g, name, url) = (gw.clone(), model.to_string(), victim.url.clone());
-    let left = tokio::task::spawn_blocking(move || g.update_added_workers(&name, |l| l.retain(|w| w.url != url))).await;
-    if let Some(e) = match left {
-        Ok(r) => r.err(),
-        Err(e) => Some(e.to_string()),
-    } {
+    let url = victim.url.clone();
+    if let Err(e) = super::edit_routing(gw, model, move |l| l.retain(|w| w.url != url)).await {
         return Outcome { worker: Some(victim.name), ..Outcome::failed(Kind::Down, t0.elapsed(), format!("cannot take it out of routing: {e}")) };
     }
     let left_routing = Instant::now();

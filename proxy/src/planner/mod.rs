@@ -75,8 +75,8 @@ impl ModelPlanner {
         let running = connector.as_ref().map(|c| c.list()).unwrap_or_default();
         if prune {
             let (gw, model, keep) = (gw.clone(), self.model.clone(), running.clone());
-            tokio::task::spawn_blocking(move || {
-                if let Err(e) = gw.update_added_workers(&model, |l| l.retain(|w| keep.iter().any(|m| m.url == w.url))) {
+            tokio::spawn(async move {
+                if let Err(e) = edit_routing(&gw, &model, move |l| l.retain(|w| keep.iter().any(|m| m.url == w.url))).await {
                     tracing::error!(model, error = %e, "planner: cannot take stale workers out of routing");
                 }
             });
@@ -88,7 +88,7 @@ impl ModelPlanner {
             tokio::spawn(async move {
                 match change::ready(&gw, &m, connector.as_ref(), connector.ready_timeout()).await {
                     Ok(()) => {
-                        if let Err(e) = tokio::task::spawn_blocking(move || join(&gw, &model, &[m])).await.map_err(|e| e.to_string()).and_then(|r| r) {
+                        if let Err(e) = join(&gw, &model, &m).await {
                             tracing::error!(error = %e, "planner: cannot add an adopted worker to routing");
                         }
                     }
@@ -225,10 +225,8 @@ impl ModelPlanner {
         if want.len() == have.len() && want.iter().all(|m| have.contains(&m.url)) {
             return;
         }
-        let (gw, model) = (gw.clone(), self.model.clone());
-        let added: Vec<WorkerConfig> = want.iter().map(|m| WorkerConfig::added(m.url.clone(), m.kv_events, m.origin.clone())).collect();
-        let r = tokio::task::spawn_blocking(move || gw.update_added_workers(&model, |l| *l = added)).await;
-        if let Ok(Err(e)) = r {
+        let added: Vec<WorkerConfig> = want.iter().map(Managed::worker_config).collect();
+        if let Err(e) = edit_routing(gw, &self.model, |l| *l = added).await {
             tracing::error!(model = %self.model, error = %e, "planner: cannot follow the discovered workers");
         }
     }
@@ -244,10 +242,8 @@ impl ModelPlanner {
             tracing::warn!(model = %self.model, worker = %d.name, "planner: worker exited without being stopped; it leaves routing and is replaced");
             self.recorder.exit(d);
         }
-        let (gw, model) = (gw.clone(), self.model.clone());
         let urls: Vec<_> = dead.into_iter().map(|d| d.url).collect();
-        let left = tokio::task::spawn_blocking(move || gw.update_added_workers(&model, |l| l.retain(|w| !urls.contains(&w.url)))).await;
-        if let Ok(Err(e)) = left {
+        if let Err(e) = edit_routing(gw, &self.model, move |l| l.retain(|w| !urls.contains(&w.url))).await {
             tracing::error!(model = %self.model, error = %e, "planner: cannot take a dead worker out of routing");
         }
     }
@@ -316,16 +312,22 @@ async fn retire(gw: Arc<Gateway>, model: String, connector: Arc<dyn Connector>, 
     }
 }
 
-/// Puts `workers` into routing.
-fn join(gw: &Gateway, model: &str, workers: &[Managed]) -> Result<(), String> {
-    let added: Vec<WorkerConfig> = workers.iter().map(|m| WorkerConfig::added(m.url.clone(), m.kv_events, m.origin.clone())).collect();
-    gw.update_added_workers(model, |l| {
-        for w in added {
-            if !l.iter().any(|x| x.url == w.url) {
-                l.push(w);
-            }
+/// Puts `m` into routing (once).
+async fn join(gw: &Arc<Gateway>, model: &str, m: &Managed) -> Result<(), String> {
+    let w = m.worker_config();
+    edit_routing(gw, model, move |l| {
+        if !l.iter().any(|x| x.url == w.url) {
+            l.push(w);
         }
     })
+    .await
+}
+
+/// Edits the workers `model`'s planner put into routing ([`Gateway::update_added_workers`]),
+/// on the blocking pool: a rebuild may load a tokenizer.
+async fn edit_routing(gw: &Arc<Gateway>, model: &str, change: impl FnOnce(&mut Vec<WorkerConfig>) + Send + 'static) -> Result<(), String> {
+    let (gw, model) = (gw.clone(), model.to_string());
+    tokio::task::spawn_blocking(move || gw.update_added_workers(&model, change)).await.map_err(|e| e.to_string())?
 }
 
 fn secs(s: f64) -> Duration {
