@@ -85,8 +85,11 @@ pub struct Metrics {
     /// `kvgate_rescheduling_failed_total{model,policy}`: rescheduler moves that failed.
     pub rescheduling_failed: IntCounterVec,
     /// `kvgate_refused_connections_total{reason}`: client connections answered and closed
-    /// before any routing (reason: malformed | connect).
+    /// before any routing (reason: malformed | connect | max_connections).
     pub refused_connections: IntCounterVec,
+    /// `kvgate_client_connections{listener}`: client connections open now (public | admin);
+    /// `max_connections` caps each listener's.
+    pub client_connections: IntGaugeVec,
     /// `kvgate_refused_paths_total{reason}`: public-listener requests refused for their path
     /// (reason: control | not_passed_through).
     pub refused_paths: IntCounterVec,
@@ -206,9 +209,10 @@ impl Metrics {
             rescheduling_failed: counter("kvgate_rescheduling_failed_total", "Moves the rescheduler ordered that failed or timed out.", &["model", "policy"]),
             refused_connections: counter(
                 "kvgate_refused_connections_total",
-                "Client connections answered with an error and closed before any routing (malformed request header, CONNECT).",
+                "Client connections answered with an error or closed before any routing (malformed request header, CONNECT, past max_connections).",
                 &["reason"],
             ),
+            client_connections: gauge("kvgate_client_connections", "Client connections open now, per listener (public | admin).", &["listener"]),
             refused_paths: counter(
                 "kvgate_refused_paths_total",
                 "Public-listener requests refused for their path: a vLLM control endpoint, or a path the passthrough rules keep from the workers.",

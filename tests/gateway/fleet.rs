@@ -271,6 +271,12 @@ async fn connections_past_the_cap_are_closed_and_counted() {
     let sim = vllm_sim::SimServer::start(kvgate_tests::target::test_sim_config()).await.expect("sim starts");
     let c = Cluster::front(&[sim.url()], GatewayOpts { extra: "max_connections: 2".into(), ..GatewayOpts::default() }).await;
     let addr = c.gw().listen;
+    let open = |n: f64| {
+        let c = &c;
+        async move { c.gateway_metrics().await.sum("kvgate_client_connections", &[("listener", "public")]) == n }
+    };
+    // The harness's own probes have closed: the count starts from nothing.
+    assert!(wait_until(Duration::from_secs(10), || open(0.0)).await.is_some(), "no client connection left open");
     // Two slow clients, each with half a request head.
     let mut held = Vec::new();
     for _ in 0..2 {
@@ -278,7 +284,7 @@ async fn connections_past_the_cap_are_closed_and_counted() {
         s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n").await.unwrap();
         held.push(s);
     }
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(wait_until(Duration::from_secs(10), || open(2.0)).await.is_some(), "both slow clients are counted");
     let mut third = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut buf = [0u8; 64];
     let n = tokio::time::timeout(Duration::from_secs(5), third.read(&mut buf)).await.expect("closed, not left hanging").unwrap_or(0);

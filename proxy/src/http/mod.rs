@@ -23,6 +23,7 @@ use async_trait::async_trait;
 use pingora::apps::ServerApp;
 use pingora::protocols::Stream;
 use pingora::server::ShutdownWatch;
+use prometheus::IntGauge;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use tokio::sync::Notify;
@@ -41,6 +42,16 @@ pub enum Role {
     Admin,
 }
 
+impl Role {
+    /// The listener's name in metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Public => "public",
+            Role::Admin => "admin",
+        }
+    }
+}
+
 /// The gateway's HTTP application for one listener.
 pub struct GatewayApp {
     /// Shared state.
@@ -52,8 +63,8 @@ pub struct GatewayApp {
     /// Wakes the connections waiting for their next request when the service stops; one per
     /// thread (modulo [`STOP_SHARDS`]).
     stopped: [Notify; STOP_SHARDS],
-    /// Client connections open on this listener.
-    open: AtomicUsize,
+    /// Client connections open on this listener (`kvgate_client_connections`).
+    open: IntGauge,
 }
 
 /// This thread's shard of [`GatewayApp::stopped`].
@@ -68,7 +79,8 @@ fn stop_shard() -> usize {
 impl GatewayApp {
     /// The application for `role`'s listener.
     pub fn new(gw: Arc<Gateway>, role: Role) -> Self {
-        Self { gw, role, stopping: AtomicBool::new(false), stopped: std::array::from_fn(|_| Notify::new()), open: AtomicUsize::new(0) }
+        let open = gw.metrics.client_connections.with_label_values(&[role.name()]);
+        Self { gw, role, stopping: AtomicBool::new(false), stopped: std::array::from_fn(|_| Notify::new()), open }
     }
 
     /// Reads the next request's head. False: there is none to serve (the client closed or was
@@ -184,18 +196,18 @@ impl GatewayApp {
 }
 
 /// Counts a client connection in [`GatewayApp::open`] while it lives.
-struct OpenConnection<'a>(&'a AtomicUsize);
+struct OpenConnection<'a>(&'a IntGauge);
 
 impl<'a> OpenConnection<'a> {
-    fn new(open: &'a AtomicUsize) -> Self {
-        open.fetch_add(1, Ordering::Relaxed);
+    fn new(open: &'a IntGauge) -> Self {
+        open.inc();
         Self(open)
     }
 }
 
 impl Drop for OpenConnection<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.0.dec();
     }
 }
 
@@ -205,7 +217,7 @@ impl ServerApp for GatewayApp {
     /// one boxed future per connection, not per request.
     async fn process_new(self: &Arc<Self>, stream: Stream, shutdown: &ShutdownWatch) -> Option<Stream> {
         let _open = OpenConnection::new(&self.open);
-        if self.open.load(Ordering::Relaxed) > self.gw.config().max_connections {
+        if usize::try_from(self.open.get()).unwrap_or(0) > self.gw.config().max_connections {
             // Past the cap: closed before a byte is read or a buffer allocated.
             self.gw.metrics.refused_connections.with_label_values(&["max_connections"]).inc();
             return None;
