@@ -5,9 +5,11 @@
 //! ([`reschedule`]).
 
 pub mod cluster;
+pub mod connections;
 pub mod load;
 pub mod peers;
 pub mod planner;
+pub mod procfs;
 pub mod reschedule;
 pub mod trace;
 

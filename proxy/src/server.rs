@@ -83,13 +83,14 @@ impl BackgroundService for Background {
     }
 }
 
-/// Bytes a client connection's writes gather before a send. Pingora's default (1,460) sends a
-/// response header alone whenever the body written after it is longer than the rest, so a
-/// completion of a few KiB, or a stream's first read of several events, cost two sends and two
-/// TCP segments instead of one. 8 KiB holds the header and a typical completion body. Nothing
-/// waits in it: chunked bodies (streams) are flushed after every write, and a known-length body
-/// when it is complete (benches/RESULTS.md, "One send per response").
-const CLIENT_WRITE_BUFFER: usize = 8 * 1024;
+/// Pingora's own buffers in front of a client socket: none. `ClientConn` keeps its own read
+/// buffer and gathers each send in its own write buffer, both borrowed from the thread only
+/// while bytes move; Pingora's defaults (64 KiB read, allocated for every connection as it is
+/// accepted, and a write buffer) cost an idle client ~100 KB for nothing (#36,
+/// docs/hardening.md, "Memory per connection").
+fn client_buffers() -> L4BufferSettings {
+    L4BufferSettings::unbuffered()
+}
 
 fn build(gw: Arc<Gateway>, cfg: &Config, manual: watch::Receiver<Option<Stop>>) -> (Server, RunArgs) {
     let conf = ServerConf {
@@ -107,10 +108,10 @@ fn build(gw: Arc<Gateway>, cfg: &Config, manual: watch::Receiver<Option<Stop>>) 
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
     let mut public = Service::new("kvgate".to_string(), GatewayApp::new(gw.clone(), Role::Public));
-    public.add_listener(ListenerConfig::tcp(cfg.listen.to_string()).l4_buffer(L4BufferSettings::default().write(CLIENT_WRITE_BUFFER)));
+    public.add_listener(ListenerConfig::tcp(cfg.listen.to_string()).l4_buffer(client_buffers()));
     let mut admin = Service::new("kvgate-admin".to_string(), GatewayApp::new(gw.clone(), Role::Admin));
     admin.threads = Some(1);
-    admin.add_tcp(&cfg.admin_listen.to_string());
+    admin.add_listener(ListenerConfig::tcp(cfg.admin_listen.to_string()).l4_buffer(client_buffers()));
     server.add_service(public);
     server.add_service(admin);
     // Watching before the listeners open: an edit made once the gateway answers is never missed.

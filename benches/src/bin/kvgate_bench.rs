@@ -97,6 +97,63 @@ enum Cmd {
     /// The planner (seed 002) with the local connector starting vllm-sim workers: a load ramp
     /// up and down, and a scale-down by migration against one by waiting (benches/RESULTS.md).
     Planner(PlannerArgs),
+    /// What idle and slow clients cost: resident memory and descriptors per held connection,
+    /// for several client shapes, kvgate beside nginx (#36, docs/hardening.md).
+    Connections(ConnectionsArgs),
+}
+
+#[derive(Args)]
+struct ConnectionsArgs {
+    /// The kvgate binary.
+    #[arg(long, default_value = "target/release/kvgate")]
+    kvgate_bin: PathBuf,
+    /// Connections per shape (10,000 is kvgate's default max_connections; one more is tried).
+    #[arg(long, default_value_t = 10_000)]
+    count: usize,
+    /// Shapes, comma-separated: idle, partial, trickle, body, oversized.
+    #[arg(long, value_delimiter = ',', default_value = "idle,partial,trickle,body,oversized")]
+    shapes: Vec<String>,
+    /// Seconds the connections are held before memory is read.
+    #[arg(long, default_value_t = 5)]
+    hold_s: u64,
+    /// kvgate's threads.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Also measure nginx (one worker) in the same run.
+    #[arg(long)]
+    compare_nginx: bool,
+    /// Where configs go.
+    #[arg(long, default_value = "benches/out/connections")]
+    out: PathBuf,
+}
+
+async fn connections(a: ConnectionsArgs) -> i32 {
+    let shapes = match a.shapes.iter().map(|s| kvgate_bench::connections::Shape::parse(s)).collect::<Result<Vec<_>, _>>() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("kvgate-bench: {e}");
+            return 2;
+        }
+    };
+    let o = kvgate_bench::connections::Options {
+        kvgate_bin: a.kvgate_bin,
+        nginx: a.compare_nginx,
+        count: a.count,
+        shapes,
+        hold_s: a.hold_s,
+        threads: a.threads,
+        out: a.out,
+    };
+    match kvgate_bench::connections::run(&o).await {
+        Ok(figures) => {
+            print!("{}", kvgate_bench::connections::table(&figures));
+            0
+        }
+        Err(e) => {
+            eprintln!("kvgate-bench connections: {e}");
+            1
+        }
+    }
 }
 
 #[derive(Args)]
@@ -652,6 +709,7 @@ async fn main() {
         }
         Cmd::Reschedule(a) => reschedule(a).await,
         Cmd::Planner(a) => planner(a).await,
+        Cmd::Connections(a) => connections(a).await,
     };
     std::process::exit(code);
 }

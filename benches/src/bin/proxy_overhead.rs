@@ -428,19 +428,7 @@ fn cpu_time(pid: u32) -> Duration {
 
 /// CPU time of every process whose parent is `pid` or which is `pid` (nginx: master + workers).
 fn tree_cpu_time(pid: u32) -> Duration {
-    let mut total = cpu_time(pid);
-    if let Ok(dir) = std::fs::read_dir("/proc") {
-        for e in dir.flatten() {
-            let Some(child) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
-            let ppid = std::fs::read_to_string(format!("/proc/{child}/stat"))
-                .ok()
-                .and_then(|s| s.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1).and_then(|v| v.parse::<u32>().ok())));
-            if ppid == Some(pid) {
-                total += cpu_time(child);
-            }
-        }
-    }
-    total
+    kvgate_bench::procfs::family(pid).into_iter().map(cpu_time).sum()
 }
 
 /// A proxy under test: its name, its process and its port.

@@ -10,9 +10,9 @@
 
 use crate::h1::body::Framing;
 use crate::h1::chunked::{ChunkError, Chunked};
-use crate::h1::spare::{HeadLines, READ_SIZE};
+use crate::h1::spare::{HeadLines, ReadBuffer, WriteBuffer, take_write_buffer};
 use crate::idle_timer::IdleTimer;
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes};
 use pingora::protocols::Stream;
 use std::mem::MaybeUninit;
 use std::time::Duration;
@@ -234,11 +234,13 @@ impl ResponseHead {
 /// The client's connection.
 pub struct ClientConn {
     stream: Stream,
-    rbuf: BytesMut,
+    /// Bytes read and not yet taken: no buffer while the client sends nothing (#36).
+    rbuf: ReadBuffer,
     head: RequestHead,
     body: Framing,
     continue_owed: bool,
-    wbuf: Vec<u8>,
+    /// Bytes gathered for the next send: taken only when a response is written.
+    wbuf: Option<WriteBuffer>,
     out: BodyOut,
     head_only: bool,
     keep_alive: bool,
@@ -257,11 +259,11 @@ impl ClientConn {
     pub fn new(stream: Stream) -> Self {
         Self {
             stream,
-            rbuf: BytesMut::new(),
+            rbuf: ReadBuffer::none(),
             head: RequestHead::default(),
             body: Framing::Done,
             continue_owed: false,
-            wbuf: Vec::with_capacity(1024),
+            wbuf: None,
             out: BodyOut::Done,
             head_only: false,
             keep_alive: true,
@@ -313,7 +315,11 @@ impl ClientConn {
         loop {
             if !self.rbuf.is_empty() {
                 if let Some((head, len)) = parse_request(&self.rbuf, &mut spare)? {
-                    let raw = self.rbuf.split_to(len).freeze();
+                    // Copied out rather than split off: a head that shared the read buffer
+                    // would keep all 16 KiB of it while the request lives, and a client that
+                    // then sends its body slowly would hold it the whole time.
+                    let raw = Bytes::copy_from_slice(&self.rbuf[..len]);
+                    self.rbuf.advance(len);
                     self.start(RequestHead { raw, ..head })?;
                     return Ok(true);
                 }
@@ -321,8 +327,7 @@ impl ClientConn {
                     return Err(HeadError::TooLarge);
                 }
             }
-            self.rbuf.reserve(READ_SIZE);
-            if self.stream.read_buf(&mut self.rbuf).await? == 0 {
+            if self.fill().await? == 0 {
                 return if self.rbuf.is_empty() { Ok(false) } else { Err(HeadError::Io(std::io::ErrorKind::UnexpectedEof.into())) };
             }
         }
@@ -364,7 +369,7 @@ impl ClientConn {
         self.keep_alive = if head.is_http10() { head.connection_has(b"keep-alive") } else { !head.connection_has(b"close") };
         self.head_only = head.method_is("HEAD");
         self.out = BodyOut::NotStarted;
-        self.wbuf.clear();
+        self.wbuf = None;
         self.head = head;
         Ok(())
     }
@@ -377,7 +382,7 @@ impl ClientConn {
     /// Sends `100 Continue`.
     pub async fn write_continue(&mut self) -> std::io::Result<()> {
         self.continue_owed = false;
-        self.wbuf.extend_from_slice(b"HTTP/1.1 100 Continue\r\n\r\n");
+        self.out_buf().extend_from_slice(b"HTTP/1.1 100 Continue\r\n\r\n");
         self.flush().await
     }
 
@@ -390,11 +395,15 @@ impl ClientConn {
             if self.body.is_done() {
                 return Ok(None);
             }
-            self.rbuf.reserve(READ_SIZE);
-            if self.stream.read_buf(&mut self.rbuf).await? == 0 {
+            if self.fill().await? == 0 {
                 return Err(BodyReadError::Closed);
             }
         }
+    }
+
+    /// Whether the request body was read whole (or there was none).
+    pub fn body_read(&self) -> bool {
+        self.body.is_done()
     }
 
     /// The connection will close after this response.
@@ -434,7 +443,7 @@ impl ClientConn {
             }
             None => BodyOut::Chunked,
         };
-        let w = &mut self.wbuf;
+        let w = self.wbuf.get_or_insert_with(take_write_buffer);
         w.extend_from_slice(b"HTTP/1.1 ");
         crate::h1::put_decimal(w, u64::from(head.status));
         w.push(b' ');
@@ -471,7 +480,7 @@ impl ClientConn {
 
     /// Sends whatever is buffered (a queued head); nothing when nothing is.
     pub async fn flush_queued(&mut self) -> std::io::Result<()> {
-        if self.wbuf.is_empty() { Ok(()) } else { self.flush().await }
+        if self.wbuf.as_ref().is_none_or(|w| w.is_empty()) { Ok(()) } else { self.flush().await }
     }
 
     /// Writes body bytes (`end`: the last ones). Bytes past a declared length are an error, and
@@ -505,18 +514,18 @@ impl ClientConn {
             }
             BodyOut::Chunked => {
                 if !data.is_empty() {
-                    crate::h1::put_hex(&mut self.wbuf, data.len() as u64);
-                    self.wbuf.extend_from_slice(b"\r\n");
+                    crate::h1::put_hex(self.out_buf(), data.len() as u64);
+                    self.out_buf().extend_from_slice(b"\r\n");
                     if data.len() > COPY_LIMIT {
                         self.flush().await?;
                         self.send(&data).await?;
                     } else {
-                        self.wbuf.extend_from_slice(&data);
+                        self.out_buf().extend_from_slice(&data);
                     }
-                    self.wbuf.extend_from_slice(b"\r\n");
+                    self.out_buf().extend_from_slice(b"\r\n");
                 }
                 if end {
-                    self.wbuf.extend_from_slice(b"0\r\n\r\n");
+                    self.out_buf().extend_from_slice(b"0\r\n\r\n");
                     self.out = BodyOut::Done;
                 }
             }
@@ -526,20 +535,42 @@ impl ClientConn {
                 self.flush().await?;
                 self.send(&d).await?;
             } else {
-                self.wbuf.extend_from_slice(&d);
+                self.out_buf().extend_from_slice(&d);
             }
         }
         self.flush().await
     }
 
-    /// Writes out whatever is buffered.
+    /// The buffer the next send gathers in, taken when the first bytes are written.
+    fn out_buf(&mut self) -> &mut WriteBuffer {
+        self.wbuf.get_or_insert_with(take_write_buffer)
+    }
+
+    /// Writes out whatever is buffered. The buffer goes back to the thread's spares after the
+    /// send, so a connection between responses holds none.
     async fn flush(&mut self) -> std::io::Result<()> {
-        // Taken out for the write so `send` can borrow the connection; put back for reuse.
-        let wbuf = std::mem::take(&mut self.wbuf);
-        let sent = self.send(&wbuf).await;
-        self.wbuf = wbuf;
-        self.wbuf.clear();
-        sent
+        match self.wbuf.take() {
+            Some(wbuf) => self.send(&wbuf).await,
+            None => Ok(()),
+        }
+    }
+
+    /// Reads what the client sends next into the read buffer; 0 when it closed. A connection
+    /// whose client sends nothing holds no read buffer (#36): each try borrows one of the
+    /// thread's spares and, when the socket has nothing yet, gives it back before waiting
+    /// (an unfinished head keeps only its own bytes meanwhile), as nginx does with its header
+    /// buffer. A failed try changes nothing in the socket, so the next one starts afresh.
+    async fn fill(&mut self) -> std::io::Result<usize> {
+        let (stream, rbuf) = (&mut self.stream, &mut self.rbuf);
+        std::future::poll_fn(|cx| {
+            rbuf.ready();
+            let read = std::pin::pin!(stream.read_buf(&mut **rbuf)).poll(cx);
+            if read.is_pending() {
+                rbuf.wait();
+            }
+            read
+        })
+        .await
     }
 
     /// Writes `data` whole and flushes, within the write limit.
@@ -569,8 +600,7 @@ impl ClientConn {
             if !self.rbuf.is_empty() || !self.body.is_done() {
                 return std::future::pending().await;
             }
-            self.rbuf.reserve(1024);
-            match self.stream.read_buf(&mut self.rbuf).await {
+            match self.fill().await {
                 Ok(0) | Err(_) => return,
                 Ok(_) => {}
             }
@@ -580,7 +610,7 @@ impl ClientConn {
     /// Whether the connection can carry the next request: the response was complete, the
     /// request body read whole, and neither side asked to close.
     pub fn reusable(&self) -> bool {
-        self.keep_alive && self.out == BodyOut::Done && self.body.is_done() && self.wbuf.is_empty()
+        self.keep_alive && self.out == BodyOut::Done && self.body.is_done() && self.wbuf.as_ref().is_none_or(|w| w.is_empty())
     }
 
     /// Closes the connection's sending side, after writing what is buffered.
@@ -600,8 +630,7 @@ impl ClientConn {
         let drain = async {
             loop {
                 self.rbuf.clear();
-                self.rbuf.reserve(READ_SIZE);
-                if !matches!(self.stream.read_buf(&mut self.rbuf).await, Ok(n) if n > 0) {
+                if !matches!(self.fill().await, Ok(n) if n > 0) {
                     return;
                 }
             }

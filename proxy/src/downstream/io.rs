@@ -55,7 +55,10 @@ pub async fn read_body(session: &mut ClientConn, limit: u64, deadline: Duration)
                         return Err(BodyError::TooLarge(limit));
                     }
                     match (first.take(), rest.as_mut()) {
-                        (None, None) => first = Some(chunk),
+                        (None, None) if session.body_read() => first = Some(chunk),
+                        // More is to come: the piece is copied now, so it does not keep the
+                        // read buffer it was split from while a slow client sends the rest.
+                        (None, None) => rest = Some(BytesMut::from(&chunk[..])),
                         (Some(f), _) => {
                             let mut buf = BytesMut::from(f);
                             buf.extend_from_slice(&chunk);
