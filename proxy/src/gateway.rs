@@ -45,6 +45,8 @@ pub struct Gateway {
     /// One apply at a time: prepare plugins → build the fleet → swap → commit must not
     /// interleave with another reload's, or the fleet and the plugin registry would disagree.
     applying: parking_lot::Mutex<()>,
+    /// The TLS listeners' certificates, read again on reloads and when their files change.
+    pub tls: crate::tls::Certificates,
 }
 
 impl Gateway {
@@ -61,7 +63,9 @@ impl Gateway {
         let thresholds = cfg.models.iter().map(|m| (m.name.clone(), m.shedding.thresholds)).collect();
         let max_moves = cfg.migration.max_concurrent;
         let stored_responses = crate::fleet::StoredResponses::new(cfg.responses.remembered_ids);
+        let tls = crate::tls::Certificates::load(&cfg)?;
         Ok(Arc::new(Self {
+            tls,
             thresholds: parking_lot::RwLock::new(thresholds),
             config: ArcSwap::from_pointee(cfg),
             fleet: ArcSwap::from_pointee(fleet),
@@ -105,8 +109,13 @@ impl Gateway {
     /// [`Gateway::apply`], with `applying` held by the caller.
     fn apply_locked(&self, cfg: Config) -> Result<(), String> {
         let old = self.config();
-        if old.listen != cfg.listen || old.admin_listen != cfg.admin_listen || old.threads != cfg.threads {
-            tracing::warn!("listen, admin_listen and threads take effect at the next restart");
+        if old.listen != cfg.listen
+            || old.admin_listen != cfg.admin_listen
+            || old.threads != cfg.threads
+            || old.tls != cfg.tls
+            || old.admin_tls != cfg.admin_tls
+        {
+            tracing::warn!("listen, admin_listen, threads, tls and admin_tls take effect at the next restart");
         }
         let before: std::collections::HashSet<String> = self.fleet().all_workers().iter().map(|(m, w)| format!("{m}@{}", w.url)).collect();
         let old_fleet = self.fleet();
@@ -202,6 +211,8 @@ impl Gateway {
         let Some(path) = &self.config_path else {
             return Err(ConfigError { origin: "reload".into(), line: None, column: None, message: "no config file to reload".into() });
         };
+        // The certificate files are read again on every reload, changed or not.
+        self.tls.reload(true, &self.metrics);
         match crate::config::load_file(path) {
             Ok(cfg) => {
                 if *self.config() != cfg {

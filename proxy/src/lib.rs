@@ -19,13 +19,15 @@
 //!   client-facing errors);
 //! - [`sse`]: reading a worker's Server-Sent Events stream;
 //! - [`http`]: the Pingora services (public API, admin);
+//! - [`tls`]: TLS on the listeners, certificates replaced without a restart;
 //! - [`tasks`]: background work under one supervisor;
 //! - [`planner`]: seed 002's planner acting on a model's fleet (pull, decide, scale up, drain
 //!   and stop);
 //! - [`connector`]: how the planner starts and stops workers (`local` processes);
 //! - [`plugins`]: loaded WebAssembly routing policies;
 //! - [`server`]: starting and stopping (drain on SIGTERM);
-//! - `demo` (feature `demo`): `kvgate demo` on in-process simulated workers.
+//! - `demo` (feature `demo`): `kvgate demo` on in-process simulated workers;
+//! - `fuzzing` (feature `fuzzing`): entry points for the fuzz targets in `fuzz/`.
 
 pub mod config;
 pub(crate) mod connector;
@@ -35,6 +37,8 @@ pub(crate) mod downstream;
 pub mod endpoint;
 pub(crate) mod error;
 pub(crate) mod fleet;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 pub mod gateway;
 pub(crate) mod h1;
 pub mod http;
@@ -51,6 +55,7 @@ pub(crate) mod request;
 pub mod server;
 pub mod sse;
 pub(crate) mod tasks;
+pub mod tls;
 pub(crate) mod upstream;
 
 pub use gateway::Gateway;

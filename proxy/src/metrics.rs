@@ -87,6 +87,9 @@ pub struct Metrics {
     /// `kvgate_refused_connections_total{reason}`: client connections answered and closed
     /// before any routing (reason: malformed | connect | max_connections).
     pub refused_connections: IntCounterVec,
+    /// `kvgate_tls_reloads_total{listener,result}`: TLS certificate pairs read again (ok) or
+    /// refused, the previous pair staying in use (rejected).
+    pub tls_reloads: IntCounterVec,
     /// `kvgate_client_connections{listener}`: client connections open now (public | admin);
     /// `max_connections` caps each listener's.
     pub client_connections: IntGaugeVec,
@@ -211,6 +214,11 @@ impl Metrics {
                 "kvgate_refused_connections_total",
                 "Client connections answered with an error or closed before any routing (malformed request header, CONNECT, past max_connections).",
                 &["reason"],
+            ),
+            tls_reloads: counter(
+                "kvgate_tls_reloads_total",
+                "TLS certificate pairs read again (ok) or refused with the previous pair kept (rejected).",
+                &["listener", "result"],
             ),
             client_connections: gauge("kvgate_client_connections", "Client connections open now, per listener (public | admin).", &["listener"]),
             refused_paths: counter(

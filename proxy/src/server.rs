@@ -92,6 +92,15 @@ fn client_buffers() -> L4BufferSettings {
     L4BufferSettings::unbuffered()
 }
 
+/// A listener on `addr`, speaking TLS with `certs` when given.
+fn listener(addr: std::net::SocketAddr, certs: Option<&Arc<crate::tls::CertStore>>) -> ListenerConfig {
+    let l = ListenerConfig::tcp(addr.to_string()).l4_buffer(client_buffers());
+    match certs {
+        Some(c) => l.tls(c.settings()),
+        None => l,
+    }
+}
+
 fn build(gw: Arc<Gateway>, cfg: &Config, manual: watch::Receiver<Option<Stop>>) -> (Server, RunArgs) {
     let conf = ServerConf {
         threads: cfg.threads,
@@ -108,10 +117,10 @@ fn build(gw: Arc<Gateway>, cfg: &Config, manual: watch::Receiver<Option<Stop>>) 
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
     let mut public = Service::new("kvgate".to_string(), GatewayApp::new(gw.clone(), Role::Public));
-    public.add_listener(ListenerConfig::tcp(cfg.listen.to_string()).l4_buffer(client_buffers()));
+    public.add_listener(listener(cfg.listen, gw.tls.public.as_ref()));
     let mut admin = Service::new("kvgate-admin".to_string(), GatewayApp::new(gw.clone(), Role::Admin));
     admin.threads = Some(1);
-    admin.add_listener(ListenerConfig::tcp(cfg.admin_listen.to_string()).l4_buffer(client_buffers()));
+    admin.add_listener(listener(cfg.admin_listen, gw.tls.admin.as_ref()));
     server.add_service(public);
     server.add_service(admin);
     // Watching before the listeners open: an edit made once the gateway answers is never missed.

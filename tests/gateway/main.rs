@@ -16,6 +16,7 @@ use vllm_sim::SimConfig;
 mod drop_in;
 mod fleet;
 mod openapi;
+mod tls;
 
 fn sim(time_scale: f64) -> SimConfig {
     SimConfig { time_scale, ..test_sim_config() }

@@ -188,6 +188,11 @@ type Invalid = (String, Option<(String, usize)>);
 
 /// Cross-field checks. On failure: the message and, when possible, a text to locate it by.
 fn validate(cfg: &Config) -> Result<(), Invalid> {
+    for (key, files) in [("tls", &cfg.tls), ("admin_tls", &cfg.admin_tls)] {
+        if let Some(f) = files {
+            crate::tls::read(f).map_err(|e| (format!("{key}: {e}"), at(key.into(), 1)))?;
+        }
+    }
     plugins(cfg)?;
     top_level(cfg)?;
     let mut names = std::collections::HashSet::new();

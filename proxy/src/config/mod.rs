@@ -22,6 +22,16 @@ use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+/// A listener's certificate chain and private key (PEM files).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsFiles {
+    /// The certificate chain, leaf first.
+    pub cert_file: PathBuf,
+    /// Its private key (PKCS#8, PKCS#1 or SEC1).
+    pub key_file: PathBuf,
+}
+
 /// The whole configuration.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -39,6 +49,13 @@ pub struct Config {
     /// The token itself, read from `admin_token_file` or `KVGATE_ADMIN_TOKEN` at load.
     #[serde(skip)]
     pub admin_token: Option<AdminToken>,
+    /// TLS on the public listener: PEM certificate chain and key, re-read without a restart
+    /// when they change (docs/hardening.md, "TLS"). Unset: plain HTTP.
+    #[serde(default)]
+    pub tls: Option<TlsFiles>,
+    /// TLS on the admin listener, the same way.
+    #[serde(default)]
+    pub admin_tls: Option<TlsFiles>,
     /// Client connections open at once on each listener; the next one is closed at once
     /// (`kvgate_refused_connections_total{reason="max_connections"}`).
     #[serde(default = "default_max_connections")]

@@ -406,6 +406,13 @@ impl ClientConn {
         self.body.is_done()
     }
 
+    /// Whether the connection may carry another request after this one, as far as the request
+    /// said (the fuzz targets stop where a server would).
+    #[cfg(feature = "fuzzing")]
+    pub fn keeps_alive(&self) -> bool {
+        self.keep_alive
+    }
+
     /// The connection will close after this response.
     pub fn close_after(&mut self) {
         self.keep_alive = false;

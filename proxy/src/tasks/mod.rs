@@ -11,7 +11,8 @@
 //! - [`config_watch`]: config file watch and SIGHUP → reload;
 //! - [`plugin_watch`]: plugin file polling → hot swap;
 //! - [`rescheduler`]: seed 004's rescheduling loop (moves requests between workers);
-//! - [`planner`]: seed 002's planner for every planned model (scales its fleet).
+//! - [`planner`]: seed 002's planner for every planned model (scales its fleet);
+//! - [`tls_reload`]: TLS certificate files read again when they change.
 
 pub mod config_watch;
 pub mod health;
@@ -21,6 +22,7 @@ pub mod planner;
 pub mod plugin_watch;
 pub mod queue_release;
 pub mod rescheduler;
+pub mod tls_reload;
 pub mod worker_metrics;
 
 use crate::gateway::Gateway;
@@ -58,11 +60,13 @@ pub enum Task {
     Rescheduler,
     /// [`planner`].
     Planner,
+    /// [`tls_reload`].
+    TlsReload,
 }
 
 impl Task {
     /// Every task, in start order.
-    pub const ALL: [Task; 9] = [
+    pub const ALL: [Task; 10] = [
         Task::Health,
         Task::WorkerMetrics,
         Task::KvSubscribers,
@@ -72,6 +76,7 @@ impl Task {
         Task::PluginWatch,
         Task::Rescheduler,
         Task::Planner,
+        Task::TlsReload,
     ];
 
     /// Name for logs.
@@ -86,6 +91,7 @@ impl Task {
             Task::PluginWatch => "plugin_watch",
             Task::Rescheduler => "rescheduler",
             Task::Planner => "planner",
+            Task::TlsReload => "tls_reload",
         }
     }
 
@@ -101,6 +107,7 @@ impl Task {
             Task::Rescheduler => Box::pin(rescheduler::run(gw)),
             Task::PluginWatch => Box::pin(plugin_watch::run(gw)),
             Task::Planner => Box::pin(planner::run(gw)),
+            Task::TlsReload => Box::pin(tls_reload::run(gw)),
         };
         set.spawn(async move {
             if !delay.is_zero() {
