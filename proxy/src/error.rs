@@ -107,6 +107,9 @@ pub(crate) enum GatewayError {
     /// No such model.
     #[error("unknown model {name:?}")]
     UnknownModel { name: String, served: Vec<String> },
+    /// The client has `per_client.max_concurrent` requests in flight already.
+    #[error("client over its {0} concurrent requests")]
+    ClientLimit(u32),
     /// The router queue is full.
     #[error("queue of {0} full")]
     QueueFull(String),
@@ -162,6 +165,7 @@ impl GatewayError {
             Self::TooLarge(limit) => ClientError::too_large(*limit),
             Self::BodyTimeout => ClientError::body_timeout(),
             Self::UnknownModel { name, served } => ClientError::unknown_model(name, served),
+            Self::ClientLimit(max) => ClientError::client_limit(*max),
             Self::QueueFull(model) => ClientError::queue_full(model),
             Self::QueueTimeout(model) => ClientError::queue_timeout(model),
             Self::AllBusy(_) => ClientError::all_busy(),

@@ -47,6 +47,8 @@ pub struct Gateway {
     applying: parking_lot::Mutex<()>,
     /// The TLS listeners' certificates, read again on reloads and when their files change.
     pub tls: crate::tls::Certificates,
+    /// Requests in flight per client, for `per_client.max_concurrent`.
+    pub client_limits: crate::downstream::client_limit::ClientLimits,
 }
 
 impl Gateway {
@@ -66,6 +68,7 @@ impl Gateway {
         let tls = crate::tls::Certificates::load(&cfg)?;
         Ok(Arc::new(Self {
             tls,
+            client_limits: Default::default(),
             thresholds: parking_lot::RwLock::new(thresholds),
             config: ArcSwap::from_pointee(cfg),
             fleet: ArcSwap::from_pointee(fleet),

@@ -87,6 +87,9 @@ pub struct Metrics {
     /// `kvgate_refused_connections_total{reason}`: client connections answered and closed
     /// before any routing (reason: malformed | connect | max_connections).
     pub refused_connections: IntCounterVec,
+    /// `kvgate_client_limited_total`: requests refused with 429 because their client had
+    /// `per_client.max_concurrent` in flight.
+    pub client_limited: IntCounter,
     /// `kvgate_tls_reloads_total{listener,result}`: TLS certificate pairs read again (ok) or
     /// refused, the previous pair staying in use (rejected).
     pub tls_reloads: IntCounterVec,
@@ -215,6 +218,12 @@ impl Metrics {
                 "Client connections answered with an error or closed before any routing (malformed request header, CONNECT, past max_connections).",
                 &["reason"],
             ),
+            client_limited: {
+                let c = IntCounter::new("kvgate_client_limited_total", "Requests refused with 429: their client had per_client.max_concurrent in flight.")
+                    .expect("valid metric");
+                registry.register(Box::new(c.clone())).expect("unique metric");
+                c
+            },
             tls_reloads: counter(
                 "kvgate_tls_reloads_total",
                 "TLS certificate pairs read again (ok) or refused with the previous pair kept (rejected).",

@@ -305,3 +305,45 @@ async fn connections_past_the_cap_are_closed_and_counted() {
     .await;
     assert!(freed.is_some(), "a closed connection makes room for the next");
 }
+
+/// `per_client.max_concurrent`: a client with that many requests in flight gets 429 with
+/// `Retry-After` for the next, counted; one ending makes room; clients told apart by an API-key
+/// header count apart (#36).
+#[tokio::test]
+async fn a_client_over_its_concurrent_requests_gets_429() {
+    let sim = vllm_sim::SimServer::start(super::sim(1.0)).await.expect("sim starts");
+    let extra = "per_client:\n  max_concurrent: 2\n  header: x-api-key\n";
+    let c = Cluster::front(&[sim.url()], GatewayOpts { extra: extra.into(), ..GatewayOpts::default() }).await;
+    let long = json!({"model": "sim-model", "prompt": "a long answer", "max_tokens": 400, "stream": true, "ignore_eos": true});
+    let send = |key: &'static str| c.http.post(c.url("/v1/completions")).header("x-api-key", key).json(&long).send();
+    let first = send("alice").await.unwrap();
+    let second = send("alice").await.unwrap();
+    assert_eq!((first.status().as_u16(), second.status().as_u16()), (200, 200));
+    let third = send("alice").await.unwrap();
+    assert_eq!(third.status().as_u16(), 429);
+    assert_eq!(third.headers()["retry-after"], "1");
+    let body: Value = third.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "rate_limit_exceeded", "{body}");
+    // Another key is another client.
+    let other = send("bob").await.unwrap();
+    assert_eq!(other.status().as_u16(), 200);
+    drop(other);
+    // A stream the client drops gives its place back.
+    drop(first);
+    let again = wait_until(Duration::from_secs(10), || async {
+        let r = c
+            .http
+            .post(c.url("/v1/completions"))
+            .header("x-api-key", "alice")
+            .json(&json!({"model": "sim-model", "prompt": "x", "max_tokens": 1}))
+            .send()
+            .await
+            .unwrap();
+        r.status().as_u16() == 200
+    })
+    .await;
+    assert!(again.is_some(), "the dropped stream's place came back");
+    let m = c.gateway_metrics().await;
+    assert_eq!(m.sum("kvgate_client_limited_total", &[]), 1.0);
+    drop(second);
+}

@@ -32,6 +32,19 @@ pub struct TlsFiles {
     pub key_file: PathBuf,
 }
 
+/// How many inference requests one client may have in the gateway at once.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PerClient {
+    /// The most at once; one more gets 429 with `Retry-After: 1`. 0 (default): no limit.
+    #[serde(default)]
+    pub max_concurrent: u32,
+    /// A request header that tells clients apart (an API key, e.g. `authorization`); a request
+    /// without it counts by address. Unset (default): clients are told apart by IP address.
+    #[serde(default)]
+    pub header: Option<String>,
+}
+
 /// The whole configuration.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -60,6 +73,9 @@ pub struct Config {
     /// (`kvgate_refused_connections_total{reason="max_connections"}`).
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
+    /// Concurrent inference requests per client (off by default).
+    #[serde(default)]
+    pub per_client: PerClient,
     /// What the `x-kvgate-worker` response header shows: the worker's `name` (default), its
     /// `url`, or nothing (`off`).
     #[serde(default)]

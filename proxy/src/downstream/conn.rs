@@ -284,6 +284,11 @@ impl ClientConn {
         &self.head
     }
 
+    /// The client's IP address (none for a Unix socket or when the kernel cannot say).
+    pub fn peer_ip(&self) -> Option<std::net::IpAddr> {
+        self.stream.get_socket_digest()?.peer_addr()?.as_inet().map(std::net::SocketAddr::ip)
+    }
+
     /// Whether bytes of a next request have arrived already (a pipelining client).
     pub fn has_buffered(&self) -> bool {
         !self.rbuf.is_empty()

@@ -146,6 +146,18 @@ impl ClientError {
         Self::new(408, "invalid_request_error", "Timed out reading the request body.", None)
     }
 
+    /// 429 with `Retry-After: 1`: the client has `per_client.max_concurrent` requests in flight.
+    pub fn client_limit(max: u32) -> Self {
+        let mut e = Self::new(
+            429,
+            "rate_limit_exceeded",
+            format!("This client has {max} requests in flight, the most the gateway allows at once; retry when one ends."),
+            None,
+        );
+        e.retry_after = Some(1);
+        e
+    }
+
     /// 429: the router queue of the model is full.
     pub fn queue_full(model: &str) -> Self {
         Self::new(429, "rate_limit_exceeded", format!("The router queue of model `{model}` is full; retry later."), None)

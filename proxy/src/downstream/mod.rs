@@ -1,7 +1,9 @@
 //! The client side of a request ("downstream"), shared by the request phases and the local and
 //! admin answers: the client's HTTP/1.1 connection, reading a body with a cap and a deadline,
-//! writing complete answers, watching for a client that left, and the client-facing errors.
+//! writing complete answers, watching for a client that left, the client-facing errors, and
+//! the per-client concurrency limit.
 
+pub mod client_limit;
 pub mod closed;
 pub mod conn;
 pub mod errors;

@@ -77,6 +77,17 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
     let ctx = RequestContext::new(admit::request_id(session));
     // Counted for draining from the first byte, before the model is known.
     let _counted = gw.track();
+    // Counted for its client before its body is read: a client over its limit costs no more.
+    let _slot = match gw.client_limits.acquire(session, &gw.config().per_client) {
+        Ok(slot) => slot,
+        Err(_) => {
+            gw.metrics.client_limited.inc();
+            let outcome = Outcome::Refused(GatewayError::ClientLimit(gw.config().per_client.max_concurrent));
+            respond(session, &outcome, ctx.id(), endpoint).await;
+            record::refused_early(gw, endpoint, &outcome);
+            return false;
+        }
+    };
     let mut req = match admit::admit(gw, session, endpoint, ctx.clone(), start).await {
         Ok(req) => req,
         Err(outcome) => {

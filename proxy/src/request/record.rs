@@ -13,7 +13,7 @@ use kvgate_filters::migrate::PinReason;
 /// A request refused before it was admitted (no model known yet): a body that is not JSON or
 /// names no served model is counted under `model=""`; draining, size and time limits are not.
 pub fn refused_early(gw: &Gateway, endpoint: Endpoint, outcome: &Outcome) {
-    if let Outcome::Refused(e @ (GatewayError::BadRequest { .. } | GatewayError::UnknownModel { .. })) = outcome {
+    if let Outcome::Refused(e @ (GatewayError::BadRequest { .. } | GatewayError::UnknownModel { .. } | GatewayError::ClientLimit(_))) = outcome {
         let status = e.status().to_string();
         gw.metrics.requests.with_label_values(&["", endpoint.label(), status.as_str()]).inc();
     }
