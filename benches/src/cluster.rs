@@ -47,6 +47,8 @@ pub struct SimWorker {
     pub kv_events: String,
     /// Its replay endpoint.
     pub replay: String,
+    /// Its ports (HTTP, KV events, replay), to start it again with [`sim_command`].
+    pub ports: [u16; 3],
 }
 
 /// How to run the simulated workers.
@@ -62,6 +64,22 @@ pub struct SimOptions {
     pub env: Vec<(String, String)>,
 }
 
+/// The command that runs one worker on `ports` (HTTP, KV events, replay), seeded `seed`; run
+/// again, it brings the same worker back on the same ports.
+pub fn sim_command(o: &SimOptions, seed: usize, [port, ev, rp]: [u16; 3]) -> Command {
+    // As in vLLM, a `*` endpoint binds; without it the engine would connect. The topic is
+    // vLLM's default, "": vllm-router's static event sources subscribe to exactly that.
+    let kv = format!(r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{ev}","replay_endpoint":"tcp://*:{rp}","topic":""}}"#);
+    let mut c = Command::new(&o.bin);
+    c.args(["--model", &o.model, "--host", "127.0.0.1", "--port", &port.to_string(), "--seed", &seed.to_string()])
+        .args(["--kv-events-config", &kv])
+        .args(&o.args)
+        .envs(o.env.iter().map(|(k, v)| (k, v)))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    c
+}
+
 /// Starts `n` workers and waits until they are healthy.
 pub async fn start_sims(procs: &mut Procs, o: &SimOptions, n: usize) -> Result<Vec<SimWorker>, String> {
     let http = reqwest::Client::new();
@@ -69,23 +87,13 @@ pub async fn start_sims(procs: &mut Procs, o: &SimOptions, n: usize) -> Result<V
     let mut workers = Vec::with_capacity(n);
     for w in 0..n {
         let (port, ev, rp) = (ports[3 * w], ports[3 * w + 1], ports[3 * w + 2]);
-        // As in vLLM, a `*` endpoint binds; without it the engine would connect. The topic is
-        // vLLM's default, "": vllm-router's static event sources subscribe to exactly that.
-        let kv = format!(r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{ev}","replay_endpoint":"tcp://*:{rp}","topic":""}}"#);
-        let child = Command::new(&o.bin)
-            .args(["--model", &o.model, "--host", "127.0.0.1", "--port", &port.to_string(), "--seed", &(w + 1).to_string()])
-            .args(["--kv-events-config", &kv])
-            .args(&o.args)
-            .envs(o.env.iter().map(|(k, v)| (k, v)))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| format!("{}: {e}", o.bin.display()))?;
+        let child = sim_command(o, w + 1, [port, ev, rp]).spawn().map_err(|e| format!("{}: {e}", o.bin.display()))?;
         procs.0.push(child);
         workers.push(SimWorker {
             url: format!("http://127.0.0.1:{port}"),
             kv_events: format!("tcp://127.0.0.1:{ev}"),
             replay: format!("tcp://127.0.0.1:{rp}"),
+            ports: [port, ev, rp],
         });
     }
     for w in &workers {

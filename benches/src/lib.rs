@@ -11,6 +11,7 @@ pub mod peers;
 pub mod planner;
 pub mod procfs;
 pub mod reschedule;
+pub mod soak;
 pub mod trace;
 
 use kvgate_kv::hash::mix;

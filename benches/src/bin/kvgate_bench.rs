@@ -100,6 +100,97 @@ enum Cmd {
     /// What idle and slow clients cost: resident memory and descriptors per held connection,
     /// for several client shapes, kvgate beside nginx (#36, docs/hardening.md).
     Connections(ConnectionsArgs),
+    /// Many concurrent streams for a long time with cancels, worker kills and reloads: memory,
+    /// descriptors, errors and bookings per interval (#36, docs/hardening.md).
+    Soak(SoakArgs),
+}
+
+#[derive(Args)]
+struct SoakArgs {
+    /// The vllm-sim binary.
+    #[arg(long, default_value = "target/release/vllm-sim")]
+    sim_bin: PathBuf,
+    /// The kvgate binary.
+    #[arg(long, default_value = "target/release/kvgate")]
+    kvgate_bin: PathBuf,
+    /// Where the config and samples go.
+    #[arg(long, default_value = "benches/out/soak")]
+    out: PathBuf,
+    /// Minutes of load.
+    #[arg(long, default_value_t = 30.0)]
+    minutes: f64,
+    /// Concurrent streams.
+    #[arg(long, default_value_t = 10_000)]
+    streams: usize,
+    /// Workers.
+    #[arg(long, default_value_t = 4)]
+    workers: usize,
+    /// Output tokens per stream.
+    #[arg(long, default_value_t = 64)]
+    tokens: usize,
+    /// vllm-sim's --time-scale.
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// Seconds between samples.
+    #[arg(long, default_value_t = 60.0)]
+    sample_s: f64,
+    /// Seconds between worker kills (0: none).
+    #[arg(long, default_value_t = 300.0)]
+    kill_s: f64,
+    /// Seconds between config reloads (0: none).
+    #[arg(long, default_value_t = 120.0)]
+    reload_s: f64,
+    /// Share of streams cancelled by their client.
+    #[arg(long, default_value_t = 0.1)]
+    cancel_share: f64,
+}
+
+async fn soak(a: SoakArgs) -> i32 {
+    let o = kvgate_bench::soak::Options {
+        sim_bin: a.sim_bin,
+        kvgate_bin: a.kvgate_bin,
+        out: a.out,
+        duration: Duration::from_secs_f64(a.minutes * 60.0),
+        streams: a.streams,
+        workers: a.workers,
+        tokens: a.tokens,
+        time_scale: a.time_scale,
+        sample_every: Duration::from_secs_f64(a.sample_s),
+        kill_every: Duration::from_secs_f64(a.kill_s),
+        reload_every: Duration::from_secs_f64(a.reload_s),
+        cancel_share: a.cancel_share,
+    };
+    match kvgate_bench::soak::run(&o).await {
+        Ok(r) => {
+            println!("| at | RSS | fds | whole streams | cancelled | failed at kills | failed otherwise | bookings | kills | reloads |");
+            println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+            for s in &r.samples {
+                println!(
+                    "| {:.0} s | {:.1} MiB | {} | {} | {} | {} | {} | {} | {} | {} |",
+                    s.at_s,
+                    s.rss_kib as f64 / 1024.0,
+                    s.fds,
+                    s.ok,
+                    s.cancelled,
+                    s.failed_at_kills,
+                    s.failed_other,
+                    s.bookings,
+                    s.kills,
+                    s.reloads
+                );
+            }
+            println!("final bookings {}, requests in flight {}, TTFT p50 {:.0} ms p99 {:.0} ms", r.final_bookings, r.final_in_flight, r.ttft_ms.0, r.ttft_ms.1);
+            for e in &r.other_errors {
+                println!("error away from kills: {e}");
+            }
+            let failed = r.samples.last().map_or(0, |s| s.failed_other);
+            i32::from(r.final_bookings != 0.0 || r.final_in_flight != 0.0 || failed > 0)
+        }
+        Err(e) => {
+            eprintln!("kvgate-bench soak: {e}");
+            1
+        }
+    }
 }
 
 #[derive(Args)]
@@ -710,6 +801,7 @@ async fn main() {
         Cmd::Reschedule(a) => reschedule(a).await,
         Cmd::Planner(a) => planner(a).await,
         Cmd::Connections(a) => connections(a).await,
+        Cmd::Soak(a) => soak(a).await,
     };
     std::process::exit(code);
 }

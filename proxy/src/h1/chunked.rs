@@ -26,6 +26,9 @@ pub enum ChunkError {
     /// Chunk data not followed by CRLF.
     #[error("chunk data not followed by CRLF")]
     DataEnd,
+    /// A trailer line that is not `name: value` and CRLF.
+    #[error("malformed trailer line")]
+    Trailer,
 }
 
 /// Where the decoder is in the body.
@@ -41,8 +44,9 @@ enum State {
     /// The CRLF after a chunk's data: `true` once its CR was read.
     DataEnd(bool),
     /// After the last chunk: trailer lines until an empty one. `line` is the current line's
-    /// length, `cr` whether its CR was read, `total` the trailer bytes so far.
-    Trailers { line: usize, cr: bool, total: usize },
+    /// length, `cr` whether its CR was read, `name` whether it is still in the field name,
+    /// `total` the trailer bytes so far.
+    Trailers { line: usize, cr: bool, name: bool, total: usize },
     /// The body ended.
     Done,
 }
@@ -118,21 +122,43 @@ impl Chunked {
                 State::Size { size, digits, part: Part::Extensions, len: len + 1 }
             }
             State::Size { .. } => return Err(ChunkError::SizeLine),
-            State::SizeLf { size: 0 } if b == b'\n' => State::Trailers { line: 0, cr: false, total: 0 },
+            State::SizeLf { size: 0 } if b == b'\n' => State::Trailers { line: 0, cr: false, name: true, total: 0 },
             State::SizeLf { size } if b == b'\n' => State::Data(size),
             State::SizeLf { .. } => return Err(ChunkError::SizeLine),
             State::DataEnd(false) if b == b'\r' => State::DataEnd(true),
             State::DataEnd(true) if b == b'\n' => State::Size { size: 0, digits: 0, part: Part::Digits, len: 0 },
             State::DataEnd(_) => return Err(ChunkError::DataEnd),
             State::Trailers { total, .. } if total >= MAX_TRAILERS => return Err(ChunkError::Overlong),
-            State::Trailers { line: 0, cr: true, .. } if b == b'\n' => State::Done,
-            State::Trailers { total, .. } if b == b'\n' => State::Trailers { line: 0, cr: false, total: total + 1 },
-            State::Trailers { line, total, .. } if b == b'\r' => State::Trailers { line, cr: true, total: total + 1 },
-            State::Trailers { line, total, .. } => State::Trailers { line: line + 1, cr: false, total: total + 1 },
-            // `next` hands data on itself and stops at the end.
+            State::Trailers { line, total, name, cr } => Self::trailer(line, cr, name, total, b)?, // `next` hands data on itself and stops at the end.
             State::Data(_) | State::Done => self.state,
         })
     }
+}
+
+impl Chunked {
+    /// The state after trailer byte `b`. Trailer lines are field lines as a head's are, each
+    /// ending in CRLF: a bare CR or LF, a line without a name and colon, or a control byte is
+    /// refused rather than guessed at, since a parser that ends the trailers elsewhere would
+    /// take what follows for another message (found by the `h1_response` fuzz target against
+    /// hyper, docs/fuzzing.md).
+    fn trailer(line: usize, cr: bool, name: bool, total: usize, b: u8) -> Result<State, ChunkError> {
+        let total = total + 1;
+        Ok(match b {
+            b'\n' if cr && line == 0 => State::Done,
+            b'\n' if cr && !name => State::Trailers { line: 0, cr: false, name: true, total },
+            _ if cr => return Err(ChunkError::Trailer),
+            b'\r' if line == 0 || !name => State::Trailers { line, cr: true, name, total },
+            b':' if name && line > 0 => State::Trailers { line: line + 1, cr: false, name: false, total },
+            _ if name && is_tchar(b) => State::Trailers { line: line + 1, cr: false, name, total },
+            b'\t' | b' '..=b'~' | 0x80..=0xff if !name => State::Trailers { line: line + 1, cr: false, name, total },
+            _ => return Err(ChunkError::Trailer),
+        })
+    }
+}
+
+/// A field-name character (RFC 9110 §5.6.2 `tchar`).
+fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
 #[cfg(test)]
@@ -157,6 +183,18 @@ mod tests {
         for step in 1..wire.len() {
             let (data, done, rest) = decode(wire, step).unwrap();
             assert_eq!((data.as_slice(), done, rest.as_slice()), (&b"hello, world"[..], true, &b"NEXT"[..]), "step {step}");
+        }
+    }
+
+    #[test]
+    fn trailers_are_field_lines_ending_in_crlf() {
+        let good = b"1\r\na\r\n0\r\nx-checksum: abc\r\nx-b:\r\n\r\nNEXT";
+        assert_eq!(decode(good, 1).unwrap(), (b"a".to_vec(), true, b"NEXT".to_vec()));
+        // The fuzz target's find: a bare CR in a trailer and bare-LF line ends, which hyper refuses.
+        let found = b"0\r\ndath: \r=y;x\r3\n\nabc\r\n0\r\n\r\n";
+        assert_eq!(decode(found, 1), Err(ChunkError::Trailer));
+        for bad in [&b"0\r\nx: 1\n\r\n"[..], b"0\r\n: 1\r\n\r\n", b"0\r\nno colon\r\n\r\n", b"0\r\n x: 1\r\n\r\n", b"0\r\nx: \x01\r\n\r\n", b"0\r\n\n"] {
+            assert_eq!(decode(bad, 1), Err(ChunkError::Trailer), "{:?}", String::from_utf8_lossy(bad));
         }
     }
 
