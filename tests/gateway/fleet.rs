@@ -344,6 +344,7 @@ async fn a_client_over_its_concurrent_requests_gets_429() {
     .await;
     assert!(again.is_some(), "the dropped stream's place came back");
     let m = c.gateway_metrics().await;
-    assert_eq!(m.sum("kvgate_client_limited_total", &[]), 1.0);
+    // The third, and any retry above that came before the dropped stream's place was given back.
+    assert!(m.sum("kvgate_client_limited_total", &[]) >= 1.0);
     drop(second);
 }

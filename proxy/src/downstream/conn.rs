@@ -668,6 +668,9 @@ fn parse_request(buf: &[u8], spare: &mut Vec<[u32; 4]>) -> Result<Option<(Reques
     let (Some(method), Some(target), Some(minor)) = (r.method, r.path, r.version) else {
         return Err(HeadError::Malformed("an incomplete request line"));
     };
+    if !target_form_ok(method, target) {
+        return Err(HeadError::Malformed("a request target that is neither a path nor an http(s) URL"));
+    }
     spare.clear();
     spare.extend(crate::h1::header_spans(buf, r.headers));
     let headers = std::mem::take(spare);
@@ -677,6 +680,16 @@ fn parse_request(buf: &[u8], spare: &mut Vec<[u32; 4]>) -> Result<Option<(Reques
         p => span(p.as_bytes()),
     };
     Ok(Some((RequestHead { raw: Bytes::new(), method: span(method.as_bytes()), target: span(target.as_bytes()), path, minor, headers }, len)))
+}
+
+/// Whether `target` has one of the forms a request may use here (RFC 9112 §3.2): a path
+/// (origin form), an `http`/`https` URL (absolute form), `*` for `OPTIONS`, or CONNECT's. Anything else
+/// (`%/v1/…`, a bare word) is refused rather than passed on to a worker that would read it
+/// otherwise; found by the `h1_request` fuzz target against hyper (docs/fuzzing.md).
+fn target_form_ok(method: &str, target: &str) -> bool {
+    let absolute = |scheme: &str| target.len() > scheme.len() && target.as_bytes()[..scheme.len()].eq_ignore_ascii_case(scheme.as_bytes());
+    // CONNECT's authority form is let through to be refused with its own answer (405).
+    target.starts_with('/') || absolute("http://") || absolute("https://") || (target == "*" && method == "OPTIONS") || method == "CONNECT"
 }
 
 /// The path in a request target: without the query, and without scheme and authority in
@@ -699,6 +712,21 @@ fn reason(status: u16) -> &'static str {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_target_that_is_neither_a_path_nor_a_url_is_refused() {
+        // The h1_request fuzz target's find: hyper refuses `%/v1/…`, kvgate passed it on.
+        let mut spare = Vec::new();
+        for bad in ["%/v1/chat/completions", "v1/models", "*", "ftp://x/y", "http:/x"] {
+            let head = format!("GET {bad} HTTP/1.1\r\nHost: x\r\n\r\n");
+            assert!(matches!(parse_request(head.as_bytes(), &mut spare), Err(HeadError::Malformed(_))), "{bad}");
+        }
+        for good in ["/v1/models", "http://gw/v1/models", "HTTPS://gw", "/"] {
+            let head = format!("GET {good} HTTP/1.1\r\nHost: x\r\n\r\n");
+            assert!(matches!(parse_request(head.as_bytes(), &mut spare), Ok(Some(_))), "{good}");
+        }
+        assert!(matches!(parse_request(b"OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n", &mut spare), Ok(Some(_))));
+    }
     use super::*;
     use tokio::io::DuplexStream;
 

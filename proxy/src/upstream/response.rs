@@ -206,6 +206,11 @@ fn parse_into<'b>(buf: &'b [u8], slots: &mut [httparse::Header<'b>], head_reques
         Err(e) => return Err(ResponseError::Head(e.to_string())),
     };
     let status = r.code.unwrap_or(0);
+    // Three digits, 100 to 999 (RFC 9110 §15): `020` is not a status, as hyper also says
+    // (the `h1_response` fuzz target's find, docs/fuzzing.md).
+    if status < 100 {
+        return Err(ResponseError::Head(format!("status code {status:03} out of range")));
+    }
     let mut headers = HeaderSpans::take();
     headers.extend(crate::h1::header_spans(buf, r.headers));
     let (framing, by_length, close) = framing(r.headers, status, head_request)?;
@@ -286,6 +291,13 @@ mod tests {
         for step in [1, 7, 4096] {
             assert_eq!(respond(wire, step, false).await.unwrap(), (200, b"{\"ok\":true}".to_vec(), true), "step {step}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_status_under_100_is_refused() {
+        // The h1_response fuzz target's find: httparse reads `020` as 20, hyper refuses it.
+        let wire = b"HTTP/1.1 020 OK\r\nContent-Length: 0\r\n\r\n";
+        assert!(matches!(respond(wire, 4096, false).await, Err(ResponseError::Head(_))));
     }
 
     #[tokio::test]
