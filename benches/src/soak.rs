@@ -74,6 +74,28 @@ pub struct Sample {
     pub reloads: u64,
 }
 
+impl Sample {
+    /// The header of [`Sample::row`]'s table.
+    pub const HEAD: &'static str = "| at | RSS | fds | whole streams | cancelled | failed at kills | failed otherwise | bookings | kills | reloads |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|";
+
+    /// The sample as a Markdown table row.
+    pub fn row(&self) -> String {
+        format!(
+            "| {:.0} s | {:.1} MiB | {} | {} | {} | {} | {} | {} | {} | {} |",
+            self.at_s,
+            self.rss_kib as f64 / 1024.0,
+            self.fds,
+            self.ok,
+            self.cancelled,
+            self.failed_at_kills,
+            self.failed_other,
+            self.bookings,
+            self.kills,
+            self.reloads
+        )
+    }
+}
+
 /// What a run found.
 #[derive(Debug, Clone)]
 pub struct Report {
@@ -170,20 +192,7 @@ pub async fn run(o: &Options) -> Result<Report, String> {
         if now >= next_sample {
             next_sample += o.sample_every;
             samples.push(sample(&http, &admin, pid, &counters, now).await);
-            let s = samples.last().expect("just pushed");
-            println!(
-                "{:>6.0} s  rss {:>7.1} MiB  fds {:>6}  ok {:>7}  cancelled {:>6}  failed at kills {:>4}  other {:>3}  bookings {:>6}  kills {}  reloads {}",
-                s.at_s,
-                s.rss_kib as f64 / 1024.0,
-                s.fds,
-                s.ok,
-                s.cancelled,
-                s.failed_at_kills,
-                s.failed_other,
-                s.bookings,
-                s.kills,
-                s.reloads
-            );
+            println!("{}", samples.last().expect("just pushed").row());
         }
     }
     stop.store(true, Ordering::Relaxed);

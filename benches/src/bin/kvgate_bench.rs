@@ -162,22 +162,9 @@ async fn soak(a: SoakArgs) -> i32 {
     };
     match kvgate_bench::soak::run(&o).await {
         Ok(r) => {
-            println!("| at | RSS | fds | whole streams | cancelled | failed at kills | failed otherwise | bookings | kills | reloads |");
-            println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+            println!("{}", kvgate_bench::soak::Sample::HEAD);
             for s in &r.samples {
-                println!(
-                    "| {:.0} s | {:.1} MiB | {} | {} | {} | {} | {} | {} | {} | {} |",
-                    s.at_s,
-                    s.rss_kib as f64 / 1024.0,
-                    s.fds,
-                    s.ok,
-                    s.cancelled,
-                    s.failed_at_kills,
-                    s.failed_other,
-                    s.bookings,
-                    s.kills,
-                    s.reloads
-                );
+                println!("{}", s.row());
             }
             println!("final bookings {}, requests in flight {}, TTFT p50 {:.0} ms p99 {:.0} ms", r.final_bookings, r.final_in_flight, r.ttft_ms.0, r.ttft_ms.1);
             for e in &r.other_errors {

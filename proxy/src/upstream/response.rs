@@ -213,8 +213,8 @@ fn parse_into<'b>(buf: &'b [u8], slots: &mut [httparse::Header<'b>], head_reques
     }
     let mut headers = HeaderSpans::take();
     headers.extend(crate::h1::header_spans(buf, r.headers));
-    let (framing, by_length, close) = framing(r.headers, status, head_request)?;
     let http10 = r.version == Some(0);
+    let (framing, by_length, close) = framing(r.headers, status, head_request, http10)?;
     let keep_alive = !close && if http10 { connection_has(r.headers, b"keep-alive") } else { !connection_has(r.headers, b"close") };
     let keep_alive = keep_alive && !matches!(framing, Framing::UntilClose) && status != 101;
     Ok(Some((len, Head { raw: Bytes::new(), headers, status, body: framing, by_length, keep_alive })))
@@ -222,8 +222,10 @@ fn parse_into<'b>(buf: &'b [u8], slots: &mut [httparse::Header<'b>], head_reques
 
 /// How the body is framed (RFC 9112 §6.3), whether by its `Content-Length`, and whether the
 /// connection must close after it (a message framed two ways is read by its transfer coding,
-/// and never trusted for reuse).
-fn framing(headers: &[httparse::Header<'_>], status: u16, head_request: bool) -> Result<(Framing, bool, bool), ResponseError> {
+/// and never trusted for reuse). HTTP/1.0 has no transfer codings: an HTTP/1.0 response that
+/// names one has faulty framing (RFC 9112 §6.1) and is refused, as hyper does (the
+/// `h1_response` fuzz target's find, docs/fuzzing.md).
+fn framing(headers: &[httparse::Header<'_>], status: u16, head_request: bool, http10: bool) -> Result<(Framing, bool, bool), ResponseError> {
     if head_request || (100..200).contains(&status) || status == 204 || status == 304 {
         return Ok((Framing::Done, false, false));
     }
@@ -240,6 +242,9 @@ fn framing(headers: &[httparse::Header<'_>], status: u16, head_request: bool) ->
                 (Some(n), _) => length = Some(n),
             }
         }
+    }
+    if http10 && coding.is_some() {
+        return Err(ResponseError::Head("Transfer-Encoding in an HTTP/1.0 response".into()));
     }
     Ok(match (coding, length) {
         (Some(c), _) => {
@@ -294,9 +299,12 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_status_under_100_is_refused() {
+    async fn a_status_under_100_or_a_coding_in_http10_is_refused() {
         // The h1_response fuzz target's find: httparse reads `020` as 20, hyper refuses it.
         let wire = b"HTTP/1.1 020 OK\r\nContent-Length: 0\r\n\r\n";
+        assert!(matches!(respond(wire, 4096, false).await, Err(ResponseError::Head(_))));
+        // And a transfer coding in an HTTP/1.0 response: faulty framing (RFC 9112 §6.1).
+        let wire = b"HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n";
         assert!(matches!(respond(wire, 4096, false).await, Err(ResponseError::Head(_))));
     }
 
