@@ -24,9 +24,10 @@ pub struct ClientLimits {
     keys: RandomState,
 }
 
-/// The client has as many requests in flight as `per_client.max_concurrent` allows.
+/// The client has as many requests in flight as `per_client.max_concurrent` (the value held)
+/// allows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct OverLimit;
+pub struct OverLimit(pub u32);
 
 /// One request's place in its client's count, given back on drop.
 #[derive(Debug)]
@@ -46,7 +47,7 @@ impl ClientLimits {
         let mut shard = self.shard(key).lock();
         let n = shard.entry(key).or_insert(0);
         if *n >= cfg.max_concurrent {
-            return Err(OverLimit);
+            return Err(OverLimit(cfg.max_concurrent));
         }
         *n += 1;
         Ok(Some(ClientSlot { limits: self, key }))

@@ -80,9 +80,9 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
     // Counted for its client before its body is read: a client over its limit costs no more.
     let _slot = match gw.client_limits.acquire(session, &gw.config().per_client) {
         Ok(slot) => slot,
-        Err(_) => {
+        Err(over) => {
             gw.metrics.client_limited.inc();
-            let outcome = Outcome::Refused(GatewayError::ClientLimit(gw.config().per_client.max_concurrent));
+            let outcome = Outcome::Refused(GatewayError::ClientLimit(over.0));
             respond(session, &outcome, ctx.id(), endpoint).await;
             record::refused_early(gw, endpoint, &outcome);
             return false;
