@@ -188,3 +188,10 @@ pub fn which(bin: &str) -> Option<PathBuf> {
     }
     std::env::var_os("PATH").and_then(|p| std::env::split_paths(&p).map(|d| d.join(bin)).find(|f| f.is_file()))
 }
+
+/// The sum of a metric's samples on the admin listener's `/metrics` (NaN when unreadable).
+pub async fn metric_sum(http: &reqwest::Client, admin: &str, name: &str) -> f64 {
+    let Ok(r) = http.get(format!("{admin}/metrics")).send().await else { return f64::NAN };
+    let text = r.text().await.unwrap_or_default();
+    text.lines().filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' '])).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
+}

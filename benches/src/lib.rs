@@ -7,6 +7,7 @@
 pub mod cluster;
 pub mod connections;
 pub mod load;
+pub mod overload;
 pub mod peers;
 pub mod planner;
 pub mod procfs;

@@ -10,7 +10,7 @@
 //! hide: they move by continuation when they can (#13), else they are cut. A failure more than
 //! a few seconds away from any kill is the gateway's.
 
-use crate::cluster::{Procs, SimOptions, SimWorker, free_ports, sim_command, spawn_kvgate, start_sims, wait_ok};
+use crate::cluster::{Procs, SimOptions, SimWorker, free_ports, metric_sum, sim_command, spawn_kvgate, start_sims, wait_ok};
 use crate::load::client;
 use crate::procfs;
 use crate::{Rng, percentile};
@@ -206,7 +206,7 @@ pub async fn run(o: &Options) -> Result<Report, String> {
         tokio::time::sleep(Duration::from_millis(500)).await;
         last = sample(&http, &admin, pid, &counters, t0.elapsed()).await;
     }
-    let in_flight = gauge_sum(&http, &admin, "kvgate_requests_in_flight").await;
+    let in_flight = metric_sum(&http, &admin, "kvgate_requests_in_flight").await;
     samples.push(last.clone());
     let _ = std::process::Command::new("kill").arg("-TERM").arg(pid.to_string()).status();
     let _ = gw.wait();
@@ -291,15 +291,8 @@ async fn sample(http: &reqwest::Client, admin: &str, pid: u32, c: &Counters, at:
         cancelled: c.cancelled.load(Ordering::Relaxed),
         failed_at_kills: c.failed_at_kills.load(Ordering::Relaxed),
         failed_other: c.failed_other.load(Ordering::Relaxed),
-        bookings: gauge_sum(http, admin, "kvgate_worker_requests_in_flight").await,
+        bookings: metric_sum(http, admin, "kvgate_worker_requests_in_flight").await,
         kills: c.kills.load(Ordering::Relaxed),
         reloads: c.reloads.load(Ordering::Relaxed),
     }
-}
-
-/// The sum of a metric's samples on the admin listener's `/metrics` (NaN when unreadable).
-async fn gauge_sum(http: &reqwest::Client, admin: &str, name: &str) -> f64 {
-    let Ok(r) = http.get(format!("{admin}/metrics")).send().await else { return f64::NAN };
-    let text = r.text().await.unwrap_or_default();
-    text.lines().filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' '])).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
 }

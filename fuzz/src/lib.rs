@@ -35,8 +35,11 @@ pub async fn hyper_requests(bytes: &[u8]) -> (Vec<ClientRequest>, Option<String>
             Ok::<_, hyper::Error>(hyper::Response::new(Empty::<Bytes>::new()))
         }
     });
-    // The client half-closes after its bytes: hyper must still answer what it read.
-    let conn = hyper::server::conn::http1::Builder::new().half_close(true).serve_connection(TokioIo::new(server), svc);
+    // The client half-closes after its bytes: hyper must still answer what it read. hyper
+    // counts trailer fields against its header limit, kvgate bounds trailers by bytes (16 KiB):
+    // hyper's limit is set past what 16 KiB can hold (4,096 lines of `a:` and CRLF), so only
+    // kvgate's own limits refuse (it refuses heads of over 128 fields, which hyper now reads).
+    let conn = hyper::server::conn::http1::Builder::new().half_close(true).max_headers(4096).serve_connection(TokioIo::new(server), svc);
     let drain = async {
         let mut sink = Vec::new();
         let _ = client.read_to_end(&mut sink).await;
@@ -67,7 +70,13 @@ pub async fn hyper_response(bytes: &[u8], head_request: bool) -> Result<(u16, Ve
         let _ = worker.read_to_end(&mut seen).await;
     };
     let client = async {
-        let (mut send, conn) = hyper::client::conn::http1::handshake::<_, Empty<Bytes>>(TokioIo::new(gateway)).await.map_err(|e| e.to_string())?;
+        // As on the server side, hyper's header-count limit (100) goes past what kvgate's own
+        // head limit holds, so only kvgate's limits refuse a head for its size.
+        let (mut send, conn) = hyper::client::conn::http1::Builder::new()
+            .max_headers(4096)
+            .handshake::<_, Empty<Bytes>>(TokioIo::new(gateway))
+            .await
+            .map_err(|e| e.to_string())?;
         let driver = tokio::spawn(conn);
         let method = if head_request { hyper::Method::HEAD } else { hyper::Method::GET };
         let req = hyper::Request::builder().method(method).uri("/").header("host", "worker").body(Empty::new()).map_err(|e| e.to_string())?;

@@ -103,6 +103,89 @@ enum Cmd {
     /// Many concurrent streams for a long time with cancels, worker kills and reloads: memory,
     /// descriptors, errors and bookings per interval (#36, docs/hardening.md).
     Soak(SoakArgs),
+    /// Streaming clients at multiples of the fleet's capacity, without and with load shedding:
+    /// answers by kind, TTFT of the accepted, memory, descriptors, bookings after (#36).
+    Overload(OverloadArgs),
+}
+
+#[derive(Args)]
+struct OverloadArgs {
+    /// The vllm-sim binary.
+    #[arg(long, default_value = "target/release/vllm-sim")]
+    sim_bin: PathBuf,
+    /// The kvgate binary.
+    #[arg(long, default_value = "target/release/kvgate")]
+    kvgate_bin: PathBuf,
+    /// Where the configs go.
+    #[arg(long, default_value = "benches/out/overload")]
+    out: PathBuf,
+    /// Workers.
+    #[arg(long, default_value_t = 4)]
+    workers: usize,
+    /// Whole streams each worker's KV cache holds (its batch could take more). The fleet's
+    /// capacity is workers times this.
+    #[arg(long, default_value_t = 16)]
+    streams_per_worker: usize,
+    /// Loads, as multiples of the capacity, comma-separated; each runs without and with shedding.
+    #[arg(long, value_delimiter = ',', default_value = "0.5,3")]
+    factors: Vec<f64>,
+    /// Seconds of load per case.
+    #[arg(long, default_value_t = 45.0)]
+    seconds: f64,
+    /// Output tokens per stream.
+    #[arg(long, default_value_t = 128)]
+    tokens: usize,
+    /// vllm-sim's --time-scale.
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// The shedding section of the shedding cases, `;`-separated YAML lines.
+    #[arg(long, default_value = "active_decode_blocks_threshold: 0.85")]
+    shedding: String,
+    /// Extra lines of the model's routing section, `;`-separated (empty: the defaults).
+    #[arg(long, default_value = "")]
+    routing: String,
+    /// Milliseconds a refused client waits before it sends again.
+    #[arg(long, default_value_t = 100)]
+    backoff_ms: u64,
+    /// Seconds after which a request with no answer counts as a timeout.
+    #[arg(long, default_value_t = 60.0)]
+    timeout_s: f64,
+}
+
+async fn overload(a: OverloadArgs) -> i32 {
+    let o = kvgate_bench::overload::Options {
+        sim_bin: a.sim_bin,
+        kvgate_bin: a.kvgate_bin,
+        out: a.out,
+        workers: a.workers,
+        streams_per_worker: a.streams_per_worker,
+        factors: a.factors,
+        duration: Duration::from_secs_f64(a.seconds),
+        tokens: a.tokens,
+        time_scale: a.time_scale,
+        shedding: a.shedding.replace(';', "\n"),
+        routing: a.routing.replace(';', "\n"),
+        backoff: Duration::from_millis(a.backoff_ms),
+        timeout: Duration::from_secs_f64(a.timeout_s),
+    };
+    println!("{}", kvgate_bench::overload::Case::HEAD);
+    match kvgate_bench::overload::run(&o).await {
+        Ok(cases) => {
+            for c in &cases {
+                for f in &c.failures {
+                    println!("{}x shedding {}: {f}", c.factor, c.shedding);
+                }
+            }
+            let _ = std::fs::write(o.out.join("overload.json"), serde_json::to_string_pretty(&cases).unwrap_or_default());
+            // The shedding cases must lose nothing but to refusals, and leave no booking.
+            let bad = cases.iter().filter(|c| c.shedding).any(|c| c.failed > 0 || c.timeouts > 0 || c.bookings_after != 0.0);
+            i32::from(bad)
+        }
+        Err(e) => {
+            eprintln!("kvgate-bench overload: {e}");
+            1
+        }
+    }
 }
 
 #[derive(Args)]
@@ -789,6 +872,7 @@ async fn main() {
         Cmd::Planner(a) => planner(a).await,
         Cmd::Connections(a) => connections(a).await,
         Cmd::Soak(a) => soak(a).await,
+        Cmd::Overload(a) => overload(a).await,
     };
     std::process::exit(code);
 }

@@ -686,8 +686,15 @@ fn parse_request(buf: &[u8], spare: &mut Vec<[u32; 4]>) -> Result<Option<(Reques
 /// (origin form), an `http`/`https` URL (absolute form), `*` for `OPTIONS`, or CONNECT's. Anything else
 /// (`%/v1/…`, a bare word) is refused rather than passed on to a worker that would read it
 /// otherwise; found by the `h1_request` fuzz target against hyper (docs/fuzzing.md).
+///
+/// A fragment (`#…`) is never part of a request target. hyper drops it, a worker's server
+/// may keep it in the path: the gateway would route on one path and the worker serve another,
+/// so a target holding `#` is refused.
 fn target_form_ok(method: &str, target: &str) -> bool {
     let absolute = |scheme: &str| target.len() > scheme.len() && target.as_bytes()[..scheme.len()].eq_ignore_ascii_case(scheme.as_bytes());
+    if target.as_bytes().contains(&b'#') {
+        return false;
+    }
     // CONNECT's authority form is let through to be refused with its own answer (405).
     target.starts_with('/') || absolute("http://") || absolute("https://") || (target == "*" && method == "OPTIONS") || method == "CONNECT"
 }
@@ -717,7 +724,7 @@ mod tests {
     fn a_target_that_is_neither_a_path_nor_a_url_is_refused() {
         // The h1_request fuzz target's find: hyper refuses `%/v1/…`, kvgate passed it on.
         let mut spare = Vec::new();
-        for bad in ["%/v1/chat/completions", "v1/models", "*", "ftp://x/y", "http:/x"] {
+        for bad in ["%/v1/chat/completions", "v1/models", "*", "ftp://x/y", "http:/x", "/v1/models#x", "/v1!#/completions"] {
             let head = format!("GET {bad} HTTP/1.1\r\nHost: x\r\n\r\n");
             assert!(matches!(parse_request(head.as_bytes(), &mut spare), Err(HeadError::Malformed(_))), "{bad}");
         }
