@@ -4,12 +4,13 @@
 # and libFuzzer leaves the input in fuzz/artifacts/<target>/.
 #   FUZZ_SECONDS   seconds per target (default 20)
 #   FUZZ_FLAGS     build flags (default "--dev -s none": a quick build; long runs use "-O -s none")
+#   FUZZ_CLEAN=1   remove the fuzz build afterwards (CI: its disk is needed by what follows)
 set -euo pipefail
 cd "$(dirname "$0")/../fuzz"
 seconds="${FUZZ_SECONDS:-20}"
 read -r -a flags <<< "${FUZZ_FLAGS:---dev -s none}"
-rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
-command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
+rustup run nightly rustc --version >/dev/null 2>&1 || rustup toolchain install nightly --profile minimal
+command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --version 0.13.2 --locked
 cargo +nightly fuzz build "${flags[@]}"
 for target in $(cargo +nightly fuzz list); do
   mkdir -p "corpus/$target"
@@ -22,5 +23,9 @@ for target in $(cargo +nightly fuzz list); do
     exit 1
   fi
   grep -E '^stat::(number_of_executed_units|peak_rss_mb)' "$log" || true
+  rm -f "$log"
 done
+if [ "${FUZZ_CLEAN:-0}" = 1 ]; then
+  rm -rf target
+fi
 echo "fuzz smoke: every target ran ${seconds} s without a finding"
