@@ -107,14 +107,13 @@ impl RequestHead {
     }
 
     /// The target in origin form, as a worker is sent it: the path and query, without scheme
-    /// and authority (absolute form) or a fragment.
+    /// and authority (absolute form). A target never holds a fragment: it is refused.
     pub fn origin_target(&self) -> &str {
         if self.path == [0, 0] {
             return "/";
         }
         let [_, end] = self.target;
         let t = &self.raw[self.path[0] as usize..end as usize];
-        let t = t.iter().position(|&c| c == b'#').map_or(t, |i| &t[..i]);
         // The head was checked to be text when it was parsed.
         std::str::from_utf8(t).unwrap_or("/")
     }
@@ -709,7 +708,8 @@ fn path_of(t: &str) -> &str {
         Some(i) => t[i + 3..].find('/').map_or("", |j| &t[i + 3 + j..]),
         None => t,
     };
-    t.split(['?', '#']).next().unwrap_or(t)
+    // No `#` to cut at: a target holding one was refused (`target_form_ok`).
+    t.split('?').next().unwrap_or(t)
 }
 
 /// The reason phrase for `status`.
