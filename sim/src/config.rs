@@ -1,5 +1,6 @@
 //! Simulator configuration: the `vllm serve`-like command line, the `--kv-events-config` JSON
-//! (same keys as vLLM's `KVEventsConfig`), simulator knobs, and their validation.
+//! (same keys as vLLM's `KVEventsConfig`), the `--kv-transfer-config` JSON (same keys as vLLM's
+//! `KVTransferConfig`), simulator knobs, and their validation.
 //!
 //! [`SimConfig`] is what the library takes; [`SimArgs`] is the CLI that produces one.
 
@@ -55,6 +56,140 @@ impl KvEventsConfig {
     }
 }
 
+/// vLLM's `KVTransferConfig` (`vllm/config/kv_transfer.py`), parsed from
+/// `--kv-transfer-config '<JSON>'`: every key vLLM 0.32 accepts, and, like vLLM's pydantic
+/// config, nothing else. Only `NixlConnector` is simulated (pull mode, docs/vllm-sim-pd.md).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvTransferConfig {
+    /// The connector; `"NixlConnector"` is the one simulated.
+    pub kv_connector: Option<String>,
+    /// This engine's id in transfers; vLLM draws a uuid when absent, and so does the sim.
+    pub engine_id: Option<String>,
+    /// Buffer device (accepted; nothing is buffered).
+    pub kv_buffer_device: Option<String>,
+    /// Buffer size in bytes (accepted for compatibility).
+    pub kv_buffer_size: f64,
+    /// `"kv_producer"`, `"kv_consumer"` or `"kv_both"`; required with a connector.
+    pub kv_role: Option<String>,
+    /// Rank in the transfer group (accepted for compatibility).
+    pub kv_rank: Option<u64>,
+    /// Instances in the transfer group (accepted for compatibility).
+    pub kv_parallel_size: u64,
+    /// Connector IP (accepted; the sim's side channel is its HTTP address).
+    pub kv_ip: String,
+    /// Connector port (accepted; the sim's side channel is its HTTP address).
+    pub kv_port: u16,
+    /// Connector options. The sim reads `kv_lease_duration` (seconds a prefill worker holds a
+    /// finished request's blocks for the decode worker, vLLM's NIXL default 30).
+    pub kv_connector_extra_config: serde_json::Map<String, serde_json::Value>,
+    /// Python module of a custom connector (accepted; refused with a connector other than Nixl).
+    pub kv_connector_module_path: Option<String>,
+    /// Accepted for compatibility.
+    pub enable_permute_local_kv: bool,
+    /// What a decode worker does when pulling KV fails: `"recompute"` (the prompt is computed
+    /// locally) or `"fail"` (the request errors).
+    pub kv_load_failure_policy: String,
+}
+
+impl Default for KvTransferConfig {
+    fn default() -> Self {
+        Self {
+            kv_connector: None,
+            engine_id: None,
+            kv_buffer_device: Some("cuda".into()),
+            kv_buffer_size: 1e9,
+            kv_role: None,
+            kv_rank: None,
+            kv_parallel_size: 1,
+            kv_ip: "127.0.0.1".into(),
+            kv_port: 14579,
+            kv_connector_extra_config: serde_json::Map::new(),
+            kv_connector_module_path: None,
+            enable_permute_local_kv: false,
+            kv_load_failure_policy: "recompute".into(),
+        }
+    }
+}
+
+/// vLLM NIXL's default lease on a prefill worker's held blocks, seconds.
+pub const DEFAULT_KV_LEASE_SECS: f64 = 30.0;
+
+impl KvTransferConfig {
+    /// Parses the flag's JSON and checks it as vLLM does at start-up; an absent `engine_id`
+    /// gets a fresh one, as vLLM's `__post_init__` gives it a uuid.
+    pub fn parse(json: &str) -> Result<Self, String> {
+        let mut c: Self = serde_json::from_str(json).map_err(|e| format!("--kv-transfer-config: {e}"))?;
+        if c.engine_id.is_none() {
+            c.engine_id = Some(crate::api::response::random_uuid());
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// vLLM's checks (a known role, a role with a connector, a known failure policy), then
+    /// the sim's: NixlConnector only, a usable lease.
+    pub fn validate(&self) -> Result<(), String> {
+        const ROLES: [&str; 3] = ["kv_producer", "kv_consumer", "kv_both"];
+        if let Some(r) = &self.kv_role
+            && !ROLES.contains(&r.as_str())
+        {
+            return Err(format!("--kv-transfer-config: Unsupported kv_role: {r}. Supported roles are {ROLES:?}"));
+        }
+        if self.kv_connector.is_some() && self.kv_role.is_none() {
+            return Err(format!("--kv-transfer-config: Please specify kv_role when kv_connector is set, supported roles are {ROLES:?}"));
+        }
+        if !matches!(self.kv_load_failure_policy.as_str(), "recompute" | "fail") {
+            return Err(format!("--kv-transfer-config: kv_load_failure_policy must be \"recompute\" or \"fail\", got {:?}", self.kv_load_failure_policy));
+        }
+        if let Some(c) = self.kv_connector.as_deref()
+            && c != "NixlConnector"
+        {
+            return Err(format!("--kv-transfer-config: vllm-sim simulates only kv_connector \"NixlConnector\", got {c:?}"));
+        }
+        let lease = self.lease_secs()?;
+        if !(lease.is_finite() && lease > 0.0) {
+            return Err(format!("--kv-transfer-config: kv_connector_extra_config.kv_lease_duration must be a positive number of seconds, got {lease}"));
+        }
+        Ok(())
+    }
+
+    /// Whether a connector is configured (the engine takes part in P/D).
+    pub fn enabled(&self) -> bool {
+        self.kv_connector.is_some()
+    }
+
+    /// Whether this engine holds a prefill leg's blocks for a decode worker (vLLM's
+    /// `is_kv_producer`: `kv_producer` or `kv_both`).
+    pub fn is_producer(&self) -> bool {
+        self.enabled() && matches!(self.kv_role.as_deref(), Some("kv_producer" | "kv_both"))
+    }
+
+    /// Whether this engine pulls a decode leg's prompt KV (vLLM's `is_kv_consumer`:
+    /// `kv_consumer` or `kv_both`).
+    pub fn is_consumer(&self) -> bool {
+        self.enabled() && matches!(self.kv_role.as_deref(), Some("kv_consumer" | "kv_both"))
+    }
+
+    /// Whether a failed pull makes the request fail rather than recompute its prompt.
+    pub fn fails_on_load_error(&self) -> bool {
+        self.kv_load_failure_policy == "fail"
+    }
+
+    /// The lease on held blocks, seconds of simulated time (`kv_lease_duration`, default 30).
+    pub fn lease_secs(&self) -> Result<f64, String> {
+        match self.kv_connector_extra_config.get("kv_lease_duration") {
+            None => Ok(DEFAULT_KV_LEASE_SECS),
+            Some(v) => v.as_f64().ok_or_else(|| format!("--kv-transfer-config: kv_connector_extra_config.kv_lease_duration must be a number, got {v}")),
+        }
+    }
+
+    /// The engine id (set by [`KvTransferConfig::parse`]; `"vllm-sim"` if built by hand without).
+    pub fn engine_id(&self) -> &str {
+        self.engine_id.as_deref().unwrap_or("vllm-sim")
+    }
+}
+
 /// Everything needed to run one simulated vLLM server.
 #[derive(Debug, Clone)]
 pub struct SimConfig {
@@ -80,6 +215,8 @@ pub struct SimConfig {
     pub enable_prefix_caching: bool,
     /// KV event publishing.
     pub kv_events: KvEventsConfig,
+    /// Prefill/decode disaggregation (`--kv-transfer-config`); the default has no connector.
+    pub kv_transfer: KvTransferConfig,
     /// Events as tagged maps (vLLM ≥ 0.26) or positional arrays (older vLLM).
     pub kv_events_format: crate::events::EventFormat,
     /// Block hashes in events as 64-bit ints or 32-byte digests (vLLM's
@@ -139,6 +276,7 @@ impl Default for SimConfig {
             max_model_len: 32_768,
             enable_prefix_caching: true,
             kv_events: KvEventsConfig::default(),
+            kv_transfer: KvTransferConfig::default(),
             kv_events_format: crate::events::EventFormat::Map,
             kv_events_hash_format: crate::events::HashFormat::Int,
             python_hash_seed: None,
@@ -196,6 +334,7 @@ impl SimConfig {
         }
         self.timing.validate()?;
         self.faults.validate()?;
+        self.kv_transfer.validate()?;
         if let Some(p) = self.kv_events.publisher.as_deref()
             && p != "zmq"
             && p != "null"
@@ -259,6 +398,12 @@ pub struct SimArgs {
     /// KV events config as JSON, with vLLM's keys.
     #[arg(long)]
     pub kv_events_config: Option<String>,
+    /// KV transfer config as JSON, with vLLM's keys (prefill/decode disaggregation), e.g.
+    /// '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'; only NixlConnector is simulated.
+    /// `kv_connector_extra_config.kv_lease_duration` (seconds, default 30) bounds how long a
+    /// prefill worker holds blocks nobody pulls.
+    #[arg(long)]
+    pub kv_transfer_config: Option<String>,
     /// Engines (DP ranks) behind this server; rank r publishes on port + r.
     #[arg(long, default_value_t = 1)]
     pub data_parallel_size: usize,
@@ -319,6 +464,10 @@ pub struct SimArgs {
     /// [sim] Cost per context token read while decoding, ms.
     #[arg(long)]
     pub decode_ms_per_ctx_token: Option<f64>,
+    /// [sim] KV transfer time per token pulled from a prefill worker, ms (a block costs
+    /// block_size times this).
+    #[arg(long)]
+    pub kv_transfer_ms_per_token: Option<f64>,
 
     /// [fault] Crash (close all connections, exit 1) after this many generated tokens.
     #[arg(long)]
@@ -369,6 +518,10 @@ impl SimArgs {
             None => KvEventsConfig::default(),
             Some(s) => serde_json::from_str(s).map_err(|e| format!("--kv-events-config: {e}"))?,
         };
+        let kv_transfer = match &self.kv_transfer_config {
+            None => KvTransferConfig::default(),
+            Some(s) => KvTransferConfig::parse(s)?,
+        };
         let mut timing = TimingModel::default();
         let overrides = [
             (&mut timing.step_overhead_ms, self.step_overhead_ms),
@@ -376,6 +529,7 @@ impl SimArgs {
             (&mut timing.prefill_attn_ms_per_pair, self.prefill_attn_ms_per_pair),
             (&mut timing.decode_ms_per_seq, self.decode_ms_per_seq),
             (&mut timing.decode_ms_per_ctx_token, self.decode_ms_per_ctx_token),
+            (&mut timing.kv_transfer_ms_per_token, self.kv_transfer_ms_per_token),
         ];
         for (slot, v) in overrides {
             if let Some(v) = v {
@@ -394,6 +548,7 @@ impl SimArgs {
             max_model_len: self.max_model_len,
             enable_prefix_caching: !self.no_enable_prefix_caching || self.enable_prefix_caching,
             kv_events,
+            kv_transfer,
             kv_events_format: if self.kv_events_format == "array" { crate::events::EventFormat::Array } else { crate::events::EventFormat::Map },
             kv_events_hash_format,
             python_hash_seed: env("PYTHONHASHSEED"),
@@ -510,6 +665,52 @@ mod tests {
         assert!(with_env(&["--dev-mode"], &[]).unwrap().dev_mode);
         assert!(with_env(&[], &[("VLLM_SERVER_DEV_MODE", "true")]).unwrap_err().contains("not an integer"));
         assert!(SimConfig::default().dev_mode, "in-process servers (tests) serve them");
+    }
+
+    #[test]
+    fn kv_transfer_config_takes_vllms_keys() {
+        let c = parse(&[
+            "--kv-transfer-config",
+            r#"{"kv_connector":"NixlConnector","engine_id":"p0","kv_role":"kv_producer","kv_buffer_device":"cuda","kv_port":14600,
+                "kv_connector_extra_config":{"kv_lease_duration":5},"kv_load_failure_policy":"fail","kv_rank":0,"kv_parallel_size":2,
+                "kv_ip":"10.0.0.1","kv_buffer_size":2e9,"kv_connector_module_path":null,"enable_permute_local_kv":false}"#,
+            "--kv-transfer-ms-per-token",
+            "0.01",
+        ])
+        .unwrap();
+        let kv = &c.kv_transfer;
+        assert_eq!((kv.engine_id(), kv.kv_port, kv.is_producer(), kv.is_consumer()), ("p0", 14600, true, false));
+        assert_eq!((kv.lease_secs().unwrap(), kv.fails_on_load_error()), (5.0, true));
+        assert_eq!(c.timing.kv_transfer_ms_per_token, 0.01);
+
+        let both = parse(&["--kv-transfer-config", r#"{"kv_connector":"NixlConnector","kv_role":"kv_both"}"#]).unwrap().kv_transfer;
+        assert!(both.is_producer() && both.is_consumer());
+        assert_eq!((both.kv_port, both.lease_secs().unwrap(), both.fails_on_load_error()), (14579, 30.0, false));
+        let id = both.engine_id();
+        assert_eq!((id.len(), id.as_bytes()[14]), (36, b'4'), "a uuid4 when absent, as vLLM: {id}");
+        assert_ne!(id, parse(&["--kv-transfer-config", r#"{"kv_connector":"NixlConnector","kv_role":"kv_both"}"#]).unwrap().kv_transfer.engine_id());
+
+        let none = parse(&[]).unwrap().kv_transfer;
+        assert!(!none.enabled() && !none.is_producer() && !none.is_consumer());
+    }
+
+    #[test]
+    fn kv_transfer_config_refuses_what_vllm_refuses() {
+        let err = |json: &str| parse(&["--kv-transfer-config", json]).unwrap_err();
+        let e = err(r#"{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_lease":3}"#);
+        assert!(e.contains("--kv-transfer-config") && e.contains("unknown field `kv_lease`"), "{e}");
+        assert!(err(r#"{"kv_connector":"NixlConnector"}"#).contains("Please specify kv_role"));
+        assert!(err(r#"{"kv_connector":"NixlConnector","kv_role":"prefill"}"#).contains("Unsupported kv_role: prefill"));
+        assert!(err(r#"{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_load_failure_policy":"retry"}"#).contains("kv_load_failure_policy"));
+        assert!(err(r#"{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}"#).contains("only kv_connector \"NixlConnector\""));
+        assert!(
+            err(r#"{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_connector_extra_config":{"kv_lease_duration":0}}"#).contains("kv_lease_duration")
+        );
+        assert!(
+            err(r#"{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_connector_extra_config":{"kv_lease_duration":"1"}}"#).contains("must be a number")
+        );
+        assert!(err("[1]").contains("--kv-transfer-config"));
+        assert!(parse(&["--kv-transfer-ms-per-token=-1"]).unwrap_err().contains("kv_transfer_ms_per_token"));
     }
 
     #[test]

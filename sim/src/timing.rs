@@ -15,6 +15,12 @@
 //! (weights streamed once per step plus launch overhead), ~28k prefill tokens/s, a 4k-token
 //! prefill ≈ 160 ms, and KV reads of 128 KiB per context token at ~3 TB/s (4e-5 ms/token): a
 //! batch of 64 sequences at 2k context decodes in ≈ 13 ms per step.
+//!
+//! Prefill/decode disaggregation adds one cost outside the steps: a decode worker pulling a
+//! prompt's KV from a prefill worker waits `kv_transfer_ms_per_token · block_size` per block it
+//! reads. The default is that model's 128 KiB of KV per token (2 · 32 layers · 8 KV heads · 128
+//! dims · 2 bytes) over a 25 GB/s link (NVLink-class, or 200 Gb/s RDMA): 131,072 B / 25e9 B/s
+//! ≈ 5.2 µs per token, 84 µs per 16-token block, 84 ms for a 16k-token prompt.
 
 use serde::{Deserialize, Serialize};
 
@@ -31,11 +37,28 @@ pub struct TimingModel {
     pub decode_ms_per_seq: f64,
     /// Cost per context token read by the decoding sequences.
     pub decode_ms_per_ctx_token: f64,
+    /// Time to pull one token's KV from a prefill worker (P/D disaggregation).
+    #[serde(default = "default_kv_transfer_ms_per_token")]
+    pub kv_transfer_ms_per_token: f64,
+}
+
+/// 128 KiB of KV per token over 25 GB/s, in ms (the module docs derive it).
+const KV_TRANSFER_MS_PER_TOKEN: f64 = 131_072.0 / 25e9 * 1e3;
+
+fn default_kv_transfer_ms_per_token() -> f64 {
+    KV_TRANSFER_MS_PER_TOKEN
 }
 
 impl Default for TimingModel {
     fn default() -> Self {
-        Self { step_overhead_ms: 6.0, prefill_ms_per_token: 0.035, prefill_attn_ms_per_pair: 1.3e-6, decode_ms_per_seq: 0.03, decode_ms_per_ctx_token: 4.0e-5 }
+        Self {
+            step_overhead_ms: 6.0,
+            prefill_ms_per_token: 0.035,
+            prefill_attn_ms_per_pair: 1.3e-6,
+            decode_ms_per_seq: 0.03,
+            decode_ms_per_ctx_token: 4.0e-5,
+            kv_transfer_ms_per_token: KV_TRANSFER_MS_PER_TOKEN,
+        }
     }
 }
 
@@ -80,6 +103,7 @@ impl TimingModel {
             ("prefill_attn_ms_per_pair", self.prefill_attn_ms_per_pair),
             ("decode_ms_per_seq", self.decode_ms_per_seq),
             ("decode_ms_per_ctx_token", self.decode_ms_per_ctx_token),
+            ("kv_transfer_ms_per_token", self.kv_transfer_ms_per_token),
         ];
         for (name, v) in fields {
             if !v.is_finite() || v < 0.0 {
@@ -99,6 +123,11 @@ impl TimingModel {
             + self.prefill_attn_ms_per_pair * s.prefill_attn_pairs
             + self.decode_ms_per_seq * s.decode_seqs as f64
             + self.decode_ms_per_ctx_token * s.decode_ctx_tokens as f64
+    }
+
+    /// Simulated time to pull `blocks` KV blocks of `block_size` tokens, in milliseconds.
+    pub fn kv_transfer_ms(&self, blocks: usize, block_size: usize) -> f64 {
+        self.kv_transfer_ms_per_token * (blocks * block_size) as f64
     }
 }
 
@@ -133,6 +162,15 @@ mod tests {
         let p4k = pre(0, 4096);
         assert!((120.0..250.0).contains(&p4k), "4k prefill: {p4k} ms");
         assert_eq!(m.step_ms(&StepShape::default()), 0.0);
+    }
+
+    #[test]
+    fn kv_transfer_time_follows_the_link() {
+        let m = TimingModel::default();
+        let block = m.kv_transfer_ms(1, 16);
+        assert!((0.08..0.09).contains(&block), "a 16-token block: {block} ms");
+        assert_eq!(m.kv_transfer_ms(0, 16), 0.0);
+        assert!((m.kv_transfer_ms(1000, 16) - 1000.0 * block).abs() < 1e-9);
     }
 
     #[test]

@@ -55,6 +55,13 @@ pub fn random_id() -> String {
     format!("{:016x}", crate::sampler::mix(t ^ COUNTER.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed)))
 }
 
+/// A random version-4 UUID string, as Python's `str(uuid.uuid4())` (vLLM's default
+/// `engine_id`).
+pub fn random_uuid() -> String {
+    let (a, b) = (random_id(), random_id());
+    format!("{}-{}-4{}-{}{}-{}", &a[..8], &a[8..12], &a[13..16], ["8", "9", "a", "b"][usize::from(b.as_bytes()[0] % 4)], &b[1..4], &b[4..16])
+}
+
 /// Per-choice state while streaming.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ChoiceState {
