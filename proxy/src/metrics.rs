@@ -2,6 +2,7 @@
 //! listeners. Where seed 003 names a metric (`dynamo_frontend_model_cancellation_total`), the
 //! kvgate equivalent keeps its labels.
 
+pub mod disaggregation;
 pub mod planner;
 
 use prometheus::{Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
@@ -104,6 +105,8 @@ pub struct Metrics {
     pub render_fallback: IntCounterVec,
     /// The planner's (`kvgate_planner_*`).
     pub planner: planner::PlannerMetrics,
+    /// Prefill/decode disaggregation's (`kvgate_disagg_*`).
+    pub disagg: disaggregation::DisaggMetrics,
     /// `kvgate_admin_unauthorized_total`: admin requests refused for a missing or wrong token.
     pub admin_unauthorized: IntCounter,
 }
@@ -246,6 +249,7 @@ impl Metrics {
             queue_wait: hist("kvgate_queue_wait_seconds", "Time requests spent in the router queue.", LATENCY_BUCKETS, &["model"]),
             rejected: counter("kvgate_tasks_rejected_total", "Requests refused by shedding or the router queue.", &["model", "reason"]),
             planner: planner::PlannerMetrics::new(&registry),
+            disagg: disaggregation::DisaggMetrics::new(&registry),
             admin_unauthorized: {
                 let c = IntCounter::new("kvgate_admin_unauthorized_total", "Admin requests refused with 401: no admin token, or a wrong one.")
                     .expect("valid metric");

@@ -24,6 +24,9 @@ pub enum Exclusion {
     NoAdapter,
     /// Paused by a fleet operation.
     Paused,
+    /// Its role does not serve this leg (a prefill worker for an answer, or a decode worker
+    /// for a prefill leg).
+    Role,
 }
 
 impl Exclusion {
@@ -35,6 +38,7 @@ impl Exclusion {
             Self::NotTheTarget => "not_the_target",
             Self::NoAdapter => "no_adapter",
             Self::Paused => "paused",
+            Self::Role => "role",
         }
     }
 }

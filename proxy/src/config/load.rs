@@ -287,6 +287,7 @@ fn model(cfg: &Config, m: &ModelConfig) -> Result<(), Invalid> {
         return Err((format!("model {:?}: block_size must be within 1..=1024", m.name), at("block_size".into(), 1)));
     }
     m.shedding.thresholds.validate().map_err(|e| (format!("model {:?}: shedding: {e}", m.name), at("shedding".into(), 1)))?;
+    m.disaggregation.validate().map_err(|e| (format!("model {:?}: disaggregation: {e}", m.name), at("disaggregation".into(), 1)))?;
     super::planner::validate(&m.planner).map_err(|e| (format!("model {:?}: planner: {e}", m.name), at("planner".into(), 1)))?;
     routing(cfg, m)?;
     workers(m)
@@ -359,6 +360,12 @@ fn workers(m: &ModelConfig) -> Result<(), Invalid> {
     let planned = m.planner.rules.enabled && m.planner.connector.is_some();
     if m.workers.is_empty() && !planned {
         return Err((format!("model {:?}: at least one worker is required (or a planner with a connector to start them)", m.name), at(m.name.clone(), 1)));
+    }
+    if !m.workers.is_empty() && !planned && m.workers.iter().all(|w| !w.role.answers()) {
+        return Err((
+            format!("model {:?}: every worker has role prefill; at least one decode (or both) worker must serve the answers", m.name),
+            at("role".into(), 1),
+        ));
     }
     let mut urls = std::collections::HashSet::new();
     for w in &m.workers {

@@ -4,6 +4,7 @@
 //! Every key is documented in conf/kvgate.yaml. Unknown keys are errors.
 
 mod admin_token;
+mod disaggregation;
 mod load;
 mod passthrough;
 mod planner;
@@ -11,6 +12,7 @@ mod rescheduling;
 mod values;
 
 pub use admin_token::AdminToken;
+pub use disaggregation::{Disaggregation, Role};
 pub use load::{ConfigError, load_file, load_str};
 pub use passthrough::{Passthrough, PathPattern};
 pub use planner::{ConnectorConfig, DrainMode, KubernetesConnector, LocalConnector, PlanMode, PlanParams, Planner, WorkloadKind};
@@ -329,6 +331,9 @@ pub struct ModelConfig {
     /// Scaling its fleet (seed 002).
     #[serde(default)]
     pub planner: Planner,
+    /// Prefill/decode disaggregation, for a model with `role: prefill` workers.
+    #[serde(default)]
+    pub disaggregation: Disaggregation,
     /// The vLLM servers serving it.
     pub workers: Vec<WorkerConfig>,
 }
@@ -474,6 +479,9 @@ pub struct WorkerConfig {
     /// planner's name for a worker it started, else `w-` and a hash of the URL.
     #[serde(default)]
     pub name: Option<String>,
+    /// `prefill`, `decode` or `both` (prefill/decode disaggregation; docs/disaggregation.md).
+    #[serde(default)]
+    pub role: Role,
     /// Where it came from: the file, or added at run time (never read from the file).
     #[serde(skip)]
     pub origin: Origin,
@@ -498,7 +506,7 @@ impl WorkerConfig {
 
     /// A worker added at run time at `url`, with its KV events found through the worker.
     pub fn added(url: UpstreamUrl, kv_events: bool, origin: Origin) -> Self {
-        Self { url, kv_events: kv_events.then_some(KvEvents::Auto), replay: None, dp_size: 1, node: None, unit: None, name: None, origin }
+        Self { url, kv_events: kv_events.then_some(KvEvents::Auto), replay: None, dp_size: 1, node: None, unit: None, name: None, role: Role::Both, origin }
     }
 }
 

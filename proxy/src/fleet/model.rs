@@ -3,7 +3,7 @@
 //! take of them.
 
 use super::Worker;
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, Role};
 use crate::kv_routing::KvRouting;
 use crate::metrics::{Metrics, ModelMetrics};
 use kvgate_filters::ledger::{Ledger, Tracking};
@@ -85,9 +85,20 @@ impl Model {
         self.workers.iter().filter_map(|w| w.max_model_len()).min()
     }
 
-    /// Healthy workers not past the queue threshold.
+    /// Worker `i`'s role (prefill/decode disaggregation).
+    pub fn role(&self, i: usize) -> Role {
+        self.cfg.workers.get(i).map_or(Role::Both, |w| w.role)
+    }
+
+    /// Whether some worker is a prefill worker, so requests may run in two legs.
+    pub fn disaggregates(&self) -> bool {
+        self.cfg.workers.iter().any(|w| w.role == Role::Prefill)
+    }
+
+    /// Healthy workers that serve answers (not prefill-only) and are not past the queue
+    /// threshold.
     pub fn queue_free_workers(&self) -> usize {
-        (0..self.workers.len()).filter(|&i| self.workers[i].is_healthy() && !self.queue_busy(i)).count()
+        (0..self.workers.len()).filter(|&i| self.role(i).answers() && self.workers[i].is_healthy() && !self.queue_busy(i)).count()
     }
 
     /// Whether worker `i` is over a busy threshold. Per DP rank: the worker's reported KV usage

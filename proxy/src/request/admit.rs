@@ -203,5 +203,6 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
         track,
         reply,
         predicted: None,
+        pd: Default::default(),
     })
 }

@@ -80,9 +80,11 @@ pub struct Outbound<'a> {
 }
 
 impl<'a> Outbound<'a> {
-    /// The client's request, as admitted.
+    /// The client's request, as admitted (a disaggregated request's decode leg: with the
+    /// transfer parameters its prefill leg returned).
     pub fn original(req: &'a RequestState) -> Self {
-        Self { method: &req.forward.method, path: &req.forward.target, body: &req.body, request_id: req.id().into(), orders: true, head_first: req.stream }
+        let body = req.pd.decode_body.as_ref().unwrap_or(&req.body);
+        Self { method: &req.forward.method, path: &req.forward.target, body, request_id: req.id().into(), orders: true, head_first: req.stream }
     }
 }
 

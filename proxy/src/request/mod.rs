@@ -5,7 +5,9 @@
 //!    registered in the in-flight registry;
 //! 2. [`queue`]: the router queue, while every worker is past the queue threshold;
 //! 3. [`place`]: shedding (busy workers), then routing (built-in mode or plugin) → a worker,
-//!    a route receipt and the booking moved onto it;
+//!    a route receipt and the booking moved onto it; on a model with prefill workers,
+//!    [`disaggregate`] first runs the prefill leg there, and the placement then picks the
+//!    decode worker;
 //! 4. [`leg`]: one upstream attempt, up to its first body byte under one deadline;
 //! 5. [`relay`]: the response streamed to the client while watching for a disconnect; a
 //!    stream whose worker fails or that an operator moves continues elsewhere ([`migrate`],
@@ -16,6 +18,7 @@
 //! [`attempts`] (a retry, or a move ordered while waiting, is one more turn of it).
 
 pub mod admit;
+pub mod disaggregate;
 pub mod fields;
 pub mod kv_inputs;
 pub mod leg;
@@ -111,7 +114,10 @@ async fn run(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestState
         Err(outcome) => outcome,
         Ok(()) => {
             kv_inputs::prepare(gw, req).await;
-            attempts(gw, session, req).await
+            match disaggregate::run(gw, session, req).await {
+                Ok(()) => attempts(gw, session, req).await,
+                Err(outcome) => outcome,
+            }
         }
     };
     gauge.dec();

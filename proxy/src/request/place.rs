@@ -41,7 +41,8 @@ pub fn place(gw: &Gateway, req: &mut RequestState) -> Result<Arc<Worker>, Gatewa
 pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Result<Arc<Worker>, GatewayError> {
     let model = req.model.clone();
     let adapter = crate::fleet::Fleet::adapter(&model, req.view.model.as_deref());
-    let (eligible, mut excluded) = eligible(&model, among, adapter);
+    let prefill_leg = req.pd.prefill_leg;
+    let (eligible, mut excluded) = eligible(&model, among, adapter, prefill_leg);
     if eligible.is_empty() {
         // Paused workers come back: the request waits for them (phase 2) rather than failing.
         if excluded.iter().any(|(_, e)| *e == Exclusion::Paused) {
@@ -58,10 +59,11 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
         .iter()
         .map(|&i| {
             let c = model.candidate(i, busy.contains(&i), now);
-            match (&model.kv, &req.kv) {
+            let c = match (&model.kv, &req.kv) {
                 (Some(kv), Some(inputs)) => kv.with_prefix(c, &inputs.cached, &inputs.booked),
                 _ => c,
-            }
+            };
+            super::disaggregate::as_candidate(req, c)
         })
         .collect();
     let summary = summary(req, now).among(&candidates);
@@ -118,8 +120,9 @@ pub fn adopt_current_model(gw: &Gateway, req: &mut RequestState) {
 }
 
 /// Healthy, unpaused workers `among` allows that serve `adapter` (when the request names a
-/// LoRA adapter), and why the others are out.
-fn eligible(model: &Model, among: Among<'_>, adapter: Option<&str>) -> (Vec<usize>, Vec<(u32, Exclusion)>) {
+/// LoRA adapter) and the leg (prefill workers for a prefill leg, the others for an answer),
+/// and why the others are out.
+fn eligible(model: &Model, among: Among<'_>, adapter: Option<&str>, prefill_leg: bool) -> (Vec<usize>, Vec<(u32, Exclusion)>) {
     let mut ok = Vec::with_capacity(model.workers.len());
     let mut out = Vec::new();
     for (i, w) in model.workers.iter().enumerate() {
@@ -129,6 +132,8 @@ fn eligible(model: &Model, among: Among<'_>, adapter: Option<&str>) -> (Vec<usiz
         };
         if left_out {
             out.push((i as u32, if matches!(among, Among::Only(_)) { Exclusion::NotTheTarget } else { Exclusion::Tried }));
+        } else if model.role(i).answers() == prefill_leg {
+            out.push((i as u32, Exclusion::Role));
         } else if !w.is_healthy() {
             out.push((i as u32, Exclusion::Unhealthy));
         } else if adapter.is_some_and(|a| !w.has_adapter(a)) {
@@ -147,7 +152,10 @@ fn eligible(model: &Model, among: Among<'_>, adapter: Option<&str>) -> (Vec<usiz
 fn shed(gw: &Gateway, req: &RequestState, eligible: Vec<usize>, excluded: &mut Vec<(u32, Exclusion)>) -> Result<(Vec<usize>, Vec<usize>), GatewayError> {
     let model = &req.model;
     let name = model.cfg.name.as_str();
-    let thresholds = gw.thresholds(name);
+    let thresholds = match (req.pd.prefill_leg, model.cfg.disaggregation.prefill_shedding) {
+        (true, Some(t)) => t,
+        _ => gw.thresholds(name),
+    };
     if !thresholds.enabled() {
         return Ok((eligible, Vec::new()));
     }
@@ -156,6 +164,10 @@ fn shed(gw: &Gateway, req: &RequestState, eligible: Vec<usize>, excluded: &mut V
         gw.metrics.worker_busy.with_label_values(&[name, model.workers[i].label.as_str()]).set(i64::from(b));
         !b
     });
+    if free.is_empty() && req.pd.prefill_leg {
+        // Not a refusal: the request runs aggregated instead (counted by the caller).
+        return Err(GatewayError::AllBusy(name.to_string()));
+    }
     if free.is_empty() && req.tried.is_empty() {
         gw.metrics.rejections.with_label_values(&[name, req.endpoint.label()]).inc();
         gw.metrics.rejected.with_label_values(&[name, "busy"]).inc();
@@ -246,6 +258,12 @@ fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, de
     let footprint = match &req.kv {
         // `/tokenize` and `/detokenize` compute nothing worth booking: only the request counts.
         _ if !req.endpoint.infers() => Footprint::default(),
+        // A prefill worker holds no decode load (seed 001: no active-block tracking there).
+        _ if req.pd.prefill_leg => {
+            let prefill_tokens = req.predicted.map_or(prompt_tokens - cached_tokens, |p| (p.new_tokens.max(0.0) as u64).min(prompt_tokens));
+            let prefill_time = req.predicted.map_or(Duration::ZERO, |p| Duration::from_secs_f64(p.own_ms.max(0.0) / 1000.0));
+            Footprint { prefill_tokens, prompt_tokens, prefill_time, ..Footprint::default() }
+        }
         Some(k) => {
             mm.overlap.observe(f64::from(chosen.overlap_blocks));
             mm.forgone.observe(f64::from(best_overlap.saturating_sub(chosen.overlap_blocks)));

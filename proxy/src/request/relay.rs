@@ -603,6 +603,7 @@ impl Progress {
         match (self.last, &self.ttft, &self.itl) {
             (None, Some(ttft), _) => {
                 ttft.observe(now.duration_since(self.start).as_secs_f64());
+                super::disaggregate::first_token(gw, req, now);
                 calibrate_prefill(req, now.duration_since(self.sent));
             }
             (Some(prev), _, Some(itl)) if !moved_in => {
@@ -624,6 +625,10 @@ impl Progress {
 /// The `time` cost learns the worker's prefill speed from a stream's first token on the
 /// worker it was placed on (docs/routing.md, "The time cost").
 fn calibrate_prefill(req: &RequestState, ttft: std::time::Duration) {
+    // A decode leg's first token waited for a KV transfer, not a prefill.
+    if req.pd.transferred {
+        return;
+    }
     let (Some(p), Some((_, w)), Some(priors)) = (req.predicted, req.serving(), req.model.time_priors()) else { return };
     let factor_then = p.ms_per_prefill_token / priors.ms_per_prefill_token;
     w.calibration.observe_prefill(ttft.as_secs_f64() * 1000.0 - p.join_ms, p.wait_ms + p.prefill_ms, p.steps_ms, factor_then);

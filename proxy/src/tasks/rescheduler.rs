@@ -154,7 +154,8 @@ async fn move_one(entry: &RequestEntry, to: &Arc<crate::fleet::Worker>, policy: 
     }
 }
 
-/// The workers as the policies see them.
+/// The workers as the policies see them: those that serve answers (a prefill worker holds no
+/// stream and takes none, so rescheduling runs between decode workers only).
 fn view(model: &Model, r: &Rescheduling, metric: LoadMetric) -> Vec<Instance> {
     let stale_after = Duration::from_secs(r.instance_staleness_seconds);
     let now = kvgate_filters::ledger::clock_us();
@@ -162,6 +163,7 @@ fn view(model: &Model, r: &Rescheduling, metric: LoadMetric) -> Vec<Instance> {
         .workers
         .iter()
         .enumerate()
+        .filter(|&(i, _)| model.role(i).answers())
         .map(|(i, w)| {
             // What routing sees of it: reported usage (fullest rank), capacity, bookings.
             let c = model.candidate(i, false, now);

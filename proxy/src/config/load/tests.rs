@@ -156,3 +156,26 @@ fn the_admin_token_comes_from_the_environment_or_a_file_and_errors_are_located()
     // The variable wins over the file.
     assert!(load_str(&missing, "t", env("abc")).is_ok());
 }
+
+#[test]
+fn worker_roles_and_the_disaggregation_section() {
+    let pd = GOOD.replace("        kv_events: tcp://10.0.0.1:5557\n", "        kv_events: tcp://10.0.0.1:5557\n        role: prefill\n");
+    let c = load(&pd.replace(
+        "    workers:\n",
+        "    disaggregation:\n      min_prefill_tokens: 512\n      prefill_shedding: {active_prefill_tokens_threshold: 8000}\n    workers:\n",
+    ))
+    .unwrap();
+    let m = &c.models[0];
+    assert_eq!((m.workers[0].role, m.workers[1].role), (crate::config::Role::Prefill, crate::config::Role::Both));
+    assert_eq!(m.disaggregation.min_prefill_tokens, 512);
+    assert_eq!(m.disaggregation.prefill_shedding.and_then(|t| t.active_prefill_tokens_threshold), Some(8000));
+    assert_eq!(load(GOOD).unwrap().models[0].disaggregation.min_prefill_tokens, 0, "two legs for every prompt by default");
+    let e = load(&pd.replace("role: prefill", "role: prefil")).unwrap_err();
+    assert!(e.message.contains("prefil") && e.line == Some(8), "{e}");
+    let all = pd.replace("      - url: http://10.0.0.2:8000\n", "      - url: http://10.0.0.2:8000\n        role: prefill\n");
+    let e = load(&all).unwrap_err();
+    assert!(e.message.contains("every worker has role prefill"), "{e}");
+    let e =
+        load(&GOOD.replace("    workers:\n", "    disaggregation:\n      prefill_shedding: {active_decode_blocks_threshold: 2}\n    workers:\n")).unwrap_err();
+    assert!(e.message.contains("prefill_shedding"), "{e}");
+}
