@@ -9,14 +9,21 @@
 //! until the resume. A request whose receiver is gone is aborted at the next delivery, so a client that
 //! disconnects frees its blocks within one step even if nobody sent an abort.
 //!
+//! Prefill/decode disaggregation: a prefill leg's held blocks are leased (`kv_lease_duration`,
+//! scaled by `time_scale`) and freed when a decode worker pulls them ([`EngineHandle::release_held`])
+//! or when the lease ends; a decode leg's pull runs as a task of its own (the transfer time of
+//! the timing model, then the prefill worker's side channel) and comes back as a command, so
+//! the engine goes on stepping meanwhile, as vLLM's does during an async KV load.
+//!
 //! Steps are paced against a virtual clock: each step starts when the previous one was due to
 //! end, so the 1 ms timer resolution does not accumulate error, and at most 2 ms of lag is
 //! caught up after the engine falls behind wall time.
 
 use crate::faults::Faults;
+use crate::kv_cache::BlockId;
 use crate::metrics::EngineMetrics;
 use crate::publisher::PublisherHandle;
-use crate::scheduler::{FinishReason, NewRequest, PauseState, ReqId, Scheduler, TokenOutput};
+use crate::scheduler::{FinishReason, HeldKv, LoadOutcome, LoadStart, NewRequest, PauseState, ReqId, Scheduler, TokenOutput};
 use crate::timing::TimingModel;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -34,8 +41,52 @@ pub struct Delivery {
     pub out: TokenOutput,
 }
 
+/// Where a prefill leg's held blocks get reported: its internal request id (what a decode
+/// worker names in its pull, `remote_request_id`) and the channel the report goes on.
+#[derive(Debug)]
+pub struct HoldReply {
+    /// The request's internal id.
+    pub request_id: String,
+    /// Gets the report once the request finished and its blocks are held (dropped unsent when
+    /// they are not: an aborted request).
+    pub tx: oneshot::Sender<HeldReport>,
+}
+
+/// A finished prefill leg whose blocks wait for a decode worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeldReport {
+    /// What the blocks hold.
+    pub kv: HeldKv,
+    /// When the lease ends, in Unix seconds (`remote_blocks_expiry_time`).
+    pub expiry_unix: f64,
+}
+
+/// Why a pull found nothing to release.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReleaseError {
+    /// No such request holds blocks here (unknown, already pulled, or its lease ended).
+    NotHeld,
+    /// Blocks named in the pull that the request does not hold.
+    NotItsBlocks(Vec<BlockId>),
+    /// The engine stopped.
+    Stopped,
+}
+
+/// The engine's side of P/D: the lease on held blocks and the failure policy of pulls.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvParams {
+    /// Tokens per block (the transfer time is per token).
+    pub block_size: usize,
+    /// Lease on held blocks, seconds of simulated time.
+    pub lease_secs: f64,
+    /// A failed pull fails the request (else its prompt is recomputed).
+    pub fail_on_load_error: bool,
+}
+
 enum Cmd {
-    Add { req: NewRequest, choice: usize, tx: mpsc::UnboundedSender<Delivery>, arrival: Instant },
+    Add { req: NewRequest, choice: usize, tx: mpsc::UnboundedSender<Delivery>, arrival: Instant, hold: Option<HoldReply> },
+    KvLoaded { id: ReqId, result: Result<usize, String> },
+    Release { request_id: String, blocks: Vec<BlockId>, reply: oneshot::Sender<Result<usize, ReleaseError>> },
     Abort(ReqId),
     Reset { running: bool, reply: oneshot::Sender<bool> },
     Pause { mode: PauseMode, clear_cache: bool, reply: oneshot::Sender<()> },
@@ -83,14 +134,25 @@ impl EngineHandle {
         self.in_flight.load(Ordering::Relaxed)
     }
 
-    /// Queues a request; tokens arrive on `tx`. Returns false if the engine has stopped.
-    pub fn submit(&self, req: NewRequest, choice: usize, tx: mpsc::UnboundedSender<Delivery>) -> bool {
+    /// Queues a request; tokens arrive on `tx`, and a held prefill leg's report on `hold`.
+    /// Returns false if the engine has stopped.
+    pub fn submit(&self, req: NewRequest, choice: usize, tx: mpsc::UnboundedSender<Delivery>, hold: Option<HoldReply>) -> bool {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
-        let ok = self.tx.send(Cmd::Add { req, choice, tx, arrival: Instant::now() }).is_ok();
+        let ok = self.tx.send(Cmd::Add { req, choice, tx, arrival: Instant::now(), hold }).is_ok();
         if !ok {
             self.in_flight.fetch_sub(1, Ordering::Relaxed);
         }
         ok
+    }
+
+    /// Frees the blocks a finished prefill leg holds for a decode worker that read `blocks` of
+    /// them (NIXL's completion notification); returns how many blocks were freed.
+    pub async fn release_held(&self, request_id: String, blocks: Vec<BlockId>) -> Result<usize, ReleaseError> {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Cmd::Release { request_id, blocks, reply: tx }).is_err() {
+            return Err(ReleaseError::Stopped);
+        }
+        rx.await.unwrap_or(Err(ReleaseError::Stopped))
     }
 
     /// Aborts a request (a no-op if it already finished).
@@ -147,6 +209,8 @@ pub struct EngineParams {
     pub faults: Arc<Faults>,
     /// Cancelled when the server stops.
     pub stop: CancellationToken,
+    /// Prefill/decode disaggregation.
+    pub kv: KvParams,
 }
 
 /// Spawns the engine task and returns its handle.
@@ -161,7 +225,7 @@ pub fn spawn(sched: Scheduler, rank: u32, publisher: Option<PublisherHandle>, pa
         publisher,
         paused: AtomicBool::new(false),
     });
-    let task = EngineTask { sched, live: HashMap::new(), handle: handle.clone(), params, pausing: Vec::new() };
+    let task = EngineTask { sched, live: HashMap::new(), handle: handle.clone(), params, pausing: Vec::new(), leases: HashMap::new() };
     tokio::spawn(task.run(rx));
     handle
 }
@@ -172,6 +236,7 @@ struct Live {
     arrival: Instant,
     scheduled: bool,
     last: Instant,
+    hold: Option<HoldReply>,
 }
 
 struct EngineTask {
@@ -182,6 +247,16 @@ struct EngineTask {
     /// Pauses not complete yet (`wait` mode with requests running): their replies and whether
     /// they clear the cache.
     pausing: Vec<(oneshot::Sender<()>, bool)>,
+    /// Held prefill legs by internal request id: the engine's id and when the lease ends.
+    leases: HashMap<String, (ReqId, Instant)>,
+}
+
+/// Sleeps until `t`, or forever.
+async fn sleep_until_some(t: Option<Instant>) {
+    match t {
+        Some(t) => tokio::time::sleep_until(t.into()).await,
+        None => std::future::pending().await,
+    }
 }
 
 impl EngineTask {
@@ -189,6 +264,7 @@ impl EngineTask {
         let stop = self.params.stop.clone();
         let mut clock = Instant::now();
         loop {
+            self.expire_leases();
             if !self.sched.has_work() {
                 self.refresh_gauges();
                 tokio::select! {
@@ -196,6 +272,7 @@ impl EngineTask {
                         Some(c) => self.apply(c),
                         None => return,
                     },
+                    _ = sleep_until_some(self.next_lease_end()) => {},
                     _ = stop.cancelled() => return,
                 }
                 clock = Instant::now();
@@ -213,13 +290,15 @@ impl EngineTask {
                 }
                 clock = Instant::now();
             }
-            let step = self.sched.schedule();
+            let mut step = self.sched.schedule();
+            self.start_loads(std::mem::take(&mut step.loads));
             if step.scheduled.is_empty() {
-                // Nothing fits right now (cannot happen with validated limits): wait for news.
+                // Nothing to compute until a pull ends or blocks are freed: wait for news.
                 self.flush_events();
                 self.refresh_gauges();
                 tokio::select! {
                     cmd = rx.recv() => match cmd { Some(c) => self.apply(c), None => return },
+                    _ = sleep_until_some(self.next_lease_end()) => {},
                     _ = stop.cancelled() => return,
                 }
                 clock = Instant::now();
@@ -257,10 +336,14 @@ impl EngineTask {
 
     fn apply(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Add { req, choice, tx, arrival } => {
+            Cmd::Add { req, choice, tx, arrival, hold } => {
                 let id = req.id;
                 self.sched.add(req);
-                self.live.insert(id, Live { tx, choice, arrival, scheduled: false, last: arrival });
+                self.live.insert(id, Live { tx, choice, arrival, scheduled: false, last: arrival, hold });
+            }
+            Cmd::KvLoaded { id, result } => self.end_load(id, result),
+            Cmd::Release { request_id, blocks, reply } => {
+                let _ = reply.send(self.release(&request_id, &blocks));
             }
             Cmd::Abort(id) => self.abort(id),
             Cmd::Reset { running, reply } => {
@@ -322,17 +405,101 @@ impl EngineTask {
         }
     }
 
+    /// Starts the pulls of decode legs admitted in this step: each waits the transfer time of
+    /// the blocks it reads, then pulls them, and reports back as [`Cmd::KvLoaded`].
+    fn start_loads(&self, loads: Vec<LoadStart>) {
+        for load in loads {
+            let n = load.blocks.as_ref().map_or(0, Vec::len);
+            let ms = self.params.timing.kv_transfer_ms(n, self.params.kv.block_size);
+            let wait = Duration::from_secs_f64(ms / 1000.0 / self.params.time_scale);
+            let tx = self.handle.tx.clone();
+            let stop = self.params.stop.clone();
+            tokio::spawn(async move {
+                let pull = async {
+                    tokio::time::sleep(wait).await;
+                    match &load.blocks {
+                        Some(b) => crate::kv_connector::pull(&load.remote, b).await,
+                        None => Err("remote_block_ids do not cover the prompt".into()),
+                    }
+                };
+                tokio::select! {
+                    result = pull => { let _ = tx.send(Cmd::KvLoaded { id: load.id, result }); }
+                    _ = stop.cancelled() => {}
+                }
+            });
+        }
+    }
+
+    /// A decode leg's pull ended: the failure policy decides what a failure does.
+    fn end_load(&mut self, id: ReqId, result: Result<usize, String>) {
+        let outcome = match &result {
+            Ok(_) => LoadOutcome::Loaded,
+            Err(_) if self.params.kv.fail_on_load_error => LoadOutcome::Fail,
+            Err(_) => LoadOutcome::Recompute,
+        };
+        if let Err(why) = &result {
+            tracing::warn!(rank = self.handle.rank, id, error = %why, ?outcome, "KV pull from the prefill worker failed");
+        }
+        if let Some(out) = self.sched.finish_load(id, outcome)
+            && let Some(l) = self.live.remove(&out.id)
+        {
+            let _ = l.tx.send(Delivery { choice: l.choice, out });
+            self.handle.in_flight.fetch_sub(1, Ordering::Relaxed);
+            self.handle.metrics.success_error.add(1);
+        }
+    }
+
+    /// A decode worker's pull of a held prefill leg: frees its blocks.
+    fn release(&mut self, request_id: &str, blocks: &[BlockId]) -> Result<usize, ReleaseError> {
+        let &(id, _) = self.leases.get(request_id).ok_or(ReleaseError::NotHeld)?;
+        let held = self.sched.held(id).ok_or(ReleaseError::NotHeld)?;
+        let foreign: Vec<BlockId> = blocks.iter().copied().filter(|b| !held.block_ids.contains(b)).collect();
+        if !foreign.is_empty() {
+            return Err(ReleaseError::NotItsBlocks(foreign));
+        }
+        self.leases.remove(request_id);
+        self.sched.release_held(id).ok_or(ReleaseError::NotHeld)
+    }
+
+    /// Frees the blocks of held prefill legs whose lease ended.
+    fn expire_leases(&mut self) {
+        let now = Instant::now();
+        let sched = &mut self.sched;
+        self.leases.retain(|rid, &mut (id, end)| {
+            if end > now {
+                return true;
+            }
+            if let Some(n) = sched.release_held(id) {
+                tracing::info!(request_id = %rid, blocks = n, "KV lease expired: held blocks freed");
+            }
+            false
+        });
+    }
+
+    fn next_lease_end(&self) -> Option<Instant> {
+        self.leases.values().map(|&(_, end)| end).min()
+    }
+
+    /// Leases a prefill leg's blocks if the scheduler held them, and reports them.
+    fn lease(&mut self, id: ReqId, hold: HoldReply) {
+        let Some(kv) = self.sched.held(id) else { return };
+        let secs = self.params.kv.lease_secs / self.params.time_scale;
+        self.leases.insert(hold.request_id, (id, Instant::now() + Duration::from_secs_f64(secs)));
+        let now_unix = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+        let _ = hold.tx.send(HeldReport { kv, expiry_unix: now_unix + secs });
+    }
+
     fn deliver(&mut self, outs: Vec<TokenOutput>) {
         let now = Instant::now();
-        let m = &self.handle.metrics;
         let n = outs.len() as u64;
         let mut gone = Vec::new();
         for out in outs {
+            let m = &self.handle.metrics;
             let Some(l) = self.live.get_mut(&out.id) else { continue };
             m.generation_tokens.add(1);
             if out.first {
                 m.ttft.observe(now.duration_since(l.arrival).as_secs_f64());
-                m.prompt_tokens.add(out.num_prompt_tokens as u64);
+                m.count_prompt(&out);
             } else {
                 m.itl.observe(now.duration_since(l.last).as_secs_f64());
             }
@@ -342,10 +509,15 @@ impl EngineTask {
                 match reason {
                     FinishReason::Stop => m.success_stop.add(1),
                     FinishReason::Length => m.success_length.add(1),
+                    FinishReason::Error => m.success_error.add(1),
                     FinishReason::Abort => {}
                 }
             }
+            let hold = if out.finish.is_some() { l.hold.take() } else { None };
             let sent = l.tx.send(Delivery { choice: l.choice, out }).is_ok();
+            if let Some(h) = hold {
+                self.lease(out.id, h);
+            }
             if out.finish.is_some() {
                 self.live.remove(&out.id);
                 self.handle.in_flight.fetch_sub(1, Ordering::Relaxed);
@@ -378,6 +550,7 @@ impl EngineTask {
         m.running.set(self.sched.num_running() as f64);
         m.waiting.set(self.sched.num_waiting() as f64);
         m.kv_usage.set(self.sched.kv_usage());
+        m.held_requests.set(self.sched.num_held() as f64);
         let c = self.sched.counters();
         m.prefix_queries.store(c.prefix_cache_queries);
         m.prefix_hits.store(c.prefix_cache_hits);

@@ -19,6 +19,7 @@ pub mod engine;
 pub mod events;
 pub mod faults;
 pub mod kv_cache;
+pub mod kv_connector;
 pub mod lora;
 pub mod metrics;
 pub mod publisher;

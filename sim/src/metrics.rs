@@ -98,6 +98,16 @@ pub struct EngineMetrics {
     pub success_stop: Counter,
     /// `...{finished_reason="length"}`.
     pub success_length: Counter,
+    /// `...{finished_reason="error"}`: a failed KV pull under `kv_load_failure_policy: "fail"`.
+    pub success_error: Counter,
+    /// `vllm:prompt_tokens_by_source_total{source="local_compute"}`.
+    pub prompt_local_compute: Counter,
+    /// `...{source="local_cache_hit"}`.
+    pub prompt_local_cache_hit: Counter,
+    /// `...{source="external_kv_transfer"}`.
+    pub prompt_external: Counter,
+    /// `vllm_sim:kv_held_requests`: finished prefill legs whose blocks wait for a decode worker.
+    pub held_requests: Gauge,
     /// `vllm_sim:aborted_requests_total`: requests aborted because the client went away.
     pub aborted: Counter,
     /// `vllm:admission_rejections_total`.
@@ -131,6 +141,11 @@ impl Default for EngineMetrics {
             generation_tokens: Counter::default(),
             success_stop: Counter::default(),
             success_length: Counter::default(),
+            success_error: Counter::default(),
+            prompt_local_compute: Counter::default(),
+            prompt_local_cache_hit: Counter::default(),
+            prompt_external: Counter::default(),
+            held_requests: Gauge::default(),
             aborted: Counter::default(),
             admission_rejections: Counter::default(),
             event_batches: Counter::default(),
@@ -141,6 +156,22 @@ impl Default for EngineMetrics {
             e2e: Histogram::new(E2E_BUCKETS),
             queue_time: Histogram::new(E2E_BUCKETS),
         }
+    }
+}
+
+impl EngineMetrics {
+    /// Counts a request's prompt at its first token, as vLLM's `PromptTokenStats`
+    /// (`vllm/v1/metrics/stats.py`): every prompt token once in `vllm:prompt_tokens_total`, and
+    /// by source: computed here (`prompt - cached`, which includes the last token vLLM
+    /// recomputes when all others were cached or pulled), pulled from a prefill worker, or hit
+    /// in the local prefix cache (the rest).
+    pub fn count_prompt(&self, out: &crate::scheduler::TokenOutput) {
+        let (prompt, cached, external) = (out.num_prompt_tokens, out.num_cached_tokens, out.num_external_tokens);
+        let recomputed = usize::from(cached + 1 == prompt);
+        self.prompt_tokens.add(prompt as u64);
+        self.prompt_local_compute.add(prompt.saturating_sub(cached) as u64);
+        self.prompt_external.add(external as u64);
+        self.prompt_local_cache_hit.add((cached + recomputed).saturating_sub(external) as u64);
     }
 }
 
@@ -195,10 +226,18 @@ pub fn render(model: &str, engines: &[&EngineMetrics], cache: &CacheInfo) -> Str
     counter(&mut out, "vllm:num_preemptions_total", "Cumulative number of preemption from the engine.", &|e| e.preemptions.get());
     counter(&mut out, "vllm:prompt_tokens_total", "Number of prefill tokens processed.", &|e| e.prompt_tokens.get());
     counter(&mut out, "vllm:generation_tokens_total", "Number of generation tokens processed.", &|e| e.generation_tokens.get());
+    let _ = writeln!(out, "# HELP vllm:prompt_tokens_by_source Number of prompt tokens by source.\n# TYPE vllm:prompt_tokens_by_source counter");
+    for (i, e) in engines.iter().enumerate() {
+        for (source, v) in
+            [("local_compute", &e.prompt_local_compute), ("local_cache_hit", &e.prompt_local_cache_hit), ("external_kv_transfer", &e.prompt_external)]
+        {
+            let _ = writeln!(out, "vllm:prompt_tokens_by_source_total{{engine=\"{i}\",model_name=\"{model}\",source=\"{source}\"}} {}.0", v.get());
+        }
+    }
 
     let _ = writeln!(out, "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter");
     for (i, e) in engines.iter().enumerate() {
-        for (reason, v) in [("stop", e.success_stop.get()), ("length", e.success_length.get()), ("abort", 0), ("error", 0)] {
+        for (reason, v) in [("stop", e.success_stop.get()), ("length", e.success_length.get()), ("abort", 0), ("error", e.success_error.get())] {
             let _ = writeln!(out, "vllm:request_success_total{{engine=\"{i}\",finished_reason=\"{reason}\",model_name=\"{model}\"}} {v}.0");
         }
     }
@@ -233,6 +272,7 @@ pub fn render(model: &str, engines: &[&EngineMetrics], cache: &CacheInfo) -> Str
 
     counter(&mut out, "vllm_sim:aborted_requests_total", "Requests aborted because the client disconnected.", &|e| e.aborted.get());
     counter(&mut out, "vllm_sim:engine_steps_total", "Engine steps executed.", &|e| e.steps.get());
+    gauge(&mut out, "vllm_sim:kv_held_requests", "Finished prefill requests whose KV blocks are held for a decode worker.", &|e| e.held_requests.get());
     counter(&mut out, "vllm_sim:kv_events_batches_total", "KV event batches handed to the publisher.", &|e| e.event_batches.get());
     counter(&mut out, "vllm_sim:kv_events_dropped_total", "KV event batches dropped because the publisher queue was full.", &|e| e.event_batches_dropped.get());
     out
@@ -263,5 +303,37 @@ mod tests {
         assert!(text.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"0.04\",model_name=\"m\\\"x\"} 1.0"));
         assert!(text.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"0.02\",model_name=\"m\\\"x\"} 0.0"));
         assert!(text.contains("vllm:time_to_first_token_seconds_count{engine=\"0\",model_name=\"m\\\"x\"} 1.0"));
+    }
+
+    fn first(prompt: usize, cached: usize, external: usize) -> crate::scheduler::TokenOutput {
+        crate::scheduler::TokenOutput {
+            id: 1,
+            token: 5,
+            finish: None,
+            first: true,
+            num_cached_tokens: cached,
+            num_prompt_tokens: prompt,
+            num_external_tokens: external,
+        }
+    }
+
+    #[test]
+    fn prompt_tokens_by_source_follow_vllms_accounting() {
+        let by_source = |outs: &[crate::scheduler::TokenOutput]| {
+            let m = EngineMetrics::default();
+            outs.iter().for_each(|o| m.count_prompt(o));
+            (m.prompt_local_compute.get(), m.prompt_local_cache_hit.get(), m.prompt_external.get(), m.prompt_tokens.get())
+        };
+        assert_eq!(by_source(&[first(40, 0, 0)]), (40, 0, 0, 40), "aggregated, cold");
+        assert_eq!(by_source(&[first(40, 32, 0)]), (8, 32, 0, 40), "aggregated, two blocks hit");
+        assert_eq!(by_source(&[first(40, 39, 40)]), (1, 0, 40, 40), "decode leg: all pulled, the last token recomputed");
+        assert_eq!(by_source(&[first(40, 39, 24)]), (1, 16, 24, 40), "decode leg with one block hit locally");
+        let m = EngineMetrics::default();
+        m.count_prompt(&first(40, 39, 40));
+        let text = render("m", &[&m], &CacheInfo { block_size: 16, num_gpu_blocks: 100, enable_prefix_caching: true });
+        assert!(text.contains("# TYPE vllm:prompt_tokens_by_source counter"), "{text}");
+        assert!(text.contains("vllm:prompt_tokens_by_source_total{engine=\"0\",model_name=\"m\",source=\"external_kv_transfer\"} 40.0"), "{text}");
+        assert!(text.contains("vllm:prompt_tokens_by_source_total{engine=\"0\",model_name=\"m\",source=\"local_compute\"} 1.0"));
+        assert!(text.contains("vllm:prompt_tokens_by_source_total{engine=\"0\",model_name=\"m\",source=\"local_cache_hit\"} 0.0"));
     }
 }

@@ -20,11 +20,18 @@
 //! Paused ([`PauseState`], vLLM's `/pause` and `/sleep`), waiting requests are not admitted
 //! (`PausedNew`) or nothing is scheduled at all (`PausedAll`).
 //!
+//! Prefill/decode disaggregation ([`KvTransfer`], `pd.rs`): a prefill leg's blocks are held
+//! after it finishes, until a decode worker pulls them or the lease ends; a decode leg is given
+//! blocks for its whole prompt at admission, waits outside the queue while the engine pulls the
+//! prompt's KV, then runs with all but the last prompt token computed, as vLLM's scheduler does
+//! with an async KV load.
+//!
 //! Time, channels and HTTP are not this module's business (see `engine`).
 
 use crate::block_hash::{BlockHash, ExtraKey, hash_block_with};
 use crate::events::{BlockKeys, KvEvent};
 use crate::kv_cache::{BlockId, BlockPool};
+use crate::kv_connector::RemotePrefill;
 use crate::lora::LoraRequest;
 use crate::sampler::{ContextHash, Sampler};
 use crate::timing::StepShape;
@@ -76,6 +83,22 @@ pub struct NewRequest {
     pub cache_salt: Option<String>,
     /// The LoRA adapter it runs with: its blocks are hashed in the adapter's own space.
     pub lora: Option<Arc<LoraRequest>>,
+    /// Its part in prefill/decode disaggregation (none: aggregated serving).
+    pub kv: KvTransfer,
+}
+
+/// What the KV connector does with a request: vLLM's `kv_transfer_params`, as the engine
+/// understood them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub enum KvTransfer {
+    /// Aggregated serving.
+    #[default]
+    None,
+    /// A prefill leg (`do_remote_decode`): when it finishes, its blocks are held for a decode
+    /// worker instead of being freed.
+    Hold,
+    /// A decode leg (`do_remote_prefill`): its prompt's KV is pulled from a prefill worker.
+    Pull(Arc<RemotePrefill>),
 }
 
 /// Why a request finished.
@@ -88,6 +111,9 @@ pub enum FinishReason {
     /// The engine aborted it (`/pause` or `/sleep` in `abort` mode); its last output carries
     /// no token.
     Abort,
+    /// It failed in the engine (a KV pull failed under `kv_load_failure_policy: "fail"`); its
+    /// last output carries no token.
+    Error,
 }
 
 impl FinishReason {
@@ -97,6 +123,7 @@ impl FinishReason {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
             FinishReason::Abort => "abort",
+            FinishReason::Error => "error",
         }
     }
 }
@@ -128,12 +155,14 @@ pub struct TokenOutput {
     pub num_cached_tokens: usize,
     /// Prompt length.
     pub num_prompt_tokens: usize,
+    /// Prompt tokens whose KV was pulled from a prefill worker.
+    pub num_external_tokens: usize,
 }
 
 impl TokenOutput {
-    /// The generated token ids it carries: one, or none for an abort.
+    /// The generated token ids it carries: one, or none for an abort or an error.
     pub fn ids(&self) -> &[u32] {
-        if self.finish == Some(FinishReason::Abort) { &[] } else { std::slice::from_ref(&self.token) }
+        if matches!(self.finish, Some(FinishReason::Abort | FinishReason::Error)) { &[] } else { std::slice::from_ref(&self.token) }
     }
 }
 
@@ -146,6 +175,20 @@ pub struct Step {
     pub shape: StepShape,
     /// Requests preempted while planning.
     pub preempted: Vec<ReqId>,
+    /// KV pulls to start: decode legs admitted in this step, waiting for their prompt's KV.
+    pub loads: Vec<LoadStart>,
+}
+
+/// A decode leg's pull, for the engine to run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadStart {
+    /// The request waiting for it.
+    pub id: ReqId,
+    /// Where the KV lies.
+    pub remote: Arc<RemotePrefill>,
+    /// The prefill worker's blocks to read (those not already in the local prefix cache), or
+    /// `None` when its `remote_block_ids` do not cover the prompt.
+    pub blocks: Option<Vec<BlockId>>,
 }
 
 /// Counters the caller turns into `vllm:*` metrics.
@@ -175,6 +218,21 @@ struct Request {
     num_cached_tokens: Option<usize>,
     cache_salt: Option<String>,
     lora: Option<Arc<LoraRequest>>,
+    kv: KvTransfer,
+    load: Load,
+    /// Prompt tokens pulled from a prefill worker.
+    num_external: usize,
+}
+
+/// Where a decode leg's KV pull stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Load {
+    /// None to do (or done, or given up).
+    None,
+    /// Admitted when it leaves the queue: blocks first, then the pull.
+    Pending,
+    /// Holding its blocks, out of the queue, until the engine reports the pull.
+    Loading,
 }
 
 impl Request {
@@ -229,7 +287,14 @@ pub struct Scheduler {
     running: Vec<ReqId>,
     counters: SchedulerCounters,
     pause: PauseState,
+    /// Decode legs waiting for their KV pull (vLLM's `WAITING_FOR_REMOTE_KVS`).
+    loading: Vec<ReqId>,
+    /// Finished prefill legs whose blocks wait for a decode worker.
+    held: HashMap<ReqId, pd::Held>,
 }
+
+mod pd;
+pub use pd::{HeldKv, LoadOutcome};
 
 fn ceil_div(a: usize, b: usize) -> usize {
     a.div_ceil(b)
@@ -247,6 +312,8 @@ impl Scheduler {
             running: Vec::new(),
             counters: SchedulerCounters::default(),
             pause: PauseState::Unpaused,
+            loading: Vec::new(),
+            held: HashMap::new(),
         }
     }
 
@@ -269,6 +336,9 @@ impl Scheduler {
             num_cached_tokens: None,
             cache_salt: r.cache_salt,
             lora: r.lora,
+            load: if matches!(r.kv, KvTransfer::Pull(_)) { Load::Pending } else { Load::None },
+            kv: r.kv,
+            num_external: 0,
         };
         if self.cfg.enable_prefix_caching {
             req.ensure_hashes(req.tokens.len() / bs, bs, &self.cfg.hash_root);
@@ -285,6 +355,8 @@ impl Scheduler {
             self.running.remove(pos);
         } else if let Some(pos) = self.waiting.iter().position(|&r| r == id) {
             self.waiting.remove(pos);
+        } else {
+            self.loading.retain(|&r| r != id);
         }
         true
     }
@@ -341,15 +413,27 @@ impl Scheduler {
                     at += 1;
                     continue;
                 }
+                if self.requests[&id].load == Load::Pending {
+                    // A decode leg takes its blocks now and waits for its KV out of the queue.
+                    if !self.start_load(id, &mut step) {
+                        break;
+                    }
+                    self.waiting.remove(at);
+                    continue;
+                }
                 let hits = self.cached_prefix(id);
                 let req = &self.requests[&id];
                 let num_tokens = req.tokens.len();
-                let n = (num_tokens - hits.len() * bs).min(budget);
+                let n = (num_tokens - req.num_computed - hits.len() * bs).min(budget);
+                let queried = req.blocks.is_empty();
                 if !self.allocate(id, n, &hits) {
                     break;
                 }
-                self.counters.prefix_cache_queries += num_tokens as u64;
-                self.counters.prefix_cache_hits += (hits.len() * bs) as u64;
+                if queried {
+                    // A decode leg back from its pull was looked up when it was admitted.
+                    self.counters.prefix_cache_queries += num_tokens as u64;
+                    self.counters.prefix_cache_hits += (hits.len() * bs) as u64;
+                }
                 let req = self.requests.get_mut(&id).expect("waiting ids are live");
                 req.num_cached_tokens.get_or_insert(hits.len() * bs);
                 loras.extend(req.lora_id());
@@ -391,13 +475,18 @@ impl Scheduler {
                 first: num_out == 0,
                 num_cached_tokens: req.num_cached_tokens.unwrap_or(0),
                 num_prompt_tokens: req.num_prompt,
+                num_external_tokens: req.num_external,
             });
             if finish.is_some() {
                 finished.push(id);
             }
         }
         for id in finished {
-            self.abort(id);
+            if self.requests[&id].kv == KvTransfer::Hold {
+                self.hold(id);
+            } else {
+                self.abort(id);
+            }
         }
         out
     }
@@ -427,7 +516,7 @@ impl Scheduler {
     /// Aborts every request, running or waiting (`/pause?mode=abort`); returns their outputs,
     /// each finished with [`FinishReason::Abort`], for the caller to deliver.
     pub fn abort_all(&mut self) -> Vec<TokenOutput> {
-        let ids: Vec<ReqId> = self.running.iter().chain(&self.waiting).copied().collect();
+        let ids: Vec<ReqId> = self.running.iter().chain(&self.waiting).chain(&self.loading).copied().collect();
         let mut out = Vec::with_capacity(ids.len());
         for id in ids {
             let req = &self.requests[&id];
@@ -438,6 +527,7 @@ impl Scheduler {
                 first: req.num_output() == 0,
                 num_cached_tokens: req.num_cached_tokens.unwrap_or(0),
                 num_prompt_tokens: req.num_prompt,
+                num_external_tokens: req.num_external,
             });
             self.abort(id);
         }
@@ -459,9 +549,9 @@ impl Scheduler {
         self.running.len()
     }
 
-    /// Requests waiting (new or preempted).
+    /// Requests waiting (new, preempted, or waiting for their KV pull, as vLLM counts them).
     pub fn num_waiting(&self) -> usize {
-        self.waiting.len()
+        self.waiting.len() + self.loading.len()
     }
 
     /// Whether there is anything to do (paused: only running requests, and while
@@ -510,10 +600,11 @@ impl Scheduler {
         step.scheduled.push((id, n));
     }
 
-    /// The longest run of the request's leading full blocks present in the cache.
+    /// The longest run of the request's leading full blocks present in the cache (none for a
+    /// request that already holds blocks: a decode leg back from its pull).
     fn cached_prefix(&self, id: ReqId) -> Vec<BlockId> {
         let req = &self.requests[&id];
-        if !self.cfg.enable_prefix_caching || req.num_computed > 0 {
+        if !self.cfg.enable_prefix_caching || req.num_computed > 0 || !req.blocks.is_empty() {
             return Vec::new();
         }
         let max_blocks = (req.tokens.len() - 1) / self.cfg.block_size;
@@ -523,7 +614,7 @@ impl Scheduler {
     /// Gives the request blocks for `n` more tokens (after taking `hits` from the cache) and
     /// registers its newly full blocks. All or nothing.
     fn allocate(&mut self, id: ReqId, n: usize, hits: &[BlockId]) -> bool {
-        let (bs, root) = (self.cfg.block_size, self.cfg.hash_root);
+        let bs = self.cfg.block_size;
         let req = self.requests.get_mut(&id).expect("scheduled ids are live");
         let computed = req.num_computed + hits.len() * bs;
         let need = ceil_div(computed + n, bs);
@@ -538,8 +629,19 @@ impl Scheduler {
         req.num_computed = computed;
         let fresh = self.pool.allocate(new_blocks).expect("checked above");
         req.blocks.extend(fresh);
+        if req.load != Load::Pending {
+            // A decode leg's blocks are cached once its KV arrived (vLLM's delay_cache_blocks).
+            self.cache_full_blocks(id, computed + n);
+        }
+        true
+    }
 
-        let full = (computed + n).min(req.tokens.len()) / bs;
+    /// Registers the request's blocks that the first `upto` tokens fill, emitting their
+    /// `BlockStored`.
+    fn cache_full_blocks(&mut self, id: ReqId, upto: usize) {
+        let (bs, root) = (self.cfg.block_size, self.cfg.hash_root);
+        let req = self.requests.get_mut(&id).expect("scheduled ids are live");
+        let full = upto.min(req.tokens.len()) / bs;
         let from = req.num_cached_blocks;
         if full > from {
             if self.cfg.enable_prefix_caching {
@@ -550,7 +652,6 @@ impl Scheduler {
             }
             req.num_cached_blocks = full;
         }
-        true
     }
 
     fn preempt(&mut self, id: ReqId) {

@@ -77,7 +77,12 @@ impl SimServer {
                 None
             };
             let sampler = Sampler::new(tokenizer.output_vocab(), tokenizer.eos_id(), cfg.eos_probability);
-            let params = EngineParams { timing: cfg.timing, time_scale: cfg.time_scale, faults: faults.clone(), stop: stop.clone() };
+            let kv = engine::KvParams {
+                block_size: cfg.block_size,
+                lease_secs: cfg.kv_transfer.lease_secs().map_err(SimError::Config)?,
+                fail_on_load_error: cfg.kv_transfer.fails_on_load_error(),
+            };
+            let params = EngineParams { timing: cfg.timing, time_scale: cfg.time_scale, faults: faults.clone(), stop: stop.clone(), kv };
             engines.push(engine::spawn(Scheduler::new(sched_cfg, sampler), rank, publisher, params));
         }
         if let Some(secs) = cfg.faults.crash_after_secs {

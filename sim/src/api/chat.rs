@@ -68,7 +68,7 @@ async fn run(st: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<Response
     let prompt_len = tokens.len();
     let prompt_ids = if params.return_token_ids { Some(tokens.clone()) } else { None };
     let meta = Meta::new("chatcmpl", headers, req.common.request_id.as_deref(), model, st.cfg.enable_request_id_headers);
-    let generation = st.generate(headers, vec![PreparedPrompt { tokens, max_tokens }], &params).await?;
+    let mut generation = st.generate(headers, vec![PreparedPrompt { tokens, max_tokens }], &params).await?;
 
     if params.stream {
         let fmt = ChatChunks { tok: st.tokenizer.clone(), prompt_ids, return_token_ids: params.return_token_ids, continuous_usage: params.continuous_usage };
@@ -76,9 +76,8 @@ async fn run(st: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<Response
         return Ok(sse(meta, generation, lens, params.include_usage, fmt));
     }
 
-    let Some(results) = collect(generation).await else {
-        return Err(ApiError::internal("engine stopped"));
-    };
+    let hold = generation.hold.take();
+    let results = collect(generation).await?;
     let completion: usize = results.iter().map(|r| r.tokens.len()).sum();
     let prompt_total = prompt_len * results.len();
     let choices: Vec<Value> = results
@@ -102,7 +101,7 @@ async fn run(st: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<Response
                   "completion_tokens": completion, "prompt_tokens_details": null},
         "prompt_logprobs": null,
         "prompt_token_ids": prompt_ids,
-        "kv_transfer_params": st.kv_transfer_reply(req.common.kv_transfer_params.as_ref(), &meta.id),
+        "kv_transfer_params": st.kv_transfer_reply(hold).await,
     });
     let mut r = json_response(StatusCode::OK, &body);
     echo_header(&mut r, &meta);

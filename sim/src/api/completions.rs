@@ -60,7 +60,7 @@ async fn run(st: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<Response
     let n = params.n;
     let echo_texts: Vec<String> = if req.echo { prompts.iter().map(|p| st.tokenizer.decode(&p.tokens).unwrap_or_default()).collect() } else { Vec::new() };
     let per_choice_prompt: Vec<Vec<u32>> = prompts.iter().flat_map(|p| std::iter::repeat_n(p.tokens.clone(), n)).collect();
-    let generation = st.generate(headers, prompts, &params).await?;
+    let mut generation = st.generate(headers, prompts, &params).await?;
 
     if params.stream {
         let prompt_lens = per_choice_prompt.iter().map(Vec::len).collect();
@@ -74,9 +74,8 @@ async fn run(st: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<Response
         return Ok(sse(meta, generation, prompt_lens, params.include_usage, fmt));
     }
 
-    let Some(results) = collect(generation).await else {
-        return Err(ApiError::internal("engine stopped"));
-    };
+    let hold = generation.hold.take();
+    let results = collect(generation).await?;
     let mut choices = Vec::with_capacity(results.len());
     let (mut prompt_total, mut completion_total) = (0, 0);
     for (i, r) in results.iter().enumerate() {
@@ -99,7 +98,7 @@ async fn run(st: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<Response
         "choices": choices, "service_tier": null, "system_fingerprint": "vllm-sim",
         "usage": {"prompt_tokens": prompt_total, "total_tokens": prompt_total + completion_total,
                   "completion_tokens": completion_total, "prompt_tokens_details": null},
-        "kv_transfer_params": st.kv_transfer_reply(req.common.kv_transfer_params.as_ref(), &meta.id),
+        "kv_transfer_params": st.kv_transfer_reply(hold).await,
     });
     let mut r = json_response(StatusCode::OK, &body);
     echo_header(&mut r, &meta);

@@ -45,6 +45,12 @@ impl ApiError {
         Self { status: StatusCode::INTERNAL_SERVER_ERROR, message: message.into(), kind: "InternalServerError", param: None }
     }
 
+    /// 500 for a request that finished with an error in the engine (a failed KV pull under
+    /// `kv_load_failure_policy: "fail"`): vLLM's `GenerationError`.
+    pub fn generation_failed() -> Self {
+        Self::internal("Internal server error")
+    }
+
     /// 503 from admission control (`--max-num-queued-reqs`), vLLM's exact message.
     pub fn busy() -> Self {
         Self {

@@ -5,17 +5,21 @@
 //! (the client disconnected, so hyper dropped the handler future or the SSE body), the engine
 //! is told to abort the unfinished requests, which frees their blocks at the next step, the
 //! way vLLM aborts a request whose HTTP connection closed.
+//!
+//! With a KV connector, the request's `kv_transfer_params` decide its part in prefill/decode
+//! disaggregation ([`crate::kv_connector::plan`]); a prefill leg's [`Generation`] carries the
+//! promise of its held blocks' report, which its response turns into `kv_transfer_params`.
 
 use super::AppState;
 use super::error::ApiError;
 use super::protocol::GenParams;
-use crate::engine::{Delivery, EngineHandle};
+use crate::engine::{Delivery, EngineHandle, HeldReport, HoldReply};
 use crate::faults::RequestFault;
-use crate::scheduler::{NewRequest, ReqId};
+use crate::scheduler::{KvTransfer, NewRequest, ReqId};
 use axum::http::HeaderMap;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 /// One prompt ready for the engine.
 #[derive(Debug, Clone)]
@@ -36,6 +40,17 @@ pub struct Generation {
     pub choices: usize,
     /// The engine serving it.
     pub rank: u32,
+    /// A prefill leg's held blocks, reported when it finishes.
+    pub hold: Option<PendingHold>,
+}
+
+/// A prefill leg's report to come: its internal id and the engine's answer.
+#[derive(Debug)]
+pub struct PendingHold {
+    /// `remote_request_id`.
+    pub request_id: String,
+    /// The report, sent once the blocks are held (closed if they are not).
+    pub rx: oneshot::Receiver<HeldReport>,
 }
 
 impl Generation {
@@ -92,10 +107,18 @@ impl AppState {
         let (tx, rx) = mpsc::unbounded_channel();
         let choices = prompts.len() * p.n;
         let mut ids = Vec::with_capacity(choices);
+        let mut pending = None;
         for (i, prompt) in prompts.into_iter().enumerate() {
             for s in 0..p.n {
                 let id = engine.next_id();
                 let seed = if s == 0 { self.cfg.seed } else { self.cfg.seed ^ crate::sampler::mix(s as u64) };
+                let kv = crate::kv_connector::plan(&self.cfg.kv_transfer, p.kv_transfer_params.as_ref(), i * p.n + s);
+                let hold = (kv == KvTransfer::Hold).then(|| {
+                    let (tx, rx) = oneshot::channel();
+                    let request_id = internal_id(headers);
+                    pending = Some(PendingHold { request_id: request_id.clone(), rx });
+                    HoldReply { request_id, tx }
+                });
                 let req = NewRequest {
                     id,
                     prompt: prompt.tokens.clone(),
@@ -105,8 +128,9 @@ impl AppState {
                     seed,
                     cache_salt: p.cache_salt.clone(),
                     lora: p.lora.clone(),
+                    kv,
                 };
-                if !engine.submit(req, i * p.n + s, tx.clone()) {
+                if !engine.submit(req, i * p.n + s, tx.clone(), hold) {
                     return Err(ApiError::internal("engine is not running"));
                 }
                 ids.push(id);
@@ -119,6 +143,7 @@ impl AppState {
             delayed: false,
             choices,
             rank: engine.rank(),
+            hold: pending,
         })
     }
 
@@ -133,4 +158,12 @@ impl AppState {
         }
         Ok(self.engines.iter().min_by_key(|e| e.in_flight()).expect("at least one engine"))
     }
+}
+
+/// A request's internal id, as vLLM's engine names it: the request id (`X-Request-Id`, else a
+/// random one) with 8 random hex digits appended, unique even when a client reuses its id for
+/// both legs.
+fn internal_id(headers: &HeaderMap) -> String {
+    let base = headers.get("x-request-id").and_then(|v| v.to_str().ok()).map_or_else(super::response::random_id, str::to_owned);
+    format!("{base}-{}", &super::response::random_id()[..8])
 }

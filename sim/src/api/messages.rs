@@ -92,14 +92,13 @@ async fn run(st: &AppState, headers: &HeaderMap, req: &Value) -> Result<Response
     let prompt_len = tokens.len();
     let max_tokens = check_length(prompt_len, params.max_tokens, st.cfg.max_model_len)?;
     let meta = Meta::new("chatcmpl", headers, None, model, st.cfg.enable_request_id_headers);
-    let generation = st.generate(headers, vec![PreparedPrompt { tokens, max_tokens }], &params).await?;
+    let mut generation = st.generate(headers, vec![PreparedPrompt { tokens, max_tokens }], &params).await?;
     if params.stream {
         let fmt = Events { tok: st.tokenizer.clone(), block_open: false, finish: None };
         return Ok(sse(meta, generation, vec![prompt_len], true, fmt));
     }
-    let Some(results) = collect(generation).await else {
-        return Err(ApiError::internal("engine stopped"));
-    };
+    let hold = generation.hold.take();
+    let results = collect(generation).await?;
     let r = &results[0];
     let text: String = r.tokens.iter().map(|&t| st.tokenizer.token_text(t)).collect();
     let mut body = json!({
@@ -107,7 +106,7 @@ async fn run(st: &AppState, headers: &HeaderMap, req: &Value) -> Result<Response
         "model": model, "stop_reason": stop_reason(r.finish),
         "usage": {"input_tokens": prompt_len, "output_tokens": r.tokens.len()},
     });
-    let kv = st.kv_transfer_reply(chat.get("kv_transfer_params"), &meta.id);
+    let kv = st.kv_transfer_reply(hold).await;
     if !kv.is_null() {
         body["kv_transfer_params"] = kv;
     }

@@ -6,6 +6,7 @@ pub mod completions;
 pub mod control;
 pub mod error;
 pub mod generate;
+pub mod kv_transfer;
 pub mod lora;
 pub mod messages;
 pub mod misc;
@@ -24,7 +25,7 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use error::ApiError;
 use kvgate_tokenize::dialect::{DialectError, messages::MessagesOptions};
-use serde_json::{Value, json};
+use serde_json::Value;
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 
@@ -95,18 +96,14 @@ impl AppState {
         ApiError::bad_request(e.message(), None)
     }
 
-    /// The `kv_transfer_params` of a response: absent input → null; a prefill request
-    /// (`do_remote_decode: true`) gets the P-side reply a decode worker would need; anything
-    /// else is echoed.
-    pub fn kv_transfer_reply(&self, input: Option<&Value>, request_id: &str) -> Value {
-        match input {
-            None | Some(Value::Null) => Value::Null,
-            Some(v) if v.get("do_remote_decode").and_then(Value::as_bool) == Some(true) => json!({
-                "do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": [],
-                "remote_engine_id": format!("vllm-sim-{}", self.listen), "remote_request_id": request_id,
-                "remote_host": self.listen.ip().to_string(), "remote_port": self.listen.port(), "tp_size": 1,
-            }),
-            Some(v) => v.clone(),
+    /// The `kv_transfer_params` of a unary response, as vLLM answers: a held prefill leg's
+    /// reply ([`crate::kv_connector::prefill_reply`]), else null (aggregated requests, decode
+    /// legs, a prefill leg that was not held, any request to a server without a connector).
+    pub async fn kv_transfer_reply(&self, hold: Option<generate::PendingHold>) -> Value {
+        let Some(h) = hold else { return Value::Null };
+        match h.rx.await {
+            Ok(r) => crate::kv_connector::prefill_reply(&self.cfg.kv_transfer, &h.request_id, self.listen, &r.kv, r.expiry_unix),
+            Err(_) => Value::Null,
         }
     }
 }
@@ -130,11 +127,15 @@ pub async fn render_dialect_chat(st: &AppState, chat: &Value) -> Result<Vec<u32>
 }
 
 /// All routes: vLLM's, with `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` only where
-/// runtime LoRA updating is allowed and the development endpoints only in dev mode, as in vLLM.
+/// runtime LoRA updating is allowed and the development endpoints only in dev mode, as in vLLM;
+/// and the sim's KV side channel on a KV producer.
 pub fn router(state: Arc<AppState>) -> Router {
     let mut r = Router::new();
     if state.cfg.runtime_lora_updating {
         r = r.route("/v1/load_lora_adapter", post(lora::load)).route("/v1/unload_lora_adapter", post(lora::unload));
+    }
+    if state.cfg.kv_transfer.is_producer() {
+        r = r.route(crate::kv_connector::PULL_PATH, post(kv_transfer::pull));
     }
     if state.cfg.dev_mode {
         r = r

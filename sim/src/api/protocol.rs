@@ -54,7 +54,8 @@ pub struct Common {
     /// Return prompt and generated token ids.
     #[serde(default)]
     pub return_token_ids: bool,
-    /// Disaggregated-serving parameters, echoed.
+    /// Prefill/decode disaggregation parameters (vLLM's NixlConnector protocol,
+    /// `kv_connector`); ignored by a server without a KV connector.
     pub kv_transfer_params: Option<Value>,
     /// Request id (X-Request-Id wins).
     pub request_id: Option<String>,
@@ -139,6 +140,8 @@ pub struct GenParams {
     pub cache_salt: Option<String>,
     /// The LoRA adapter `model` names (set by the endpoint, which resolves the name).
     pub lora: Option<std::sync::Arc<crate::lora::LoraRequest>>,
+    /// `kv_transfer_params` (an object, or absent).
+    pub kv_transfer_params: Option<Value>,
 }
 
 /// vLLM's `validate_cache_salt`: absent (or null), or a non-empty string of at most 128
@@ -194,6 +197,17 @@ impl Common {
             return Err(ApiError::bad_request(format!("min_tokens must be >= 0 and <= max_tokens, got {min_tokens}."), Some("min_tokens")));
         }
         let cache_salt = check_cache_salt(self.cache_salt.as_ref())?;
+        let kv_transfer_params = match &self.kv_transfer_params {
+            None | Some(Value::Null) => None,
+            Some(v @ Value::Object(_)) => Some(v.clone()),
+            // pydantic's refusal of a non-dict for `dict[str, Any] | None`.
+            Some(_) => {
+                return Err(ApiError::validation(
+                    "1 validation error:\n  {'type': 'dict_type', 'loc': ('body', 'kv_transfer_params'), 'msg': 'Input should be a valid dictionary'}",
+                    "body",
+                ));
+            }
+        };
         let so = self.stream_options.clone().unwrap_or_default();
         Ok(GenParams {
             max_tokens: max_tokens.map(|m| m as usize),
@@ -206,6 +220,7 @@ impl Common {
             return_token_ids: self.return_token_ids,
             cache_salt,
             lora: None,
+            kv_transfer_params,
         })
     }
 }

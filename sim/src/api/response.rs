@@ -94,6 +94,10 @@ pub trait ChunkFormat: Send + 'static {
     fn done(&mut self, out: &mut String) {
         out.push_str("data: [DONE]\n\n");
     }
+    /// A request that failed in the engine: vLLM's streaming error event (then [`Self::done`]).
+    fn error_chunk(&mut self, out: &mut String) {
+        let _ = std::fmt::Write::write_fmt(out, format_args!("data: {}\n\n", super::error::ApiError::generation_failed().body()));
+    }
 }
 
 /// Streams a generation as SSE.
@@ -155,6 +159,11 @@ impl<F: ChunkFormat> SseState<F> {
                         self.phase = Phase::End;
                         return None;
                     };
+                    if d.out.finish == Some(FinishReason::Error) {
+                        self.phase = Phase::Done;
+                        self.fmt.error_chunk(&mut out);
+                        continue;
+                    }
                     let c = &mut self.choices[d.choice];
                     c.generated += d.out.ids().len();
                     c.done = d.out.finish.is_some();
@@ -195,12 +204,16 @@ pub struct ChoiceResult {
     pub cached_tokens: usize,
 }
 
-/// Waits for every choice to finish. `None` if the engine stopped first.
-pub async fn collect(mut generation: Generation) -> Option<Vec<ChoiceResult>> {
+/// Waits for every choice to finish: a 500 if the engine stopped first or a choice failed in
+/// it, as vLLM answers a request that finished with an error.
+pub async fn collect(mut generation: Generation) -> Result<Vec<ChoiceResult>, super::error::ApiError> {
     let mut res = vec![ChoiceResult::default(); generation.choices];
     let mut left = generation.choices;
     while left > 0 {
-        let d = generation.recv().await?;
+        let d = generation.recv().await.ok_or_else(|| super::error::ApiError::internal("engine stopped"))?;
+        if d.out.finish == Some(FinishReason::Error) {
+            return Err(super::error::ApiError::generation_failed());
+        }
         let r = &mut res[d.choice];
         r.tokens.extend_from_slice(d.out.ids());
         r.cached_tokens = d.out.num_cached_tokens;
@@ -209,7 +222,7 @@ pub async fn collect(mut generation: Generation) -> Option<Vec<ChoiceResult>> {
             left -= 1;
         }
     }
-    Some(res)
+    Ok(res)
 }
 
 /// `"stop"`/`"length"`/`"abort"` as a JSON literal, or `null`.
@@ -218,6 +231,7 @@ pub fn finish_json(f: Option<FinishReason>) -> &'static str {
         Some(FinishReason::Stop) => "\"stop\"",
         Some(FinishReason::Length) => "\"length\"",
         Some(FinishReason::Abort) => "\"abort\"",
+        Some(FinishReason::Error) => "\"error\"",
         None => "null",
     }
 }

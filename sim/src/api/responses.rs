@@ -181,6 +181,7 @@ async fn run(st: &Arc<AppState>, headers: &HeaderMap, req: Value) -> Result<Resp
         return_token_ids: false,
         cache_salt,
         lora,
+        kv_transfer_params: None,
     };
     let generation = st.generate(headers, vec![PreparedPrompt { tokens, max_tokens: max_output_tokens }], &params).await?;
     if background {
@@ -213,9 +214,7 @@ fn previous_history(st: &AppState, req: &Value) -> Result<Option<Vec<Value>>, Ap
 }
 
 async fn finish_unary(st: &AppState, turn: &Turn, generation: Generation) -> Result<Value, ApiError> {
-    let Some(results) = collect(generation).await else {
-        return Err(ApiError::internal("engine stopped"));
-    };
+    let results = collect(generation).await?;
     let r = &results[0];
     let text: String = r.tokens.iter().map(|&t| st.tokenizer.token_text(t)).collect();
     Ok(turn.completed(r.finish, &text, r.tokens.len(), r.cached_tokens))

@@ -1,5 +1,6 @@
 use super::*;
 use crate::block_hash::{hash_block, hash_block_from, none_hash, root_hash};
+use crate::kv_connector::RemotePrefill;
 
 fn cfg(blocks: usize, budget: usize, seqs: usize) -> SchedulerConfig {
     SchedulerConfig {
@@ -19,7 +20,7 @@ fn sched(c: SchedulerConfig) -> Scheduler {
 }
 
 fn req(id: ReqId, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
-    NewRequest { id, prompt, max_tokens, min_tokens: 0, ignore_eos: true, seed: 0, cache_salt: None, lora: None }
+    NewRequest { id, prompt, max_tokens, min_tokens: 0, ignore_eos: true, seed: 0, cache_salt: None, lora: None, kv: KvTransfer::None }
 }
 
 /// Runs steps until idle; returns tokens per request in order.
@@ -231,7 +232,7 @@ fn stop_on_eos_only_after_min_tokens() {
     let c = cfg(64, 1024, 8);
     // Vocabulary of only EOS-free tokens, EOS probability 1: stops as soon as allowed.
     let mut s = Scheduler::new(c, Sampler::new(vec![50u32].into(), Some(2), 1.0));
-    s.add(NewRequest { id: 1, prompt: vec![1, 2, 3], max_tokens: 10, min_tokens: 3, ignore_eos: false, seed: 0, cache_salt: None, lora: None });
+    s.add(NewRequest { min_tokens: 3, ignore_eos: false, ..req(1, vec![1, 2, 3], 10) });
     let mut toks = Vec::new();
     let mut fin = None;
     while s.has_work() {
@@ -309,4 +310,128 @@ fn at_most_max_loras_adapters_run_and_the_others_wait_their_turn() {
     assert_eq!(ids, vec![1, 3, 4], "b waits while a runs; the base model does not count");
     let out = run(&mut s);
     assert_eq!(out[&2].len(), 3, "b runs once a is done");
+}
+
+fn remote(blocks: Vec<BlockId>) -> Arc<RemotePrefill> {
+    Arc::new(RemotePrefill { engine_id: "p".into(), request_id: "cmpl-1-abcd0123".into(), host: "127.0.0.1".into(), port: 1, block_ids: blocks })
+}
+
+fn pull(id: ReqId, prompt: Vec<u32>, max_tokens: usize, blocks: Vec<BlockId>) -> NewRequest {
+    NewRequest { kv: KvTransfer::Pull(remote(blocks)), ..req(id, prompt, max_tokens) }
+}
+
+/// Runs steps until idle; every output in order.
+fn outputs(s: &mut Scheduler) -> Vec<TokenOutput> {
+    let mut out = Vec::new();
+    while s.has_work() {
+        let step = s.schedule();
+        out.extend(s.update(&step));
+    }
+    out
+}
+
+#[test]
+fn a_prefill_leg_holds_its_blocks_until_released() {
+    let mut s = sched(cfg(64, 1024, 8));
+    s.add(NewRequest { kv: KvTransfer::Hold, ..req(1, (1..=10).collect(), 1) });
+    assert_eq!(run(&mut s)[&1].len(), 1);
+    let held = s.held(1).expect("held after it finished");
+    assert_eq!((held.block_ids.len(), held.num_tokens, held.num_cached_tokens), (3, 10, 0), "10 tokens in blocks of 4");
+    assert_eq!((s.num_held(), s.num_running()), (1, 0));
+    assert!((s.kv_usage() - 3.0 / 63.0).abs() < 1e-9, "held blocks are used KV");
+    assert!(!s.reset_prefix_cache(false), "blocks in use");
+    assert_eq!(s.release_held(1), Some(3));
+    assert_eq!((s.kv_usage(), s.num_held(), s.release_held(1)), (0.0, 0, None));
+    // A repeat hits the released blocks: they stay cached, as a finished request's.
+    s.add(NewRequest { kv: KvTransfer::Hold, ..req(2, (1..=10).collect(), 1) });
+    run(&mut s);
+    assert_eq!(s.held(2).unwrap().num_cached_tokens, 8);
+}
+
+#[test]
+fn a_decode_leg_pulls_its_prompt_and_computes_only_the_last_token() {
+    let prompt: Vec<u32> = (1..=10).collect();
+    let mut agg = sched(cfg(64, 1024, 8));
+    agg.add(req(1, prompt.clone(), 5));
+    let want = run(&mut agg)[&1].clone();
+    let agg_stored = stored(&agg.take_events());
+
+    let mut s = sched(cfg(64, 1024, 8));
+    s.add(pull(1, prompt.clone(), 5, vec![7, 8, 9]));
+    let step = s.schedule();
+    assert!(step.scheduled.is_empty(), "nothing to compute while the KV is pulled");
+    assert_eq!(step.loads, vec![LoadStart { id: 1, remote: remote(vec![7, 8, 9]), blocks: Some(vec![7, 8, 9]) }]);
+    assert_eq!((s.num_waiting(), s.has_work(), s.pool().num_free()), (1, false, 60), "three blocks taken, out of the queue");
+    assert!(s.take_events().is_empty(), "blocks are cached once their KV arrived");
+    assert_eq!(s.finish_load(1, LoadOutcome::Loaded), None);
+    assert_eq!(stored(&s.take_events()), vec![agg_stored[0].clone()].into_iter().map(|(h, p, t)| (h[..2].to_vec(), p, t[..8].to_vec())).collect::<Vec<_>>());
+    let step = s.schedule();
+    assert_eq!(step.scheduled, vec![(1, 1)], "only the last prompt token is computed");
+    assert_eq!((step.shape.prefill_tokens, step.shape.prefill_attn_pairs), (1, 9.5));
+    let mut outs = s.update(&step);
+    outs.extend(outputs(&mut s));
+    assert_eq!(outs.iter().map(|o| o.token).collect::<Vec<_>>(), want, "the same tokens as aggregated serving");
+    assert_eq!((outs[0].num_cached_tokens, outs[0].num_external_tokens, outs[0].num_prompt_tokens), (9, 10, 10));
+    let c = s.counters();
+    assert_eq!((c.prefix_cache_queries, c.prefix_cache_hits), (10, 0), "looked up once");
+    assert_eq!(s.pool().num_free(), 63);
+}
+
+#[test]
+fn a_decode_leg_pulls_only_what_its_prefix_cache_lacks() {
+    let prompt: Vec<u32> = (1..=10).collect();
+    let mut s = sched(cfg(64, 1024, 8));
+    s.add(req(1, vec![1, 2, 3, 4, 99], 1));
+    run(&mut s);
+    s.add(pull(2, prompt, 2, vec![7, 8, 9]));
+    let step = s.schedule();
+    assert_eq!(step.loads[0].blocks, Some(vec![8, 9]), "the first block hit locally");
+    assert_eq!(s.finish_load(2, LoadOutcome::Loaded), None);
+    let outs = outputs(&mut s);
+    assert_eq!((outs[0].num_cached_tokens, outs[0].num_external_tokens), (9, 6));
+    assert_eq!(s.counters().prefix_cache_hits, 4);
+    // Remote blocks that do not cover the prompt cannot be pulled.
+    s.add(pull(3, (20..30).collect(), 1, vec![7, 8]));
+    assert_eq!(s.schedule().loads[0].blocks, None);
+}
+
+#[test]
+fn a_failed_pull_recomputes_or_fails_as_the_policy_says() {
+    let prompt: Vec<u32> = (1..=10).collect();
+    let mut agg = sched(cfg(64, 1024, 8));
+    agg.add(req(1, prompt.clone(), 3));
+    let want = run(&mut agg)[&1].clone();
+
+    let mut s = sched(cfg(64, 1024, 8));
+    s.add(pull(1, prompt.clone(), 3, vec![7, 8, 9]));
+    s.schedule();
+    assert_eq!(s.finish_load(1, LoadOutcome::Recompute), None);
+    let step = s.schedule();
+    assert_eq!(step.scheduled, vec![(1, 10)], "the whole prompt is computed here");
+    let mut outs = s.update(&step);
+    outs.extend(outputs(&mut s));
+    assert_eq!(outs.iter().map(|o| o.token).collect::<Vec<_>>(), want);
+    assert_eq!((outs[0].num_cached_tokens, outs[0].num_external_tokens), (0, 0));
+    assert_eq!((s.counters().prefix_cache_queries, s.pool().num_free()), (10, 63));
+
+    s.add(pull(2, prompt, 3, vec![7, 8, 9]));
+    s.schedule();
+    let out = s.finish_load(2, LoadOutcome::Fail).expect("the request fails");
+    assert_eq!((out.finish, out.ids().len()), (Some(FinishReason::Error), 0));
+    assert_eq!((s.num_waiting(), s.has_work(), s.pool().num_free()), (0, false, 63));
+    assert_eq!(s.finish_load(2, LoadOutcome::Loaded), None, "a pull ending after its request is gone changes nothing");
+}
+
+#[test]
+fn an_aborted_decode_leg_frees_its_blocks_during_the_pull() {
+    let mut s = sched(cfg(64, 1024, 8));
+    s.add(pull(1, (1..=10).collect(), 3, vec![7, 8, 9]));
+    s.schedule();
+    assert!(s.abort(1));
+    assert_eq!((s.num_waiting(), s.pool().num_free()), (0, 63));
+    assert_eq!(s.finish_load(1, LoadOutcome::Loaded), None);
+    s.add(pull(2, (1..=10).collect(), 3, vec![7, 8, 9]));
+    s.schedule();
+    let aborted = s.abort_all();
+    assert_eq!(aborted.len(), 1, "pause in abort mode takes it too");
 }
