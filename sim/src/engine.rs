@@ -352,6 +352,7 @@ impl EngineTask {
             }
             Cmd::Pause { mode, clear_cache, reply } => {
                 if mode == PauseMode::Abort {
+                    self.sched.pending_pulls().into_iter().for_each(|r| self.free_remote(r));
                     let aborted = self.sched.abort_all();
                     self.end_aborted(aborted);
                 }
@@ -397,6 +398,9 @@ impl EngineTask {
     }
 
     fn abort(&mut self, id: ReqId) {
+        if let Some(remote) = self.sched.pending_pull(id) {
+            self.free_remote(remote);
+        }
         if self.sched.abort(id) {
             self.live.remove(&id);
             self.handle.in_flight.fetch_sub(1, Ordering::Relaxed);
@@ -428,6 +432,22 @@ impl EngineTask {
                 }
             });
         }
+    }
+
+    /// Tells a prefill worker to free the blocks of a decode leg aborted before its pull (a
+    /// pull of no blocks), as vLLM's connector notifies it rather than leave them to the lease.
+    fn free_remote(&self, remote: Arc<crate::kv_connector::RemotePrefill>) {
+        let stop = self.params.stop.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                r = crate::kv_connector::pull(&remote, &[]) => {
+                    if let Err(e) = r {
+                        tracing::debug!(request_id = %remote.request_id, error = %e, "freeing an aborted decode leg's remote blocks failed");
+                    }
+                }
+                _ = stop.cancelled() => {}
+            }
+        });
     }
 
     /// A decode leg's pull ended: the failure policy decides what a failure does.

@@ -233,3 +233,23 @@ async fn a_server_without_a_connector_ignores_kv_transfer_params() {
     let (st, v) = post(&s, "/v1/completions", &json!({"prompt": "x", "kv_transfer_params": "yes"})).await;
     assert_eq!(st, 400, "{v}");
 }
+
+#[tokio::test]
+async fn a_decode_leg_aborted_before_its_pull_frees_the_prefill_workers_blocks() {
+    // A lease far longer than the test, so only the notification can free the blocks.
+    let p = sim(kv("kv_producer", json!({"kv_lease_duration": 10_000}))).await;
+    let d = sim(kv("kv_consumer", json!({}))).await;
+    let (_, pre) = post(&p, "/v1/completions", &prefill_leg(completion(8))).await;
+    assert_eq!(metric(&p, "vllm_sim:kv_held_requests", "").await, 1.0);
+    // Paused (mode=wait), the decode worker queues the request without admitting it.
+    let (s, _) = call(&d, hyper::Method::POST, "/pause?mode=wait&clear_cache=false", None).await;
+    assert_eq!(s, 200);
+    let port = d.addr().port();
+    let body = decode_leg(completion(8), &pre["kv_transfer_params"]);
+    let client = tokio::spawn(async move { http_request(hyper::Method::POST, "127.0.0.1", port, "/v1/completions", Some(&body)).await });
+    assert!(eventually(async || metric(&d, "vllm:num_requests_waiting", "").await == 1.0).await, "queued");
+    client.abort(); // the client goes away
+    assert!(eventually(async || metric(&d, "vllm:num_requests_waiting", "").await == 0.0).await, "aborted");
+    assert!(eventually(async || metric(&p, "vllm_sim:kv_held_requests", "").await == 0.0).await, "the prefill worker was told to free them");
+    assert_eq!(metric(&p, "vllm:kv_cache_usage_perc", "").await, 0.0);
+}

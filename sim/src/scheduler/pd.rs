@@ -128,6 +128,21 @@ impl Scheduler {
         Some(h.blocks.len())
     }
 
+    /// The prefill worker a decode leg still waiting for admission would pull from: if it is
+    /// aborted now, vLLM's connector still tells that worker to free the blocks.
+    pub fn pending_pull(&self, id: ReqId) -> Option<std::sync::Arc<crate::kv_connector::RemotePrefill>> {
+        let req = self.requests.get(&id).filter(|r| r.load == Load::Pending)?;
+        match &req.kv {
+            KvTransfer::Pull(r) => Some(r.clone()),
+            _ => None,
+        }
+    }
+
+    /// [`Scheduler::pending_pull`] of every waiting request.
+    pub fn pending_pulls(&self) -> Vec<std::sync::Arc<crate::kv_connector::RemotePrefill>> {
+        self.waiting.iter().filter_map(|&id| self.pending_pull(id)).collect()
+    }
+
     /// Prefill legs holding blocks.
     pub fn num_held(&self) -> usize {
         self.held.len()
