@@ -6,6 +6,7 @@
 
 pub mod cluster;
 pub mod connections;
+pub mod disagg;
 pub mod load;
 pub mod overload;
 pub mod peers;

@@ -13,6 +13,7 @@ use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 use vllm_sim::SimConfig;
 
+mod disagg;
 mod drop_in;
 mod fleet;
 mod openapi;

@@ -38,6 +38,7 @@ else:
     sys.exit("no three consecutive free ports below the ephemeral range")
 PY
 }
+suite_flags=(--enable-scale-out --enable-lora --max-lora-rank 8)
 start_server() { # PORT LOG [EXTRA VLLM ARGS] → starts real vLLM (events on PORT+1, replay PORT+2), prints the pid
   # Its own process group (setsid: the pid is the group's id), so cleanup ends exactly the
   # processes it started, engine cores included. The response store and the /render endpoints
@@ -45,7 +46,7 @@ start_server() { # PORT LOG [EXTRA VLLM ARGS] → starts real vLLM (events on PO
   # CPU engine computes the base model slightly differently (greedy outputs differ after a few
   # tokens), and the tests compare the two servers' outputs.
   local p=$1 log=$2; shift 2
-  VLLM_ENABLE_RESPONSES_API_STORE=1 setsid bash "$here/run.sh" "$p" "$((p + 1))" --enable-scale-out --enable-lora --max-lora-rank 8 "$@" > "$log" 2>&1 &
+  VLLM_ENABLE_RESPONSES_API_STORE=1 setsid bash "$here/run.sh" "$p" "$((p + 1))" "${suite_flags[@]}" "$@" > "$log" 2>&1 &
   echo $!
 }
 wait_healthy() { # PORT PID LOG → 0 up, 1 exited during start-up, 2 not up in time
@@ -111,3 +112,18 @@ KVGATE_TARGET_PID_2="$pid2" cargo test -p kvgate-tests --test migration -- --tes
 # The planner's local connector starts a real vLLM from run.sh (the second server is gone, so
 # two still fit) and stops it after its streams moved to the first (#35).
 KVGATE_VLLM_RUN="$here/run.sh" cargo test -p kvgate-tests --test planner -- --test-threads=1 a_real_vllm_worker
+# Prefill/decode disaggregation (#38) on a KV connector that runs on CPU: NIXL is not installed
+# here, and vLLM's ExampleConnector shares KV through a directory (docs/disaggregation.md has its
+# limits: only the first prefill chunk is saved, hence --max-num-batched-tokens 4096, the model's
+# whole context). The first server stops so that two fit; two plain servers with the connector
+# start, and kvgate runs the two legs across them.
+kill -TERM -- "-$pid1" 2>/dev/null || true
+for _ in $(seq 1 40); do kill -0 -- "-$pid1" 2>/dev/null || break; sleep 0.25; done
+kill -KILL -- "-$pid1" 2>/dev/null || true
+pd_store=$(mktemp -d -t kvgate-pd.XXXXXX)
+trap 'cleanup; rm -rf "$pd_store"' EXIT
+suite_flags=(--max-num-batched-tokens 4096)
+kv_cfg="{\"kv_connector\":\"ExampleConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"shared_storage_path\":\"$pd_store\"}}"
+launch "$(mktemp -t real-vllm.XXXXXX.log)" --kv-transfer-config "$kv_cfg"; pd1=$port
+launch "$(mktemp -t real-vllm.XXXXXX.log)" --kv-transfer-config "$kv_cfg"; pd2=$port
+KVGATE_PD_URLS="http://127.0.0.1:$pd1,http://127.0.0.1:$pd2" cargo test -p kvgate-tests --test gateway -- --test-threads=1 disagg::real_vllm

@@ -106,6 +106,74 @@ enum Cmd {
     /// Streaming clients at multiples of the fleet's capacity, without and with load shedding:
     /// answers by kind, TTFT of the accepted, memory, descriptors, bookings after (#36).
     Overload(OverloadArgs),
+    /// A prefill-heavy workload through kvgate on aggregated workers, then on the same number
+    /// split into prefill and decode workers: ITL, TTFT (with the transfer's share), e2e (#38).
+    Disagg(DisaggArgs),
+}
+
+#[derive(Args)]
+struct DisaggArgs {
+    /// The vllm-sim binary.
+    #[arg(long, default_value = "target/release/vllm-sim")]
+    sim_bin: PathBuf,
+    /// The kvgate binary.
+    #[arg(long, default_value = "target/release/kvgate")]
+    kvgate_bin: PathBuf,
+    /// Where the configs and results go.
+    #[arg(long, default_value = "benches/out/disagg")]
+    out: PathBuf,
+    /// Workers per case (the disaggregated case: half prefill, half decode).
+    #[arg(long, default_value_t = 4)]
+    workers: usize,
+    /// Prompt tokens per request (unique prompts).
+    #[arg(long, default_value_t = 4096)]
+    prompt_tokens: usize,
+    /// Output tokens per stream.
+    #[arg(long, default_value_t = 128)]
+    output_tokens: usize,
+    /// Arrivals per second (Poisson).
+    #[arg(long, default_value_t = 6.0)]
+    rate: f64,
+    /// Seconds of arrivals per case.
+    #[arg(long, default_value_t = 60.0)]
+    seconds: f64,
+    /// vllm-sim's --time-scale.
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// Extra vllm-sim arguments of every worker, `;`-separated.
+    #[arg(long, default_value = "")]
+    sim_args: String,
+}
+
+async fn disagg(a: DisaggArgs) -> i32 {
+    let o = kvgate_bench::disagg::Options {
+        sim_bin: a.sim_bin,
+        kvgate_bin: a.kvgate_bin,
+        out: a.out,
+        workers: a.workers.max(2),
+        prompt_tokens: a.prompt_tokens,
+        output_tokens: a.output_tokens,
+        rate: a.rate,
+        duration: Duration::from_secs_f64(a.seconds),
+        time_scale: a.time_scale,
+        sim_args: a.sim_args.split(';').filter(|s| !s.is_empty()).flat_map(|s| s.split_whitespace().map(String::from).collect::<Vec<_>>()).collect(),
+    };
+    println!("{}", kvgate_bench::disagg::Case::HEAD);
+    match kvgate_bench::disagg::run(&o).await {
+        Ok(cases) => {
+            for c in &cases {
+                for f in &c.failures {
+                    println!("{}: {f}", c.name);
+                }
+            }
+            let _ = std::fs::write(o.out.join("disagg.json"), serde_json::to_string_pretty(&cases).unwrap_or_default());
+            i32::from(cases.iter().any(|c| c.failed > 0))
+        }
+        Err(e) => {
+            eprintln!("kvgate-bench disagg: {e}");
+            1
+        }
+    }
 }
 
 #[derive(Args)]
@@ -873,6 +941,7 @@ async fn main() {
         Cmd::Connections(a) => connections(a).await,
         Cmd::Soak(a) => soak(a).await,
         Cmd::Overload(a) => overload(a).await,
+        Cmd::Disagg(a) => disagg(a).await,
     };
     std::process::exit(code);
 }

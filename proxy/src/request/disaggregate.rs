@@ -92,17 +92,17 @@ pub async fn run(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestS
     }
     let body = match two_legs(req) {
         Ok(body) => body,
-        Err(why) => return Ok(aggregated(gw, req, why)),
+        Err(why) => return aggregated(gw, req, why),
     };
     let worker = match place_prefill(gw, req) {
         Ok(w) => w,
-        Err(why) => return Ok(aggregated(gw, req, why)),
+        Err(why) => return aggregated(gw, req, why),
     };
     // The client's headers go with both legs, as with any leg; so does its request id
     // (vLLM's example proxy sends both legs under one `X-Request-Id`).
     let wire = match crate::upstream::request_wire(session.req(), &worker, "POST", &req.forward.target, &body, req.id()) {
         Ok(w) => w,
-        Err(_) => return Ok(aggregated(gw, req, Fallback::PrefillFailed)),
+        Err(_) => return aggregated(gw, req, Fallback::PrefillFailed),
     };
     let child = RequestContext::new(req.id());
     req.ctx.link_child(child.clone());
@@ -128,14 +128,15 @@ pub async fn run(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestS
         Err(detail) => {
             tracing::warn!(request_id = req.id(), worker = %worker.url, detail = detail.as_str(), "prefill leg failed; serving the request aggregated");
             req.entry().receipt.lock().leg_ended("prefill_failed");
-            Ok(aggregated(gw, req, Fallback::PrefillFailed))
+            aggregated(gw, req, Fallback::PrefillFailed)
         }
     }
 }
 
-/// Counts a request that runs aggregated.
-fn aggregated(gw: &Gateway, req: &RequestState, why: Fallback) {
+/// Counts a request that runs aggregated; it goes on to its (only) placement.
+fn aggregated(gw: &Gateway, req: &RequestState, why: Fallback) -> Result<(), Outcome> {
     gw.metrics.disagg.requests.with_label_values(&[req.model_name(), "aggregated", why.label()]).inc();
+    Ok(())
 }
 
 /// The prefill leg's body, or why the request runs aggregated.

@@ -1,0 +1,231 @@
+//! Prefill/decode disaggregation (#38) end to end: kvgate in front of vllm-sim prefill workers
+//! (`kv_producer`) and decode workers (`kv_consumer`) speaking vLLM's `kv_transfer_params`
+//! protocol, and in front of two real vLLM servers sharing KV through vLLM's `ExampleConnector`
+//! (when the real-vLLM suite names them).
+
+use super::test_sim_config;
+use kvgate_tests::cluster::{Cluster, GatewayOpts, WorkerEntry, gateway_yaml_workers, wait_until};
+use kvgate_tests::sse;
+use kvgate_tests::target::unique_text;
+use serde_json::{Value, json};
+use std::time::Duration;
+use vllm_sim::config::KvTransferConfig;
+use vllm_sim::{SimConfig, SimServer};
+
+/// A sim with a NIXL connector in `role` (none: an aggregated worker).
+fn sim_as(role: Option<&str>) -> SimConfig {
+    let kv_transfer = match role {
+        Some(r) => KvTransferConfig::parse(&json!({"kv_connector": "NixlConnector", "kv_role": r}).to_string()).expect("valid"),
+        None => KvTransferConfig::default(),
+    };
+    SimConfig { time_scale: 20.0, kv_transfer, ..test_sim_config() }
+}
+
+/// The gateway config's YAML with `roles[i]` set on worker `i` (None: the default, both).
+fn with_roles(yaml: String, urls: &[String], roles: &[Option<&str>]) -> String {
+    urls.iter().zip(roles).fold(yaml, |y, (u, r)| match r {
+        Some(r) => y.replace(&format!("      - url: {u}\n"), &format!("      - url: {u}\n        role: {r}\n")),
+        None => y,
+    })
+}
+
+/// Sims made from `configs` behind a kv-routing gateway subscribed to their events, worker `i`
+/// in `roles[i]`; `model_extra` goes into the model's section.
+async fn fleet(configs: Vec<SimConfig>, roles: &[Option<&str>], model_extra: &str) -> Cluster {
+    let mut sims = Vec::new();
+    for cfg in configs {
+        sims.push(SimServer::start(cfg).await.expect("sim starts"));
+    }
+    let entries: Vec<WorkerEntry> = sims
+        .iter()
+        .map(|s| WorkerEntry { url: s.url(), kv_events: s.kv_event_endpoints().into_iter().next(), replay: s.replay_endpoints().into_iter().next() })
+        .collect();
+    let urls: Vec<String> = sims.iter().map(|s| s.url()).collect();
+    let opts = GatewayOpts { mode: "kv".into(), model_extra: model_extra.into(), ..GatewayOpts::default() };
+    let mut c = Cluster::front_yaml(with_roles(gateway_yaml_workers(&entries, &opts), &urls, roles)).await;
+    c.sims = sims;
+    c
+}
+
+/// Posts `body` to `url`; a stream's content is the text of its events' choices.
+async fn ask(http: &reqwest::Client, url: &str, body: &Value) -> (u16, String, Option<String>) {
+    let r = http.post(url).json(body).send().await.expect("sent");
+    let status = r.status().as_u16();
+    let worker = r.headers().get("x-kvgate-worker").map(|v| v.to_str().unwrap_or("").to_string());
+    let text = r.text().await.expect("body");
+    if body["stream"] == true && status == 200 {
+        let e = sse::parse(&text).essence();
+        return (status, e["text"].as_str().unwrap_or_default().to_string(), worker);
+    }
+    let v: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+    let c = &v["choices"][0];
+    (status, c["message"]["content"].as_str().or(c["text"].as_str()).unwrap_or_default().to_string(), worker)
+}
+
+fn source(m: &kvgate_tests::prom::Metrics, source: &str) -> f64 {
+    m.sum("vllm:prompt_tokens_by_source_total", &[("source", source)])
+}
+
+#[tokio::test]
+async fn two_legs_give_the_aggregated_answer_with_the_prompt_transferred() {
+    let roles = [Some("prefill"), Some("prefill"), Some("decode"), Some("decode")];
+    let configs = vec![sim_as(Some("kv_producer")), sim_as(Some("kv_producer")), sim_as(Some("kv_consumer")), sim_as(Some("kv_consumer"))];
+    let c = fleet(configs, &roles, "").await;
+    let reference = SimServer::start(sim_as(None)).await.expect("sim starts");
+    let decode_urls: Vec<String> = c.sims[2..].iter().map(|s| s.url()).collect();
+    let mut asked = 0;
+    for (path, stream) in [("/v1/chat/completions", false), ("/v1/chat/completions", true), ("/v1/completions", false), ("/v1/completions", true)] {
+        let text = unique_text(300);
+        let mut body = if path.ends_with("chat/completions") {
+            json!({"model": "sim-model", "messages": [{"role": "user", "content": text}], "max_tokens": 24, "stream": stream})
+        } else {
+            json!({"model": "sim-model", "prompt": text, "max_tokens": 24, "stream": stream})
+        };
+        if stream {
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        let want = ask(&c.http, &format!("{}{path}", reference.url()), &body).await;
+        let got = ask(&c.http, &c.url(path), &body).await;
+        asked += 1;
+        assert_eq!((got.0, &got.1), (200, &want.1), "{path} stream={stream}: the same answer as aggregated serving");
+        assert!(got.2.as_ref().is_some_and(|w| decode_urls.contains(w)), "answered by a decode worker: {:?}", got.2);
+    }
+    let prefill: f64 = futures_util::future::join_all((0..2).map(|i| c.sim_metrics(i))).await.iter().map(|m| source(m, "local_compute")).sum();
+    let decode = futures_util::future::join_all((2..4).map(|i| c.sim_metrics(i))).await;
+    let transferred: f64 = decode.iter().map(|m| source(m, "external_kv_transfer")).sum();
+    let computed: f64 = decode.iter().map(|m| source(m, "local_compute")).sum();
+    assert!(prefill >= 4.0 * 300.0, "the prefill workers computed the prompts: {prefill}");
+    assert!(transferred >= 4.0 * 280.0, "the decode workers received the prompts: {transferred}");
+    assert!(computed <= 4.0 * 16.0, "and computed at most a partial block each: {computed}");
+    let m = c.gateway_metrics().await;
+    assert_eq!(m.sum("kvgate_disagg_requests_total", &[("path", "disaggregated")]), f64::from(asked));
+    assert_eq!(m.sum("kvgate_disagg_prefill_leg_seconds_count", &[]), f64::from(asked));
+    assert_eq!(m.sum("kvgate_disagg_decode_first_token_seconds_count", &[]), 2.0, "one per stream");
+    // The prefill workers hold nothing once the decode workers pulled.
+    for i in 0..2 {
+        let held = wait_until(Duration::from_secs(5), || async { c.sim_metrics(i).await.sum("vllm:kv_cache_usage_perc", &[]) == 0.0 }).await;
+        assert!(held.is_some(), "prefill worker {i} freed the transferred blocks");
+    }
+}
+
+#[tokio::test]
+async fn a_client_leaving_during_the_prefill_leg_cancels_it_and_no_decode_leg_starts() {
+    // A slow prefill (3 ms per token, unscaled) in chunks of 8 tokens, so that it runs for
+    // seconds in engine steps of about 25 ms (an abort takes effect between steps, as in
+    // vLLM): the client leaves while it runs.
+    let slow = |role| {
+        let mut s = sim_as(Some(role));
+        s.time_scale = 1.0;
+        s.timing.prefill_ms_per_token = 3.0;
+        s.max_num_batched_tokens = 8;
+        s.max_num_seqs = 8;
+        s
+    };
+    let c = fleet(vec![slow("kv_producer"), slow("kv_consumer")], &[Some("prefill"), Some("decode")], "").await;
+    let body = json!({"model": "sim-model", "prompt": unique_text(500), "max_tokens": 8, "stream": true});
+    let send = c.http.post(c.url("/v1/completions")).json(&body).send();
+    let client = tokio::spawn(send);
+    let running = wait_until(Duration::from_secs(5), || async { c.sim_metrics(0).await.sum("vllm:num_requests_running", &[]) >= 1.0 }).await;
+    assert!(running.is_some(), "the prefill leg runs");
+    client.abort();
+    let left = std::time::Instant::now();
+    let stopped = wait_until(Duration::from_secs(3), || async { c.sim_metrics(0).await.sum("vllm:num_requests_running", &[]) == 0.0 }).await;
+    let took = left.elapsed();
+    eprintln!("the prefill leg ended {took:?} after the client left");
+    assert!(stopped.is_some(), "the prefill leg was aborted");
+    assert!(took < Duration::from_millis(100), "within 100 ms: {took:?}");
+    // Its prefill (3 s) would still be running had it not been aborted; the decode worker never saw it.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let d = c.sim_metrics(1).await;
+    assert_eq!(d.sum("vllm:prompt_tokens_total", &[]), 0.0, "no decode leg started");
+    let m = c.gateway_metrics().await;
+    assert_eq!(m.sum("kvgate_frontend_model_cancellation_total", &[]), 1.0);
+    assert_eq!(m.sum("kvgate_disagg_requests_total", &[]), 0.0, "a cancelled request ran neither way");
+}
+
+#[tokio::test]
+async fn fallbacks_serve_aggregated_on_a_decode_worker_and_are_counted() {
+    let mut failing = sim_as(Some("kv_producer"));
+    failing.faults.error_rate = 1.0;
+    let roles = [Some("prefill"), Some("decode")];
+    let c = fleet(vec![failing, sim_as(Some("kv_consumer"))], &roles, "disaggregation:\n  min_prefill_tokens: 100\n").await;
+    let decode = c.sims[1].url();
+    let ask_with = |prompt: String| json!({"model": "sim-model", "prompt": prompt, "max_tokens": 4});
+    // Short: aggregated at once.
+    let (s, _, w) = ask(&c.http, &c.url("/v1/completions"), &ask_with("a short one".into())).await;
+    assert_eq!((s, w.as_deref()), (200, Some(decode.as_str())));
+    // Long, but the prefill worker fails: aggregated after it.
+    let (s, _, w) = ask(&c.http, &c.url("/v1/completions"), &ask_with(unique_text(400))).await;
+    assert_eq!((s, w.as_deref()), (200, Some(decode.as_str())));
+    // Its own kv_transfer_params: the client runs the legs.
+    let mut own = ask_with(unique_text(400));
+    own["kv_transfer_params"] = json!({"do_remote_decode": false, "do_remote_prefill": false});
+    assert_eq!(ask(&c.http, &c.url("/v1/completions"), &own).await.0, 200);
+    // Another endpoint.
+    let (s, _, _) = ask(&c.http, &c.url("/v1/responses"), &json!({"model": "sim-model", "input": unique_text(400), "max_output_tokens": 4})).await;
+    assert_eq!(s, 200);
+    let m = c.gateway_metrics().await;
+    let reason = |r| m.sum("kvgate_disagg_requests_total", &[("path", "aggregated"), ("reason", r)]);
+    assert_eq!((reason("short_prompt"), reason("prefill_failed"), reason("client_params"), reason("endpoint")), (1.0, 1.0, 1.0, 1.0));
+    // No prefill worker: it is taken out of the fleet.
+    c.sims[0].crash();
+    let out = wait_until(Duration::from_secs(5), || async { c.gateway_metrics().await.sum("kvgate_worker_healthy", &[]) == 1.0 }).await;
+    assert!(out.is_some(), "the prefill worker is seen down");
+    let (s, _, w) = ask(&c.http, &c.url("/v1/completions"), &ask_with(unique_text(400))).await;
+    assert_eq!((s, w.as_deref()), (200, Some(decode.as_str())));
+    assert_eq!(c.gateway_metrics().await.sum("kvgate_disagg_requests_total", &[("reason", "no_prefill_worker")]), 1.0);
+}
+
+/// Real vLLM: two servers started with vLLM's `ExampleConnector` (shared storage; NIXL is not
+/// installed here), named by `KVGATE_PD_URLS` (prefill,decode) in the real-vLLM suite. The
+/// connector matches prompts by content and returns no parameters: the decode server loads what
+/// the prefill server stored, and its `external_kv_transfer` tokens show it.
+#[tokio::test]
+async fn real_vllm_two_legs_through_a_cpu_kv_connector() {
+    let Ok(urls) = std::env::var("KVGATE_PD_URLS") else { return };
+    let urls: Vec<String> = urls.split(',').map(str::to_string).collect();
+    let model = std::env::var("KVGATE_TARGET_MODEL").unwrap_or_else(|_| "tiny".into());
+    let entries: Vec<WorkerEntry> = urls.iter().map(|u| WorkerEntry { url: u.clone(), kv_events: None, replay: None }).collect();
+    let opts = GatewayOpts { mode: "round_robin".into(), ..GatewayOpts::real_vllm(&model) };
+    let c = Cluster::front_yaml(with_roles(gateway_yaml_workers(&entries, &opts), &urls, &[Some("prefill"), Some("decode")])).await;
+    let metrics = |u: String| {
+        let http = c.http.clone();
+        async move { kvgate_tests::prom::Metrics::parse(&http.get(format!("{u}/metrics")).send().await.expect("up").text().await.expect("text")) }
+    };
+    for (path, stream) in [("/v1/chat/completions", false), ("/v1/chat/completions", true), ("/v1/completions", true)] {
+        let mut body = transferable(&c.http, &urls[1], &model, path, stream).await;
+        let before = source(&metrics(urls[1].clone()).await, "external_kv_transfer");
+        let got = ask(&c.http, &c.url(path), &body).await;
+        assert_eq!(got.0, 200, "{path}: {got:?}");
+        assert_eq!(got.2.as_deref(), Some(urls[1].as_str()), "answered by the decode server");
+        // vLLM counts a request's prompt sources a little after its answer.
+        let loaded = wait_until(Duration::from_secs(10), || async { source(&metrics(urls[1].clone()).await, "external_kv_transfer") - before >= 64.0 }).await;
+        assert!(loaded.is_some(), "{path}: the decode server loaded the prompt's KV (external_kv_transfer was {before})");
+        // The same request served aggregated by the prefill server (its prefix cache holds the
+        // KV it computed and stored) answers the same tokens.
+        body["stream"] = json!(false);
+        let want = ask(&c.http, &format!("{}{path}", urls[0]), &body).await;
+        assert_eq!(got.1, want.1, "{path} stream={stream}: the same answer as aggregated serving");
+    }
+    assert_eq!(c.gateway_metrics().await.sum("kvgate_disagg_requests_total", &[("path", "disaggregated")]), 3.0);
+}
+
+/// A request `ExampleConnector` transfers: its prompt is not one token past a whole number of
+/// 32-token blocks (the connector stores `(n - 1) / 32` blocks and looks up `(n - 2) / 32`, so
+/// such a prompt is stored but never found). Counted by the server's own `/tokenize`.
+async fn transferable(http: &reqwest::Client, server: &str, model: &str, path: &str, stream: bool) -> Value {
+    let mut text = unique_text(220);
+    loop {
+        let (body, probe) = if path.ends_with("chat/completions") {
+            let messages = json!([{"role": "user", "content": text}]);
+            (json!({"model": model, "messages": messages, "max_tokens": 12, "temperature": 0, "stream": stream}), json!({"model": model, "messages": messages}))
+        } else {
+            (json!({"model": model, "prompt": text, "max_tokens": 12, "temperature": 0, "stream": stream}), json!({"model": model, "prompt": text}))
+        };
+        let counted: Value = http.post(format!("{server}/tokenize")).json(&probe).send().await.expect("tokenize").json().await.expect("json");
+        if counted["count"].as_u64().is_some_and(|n| n % 32 != 1) {
+            return body;
+        }
+        text.push_str(" cache");
+    }
+}
