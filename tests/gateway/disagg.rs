@@ -229,3 +229,82 @@ async fn transferable(http: &reqwest::Client, server: &str, model: &str, path: &
         text.push_str(" cache");
     }
 }
+
+#[tokio::test]
+async fn every_prefill_worker_busy_runs_the_request_aggregated_instead_of_refusing_it() {
+    // One prefill worker, busy once it holds any prefill (its own thresholds); a slow prefill
+    // keeps the first request there while the second arrives.
+    let mut slow = sim_as(Some("kv_producer"));
+    slow.time_scale = 1.0;
+    slow.timing.prefill_ms_per_token = 2.0;
+    let extra = "disaggregation:\n  prefill_shedding: {active_prefill_tokens_threshold: 0}\n";
+    let c = fleet(vec![slow, sim_as(Some("kv_consumer"))], &[Some("prefill"), Some("decode")], extra).await;
+    let body = |t: String| json!({"model": "sim-model", "prompt": t, "max_tokens": 4});
+    let first = tokio::spawn({
+        let (http, url, b) = (c.http.clone(), c.url("/v1/completions"), body(unique_text(300)));
+        async move { http.post(url).json(&b).send().await.map(|r| r.status().as_u16()) }
+    });
+    let booked = wait_until(Duration::from_secs(5), || async { c.gateway_metrics().await.sum("kvgate_worker_active_prefill_tokens", &[]) > 0.0 }).await;
+    assert!(booked.is_some(), "the first request's prefill is booked");
+    let (s, _, w) = ask(&c.http, &c.url("/v1/completions"), &body(unique_text(300))).await;
+    assert_eq!((s, w.as_deref()), (200, Some(c.sims[1].url().as_str())), "served aggregated by the decode worker, not refused");
+    assert_eq!(first.await.unwrap().unwrap(), 200);
+    let m = c.gateway_metrics().await;
+    assert_eq!(m.sum("kvgate_disagg_requests_total", &[("reason", "prefill_busy")]), 1.0);
+    assert_eq!(m.sum("kvgate_disagg_requests_total", &[("path", "disaggregated")]), 1.0);
+    assert_eq!(m.sum("kvgate_frontend_model_rejection_total", &[]), 0.0, "no 503");
+}
+
+#[tokio::test]
+async fn a_decode_worker_killed_mid_stream_hands_its_streams_to_another_decode_worker() {
+    let slow = |role| SimConfig { time_scale: 1.0, ..sim_as(Some(role)) };
+    let roles = [Some("prefill"), Some("decode"), Some("decode")];
+    let c = fleet(vec![slow("kv_producer"), slow("kv_consumer"), slow("kv_consumer")], &roles, "").await;
+    let reference = SimServer::start(SimConfig { time_scale: 20.0, ..sim_as(None) }).await.expect("sim starts");
+    let bodies: Vec<Value> = (0..6)
+        .map(|i| json!({"model": "sim-model", "prompt": format!("pd failover {i} {}", unique_text(40)), "max_tokens": 40, "ignore_eos": true, "stream": true}))
+        .collect();
+    let mut want = Vec::new();
+    for b in &bodies {
+        want.push(ask(&c.http, &format!("{}/v1/completions", reference.url()), b).await);
+    }
+    let running: Vec<_> = bodies
+        .iter()
+        .map(|b| {
+            let (http, url, b) = (c.http.clone(), c.url("/v1/completions"), b.clone());
+            tokio::spawn(async move { ask(&http, &url, &b).await })
+        })
+        .collect();
+    // The decode worker carrying the most streams, once they stream.
+    let victim = std::cell::Cell::new(None);
+    wait_until(Duration::from_secs(10), || async {
+        let v: Value = c.http.get(c.admin("/requests")).send().await.unwrap().json().await.unwrap();
+        let on: Vec<String> = v["requests"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["phase"] == "running" && r["generated_tokens"].as_u64().unwrap_or(0) >= 2)
+            .filter_map(|r| r["worker"].as_str().map(str::to_string))
+            .collect();
+        if on.len() < 3 {
+            return false;
+        }
+        let busiest = on.iter().max_by_key(|w| on.iter().filter(|x| x == w).count()).unwrap();
+        victim.set(c.sims.iter().position(|s| s.url() == *busiest));
+        victim.get().is_some()
+    })
+    .await
+    .expect("the streams are streaming");
+    assert_ne!(victim.get(), Some(0), "no stream runs on the prefill worker");
+    c.sims[victim.get().unwrap()].crash();
+    for (i, h) in running.into_iter().enumerate() {
+        let got = h.await.unwrap();
+        assert_eq!((got.0, &got.1), (200, &want[i].1), "stream {i} is whole and as aggregated serving gives it");
+    }
+    let m = c.gateway_metrics().await;
+    assert!(m.sum("kvgate_migrations_total", &[("reason", "failover"), ("outcome", "ok")]) >= 1.0, "streams moved");
+    assert_eq!(m.sum("kvgate_migrations_total", &[("outcome", "failed")]), 0.0);
+    // The prefill worker saw each request's prefill leg and nothing else: no continuation.
+    let p = c.sim_metrics(0).await;
+    assert_eq!(p.sum("vllm:request_success_total", &[]), bodies.len() as f64, "one prefill leg per request");
+}
