@@ -158,7 +158,8 @@ async fn run_case(o: &Options, split: bool) -> Result<Case, String> {
         e2e_ms: pct(ok.iter().map(|s| s.e2e).collect()),
         prefill_leg_ms: mean_ms("kvgate_disagg_prefill_leg_seconds"),
         decode_first_token_ms: mean_ms("kvgate_disagg_decode_first_token_seconds"),
-        fallbacks: metrics.sum("kvgate_disagg_requests_total", &[("path", "aggregated")]),
+        // + 0.0: a sum of nothing is -0.
+        fallbacks: metrics.sum("kvgate_disagg_requests_total", &[("path", "aggregated")]) + 0.0,
         failures: samples
             .iter()
             .filter(|s| !whole(s))

@@ -101,6 +101,12 @@ async fn two_legs_give_the_aggregated_answer_with_the_prompt_transferred() {
     assert_eq!(m.sum("kvgate_disagg_requests_total", &[("path", "disaggregated")]), f64::from(asked));
     assert_eq!(m.sum("kvgate_disagg_prefill_leg_seconds_count", &[]), f64::from(asked));
     assert_eq!(m.sum("kvgate_disagg_decode_first_token_seconds_count", &[]), 2.0, "one per stream");
+    for role in ["prefill", "decode"] {
+        assert_eq!(m.sum("kvgate_disagg_decisions_total", &[("role", role)]), f64::from(asked), "{role} decisions");
+    }
+    let workers: Value = c.http.get(c.admin("/workers")).send().await.unwrap().json().await.unwrap();
+    let shown: Vec<&str> = workers["models"][0]["workers"].as_array().unwrap().iter().filter_map(|w| w["role"].as_str()).collect();
+    assert_eq!(shown, ["prefill", "prefill", "decode", "decode"], "GET /workers shows the roles");
     // The prefill workers hold nothing once the decode workers pulled.
     for i in 0..2 {
         let held = wait_until(Duration::from_secs(5), || async { c.sim_metrics(i).await.sum("vllm:kv_cache_usage_perc", &[]) == 0.0 }).await;

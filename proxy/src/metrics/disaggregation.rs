@@ -16,6 +16,9 @@ pub struct DisaggMetrics {
     /// (reason: `short_prompt`, `endpoint`, `client_params`, `not_json`, `no_prefill_worker`,
     /// `prefill_busy`, `prefill_failed`).
     pub requests: IntCounterVec,
+    /// `kvgate_disagg_decisions_total{model,role}`: placements on a model with prefill
+    /// workers, by the chosen worker's role (a prefill leg's are `prefill`).
+    pub decisions: IntCounterVec,
     /// `kvgate_disagg_prefill_leg_seconds{model}`: from sending the prefill leg to its
     /// answer with the transfer parameters.
     pub prefill_leg: HistogramVec,
@@ -38,8 +41,15 @@ impl DisaggMetrics {
         )
         .expect("valid metric");
         registry.register(Box::new(requests.clone())).expect("unique metric");
+        let decisions = IntCounterVec::new(
+            Opts::new("kvgate_disagg_decisions_total", "Placements on a model with prefill workers, by the chosen worker's role."),
+            &["model", "role"],
+        )
+        .expect("valid metric");
+        registry.register(Box::new(decisions.clone())).expect("unique metric");
         Self {
             requests,
+            decisions,
             prefill_leg: hist(
                 "kvgate_disagg_prefill_leg_seconds",
                 "Prefill leg: from its request to the prefill worker's answer with the KV transfer parameters.",

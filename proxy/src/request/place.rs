@@ -80,6 +80,9 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
         Terms::Blocks { .. } => None,
     });
     let idx = eligible[k];
+    if model.disaggregates() {
+        gw.metrics.disagg.decisions.with_label_values(&[model.cfg.name.as_str(), model.role(idx).label()]).inc();
+    }
     let worker = model.workers[idx].clone();
     req.tried.push(idx);
     let by_plugin = !matches!(decided_by, DecidedBy::Builtin(_));
