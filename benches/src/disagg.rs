@@ -134,11 +134,14 @@ async fn run_case(o: &Options, split: bool) -> Result<Case, String> {
         return Err(e);
     }
     let samples = arrivals(o, &http, &format!("{url}/v1/completions")).await;
-    let metrics = kvgate_tests::prom::Metrics::parse(
-        &http.get(format!("{admin}/metrics")).send().await.map_err(|e| e.to_string())?.text().await.map_err(|e| e.to_string())?,
-    );
+    let scraped = match http.get(format!("{admin}/metrics")).send().await {
+        Ok(r) => r.text().await.map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    // Stopped before any early return: a failed scrape must not leave it running.
     let _ = std::process::Command::new("kill").arg("-TERM").arg(gw.id().to_string()).status();
     let _ = gw.wait();
+    let metrics = kvgate_tests::prom::Metrics::parse(&scraped?);
     drop(procs);
     let mean_ms = |h: &str| {
         let (sum, n) = (metrics.sum(&format!("{h}_sum"), &[]), metrics.sum(&format!("{h}_count"), &[]));

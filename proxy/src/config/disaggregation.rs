@@ -49,11 +49,14 @@ pub struct Disaggregation {
     /// Largest prefill-leg answer read, bytes (it carries one token and the transfer
     /// parameters).
     pub max_prefill_answer_bytes: usize,
+    /// Longest a prefill leg may take, from its request to its whole answer, ms; past it the
+    /// request runs aggregated (a prefill worker that stalls costs a request this long).
+    pub prefill_timeout_ms: u64,
 }
 
 impl Default for Disaggregation {
     fn default() -> Self {
-        Self { min_prefill_tokens: 0, prefill_shedding: None, max_prefill_answer_bytes: 1 << 20 }
+        Self { min_prefill_tokens: 0, prefill_shedding: None, max_prefill_answer_bytes: 1 << 20, prefill_timeout_ms: 60_000 }
     }
 }
 
@@ -65,6 +68,9 @@ impl Disaggregation {
         }
         if self.max_prefill_answer_bytes < 1024 {
             return Err("max_prefill_answer_bytes must be at least 1024".into());
+        }
+        if self.prefill_timeout_ms == 0 {
+            return Err("prefill_timeout_ms must be at least 1".into());
         }
         Ok(())
     }

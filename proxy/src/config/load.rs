@@ -361,6 +361,9 @@ fn workers(m: &ModelConfig) -> Result<(), Invalid> {
     if m.workers.is_empty() && !planned {
         return Err((format!("model {:?}: at least one worker is required (or a planner with a connector to start them)", m.name), at(m.name.clone(), 1)));
     }
+    if m.planner.rules.enabled && m.workers.iter().any(|w| w.role == super::Role::Prefill) {
+        return Err((format!("model {:?}: the planner does not scale a disaggregated fleet (workers with role prefill) yet", m.name), at("planner".into(), 1)));
+    }
     if !m.workers.is_empty() && !planned && m.workers.iter().all(|w| !w.role.answers()) {
         return Err((
             format!("model {:?}: every worker has role prefill; at least one decode (or both) worker must serve the answers", m.name),

@@ -90,15 +90,22 @@ impl Model {
         self.cfg.workers.get(i).map_or(Role::Both, |w| w.role)
     }
 
+    /// Workers that serve answers (all but the prefill workers).
+    pub fn answering_workers(&self) -> usize {
+        (0..self.workers.len()).filter(|&i| self.role(i).answers()).count()
+    }
+
     /// Whether some worker is a prefill worker, so requests may run in two legs.
     pub fn disaggregates(&self) -> bool {
         self.cfg.workers.iter().any(|w| w.role == Role::Prefill)
     }
 
-    /// Healthy workers that serve answers (not prefill-only) and are not past the queue
-    /// threshold.
+    /// Healthy workers that carry the model's prefill (its prefill workers when it
+    /// disaggregates, else all) and are not past the queue threshold: the router queue holds
+    /// requests back from the prefill they would add.
     pub fn queue_free_workers(&self) -> usize {
-        (0..self.workers.len()).filter(|&i| self.role(i).answers() && self.workers[i].is_healthy() && !self.queue_busy(i)).count()
+        let split = self.disaggregates();
+        (0..self.workers.len()).filter(|&i| (self.role(i) == Role::Prefill) == split && self.workers[i].is_healthy() && !self.queue_busy(i)).count()
     }
 
     /// Whether worker `i` is over a busy threshold. Per DP rank: the worker's reported KV usage

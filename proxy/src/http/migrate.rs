@@ -90,9 +90,14 @@ fn order(gw: &Gateway, req: &MoveBody) -> Result<(Arc<RequestEntry>, u64, Reply)
             let name = name.trim_end_matches('/');
             // The fleet in force: a worker added since the request arrived is a valid target.
             let fleet = gw.fleet();
-            let workers = fleet.models.get(&*entry.model).map(|m| m.workers.clone()).unwrap_or_default();
-            let w = workers.iter().find(|w| w.label == name || w.url.to_string().trim_end_matches('/') == name).cloned();
-            let w = w.ok_or_else(|| ClientError::bad_request(format!("no worker {name:?} serves model {:?}", entry.model), Some("to")))?;
+            let model = fleet.models.get(&*entry.model).cloned();
+            let workers = model.as_ref().map(|m| m.workers.clone()).unwrap_or_default();
+            let at = workers.iter().position(|w| w.label == name || w.url.to_string().trim_end_matches('/') == name);
+            let at = at.ok_or_else(|| ClientError::bad_request(format!("no worker {name:?} serves model {:?}", entry.model), Some("to")))?;
+            if model.as_ref().is_some_and(|m| !m.role(at).answers()) {
+                return Err(ClientError::conflict(format!("worker {name} is a prefill worker: it serves no stream")));
+            }
+            let w = workers[at].clone();
             if entry.worker().is_some_and(|cur| Arc::ptr_eq(&cur, &w)) {
                 return Err(ClientError::conflict(format!("the request is already on {name}")));
             }

@@ -47,6 +47,17 @@ pub struct Pd {
     pub prefilled_at: Option<Instant>,
 }
 
+impl Pd {
+    /// The decode leg was sent once: a resend (a retry, a move before the first byte, a
+    /// migrated stream's continuation) goes without the transfer parameters, which name
+    /// blocks the first decode worker may have pulled (the prefill worker then frees them) or
+    /// aborted, and is priced as the prompt computed where it goes.
+    pub fn decode_leg_spent(&mut self) {
+        self.decode_body = None;
+        self.transferred = false;
+    }
+}
+
 /// Why a request of a disaggregating model ran aggregated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fallback {
@@ -62,8 +73,17 @@ pub enum Fallback {
     NoPrefillWorker,
     /// Every prefill worker is over its busy thresholds.
     PrefillBusy,
-    /// The prefill leg failed (an error status, a failed connection, no parameters).
+    /// The prefill leg failed: an error status, a failed connection, no answer within
+    /// `disaggregation.prefill_timeout_ms`, an answer that is not JSON or is too large.
     PrefillFailed,
+    /// A routing plugin refused the prefill leg.
+    PrefillRefused,
+    /// It asks for what a transferred prompt cannot give: several choices (`n`, `best_of`),
+    /// the prompt's logprobs or its echo.
+    Fields,
+    /// Every decode worker is over its busy thresholds: a prefill leg would be wasted on a
+    /// request that gets seed 000's 503.
+    DecodeBusy,
 }
 
 impl Fallback {
@@ -77,6 +97,9 @@ impl Fallback {
             Self::NoPrefillWorker => "no_prefill_worker",
             Self::PrefillBusy => "prefill_busy",
             Self::PrefillFailed => "prefill_failed",
+            Self::PrefillRefused => "prefill_refused",
+            Self::Fields => "fields",
+            Self::DecodeBusy => "decode_busy",
         }
     }
 }
@@ -94,6 +117,9 @@ pub async fn run(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestS
         Ok(body) => body,
         Err(why) => return aggregated(gw, req, why),
     };
+    if place::answers_all_busy(gw, req) {
+        return aggregated(gw, req, Fallback::DecodeBusy);
+    }
     let worker = match place_prefill(gw, req) {
         Ok(w) => w,
         Err(why) => return aggregated(gw, req, why),
@@ -159,6 +185,9 @@ pub fn prefill_body(body: &[u8]) -> Result<Bytes, Fallback> {
     if o.get("kv_transfer_params").is_some_and(|p| !p.is_null()) {
         return Err(Fallback::ClientParams);
     }
+    if needs_the_prompt_computed_here(&o) {
+        return Err(Fallback::Fields);
+    }
     let mut params = Map::new();
     params.insert("do_remote_decode".into(), Value::Bool(true));
     params.insert("do_remote_prefill".into(), Value::Bool(false));
@@ -174,7 +203,16 @@ pub fn prefill_body(body: &[u8]) -> Result<Bytes, Fallback> {
     for k in ["min_tokens", "min_completion_tokens", "stream_options"] {
         o.remove(k);
     }
-    Ok(Bytes::from(serde_json::to_vec(&Value::Object(o)).unwrap_or_default()))
+    serde_json::to_vec(&Value::Object(o)).map(Bytes::from).map_err(|_| Fallback::NotJson)
+}
+
+/// Whether the request asks for more than one choice, or for the prompt's own logprobs or
+/// echo: a decode worker given the prompt's KV computes neither the prompt's logits nor the
+/// other choices' prefill, so such a request runs aggregated.
+fn needs_the_prompt_computed_here(o: &Map<String, Value>) -> bool {
+    let more_than_one = |k: &str| o.get(k).and_then(Value::as_u64).is_some_and(|n| n > 1);
+    let set = |k: &str| o.get(k).is_some_and(|v| !v.is_null() && v != &Value::Bool(false));
+    more_than_one("n") || more_than_one("best_of") || set("prompt_logprobs") || set("echo")
 }
 
 /// The decode leg's body from the prefill leg's answer: the request with the answer's
@@ -205,17 +243,27 @@ fn place_prefill(gw: &Gateway, req: &mut RequestState) -> Result<Arc<Worker>, Fa
             Ok(w)
         }
         Err(GatewayError::AllBusy(_)) => Err(Fallback::PrefillBusy),
+        Err(GatewayError::PluginRejected { .. }) => Err(Fallback::PrefillRefused),
+        // Unhealthy, paused or serving another adapter: none can take it now.
         Err(_) => Err(Fallback::NoPrefillWorker),
     }
 }
 
-/// Sends the prefill leg and reads its whole answer (`Err`: why it failed). Its deadline is
-/// the model's first-byte timeout: the answer is the prefill's one token.
+/// Sends the prefill leg and reads its whole answer (`Err`: why it failed), within
+/// `disaggregation.prefill_timeout_ms`: a stalled prefill worker costs the request that long,
+/// then it runs aggregated.
 async fn prefill(req: &RequestState, worker: &Arc<Worker>, wire: &[u8]) -> Result<Bytes, String> {
     let cfg = &req.cfg;
-    let limit = (cfg.timeouts.first_byte_ms > 0).then(|| std::time::Duration::from_millis(cfg.timeouts.first_byte_ms));
+    let limit = std::time::Duration::from_millis(req.model.cfg.disaggregation.prefill_timeout_ms);
     let leg = async {
-        let mut ex = crate::upstream::exchange(cfg, worker, crate::upstream::Outgoing::Leg(wire), limit).await.map_err(|e| e.to_string())?;
+        let ex = crate::upstream::exchange(cfg, worker, crate::upstream::Outgoing::Leg(wire), Some(limit)).await;
+        let mut ex = ex.map_err(|e| {
+            if e.kind == crate::error::LegErrorKind::Connect {
+                // A refused connection is a health signal, as on any leg.
+                worker.observe_health(false, cfg.health.unhealthy_threshold, cfg.health.healthy_threshold);
+            }
+            e.to_string()
+        })?;
         let max = req.model.cfg.disaggregation.max_prefill_answer_bytes;
         let mut answer = Vec::new();
         while let Some(chunk) = ex.response.read_body().await.map_err(|e| e.to_string())? {
@@ -231,10 +279,7 @@ async fn prefill(req: &RequestState, worker: &Arc<Worker>, wire: &[u8]) -> Resul
         }
         Ok(Bytes::from(answer))
     };
-    match limit {
-        Some(l) => tokio::time::timeout(l, leg).await.unwrap_or_else(|_| Err("no answer within timeouts.first_byte_ms".into())),
-        None => leg.await,
-    }
+    tokio::time::timeout(limit, leg).await.unwrap_or_else(|_| Err("no answer within disaggregation.prefill_timeout_ms".into()))
 }
 
 /// A candidate as this leg's placement sees it: a prefill worker carries no decode load

@@ -116,6 +116,8 @@ pub async fn continue_stream(
 ) -> Result<Moved, Stop> {
     let model = req.model_name().to_string();
     let count = |outcome: &str| gw.metrics.migrations.with_label_values(&[model.as_str(), reason.label(), outcome]).inc();
+    // A continuation is computed where it goes: no transferred prompt to price.
+    req.pd.decode_leg_spent();
     // Every token was generated (and maybe `[DONE]` sent): only the end is missing.
     if req.track.as_ref().is_some_and(|t| t.done() || t.record.finished) {
         count("finished");

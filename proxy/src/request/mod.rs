@@ -145,6 +145,9 @@ async fn attempt(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestS
     let mut last: Option<LegError> = None;
     let mut order: Option<MoveOrder> = None;
     while req.tried.len() < max || order.is_some() {
+        if !req.tried.is_empty() {
+            req.pd.decode_leg_spent();
+        }
         let worker = match order.take() {
             Some(o) => match reroute(gw, req, o) {
                 Some(w) => w,
@@ -169,7 +172,7 @@ async fn attempt(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestS
                 }
             }
         };
-        let may_retry = req.tried.len() < max && req.tried.len() < req.model.workers.len();
+        let may_retry = req.tried.len() < max && req.tried.len() < req.model.answering_workers();
         let out = leg::Outbound::original(req);
         match leg::run(session, req, &worker, &out, may_retry).await {
             LegEnd::Answered(leg) => {

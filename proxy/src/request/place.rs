@@ -101,8 +101,21 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
         prompt,
         outcome: None,
     });
-    req.entry().placed(&worker, req.prompt_tokens());
+    // A prefill leg is not where the request runs: the registry (and a move order) sees the
+    // request on its decode worker only.
+    if !prefill_leg {
+        req.entry().placed(&worker, req.prompt_tokens());
+    }
     Ok(worker)
+}
+
+/// Whether every healthy worker that serves answers is over the model's busy thresholds, so
+/// that the request would get seed 000's 503 (a prefill leg for it would be wasted).
+pub fn answers_all_busy(gw: &Gateway, req: &RequestState) -> bool {
+    let model = &req.model;
+    let thresholds = gw.thresholds(&model.cfg.name);
+    let mut serving = (0..model.workers.len()).filter(|&i| model.role(i).answers() && model.workers[i].is_healthy()).peekable();
+    thresholds.enabled() && serving.peek().is_some() && serving.all(|i| model.busy(i, &thresholds))
 }
 
 /// Moves `req` onto the fleet in force when a reload rebuilt its model since it arrived, so a

@@ -95,14 +95,16 @@ pub async fn wait_resumed(gw: &Arc<Gateway>, session: &mut ClientConn, req: &Req
 /// How often a request waiting for a paused model looks again without being woken.
 const RECHECK: std::time::Duration = std::time::Duration::from_millis(500);
 
-/// Whether every worker of `model` that could take a request (healthy, serving `adapter`,
-/// outside `tried`; only `home` when given) is paused, and one is.
+/// Whether every worker of `model` that could take a request (serving answers, healthy,
+/// serving `adapter`, outside `tried`; only `home` when given) is paused, and one is.
 fn held_by_pause(model: &crate::fleet::Model, adapter: Option<&str>, tried: &[usize], home: Option<usize>) -> bool {
     let mut serving = model
         .workers
         .iter()
         .enumerate()
-        .filter(|(i, w)| home.is_none_or(|h| h == *i) && !tried.contains(i) && w.is_healthy() && adapter.is_none_or(|a| w.has_adapter(a)))
+        .filter(|(i, w)| {
+            home.is_none_or(|h| h == *i) && !tried.contains(i) && model.role(*i).answers() && w.is_healthy() && adapter.is_none_or(|a| w.has_adapter(a))
+        })
         .map(|(_, w)| w)
         .peekable();
     serving.peek().is_some() && serving.all(|w| w.is_paused())

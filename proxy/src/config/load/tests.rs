@@ -178,4 +178,9 @@ fn worker_roles_and_the_disaggregation_section() {
     let e =
         load(&GOOD.replace("    workers:\n", "    disaggregation:\n      prefill_shedding: {active_decode_blocks_threshold: 2}\n    workers:\n")).unwrap_err();
     assert!(e.message.contains("prefill_shedding"), "{e}");
+    assert_eq!(load(GOOD).unwrap().models[0].disaggregation.prefill_timeout_ms, 60_000);
+    let e = load(&GOOD.replace("    workers:\n", "    disaggregation:\n      prefill_timeout_ms: 0\n    workers:\n")).unwrap_err();
+    assert!(e.message.contains("prefill_timeout_ms"), "{e}");
+    let e = load(&pd.replace("    workers:\n", "    planner:\n      enabled: true\n      mode: observe_only\n    workers:\n")).unwrap_err();
+    assert!(e.message.contains("does not scale a disaggregated fleet"), "{e}");
 }
