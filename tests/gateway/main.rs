@@ -540,19 +540,29 @@ async fn expect_100_continue_gets_the_go_ahead_at_once() {
     assert!(body.len() > 10_000);
     let path = std::env::temp_dir().join(format!("kvgate-expect-{}.json", std::process::id()));
     std::fs::write(&path, &body).unwrap();
-    let start = Instant::now();
-    let out = tokio::process::Command::new("curl")
-        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-H", "content-type: application/json", "-H", "Expect: 100-continue"])
-        .arg("--data-binary")
-        .arg(format!("@{}", path.display()))
-        .arg(c.url("/v1/completions"))
-        .output()
-        .await
-        .expect("curl runs");
-    let took = start.elapsed();
+    // Twice at most: a loaded 2-core machine can stall curl's own start for most of a second,
+    // which is not the gateway making it wait.
+    let mut tries = Vec::new();
+    for _ in 0..2 {
+        let start = Instant::now();
+        let out = tokio::process::Command::new("curl")
+            .args(["-s", "-v", "-o", "/dev/null", "-w", "%{http_code}", "-H", "content-type: application/json", "-H", "Expect: 100-continue"])
+            .arg("--data-binary")
+            .arg(format!("@{}", path.display()))
+            .arg(c.url("/v1/completions"))
+            .output()
+            .await
+            .expect("curl runs");
+        let took = start.elapsed();
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "200");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("HTTP/1.1 100 Continue"), "the go-ahead came");
+        tries.push(took);
+        if took < Duration::from_millis(900) {
+            break;
+        }
+    }
     let _ = std::fs::remove_file(&path);
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "200");
-    assert!(took < Duration::from_millis(900), "curl waited for 100 Continue: {took:?}");
+    assert!(tries.iter().any(|t| *t < Duration::from_millis(900)), "curl waited for 100 Continue: {tries:?}");
 }
 
 #[tokio::test]
