@@ -116,6 +116,9 @@ pub struct Ledger {
     /// Prefills booked with a predicted time on any of its workers, as a decayed rate (one
     /// second per booking).
     arrivals: load_rate::LoadRate,
+    /// Output tokens of the model's finished streams, a decayed mean: what a request without
+    /// a hint is expected to generate (the `time` cost's decode terms).
+    output: decayed_mean::DecayedMean,
 }
 
 /// Shards of a ledger's live bookings.
@@ -188,6 +191,7 @@ impl Ledger {
             live: (0..LIVE_SHARDS).map(|_| Mutex::default()).collect(),
             expired: AtomicU64::new(0),
             arrivals: load_rate::LoadRate::default(),
+            output: decayed_mean::DecayedMean::at_least(0.0),
         })
     }
 
@@ -361,6 +365,18 @@ impl Ledger {
     /// predicted prefill time booked per second over the last few seconds (0.5: half the time).
     pub fn prefill_load_at(&self, w: WorkerId, now: u64) -> f64 {
         self.worker(w).map_or(0.0, |l| l.prefill_load.at(now))
+    }
+
+    /// A stream of the model finished with `tokens` output tokens.
+    pub fn output_finished(&self, tokens: u64) {
+        // About the last fifty streams.
+        self.output.observe(tokens as f64, 0.02);
+    }
+
+    /// The output tokens of the model's streams, on average of the recent ones (`None` before
+    /// the first finished).
+    pub fn mean_output(&self) -> Option<f64> {
+        self.output.get()
     }
 
     /// Prefills booked per second per worker of this ledger as of `now` (µs on [`clock_us`]),

@@ -162,7 +162,13 @@ impl KvRouting {
                     chunk_tokens: m.shedding.max_num_batched_tokens.map_or(TimePriors::default().chunk_tokens, |n| n as f64),
                     ..TimePriors::default()
                 },
-                pricing: Pricing { credit_booked: r.credit_in_flight_prefix, slowdown: r.price_slowdown, queue: r.price_queue, duplicates: r.price_duplicates },
+                pricing: Pricing {
+                    credit_booked: r.credit_in_flight_prefix,
+                    slowdown: r.price_slowdown,
+                    queue: r.price_queue,
+                    duplicates: r.price_duplicates,
+                    decode: r.price_decode,
+                },
                 overlap_score_weight: r.overlap_score_weight,
                 temperature: r.temperature,
                 block_size: m.block_size,

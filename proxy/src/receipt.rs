@@ -74,6 +74,9 @@ pub struct Placement {
     pub kv: Option<KvParams>,
     /// Prompt tokens and full blocks routing saw.
     pub prompt: (u32, u32),
+    /// Output tokens expected of the request, and left to the requests already decoding (the
+    /// `time` cost's decode terms; 0: unknown).
+    pub output: (f64, f64),
     /// How the leg to the chosen worker ended: `ok`, or the error kind.
     pub outcome: Option<&'static str>,
 }
@@ -103,7 +106,14 @@ impl Placement {
     fn to_json(&self) -> Value {
         let url = |id: u32| self.workers.get(id as usize).map(|w| w.label.clone());
         let policy = self.kv.map(KvPolicy::new);
-        let req = RequestSummary { prompt_tokens: self.prompt.0, prompt_blocks: self.prompt.1, ..RequestSummary::default() }.among(&self.candidates);
+        let req = RequestSummary {
+            prompt_tokens: self.prompt.0,
+            prompt_blocks: self.prompt.1,
+            expected_output_tokens: self.output.0,
+            others_remaining_tokens: self.output.1,
+            ..RequestSummary::default()
+        }
+        .among(&self.candidates);
         let candidates: Vec<Value> = self
             .candidates
             .iter()
@@ -135,6 +145,8 @@ impl Placement {
                             v["duplicate_ms"] = json!(t.duplicate_ms);
                             v["slowdown_ms"] = json!(t.slowdown_ms);
                             v["behind_ms"] = json!(t.behind_ms);
+                            v["decode_ms"] = json!(t.decode_ms);
+                            v["imposed_ms"] = json!(t.imposed_ms);
                         }
                     }
                     v["cost"] = json!(cost);
@@ -176,6 +188,7 @@ mod tests {
             chosen: Some(0),
             kv: Some(KvParams { block_size: 16, cost: kvgate_filters::route::Cost::Blocks, ..KvParams::default() }),
             prompt: (64, 4),
+            output: (0.0, 0.0),
             outcome: None,
         });
         r.leg_ended("ok");

@@ -64,6 +64,8 @@ fn main() {
         fleet_active_overlap_blocks: 0,
         fleet_prefill_load: 0.0,
         arrivals_per_worker_s: 0.0,
+        expected_output_tokens: 0.0,
+        others_remaining_tokens: 0.0,
         headers,
         nvext: None,
     };

@@ -1,6 +1,7 @@
-//! Turning samples into a report: counts, latency quantiles, throughput, goodput under an SLO
-//! and the workers' prefix-cache hit rate; and writing reports as JSON, a markdown table and a
-//! TTFT CDF plot (SVG, one line per target).
+//! Turning samples into a report: counts, latency quantiles (time to first token, time per
+//! output token, end to end), throughput, goodput under an SLO and the workers' prefix-cache
+//! hit rate; and writing reports as JSON, a markdown table and CDF plots of TTFT, TPOT and
+//! end to end (SVG, one line per target).
 
 use super::client::Sample;
 use serde::Serialize;
@@ -71,6 +72,9 @@ pub struct Report {
     pub ttft_ms: Quantiles,
     /// Inter-token latency, ms (every gap of every successful request).
     pub itl_ms: Quantiles,
+    /// Time per output token, ms: each successful request's mean gap between tokens (one per
+    /// request, so a long request counts as much as a short one).
+    pub tpot_ms: Quantiles,
     /// End to end, ms (successful requests).
     pub e2e_ms: Quantiles,
     /// Workers' prefix-cache hits / queries during the run, if their metrics were given.
@@ -80,6 +84,12 @@ pub struct Report {
     /// TTFT of every successful request, ms, for the plot.
     #[serde(skip)]
     pub ttft_samples: Vec<f64>,
+    /// TPOT of every successful request with two tokens or more, ms, for the plot.
+    #[serde(skip)]
+    pub tpot_samples: Vec<f64>,
+    /// End to end of every successful request, ms, for the plot.
+    #[serde(skip)]
+    pub e2e_samples: Vec<f64>,
     /// Every request in the order it was due, for `requests-<label>.csv`.
     #[serde(skip)]
     pub rows: Vec<Row>,
@@ -154,6 +164,7 @@ pub fn summarize(label: &str, samples: &[Sample], duration: Duration, slo: Slo, 
     let mut ttft: Vec<f64> = ok.iter().filter_map(|s| s.ttft.map(ms)).collect();
     let mut itl: Vec<f64> = ok.iter().flat_map(|s| s.itl.iter().map(|d| ms(*d))).collect();
     let mut e2e: Vec<f64> = ok.iter().map(|s| ms(s.e2e)).collect();
+    let mut tpot: Vec<f64> = ok.iter().filter_map(|s| mean_itl_ms(s)).collect();
     let mut examples: Vec<String> = samples.iter().filter_map(|s| s.error.clone()).collect();
     examples.sort();
     examples.dedup();
@@ -173,10 +184,13 @@ pub fn summarize(label: &str, samples: &[Sample], duration: Duration, slo: Slo, 
         slo,
         ttft_ms: ttft_q,
         itl_ms: Quantiles::of(&mut itl),
+        tpot_ms: Quantiles::of(&mut tpot),
         e2e_ms: Quantiles::of(&mut e2e),
         hit_rate,
         error_examples: examples,
         ttft_samples: ttft,
+        tpot_samples: tpot,
+        e2e_samples: e2e,
         rows: {
             let mut rows: Vec<Row> = samples.iter().map(Row::of).collect();
             rows.sort_by(|a, b| a.due_ms.total_cmp(&b.due_ms));
@@ -188,13 +202,13 @@ pub fn summarize(label: &str, samples: &[Sample], duration: Duration, slo: Slo, 
 /// The side-by-side markdown table.
 pub fn markdown(reports: &[Report]) -> String {
     let mut t = String::from(
-        "| target | requests | ok | shed | errors | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p99 | E2E p90 | req/s | out tok/s | goodput | hit rate |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| target | requests | ok | shed | errors | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 | TPOT p90 | TPOT p99 | E2E p50 | E2E p90 | E2E p99 | ITL p99 | req/s | out tok/s | goodput | hit rate |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in reports {
         let hit = r.hit_rate.map_or("n/a".to_string(), |h| format!("{h:.3}"));
         let _ = writeln!(
             t,
-            "| {} | {} | {} | {} | {} | {:.0} ms | {:.0} ms | {:.0} ms | {:.1} ms | {:.1} ms | {:.0} ms | {:.2} | {:.0} | {:.0}% | {hit} |",
+            "| {} | {} | {} | {} | {} | {:.0} ms | {:.0} ms | {:.0} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.2} s | {:.2} s | {:.2} s | {:.1} ms | {:.2} | {:.0} | {:.0}% | {hit} |",
             r.label,
             r.requests,
             r.ok,
@@ -203,9 +217,13 @@ pub fn markdown(reports: &[Report]) -> String {
             r.ttft_ms.p50,
             r.ttft_ms.p90,
             r.ttft_ms.p99,
-            r.itl_ms.p50,
+            r.tpot_ms.p50,
+            r.tpot_ms.p90,
+            r.tpot_ms.p99,
+            r.e2e_ms.p50 / 1000.0,
+            r.e2e_ms.p90 / 1000.0,
+            r.e2e_ms.p99 / 1000.0,
             r.itl_ms.p99,
-            r.e2e_ms.p90,
             r.requests_per_s,
             r.output_tokens_per_s,
             r.goodput_fraction * 100.0,
@@ -216,6 +234,12 @@ pub fn markdown(reports: &[Report]) -> String {
 
 /// TTFT CDFs, one polyline per report, log-scaled time axis.
 pub fn ttft_cdf_svg(reports: &[Report]) -> String {
+    cdf_svg(reports, |r| &r.ttft_samples, "time to first token")
+}
+
+/// CDFs of what `samples` picks of each report (ms), one polyline per report, log-scaled time
+/// axis labelled `axis`.
+pub fn cdf_svg(reports: &[Report], samples: impl Fn(&Report) -> &[f64], axis: &str) -> String {
     const W: f64 = 720.0;
     const H: f64 = 420.0;
     const L: f64 = 60.0;
@@ -223,10 +247,11 @@ pub fn ttft_cdf_svg(reports: &[Report]) -> String {
     const T: f64 = 20.0;
     const B: f64 = 50.0;
     const COLORS: &[&str] = &["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#666666"];
-    let all: Vec<f64> = reports.iter().flat_map(|r| r.ttft_samples.iter().copied()).filter(|v| *v > 0.0).collect();
+    let all: Vec<f64> = reports.iter().flat_map(|r| samples(r).iter().copied()).filter(|v| *v > 0.0).collect();
     if all.is_empty() {
         return format!(
-            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" font-family=\"sans-serif\"><text x=\"20\" y=\"40\">no successful request: no TTFT to plot</text></svg>\n"
+            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" font-family=\"sans-serif\"><text x=\"20\" y=\"40\">no successful request: no {} to plot</text></svg>\n",
+            xml(axis)
         );
     }
     let lo = all.iter().copied().fold(f64::INFINITY, f64::min).max(0.1).log10().floor();
@@ -256,10 +281,10 @@ pub fn ttft_cdf_svg(reports: &[Report]) -> String {
             py + 4.0
         );
     }
-    let _ = writeln!(s, "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">time to first token (log scale)</text>", (L + W - R) / 2.0, H - 12.0);
+    let _ = writeln!(s, "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{} (log scale)</text>", (L + W - R) / 2.0, H - 12.0, xml(axis));
     for (i, r) in reports.iter().enumerate() {
         let color = COLORS[i % COLORS.len()];
-        let mut v = r.ttft_samples.clone();
+        let mut v = samples(r).to_vec();
         v.sort_by(f64::total_cmp);
         let n = v.len().max(1) as f64;
         let points: Vec<String> = v.iter().enumerate().map(|(k, ms)| format!("{:.1},{:.1}", x(*ms), y((k + 1) as f64 / n))).collect();
@@ -302,6 +327,8 @@ pub fn write(dir: &Path, reports: &[Report], note: &str) -> std::io::Result<()> 
     std::fs::write(dir.join("results.json"), serde_json::to_string_pretty(reports).map_err(std::io::Error::other)?)?;
     std::fs::write(dir.join("results.md"), format!("{note}\n\n{}", markdown(reports)))?;
     std::fs::write(dir.join("ttft_cdf.svg"), ttft_cdf_svg(reports))?;
+    std::fs::write(dir.join("tpot_cdf.svg"), cdf_svg(reports, |r| &r.tpot_samples, "time per output token"))?;
+    std::fs::write(dir.join("e2e_cdf.svg"), cdf_svg(reports, |r| &r.e2e_samples, "end to end"))?;
     Ok(())
 }
 

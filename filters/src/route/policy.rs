@@ -25,6 +25,11 @@ pub struct RequestSummary<'a> {
     pub fleet_prefill_load: f64,
     /// Prefills the model's workers are booked per second, each (0: unknown).
     pub arrivals_per_worker_s: f64,
+    /// Output tokens the request is expected to generate (0: unknown): the client's hint, or
+    /// its `max_tokens` within what the model's requests generate.
+    pub expected_output_tokens: f64,
+    /// Output tokens a request already decoding has left, on average (0: unknown).
+    pub others_remaining_tokens: f64,
     /// Request headers a plugin policy is allowed to see (lower-case names).
     pub headers: &'a [(String, String)],
     /// The request's `nvext` object as JSON text, if any.

@@ -6,7 +6,13 @@
 //! documents alike (docs/routing.md, "The time cost").
 //!
 //! ```text
-//! cost      = ttft + behind + duplicate (+ slowdown, off by default)
+//! cost      = ttft + behind + duplicate + decode + imposed (+ slowdown, off by default)
+//! decode    = out · (step + Δ)                                 its own tokens, one step each, in the batch it joins
+//! imposed   = in_flight · Δ · min(out, remaining)              the step time it adds to the requests decoding there
+//! Δ         = k · (seq + ctx · (prompt + out/2))               one more sequence and its context in every step
+//! out       = the request's expected output tokens (0: unknown, no decode terms)
+//! remaining = the model's mean output / 2 (what the requests there have left, on average)
+//! k         = the worker's calibrated step over its prior (1 until measured)
 //! behind    = prefill · (prefilling + arriving) / (1 − ρ)          the requests that share its step or queue behind it
 //! arriving  = prefills booked per second per worker · join          those booked before its step begins
 //! duplicate = a · evicting / (1 − ρ)                               a second copy of a prefix another worker holds
@@ -67,6 +73,14 @@
 //! conversation's history between its turns) keeps the full price even in an empty cache: at
 //! most its own conversation gains from a copy, and on a busy fleet computing it twice costs the
 //! compute of a cache miss.
+//!
+//! `decode` and `imposed` (#39) price what the choice costs every token after the first: a
+//! worker whose batch is large, or whose running requests attend over long contexts, steps
+//! slower, and the request joining it both waits those steps and lengthens them for everyone
+//! there. Agents wait for the whole answer, so a choice that wins the first token by a prefix
+//! hit can lose the request on a crowded worker; with these terms the cost is the time the
+//! request and its neighbours lose overall. Their weight grows with the expected output, so a
+//! short answer still goes where its prefix is and a long one leaves a crowded batch.
 //!
 //! Priors ([`TimePriors::default`]) are Llama-3.1-8B on one H100 under vLLM (about 28k prefill
 //! tokens/s, 6 ms per step, KV reads of 128 KiB per context token at 3 TB/s). The gateway
@@ -148,6 +162,12 @@ pub struct Prediction {
     /// The prefill time per token it was predicted with (the worker's calibrated figure, or
     /// the prior), ms: what its first token calibrates.
     pub ms_per_prefill_token: f64,
+    /// Its own decode: its expected output tokens, one engine step each, in the batch it
+    /// joins there.
+    pub decode_ms: f64,
+    /// What its decode costs the requests decoding there: each step of theirs it overlaps is
+    /// longer by its sequence and context.
+    pub imposed_ms: f64,
 }
 
 impl Prediction {
@@ -156,10 +176,11 @@ impl Prediction {
         self.join_ms + self.wait_ms + self.prefill_ms + self.steps_ms
     }
 
-    /// The cost: its time to first token plus the time it takes from other requests (those
-    /// running there, those queuing behind it, those a duplicated prefix evicts), ms.
+    /// The cost: its time to first token and its decode, plus the time it takes from other
+    /// requests (those running there, those queuing behind it, those a duplicated prefix
+    /// evicts), ms.
     pub fn cost_ms(&self) -> f64 {
-        self.ttft_ms() + self.slowdown_ms + self.behind_ms + self.duplicate_ms
+        self.ttft_ms() + self.slowdown_ms + self.behind_ms + self.duplicate_ms + self.decode_ms + self.imposed_ms
     }
 }
 
@@ -174,11 +195,14 @@ pub struct Pricing {
     pub queue: bool,
     /// A second copy of a prefix another worker holds (`duplicate`).
     pub duplicates: bool,
+    /// Its decode there and the step time it adds to the decodes running there (`decode`,
+    /// `imposed`).
+    pub decode: bool,
 }
 
 impl Default for Pricing {
     fn default() -> Self {
-        Self { credit_booked: true, slowdown: false, queue: true, duplicates: true }
+        Self { credit_booked: true, slowdown: false, queue: true, duplicates: true, decode: true }
     }
 }
 
@@ -225,6 +249,7 @@ impl TimePriors {
         let arriving = req.arrivals_per_worker_s * join_ms / 1000.0;
         let behind_ms = if pricing.queue { prefill_ms * (f64::from(c.prefilling) + arriving) * busy } else { 0.0 };
         let duplicate_ms = if pricing.duplicates { a * evicting_tokens(req, c, prompt, bs) * busy } else { 0.0 };
+        let (decode_ms, imposed_ms) = if pricing.decode { self.decode_terms(req, c, step, prompt) } else { (0.0, 0.0) };
         Prediction {
             new_tokens: new,
             wait_ms,
@@ -236,7 +261,25 @@ impl TimePriors {
             behind_ms,
             duplicate_ms,
             ms_per_prefill_token: a,
+            decode_ms,
+            imposed_ms,
         }
+    }
+
+    /// `decode` and `imposed` (module doc) of `req` on `c`, whose step is `step` ms now.
+    #[inline]
+    fn decode_terms(&self, req: &RequestSummary<'_>, c: &Candidate, step: f64, prompt: f64) -> (f64, f64) {
+        let out = req.expected_output_tokens;
+        if out <= 0.0 {
+            return (0.0, 0.0);
+        }
+        // The worker's measured step over the prior's for its load: how much slower (or
+        // faster) than the prior its every step is, this request's share included.
+        let prior = self.step_ms(c, req.block_size);
+        let k = if c.step_ms > 0.0 && prior > 0.0 { c.step_ms / prior } else { 1.0 };
+        let delta = k * (self.step_ms_per_seq + self.step_ms_per_ctx_token * (prompt + out / 2.0));
+        let remaining = if req.others_remaining_tokens > 0.0 { req.others_remaining_tokens } else { out };
+        (out * (step + delta), f64::from(c.in_flight) * delta * out.min(remaining))
     }
 }
 
@@ -267,8 +310,8 @@ mod tests {
     use super::*;
 
     /// The priced terms the tests below were written for: credit, slowdown, no queue, no
-    /// duplicates.
-    const ON: Pricing = Pricing { credit_booked: true, slowdown: true, queue: false, duplicates: false };
+    /// duplicates, no decode.
+    const ON: Pricing = Pricing { credit_booked: true, slowdown: true, queue: false, duplicates: false, decode: false };
 
     fn req(tokens: u32) -> RequestSummary<'static> {
         RequestSummary { prompt_tokens: tokens, prompt_blocks: tokens / 16, block_size: 16, ..Default::default() }
@@ -315,6 +358,31 @@ mod tests {
         // Nobody holds anything: nothing is a copy.
         assert_eq!(p.predict(&req(4096), &Candidate::default(), pricing).duplicate_ms, 0.0);
         assert_eq!(p.predict(&r, &Candidate::default(), Pricing { duplicates: false, ..pricing }).duplicate_ms, 0.0);
+    }
+
+    #[test]
+    fn decode_terms_price_the_batch_it_joins_and_what_it_adds_to_it() {
+        let p = TimePriors::default();
+        let pricing = Pricing::default();
+        let c = Candidate { in_flight: 10, ..Default::default() };
+        let r = RequestSummary { expected_output_tokens: 100.0, others_remaining_tokens: 50.0, ..req(1000) };
+        let got = p.predict(&r, &c, pricing);
+        let step = 6.0 + 0.03 * 10.0;
+        let delta = 0.03 + 4.0e-5 * (1000.0 + 50.0);
+        assert!((got.decode_ms - 100.0 * (step + delta)).abs() < 1e-9, "{got:?}");
+        assert!((got.imposed_ms - 10.0 * delta * 50.0).abs() < 1e-9, "each running request loses delta for the 50 steps it has left");
+        assert!((got.cost_ms() - got.ttft_ms() - got.behind_ms - got.duplicate_ms - got.decode_ms - got.imposed_ms).abs() < 1e-9);
+        // A worker measured twice as slow as the prior steps twice as long, this request's
+        // share too.
+        let slow = p.predict(&r, &Candidate { step_ms: 2.0 * step, ..c.clone() }, pricing);
+        assert!((slow.decode_ms - 100.0 * 2.0 * (step + delta)).abs() < 1e-9, "{slow:?}");
+        // A request shorter than what the others have left overlaps them only for its own.
+        let short = p.predict(&RequestSummary { expected_output_tokens: 20.0, ..r.clone() }, &c, pricing);
+        assert!((short.imposed_ms - 10.0 * (0.03 + 4.0e-5 * 1010.0) * 20.0).abs() < 1e-9, "{short:?}");
+        // Unknown output, or the terms off: nothing priced.
+        assert_eq!((p.predict(&req(1000), &c, pricing).decode_ms, p.predict(&req(1000), &c, pricing).imposed_ms), (0.0, 0.0));
+        let off = p.predict(&r, &c, Pricing { decode: false, ..pricing });
+        assert_eq!((off.decode_ms, off.imposed_ms), (0.0, 0.0));
     }
 
     #[test]

@@ -363,6 +363,9 @@ pub struct Routing {
     /// kv, `time` cost: add the prefill of a second copy of a prefix another worker holds
     /// (what the fleet's caches lose to the copy).
     pub price_duplicates: bool,
+    /// kv, `time` cost: add the request's own decode there and the step time it adds to the
+    /// requests decoding there (by its expected output length).
+    pub price_decode: bool,
     /// kv, `blocks` cost: weight of the prefill term; 0 = ignore the cache (pure load
     /// balancing).
     #[serde(alias = "router_kv_overlap_score_weight", alias = "kv_overlap_score_weight")]
@@ -435,6 +438,7 @@ impl Default for Routing {
             price_slowdown: pricing.slowdown,
             price_queue: pricing.queue,
             price_duplicates: pricing.duplicates,
+            price_decode: pricing.decode,
             overlap_score_weight: 1.0,
             temperature: 0.0,
             kv_events: true,

@@ -68,6 +68,7 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
         .collect();
     let summary = summary(req, now).among(&candidates);
     let best_overlap = summary.fleet_overlap_blocks;
+    let output = (summary.expected_output_tokens, summary.others_remaining_tokens);
     let (decision, decided_by) = decide(gw, req, &summary, &candidates);
     let k = match decision {
         Decision::Worker(k) if k < eligible.len() => k,
@@ -99,6 +100,7 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
         chosen: Some(idx as u32),
         kv,
         prompt,
+        output,
         outcome: None,
     });
     // A prefill leg is not where the request runs: the registry (and a move order) sees the
@@ -210,8 +212,29 @@ fn summary(req: &RequestState, now: u64) -> RequestSummary<'_> {
         fleet_active_overlap_blocks: 0,
         fleet_prefill_load: 0.0,
         arrivals_per_worker_s: model.ledger.arrivals_per_worker_at(now),
+        expected_output_tokens: expected_output(req),
+        others_remaining_tokens: model.ledger.mean_output().map_or(0.0, |m| m / 2.0),
         headers: &req.plugin_headers,
         nvext: req.plugin_nvext.as_deref(),
+    }
+}
+
+/// The output tokens `req` is expected to generate (0: unknown): the client's hint
+/// (`nvext.agent_hints.osl`), else its output limit (`max_tokens`, `max_completion_tokens`,
+/// `max_output_tokens`) within four times what the model's streams have generated on average
+/// (a limit is often a generous cap), else that average.
+fn expected_output(req: &RequestState) -> f64 {
+    if let Some(osl) = req.view.expected_output() {
+        return osl as f64;
+    }
+    let mean = req.model.ledger.mean_output();
+    let fields = req.parsed.as_ref().map(|p| &p.fields);
+    let limit = ["max_tokens", "max_completion_tokens", "max_output_tokens"].iter().find_map(|k| fields?.get(*k)?.as_u64());
+    match (limit, mean) {
+        (Some(l), Some(m)) => (l as f64).min(4.0 * m),
+        (Some(l), None) => l as f64,
+        (None, Some(m)) => m,
+        (None, None) => 0.0,
     }
 }
 

@@ -32,6 +32,10 @@ pub fn finished(gw: &Gateway, req: &mut RequestState, outcome: &Outcome) {
         gw.metrics.requests.with_label_values(&[name, endpoint, status.to_string().as_str()]).inc();
     }
     m.duration.observe(elapsed.as_secs_f64());
+    if req.stream && matches!(outcome, Outcome::Served(200)) {
+        // What a request of this model generates, for routing's decode terms.
+        req.model.ledger.output_finished(req.entry().generated_tokens());
+    }
     if let Outcome::Refused(e) = outcome {
         tracing::debug!(request_id = req.id(), model = name, endpoint, status, error = %e, "request refused");
     }
