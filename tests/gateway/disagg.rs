@@ -307,19 +307,7 @@ async fn a_decode_worker_killed_mid_stream_hands_its_streams_to_another_decode_w
     // The decode worker carrying the most streams, once they stream.
     let victim = std::cell::Cell::new(None);
     wait_until(Duration::from_secs(10), || async {
-        let v: Value = c.http.get(c.admin("/requests")).send().await.unwrap().json().await.unwrap();
-        let on: Vec<String> = v["requests"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|r| r["phase"] == "running" && r["generated_tokens"].as_u64().unwrap_or(0) >= 2)
-            .filter_map(|r| r["worker"].as_str().map(str::to_string))
-            .collect();
-        if on.len() < 3 {
-            return false;
-        }
-        let busiest = on.iter().max_by_key(|w| on.iter().filter(|x| x == w).count()).unwrap();
-        victim.set(c.sims.iter().position(|s| s.url() == *busiest));
+        victim.set(c.busiest_streaming_sim(3).await);
         victim.get().is_some()
     })
     .await

@@ -260,19 +260,7 @@ async fn a_worker_killed_mid_stream_loses_no_stream() {
     // so a slow machine where the first streams end before the last start still gets there).
     let victim = std::cell::Cell::new(None);
     wait_until(Duration::from_secs(5), || async {
-        let v: Value = c.http.get(c.admin("/requests")).send().await.unwrap().json().await.unwrap();
-        let streaming: Vec<&str> = v["requests"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|r| r["phase"] == "running" && r["generated_tokens"].as_u64().unwrap_or(0) >= 2)
-            .filter_map(|r| r["worker"].as_str())
-            .collect();
-        if streaming.len() < bodies.len() / 2 {
-            return false;
-        }
-        let busiest = streaming.iter().max_by_key(|w| streaming.iter().filter(|x| x == w).count()).unwrap();
-        victim.set(c.sims.iter().position(|s| s.url() == *busiest));
+        victim.set(c.busiest_streaming_sim(bodies.len() / 2).await);
         victim.get().is_some()
     })
     .await

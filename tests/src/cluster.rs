@@ -202,6 +202,23 @@ impl Cluster {
         Metrics::parse(&self.http.get(url).send().await.expect("sim up").text().await.expect("text"))
     }
 
+    /// The index of the sim carrying the most streams that have generated two tokens or more,
+    /// once at least `streams` of them do (`None` before; the admin listener's `/requests`).
+    pub async fn busiest_streaming_sim(&self, streams: usize) -> Option<usize> {
+        let v: serde_json::Value = self.http.get(self.admin("/requests")).send().await.ok()?.json().await.ok()?;
+        let on: Vec<&str> = v["requests"]
+            .as_array()?
+            .iter()
+            .filter(|r| r["phase"] == "running" && r["generated_tokens"].as_u64().unwrap_or(0) >= 2)
+            .filter_map(|r| r["worker"].as_str())
+            .collect();
+        if on.len() < streams {
+            return None;
+        }
+        let busiest = on.iter().max_by_key(|w| on.iter().filter(|x| x == w).count())?;
+        self.sims.iter().position(|s| s.url() == *busiest)
+    }
+
     /// Stops the gateway (drain or fast) on a blocking thread and waits.
     pub async fn stop_gateway(&mut self, how: Stop) {
         if let Some(gw) = self.gw.take() {

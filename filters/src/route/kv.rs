@@ -260,15 +260,15 @@ mod tests {
     fn a_long_answer_leaves_a_crowded_batch_holding_its_prefix_and_a_short_one_stays() {
         // Worker 0 holds the whole 2,048-token prompt but decodes 24 requests over 2k-token
         // contexts (a step of 8.7 ms against 6 ms); worker 1 is idle and holds nothing.
-        let p = KvPolicy::new(KvParams::default());
+        let p = KvPolicy::new(KvParams { pricing: Pricing { decode: true, ..Pricing::default() }, ..KvParams::default() });
         let crowded = Candidate { id: 0, overlap_blocks: 128, in_flight: 24, active_blocks: 24 * 128, ..Default::default() };
         let idle = Candidate { id: 1, ..Default::default() };
         let asking = |out: f64| RequestSummary { expected_output_tokens: out, others_remaining_tokens: 100.0, ..req(2048) };
         assert_eq!(p.choose(&asking(16.0), &[crowded.clone(), idle.clone()]), Decision::Worker(0), "a short answer goes where its prefix is");
         assert_eq!(p.choose(&asking(1000.0), &[crowded.clone(), idle.clone()]), Decision::Worker(1), "a long one leaves the crowded batch");
         assert_eq!(p.choose(&asking(0.0), &[crowded.clone(), idle.clone()]), Decision::Worker(0), "an unknown length prices no decode");
-        let off = KvPolicy::new(KvParams { pricing: Pricing { decode: false, ..Pricing::default() }, ..KvParams::default() });
-        assert_eq!(off.choose(&asking(1000.0), &[crowded, idle]), Decision::Worker(0), "price_decode: false is #14's cost");
+        let off = KvPolicy::new(KvParams::default());
+        assert_eq!(off.choose(&asking(1000.0), &[crowded, idle]), Decision::Worker(0), "price_decode off (the default for now) is #14's cost");
     }
 
     #[test]

@@ -7,8 +7,9 @@
 //!
 //! ```text
 //! cost      = ttft + behind + duplicate + decode + imposed (+ slowdown, off by default)
-//! decode    = out · (step + Δ)                                 its own tokens, one step each, in the batch it joins
-//! imposed   = in_flight · Δ · min(out, remaining)              the step time it adds to the requests decoding there
+//! decode    = shared · step + out · Δ                          its own tokens, one step each, in the batch it joins
+//! imposed   = in_flight · Δ · shared                           the step time it adds to the requests decoding there
+//! shared    = min(out, remaining)                              the steps it shares with the batch there now
 //! Δ         = k · (seq + ctx · (prompt + out/2))               one more sequence and its context in every step
 //! out       = the request's expected output tokens (0: unknown, no decode terms)
 //! remaining = the model's mean output / 2 (what the requests there have left, on average)
@@ -74,13 +75,17 @@
 //! most its own conversation gains from a copy, and on a busy fleet computing it twice costs the
 //! compute of a cache miss.
 //!
-//! `decode` and `imposed` (#39) price what the choice costs every token after the first: a
+//! `decode` and `imposed` (#39, `price_decode`, off by default for now) price what the choice
+//! costs every token after the first: a
 //! worker whose batch is large, or whose running requests attend over long contexts, steps
 //! slower, and the request joining it both waits those steps and lengthens them for everyone
 //! there. Agents wait for the whole answer, so a choice that wins the first token by a prefix
 //! hit can lose the request on a crowded worker; with these terms the cost is the time the
-//! request and its neighbours lose overall. Their weight grows with the expected output, so a
-//! short answer still goes where its prefix is and a long one leaves a crowded batch.
+//! request and its neighbours lose overall. A worker's batch is what it is now only while the
+//! requests in it last (`remaining`); after that it is whoever arrives, alike on every worker,
+//! so only the steps shared with the batch there now tell workers apart. The weight grows with
+//! the expected output up to that, so a short answer still goes where its prefix is and a long
+//! one leaves a crowded batch.
 //!
 //! Priors ([`TimePriors::default`]) are Llama-3.1-8B on one H100 under vLLM (about 28k prefill
 //! tokens/s, 6 ms per step, KV reads of 128 KiB per context token at 3 TB/s). The gateway
@@ -202,7 +207,9 @@ pub struct Pricing {
 
 impl Default for Pricing {
     fn default() -> Self {
-        Self { credit_booked: true, slowdown: false, queue: true, duplicates: true, decode: true }
+        // `decode` is off until it wins the first token too (#39; benches/RESULTS.md, "Pricing
+        // the decode").
+        Self { credit_booked: true, slowdown: false, queue: true, duplicates: true, decode: false }
     }
 }
 
@@ -279,7 +286,8 @@ impl TimePriors {
         let k = if c.step_ms > 0.0 && prior > 0.0 { c.step_ms / prior } else { 1.0 };
         let delta = k * (self.step_ms_per_seq + self.step_ms_per_ctx_token * (prompt + out / 2.0));
         let remaining = if req.others_remaining_tokens > 0.0 { req.others_remaining_tokens } else { out };
-        (out * (step + delta), f64::from(c.in_flight) * delta * out.min(remaining))
+        let shared = out.min(remaining);
+        (shared * step + out * delta, f64::from(c.in_flight) * delta * shared)
     }
 }
 
@@ -363,19 +371,19 @@ mod tests {
     #[test]
     fn decode_terms_price_the_batch_it_joins_and_what_it_adds_to_it() {
         let p = TimePriors::default();
-        let pricing = Pricing::default();
+        let pricing = Pricing { decode: true, ..Pricing::default() };
         let c = Candidate { in_flight: 10, ..Default::default() };
         let r = RequestSummary { expected_output_tokens: 100.0, others_remaining_tokens: 50.0, ..req(1000) };
         let got = p.predict(&r, &c, pricing);
         let step = 6.0 + 0.03 * 10.0;
         let delta = 0.03 + 4.0e-5 * (1000.0 + 50.0);
-        assert!((got.decode_ms - 100.0 * (step + delta)).abs() < 1e-9, "{got:?}");
+        assert!((got.decode_ms - (50.0 * step + 100.0 * delta)).abs() < 1e-9, "the batch there now for the 50 steps it has left: {got:?}");
         assert!((got.imposed_ms - 10.0 * delta * 50.0).abs() < 1e-9, "each running request loses delta for the 50 steps it has left");
         assert!((got.cost_ms() - got.ttft_ms() - got.behind_ms - got.duplicate_ms - got.decode_ms - got.imposed_ms).abs() < 1e-9);
         // A worker measured twice as slow as the prior steps twice as long, this request's
         // share too.
         let slow = p.predict(&r, &Candidate { step_ms: 2.0 * step, ..c.clone() }, pricing);
-        assert!((slow.decode_ms - 100.0 * 2.0 * (step + delta)).abs() < 1e-9, "{slow:?}");
+        assert!((slow.decode_ms - 2.0 * (50.0 * step + 100.0 * delta)).abs() < 1e-9, "{slow:?}");
         // A request shorter than what the others have left overlaps them only for its own.
         let short = p.predict(&RequestSummary { expected_output_tokens: 20.0, ..r.clone() }, &c, pricing);
         assert!((short.imposed_ms - 10.0 * (0.03 + 4.0e-5 * 1010.0) * 20.0).abs() < 1e-9, "{short:?}");
