@@ -136,9 +136,9 @@ async fn run_case(o: &Options, factor: f64, shedding: bool) -> Result<Case, Stri
     let mut procs = Procs::default();
     // Each worker's KV cache holds `streams_per_worker` whole streams (a prompt of under 16
     // tokens and the output), and its batch could take more: memory binds first, as on a GPU,
-    // and KV use is what the shedding threshold reads. One block is the engine's own (vLLM's
-    // null block), so a sequence fits in one fewer.
-    let blocks = o.streams_per_worker * (16 + o.tokens).div_ceil(16);
+    // and KV use is what the shedding threshold reads. One block more is the engine's own
+    // (vLLM's null block, never given to a sequence).
+    let blocks = o.streams_per_worker * (16 + o.tokens).div_ceil(16) + 1;
     let sims = SimOptions {
         bin: o.sim_bin.clone(),
         model: "sim-model".into(),
