@@ -253,33 +253,24 @@ fn place_prefill(gw: &Gateway, req: &mut RequestState) -> Result<Arc<Worker>, Fa
 /// `disaggregation.prefill_timeout_ms`: a stalled prefill worker costs the request that long,
 /// then it runs aggregated.
 async fn prefill(req: &RequestState, worker: &Arc<Worker>, wire: &[u8]) -> Result<Bytes, String> {
-    let cfg = &req.cfg;
-    let limit = std::time::Duration::from_millis(req.model.cfg.disaggregation.prefill_timeout_ms);
-    let leg = async {
-        let ex = crate::upstream::exchange(cfg, worker, crate::upstream::Outgoing::Leg(wire), Some(limit)).await;
-        let mut ex = ex.map_err(|e| {
+    use crate::upstream::{Outgoing, ProbeError};
+    let (cfg, pd) = (&req.cfg, &req.model.cfg.disaggregation);
+    let limit = std::time::Duration::from_millis(pd.prefill_timeout_ms);
+    let max = pd.max_prefill_answer_bytes;
+    match crate::upstream::whole_answer(cfg, worker, Outgoing::Leg(wire), limit, max).await {
+        Ok((200, answer)) => Ok(answer),
+        Ok((status, answer)) => Err(format!("prefill worker answered {status}: {}", String::from_utf8_lossy(&answer[..answer.len().min(300)]))),
+        Err(ProbeError::Timeout(_)) => Err("no answer within disaggregation.prefill_timeout_ms".into()),
+        Err(ProbeError::TooLarge(_)) => Err(format!("prefill answer over disaggregation.max_prefill_answer_bytes ({max})")),
+        Err(ProbeError::Exchange(e)) => {
             if e.kind == crate::error::LegErrorKind::Connect {
                 // A refused connection is a health signal, as on any leg.
                 worker.observe_health(false, cfg.health.unhealthy_threshold, cfg.health.healthy_threshold);
             }
-            e.to_string()
-        })?;
-        let max = req.model.cfg.disaggregation.max_prefill_answer_bytes;
-        let mut answer = Vec::new();
-        while let Some(chunk) = ex.response.read_body().await.map_err(|e| e.to_string())? {
-            answer.extend_from_slice(&chunk);
-            if answer.len() > max {
-                return Err(format!("prefill answer over disaggregation.max_prefill_answer_bytes ({max})"));
-            }
+            Err(e.to_string())
         }
-        let status = ex.status;
-        crate::upstream::release(ex);
-        if status != 200 {
-            return Err(format!("prefill worker answered {status}: {}", String::from_utf8_lossy(&answer[..answer.len().min(300)])));
-        }
-        Ok(Bytes::from(answer))
-    };
-    tokio::time::timeout(limit, leg).await.unwrap_or_else(|_| Err("no answer within disaggregation.prefill_timeout_ms".into()))
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// A candidate as this leg's placement sees it: a prefill worker carries no decode load

@@ -111,13 +111,15 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
     Ok(worker)
 }
 
-/// Whether every healthy worker that serves answers is over the model's busy thresholds, so
-/// that the request would get seed 000's 503 (a prefill leg for it would be wasted).
+/// Whether every worker that could serve the request's answer (what [`place`]'s first attempt
+/// would offer) is over the model's busy thresholds, so that the request would get seed 000's
+/// 503 (a prefill leg for it would be wasted).
 pub fn answers_all_busy(gw: &Gateway, req: &RequestState) -> bool {
     let model = &req.model;
     let thresholds = gw.thresholds(&model.cfg.name);
-    let mut serving = (0..model.workers.len()).filter(|&i| model.role(i).answers() && model.workers[i].is_healthy()).peekable();
-    thresholds.enabled() && serving.peek().is_some() && serving.all(|i| model.busy(i, &thresholds))
+    let adapter = crate::fleet::Fleet::adapter(model, req.view.model.as_deref());
+    let (serving, _) = eligible(model, Among::Except(&req.tried), adapter, false);
+    thresholds.enabled() && !serving.is_empty() && serving.iter().all(|&i| model.busy(i, &thresholds))
 }
 
 /// Moves `req` onto the fleet in force when a reload rebuilt its model since it arrived, so a
@@ -294,27 +296,24 @@ fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, de
     let bs = u64::from(model.cfg.block_size.max(1));
     let prompt_tokens = req.booked_tokens();
     let cached_tokens = (u64::from(chosen.overlap_blocks) * bs).min(prompt_tokens);
+    // The time cost also counts a prefix being computed there as cached: book what it
+    // predicted the worker computes, so a shared prefix is not booked once per follower.
+    let prefill_tokens = req.predicted.map_or(prompt_tokens - cached_tokens, |p| (p.new_tokens.max(0.0) as u64).min(prompt_tokens));
+    let prefill_time = req.predicted.map_or(Duration::ZERO, |p| Duration::from_secs_f64(p.own_ms.max(0.0) / 1000.0));
     let footprint = match &req.kv {
         // `/tokenize` and `/detokenize` compute nothing worth booking: only the request counts.
         _ if !req.endpoint.infers() => Footprint::default(),
         // A prefill worker holds no decode load (seed 001: no active-block tracking there).
-        _ if req.pd.prefill_leg => {
-            let prefill_tokens = req.predicted.map_or(prompt_tokens - cached_tokens, |p| (p.new_tokens.max(0.0) as u64).min(prompt_tokens));
-            let prefill_time = req.predicted.map_or(Duration::ZERO, |p| Duration::from_secs_f64(p.own_ms.max(0.0) / 1000.0));
-            Footprint { prefill_tokens, prompt_tokens, prefill_time, ..Footprint::default() }
-        }
+        _ if req.pd.prefill_leg => Footprint { prefill_tokens, prompt_tokens, prefill_time, ..Footprint::default() },
         Some(k) => {
             mm.overlap.observe(f64::from(chosen.overlap_blocks));
             mm.forgone.observe(f64::from(best_overlap.saturating_sub(chosen.overlap_blocks)));
             let decision_time = Duration::from_micros(now.saturating_sub(began));
             mm.decision_time.observe((decision_time + k.lookup_time).as_secs_f64());
             let expected_output = req.view.expected_output();
-            let prefill_time = req.predicted.map_or(Duration::ZERO, |p| Duration::from_secs_f64(p.own_ms.max(0.0) / 1000.0));
-            // The time cost also counts a prefix being computed there as cached: book what it
-            // predicted the worker computes, so a shared prefix is not booked once per follower.
-            let prefill_tokens = req.predicted.map_or(prompt_tokens - cached_tokens, |p| (p.new_tokens.max(0.0) as u64).min(prompt_tokens));
             Footprint { prefill_tokens, chain: k.chain.clone(), private_blocks: 0, prompt_tokens, expected_output, prefill_time }
         }
+        // Not tokenized: a prediction (made without the prompt's length) does not count.
         None => Footprint { prefill_tokens: prompt_tokens - cached_tokens, private_blocks: prompt_tokens / bs, prompt_tokens, ..Footprint::default() },
     };
     match req.booking.as_mut() {

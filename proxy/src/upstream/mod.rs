@@ -367,9 +367,14 @@ pub async fn call(
 
 /// Sends `wire` over the probes' pool (`reuse`) or a fresh connection and reads the answer.
 async fn probe(gw: &Gateway, worker: &Worker, wire: &[u8], reuse: bool, timeout: Duration, max_body: usize) -> Result<(u16, Bytes), ProbeError> {
+    whole_answer(&gw.config(), worker, Outgoing::Probe { wire, reuse }, timeout, max_body).await
+}
+
+/// Sends `out` to `worker` and reads its whole answer within `timeout`: the status and up to
+/// `max_body` bytes of body. The connection goes back to its pool when the body was read whole.
+pub async fn whole_answer(cfg: &Config, worker: &Worker, out: Outgoing<'_>, timeout: Duration, max_body: usize) -> Result<(u16, Bytes), ProbeError> {
     let attempt = async {
-        let cfg = gw.config();
-        let mut ex = exchange(&cfg, worker, Outgoing::Probe { wire, reuse }, None).await?;
+        let mut ex = exchange(cfg, worker, out, None).await?;
         let mut body = BytesMut::new();
         loop {
             match ex.response.read_body().await {
