@@ -74,6 +74,9 @@ pub struct WorkerCounters {
     raw_blocks: AtomicU64,
     /// Estimated blocks of requests booked without a chain.
     private_blocks: AtomicU64,
+    /// Output blocks the open bookings hold on average over their lives
+    /// ([`Footprint::output_estimate`]).
+    reserved_blocks: AtomicU64,
     /// Weighted output blocks, in thousandths of a block. Signed: a release may subtract a
     /// contribution before a concurrent update has added it.
     output_milli: AtomicI64,
@@ -136,6 +139,8 @@ struct Release {
     /// Blocks counted in `raw_blocks`.
     raw_blocks: u64,
     private_blocks: u64,
+    /// Blocks counted in `reserved_blocks`.
+    reserved_blocks: u64,
     prompt_tokens: u64,
     expected_output: Option<u64>,
     output: Mutex<Output>,
@@ -167,8 +172,13 @@ pub struct Footprint {
     pub private_blocks: u64,
     /// Prompt length in tokens (where output blocks start).
     pub prompt_tokens: u64,
-    /// Expected output tokens (`nvext.agent_hints.osl`), if the client said.
+    /// Expected output tokens (`nvext.agent_hints.osl`), if the client said: output blocks
+    /// tracked as generated are weighted by what is left of it.
     pub expected_output: Option<u64>,
+    /// Output tokens the request is expected to generate, hinted or estimated (0: unknown).
+    /// The blocks half of them fill, what the request holds on average over its life, are
+    /// reserved on the worker until it ends ([`Ledger::expected_blocks`]).
+    pub output_estimate: u64,
     /// Predicted time the worker takes to compute this prefill once it starts (0: not
     /// predicted; the routing mode's cost says, see `route::time`).
     pub prefill_time: Duration,
@@ -273,6 +283,7 @@ impl Ledger {
         if let Some(l) = self.worker(r.worker) {
             l.raw_blocks.fetch_sub(r.raw_blocks, Ordering::Relaxed);
             l.private_blocks.fetch_sub(r.private_blocks, Ordering::Relaxed);
+            l.reserved_blocks.fetch_sub(r.reserved_blocks, Ordering::Relaxed);
         }
         if let Some(chain) = &r.chain {
             self.booked.remove(r.worker, chain);
@@ -283,6 +294,16 @@ impl Ledger {
         if let Some(l) = self.worker(w) {
             l.output_milli.fetch_add(milli, Ordering::Relaxed);
         }
+    }
+
+    /// Blocks that `output` tokens fill after a prompt of `prompt_tokens`: the prompt's partial
+    /// last block (its chain holds full blocks only) and every block the output starts.
+    fn output_blocks(&self, prompt_tokens: u64, output: u64) -> u64 {
+        if output == 0 {
+            return 0;
+        }
+        let bs = u64::from(self.tracking.block_size.max(1));
+        (prompt_tokens + output).div_ceil(bs) - prompt_tokens / bs
     }
 
     /// `generated` more output tokens of the booking `r`: rebook its output blocks.
@@ -412,9 +433,29 @@ impl Ledger {
     /// blocks, rounded.
     pub fn active_blocks(&self, w: WorkerId) -> u64 {
         let Some(l) = self.worker(w) else { return 0 };
-        let prompt = if self.tracking.assume_kv_reuse { self.booked.distinct_blocks(w) } else { l.raw_blocks.load(Ordering::Relaxed) };
+        let (prompt, output) = self.prompt_and_output_blocks(w, l);
+        prompt + output
+    }
+
+    /// Blocks `w` is expected to hold while the requests booked there run: their prompt blocks
+    /// and the output blocks each holds on average over its life (half its expected output; or
+    /// the output blocks tracked so far, where more). What load shedding compares with the
+    /// worker's capacity. The KV in use now understates a worker whose streams were just
+    /// admitted, and admitting more there ends in a queue on the worker; each stream's whole
+    /// final size overstates it, as streams on a worker are at different stages and one ending
+    /// frees the blocks another grows into (benches/RESULTS.md, "Overload").
+    pub fn expected_blocks(&self, w: WorkerId) -> u64 {
+        let Some(l) = self.worker(w) else { return 0 };
+        let (prompt, tracked) = self.prompt_and_output_blocks(w, l);
+        prompt + l.reserved_blocks.load(Ordering::Relaxed).max(tracked)
+    }
+
+    /// `w`'s booked prompt blocks (distinct ones, or all of them when shared prefixes are not
+    /// assumed to be reused, plus estimated ones) and its tracked output blocks, rounded.
+    fn prompt_and_output_blocks(&self, w: WorkerId, l: &WorkerCounters) -> (u64, u64) {
+        let chained = if self.tracking.assume_kv_reuse { self.booked.distinct_blocks(w) } else { l.raw_blocks.load(Ordering::Relaxed) };
         let output = l.output_milli.load(Ordering::Relaxed).max(0) as u64;
-        prompt + l.private_blocks.load(Ordering::Relaxed) + (output + 500) / 1000
+        (chained + l.private_blocks.load(Ordering::Relaxed), (output + 500) / 1000)
     }
 
     /// How many leading blocks of `chain` are already booked, per worker.
@@ -448,9 +489,10 @@ impl Ledger {
 
     /// Adds `load` to `w`'s counters as of `now` and returns what releasing it takes.
     fn reserve(&self, w: WorkerId, load: Footprint, now: u64) -> Arc<Release> {
-        let Footprint { prefill_tokens, chain, private_blocks, prompt_tokens, expected_output, prefill_time } = load;
+        let Footprint { prefill_tokens, chain, private_blocks, prompt_tokens, expected_output, output_estimate, prefill_time } = load;
         let chain = if self.tracking.active_blocks { chain } else { Vec::new() };
         let raw_blocks = chain.len() as u64;
+        let reserved_blocks = if self.tracking.active_blocks { self.output_blocks(prompt_tokens, output_estimate.div_ceil(2)) } else { 0 };
         let time = if prefill_tokens > 0 { prefill_time.as_micros() as u64 } else { 0 };
         let mut due = 0;
         if let Some(l) = self.worker(w) {
@@ -474,6 +516,7 @@ impl Ledger {
             l.prefill.fetch_add(prefill_tokens, Ordering::Relaxed);
             l.raw_blocks.fetch_add(raw_blocks, Ordering::Relaxed);
             l.private_blocks.fetch_add(private_blocks, Ordering::Relaxed);
+            l.reserved_blocks.fetch_add(reserved_blocks, Ordering::Relaxed);
         }
         // Without reuse assumed, no two requests share blocks: the count per request
         // (`raw_blocks`) is all there is to book.
@@ -487,6 +530,7 @@ impl Ledger {
             chain,
             raw_blocks,
             private_blocks,
+            reserved_blocks,
             prompt_tokens,
             expected_output,
             output: Mutex::new(Output::default()),
@@ -596,6 +640,36 @@ mod tests {
         assert_eq!(s.active_blocks(0), 4);
         drop(b);
         assert_eq!(s.active_blocks(0), 0);
+    }
+
+    #[test]
+    fn expected_output_reserves_its_mid_life_blocks_until_the_request_ends() {
+        let s = Ledger::new(1, Tracking { block_size: 16, ..Tracking::default() });
+        // 20 prompt tokens: one full block chained; the partial one and half of 256 output
+        // tokens fill ceil(148 / 16) - 1 = 9 more.
+        let footprint = Footprint { prefill_tokens: 20, prompt_tokens: 20, chain: vec![7], output_estimate: 256, ..Footprint::default() };
+        let a = s.book(0, footprint.clone());
+        assert_eq!((s.active_blocks(0), s.expected_blocks(0)), (1, 10), "in use now: the prompt; on average: 10");
+        let b = s.book(0, footprint);
+        assert_eq!(s.expected_blocks(0), 19, "the shared prompt block counts once, each output apart");
+        drop(a);
+        assert_eq!(s.expected_blocks(0), 10);
+        drop(b);
+        assert_eq!(s.expected_blocks(0), 0);
+        let unknown = s.book(0, Footprint { prompt_tokens: 20, chain: vec![7], ..Footprint::default() });
+        assert_eq!(s.expected_blocks(0), 1, "no expected output: nothing reserved");
+        drop(unknown);
+    }
+
+    #[test]
+    fn tracked_output_counts_where_it_passes_the_reservation() {
+        let s = with_output(4);
+        let b = s.book(0, Footprint { prompt_tokens: 4, chain: vec![1], output_estimate: 16, ..Footprint::default() });
+        assert_eq!(s.expected_blocks(0), 3);
+        b.generated(20);
+        assert_eq!((s.active_blocks(0), s.expected_blocks(0)), (6, 6), "a stream past its estimate holds what it filled");
+        drop(b);
+        assert_eq!(s.expected_blocks(0), 0);
     }
 
     #[test]

@@ -95,7 +95,11 @@ async fn kv_cluster_opts(opts: GatewayOpts) -> Cluster {
 }
 
 async fn kv_cluster_on(sim: SimConfig, opts: GatewayOpts) -> Cluster {
-    let c = Cluster::sims_with_events(4, sim, opts).await;
+    kv_cluster_on_n(4, sim, opts).await
+}
+
+async fn kv_cluster_on_n(n: usize, sim: SimConfig, opts: GatewayOpts) -> Cluster {
+    let c = Cluster::sims_with_events(n, sim, opts).await;
     // Subscribers start in the background: wait until every worker's stream is live.
     let ready = wait_until(Duration::from_secs(10), || async {
         // A probe request per worker makes each publish; the gateway counts applied events.
@@ -105,7 +109,7 @@ async fn kv_cluster_on(sim: SimConfig, opts: GatewayOpts) -> Cluster {
         let m = c.gateway_metrics().await;
         let sources =
             m.samples.iter().filter(|s| s.name == "kvgate_kv_events_total").map(|s| s.labels.get("source").cloned()).collect::<std::collections::HashSet<_>>();
-        sources.len() >= 4
+        sources.len() >= n
     })
     .await;
     assert!(ready.is_some(), "KV event subscribers did not come up");
@@ -253,6 +257,43 @@ async fn bookings_return_to_zero_after_mixed_traffic() {
         m.sum("kvgate_worker_active_blocks", &[])
     );
     let _: Value = json!(null);
+}
+
+#[tokio::test]
+async fn shedding_counts_the_blocks_admitted_streams_will_grow_into() {
+    // One worker of 64 blocks (16 tokens each). A stream of a 100-token prompt asking for 400
+    // tokens is expected to hold 19 blocks on average over its life (the prompt and half its
+    // output): two such streams book 38 (0.59), a third 57 (0.89, past 0.85). The fourth is
+    // refused while the KV the worker uses is still far under the threshold, before its
+    // streams have grown into it and the worker would queue the newcomer.
+    let small = SimConfig { num_gpu_blocks: 64, max_model_len: 1000, ..test_sim_config() };
+    let opts = GatewayOpts { mode: "kv".into(), model_extra: "shedding:\n  active_decode_blocks_threshold: 0.85".into(), ..Default::default() };
+    let c = kv_cluster_on_n(1, small, opts).await;
+    let stream = |i: u32| {
+        let p: Vec<u32> = (0..100u32).map(|t| (t * 31 + i * 977) % 4000 + 10).collect();
+        c.http.post(c.url("/v1/completions")).json(&json!({"prompt": p, "max_tokens": 400, "ignore_eos": true, "stream": true})).send()
+    };
+    let mut running = Vec::new();
+    for i in 0..3 {
+        let r = stream(i).await.unwrap();
+        assert_eq!(r.status(), 200, "stream {i} fits");
+        running.push(r);
+    }
+    let refused = stream(3).await.unwrap();
+    assert_eq!(refused.status(), 503, "the third stream's expected growth makes the worker busy");
+    let usage = c.sim_metrics(0).await.sum("vllm:kv_cache_usage_perc", &[]);
+    assert!(usage < 0.6, "refused on what the streams will hold, not on what they hold now ({usage})");
+    let workers: Value = c.http.get(c.admin("/workers")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(workers["models"][0]["workers"][0]["expected_blocks"], 57, "{workers}");
+    // A request that is expected to generate one token fits where long ones do not.
+    drop(running.pop());
+    assert!(wait_until(Duration::from_secs(5), || async { c.gateway_metrics().await.sum("kvgate_worker_requests_in_flight", &[]) == 2.0 }).await.is_some());
+    let short = c.http.post(c.url("/v1/completions")).json(&json!({"prompt": "x", "max_tokens": 1})).send().await.unwrap();
+    assert_eq!(short.status(), 200);
+    drop(running);
+    assert!(wait_until(Duration::from_secs(5), || async { c.gateway_metrics().await.sum("kvgate_worker_requests_in_flight", &[]) == 0.0 }).await.is_some());
+    let workers: Value = c.http.get(c.admin("/workers")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(workers["models"][0]["workers"][0]["expected_blocks"], 0, "every reservation released");
 }
 
 #[tokio::test]

@@ -110,9 +110,11 @@ impl Model {
 
     /// Whether worker `i` is over a busy threshold. Per DP rank: the worker's reported KV usage
     /// and capacity, and the bookings spread evenly over the ranks (vLLM balances its ranks).
+    /// The booked blocks include what its requests' output is expected to fill
+    /// ([`kvgate_filters::ledger::Ledger::expected_blocks`]).
     pub fn busy(&self, i: usize, t: &Thresholds) -> bool {
         let w = &self.workers[i];
-        let (prefill, blocks) = (self.ledger.prefill_tokens(i as u16), self.ledger.active_blocks(i as u16));
+        let (prefill, blocks) = (self.ledger.prefill_tokens(i as u16), self.ledger.expected_blocks(i as u16));
         let reported = w.reported();
         let dp = self.cfg.workers.get(i).map_or(1, |c| c.dp_size.max(1)) as usize;
         let ranks: Vec<RankLoad> = (0..dp)

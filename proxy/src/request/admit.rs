@@ -163,6 +163,7 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
         Some((path, reply)) => (super::state::Forward::post(path), Some(reply)),
         None => (super::state::Forward::of(session.req()), None),
     };
+    let output_limit = parsed.as_ref().and_then(|p| super::parsed::output_limit(&p.fields));
     if model.kv.is_none() {
         parsed = None;
     }
@@ -191,6 +192,7 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
         stored,
         view,
         parsed,
+        output_limit,
         stream,
         model,
         kv: None,

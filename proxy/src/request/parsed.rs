@@ -194,6 +194,12 @@ impl Piece {
     }
 }
 
+/// The output limit a request body sets: `max_tokens` (completions, chat, Messages),
+/// `max_completion_tokens` (chat) or `max_output_tokens` (Responses), the first one present.
+pub fn output_limit(fields: &Value) -> Option<u64> {
+    ["max_tokens", "max_completion_tokens", "max_output_tokens"].iter().find_map(|k| fields.get(*k)?.as_u64())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

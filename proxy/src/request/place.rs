@@ -229,10 +229,7 @@ fn expected_output(req: &RequestState) -> f64 {
     if let Some(osl) = req.view.expected_output() {
         return osl as f64;
     }
-    let mean = req.model.ledger.mean_output();
-    let fields = req.parsed.as_ref().map(|p| &p.fields);
-    let limit = ["max_tokens", "max_completion_tokens", "max_output_tokens"].iter().find_map(|k| fields?.get(*k)?.as_u64());
-    match (limit, mean) {
+    match (req.output_limit, req.model.ledger.mean_output()) {
         (Some(l), Some(m)) => (l as f64).min(4.0 * m),
         (Some(l), None) => l as f64,
         (None, Some(m)) => m,
@@ -300,6 +297,8 @@ fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, de
     // predicted the worker computes, so a shared prefix is not booked once per follower.
     let prefill_tokens = req.predicted.map_or(prompt_tokens - cached_tokens, |p| (p.new_tokens.max(0.0) as u64).min(prompt_tokens));
     let prefill_time = req.predicted.map_or(Duration::ZERO, |p| Duration::from_secs_f64(p.own_ms.max(0.0) / 1000.0));
+    // Load shedding counts the blocks its output will fill.
+    let output_estimate = expected_output(req).max(0.0) as u64;
     let footprint = match &req.kv {
         // `/tokenize` and `/detokenize` compute nothing worth booking: only the request counts.
         _ if !req.endpoint.infers() => Footprint::default(),
@@ -311,10 +310,16 @@ fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, de
             let decision_time = Duration::from_micros(now.saturating_sub(began));
             mm.decision_time.observe((decision_time + k.lookup_time).as_secs_f64());
             let expected_output = req.view.expected_output();
-            Footprint { prefill_tokens, chain: k.chain.clone(), private_blocks: 0, prompt_tokens, expected_output, prefill_time }
+            Footprint { prefill_tokens, chain: k.chain.clone(), private_blocks: 0, prompt_tokens, expected_output, output_estimate, prefill_time }
         }
         // Not tokenized: a prediction (made without the prompt's length) does not count.
-        None => Footprint { prefill_tokens: prompt_tokens - cached_tokens, private_blocks: prompt_tokens / bs, prompt_tokens, ..Footprint::default() },
+        None => Footprint {
+            prefill_tokens: prompt_tokens - cached_tokens,
+            private_blocks: prompt_tokens / bs,
+            prompt_tokens,
+            output_estimate,
+            ..Footprint::default()
+        },
     };
     match req.booking.as_mut() {
         Some(b) => b.move_to(idx as u16, footprint),

@@ -72,6 +72,8 @@ pub struct RequestState {
     pub view: RequestView,
     /// The whole body, parsed only when kv routing tokenizes it.
     pub parsed: Option<super::parsed::ParsedBody>,
+    /// The client's output limit (`max_tokens` and its aliases), read where the body was parsed.
+    pub output_limit: Option<u64>,
     /// Whether the client asked for a stream.
     pub stream: bool,
     /// The model it addressed, as of its arrival (a reload never changes it under the request).
