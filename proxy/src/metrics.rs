@@ -51,6 +51,9 @@ pub struct Metrics {
     pub forgone: HistogramVec,
     /// `kvgate_routing_decision_seconds{model}`: tokenize excluded.
     pub decision_time: HistogramVec,
+    /// `kvgate_routing_slo_total{model,predicted}`: placements of requests with latency
+    /// objectives, by whether the chosen worker was predicted to meet them (`met`, `missed`).
+    pub slo: IntCounterVec,
     /// `kvgate_worker_active_prefill_tokens{model,worker}`.
     pub active_prefill: IntGaugeVec,
     /// `kvgate_worker_active_blocks{model,worker}`.
@@ -244,6 +247,11 @@ impl Metrics {
                 &["endpoint", "reason"],
             ),
             issued: counter("kvgate_tasks_issued_total", "Requests sent to a worker.", &["model"]),
+            slo: counter(
+                "kvgate_routing_slo_total",
+                "Placements of requests with latency objectives, by whether the chosen worker was predicted to meet them.",
+                &["model", "predicted"],
+            ),
             worker_busy: gauge("kvgate_worker_busy", "1 if the worker was over a busy threshold at the last decision.", &["model", "worker"]),
             queued: gauge("kvgate_queued_requests", "Requests held in the router queue.", &["model"]),
             queue_wait: hist("kvgate_queue_wait_seconds", "Time requests spent in the router queue.", LATENCY_BUCKETS, &["model"]),
@@ -302,6 +310,8 @@ pub struct ModelMetrics {
     pub decision_time: Histogram,
     /// `kvgate_routing_decisions_total{model,worker}`, by worker id.
     pub decisions: Vec<IntCounter>,
+    /// `kvgate_routing_slo_total{model,predicted}`: `met` and `missed`.
+    pub slo: [IntCounter; 2],
     /// By [`crate::endpoint::Endpoint::index`].
     pub endpoints: Vec<EndpointMetrics>,
 }
@@ -328,6 +338,7 @@ impl ModelMetrics {
             forgone: m.forgone.with_label_values(&[name]),
             decision_time: m.decision_time.with_label_values(&[name]),
             decisions: workers.iter().map(|w| m.decisions.with_label_values(&[name, w.as_str()])).collect(),
+            slo: ["met", "missed"].map(|p| m.slo.with_label_values(&[name, p])),
             endpoints,
         }
     }

@@ -5,7 +5,7 @@
 //! go there?" while it runs and after it finished.
 
 use crate::fleet::Worker;
-use kvgate_filters::route::{Candidate, KvParams, KvPolicy, RequestSummary, Terms};
+use kvgate_filters::route::{Candidate, KvParams, KvPolicy, RequestSummary, Slo, Terms};
 use serde_json::{Value, json};
 use std::sync::Arc;
 
@@ -77,6 +77,9 @@ pub struct Placement {
     /// Output tokens expected of the request, and left to the requests already decoding (the
     /// `time` cost's decode terms; 0: unknown).
     pub output: (f64, f64),
+    /// The request's latency objectives (the `time` cost chose among the workers predicted to
+    /// meet them).
+    pub slo: Slo,
     /// How the leg to the chosen worker ended: `ok`, or the error kind.
     pub outcome: Option<&'static str>,
 }
@@ -111,6 +114,7 @@ impl Placement {
             prompt_blocks: self.prompt.1,
             expected_output_tokens: self.output.0,
             others_remaining_tokens: self.output.1,
+            slo: self.slo,
             ..RequestSummary::default()
         }
         .among(&self.candidates);
@@ -147,6 +151,10 @@ impl Placement {
                             v["behind_ms"] = json!(t.behind_ms);
                             v["decode_ms"] = json!(t.decode_ms);
                             v["imposed_ms"] = json!(t.imposed_ms);
+                            v["tpot_ms"] = json!(t.tpot_ms);
+                            if self.slo.is_set() {
+                                v["slo_violation"] = json!(self.slo.violation(t.ttft_ms(), t.tpot_ms));
+                            }
                         }
                     }
                     v["cost"] = json!(cost);
@@ -189,6 +197,7 @@ mod tests {
             kv: Some(KvParams { block_size: 16, cost: kvgate_filters::route::Cost::Blocks, ..KvParams::default() }),
             prompt: (64, 4),
             output: (0.0, 0.0),
+            slo: Slo::default(),
             outcome: None,
         });
         r.leg_ended("ok");

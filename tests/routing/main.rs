@@ -664,3 +664,38 @@ async fn a_lora_adapters_blocks_are_its_own() {
     let (_, salted) = salted_completion(&c, "adapter-salted", &p, Some("tenant-a"), Some("sql")).await;
     assert_eq!(salted, 0, "nor for the adapter under a salt");
 }
+
+#[tokio::test]
+async fn latency_objectives_are_predicted_per_worker_counted_and_checked() {
+    let c = kv_cluster_with("slo:\n  ttft_ms: 60000\n  tpot_ms: 1000").await;
+    let send = |id: &'static str, tpot: Option<&'static str>| {
+        let mut r = c.http.post(c.url("/v1/completions")).header("x-request-id", id).json(&json!({"prompt": prompt(7, 1, 2), "max_tokens": 4}));
+        if let Some(v) = tpot {
+            r = r.header("x-slo-tpot-ms", v);
+        }
+        r.send()
+    };
+    let r = send("slo-met", None).await.unwrap();
+    assert_eq!(r.status(), 200);
+    r.bytes().await.unwrap();
+    let v: Value = c.http.get(c.admin("/requests/slo-met")).send().await.unwrap().json().await.unwrap();
+    let candidates = v["route_receipt"][0]["candidates"].as_array().cloned().unwrap_or_default();
+    assert_eq!(candidates.len(), 4, "{v}");
+    for cand in &candidates {
+        assert!(cand["tpot_ms"].as_f64().is_some_and(|t| t > 0.0), "each worker's predicted time per token: {cand}");
+        assert_eq!(cand["slo_violation"], 0.0, "the model's generous objectives are met everywhere: {cand}");
+    }
+    // A request's own objective overrides the model's: one no worker can meet is still
+    // served, by the worker predicted to miss it least, and counted as missed.
+    let r = send("slo-missed", Some("0.001")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    r.bytes().await.unwrap();
+    let m = c.gateway_metrics().await;
+    assert_eq!(m.sum("kvgate_routing_slo_total", &[("predicted", "met")]), 1.0);
+    assert_eq!(m.sum("kvgate_routing_slo_total", &[("predicted", "missed")]), 1.0);
+    let bad = send("slo-bad", Some("fast")).await.unwrap();
+    assert_eq!(bad.status(), 400);
+    let e: Value = bad.json().await.unwrap();
+    assert_eq!(e["error"]["param"], "x-slo-tpot-ms", "{e}");
+    assert!(e["error"]["message"].as_str().unwrap_or_default().contains("positive number of milliseconds"), "{e}");
+}

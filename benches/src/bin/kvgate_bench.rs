@@ -734,6 +734,10 @@ struct Common {
     /// Goodput SLO: mean inter-token latency, ms.
     #[arg(long, default_value_t = 100.0)]
     slo_itl_ms: f64,
+    /// compare: give kvgate targets the goodput SLO as their model's latency objectives
+    /// (`slo: {ttft_ms, tpot_ms}`), so they route to meet it.
+    #[arg(long)]
+    kvgate_slo: bool,
     /// Output folder for results.json, results.md and ttft_cdf.svg.
     #[arg(long, default_value = "benches/out/latest")]
     out: PathBuf,
@@ -1003,6 +1007,10 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
                 return 1;
             }
         }
+    }
+    if common.kvgate_slo {
+        kvgate_tokenizer.push_str(&format!("\nslo: {{ttft_ms: {}, tpot_ms: {}}}", common.slo_ttft_ms, common.slo_itl_ms));
+        notes.push(format!("kvgate targets route with slo: {{ttft_ms: {}, tpot_ms: {}}}.", common.slo_ttft_ms, common.slo_itl_ms));
     }
     let logs = common.out.join("logs");
     for ((t, peer), &api) in targets.iter().zip(&parsed).flat_map(|tp| apis.iter().map(move |a| (tp, a))) {

@@ -159,16 +159,24 @@ impl Policy for KvPolicy {
     fn choose(&self, req: &RequestSummary<'_>, candidates: &[Candidate]) -> Decision {
         let req = &self.sized(req.among(candidates));
         let debug = tracing::enabled!(tracing::Level::DEBUG);
-        let costs: Vec<f64> = candidates
+        let held = req.slo.is_set() && self.params.cost == Cost::Time;
+        let mut violations = Vec::new();
+        let mut costs: Vec<f64> = candidates
             .iter()
             .map(|c| {
                 let (cost, terms) = self.priced(req, c);
                 if debug {
                     tracing::debug!(request_id = req.request_id, worker = c.id, overlap = c.overlap_blocks, ?terms, cost, "kv routing");
                 }
+                if let (true, Terms::Time(p)) = (held, terms) {
+                    violations.push(req.slo.violation(p.ttft_ms(), p.tpot_ms));
+                }
                 cost
             })
             .collect();
+        if held {
+            meeting_the_slo(&mut costs, &violations);
+        }
         match self.params.temperature {
             t if t > 0.0 => self.sample(&costs, t).unwrap_or_else(|| self.cheapest(candidates, &costs)),
             _ => self.cheapest(candidates, &costs),
@@ -180,12 +188,13 @@ impl KvPolicy {
     /// A softmax draw over the normalised costs at temperature `t`; `None` when every cost is
     /// the same.
     fn sample(&self, costs: &[f64], t: f64) -> Option<Decision> {
-        let (min, max) = costs.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &c| (lo.min(c), hi.max(c)));
+        // An infinite cost (a candidate an objective rules out) is never drawn.
+        let (min, max) = costs.iter().filter(|c| c.is_finite()).fold((f64::MAX, f64::MIN), |(lo, hi), &c| (lo.min(c), hi.max(c)));
         let range = max - min;
         if range <= 0.0 {
             return None;
         }
-        let weights: Vec<f64> = costs.iter().map(|&c| (-((c - min) / range) / t).exp()).collect();
+        let weights: Vec<f64> = costs.iter().map(|&c| if c.is_finite() { (-((c - min) / range) / t).exp() } else { 0.0 }).collect();
         let mut x = self.uniform() * weights.iter().sum::<f64>();
         for (i, w) in weights.iter().enumerate() {
             x -= w;
@@ -209,9 +218,22 @@ impl KvPolicy {
     }
 }
 
+/// Leaves in `costs` only the candidates predicted to meet the request's objectives (their
+/// `violations` are 0); when none is, only those predicted to miss them least. The others cost
+/// infinitely much, so the cheapest (or a softmax draw) is among those kept.
+fn meeting_the_slo(costs: &mut [f64], violations: &[f64]) {
+    let least = violations.iter().copied().fold(f64::INFINITY, f64::min);
+    for (cost, &v) in costs.iter_mut().zip(violations) {
+        if v > least + 1e-9 {
+            *cost = f64::INFINITY;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::route::Slo;
 
     fn req(tokens: u32) -> RequestSummary<'static> {
         RequestSummary {
@@ -269,6 +291,26 @@ mod tests {
         assert_eq!(p.choose(&asking(0.0), &[crowded.clone(), idle.clone()]), Decision::Worker(0), "an unknown length prices no decode");
         let off = KvPolicy::new(KvParams::default());
         assert_eq!(off.choose(&asking(1000.0), &[crowded, idle]), Decision::Worker(0), "price_decode off (the default for now) is #14's cost");
+    }
+
+    #[test]
+    fn objectives_choose_among_the_workers_predicted_to_meet_them() {
+        // Worker 0 holds the prompt but steps in ~8.8 ms with this request added; worker 1 is
+        // idle (~6.1 ms) and must prefill all 2,048 tokens (~80 ms to the first token).
+        let p = KvPolicy::new(KvParams::default());
+        let crowded = Candidate { id: 0, overlap_blocks: 128, in_flight: 24, active_blocks: 24 * 128, ..Default::default() };
+        let idle = Candidate { id: 1, ..Default::default() };
+        let both = [crowded, idle];
+        let with = |ttft: Option<f64>, tpot: Option<f64>| RequestSummary { slo: Slo { ttft_ms: ttft, tpot_ms: tpot }, ..req(2048) };
+        assert_eq!(p.choose(&with(None, None), &both), Decision::Worker(0), "no objective: the cheapest, where the prefix is");
+        assert_eq!(p.choose(&with(None, Some(8.0)), &both), Decision::Worker(1), "only the idle worker meets 8 ms a token");
+        assert_eq!(p.choose(&with(Some(1000.0), Some(10.0)), &both), Decision::Worker(0), "both meet: the cheapest");
+        assert_eq!(p.choose(&with(None, Some(5.0)), &both), Decision::Worker(1), "neither meets 5 ms: the one missing it least");
+        assert_eq!(p.choose(&with(Some(50.0), Some(8.0)), &both), Decision::Worker(0), "a 10% TPOT miss over a 60% TTFT miss");
+        let hot = KvPolicy::new(KvParams { temperature: 0.5, ..KvParams::default() });
+        for _ in 0..50 {
+            assert_eq!(hot.choose(&with(None, Some(8.0)), &both), Decision::Worker(1), "a softmax draw never picks a worker ruled out");
+        }
     }
 
     #[test]

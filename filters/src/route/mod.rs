@@ -9,6 +9,7 @@ mod policy;
 mod queue;
 mod random;
 mod round_robin;
+mod slo;
 pub mod time;
 
 pub use kv::{Cost, KvParams, KvPolicy, Terms};
@@ -16,6 +17,7 @@ pub use policy::{Candidate, Decision, Policy, RequestSummary};
 pub use queue::{QueueError, RouterQueue};
 pub use random::Random;
 pub use round_robin::RoundRobin;
+pub use slo::Slo;
 
 /// Built-in routing modes selectable by name in the config.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -30,6 +30,9 @@ pub struct RequestSummary<'a> {
     pub expected_output_tokens: f64,
     /// Output tokens a request already decoding has left, on average (0: unknown).
     pub others_remaining_tokens: f64,
+    /// Its latency objectives (the model's, or its own): the `time` cost chooses among the
+    /// workers predicted to meet them.
+    pub slo: super::Slo,
     /// Request headers a plugin policy is allowed to see (lower-case names).
     pub headers: &'a [(String, String)],
     /// The request's `nvext` object as JSON text, if any.

@@ -173,6 +173,9 @@ pub struct Prediction {
     /// What its decode costs the requests decoding there: each step of theirs it overlaps is
     /// longer by its sequence and context.
     pub imposed_ms: f64,
+    /// Its predicted time per output token there: the worker's step with its own sequence and
+    /// context added (what a `tpot_ms` objective is held to).
+    pub tpot_ms: f64,
 }
 
 impl Prediction {
@@ -256,7 +259,8 @@ impl TimePriors {
         let arriving = req.arrivals_per_worker_s * join_ms / 1000.0;
         let behind_ms = if pricing.queue { prefill_ms * (f64::from(c.prefilling) + arriving) * busy } else { 0.0 };
         let duplicate_ms = if pricing.duplicates { a * evicting_tokens(req, c, prompt, bs) * busy } else { 0.0 };
-        let (decode_ms, imposed_ms) = if pricing.decode { self.decode_terms(req, c, step, prompt) } else { (0.0, 0.0) };
+        let delta = self.added_step_ms(req, c, prompt);
+        let (decode_ms, imposed_ms) = if pricing.decode { decode_terms(req, c, step, delta) } else { (0.0, 0.0) };
         Prediction {
             new_tokens: new,
             wait_ms,
@@ -270,25 +274,32 @@ impl TimePriors {
             ms_per_prefill_token: a,
             decode_ms,
             imposed_ms,
+            tpot_ms: step + delta,
         }
     }
 
-    /// `decode` and `imposed` (module doc) of `req` on `c`, whose step is `step` ms now.
+    /// `Δ` (module doc): what `req`'s sequence and context add to each step of `c`, scaled by
+    /// `c`'s measured step over the prior's for its load (how much slower or faster than the
+    /// prior its every step is).
     #[inline]
-    fn decode_terms(&self, req: &RequestSummary<'_>, c: &Candidate, step: f64, prompt: f64) -> (f64, f64) {
-        let out = req.expected_output_tokens;
-        if out <= 0.0 {
-            return (0.0, 0.0);
-        }
-        // The worker's measured step over the prior's for its load: how much slower (or
-        // faster) than the prior its every step is, this request's share included.
+    fn added_step_ms(&self, req: &RequestSummary<'_>, c: &Candidate, prompt: f64) -> f64 {
         let prior = self.step_ms(c, req.block_size);
         let k = if c.step_ms > 0.0 && prior > 0.0 { c.step_ms / prior } else { 1.0 };
-        let delta = k * (self.step_ms_per_seq + self.step_ms_per_ctx_token * (prompt + out / 2.0));
-        let remaining = if req.others_remaining_tokens > 0.0 { req.others_remaining_tokens } else { out };
-        let shared = out.min(remaining);
-        (shared * step + out * delta, f64::from(c.in_flight) * delta * shared)
+        k * (self.step_ms_per_seq + self.step_ms_per_ctx_token * (prompt + req.expected_output_tokens.max(0.0) / 2.0))
     }
+}
+
+/// `decode` and `imposed` (module doc) of `req` on `c`, whose step is `step` ms now and which
+/// adds `delta` ms to each.
+#[inline]
+fn decode_terms(req: &RequestSummary<'_>, c: &Candidate, step: f64, delta: f64) -> (f64, f64) {
+    let out = req.expected_output_tokens;
+    if out <= 0.0 {
+        return (0.0, 0.0);
+    }
+    let remaining = if req.others_remaining_tokens > 0.0 { req.others_remaining_tokens } else { out };
+    let shared = out.min(remaining);
+    (shared * step + out * delta, f64::from(c.in_flight) * delta * shared)
 }
 
 /// The tokens of the copy of a prefix that `c` would make (`duplicate`, module doc) that cost a

@@ -288,6 +288,7 @@ fn model(cfg: &Config, m: &ModelConfig) -> Result<(), Invalid> {
     }
     m.shedding.thresholds.validate().map_err(|e| (format!("model {:?}: shedding: {e}", m.name), at("shedding".into(), 1)))?;
     m.disaggregation.validate().map_err(|e| (format!("model {:?}: disaggregation: {e}", m.name), at("disaggregation".into(), 1)))?;
+    m.slo.validate().map_err(|e| (format!("model {:?}: slo: {e}", m.name), at("slo".into(), 1)))?;
     super::planner::validate(&m.planner).map_err(|e| (format!("model {:?}: planner: {e}", m.name), at("planner".into(), 1)))?;
     routing(cfg, m)?;
     workers(m)

@@ -334,6 +334,10 @@ pub struct ModelConfig {
     /// Prefill/decode disaggregation, for a model with `role: prefill` workers.
     #[serde(default)]
     pub disaggregation: Disaggregation,
+    /// Latency objectives (`ttft_ms`, `tpot_ms`) the `time` cost routes to meet; a request's
+    /// `x-slo-ttft-ms` / `x-slo-tpot-ms` headers override them.
+    #[serde(default)]
+    pub slo: kvgate_filters::route::Slo,
     /// The vLLM servers serving it.
     pub workers: Vec<WorkerConfig>,
 }

@@ -12,6 +12,7 @@ use crate::gateway::Gateway;
 use crate::inflight::RequestEntry;
 use kvgate_filters::cancel::RequestContext;
 use kvgate_filters::migrate::PinReason;
+use kvgate_filters::route::Slo;
 use serde::Deserialize;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -103,6 +104,22 @@ fn view_of(endpoint: Endpoint, content_type: Option<&str>, body: &[u8], ids: boo
     }
 }
 
+/// The latency objectives a request sets for itself (`x-slo-ttft-ms`, `x-slo-tpot-ms`): a
+/// positive number of milliseconds each, or a 400 naming the header.
+fn slo_headers(session: &ClientConn) -> Result<Slo, Outcome> {
+    let bound = |name: &'static str| -> Result<Option<f64>, Outcome> {
+        let Some(v) = session.req().header_str(name) else { return Ok(None) };
+        match v.trim().parse::<f64>() {
+            Ok(ms) if ms.is_finite() && ms > 0.0 => Ok(Some(ms)),
+            _ => Err(Outcome::Refused(GatewayError::BadRequest {
+                message: format!("Invalid {name} header {v:?}: expected a positive number of milliseconds"),
+                param: Some(name),
+            })),
+        }
+    };
+    Ok(Slo { ttft_ms: bound("x-slo-ttft-ms")?, tpot_ms: bound("x-slo-tpot-ms")? })
+}
+
 /// Whether a stream of `endpoint` would move but for its API (so it is pinned with reason
 /// `api`): never while migration is off, when nothing moves.
 fn movable_api(cfg: &crate::config::Config, stream: bool, endpoint: Endpoint) -> bool {
@@ -164,6 +181,7 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
         None => (super::state::Forward::of(session.req()), None),
     };
     let output_limit = parsed.as_ref().and_then(|p| super::parsed::output_limit(&p.fields));
+    let slo = model.cfg.slo.overridden_by(slo_headers(session)?);
     if model.kv.is_none() {
         parsed = None;
     }
@@ -193,6 +211,7 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
         view,
         parsed,
         output_limit,
+        slo,
         stream,
         model,
         kv: None,

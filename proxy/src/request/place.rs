@@ -80,6 +80,10 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
         Terms::Time(p) => Some(p),
         Terms::Blocks { .. } => None,
     });
+    if let (true, Some(p)) = (req.slo.is_set(), req.predicted) {
+        let met = req.slo.violation(p.ttft_ms(), p.tpot_ms) <= 0.0;
+        model.metrics(&gw.metrics).slo[usize::from(!met)].inc();
+    }
     let idx = eligible[k];
     if model.disaggregates() {
         gw.metrics.disagg.decisions.with_label_values(&[model.cfg.name.as_str(), model.role(idx).label()]).inc();
@@ -101,6 +105,7 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
         kv,
         prompt,
         output,
+        slo: req.slo,
         outcome: None,
     });
     // A prefill leg is not where the request runs: the registry (and a move order) sees the
@@ -216,6 +221,7 @@ fn summary(req: &RequestState, now: u64) -> RequestSummary<'_> {
         arrivals_per_worker_s: model.ledger.arrivals_per_worker_at(now),
         expected_output_tokens: expected_output(req),
         others_remaining_tokens: model.ledger.mean_output().map_or(0.0, |m| m / 2.0),
+        slo: req.slo,
         headers: &req.plugin_headers,
         nvext: req.plugin_nvext.as_deref(),
     }

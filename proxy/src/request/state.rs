@@ -74,6 +74,8 @@ pub struct RequestState {
     pub parsed: Option<super::parsed::ParsedBody>,
     /// The client's output limit (`max_tokens` and its aliases), read where the body was parsed.
     pub output_limit: Option<u64>,
+    /// Its latency objectives: the model's, each overridden by the request's own header.
+    pub slo: kvgate_filters::route::Slo,
     /// Whether the client asked for a stream.
     pub stream: bool,
     /// The model it addressed, as of its arrival (a reload never changes it under the request).

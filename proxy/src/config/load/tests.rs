@@ -184,3 +184,14 @@ fn worker_roles_and_the_disaggregation_section() {
     let e = load(&pd.replace("    workers:\n", "    planner:\n      enabled: true\n      mode: observe_only\n    workers:\n")).unwrap_err();
     assert!(e.message.contains("does not scale a disaggregated fleet"), "{e}");
 }
+
+#[test]
+fn latency_objectives_per_model_are_checked_with_their_place() {
+    let c = load(&GOOD.replace("    workers:\n", "    slo:\n      ttft_ms: 800\n      tpot_ms: 40\n    workers:\n")).unwrap();
+    assert_eq!(c.models[0].slo, kvgate_filters::route::Slo { ttft_ms: Some(800.0), tpot_ms: Some(40.0) });
+    assert!(!load(GOOD).unwrap().models[0].slo.is_set(), "no objectives by default");
+    let e = load(&GOOD.replace("    workers:\n", "    slo:\n      tpot_ms: -5\n    workers:\n")).unwrap_err();
+    assert!(e.message.contains("slo: tpot_ms must be a positive number"), "{e}");
+    let e = load(&GOOD.replace("    workers:\n", "    slo:\n      ttft: 800\n    workers:\n")).unwrap_err();
+    assert!(e.message.contains("ttft") && e.line.is_some(), "an unknown key names its line: {e}");
+}
