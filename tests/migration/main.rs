@@ -508,6 +508,29 @@ async fn the_rescheduler_moves_streams_and_they_stay_identical() {
     assert!(v["last_cycle"]["models"][0]["model"] == "sim-model", "{v}");
 }
 
+#[tokio::test]
+async fn decode_load_can_read_routings_tpot_predictor() {
+    // kv mode: the rescheduler's predicted TPOT is routing's step predictor. An idle,
+    // uncalibrated worker's prior step is 6 ms; one decoding a stream steps longer. With
+    // tpot_slo 6.02 ms and
+    // decode_load on predicted_tpot_ratio (threshold 1.0), the worker running the stream is a
+    // source and the idle one a destination, so the stream moves, whole.
+    let extra = "rescheduling:\n  enable_rescheduling: true\n  rescheduling_policies: decode_load\n  rescheduling_interval_ms: 100\n  \
+                 rescheduling_decode_load_metric: predicted_tpot_ratio\n  tpot_slo: 6.02\n";
+    let opts = GatewayOpts { mode: "kv".into(), extra: extra.into(), ..GatewayOpts::default() };
+    let c = Cluster::sims_with_events(2, sim(1.0), opts).await;
+    let body = json!({"prompt": unique_text(30), "max_tokens": 400, "temperature": 0, "ignore_eos": true, "stream": true,
+                      "stream_options": {"include_usage": true}, "return_token_ids": true});
+    let (_, _, first) = sse::stream(&c.http, &c.url("/v1/completions"), &body).await;
+    let m = c.gateway_metrics().await;
+    let moved = m.sum("kvgate_migrations_total", &[("reason", "decode_load"), ("outcome", "ok")]);
+    assert!(moved >= 1.0, "the loaded worker's predicted TPOT made it a source");
+    let plain = Cluster::sims(2, sim(4.0), GatewayOpts::default()).await;
+    let (_, _, reference) = sse::stream(&plain.http, &plain.url("/v1/completions"), &body).await;
+    assert_eq!(essence(&first), essence(&reference), "moved by predicted TPOT vs never moved");
+    bookings_are_zero(&c).await;
+}
+
 async fn workers_listed(c: &Cluster, n: usize) {
     // Generous: on a loaded machine the file watch can take seconds to notice an edit.
     wait_until(Duration::from_secs(20), || async {

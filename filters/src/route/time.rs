@@ -223,6 +223,13 @@ impl TimePriors {
         self.step_overhead_ms + self.step_ms_per_seq * f64::from(c.in_flight) + self.step_ms_per_ctx_token * ctx
     }
 
+    /// `c`'s decode step time, ms: its calibrated figure once measured, else the prior for its
+    /// booked load. The one inter-token latency predictor: routing's cost and the
+    /// rescheduler's view of a loaded worker both read it.
+    pub fn step_of(&self, c: &Candidate, block_size: u32) -> f64 {
+        if c.step_ms > 0.0 { c.step_ms } else { self.step_ms(c, block_size) }
+    }
+
     /// `c`'s prefill time per uncached token, ms: its calibrated figure once measured, else the
     /// prior.
     pub fn ms_per_prefill_token(&self, c: &Candidate) -> f64 {
@@ -240,7 +247,7 @@ impl TimePriors {
         let a = self.ms_per_prefill_token(c);
         let queued = c.active_prefill_tokens as f64;
         let prefill_ms = a * new * (1.0 + (cached + new / 2.0) / self.attention_tokens);
-        let step = if c.step_ms > 0.0 { c.step_ms } else { self.step_ms(c, req.block_size) };
+        let step = self.step_of(c, req.block_size);
         let chunk = self.chunk_tokens.max(1.0);
         let steps = ((queued + new) / chunk).ceil().max(1.0);
         // A worker stepping now (requests running, a token within two steps) takes it when its

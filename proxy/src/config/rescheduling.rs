@@ -60,6 +60,9 @@ pub enum LoadMetric {
     KvCacheUsageRatioProjected,
     /// The worker's reported KV usage only.
     KvCacheUsageRatio,
+    /// The worker's predicted time per output token (routing's step predictor, #39) over
+    /// `tpot_slo`: 1.0 is a worker at its SLO.
+    PredictedTpotRatio,
 }
 
 impl Default for Rescheduling {

@@ -167,21 +167,25 @@ fn view(model: &Model, r: &Rescheduling, metric: LoadMetric) -> Vec<Instance> {
         .map(|(i, w)| {
             // What routing sees of it: reported usage (fullest rank), capacity, bookings.
             let c = model.candidate(i, false, now);
-            // Prefill the gateway booked and the worker has not cached yet.
-            let pending = match (metric, c.total_blocks) {
-                (LoadMetric::KvCacheUsageRatioProjected, t) if t > 0 => c.active_prefill_tokens as f64 / (t as f64 * f64::from(model.cfg.block_size.max(1))),
-                _ => 0.0,
+            let tpot_ms = model.predicted_tpot_ms(i, &c);
+            let load = match (metric, c.total_blocks) {
+                // Prefill the gateway booked and the worker has not cached yet.
+                (LoadMetric::KvCacheUsageRatioProjected, t) if t > 0 => {
+                    c.kv_usage + c.active_prefill_tokens as f64 / (t as f64 * f64::from(model.cfg.block_size.max(1)))
+                }
+                (LoadMetric::PredictedTpotRatio, _) => tpot_ms.unwrap_or(0.0) / r.tpot_slo,
+                _ => c.kv_usage,
             };
             let wc = model.cfg.workers.get(i);
             Instance {
                 id: i as u32,
-                load: c.kv_usage + pending,
+                load,
                 // A paused or sleeping worker takes no stream: to the rescheduler it is down.
                 healthy: c.healthy && !w.is_paused(),
                 stale: w.report_age().is_some_and(|a| a > stale_after),
                 node: wc.and_then(|c| c.node.clone()),
                 unit: wc.and_then(|c| c.unit.clone()),
-                tpot_ms: (c.in_flight > 0).then(|| w.itl_ms()).flatten(),
+                tpot_ms,
                 decode_batch: f64::from(c.in_flight),
             }
         })
