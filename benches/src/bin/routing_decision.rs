@@ -8,7 +8,8 @@
 //!   cargo build --release -p kvgate-bench && taskset -c 0 target/release/routing-decision
 
 use kvgate_filters::ledger::{Footprint, Ledger, Tracking};
-use kvgate_filters::route::{Candidate, Cost, KvParams, KvPolicy, Policy, RequestSummary, RoundRobin};
+use kvgate_filters::route::time::Pricing;
+use kvgate_filters::route::{Candidate, Cost, KvParams, KvPolicy, Policy, RequestSummary, RoundRobin, Slo};
 use kvgate_kv::hash::{DEFAULT_SEED, Hasher};
 use kvgate_kv::index::{FlatIndex, KvIndex};
 use std::hint::black_box;
@@ -59,6 +60,8 @@ fn main() {
         }
     }
     let time = KvPolicy::new(KvParams::default());
+    // #39's whole cost: the decode terms priced and latency objectives to meet.
+    let full = KvPolicy::new(KvParams { pricing: Pricing { decode: true, ..Pricing::default() }, ..KvParams::default() });
     let blocks = KvPolicy::new(KvParams { cost: Cost::Blocks, ..KvParams::default() });
     let candidates = |cached: &[u32], booked: &[u32]| -> Vec<Candidate> {
         let now = kvgate_filters::ledger::clock_us();
@@ -74,12 +77,19 @@ fn main() {
         block_size: 16,
         ..Default::default()
     };
+    let objectives = |blocks: usize| RequestSummary {
+        expected_output_tokens: 256.0,
+        others_remaining_tokens: 128.0,
+        slo: Slo { ttft_ms: Some(500.0), tpot_ms: Some(20.0) },
+        ..summary(blocks)
+    };
     let decide_with = |policy: &KvPolicy| {
         let chain = h.chain(None, black_box(&prompt));
         let cached = index.find_matches(&chain).to_dense(WORKERS);
         let booked = active.overlap(&chain).to_dense(WORKERS);
         let cands = candidates(&cached, &booked);
-        policy.choose(&summary(chain.len()), &cands)
+        let req = if std::ptr::eq(policy, &full) { objectives(chain.len()) } else { summary(chain.len()) };
+        policy.choose(&req, &cands)
     };
     let rr = RoundRobin::default();
     let rr_decide = || {
@@ -111,6 +121,7 @@ fn main() {
     let rounds = |v: &[Duration]| v.chunks(5_000).map(|c| format!("{:.1}", pct(&mut c.to_vec(), 0.99))).collect::<Vec<_>>().join(" ");
     println!("`time` cost, p99 of each 5,000 consecutive decisions (µs): {}", rounds(&lat));
     println!("the prompt's hash alone after each decision, p99 per round (µs): {}", rounds(&probe));
+    let (mut full_lat, _) = measure(&full);
     let (mut blocks_lat, _) = measure(&blocks);
     let mut rr_lat = Vec::with_capacity(50_000);
     for _ in 0..50_000 {
@@ -176,6 +187,11 @@ fn main() {
         "| kv, `time` cost (default): hash 512 blocks + index + booked overlap + 64 candidates + cost | {:.2} µs | {:.2} µs |",
         pct(&mut lat, 0.5),
         pct(&mut lat, 0.99)
+    );
+    println!(
+        "| kv, `time` cost with `price_decode` and `slo` (ttft_ms, tpot_ms) set: the same | {:.2} µs | {:.2} µs |",
+        pct(&mut full_lat, 0.5),
+        pct(&mut full_lat, 0.99)
     );
     println!("| kv, `blocks` cost (seed 001): the same | {:.2} µs | {:.2} µs |", pct(&mut blocks_lat, 0.5), pct(&mut blocks_lat, 0.99));
     println!("| round_robin (baseline) | {:.3} µs | {:.3} µs |", pct(&mut rr_lat, 0.5), pct(&mut rr_lat, 0.99));

@@ -173,8 +173,11 @@ pub struct Prediction {
     /// What its decode costs the requests decoding there: each step of theirs it overlaps is
     /// longer by its sequence and context.
     pub imposed_ms: f64,
-    /// Its predicted time per output token there: the worker's step with its own sequence and
-    /// context added (what a `tpot_ms` objective is held to).
+    /// Its predicted time per output token there, what a `tpot_ms` objective is held to: the
+    /// worker's step with its own sequence and context added, over the share of the worker's
+    /// time its prefill leaves to decoding (`1 − ρ_w`, ρ_w its own prefill utilisation, at most
+    /// [`MAX_RHO`]): the chunks of prompts arriving there stall every decode step they share,
+    /// and on a worker that prefills long prompts that, not its batch, sets the TPOT.
     pub tpot_ms: f64,
 }
 
@@ -224,10 +227,16 @@ impl TimePriors {
     }
 
     /// `c`'s decode step time, ms: its calibrated figure once measured, else the prior for its
-    /// booked load. The one inter-token latency predictor: routing's cost and the
-    /// rescheduler's view of a loaded worker both read it.
+    /// booked load.
     pub fn step_of(&self, c: &Candidate, block_size: u32) -> f64 {
         if c.step_ms > 0.0 { c.step_ms } else { self.step_ms(c, block_size) }
+    }
+
+    /// `c`'s time per output token, ms: [`Self::step_of`] over the share of its time its
+    /// prefill leaves to decoding ([`Prediction::tpot_ms`]). The one time-per-output-token
+    /// predictor: routing's objectives and the rescheduler's view of a loaded worker read it.
+    pub fn tpot_of(&self, c: &Candidate, block_size: u32) -> f64 {
+        self.step_of(c, block_size) / decoding_share(c)
     }
 
     /// `c`'s prefill time per uncached token, ms: its calibrated figure once measured, else the
@@ -281,7 +290,7 @@ impl TimePriors {
             ms_per_prefill_token: a,
             decode_ms,
             imposed_ms,
-            tpot_ms: step + delta,
+            tpot_ms: (step + delta) / decoding_share(c),
         }
     }
 
@@ -294,6 +303,13 @@ impl TimePriors {
         let k = if c.step_ms > 0.0 && prior > 0.0 { c.step_ms / prior } else { 1.0 };
         k * (self.step_ms_per_seq + self.step_ms_per_ctx_token * (prompt + req.expected_output_tokens.max(0.0) / 2.0))
     }
+}
+
+/// The share of `c`'s time its booked prefill leaves to decoding: `1 − ρ_w`, its own prefill
+/// utilisation at most [`MAX_RHO`].
+#[inline]
+fn decoding_share(c: &Candidate) -> f64 {
+    1.0 - c.prefill_load.clamp(0.0, MAX_RHO)
 }
 
 /// `decode` and `imposed` (module doc) of `req` on `c`, whose step is `step` ms now and which
