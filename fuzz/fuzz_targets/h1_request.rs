@@ -6,9 +6,9 @@
 //!
 //! One difference is by choice and taken out of the input: kvgate passes on a target holding
 //! characters outside RFC 3986 (`` ` ``, `{`, `|`, `"`, …, and UTF-8 past ASCII), as nginx and
-//! vLLM's own server do, where hyper's `Uri` refuses them. Those
-//! bytes are replaced by `a` everywhere before both parsers read the input, so the comparison
-//! stays about framing; they never change where a request ends.
+//! vLLM's own server do, where hyper's `Uri` refuses them. Those bytes are replaced by `a` in
+//! the targets of request lines only (any line shaped `METHOD target HTTP/…`), so header names
+//! and values, chunk lines and bodies keep every byte and are compared as they are.
 #![no_main]
 
 use kvgate_fuzz::{block_on, hyper_requests};
@@ -19,8 +19,30 @@ fn outside_rfc3986(b: u8) -> bool {
     matches!(b, b'"' | b'<' | b'>' | b'\\' | b'^' | b'`' | b'{' | b'|' | b'}') || b >= 0x80
 }
 
+/// `data` with the bytes hyper's `Uri` refuses replaced in the target of every line shaped
+/// like a request line: an upper-case method, one space, the target, one space, `HTTP/`. A
+/// body or header line that happens to have that shape is changed alike for both parsers, so
+/// framing is compared all the same.
+fn targets_within_rfc3986(data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(data.len());
+    for line in data.split_inclusive(|&b| b == b'\n') {
+        let method = line.iter().take_while(|b| b.is_ascii_uppercase()).count();
+        let rest = &line[method..];
+        let target = rest.strip_prefix(b" ").and_then(|t| t.windows(6).position(|w| w == b" HTTP/").map(|end| method + 1..method + 1 + end));
+        match target {
+            Some(range) if method > 0 => {
+                out.extend_from_slice(&line[..range.start]);
+                out.extend(line[range.clone()].iter().map(|&b| if outside_rfc3986(b) { b'a' } else { b }));
+                out.extend_from_slice(&line[range.end..]);
+            }
+            _ => out.extend_from_slice(line),
+        }
+    }
+    out
+}
+
 fuzz_target!(|data: &[u8]| {
-    let data: Vec<u8> = data.iter().map(|&b| if outside_rfc3986(b) { b'a' } else { b }).collect();
+    let data = targets_within_rfc3986(data);
     let data = data.as_slice();
     let (ours, our_stop) = block_on(kvgate::fuzzing::client_requests(data));
     let (theirs, their_stop) = block_on(hyper_requests(data));
