@@ -24,7 +24,7 @@ fn fill(idx: &dyn KvIndex, workers: usize, blocks: usize, query: &[u64]) {
         conv += 1;
     }
     for w in 0..workers {
-        idx.insert(w as u16, None, &query[..1 + (w * 7) % query.len()]).unwrap();
+        idx.insert(w as u16, None, &query[..=(w * 7) % query.len()]).unwrap();
     }
 }
 

@@ -2,6 +2,7 @@
 //! in front of them, and other routers when installed; every process is killed when its
 //! [`Procs`] drops, and every port is a free one chosen up front.
 
+use std::fmt::Write as _;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -132,10 +133,10 @@ pub async fn start_kvgate(procs: &mut Procs, bin: &Path, model: &str, routing: &
     let ports = free_ports(2);
     let mut list = String::new();
     for w in workers {
-        list.push_str(&format!("      - url: {}\n        kv_events: {}\n        replay: {}\n", w.url, w.kv_events, w.replay));
+        let _ = write!(list, "      - url: {}\n        kv_events: {}\n        replay: {}\n", w.url, w.kv_events, w.replay);
     }
-    let routing: String = routing.lines().map(|l| format!("      {}\n", l.trim())).collect();
-    let extra: String = extra_model.lines().map(|l| format!("    {l}\n")).collect();
+    let routing: String = routing.lines().flat_map(|l| ["      ", l.trim(), "\n"]).collect();
+    let extra: String = extra_model.lines().flat_map(|l| ["    ", l, "\n"]).collect();
     let config = format!(
         "listen: 127.0.0.1:{}\nadmin_listen: 127.0.0.1:{}\nmodels:\n  - name: {model}\n    routing:\n{routing}{extra}    workers:\n{list}",
         ports[0], ports[1]

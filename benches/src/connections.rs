@@ -13,6 +13,7 @@
 
 use crate::cluster::{free_ports, spawn_kvgate};
 use crate::procfs;
+use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -289,8 +290,9 @@ pub fn table(figures: &[Figure]) -> String {
     );
     for f in figures {
         let mib = |k: u64| format!("{:.1} MiB", k as f64 / 1024.0);
-        t.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {:.1} KiB | {} | {} | {} | {} |\n",
+        let _ = writeln!(
+            t,
+            "| {} | {} | {} | {} | {} | {} | {:.1} KiB | {} | {} | {} | {} |",
             f.target,
             f.shape.name(),
             f.opened,
@@ -306,7 +308,7 @@ pub fn table(figures: &[Figure]) -> String {
                 Some(false) => "ANSWERED",
                 None => "-",
             }
-        ));
+        );
     }
     t
 }

@@ -15,6 +15,7 @@ use crate::cluster::{Procs, SimOptions, SimWorker, free_ports, spawn_kvgate, sta
 use crate::load::client::{self, Sample};
 use crate::{Rng, percentile};
 use serde_json::json;
+use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -185,11 +186,10 @@ fn sim_args(o: &Options, role: Option<&str>) -> Vec<String> {
 
 /// The gateway's config: kv routing at defaults, worker `i` in `roles[i]`.
 fn yaml(ports: &[u16], workers: &[SimWorker], roles: &[&str]) -> String {
-    let list: String = workers
-        .iter()
-        .zip(roles)
-        .map(|(w, r)| format!("      - url: {}\n        kv_events: {}\n        replay: {}\n        role: {r}\n", w.url, w.kv_events, w.replay))
-        .collect();
+    let list = workers.iter().zip(roles).fold(String::new(), |mut s, (w, r)| {
+        let _ = write!(s, "      - url: {}\n        kv_events: {}\n        replay: {}\n        role: {r}\n", w.url, w.kv_events, w.replay);
+        s
+    });
     format!(
         "listen: 127.0.0.1:{}\nadmin_listen: 127.0.0.1:{}\nhealth:\n  interval_ms: 500\nmodels:\n  - name: sim-model\n    tokenizer: builtin\n    routing:\n      mode: kv\n    workers:\n{list}",
         ports[0], ports[1]

@@ -45,6 +45,7 @@ impl Rng {
 }
 
 /// The `p` quantile (0..=1, nearest rank below) of `v`, which it sorts.
+#[allow(clippy::cast_sign_loss, reason = "a rank times a quantile in 0..=1: not negative")]
 pub fn percentile(v: &mut [Duration], p: f64) -> Duration {
     v.sort_unstable();
     v[((v.len() - 1) as f64 * p) as usize]

@@ -16,6 +16,7 @@ use crate::load::client;
 use crate::procfs;
 use crate::{Rng, percentile};
 use serde_json::json;
+use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -162,6 +163,7 @@ async fn run_case(o: &Options, factor: f64, shedding: bool) -> Result<Case, Stri
     std::fs::write(&config, yaml(&ports, &workers, &o.routing, shedding.then_some(o.shedding.as_str()))).map_err(|e| e.to_string())?;
     let mut gw = spawn_kvgate(&o.kvgate_bin, &config)?;
     let (url, admin) = (format!("http://127.0.0.1:{}", ports[0]), format!("http://127.0.0.1:{}", ports[1]));
+    #[allow(clippy::cast_sign_loss, reason = "clamped to 1 or more")]
     let clients = ((o.workers * o.streams_per_worker) as f64 * factor).round().max(1.0) as usize;
     let http = reqwest::Client::builder().pool_max_idle_per_host(clients).build().map_err(|e| e.to_string())?;
     if let Err(e) = wait_ok(&http, &format!("{url}/health"), Duration::from_secs(30)).await {
@@ -220,7 +222,10 @@ async fn run_case(o: &Options, factor: f64, shedding: bool) -> Result<Case, Stri
 }
 
 fn yaml(ports: &[u16], workers: &[SimWorker], routing: &str, shedding: Option<&str>) -> String {
-    let list: String = workers.iter().map(|w| format!("      - url: {}\n        kv_events: {}\n        replay: {}\n", w.url, w.kv_events, w.replay)).collect();
+    let list = workers.iter().fold(String::new(), |mut s, w| {
+        let _ = write!(s, "      - url: {}\n        kv_events: {}\n        replay: {}\n", w.url, w.kv_events, w.replay);
+        s
+    });
     let section = |name: &str, body: &str| format!("    {name}:\n{}\n", body.lines().map(|l| format!("      {}", l.trim())).collect::<Vec<_>>().join("\n"));
     let shedding = shedding.map(|s| section("shedding", s)).unwrap_or_default();
     let routing = if routing.trim().is_empty() { String::new() } else { section("routing", routing) };

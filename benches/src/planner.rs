@@ -82,7 +82,7 @@ impl Gateway {
             o.time_scale,
             gpu_blocks
         );
-        let planner: String = planner.lines().map(|l| format!("      {}\n", l.trim())).collect();
+        let planner: String = planner.lines().flat_map(|l| ["      ", l.trim(), "\n"]).collect();
         format!(
             "listen: 127.0.0.1:{}\nadmin_listen: 127.0.0.1:{}\nload:\n  interval_ms: 100\nhealth:\n  interval_ms: 200\nmodels:\n  - name: sim-model\n    tokenizer: builtin\n    routing:\n      mode: {mode}\n    planner:\n      enabled: true\n      log: {}\n{planner}      connector:\n        kind: local\n        command: \"{}\"\n        ports_from: {base}\n        ready_timeout_s: 60\n    workers: []\n",
             ports[0],
@@ -111,9 +111,6 @@ impl Gateway {
         }
         Ok(())
     }
-
-    /// Stops it (see `Drop`).
-    fn stop(self) {}
 }
 
 impl Drop for Gateway {
@@ -226,9 +223,11 @@ pub async fn ramp(o: &Options) -> Result<Ramp, String> {
         }
     }
     steps_at.push((t0.elapsed().as_secs_f64(), 0));
-    gw.wait_workers(1, Duration::from_secs(30 * o.interval_s as u64 + 60)).await?;
+    #[allow(clippy::cast_sign_loss, reason = "a configured interval: positive")]
+    let limit = Duration::from_secs(30 * o.interval_s as u64 + 60);
+    gw.wait_workers(1, limit).await?;
     tokio::time::sleep(Duration::from_secs_f64(o.interval_s)).await;
-    gw.stop();
+    drop(gw); // stops it (see `Drop`)
     let lines = read_log(&log)?;
     let plot = o.out.join("planner-ramp.svg");
     std::fs::write(&plot, svg(&lines, &steps_at)).map_err(|e| e.to_string())?;
@@ -316,7 +315,7 @@ pub async fn drain(o: &Options, mode: &str) -> Result<Drain, String> {
     }
     gw.wait_workers(1, Duration::from_secs(600)).await?;
     let lines = wait_for_change(&log, Duration::from_secs(600)).await?;
-    gw.stop();
+    drop(gw); // stops it (see `Drop`)
     let change = lines.iter().find(|l| l["event"] == "change" && l["change"] == "down").cloned().unwrap_or(Value::Null);
     let decision = lines.iter().filter(|l| l["event"] == "decision" && l["change"] == "down").map(|l| l["t"].as_f64().unwrap_or(0.0)).next().unwrap_or(0.0);
     let mut itl: Vec<Duration> = samples.iter().flat_map(|s| s.itl.iter().copied()).collect();
@@ -412,7 +411,8 @@ mod tests {
 
     #[test]
     fn the_plot_draws_every_series_from_a_log() {
-        let lines: Vec<Value> = (0..10).map(|i| json!({"event": "pull", "t": 100.0 + i as f64, "kv_usage": i as f64 / 10.0, "workers": 1 + i / 4})).collect();
+        let lines: Vec<Value> =
+            (0..10).map(|i| json!({"event": "pull", "t": 100.0 + f64::from(i), "kv_usage": f64::from(i) / 10.0, "workers": 1 + i / 4})).collect();
         let svg = svg(&lines, &[(0.0, 2), (4.0, 8), (8.0, 0)]);
         assert_eq!(svg.matches("<polyline").count(), 3, "{svg}");
         assert!(!svg.contains("NaN"));

@@ -71,8 +71,8 @@ pub async fn run(o: &Options) -> Result<(Figures, Figures), String> {
 }
 
 fn config(ports: &[u16], workers: &[SimWorker], rescheduling: &str) -> String {
-    let list: String = workers.iter().map(|w| format!("      - url: {}\n", w.url)).collect();
-    let resched: String = rescheduling.lines().map(|l| format!("  {}\n", l.trim())).collect();
+    let list: String = workers.iter().flat_map(|w| ["      - url: ", w.url.as_str(), "\n"]).collect();
+    let resched: String = rescheduling.lines().flat_map(|l| ["  ", l.trim(), "\n"]).collect();
     let section = if resched.is_empty() { String::new() } else { format!("rescheduling:\n{resched}") };
     format!(
         "listen: 127.0.0.1:{}\nadmin_listen: 127.0.0.1:{}\nload:\n  interval_ms: 100\nhealth:\n  interval_ms: 200\n{section}models:\n  - name: sim-model\n    routing:\n      mode: round_robin\n    workers:\n{list}",
@@ -184,6 +184,7 @@ pub fn histogram_quantile(m: &kvgate_tests::prom::Metrics, name: &str, q: f64) -
         .collect();
     buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
     // Sum over label sets per bound.
+    #[allow(clippy::float_cmp, reason = "bounds parsed from `le` labels: one bound's text gives one value")]
     buckets.dedup_by(|b, a| {
         if a.0 == b.0 {
             a.1 += b.1;

@@ -15,6 +15,7 @@ use crate::load::client;
 use crate::procfs;
 use crate::{Rng, percentile};
 use serde_json::json;
+use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -220,7 +221,10 @@ pub async fn run(o: &Options) -> Result<Report, String> {
 }
 
 fn yaml(ports: &[u16], workers: &[SimWorker], write_ms: u64) -> String {
-    let list: String = workers.iter().map(|w| format!("      - url: {}\n        kv_events: {}\n        replay: {}\n", w.url, w.kv_events, w.replay)).collect();
+    let list = workers.iter().fold(String::new(), |mut s, w| {
+        let _ = write!(s, "      - url: {}\n        kv_events: {}\n        replay: {}\n", w.url, w.kv_events, w.replay);
+        s
+    });
     // `client_write_ms` changes on every reload so each one applies a new config.
     format!(
         "listen: 127.0.0.1:{}\nadmin_listen: 127.0.0.1:{}\nmax_connections: 100000\nhealth:\n  interval_ms: 500\ntimeouts:\n  client_write_ms: {write_ms}\nmodels:\n  - name: sim-model\n    tokenizer: builtin\n    workers:\n{list}",

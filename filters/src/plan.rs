@@ -368,7 +368,7 @@ mod tests {
         assert_eq!(p.adjust(w, false).unwrap().prefill, Some((Change::Up, Reason::OverThreshold)));
         // Over the threshold on average, but falling fast: 3.0 → 0.1 in one interval.
         for i in 0..30 {
-            p.observe(Pull { decode_kv: 0.7, prefill_queue: Some(3.0 - 0.1 * i as f64) }, false);
+            p.observe(Pull { decode_kv: 0.7, prefill_queue: Some(3.0 - 0.1 * f64::from(i)) }, false);
         }
         assert_eq!(p.adjust(w, false).unwrap().prefill, Some((Change::Hold, Reason::QueueDraining)));
         interval(&mut p, 0.7, Some(0.1));

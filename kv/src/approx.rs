@@ -68,6 +68,7 @@ impl ApproxIndex {
             exp.heap.push(Reverse((due, Reverse(depth as u32), worker, b)));
         }
         if exp.due.len() > self.cfg.max_tree_size {
+            #[allow(clippy::cast_sign_loss, reason = "a size times a ratio of it (0.8): not negative")]
             let target = (self.cfg.max_tree_size as f64 * self.cfg.prune_target_ratio) as usize;
             self.pop_until(&mut exp, |e| e.due.len() <= target);
         }

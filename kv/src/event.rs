@@ -127,7 +127,7 @@ fn get<'a>(m: &'a [(Value, Value)], key: &str) -> Option<&'a Value> {
 
 fn hash(v: &Value) -> Result<u64, DecodeError> {
     match v {
-        Value::Integer(i) => i.as_u64().or_else(|| i.as_i64().map(|x| x as u64)).ok_or_else(|| DecodeError("hash out of range".into())),
+        Value::Integer(i) => i.as_u64().or_else(|| i.as_i64().map(i64::cast_unsigned)).ok_or_else(|| DecodeError("hash out of range".into())),
         Value::Binary(b) if b.len() >= 8 => Ok(u64::from_be_bytes(b[b.len() - 8..].try_into().expect("8 bytes"))),
         other => err(format!("a block hash must be an int or ≥ 8 bytes, got {other}")),
     }
@@ -346,7 +346,7 @@ mod tests {
         assert_eq!(batch.dp_rank, None);
         let Event::Stored(s) = &batch.events[0] else { panic!() };
         assert_eq!(s.hashes, vec![0x0102_0304_0506_0708]);
-        assert_eq!(s.parent, Some((-5i64) as u64));
+        assert_eq!(s.parent, Some((-5i64).cast_unsigned()));
         assert!(batch.events[0].is_main_gpu());
     }
 

@@ -133,7 +133,7 @@ pub async fn run(src: Source, index: Arc<dyn KvIndex>, metrics: KvMetrics) {
             let before = applier.counts();
             handle(&src, &mut applier, index.as_ref(), &metrics, msg.into_vec(), &mut replay_failed_at).await;
             metrics.record(&src.label, &before, &applier.counts());
-            metrics.blocks.with_label_values(&[src.label.as_str()]).set(index.block_count(src.worker) as i64);
+            metrics.blocks.with_label_values(&[src.label.as_str()]).set(i64::try_from(index.block_count(src.worker)).unwrap_or(i64::MAX));
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
             if applier.last_ts() > 0.0 {
                 metrics.lag.with_label_values(&[src.label.as_str()]).set((now - applier.last_ts()).max(0.0));

@@ -49,7 +49,7 @@ fn config_yaml(o: &DemoOptions, workers: &[Worker]) -> String {
 }
 
 /// Runs the demo until Ctrl-C; returns the process exit code.
-pub fn run(o: DemoOptions) -> i32 {
+pub fn run(o: &DemoOptions) -> i32 {
     if o.workers == 0 || o.workers > 64 {
         eprintln!("kvgate demo: --workers must be within 1..=64");
         return 2;
@@ -61,7 +61,7 @@ pub fn run(o: DemoOptions) -> i32 {
             return 1;
         }
     };
-    let sims: Vec<SimServer> = match rt.block_on(start_workers(&o)) {
+    let sims: Vec<SimServer> = match rt.block_on(start_workers(o)) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("kvgate demo: cannot start the simulated workers: {e}");
@@ -85,7 +85,7 @@ pub fn run(o: DemoOptions) -> i32 {
             return 1;
         }
     }
-    let yaml = config_yaml(&o, &workers);
+    let yaml = config_yaml(o, &workers);
     let cfg: Config = match crate::config::load_str(&yaml, "<demo>", Vec::<(String, String)>::new()) {
         Ok(c) => c,
         Err(e) => {
@@ -169,7 +169,7 @@ async fn status(gw: &crate::gateway::Gateway) -> String {
         let value = |name: &str| -> f64 { text.lines().filter(|l| l.starts_with(name)).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum() };
         hits += value("vllm:prefix_cache_hits_total");
         queries += value("vllm:prefix_cache_queries_total");
-        load.push(format!("{}r/{:.0}%", value("vllm:num_requests_running") as u64, value("vllm:kv_cache_usage_perc") * 100.0));
+        load.push(format!("{:.0}r/{:.0}%", value("vllm:num_requests_running"), value("vllm:kv_cache_usage_perc") * 100.0));
     }
     let rate = if queries > 0.0 { format!("{:.2}", hits / queries) } else { "-".into() };
     format!("requests {served:.0} | prefix-cache hit rate {rate} | workers (running/KV used) {}", load.join(" "))

@@ -145,7 +145,9 @@ impl KvRouting {
                 }
             }
         }
-        if r.cost == Cost::Time && r.overlap_score_weight != 1.0 {
+        #[allow(clippy::float_cmp, reason = "a weight read from the config, compared with its default as written, not computed")]
+        let weight_set = r.overlap_score_weight != 1.0;
+        if r.cost == Cost::Time && weight_set {
             tracing::warn!(model = %m.name, weight = r.overlap_score_weight, "routing.overlap_score_weight applies to cost: blocks only; the time cost (the default) ignores it");
         }
         Ok(Self {
@@ -223,6 +225,7 @@ impl KvRouting {
         if c.total_blocks > 0 && matches!(self.cache, Cache::Events(_)) {
             // An index that missed events (a restart without replay) under-counts: the blocks
             // the worker reports in use are held whatever the index knows.
+            #[allow(clippy::cast_sign_loss, reason = "a usage clamped to 0..=1 times a block count: not negative")]
             let in_use = (c.kv_usage.clamp(0.0, 1.0) * c.total_blocks as f64) as u64;
             let held = (self.cached_blocks(worker) as u64).max(in_use);
             c.cache_room_blocks = Some(c.total_blocks.saturating_sub(held));

@@ -55,7 +55,7 @@ fn main() {
     let check = match cli.cmd {
         #[cfg(feature = "demo")]
         Some(Cmd::Demo { workers, mode, port, admin_port, time_scale }) => {
-            std::process::exit(kvgate::demo::run(kvgate::demo::DemoOptions { workers, mode, port, admin_port, time_scale }))
+            std::process::exit(kvgate::demo::run(&kvgate::demo::DemoOptions { workers, mode, port, admin_port, time_scale }))
         }
         Some(Cmd::Check) => true,
         None => false,
@@ -90,6 +90,6 @@ fn main() {
         let workers: usize = cfg.models.iter().map(|m| m.workers.len()).sum();
         println!("{}: ok ({} models, {workers} workers, {} plugins)", path.display(), cfg.models.len(), cfg.plugins.len());
     } else {
-        kvgate::server::run(cfg, Some(path));
+        kvgate::server::run(&cfg, Some(path));
     }
 }

@@ -130,7 +130,7 @@ fn build(gw: Arc<Gateway>, cfg: &Config, manual: watch::Receiver<Option<Stop>>) 
 }
 
 /// Runs the gateway in this thread until it stops.
-pub fn run(cfg: Config, path: Option<PathBuf>) {
+pub fn run(cfg: &Config, path: Option<PathBuf>) {
     let gw = match Gateway::new(cfg.clone(), path) {
         Ok(g) => g,
         Err(e) => {
@@ -139,7 +139,7 @@ pub fn run(cfg: Config, path: Option<PathBuf>) {
         }
     };
     let (_tx, rx) = watch::channel(None);
-    let (server, args) = build(gw, &cfg, rx);
+    let (server, args) = build(gw, cfg, rx);
     tracing::info!(listen = %cfg.listen, admin = %cfg.admin_listen, models = cfg.models.len(), "kvgate starting");
     server.run(args);
 }

@@ -6,6 +6,9 @@
 //! across body chunks, so the unfinished line is carried over, up to a small cap: a longer
 //! line is still a token event, and its start is enough to tell.
 
+// Parses bytes from outside: a narrowing cast here could truncate a peer's value.
+#![deny(clippy::cast_possible_truncation)]
+
 /// Longest line prefix kept between chunks; the markers that matter sit at the start.
 const MAX_CARRY: usize = 4096;
 

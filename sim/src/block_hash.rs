@@ -135,17 +135,18 @@ fn cbor_head(buf: &mut Vec<u8>, major: u8, value: u64) {
     let m = major << 5;
     match value {
         0..=23 => buf.push(m | value as u8),
-        24..=0xff => buf.extend_from_slice(&[m | 24, value as u8]),
+        // Additional information 24 to 27 (0x18 to 0x1b): 1, 2, 4 or 8 bytes follow.
+        24..=0xff => buf.extend_from_slice(&[m | 0x18, value as u8]),
         0x100..=0xffff => {
-            buf.push(m | 25);
+            buf.push(m | 0x19);
             buf.extend_from_slice(&(value as u16).to_be_bytes());
         }
         0x1_0000..=0xffff_ffff => {
-            buf.push(m | 26);
+            buf.push(m | 0x1a);
             buf.extend_from_slice(&(value as u32).to_be_bytes());
         }
         _ => {
-            buf.push(m | 27);
+            buf.push(m | 0x1b);
             buf.extend_from_slice(&value.to_be_bytes());
         }
     }

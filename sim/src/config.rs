@@ -590,6 +590,7 @@ fn int_flag_env(name: &str, value: Option<&str>) -> Result<bool, String> {
 }
 
 #[cfg(test)]
+#[allow(clippy::float_cmp, reason = "tests compare exact values, computed by the same arithmetic as their expectations")]
 mod tests {
     use super::*;
 

@@ -457,7 +457,7 @@ impl EngineTask {
             Err(_) if self.params.kv.fail_on_load_error => LoadOutcome::Fail,
             Err(_) => LoadOutcome::Recompute,
         };
-        if let Err(why) = &result {
+        if let Err(why) = result {
             tracing::warn!(rank = self.handle.rank, id, error = %why, ?outcome, "KV pull from the prefill worker failed");
         }
         if let Some(out) = self.sched.finish_load(id, outcome)

@@ -270,9 +270,13 @@ mod tests {
     use super::*;
     use crate::block_hash::hash_block;
     use rmpv::Value;
+    use std::fmt::Write as _;
 
     fn hex(b: &[u8]) -> String {
-        b.iter().map(|x| format!("{x:02x}")).collect()
+        b.iter().fold(String::new(), |mut s, x| {
+            let _ = write!(s, "{x:02x}");
+            s
+        })
     }
 
     fn vector_events() -> Vec<KvEvent> {

@@ -226,6 +226,7 @@ impl BlockPool {
 }
 
 #[cfg(test)]
+#[allow(clippy::float_cmp, reason = "tests compare exact values, computed by the same arithmetic as their expectations")]
 mod tests {
     use super::*;
     use crate::block_hash::hash_block;

@@ -53,6 +53,7 @@ impl Sampler {
     /// probability.
     pub fn new(vocab: Arc<[u32]>, eos: Option<u32>, eos_probability: f64) -> Self {
         assert!(!vocab.is_empty(), "validated when the tokenizer is loaded");
+        #[allow(clippy::cast_sign_loss, reason = "a probability clamped to 0..=1, in parts per million: not negative")]
         let eos_ppm = (eos_probability.clamp(0.0, 1.0) * 1e6).round() as u64;
         Self { vocab, eos, eos_ppm }
     }
@@ -123,7 +124,7 @@ mod tests {
             }
             assert_ne!(s.next(h, false), 0);
         }
-        let frac = eos as f64 / n as f64;
+        let frac = f64::from(eos) / f64::from(n);
         assert!((0.45..0.55).contains(&frac), "eos fraction {frac}");
     }
 }

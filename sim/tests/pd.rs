@@ -3,6 +3,8 @@
 //! to a producer, then the original request with the prefill worker's `kv_transfer_params` to
 //! a consumer, which pulls the blocks over the prefill worker's side channel.
 
+#![allow(clippy::float_cmp, reason = "tests compare exact metric values, counts the target reports as floats")]
+
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 use vllm_sim::config::KvTransferConfig;
@@ -12,7 +14,7 @@ use vllm_sim::{SimConfig, SimServer};
 const PROMPT: &str =
     "Prefill and decode run on different workers; the decode worker pulls the prompt's KV cache blocks from the prefill worker before it generates.";
 
-fn kv(role: &str, extra: Value) -> KvTransferConfig {
+fn kv(role: &str, extra: &Value) -> KvTransferConfig {
     let json = json!({"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": extra});
     KvTransferConfig::parse(&json.to_string()).expect("a valid config")
 }
@@ -75,7 +77,7 @@ fn ids(v: &Value) -> Vec<u64> {
 
 #[tokio::test]
 async fn a_prefill_leg_answers_nixls_kv_transfer_params_and_holds_its_blocks() {
-    let p = sim(kv("kv_producer", json!({}))).await;
+    let p = sim(kv("kv_producer", &json!({}))).await;
     let (s, v) = post(&p, "/v1/completions", &prefill_leg(completion(16))).await;
     assert_eq!(s, 200, "{v}");
     let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap();
@@ -107,8 +109,8 @@ async fn a_prefill_leg_answers_nixls_kv_transfer_params_and_holds_its_blocks() {
 
 #[tokio::test]
 async fn a_decode_leg_pulls_the_blocks_and_answers_as_aggregated_serving() {
-    let p = sim(kv("kv_producer", json!({}))).await;
-    let d = sim(kv("kv_consumer", json!({}))).await;
+    let p = sim(kv("kv_producer", &json!({}))).await;
+    let d = sim(kv("kv_consumer", &json!({}))).await;
     let agg = sim(KvTransferConfig::default()).await;
     let (_, want) = post(&agg, "/v1/completions", &completion(24)).await;
     let prompt_tokens = want["usage"]["prompt_tokens"].as_u64().unwrap();
@@ -146,8 +148,8 @@ async fn a_decode_leg_pulls_the_blocks_and_answers_as_aggregated_serving() {
 
 #[tokio::test]
 async fn a_streaming_chat_decode_leg_works() {
-    let p = sim(kv("kv_both", json!({}))).await;
-    let d = sim(kv("kv_both", json!({}))).await;
+    let p = sim(kv("kv_both", &json!({}))).await;
+    let d = sim(kv("kv_both", &json!({}))).await;
     let chat = json!({"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 12, "ignore_eos": true});
     let (_, want) = post(&d, "/v1/chat/completions", &chat).await;
     let (_, pre) = post(&p, "/v1/chat/completions", &prefill_leg(chat.clone())).await;
@@ -176,8 +178,8 @@ async fn a_streaming_chat_decode_leg_works() {
 #[tokio::test]
 async fn unpulled_blocks_are_freed_when_the_lease_ends_and_the_decode_leg_recomputes() {
     // A 5 s lease at time_scale 50: 0.1 s of wall time.
-    let p = sim(kv("kv_producer", json!({"kv_lease_duration": 5}))).await;
-    let d = sim(kv("kv_consumer", json!({}))).await;
+    let p = sim(kv("kv_producer", &json!({"kv_lease_duration": 5}))).await;
+    let d = sim(kv("kv_consumer", &json!({}))).await;
     let (_, pre) = post(&p, "/v1/completions", &prefill_leg(completion(8))).await;
     assert_eq!(metric(&p, "vllm_sim:kv_held_requests", "").await, 1.0);
     assert!(eventually(async || metric(&p, "vllm_sim:kv_held_requests", "").await == 0.0).await, "the lease ends");
@@ -237,8 +239,8 @@ async fn a_server_without_a_connector_ignores_kv_transfer_params() {
 #[tokio::test]
 async fn a_decode_leg_aborted_before_its_pull_frees_the_prefill_workers_blocks() {
     // A lease far longer than the test, so only the notification can free the blocks.
-    let p = sim(kv("kv_producer", json!({"kv_lease_duration": 10_000}))).await;
-    let d = sim(kv("kv_consumer", json!({}))).await;
+    let p = sim(kv("kv_producer", &json!({"kv_lease_duration": 10_000}))).await;
+    let d = sim(kv("kv_consumer", &json!({}))).await;
     let (_, pre) = post(&p, "/v1/completions", &prefill_leg(completion(8))).await;
     assert_eq!(metric(&p, "vllm_sim:kv_held_requests", "").await, 1.0);
     // Paused (mode=wait), the decode worker queues the request without admitting it.

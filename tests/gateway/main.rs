@@ -3,6 +3,8 @@
 //! tests/real-vllm/run-suite.sh; the others need several or fault-injected workers and always
 //! use in-process simulators.
 
+#![allow(clippy::float_cmp, reason = "tests compare exact metric values, counts the target reports as floats")]
+
 use futures_util::StreamExt;
 use kvgate::Stop;
 use kvgate_tests::Target;

@@ -2,6 +2,8 @@
 //! example on the seed's cluster, loading errors, and the gateway routing through a plugin that
 //! is hot-swapped under load.
 
+#![allow(clippy::float_cmp, reason = "tests compare exact metric values, counts the target reports as floats")]
+
 use kvgate_filters::route::{Candidate, Decision, RequestSummary, RoundRobin};
 use kvgate_plugins::sandbox::Limits;
 use kvgate_plugins::{ClusterView, PluginSlot, PluginSpec, ReloadOutcome, ReschedulingPlugin, SelectOrder, SelectRule, WorkerLoad, component, route};
@@ -189,7 +191,7 @@ async fn complete(c: &Cluster, session: Option<&str>) -> u16 {
 }
 
 fn plugin_yaml(path: &Path, config: &str) -> String {
-    let config: String = config.lines().map(|l| format!("      {l}\n")).collect();
+    let config: String = config.lines().flat_map(|l| ["      ", l, "\n"]).collect();
     format!("plugins:\n  - name: policy\n    path: {}\n    headers: [x-session-id]\n    config: |\n{config}", path.display())
 }
 

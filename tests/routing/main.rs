@@ -2,6 +2,8 @@
 //! round_robin on a shared-prefix workload, a hot prefix spreading under load, and bookings
 //! returning to zero.
 
+#![allow(clippy::float_cmp, reason = "tests compare exact metric values, counts the target reports as floats")]
+
 use kvgate_tests::cluster::{Cluster, GatewayOpts, wait_until};
 use kvgate_tests::target::test_sim_config;
 use serde_json::{Value, json};
@@ -207,7 +209,7 @@ async fn a_hot_prefix_spreads_once_its_worker_is_loaded() {
         share.push(c.sim_metrics(i).await.sum("vllm:request_success_total", &[]) - b);
     }
     eprintln!("hot-prefix requests per worker: {share:?}");
-    let max = share.iter().cloned().fold(0.0, f64::max);
+    let max = share.iter().copied().fold(0.0, f64::max);
     assert!(max < 48.0 * 0.8, "traffic collapsed onto one worker: {share:?}");
     assert!(share.iter().filter(|&&n| n > 0.0).count() >= 2, "{share:?}");
     assert!(max >= 48.0 / 4.0, "the cached worker still takes the largest share: {share:?}");

@@ -4,6 +4,7 @@
 
 use crate::prom::Metrics;
 use kvgate::{GatewayHandle, Stop};
+use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use vllm_sim::{SimConfig, SimServer};
@@ -72,18 +73,18 @@ pub fn gateway_yaml(urls: &[String], o: &GatewayOpts) -> String {
 pub fn gateway_yaml_workers(workers_in: &[WorkerEntry], o: &GatewayOpts) -> String {
     let mut workers = String::new();
     for w in workers_in {
-        workers.push_str(&format!("      - url: {}\n", w.url));
+        let _ = writeln!(workers, "      - url: {}", w.url);
         if let Some(k) = &w.kv_events {
-            workers.push_str(&format!("        kv_events: {k}\n"));
+            let _ = writeln!(workers, "        kv_events: {k}");
         }
         if let Some(r) = &w.replay {
-            workers.push_str(&format!("        replay: {r}\n"));
+            let _ = writeln!(workers, "        replay: {r}");
         }
     }
     format!(
         "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nthreads: 2\nworker_header: url\n{extra}\nhealth:\n  interval_ms: {hi}\n  timeout_ms: {ht}\n  unhealthy_threshold: {hu}\n  healthy_threshold: 1\nshutdown:\n  drain_timeout_s: 30\nmodels:\n  - name: {model}\n    routing:\n      mode: {mode}\n{routing_extra}{model_extra}    workers:\n{workers}",
-        model_extra = o.model_extra.lines().map(|l| format!("    {l}\n")).collect::<String>(),
-        routing_extra = o.routing_extra.lines().map(|l| format!("      {l}\n")).collect::<String>(),
+        model_extra = o.model_extra.lines().flat_map(|l| ["    ", l, "\n"]).collect::<String>(),
+        routing_extra = o.routing_extra.lines().flat_map(|l| ["      ", l, "\n"]).collect::<String>(),
         extra = o.extra,
         hi = o.health_interval_ms,
         ht = o.health_timeout.0,

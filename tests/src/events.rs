@@ -52,7 +52,7 @@ pub struct Batch {
 
 fn hash(v: &Mp) -> u64 {
     match v {
-        Mp::Integer(i) => i.as_u64().or_else(|| i.as_i64().map(|x| x as u64)).expect("int hash"),
+        Mp::Integer(i) => i.as_u64().or_else(|| i.as_i64().map(i64::cast_unsigned)).expect("int hash"),
         Mp::Binary(b) => {
             let tail: [u8; 8] = b[b.len() - 8..].try_into().expect("≥ 8 bytes");
             u64::from_be_bytes(tail)

@@ -25,7 +25,8 @@ pub struct Target {
     pub external: bool,
     /// HTTP client.
     pub http: reqwest::Client,
-    _sim: Option<SimServer>,
+    /// The in-process simulator, running while the target lives (`None` for an external one).
+    sim: Option<SimServer>,
 }
 
 /// The sim configuration tests use by default: events on, replay on, fast-ish time.
@@ -59,7 +60,7 @@ impl Target {
                 topic: std::env::var("KVGATE_TARGET_TOPIC").unwrap_or_else(|_| "kv".into()),
                 external: true,
                 http: client(),
-                _sim: None,
+                sim: None,
             },
             Err(_) => Self::sim(test_sim_config()).await,
         }
@@ -78,13 +79,13 @@ impl Target {
             topic,
             external: false,
             http: client(),
-            _sim: Some(sim),
+            sim: Some(sim),
         }
     }
 
     /// The in-process simulator, if that is what runs.
     pub fn sim_server(&self) -> Option<&SimServer> {
-        self._sim.as_ref()
+        self.sim.as_ref()
     }
 
     /// POSTs JSON and returns (status, parsed body).

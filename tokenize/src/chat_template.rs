@@ -9,6 +9,7 @@
 
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde::Serialize;
+use std::fmt::Write as _;
 
 /// Inputs of one render.
 #[derive(Debug, Serialize)]
@@ -63,8 +64,9 @@ impl ChatTemplate {
 }
 
 /// transformers' `tojson` filter: `json.dumps(x, ensure_ascii=False, indent=…, sort_keys=…)`.
-fn tojson(value: Value, kwargs: minijinja::value::Kwargs) -> Result<Value, Error> {
-    let json = serde_json::to_value(&value).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+#[allow(clippy::needless_pass_by_value, reason = "minijinja hands a filter its keyword arguments by value only")]
+fn tojson(value: &Value, kwargs: minijinja::value::Kwargs) -> Result<Value, Error> {
+    let json = serde_json::to_value(value).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     let indent: Option<usize> = kwargs.get("indent")?;
     let opts = crate::dialect::python::Dumps {
         ascii: kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false),
@@ -120,7 +122,7 @@ fn strftime_now(fmt: &str) -> String {
 fn format_utc(secs: u64, fmt: &str) -> String {
     const MONTHS: [&str; 12] = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
     // Civil-from-days (Howard Hinnant's algorithm).
-    let days = (secs / 86_400) as i64;
+    let days = i64::try_from(secs / 86_400).expect("u64::MAX / 86,400 fits an i64");
     let rem = secs % 86_400;
     let z = days + 719_468;
     let era = z.div_euclid(146_097);
@@ -131,6 +133,7 @@ fn format_utc(secs: u64, fmt: &str) -> String {
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
+    let month = MONTHS[usize::try_from(m - 1).expect("a month within 1..=12")];
     let mut out = String::new();
     let mut chars = fmt.chars();
     while let Some(c) = chars.next() {
@@ -140,19 +143,18 @@ fn format_utc(secs: u64, fmt: &str) -> String {
         }
         match chars.next() {
             Some('Y') => out.push_str(&y.to_string()),
-            Some('m') => out.push_str(&format!("{m:02}")),
-            Some('d') => out.push_str(&format!("{d:02}")),
-            Some('b') => out.push_str(&MONTHS[(m - 1) as usize][..3]),
-            Some('B') => out.push_str(MONTHS[(m - 1) as usize]),
-            Some('H') => out.push_str(&format!("{:02}", rem / 3600)),
-            Some('M') => out.push_str(&format!("{:02}", rem % 3600 / 60)),
-            Some('S') => out.push_str(&format!("{:02}", rem % 60)),
-            Some('%') => out.push('%'),
+            Some('m') => _ = write!(out, "{m:02}"),
+            Some('d') => _ = write!(out, "{d:02}"),
+            Some('b') => out.push_str(&month[..3]),
+            Some('B') => out.push_str(month),
+            Some('H') => _ = write!(out, "{:02}", rem / 3600),
+            Some('M') => _ = write!(out, "{:02}", rem % 3600 / 60),
+            Some('S') => _ = write!(out, "{:02}", rem % 60),
+            Some('%') | None => out.push('%'),
             Some(o) => {
                 out.push('%');
                 out.push(o);
             }
-            None => out.push('%'),
         }
     }
     out

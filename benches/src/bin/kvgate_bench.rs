@@ -14,6 +14,7 @@ use kvgate_bench::load::workload::{self, Api, Workload};
 use kvgate_bench::load::{RunOptions, run};
 use kvgate_bench::peers::{self, Peer};
 use kvgate_bench::trace;
+use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -1009,7 +1010,7 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
         }
     }
     if common.kvgate_slo {
-        kvgate_tokenizer.push_str(&format!("\nslo: {{ttft_ms: {}, tpot_ms: {}}}", common.slo_ttft_ms, common.slo_itl_ms));
+        let _ = write!(kvgate_tokenizer, "\nslo: {{ttft_ms: {}, tpot_ms: {}}}", common.slo_ttft_ms, common.slo_itl_ms);
         notes.push(format!("kvgate targets route with slo: {{ttft_ms: {}, tpot_ms: {}}}.", common.slo_ttft_ms, common.slo_itl_ms));
     }
     let logs = common.out.join("logs");
@@ -1183,15 +1184,16 @@ fn by_api(runs: &[(String, Api)], reports: &[Report]) -> Option<String> {
                 ),
                 _ => ("".into(), "".into(), "".into()),
             };
-            t.push_str(&format!(
-                "| {} | {target} | {}/{} | {} | {:.0} ms | {:.0} ms | {dh} | {p50} | {p99} |\n",
+            let _ = writeln!(
+                t,
+                "| {} | {target} | {}/{} | {} | {:.0} ms | {:.0} ms | {dh} | {p50} | {p99} |",
                 api.name(),
                 r.ok,
                 r.requests,
                 hit(r),
                 r.ttft_ms.p50,
                 r.ttft_ms.p99
-            ));
+            );
         }
     }
     if apis.contains(&Api::Chat) && apis.contains(&Api::Messages) {
@@ -1202,7 +1204,7 @@ fn by_api(runs: &[(String, Api)], reports: &[Report]) -> Option<String> {
                 (Some(x), Some(y)) => format!("{:+.3}", x - y),
                 _ => "n/a".into(),
             };
-            t.push_str(&format!("| {target} | {dh} | {} | {} |\n", ratio(m.ttft_ms.p50, c.ttft_ms.p50), ratio(m.ttft_ms.p99, c.ttft_ms.p99)));
+            let _ = writeln!(t, "| {target} | {dh} | {} | {} |", ratio(m.ttft_ms.p50, c.ttft_ms.p50), ratio(m.ttft_ms.p99, c.ttft_ms.p99));
         }
     }
     Some(t)

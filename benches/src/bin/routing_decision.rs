@@ -37,7 +37,7 @@ fn main() {
         conv += 1;
     }
     for w in 0..WORKERS {
-        index.insert(w as u16, None, &query[..1 + (w * 7) % query.len()]).unwrap();
+        index.insert(w as u16, None, &query[..=(w * 7) % query.len()]).unwrap();
     }
     // 4 requests in flight per worker, some sharing the query's prefix.
     let in_flight =
@@ -88,7 +88,7 @@ fn main() {
         let cached = index.find_matches(&chain).to_dense(WORKERS);
         let booked = active.overlap(&chain).to_dense(WORKERS);
         let cands = candidates(&cached, &booked);
-        let req = if std::ptr::eq(policy, &full) { objectives(chain.len()) } else { summary(chain.len()) };
+        let req = if std::ptr::eq(policy, &raw const full) { objectives(chain.len()) } else { summary(chain.len()) };
         policy.choose(&req, &cands)
     };
     let rr = RoundRobin::default();

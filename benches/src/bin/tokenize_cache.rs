@@ -10,6 +10,7 @@
 use clap::Parser;
 use kvgate_bench::Rng;
 use kvgate_tokenize::{ModelTokenizer, SegmentCache};
+use std::fmt::Write as _;
 use std::time::Instant;
 
 #[derive(Parser)]
@@ -115,9 +116,9 @@ fn message(rng: &mut Rng, words: usize) -> String {
 fn render(system: &str, turns: &[(String, String)], question: &str) -> String {
     let mut s = format!("<｜begin▁of▁sentence｜>{system}");
     for (u, a) in turns {
-        s.push_str(&format!("<｜User｜>{u}<｜Assistant｜>{a}<｜end▁of▁sentence｜>"));
+        let _ = write!(s, "<｜User｜>{u}<｜Assistant｜>{a}<｜end▁of▁sentence｜>");
     }
-    s.push_str(&format!("<｜User｜>{question}<｜Assistant｜>"));
+    let _ = write!(s, "<｜User｜>{question}<｜Assistant｜>");
     s
 }
 

@@ -38,6 +38,7 @@ impl Quantiles {
             return Self::default();
         }
         v.sort_by(f64::total_cmp);
+        #[allow(clippy::cast_sign_loss, reason = "a rank times a quantile in 0..=1: not negative")]
         let at = |p: f64| v[((v.len() - 1) as f64 * p).round() as usize];
         Self { p50: at(0.5), p90: at(0.9), p99: at(0.99), mean: v.iter().sum::<f64>() / v.len() as f64 }
     }
@@ -133,7 +134,7 @@ impl Row {
 pub fn rows_csv(rows: &[Row]) -> String {
     let mut out = String::from("due_ms,status,prompt_tokens,output_tokens,ttft_ms,itl_mean_ms,e2e_ms\n");
     for r in rows {
-        out.push_str(&format!("{:.3},{},{},{},{:.3},{:.3},{:.3}\n", r.due_ms, r.status, r.prompt_tokens, r.output_tokens, r.ttft_ms, r.itl_mean_ms, r.e2e_ms));
+        let _ = writeln!(out, "{:.3},{},{},{},{:.3},{:.3},{:.3}", r.due_ms, r.status, r.prompt_tokens, r.output_tokens, r.ttft_ms, r.itl_mean_ms, r.e2e_ms);
     }
     out
 }
@@ -321,7 +322,8 @@ pub fn write(dir: &Path, reports: &[Report], note: &str) -> std::io::Result<()> 
         // A label's characters other than letters, digits, `-` and `_` become `_`; a label that
         // then names a file already written is numbered.
         let base: String = r.label.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
-        let name = (1..).map(|n| if n == 1 { base.clone() } else { format!("{base}-{n}") }).find(|n| names.insert(n.clone())).unwrap_or(base);
+        // Of `names.len() + 1` candidates at least one is free.
+        let name = (1..=names.len() + 1).map(|n| if n == 1 { base.clone() } else { format!("{base}-{n}") }).find(|n| names.insert(n.clone())).unwrap_or(base);
         std::fs::write(dir.join(format!("requests-{name}.csv")), rows_csv(&r.rows))?;
     }
     std::fs::write(dir.join("results.json"), serde_json::to_string_pretty(reports).map_err(std::io::Error::other)?)?;
@@ -333,6 +335,7 @@ pub fn write(dir: &Path, reports: &[Report], note: &str) -> std::io::Result<()> 
 }
 
 #[cfg(test)]
+#[allow(clippy::float_cmp, reason = "tests compare exact values, computed by the same arithmetic as their expectations")]
 mod tests {
     use super::*;
 

@@ -271,7 +271,10 @@ impl Workload {
 }
 
 fn completion(prompt: Value, max_tokens: usize) -> Value {
-    json!({"prompt": prompt, "max_tokens": max_tokens.max(1), "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}})
+    // The prompt is moved into its place: `json!` would copy it.
+    let mut body = json!({"prompt": null, "max_tokens": max_tokens.max(1), "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}});
+    body["prompt"] = prompt;
+    body
 }
 
 /// How synthetic prompts are written.

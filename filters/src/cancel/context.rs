@@ -102,7 +102,7 @@ impl RequestContext {
 
     /// Links a child: later stop/kill calls reach it. A child linked after the parent was
     /// cancelled is cancelled at once, so no late sub-request escapes.
-    pub fn link_child(&self, child: Arc<RequestContext>) {
+    pub fn link_child(&self, child: &Arc<RequestContext>) {
         let state = {
             let mut kids = self.children.lock();
             kids.push(child.clone());
@@ -184,15 +184,15 @@ mod tests {
         let parent = RequestContext::new("p");
         let a = RequestContext::new("a");
         let b = RequestContext::new("b");
-        parent.link_child(a.clone());
-        parent.link_child(b.clone());
+        parent.link_child(&a);
+        parent.link_child(&b);
         let grandchild = RequestContext::new("g");
-        a.link_child(grandchild.clone());
+        a.link_child(&grandchild);
         parent.kill();
         assert!(a.is_killed() && b.is_killed() && grandchild.is_killed());
         // Linking to an already-cancelled parent cancels the child immediately.
         let late = RequestContext::new("late");
-        parent.link_child(late.clone());
+        parent.link_child(&late);
         assert!(late.is_killed());
     }
 
@@ -213,7 +213,7 @@ mod tests {
     fn stopping_a_child_does_not_stop_the_parent() {
         let parent = RequestContext::new("p");
         let child = RequestContext::new("c");
-        parent.link_child(child.clone());
+        parent.link_child(&child);
         child.stop();
         assert!(!parent.is_stopped());
     }

@@ -456,7 +456,7 @@ mod tests {
             let tree = b.tree.lock();
             assert_eq!(tree.nodes.len() - tree.free.len() - 1, tree.live_nodes(), "step {step}: every node is reachable");
             drop(tree);
-            let query: Vec<u32> = (0..1 + next() % longest).map(|_| (next() % tokens) as u32).collect();
+            let query: Vec<u32> = (0..=next() % longest).map(|_| (next() % tokens) as u32).collect();
             let q = h.chain(None, &query);
             let m = b.overlap(&q);
             for w in 0..4 {

@@ -42,6 +42,7 @@ impl LoadRate {
 }
 
 #[cfg(test)]
+#[allow(clippy::float_cmp, reason = "tests compare exact values, computed by the same arithmetic as their expectations")]
 mod tests {
     use super::*;
 

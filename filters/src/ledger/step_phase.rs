@@ -62,6 +62,7 @@ impl StepPhase {
         let pending = self.counting();
         let seen = self.step_seen_us.swap(now, Ordering::Relaxed);
         let mean = self.mean_step_us.get();
+        #[allow(clippy::cast_sign_loss, reason = "a mean of step durations: not negative")]
         let gap = ((mean.unwrap_or(0.0) / 4.0) as u64).clamp(MIN_STEP_GAP_US, MAX_STEP_GAP_US);
         if !(pending || seen == 0 || now.saturating_sub(seen) > gap) {
             return;
@@ -130,6 +131,7 @@ impl StepPhase {
 }
 
 #[cfg(test)]
+#[allow(clippy::float_cmp, reason = "tests compare exact values, computed by the same arithmetic as their expectations")]
 mod tests {
     use super::*;
 

@@ -210,9 +210,9 @@ impl MessagesStream {
         if let Some(r) = reasoning.filter(|r| !r.is_empty()) {
             if self.blocks.open.map(|b| b.0) != Some(BlockKind::Thinking) {
                 self.stop_and_flush(out);
-                self.start_block(BlockKind::Thinking, json!({"type": "thinking", "thinking": ""}), out);
+                self.start_block(BlockKind::Thinking, &json!({"type": "thinking", "thinking": ""}), out);
             }
-            self.delta(json!({"type": "thinking_delta", "thinking": r}), out);
+            self.delta(&json!({"type": "thinking_delta", "thinking": r}), out);
         }
         if let Some(text) = content.filter(|c| !c.is_empty()) {
             match self.blocks.open.map(|b| b.0) {
@@ -220,9 +220,9 @@ impl MessagesStream {
                 kind => {
                     if kind != Some(BlockKind::Text) {
                         self.stop_and_flush(out);
-                        self.start_block(BlockKind::Text, json!({"type": "text", "text": ""}), out);
+                        self.start_block(BlockKind::Text, &json!({"type": "text", "text": ""}), out);
                     }
-                    self.delta(json!({"type": "text_delta", "text": text}), out);
+                    self.delta(&json!({"type": "text_delta", "text": text}), out);
                 }
             }
         }
@@ -242,7 +242,7 @@ impl MessagesStream {
                     self.stop_and_flush(out);
                     self.tool_used = true;
                     self.last_tool_args.clear();
-                    self.start_block(BlockKind::ToolUse, json!({"type": "tool_use", "id": id, "name": name, "input": {}}), out);
+                    self.start_block(BlockKind::ToolUse, &json!({"type": "tool_use", "id": id, "name": name, "input": {}}), out);
                     self.blocks.tool_use_id = Some(id.clone());
                 }
                 Some(id)
@@ -254,7 +254,7 @@ impl MessagesStream {
             && self.blocks.tool_use_id == id
         {
             self.last_tool_args.push_str(&args);
-            self.delta(json!({"type": "input_json_delta", "partial_json": args}), out);
+            self.delta(&json!({"type": "input_json_delta", "partial_json": args}), out);
         }
     }
 
@@ -268,7 +268,7 @@ impl MessagesStream {
         out.extend_from_slice(&frame("message_delta", &ev));
     }
 
-    fn start_block(&mut self, kind: BlockKind, block: Value, out: &mut Vec<u8>) {
+    fn start_block(&mut self, kind: BlockKind, block: &Value, out: &mut Vec<u8>) {
         let index = self.blocks.next;
         out.extend_from_slice(&frame("content_block_start", &json!({"type": "content_block_start", "content_block": block, "index": index})));
         self.blocks.open = Some((kind, index));
@@ -276,7 +276,7 @@ impl MessagesStream {
         self.blocks.tool_use_id = None;
     }
 
-    fn delta(&self, delta: Value, out: &mut Vec<u8>) {
+    fn delta(&self, delta: &Value, out: &mut Vec<u8>) {
         let index = self.blocks.open.map_or(self.blocks.next, |b| b.1);
         out.extend_from_slice(&frame("content_block_delta", &json!({"type": "content_block_delta", "delta": delta, "index": index})));
     }
@@ -302,8 +302,8 @@ impl MessagesStream {
         if held.is_empty() {
             return;
         }
-        self.start_block(BlockKind::Text, json!({"type": "text", "text": ""}), out);
-        self.delta(json!({"type": "text_delta", "text": held}), out);
+        self.start_block(BlockKind::Text, &json!({"type": "text", "text": ""}), out);
+        self.delta(&json!({"type": "text_delta", "text": held}), out);
         self.stop_block(out);
     }
 }

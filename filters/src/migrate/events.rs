@@ -171,14 +171,13 @@ fn skip_value(b: &[u8], mut i: usize) -> usize {
     while let Some(&c) = b.get(i) {
         match c {
             b'[' | b'{' => depth += 1,
-            b']' | b'}' if depth == 0 => return i,
+            b']' | b'}' | b',' if depth == 0 => return i,
             b']' | b'}' => {
                 depth -= 1;
                 if depth == 0 {
                     return i + 1;
                 }
             }
-            b',' if depth == 0 => return i,
             _ => {}
         }
         i += 1;

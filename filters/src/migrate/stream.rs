@@ -119,8 +119,8 @@ struct DeltaView<'a> {
     tool_calls: Option<Value>,
 }
 
-fn set(v: &Option<Value>) -> bool {
-    v.as_ref().is_some_and(|v| !v.is_null())
+fn set(v: Option<&Value>) -> bool {
+    v.is_some_and(|v| !v.is_null())
 }
 
 fn error_text(e: &Value) -> String {
@@ -151,7 +151,7 @@ impl StreamRecord {
         if let Some(e) = &chunk.error {
             return Observed { error: Some(error_text(e)), ..Observed::default() };
         }
-        self.usage_seen |= set(&chunk.usage);
+        self.usage_seen |= set(chunk.usage.as_ref());
         let first = !self.started;
         if first {
             self.started = true;
@@ -170,7 +170,7 @@ impl StreamRecord {
         }
         let Some(choice) = choice else { return Observed::default() };
         if let Some(d) = &choice.delta
-            && (set(&d.reasoning_content) || set(&d.reasoning) || set(&d.tool_calls))
+            && (set(d.reasoning_content.as_ref()) || set(d.reasoning.as_ref()) || set(d.tool_calls.as_ref()))
         {
             return Observed { pin: Some(PinReason::ServerParsed), ..Observed::default() };
         }
@@ -194,7 +194,7 @@ impl StreamRecord {
             }
             _ => self.unseen += ids.len(),
         }
-        if set(&choice.finish_reason) {
+        if set(choice.finish_reason.as_ref()) {
             self.finished = true;
         }
         ids.len()
@@ -231,11 +231,11 @@ impl StreamRecord {
                 let ids = c.token_ids.as_deref().unwrap_or_default();
                 let skip = self.resent.min(ids.len());
                 self.resent -= skip;
-                json!([self.choice(c, text, shape, keep_ids.then_some(&ids[skip..]))])
+                json!([Self::choice(c, text, shape, keep_ids.then_some(&ids[skip..]))])
             }
         };
         out.insert("choices".into(), choices);
-        if set(&chunk.usage) {
+        if set(chunk.usage.as_ref()) {
             self.usage_seen = true;
             out.insert("usage".into(), self.usage());
         }
@@ -258,7 +258,7 @@ impl StreamRecord {
         self.prompt_ids.iter().chain(&self.generated_ids).copied().collect()
     }
 
-    fn choice(&self, c: &ChoiceView<'_>, text: &str, shape: ClientShape, ids: Option<&[u32]>) -> Value {
+    fn choice(c: &ChoiceView<'_>, text: &str, shape: ClientShape, ids: Option<&[u32]>) -> Value {
         let finish = c.finish_reason.clone().unwrap_or(Value::Null);
         let mut ch = match shape {
             ClientShape::Chat => json!({"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": finish}),
@@ -266,7 +266,7 @@ impl StreamRecord {
                 json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish, "stop_reason": c.stop_reason.clone().unwrap_or(Value::Null)})
             }
         };
-        if shape == ClientShape::Chat && set(&c.stop_reason) {
+        if shape == ClientShape::Chat && set(c.stop_reason.as_ref()) {
             ch["stop_reason"] = c.stop_reason.clone().unwrap_or(Value::Null);
         }
         if let Some(t) = ids.filter(|_| c.token_ids.is_some()) {
@@ -280,7 +280,7 @@ impl StreamRecord {
 mod tests {
     use super::*;
 
-    fn observe(r: &mut StreamRecord, v: Value) -> Observed {
+    fn observe(r: &mut StreamRecord, v: &Value) -> Observed {
         r.observe(v.to_string().as_bytes()).unwrap()
     }
 
@@ -330,11 +330,11 @@ mod tests {
         let mut r = StreamRecord::default();
         observe(
             &mut r,
-            json!({"id": "chatcmpl-1", "created": 5, "model": "m", "prompt_token_ids": [1, 2],
+            &json!({"id": "chatcmpl-1", "created": 5, "model": "m", "prompt_token_ids": [1, 2],
                                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}),
         );
-        assert_eq!(observe(&mut r, json!({"id": "chatcmpl-1", "choices": [{"delta": {"content": "Hel"}, "token_ids": [10]}]})).tokens, 1);
-        observe(&mut r, json!({"id": "chatcmpl-1", "prompt_token_ids": null, "choices": [{"delta": {"content": "lo"}, "token_ids": [11]}]}));
+        assert_eq!(observe(&mut r, &json!({"id": "chatcmpl-1", "choices": [{"delta": {"content": "Hel"}, "token_ids": [10]}]})).tokens, 1);
+        observe(&mut r, &json!({"id": "chatcmpl-1", "prompt_token_ids": null, "choices": [{"delta": {"content": "lo"}, "token_ids": [11]}]}));
         assert_eq!((r.prompt_ids.clone(), r.generated_ids.clone(), r.text.as_str()), (vec![1, 2], vec![10, 11], "Hello"));
         // The destination continues as a completion, whose first event names its own prompt.
         let dest = json!({"id": "cmpl-x", "created": 99, "model": "m", "choices": [{"index": 0, "text": " world", "prompt_token_ids": [1, 2, 10, 11], "token_ids": [12], "finish_reason": null}]});
@@ -353,7 +353,7 @@ mod tests {
     #[test]
     fn a_completion_stream_keeps_ids_when_asked_and_notes_the_finish() {
         let mut r = StreamRecord::default();
-        observe(&mut r, json!({"id": "cmpl-1", "created": 1, "model": "m", "choices": [{"text": "a", "prompt_token_ids": [1], "token_ids": [5]}]}));
+        observe(&mut r, &json!({"id": "cmpl-1", "created": 1, "model": "m", "choices": [{"text": "a", "prompt_token_ids": [1], "token_ids": [5]}]}));
         let dest = json!({"choices": [{"text": "b", "token_ids": [6], "finish_reason": "length", "stop_reason": null}]});
         let (_, out) = r.continue_event(dest.to_string().as_bytes(), ClientShape::Completion, true).unwrap();
         assert_eq!((out["id"].clone(), out["choices"][0]["text"].clone()), (json!("cmpl-1"), json!("b")));
@@ -366,22 +366,22 @@ mod tests {
     #[test]
     fn streams_without_ids_or_with_server_parsing_cannot_move_and_errors_are_seen() {
         let mut r = StreamRecord::default();
-        assert_eq!(observe(&mut r, json!({"id": "c", "choices": [{"text": "a"}]})).pin, Some(PinReason::NoTokenIds));
+        assert_eq!(observe(&mut r, &json!({"id": "c", "choices": [{"text": "a"}]})).pin, Some(PinReason::NoTokenIds));
         let mut r = StreamRecord::default();
-        observe(&mut r, json!({"id": "c", "prompt_token_ids": [1], "choices": [{"delta": {"role": "assistant"}}]}));
-        assert_eq!(observe(&mut r, json!({"choices": [{"delta": {"reasoning_content": "hm"}, "token_ids": [2]}]})).pin, Some(PinReason::ServerParsed));
-        assert_eq!(observe(&mut r, json!({"error": {"message": "engine dead", "code": 500}})).error.as_deref(), Some("engine dead"));
+        observe(&mut r, &json!({"id": "c", "prompt_token_ids": [1], "choices": [{"delta": {"role": "assistant"}}]}));
+        assert_eq!(observe(&mut r, &json!({"choices": [{"delta": {"reasoning_content": "hm"}, "token_ids": [2]}]})).pin, Some(PinReason::ServerParsed));
+        assert_eq!(observe(&mut r, &json!({"error": {"message": "engine dead", "code": 500}})).error.as_deref(), Some("engine dead"));
         let mut r = StreamRecord::default();
-        observe(&mut r, json!({"id": "c", "prompt_token_ids": [1], "choices": [{"delta": {"role": "assistant", "content": ""}}]}));
-        assert_eq!(observe(&mut r, json!({"choices": [{"delta": {"content": "hidden ids"}}]})).pin, Some(PinReason::NoTokenIds));
+        observe(&mut r, &json!({"id": "c", "prompt_token_ids": [1], "choices": [{"delta": {"role": "assistant", "content": ""}}]}));
+        assert_eq!(observe(&mut r, &json!({"choices": [{"delta": {"content": "hidden ids"}}]})).pin, Some(PinReason::NoTokenIds));
     }
 
     #[test]
     fn ids_whose_text_was_held_back_are_rolled_back() {
         let mut r = StreamRecord::default();
-        observe(&mut r, json!({"id": "c", "choices": [{"text": "a", "prompt_token_ids": [1], "token_ids": [5]}]}));
-        observe(&mut r, json!({"choices": [{"text": "", "token_ids": [200]}]}));
-        observe(&mut r, json!({"choices": [{"text": "", "token_ids": [201]}]}));
+        observe(&mut r, &json!({"id": "c", "choices": [{"text": "a", "prompt_token_ids": [1], "token_ids": [5]}]}));
+        observe(&mut r, &json!({"choices": [{"text": "", "token_ids": [200]}]}));
+        observe(&mut r, &json!({"choices": [{"text": "", "token_ids": [201]}]}));
         assert_eq!(r.roll_back_unseen(), 2);
         assert_eq!(r.generated_ids, vec![5]);
         assert_eq!(r.roll_back_unseen(), 0);

@@ -87,12 +87,15 @@ impl Policy {
     pub fn pairs(&self, all: &[Instance], turn: &mut usize) -> Vec<(u32, u32)> {
         match *self {
             Self::LoadBalance { threshold, min_difference, scope } => match scope {
-                Scope::Cluster => balance(all.iter().collect(), threshold, min_difference),
+                Scope::Cluster => balance(&all.iter().collect::<Vec<_>>(), threshold, min_difference),
                 Scope::Unit => {
                     let mut units: Vec<Option<&String>> = all.iter().map(|i| i.unit.as_ref()).collect();
                     units.sort();
                     units.dedup();
-                    units.into_iter().flat_map(|u| balance(all.iter().filter(|i| i.unit.as_ref() == u).collect(), threshold, min_difference)).collect()
+                    units
+                        .into_iter()
+                        .flat_map(|u| balance(&all.iter().filter(|i| i.unit.as_ref() == u).collect::<Vec<_>>(), threshold, min_difference))
+                        .collect()
                 }
             },
             Self::Failover { domain } => failover(all, domain, turn),
@@ -123,7 +126,7 @@ fn usable(all: &[Instance]) -> impl Iterator<Item = &Instance> {
 }
 
 /// metricBalanceSelector over one group.
-fn balance(group: Vec<&Instance>, threshold: f64, min_difference: f64) -> Vec<(u32, u32)> {
+fn balance(group: &[&Instance], threshold: f64, min_difference: f64) -> Vec<(u32, u32)> {
     let mut src: Vec<&Instance> = group.iter().copied().filter(|i| !i.failing() && i.load >= threshold).collect();
     let mut dst: Vec<&Instance> = group.iter().copied().filter(|i| !i.failing() && i.load < threshold).collect();
     src.sort_by(|a, b| b.load.total_cmp(&a.load));

@@ -79,6 +79,7 @@ pub fn select(reqs: &[Candidate], take: Take, kv_tokens: u64) -> Vec<String> {
     };
     let ordered = ordered(reqs, order);
     let budget = match rule {
+        #[allow(clippy::cast_sign_loss, reason = "the amount is clamped to 0 or more above")]
         Rule::NumReq => return ordered.iter().take(value as usize).map(|r| r.id.clone()).collect(),
         Rule::Token => value,
         Rule::Ratio => value / 100.0 * kv_tokens as f64,

@@ -110,12 +110,12 @@ impl KvPolicy {
 
     /// One candidate's cost (lower is better) and its terms.
     pub fn cost(&self, req: &RequestSummary<'_>, c: &Candidate) -> (f64, Terms) {
-        self.priced(&self.sized(req.clone()), c)
+        self.priced(&self.sized(req), c)
     }
 
     /// `req` with this model's block size, which the `time` cost reads from it.
-    fn sized<'a>(&self, req: RequestSummary<'a>) -> RequestSummary<'a> {
-        RequestSummary { block_size: self.params.block_size, ..req }
+    fn sized<'a>(&self, req: &RequestSummary<'a>) -> RequestSummary<'a> {
+        RequestSummary { block_size: self.params.block_size, ..*req }
     }
 
     /// [`Self::cost`] for a request already [`Self::sized`]: `choose` sizes it once, not per
@@ -157,7 +157,7 @@ impl Policy for KvPolicy {
     }
 
     fn choose(&self, req: &RequestSummary<'_>, candidates: &[Candidate]) -> Decision {
-        let req = &self.sized(req.among(candidates));
+        let req = &self.sized(&req.among(candidates));
         let debug = tracing::enabled!(tracing::Level::DEBUG);
         let held = req.slo.is_set() && self.params.cost == Cost::Time;
         let mut violations = Vec::new();
@@ -213,6 +213,7 @@ impl KvPolicy {
         let least = (0..costs.len()).filter(tied).map(|i| candidates[i].in_flight).min().unwrap_or(0);
         let pool = || (0..costs.len()).filter(tied).filter(|&i| candidates[i].in_flight == least);
         let n = pool().count().max(1);
+        #[allow(clippy::cast_sign_loss, reason = "a uniform draw in [0, 1) times a count: not negative")]
         let k = (self.uniform() * n as f64) as usize % n;
         Decision::Worker(pool().nth(k).unwrap_or(0))
     }
@@ -231,6 +232,7 @@ fn meeting_the_slo(costs: &mut [f64], violations: &[f64]) {
 }
 
 #[cfg(test)]
+#[allow(clippy::float_cmp, reason = "tests compare exact values, computed by the same arithmetic as their expectations")]
 mod tests {
     use super::*;
     use crate::route::Slo;
@@ -387,7 +389,9 @@ mod tests {
             chosen[i] += 1;
             c[i].in_flight += 1;
             c[i].prefilling += 1;
-            c[i].active_prefill_tokens += t.new_tokens as u64;
+            #[allow(clippy::cast_sign_loss, reason = "a predicted token count: not negative")]
+            let new_tokens = t.new_tokens as u64;
+            c[i].active_prefill_tokens += new_tokens;
             c[i].prefill_backlog_ms += t.own_ms;
             // The shared prefix is booked there now; each request's own 512 tokens differ.
             c[i].active_overlap_blocks = 512;

@@ -33,6 +33,18 @@ const MIN_HOMES: usize = 8;
 /// Room reserved for the tail at a time (it rarely holds more than a few entries).
 const TAIL: usize = 16;
 
+/// Home slots for a map grown to hold `len` entries.
+#[allow(clippy::cast_sign_loss, reason = "a count times positive constants: not negative")]
+fn homes_for(len: usize) -> usize {
+    (len as f64 * GROWTH / MAX_LOAD).ceil() as usize
+}
+
+/// Entries a map of `homes` home slots holds before it grows.
+#[allow(clippy::cast_sign_loss, reason = "a count times positive constants: not negative")]
+fn grow_at(homes: usize) -> usize {
+    (homes as f64 * MAX_LOAD) as usize
+}
+
 /// A held block.
 ///
 /// `refs` is exact: at `u16::MAX` the owner counts further references elsewhere (a spill map),
@@ -148,7 +160,7 @@ impl BlockMap {
         debug_assert!(key != 0 && self.find(key) == Err(at));
         let mut e = Entry { x: spread(key), parent, refs: 1, children: 0 };
         if self.len >= self.grow_at {
-            self.resize(((self.len + 1) as f64 * GROWTH / MAX_LOAD).ceil() as usize);
+            self.resize(homes_for(self.len + 1));
             at = self.search(e.x).expect_err("not present");
         }
         // Shift the run from `at` up by one.
@@ -175,7 +187,7 @@ impl BlockMap {
         slots.resize(homes, Entry::default());
         let old = std::mem::replace(&mut self.slots, slots);
         self.homes = homes;
-        self.grow_at = (homes as f64 * MAX_LOAD) as usize;
+        self.grow_at = grow_at(homes);
         // In `x` order, each entry goes to its new home or right after the previous one.
         let mut next = 0;
         for e in old.into_iter().filter(|e| e.x != 0) {
@@ -297,7 +309,7 @@ mod tests {
                 m.check();
             }
             assert!(m.len() as f64 <= m.capacity() as f64 * MAX_LOAD);
-            assert_eq!(m.grow_at, (m.capacity() as f64 * MAX_LOAD) as usize);
+            assert_eq!(m.grow_at, grow_at(m.capacity()));
         }
         m.check();
         assert!(caps.len() > 5, "grew across several sizes: {caps:?}");

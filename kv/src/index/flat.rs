@@ -43,8 +43,16 @@ const GROWTH: f64 = 1.6;
 /// small index that churns is not rebuilt over and over.
 const SHRINK_FLOOR: usize = 1 << 16;
 
+/// Slots for a table sized for `blocks`.
+#[allow(clippy::cast_sign_loss, reason = "a count times positive constants: not negative")]
 fn slots_for(blocks: usize) -> usize {
     (blocks.max(1) as f64 * GROWTH / MAX_LOAD).ceil() as usize
+}
+
+/// Slots with a key a table of `cap` slots holds before a rebuild.
+#[allow(clippy::cast_sign_loss, reason = "a count times positive constants: not negative")]
+fn max_used(cap: usize) -> usize {
+    (cap as f64 * MAX_LOAD) as usize
 }
 
 /// References past `u16::MAX` per (worker, block).
@@ -101,7 +109,7 @@ fn drop_ref(e: &mut Entry, spill: &mut Spill, w: usize) {
 impl Writer {
     fn new(table: Arc<Table>, max_workers: usize) -> Self {
         Self {
-            max_used: (table.capacity() as f64 * MAX_LOAD) as usize,
+            max_used: max_used(table.capacity()),
             table,
             used: 0,
             live: 0,
@@ -162,7 +170,7 @@ impl Writer {
         }
         self.used = live;
         self.live = live;
-        self.max_used = (cap as f64 * MAX_LOAD) as usize;
+        self.max_used = max_used(cap);
         self.table = Arc::new(fresh);
         swap.store(self.table.clone());
     }

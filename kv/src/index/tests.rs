@@ -196,7 +196,7 @@ fn growth_across_rebuilds_keeps_answers_and_parents() {
     for c in 0..600u32 {
         let w = (c as usize % workers) as WorkerId;
         // The first 8 blocks are shared by a group of chains of the same worker.
-        let tokens: Vec<u32> = (0..256).map(|t| if t < 32 { c / 64 * 64 + w as u32 } else { c * 1000 + t }).collect();
+        let tokens: Vec<u32> = (0..256).map(|t| if t < 32 { c / 64 * 64 + u32::from(w) } else { c * 1000 + t }).collect();
         let chain = h.chain(None, &tokens);
         for idx in [&flat as &dyn KvIndex, &reference] {
             idx.insert(w, None, &chain[..8]).unwrap();

@@ -5,6 +5,7 @@
 use crate::failure::LoadError;
 use crate::sandbox::{HostState, Limits, engine};
 use sha2::{Digest, Sha256};
+use std::fmt::Write as _;
 use std::path::PathBuf;
 use wasmtime::component::types::ComponentItem;
 use wasmtime::component::{Component, InstancePre, Linker};
@@ -131,5 +132,8 @@ fn first_line(e: &wasmtime::Error) -> String {
 }
 
 fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    bytes.iter().fold(String::with_capacity(2 * bytes.len()), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
 }

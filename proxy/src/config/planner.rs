@@ -236,7 +236,7 @@ fn local(l: &LocalConnector, r: &PlanParams) -> Result<(), String> {
         return Err("connector.command must contain {port} (the gateway must know where the worker listens)".into());
     }
     let workers = r.max_gpu_budget / r.decode_engine_num_gpu;
-    let fits = |from: u16| u32::from(from) + workers <= u32::from(u16::MAX);
+    let fits = |from: u16| u16::try_from(u32::from(from) + workers).is_ok();
     if l.ports_from == 0 || !fits(l.ports_from) || !fits(l.kv_ports_from.unwrap_or(l.ports_from.saturating_add(1000))) || l.ports_from > u16::MAX - 1000 {
         return Err(format!("connector.ports_from (and kv_ports_from) must leave room for {workers} workers below port 65536"));
     }

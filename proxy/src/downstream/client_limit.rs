@@ -66,6 +66,7 @@ impl ClientLimits {
         }
     }
 
+    #[allow(clippy::cast_possible_truncation, reason = "the key is a hash: any of its bits pick a shard as well")]
     fn shard(&self, key: u64) -> &Mutex<HashMap<u64, u32>> {
         &self.shards[(key as usize) % SHARDS]
     }

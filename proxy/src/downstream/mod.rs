@@ -3,6 +3,9 @@
 //! writing complete answers, watching for a client that left, the client-facing errors, and
 //! the per-client concurrency limit.
 
+// Parses bytes from outside: a narrowing cast here could truncate a peer's value.
+#![deny(clippy::cast_possible_truncation)]
+
 pub mod client_limit;
 pub mod closed;
 pub mod conn;

@@ -89,6 +89,7 @@ impl Calibration {
 }
 
 #[cfg(test)]
+#[allow(clippy::float_cmp, reason = "tests compare exact values, computed by the same arithmetic as their expectations")]
 mod tests {
     use super::*;
 

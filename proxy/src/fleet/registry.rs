@@ -117,7 +117,7 @@ mod tests {
     #[test]
     fn registry_keeps_worker_state_across_rebuilds() {
         let cfg = |urls: &[&str]| {
-            let workers: String = urls.iter().map(|u| format!("      - url: {u}\n")).collect();
+            let workers: String = urls.iter().flat_map(|&u| ["      - url: ", u, "\n"]).collect();
             crate::config::load_str(&format!("models:\n  - name: m\n    workers:\n{workers}"), "t", Vec::new()).unwrap()
         };
         let reg = WorkerRegistry::default();

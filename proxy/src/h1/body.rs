@@ -28,7 +28,7 @@ impl Framing {
     pub fn take(&mut self, buf: &mut BytesMut) -> Result<Option<Bytes>, ChunkError> {
         let data = match self {
             Framing::Length(left) => {
-                let n = (buf.len() as u64).min(*left) as usize;
+                let n = super::take_len(buf.len(), *left);
                 *left -= n as u64;
                 let data = (n > 0).then(|| buf.split_to(n).freeze());
                 if *left == 0 {

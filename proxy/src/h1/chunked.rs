@@ -89,7 +89,7 @@ impl Chunked {
                 if buf.is_empty() {
                     return Ok(None);
                 }
-                let n = (buf.len() as u64).min(left) as usize;
+                let n = super::take_len(buf.len(), left);
                 self.state = if n as u64 == left { State::DataEnd(false) } else { State::Data(left - n as u64) };
                 return Ok(Some(buf.split_to(n).freeze()));
             }
@@ -110,7 +110,7 @@ impl Chunked {
                 if digits >= 15 {
                     return Err(ChunkError::TooLarge);
                 }
-                let d = (b as char).to_digit(16).expect("a hex digit") as u64;
+                let d = u64::from((b as char).to_digit(16).expect("a hex digit"));
                 State::Size { size: size << 4 | d, digits: digits + 1, part: Part::Digits, len: len + 1 }
             }
             State::Size { digits: 0, .. } => return Err(ChunkError::SizeLine),
@@ -121,10 +121,9 @@ impl Chunked {
             State::Size { size, digits, part, len } if b == b';' || (part == Part::Extensions && b != b'\n') => {
                 State::Size { size, digits, part: Part::Extensions, len: len + 1 }
             }
-            State::Size { .. } => return Err(ChunkError::SizeLine),
             State::SizeLf { size: 0 } if b == b'\n' => State::Trailers { line: 0, cr: false, name: true, total: 0 },
             State::SizeLf { size } if b == b'\n' => State::Data(size),
-            State::SizeLf { .. } => return Err(ChunkError::SizeLine),
+            State::Size { .. } | State::SizeLf { .. } => return Err(ChunkError::SizeLine),
             State::DataEnd(false) if b == b'\r' => State::DataEnd(true),
             State::DataEnd(true) if b == b'\n' => State::Size { size: 0, digits: 0, part: Part::Digits, len: 0 },
             State::DataEnd(_) => return Err(ChunkError::DataEnd),
@@ -236,6 +235,7 @@ mod tests {
         assert_eq!(err(&trailers), ChunkError::Overlong);
     }
 
+    #[allow(clippy::cast_possible_truncation, reason = "random test data: bytes and indices are the low bits of a hash sequence")]
     #[test]
     fn any_body_encoded_in_any_chunks_decodes_to_itself_however_it_arrives() {
         let mut next = kvgate_kv::hash::sequence(7);
@@ -258,6 +258,7 @@ mod tests {
         }
     }
 
+    #[allow(clippy::cast_possible_truncation, reason = "random test data: bytes and indices are the low bits of a hash sequence")]
     #[test]
     fn random_bytes_never_panic_and_never_yield_more_than_they_hold() {
         let mut next = kvgate_kv::hash::sequence(11);

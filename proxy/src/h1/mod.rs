@@ -3,6 +3,9 @@
 //! The client side's connection is `downstream::conn`, the workers' responses
 //! `upstream::response`; both parse heads with `httparse` and build no header maps.
 
+// Parses bytes from outside: a narrowing cast here could truncate a peer's value.
+#![deny(clippy::cast_possible_truncation)]
+
 pub mod body;
 pub mod chunked;
 pub mod spare;
@@ -47,7 +50,7 @@ fn put_digits(w: &mut Vec<u8>, mut n: u64, base: u64) {
     let mut at = digits.len();
     loop {
         at -= 1;
-        digits[at] = b"0123456789abcdef"[(n % base) as usize];
+        digits[at] = b"0123456789abcdef"[usize::try_from(n % base).expect("a remainder below the base")];
         n /= base;
         if n == 0 {
             break;
@@ -58,8 +61,16 @@ fn put_digits(w: &mut Vec<u8>, mut n: u64, base: u64) {
 
 /// Where `part` lies in `buf`, the bytes `httparse` parsed it from: its start and end offsets.
 pub fn span(buf: &[u8], part: &[u8]) -> [u32; 2] {
-    let at = (part.as_ptr() as usize - buf.as_ptr() as usize) as u32;
-    [at, at + part.len() as u32]
+    // Heads are read under a cap of 64 KiB (`MAX_HEAD`), so their offsets fit a u32.
+    let offset = |n: usize| u32::try_from(n).expect("a head offset under the head cap");
+    let at = part.as_ptr() as usize - buf.as_ptr() as usize;
+    [offset(at), offset(at + part.len())]
+}
+
+/// How many of the `have` bytes buffered belong to a body with `left` bytes to go: the
+/// smaller of the two. `left` comes from a peer's framing and may exceed what a `usize` holds.
+pub fn take_len(have: usize, left: u64) -> usize {
+    usize::try_from(left).map_or(have, |left| left.min(have))
 }
 
 /// Each header's name and value as offsets into `buf`, the bytes `httparse` parsed them from:

@@ -25,9 +25,8 @@ pub fn merged_cards(fleet: &Fleet) -> Vec<Value> {
         let cards: Vec<_> = fleet.models[name].workers.iter().filter(|w| w.is_healthy()).filter_map(|w| w.cards()).collect();
         match cards.iter().find_map(|c| c.card(name)) {
             Some(card) if !listed(&out, name) => out.push(card.clone()),
-            Some(_) => {}
             None if !listed(&out, name) => out.push(json!({"id": name, "object": "model", "created": created, "owned_by": "kvgate"})),
-            None => {}
+            Some(_) | None => {}
         }
         for c in &cards {
             for id in &c.adapters {

@@ -277,7 +277,7 @@ pub fn pull(model: &Model) -> Option<Pull> {
         let r = w.reported_summary();
         if r.ranks > 0 {
             kv.push(r.kv_usage);
-            waiting += r.waiting as f64;
+            waiting += f64::from(r.waiting);
         }
     }
     if kv.is_empty() {

@@ -113,25 +113,15 @@ pub async fn run(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestS
     if !req.model.disaggregates() || !req.endpoint.infers() {
         return Ok(());
     }
-    let body = match two_legs(req) {
-        Ok(body) => body,
-        Err(why) => return aggregated(gw, req, why),
-    };
-    if place::answers_all_busy(gw, req) {
-        return aggregated(gw, req, Fallback::DecodeBusy);
-    }
-    let worker = match place_prefill(gw, req) {
-        Ok(w) => w,
-        Err(why) => return aggregated(gw, req, why),
-    };
-    // The client's headers go with both legs, as with any leg; so does its request id
-    // (vLLM's example proxy sends both legs under one `X-Request-Id`).
-    let wire = match crate::upstream::request_wire(session.req(), &worker, "POST", &req.forward.target, &body, req.id()) {
-        Ok(w) => w,
-        Err(_) => return aggregated(gw, req, Fallback::PrefillFailed),
+    let (worker, wire) = match prefill_leg(gw, session, req) {
+        Ok(leg) => leg,
+        Err(why) => {
+            aggregated(gw, req, why);
+            return Ok(());
+        }
     };
     let child = RequestContext::new(req.id());
-    req.ctx.link_child(child.clone());
+    req.ctx.link_child(&child);
     let sent = Instant::now();
     let answer = tokio::select! {
         biased;
@@ -154,15 +144,28 @@ pub async fn run(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestS
         Err(detail) => {
             tracing::warn!(request_id = req.id(), worker = %worker.url, detail = detail.as_str(), "prefill leg failed; serving the request aggregated");
             req.entry().receipt.lock().leg_ended("prefill_failed");
-            aggregated(gw, req, Fallback::PrefillFailed)
+            aggregated(gw, req, Fallback::PrefillFailed);
+            Ok(())
         }
     }
 }
 
+/// The prefill leg's worker (booked) and request, or why the request runs aggregated.
+fn prefill_leg(gw: &Gateway, session: &ClientConn, req: &mut RequestState) -> Result<(Arc<Worker>, Vec<u8>), Fallback> {
+    let body = two_legs(req)?;
+    if place::answers_all_busy(gw, req) {
+        return Err(Fallback::DecodeBusy);
+    }
+    let worker = place_prefill(gw, req)?;
+    // The client's headers go with both legs, as with any leg; so does its request id
+    // (vLLM's example proxy sends both legs under one `X-Request-Id`).
+    let wire = crate::upstream::request_wire(session.req(), &worker, "POST", &req.forward.target, &body, req.id()).map_err(|_| Fallback::PrefillFailed)?;
+    Ok((worker, wire))
+}
+
 /// Counts a request that runs aggregated; it goes on to its (only) placement.
-fn aggregated(gw: &Gateway, req: &RequestState, why: Fallback) -> Result<(), Outcome> {
+fn aggregated(gw: &Gateway, req: &RequestState, why: Fallback) {
     gw.metrics.disagg.requests.with_label_values(&[req.model_name(), "aggregated", why.label()]).inc();
-    Ok(())
 }
 
 /// The prefill leg's body, or why the request runs aggregated.

@@ -9,6 +9,9 @@
 //! serde_json allows, anything malformed) it hands to serde_json, so a body it accepts is one
 //! serde_json accepts with the same fields, and every refusal carries serde_json's message.
 
+// Parses bytes from outside: a narrowing cast here could truncate a peer's value.
+#![deny(clippy::cast_possible_truncation)]
+
 use super::admit::RequestView;
 use std::ops::Range;
 
@@ -89,8 +92,8 @@ fn scan(body: &[u8], ids: bool) -> Option<(RequestView, Option<PromptIds>)> {
             }
             seen |= field;
             match field {
-                1 => view.model = model(raw)?,
-                2 => view.stream = flag(raw)?,
+                1 => view.model = model(raw).ok()?,
+                2 => view.stream = flag(raw).ok()?,
                 4 => view.nvext = serde_json::from_slice(raw).ok()?,
                 8 => view.stream_options = serde_json::from_slice(raw).ok()?,
                 _ => {}
@@ -128,22 +131,25 @@ fn special(s: &[u8]) -> Option<usize> {
     s[at..].iter().position(|&c| c == b'"' || c == b'\\' || c < 0x20).map(|k| at + k)
 }
 
+/// A field value this reader leaves to serde_json (and with it the whole body).
+struct Unhandled;
+
 /// `model`: a string without escapes, or `null`.
-fn model(raw: &[u8]) -> Option<Option<String>> {
+fn model(raw: &[u8]) -> Result<Option<String>, Unhandled> {
     match raw {
-        b"null" => Some(None),
-        [b'"', inner @ .., b'"'] if !inner.contains(&b'\\') => Some(Some(std::str::from_utf8(inner).ok()?.to_owned())),
-        _ => None,
+        b"null" => Ok(None),
+        [b'"', inner @ .., b'"'] if !inner.contains(&b'\\') => Ok(Some(std::str::from_utf8(inner).map_err(|_| Unhandled)?.to_owned())),
+        _ => Err(Unhandled),
     }
 }
 
 /// `stream`: a boolean, or `null`.
-fn flag(raw: &[u8]) -> Option<Option<bool>> {
+fn flag(raw: &[u8]) -> Result<Option<bool>, Unhandled> {
     match raw {
-        b"true" => Some(Some(true)),
-        b"false" => Some(Some(false)),
-        b"null" => Some(None),
-        _ => None,
+        b"true" => Ok(Some(true)),
+        b"false" => Ok(Some(false)),
+        b"null" => Ok(None),
+        _ => Err(Unhandled),
     }
 }
 
@@ -400,6 +406,7 @@ mod tests {
         }
     }
 
+    #[allow(clippy::cast_possible_truncation, reason = "random test data: bytes and indices are the low bits of a hash sequence")]
     #[test]
     fn the_word_scan_finds_the_first_special_byte_as_a_byte_loop_does() {
         let mut seq = kvgate_kv::hash::sequence(5);
@@ -415,6 +422,7 @@ mod tests {
     /// Valid bodies with a few bytes changed, dropped or added (bytes that matter to JSON's
     /// grammar, control characters, broken UTF-8): accepted here only if serde_json agrees,
     /// whether a prompt's ids are read on the way or not.
+    #[allow(clippy::cast_possible_truncation, reason = "random test data: bytes and indices are the low bits of a hash sequence")]
     #[test]
     fn a_damaged_body_is_read_here_only_if_serde_json_reads_it_the_same() {
         let seeds: [&[u8]; 3] = [
@@ -429,7 +437,7 @@ mod tests {
             assert!(scan(seed, false).is_some(), "{}", String::from_utf8_lossy(seed));
             for _ in 0..30_000 {
                 let mut body = seed.to_vec();
-                for _ in 0..1 + next() % 3 {
+                for _ in 0..=next() % 3 {
                     let at = next() % (body.len() + 1);
                     let b = bytes[next() % bytes.len()];
                     match next() % 3 {
@@ -447,6 +455,7 @@ mod tests {
 
     /// Bodies made of JSON's pieces in random order, valid or not: whenever this reader accepts
     /// one, serde_json accepts it too, with the same fields; and nothing panics.
+    #[allow(clippy::cast_possible_truncation, reason = "random test data: bytes and indices are the low bits of a hash sequence")]
     #[test]
     fn whatever_is_read_here_serde_json_reads_the_same() {
         let pieces: [&[u8]; 24] = [

@@ -8,6 +8,9 @@
 //! body gives: a prompt that is not a non-empty list of `u32` (text, a batch, a list with
 //! anything else in it) stays a value in `fields`, and a key given twice keeps its last value.
 
+// Parses bytes from outside: a narrowing cast here could truncate a peer's value.
+#![deny(clippy::cast_possible_truncation)]
+
 use super::fields::PromptIds;
 use serde::de::value::{MapAccessDeserializer, SeqAccessDeserializer};
 use serde::de::{Deserialize, Deserializer, Error, MapAccess, SeqAccess, Visitor};
@@ -292,6 +295,7 @@ mod tests {
 
     /// Bodies made of JSON's pieces in random order: wherever the scan reads ids, the parse
     /// around them is the whole body's, and nothing panics.
+    #[allow(clippy::cast_possible_truncation, reason = "random test data: bytes and indices are the low bits of a hash sequence")]
     #[test]
     fn ids_read_on_the_way_agree_on_random_bodies() {
         let pieces = ["{", "}", "[", "]", ",", ":", " ", "\"prompt\"", "\"model\"", "\"m\"", "1", "42", "0", "01", "-3", "2.5", "4294967296", "null", "[1,2]"];

@@ -274,6 +274,7 @@ fn decide(gw: &Gateway, req: &RequestState, summary: &RequestSummary<'_>, candid
 }
 
 /// What a decision leaves for the booking.
+#[derive(Clone, Copy)]
 struct Decided {
     /// The most blocks any candidate held.
     best_overlap: u32,
@@ -301,9 +302,11 @@ fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, de
     let cached_tokens = (u64::from(chosen.overlap_blocks) * bs).min(prompt_tokens);
     // The time cost also counts a prefix being computed there as cached: book what it
     // predicted the worker computes, so a shared prefix is not booked once per follower.
+    #[allow(clippy::cast_sign_loss, reason = "a token count clamped to 0 or more")]
     let prefill_tokens = req.predicted.map_or(prompt_tokens - cached_tokens, |p| (p.new_tokens.max(0.0) as u64).min(prompt_tokens));
     let prefill_time = req.predicted.map_or(Duration::ZERO, |p| Duration::from_secs_f64(p.own_ms.max(0.0) / 1000.0));
     // Load shedding counts the blocks its output will fill.
+    #[allow(clippy::cast_sign_loss, reason = "a token count clamped to 0 or more")]
     let output_estimate = expected_output(req).max(0.0) as u64;
     let footprint = match &req.kv {
         // `/tokenize` and `/detokenize` compute nothing worth booking: only the request counts.

@@ -159,35 +159,35 @@ mod tests {
 
     use kvgate_tokenize::{ChatInput, ModelTokenizer};
 
-    fn p(body: Value) -> ParsedBody {
+    fn p(body: &Value) -> ParsedBody {
         ParsedBody::parse(body.to_string().as_bytes()).unwrap()
     }
 
     #[tokio::test]
     async fn token_ids_are_used_as_is() {
-        assert_eq!(tokens(p(json!({"prompt": [5, 6, 7]})), false, None, 100).await, Some(vec![5, 6, 7]));
-        assert_eq!(tokens(p(json!({"prompt": [[1, 2], [3]]})), false, None, 100).await, Some(vec![1, 2]));
-        assert_eq!(tokens(p(json!({"prompt": [-1]})), false, None, 100).await, None);
+        assert_eq!(tokens(p(&json!({"prompt": [5, 6, 7]})), false, None, 100).await, Some(vec![5, 6, 7]));
+        assert_eq!(tokens(p(&json!({"prompt": [[1, 2], [3]]})), false, None, 100).await, Some(vec![1, 2]));
+        assert_eq!(tokens(p(&json!({"prompt": [-1]})), false, None, 100).await, None);
     }
 
     #[tokio::test]
     async fn text_uses_the_tokenizer_or_the_fallback() {
         let tok = ModelTokenizer::builtin();
         let cache = Arc::new(SegmentCache::new(tok.clone(), 64));
-        let with = tokens(p(json!({"prompt": "the cache router"})), false, Some(&cache), 10_000).await.unwrap();
+        let with = tokens(p(&json!({"prompt": "the cache router"})), false, Some(&cache), 10_000).await.unwrap();
         assert_eq!(with, tok.encode("the cache router", true).unwrap());
-        let fallback = tokens(p(json!({"prompt": "abcdefgh"})), false, None, 10_000).await.unwrap();
+        let fallback = tokens(p(&json!({"prompt": "abcdefgh"})), false, None, 10_000).await.unwrap();
         assert_eq!(fallback.len(), 2);
-        let chat = tokens(p(json!({"messages": [{"role": "user", "content": "hi"}]})), true, Some(&cache), 10_000).await.unwrap();
+        let chat = tokens(p(&json!({"messages": [{"role": "user", "content": "hi"}]})), true, Some(&cache), 10_000).await.unwrap();
         let text = tok
             .render_chat(&ChatInput { messages: &[json!({"role": "user", "content": "hi"})], add_generation_prompt: true, tools: None, kwargs: None })
             .unwrap();
         assert_eq!(chat, tok.encode(&text, false).unwrap(), "chat tokenizes like vLLM: template, no special tokens");
-        let again = tokens(p(json!({"messages": [{"role": "user", "content": "hi"}]})), true, Some(&cache), 10_000).await.unwrap();
+        let again = tokens(p(&json!({"messages": [{"role": "user", "content": "hi"}]})), true, Some(&cache), 10_000).await.unwrap();
         assert_eq!(again, chat, "the cached, inline path gives the same ids");
         let long = "many words ".repeat(1_000);
         let body = json!({"messages": [{"role": "user", "content": long}]});
-        let via_pool = tokens(p(body), true, Some(&cache), 100_000).await.unwrap();
+        let via_pool = tokens(p(&body), true, Some(&cache), 100_000).await.unwrap();
         let text = tok
             .render_chat(&ChatInput { messages: &[json!({"role": "user", "content": long})], add_generation_prompt: true, tools: None, kwargs: None })
             .unwrap();

@@ -61,7 +61,7 @@ pub async fn wait_resumed(gw: &Arc<Gateway>, session: &mut ClientConn, req: &Req
     let name = req.model_name();
     let routing = &req.model.cfg.routing;
     let depth = gw.metrics.queued.with_label_values(&[name]);
-    if depth.get() >= routing.queue_max_len as i64 {
+    if depth.get() >= i64::try_from(routing.queue_max_len).unwrap_or(i64::MAX) {
         gw.metrics.rejected.with_label_values(&[name, "queue_full"]).inc();
         return Err(Outcome::Refused(GatewayError::QueueFull(name.to_string())));
     }

@@ -220,14 +220,14 @@ async fn body(
     // A stream's first token, while awaited, has the first-byte deadline instead.
     let (mut pending, mut awaited) = match first {
         First::Read(first) => (Some(Ok(first)), None),
-        First::Awaited { deadline } => (None, Some(deadline)),
+        First::Awaited { deadline } => (None, Some(Awaited { deadline })),
     };
     loop {
         let chunk = match pending.take() {
             Some(c) => c,
             None => {
-                let next =
-                    next_chunk(session, &mut ex, &worker.url, wait_limit(awaited, idle), &mut stall, warming, orders(req, awaited.is_some(), warming)).await;
+                let mailbox = orders(req, awaited.is_some(), warming.as_ref());
+                let next = next_chunk(session, &mut ex, &worker.url, wait_limit(awaited, idle), &mut stall, warming, mailbox).await;
                 match waited(gw, session, req, &worker, next, &mut awaited, warming) {
                     Waited::Chunk(c) => c,
                     Waited::Again => continue,
@@ -252,6 +252,12 @@ async fn body(
     }
 }
 
+/// A stream's first token, still awaited: by `deadline` when there is one.
+#[derive(Clone, Copy)]
+struct Awaited {
+    deadline: Option<Instant>,
+}
+
 /// What a wait for the next chunk leads to.
 enum Waited {
     /// A chunk (or the end of the body, or a failure) to deliver.
@@ -271,7 +277,7 @@ fn waited(
     req: &mut RequestState,
     worker: &Arc<Worker>,
     next: Next,
-    awaited: &mut Option<Option<Instant>>,
+    awaited: &mut Option<Awaited>,
     warming: &mut Option<Warming>,
 ) -> Waited {
     match next {
@@ -359,7 +365,7 @@ async fn deliver(
 /// The request's mailbox, when a move order may end the wait for the next chunk: while a
 /// stream's first token is awaited (the request is then resent), or while a stream that may
 /// move is not already warming a destination.
-fn orders<'a>(req: &'a RequestState, awaited: bool, warming: &Option<Warming>) -> Option<&'a Mailbox> {
+fn orders<'a>(req: &'a RequestState, awaited: bool, warming: Option<&Warming>) -> Option<&'a Mailbox> {
     let movable = req.track.as_ref().is_some_and(Tracker::movable) && warming.is_none();
     (awaited || movable).then(|| &req.entry().mailbox)
 }
@@ -367,10 +373,10 @@ fn orders<'a>(req: &'a RequestState, awaited: bool, warming: &Option<Warming>) -
 /// How long the next read may wait: while a stream's first token is awaited, until the
 /// first-byte deadline, or without a limit when there is none (long prefills are legitimate);
 /// else the idle limit.
-fn wait_limit(awaited: Option<Option<Instant>>, idle: Duration) -> Option<Duration> {
+fn wait_limit(awaited: Option<Awaited>, idle: Duration) -> Option<Duration> {
     match awaited {
-        Some(Some(deadline)) => Some(deadline.saturating_duration_since(Instant::now())),
-        Some(None) => None,
+        Some(Awaited { deadline: Some(deadline) }) => Some(deadline.saturating_duration_since(Instant::now())),
+        Some(Awaited { deadline: None }) => None,
         None => Some(idle),
     }
 }

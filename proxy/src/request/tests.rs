@@ -117,7 +117,7 @@ async fn answer(sock: &mut tokio::net::TcpStream, script: Script) -> bool {
 /// A gateway (no server, no background tasks) in front of `workers`; `extra` is top-level
 /// config, `round_robin` picks that routing mode (else the default).
 fn gateway(workers: &[&FakeWorker], extra: &str, round_robin: bool) -> Arc<Gateway> {
-    let list: String = workers.iter().map(|w| format!("      - url: {}\n", w.url)).collect();
+    let list: String = workers.iter().flat_map(|w| ["      - url: ", w.url.as_str(), "\n"]).collect();
     let routing = if round_robin { "    routing:\n      mode: round_robin\n" } else { "" };
     let yaml = format!("{extra}models:\n  - name: m\n{routing}    workers:\n{list}");
     Gateway::new(load_str(&yaml, "test", Vec::new()).unwrap(), None).unwrap()

@@ -23,6 +23,7 @@ use kvgate_filters::migrate::{ClientShape, PinReason, StreamRecord, messages_pin
 use kvgate_tokenize::dialect::messages::{self, MessagesOptions};
 use kvgate_tokenize::dialect::responses::stream::{self as responses_stream, Refusal, ServerFacts};
 use serde_json::Value;
+use std::fmt::Write as _;
 
 /// A stream followed from admission on.
 #[derive(Debug)]
@@ -229,7 +230,7 @@ impl Tracker {
             }
         };
         match self.mode {
-            Mode::Pinned { strip } => self.pass(ev, strip, out),
+            Mode::Pinned { strip } => Self::pass(ev, strip, out),
             Mode::Source => return self.observe(ev, json, out, fed),
             Mode::Continuation => match self.record.continue_event(json, self.shape, self.keep_ids) {
                 Ok((seen, _)) if seen.error.is_some() => return Err(seen.error.unwrap_or_default()),
@@ -271,7 +272,7 @@ impl Tracker {
         }
         match stripped {
             Some(rest) => out.extend_from_slice(&rest),
-            None => self.pass(ev, !self.keep_ids, out),
+            None => Self::pass(ev, !self.keep_ids, out),
         }
         Ok(())
     }
@@ -281,7 +282,7 @@ impl Tracker {
         self.mode = Mode::Pinned { strip: !self.keep_ids && reason != PinReason::NoTokenIds };
     }
 
-    fn pass(&self, ev: &[u8], strip: bool, out: &mut BytesMut) {
+    fn pass(ev: &[u8], strip: bool, out: &mut BytesMut) {
         if strip {
             out.extend_from_slice(&events::strip_token_ids(ev));
         } else {
@@ -303,7 +304,7 @@ impl Tracker {
         }
         let mut out = String::new();
         if include_usage && !self.record.usage_seen {
-            out.push_str(&format!("data: {}\n\n", self.record.usage_event(self.shape)));
+            let _ = write!(out, "data: {}\n\n", self.record.usage_event(self.shape));
         }
         out.push_str("data: [DONE]\n\n");
         Bytes::from(out)

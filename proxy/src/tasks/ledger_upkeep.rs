@@ -10,6 +10,8 @@ use std::time::Duration;
 
 /// Runs until the task is aborted.
 pub async fn run(gw: Arc<Gateway>) {
+    // Gauges are i64: a count past i64::MAX (never in practice) shows as the largest.
+    let gauge = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
     loop {
         let every = Duration::from_millis(gw.config().health.interval_ms);
         let fleet = gw.fleet();
@@ -22,8 +24,8 @@ pub async fn run(gw: Arc<Gateway>) {
                 let labels = [m.cfg.name.as_str(), w.label.as_str()];
                 let id = i as u16;
                 gw.metrics.worker_in_flight.with_label_values(&labels).set(i64::from(m.ledger.requests(id)));
-                gw.metrics.active_prefill.with_label_values(&labels).set(m.ledger.prefill_tokens(id) as i64);
-                gw.metrics.active_blocks.with_label_values(&labels).set(m.ledger.active_blocks(id) as i64);
+                gw.metrics.active_prefill.with_label_values(&labels).set(gauge(m.ledger.prefill_tokens(id)));
+                gw.metrics.active_blocks.with_label_values(&labels).set(gauge(m.ledger.active_blocks(id)));
                 if m.time_priors().is_some() {
                     gw.metrics.prefill_factor.with_label_values(&labels).set(w.calibration.prefill());
                     gw.metrics.step_factor.with_label_values(&labels).set(w.calibration.step());

@@ -97,6 +97,7 @@ pub fn parse(text: &str) -> Vec<ReportedLoad> {
         let rank = label(labels, "engine").and_then(|e| e.parse::<usize>().ok()).unwrap_or(0);
         match name {
             "vllm:kv_cache_usage_perc" => ranks.entry(rank).or_default().kv_usage = v,
+            #[allow(clippy::cast_sign_loss, reason = "the cast saturates, as a count wants: a negative or NaN one reads 0")]
             "vllm:num_requests_waiting" => ranks.entry(rank).or_default().waiting = v as u64,
             "vllm:cache_config_info" => {
                 if let Some(n) = label(labels, "num_gpu_blocks").and_then(|n| n.parse::<u64>().ok()) {

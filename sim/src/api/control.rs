@@ -107,7 +107,7 @@ fn level_param(pairs: &[(String, String)]) -> Result<u8, ApiError> {
     match v.trim().parse::<i64>() {
         Ok(l) if l < 0 => Err(invalid("level", "greater_than_equal", "Input should be greater than or equal to 0", v, Some("{'ge': 0}"))),
         Ok(l) if l > 2 => Err(invalid("level", "less_than_equal", "Input should be less than or equal to 2", v, Some("{'le': 2}"))),
-        Ok(l) => Ok(l as u8),
+        Ok(l) => Ok(u8::try_from(l).expect("checked within 0..=2")),
         Err(_) => Err(invalid("level", "int_parsing", "Input should be a valid integer, unable to parse string as an integer", v, None)),
     }
 }

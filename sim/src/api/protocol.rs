@@ -164,6 +164,20 @@ pub fn check_cache_salt(salt: Option<&Value>) -> Result<Option<String>, ApiError
 /// Most choices one request may ask for.
 pub const MAX_N: usize = 128;
 
+/// A request's output limit (`field` names where it came from), if within 1..=`max_model_len`.
+fn checked_max_tokens(m: i64, field: &str, max_model_len: usize) -> Result<usize, ApiError> {
+    if m < 1 {
+        return Err(ApiError::bad_request(format!("{field} must be at least 1, got {m}. (parameter={field}, value={m})"), Some(field)));
+    }
+    match usize::try_from(m) {
+        Ok(m) if m <= max_model_len => Ok(m),
+        _ => Err(ApiError::bad_request(
+            format!("{field}={m} cannot be greater than max_model_len={max_model_len}. Please request fewer output tokens. (parameter={field}, value={m})"),
+            Some(field),
+        )),
+    }
+}
+
 impl Common {
     /// Checks the shared fields against the model limits.
     pub fn validate(&self, max_model_len: usize) -> Result<GenParams, ApiError> {
@@ -175,27 +189,15 @@ impl Common {
             Some(m) => (Some(m), "max_completion_tokens"),
             None => (self.max_tokens, "max_tokens"),
         };
-        if let Some(m) = max_tokens {
-            if m < 1 {
-                return Err(ApiError::bad_request(format!("{field} must be at least 1, got {m}. (parameter={field}, value={m})"), Some(field)));
-            }
-            if m as u64 > max_model_len as u64 {
-                return Err(ApiError::bad_request(
-                    format!(
-                        "{field}={m} cannot be greater than max_model_len={max_model_len}. Please request fewer output tokens. (parameter={field}, value={m})"
-                    ),
-                    Some(field),
-                ));
-            }
-        }
+        let max_tokens = max_tokens.map(|m| checked_max_tokens(m, field, max_model_len)).transpose()?;
         let n = self.n.unwrap_or(1);
-        if !(1..=MAX_N as i64).contains(&n) {
+        let Some(n) = usize::try_from(n).ok().filter(|n| (1..=MAX_N).contains(n)) else {
             return Err(ApiError::bad_request(format!("n must be between 1 and {MAX_N}, got {n}."), Some("n")));
-        }
+        };
         let min_tokens = self.min_tokens.unwrap_or(0);
-        if min_tokens < 0 || max_tokens.is_some_and(|m| min_tokens > m) {
+        let Some(min_tokens) = usize::try_from(min_tokens).ok().filter(|&min| max_tokens.is_none_or(|m| min <= m)) else {
             return Err(ApiError::bad_request(format!("min_tokens must be >= 0 and <= max_tokens, got {min_tokens}."), Some("min_tokens")));
-        }
+        };
         let cache_salt = check_cache_salt(self.cache_salt.as_ref())?;
         let kv_transfer_params = match &self.kv_transfer_params {
             None | Some(Value::Null) => None,
@@ -210,9 +212,9 @@ impl Common {
         };
         let so = self.stream_options.clone().unwrap_or_default();
         Ok(GenParams {
-            max_tokens: max_tokens.map(|m| m as usize),
-            n: n as usize,
-            min_tokens: min_tokens as usize,
+            max_tokens,
+            n,
+            min_tokens,
             ignore_eos: self.ignore_eos,
             stream: self.stream,
             include_usage: so.include_usage,
@@ -254,9 +256,7 @@ pub fn check_length(prompt_len: usize, max_tokens: Option<usize>, max_model_len:
 /// Converts token ids from JSON, checking they are in the vocabulary.
 pub fn check_token_ids(ids: &[i64], vocab_size: u32) -> Result<Vec<u32>, ApiError> {
     ids.iter()
-        .map(|&t| {
-            if (0..i64::from(vocab_size)).contains(&t) { Ok(t as u32) } else { Err(ApiError::bad_request(format!("Token id {t} is out of vocabulary"), None)) }
-        })
+        .map(|&t| u32::try_from(t).ok().filter(|&id| id < vocab_size).ok_or_else(|| ApiError::bad_request(format!("Token id {t} is out of vocabulary"), None)))
         .collect()
 }
 

@@ -102,8 +102,12 @@ pub trait ChunkFormat: Send + 'static {
 
 /// Streams a generation as SSE.
 pub fn sse(meta: Meta, generation: Generation, prompt_lens: Vec<usize>, include_usage: bool, fmt: impl ChunkFormat) -> Response {
+    // The head first, so the stream can own `meta`.
+    let mut r = Response::new(Body::empty());
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream; charset=utf-8"));
+    echo_header(&mut r, &meta);
     let choices = vec![ChoiceState::default(); generation.choices];
-    let mut state = SseState { meta: meta.clone(), generation, choices, prompt_lens, include_usage, fmt, phase: Phase::Head };
+    let mut state = SseState { meta, generation, choices, prompt_lens, include_usage, fmt, phase: Phase::Head };
     for (i, c) in state.choices.iter_mut().enumerate() {
         c.prompt = state.prompt_lens.get(i).copied().unwrap_or(0);
     }
@@ -111,9 +115,7 @@ pub fn sse(meta: Meta, generation: Generation, prompt_lens: Vec<usize>, include_
         let bytes = s.next().await?;
         Some((Ok::<_, Infallible>(bytes), s))
     });
-    let mut r = Response::new(Body::from_stream(stream));
-    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream; charset=utf-8"));
-    echo_header(&mut r, &meta);
+    *r.body_mut() = Body::from_stream(stream);
     r
 }
 

@@ -188,7 +188,7 @@ async fn run(st: &Arc<AppState>, headers: &HeaderMap, req: Value) -> Result<Resp
         if stream {
             return Err(invalid_request("vllm-sim does not stream background responses", "stream"));
         }
-        return Ok(start_background(st.clone(), turn, generation));
+        return Ok(start_background(st, turn, generation));
     }
     if stream {
         let meta = Meta::new("resp", &HeaderMap::new(), Some(&turn.id), &turn.model, false);
@@ -221,10 +221,10 @@ async fn finish_unary(st: &AppState, turn: &Turn, generation: Generation) -> Res
 }
 
 /// Answers `queued` at once and finishes in a task the store can cancel.
-fn start_background(st: Arc<AppState>, turn: Turn, generation: Generation) -> Response {
+fn start_background(st: &Arc<AppState>, turn: Turn, generation: Generation) -> Response {
     let queued = turn.response("queued", json!([]), Value::Null);
     st.response_store.put(&turn.id, queued.clone(), turn.messages.clone());
-    let store_st = st.clone();
+    let store_st = Arc::clone(st);
     let id = turn.id.clone();
     let task = tokio::spawn(async move {
         if let Ok(done) = finish_unary(&store_st, &turn, generation).await {
@@ -254,21 +254,25 @@ impl Turn {
         let tool_choice = if tools.as_array().is_none_or(Vec::is_empty) && (choice == "auto" || choice == "none") { json!("none") } else { choice };
         let float = |key: &str, default: f64| json!(r.get(key).and_then(Value::as_f64).unwrap_or(default));
         let incomplete = if status == "incomplete" { json!({"reason": "max_output_tokens"}) } else { Value::Null };
-        json!({
+        // `output` and `usage` are moved into their places afterwards: `json!` would copy them.
+        let mut response = json!({
             "id": self.id, "created_at": self.created, "incomplete_details": incomplete,
             "instructions": or("instructions", Value::Null), "metadata": or("metadata", Value::Null),
-            "model": self.model, "object": "response", "output": output,
+            "model": self.model, "object": "response", "output": Value::Null,
             "parallel_tool_calls": or("parallel_tool_calls", json!(true)), "temperature": float("temperature", 1.0),
             "tool_choice": tool_choice, "tools": tools, "top_p": float("top_p", 1.0),
             "background": or("background", json!(false)), "max_output_tokens": self.max_output_tokens,
             "max_tool_calls": or("max_tool_calls", Value::Null), "previous_response_id": or("previous_response_id", Value::Null),
             "prompt": Value::Null, "reasoning": or("reasoning", Value::Null), "service_tier": or("service_tier", json!("auto")),
             "status": status, "text": or("text", Value::Null), "top_logprobs": Value::Null,
-            "truncation": or("truncation", json!("disabled")), "usage": usage, "user": or("user", Value::Null),
+            "truncation": or("truncation", json!("disabled")), "usage": Value::Null, "user": or("user", Value::Null),
             "presence_penalty": float("presence_penalty", 0.0), "frequency_penalty": float("frequency_penalty", 0.0),
             "kv_transfer_params": Value::Null, "ec_transfer_params": Value::Null,
             "input_messages": Value::Null, "output_messages": Value::Null,
-        })
+        });
+        response["output"] = output;
+        response["usage"] = usage;
+        response
     }
 
     /// The finished response: one output message (without a part when the text is empty).

@@ -273,15 +273,15 @@ fn a_cache_salt_separates_prefixes_as_in_vllm() {
     assert_eq!(stored(&events)[1].0[..2], [b0.wire_id(), hash_block(Some(&b0), &prompt[4..8]).wire_id()]);
 }
 
-fn adapter(id: u32, name: &str) -> Option<Arc<LoraRequest>> {
-    Some(Arc::new(LoraRequest { id, name: name.into(), path: format!("/lora/{name}"), base_model_name: None }))
+fn adapter(id: u32, name: &str) -> Arc<LoraRequest> {
+    Arc::new(LoraRequest { id, name: name.into(), path: format!("/lora/{name}"), base_model_name: None })
 }
 
 #[test]
 fn a_lora_request_hashes_in_its_adapters_space_and_publishes_it() {
     let mut s = sched(cfg(64, 1024, 8));
     let prompt: Vec<u32> = (1..=17).collect();
-    let on = |id, name: &str| NewRequest { lora: adapter(1, name), ..req(id, prompt.clone(), 1) };
+    let on = |id, name: &str| NewRequest { lora: Some(adapter(1, name)), ..req(id, prompt.clone(), 1) };
     assert_eq!(hits_of(&mut s, req(1, prompt.clone(), 1)), 0);
     assert_eq!(hits_of(&mut s, on(2, "sql")), 0, "the adapter does not hit the base model's blocks");
     assert_eq!(hits_of(&mut s, on(3, "sql")), 16, "its own repeat does");
@@ -301,9 +301,9 @@ fn a_lora_request_hashes_in_its_adapters_space_and_publishes_it() {
 #[test]
 fn at_most_max_loras_adapters_run_and_the_others_wait_their_turn() {
     let mut s = sched(cfg(64, 1024, 8));
-    s.add(NewRequest { lora: adapter(1, "a"), ..req(1, vec![1, 2, 3], 3) });
-    s.add(NewRequest { lora: adapter(2, "b"), ..req(2, vec![4, 5, 6], 3) });
-    s.add(NewRequest { lora: adapter(1, "a"), ..req(3, vec![7, 8, 9], 3) });
+    s.add(NewRequest { lora: Some(adapter(1, "a")), ..req(1, vec![1, 2, 3], 3) });
+    s.add(NewRequest { lora: Some(adapter(2, "b")), ..req(2, vec![4, 5, 6], 3) });
+    s.add(NewRequest { lora: Some(adapter(1, "a")), ..req(3, vec![7, 8, 9], 3) });
     s.add(req(4, vec![10, 11, 12], 3));
     let step = s.schedule();
     let ids: Vec<ReqId> = step.scheduled.iter().map(|&(id, _)| id).collect();

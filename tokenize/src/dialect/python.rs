@@ -213,13 +213,13 @@ fn py_float(f: f64) -> String {
         return format!("{sign}{head}{frac}e{esign}{:02}", exp.abs());
     }
     let point = exp + 1; // digits before the decimal point
-    let body = if point <= 0 {
-        format!("0.{}{digits}", "0".repeat((-point) as usize))
-    } else if point as usize >= digits.len() {
-        format!("{digits}{}.0", "0".repeat(point as usize - digits.len()))
-    } else {
-        let (int, frac) = digits.split_at(point as usize);
-        format!("{int}.{frac}")
+    let body = match usize::try_from(point) {
+        Ok(0) | Err(_) => format!("0.{}{digits}", "0".repeat(point.unsigned_abs() as usize)),
+        Ok(point) if point >= digits.len() => format!("{digits}{}.0", "0".repeat(point - digits.len())),
+        Ok(point) => {
+            let (int, frac) = digits.split_at(point);
+            format!("{int}.{frac}")
+        }
     };
     format!("{sign}{body}")
 }

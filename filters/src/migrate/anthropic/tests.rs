@@ -12,7 +12,7 @@ fn convert(chat: &str) -> String {
     String::from_utf8(MessagesStream::default().feed(chat.as_bytes())).unwrap()
 }
 
-fn chunk(delta: Value, finish: Option<&str>) -> String {
+fn chunk(delta: &Value, finish: Option<&str>) -> String {
     format!("data: {}\n\n", json!({"id": "chatcmpl-1", "model": "m", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}))
 }
 
@@ -39,9 +39,14 @@ fn a_vllm_chat_stream_becomes_vllms_own_messages_stream_byte_for_byte() {
 
 #[test]
 fn text_opens_one_block_and_the_stop_reason_follows_the_finish() {
-    let stream =
-        [START.to_string(), chunk(json!({"content": "Hel"}), None), chunk(json!({"content": ""}), None), chunk(json!({"content": "lo"}), Some("stop")), end(3)]
-            .concat();
+    let stream = [
+        START.to_string(),
+        chunk(&json!({"content": "Hel"}), None),
+        chunk(&json!({"content": ""}), None),
+        chunk(&json!({"content": "lo"}), Some("stop")),
+        end(3),
+    ]
+    .concat();
     let ev = events(&convert(&stream));
     let kinds: Vec<&str> = ev.iter().map(|e| e["type"].as_str().unwrap()).collect();
     assert_eq!(
@@ -54,7 +59,7 @@ fn text_opens_one_block_and_the_stop_reason_follows_the_finish() {
     assert_eq!(ev[5]["delta"], json!({"stop_reason": "end_turn", "stop_sequence": null}));
     assert_eq!(ev[5]["usage"], json!({"input_tokens": 5, "output_tokens": 3}));
     // A length finish is max_tokens; a matched stop string is a stop sequence.
-    let length = [START.to_string(), chunk(json!({"content": "a"}), Some("length")), end(1)].concat();
+    let length = [START.to_string(), chunk(&json!({"content": "a"}), Some("length")), end(1)].concat();
     assert_eq!(events(&convert(&length))[4]["delta"]["stop_reason"], "max_tokens");
     let stop = format!(
         "{START}data: {}\n\n{}",
@@ -63,7 +68,7 @@ fn text_opens_one_block_and_the_stop_reason_follows_the_finish() {
     );
     assert_eq!(events(&convert(&stop))[1]["delta"], json!({"stop_reason": "stop_sequence", "stop_sequence": "END"}));
     // An empty answer: no block at all.
-    let empty = [START.to_string(), chunk(json!({"content": ""}), Some("stop")), end(1)].concat();
+    let empty = [START.to_string(), chunk(&json!({"content": ""}), Some("stop")), end(1)].concat();
     let kinds: Vec<String> = events(&convert(&empty)).iter().map(|e| e["type"].as_str().unwrap().to_owned()).collect();
     assert_eq!(kinds, ["message_start", "message_delta", "message_stop"]);
 }
@@ -72,9 +77,9 @@ fn text_opens_one_block_and_the_stop_reason_follows_the_finish() {
 fn reasoning_is_a_thinking_block_with_a_signature_before_the_text_block() {
     let stream = [
         START.to_string(),
-        chunk(json!({"reasoning": "hm"}), None),
-        chunk(json!({"reasoning": " ok"}), None),
-        chunk(json!({"content": "Yes"}), Some("stop")),
+        chunk(&json!({"reasoning": "hm"}), None),
+        chunk(&json!({"reasoning": " ok"}), None),
+        chunk(&json!({"content": "Yes"}), Some("stop")),
         end(3),
     ]
     .concat();
@@ -95,10 +100,10 @@ fn tool_calls_open_tool_use_blocks_and_text_inside_them_follows_after() {
         |id: Option<&str>, name: Option<&str>, args: &str| json!({"tool_calls": [{"index": 0, "id": id, "function": {"name": name, "arguments": args}}]});
     let stream = [
         START.to_string(),
-        chunk(json!({"content": "Let me look."}), None),
-        chunk(call(Some("call_1"), Some("get"), "{\"q\":"), None),
-        chunk(json!({"content": "aside"}), None),
-        chunk(call(None, None, " 1}"), Some("tool_calls")),
+        chunk(&json!({"content": "Let me look."}), None),
+        chunk(&call(Some("call_1"), Some("get"), "{\"q\":"), None),
+        chunk(&json!({"content": "aside"}), None),
+        chunk(&call(None, None, " 1}"), Some("tool_calls")),
         end(4),
     ]
     .concat();
@@ -130,7 +135,8 @@ fn tool_calls_open_tool_use_blocks_and_text_inside_them_follows_after() {
 
 #[test]
 fn an_error_event_ends_the_stream() {
-    let stream = format!("{START}{}data: {{\"error\":{{\"message\":\"engine dead\",\"code\":500}}}}\n\ndata: [DONE]\n\n", chunk(json!({"content": "a"}), None));
+    let stream =
+        format!("{START}{}data: {{\"error\":{{\"message\":\"engine dead\",\"code\":500}}}}\n\ndata: [DONE]\n\n", chunk(&json!({"content": "a"}), None));
     let mut s = MessagesStream::default();
     let out = String::from_utf8(s.feed(stream.as_bytes())).unwrap();
     let ev = events(&out);

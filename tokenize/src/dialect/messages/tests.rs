@@ -4,32 +4,32 @@
 use super::*;
 use crate::dialect::render_chat;
 
-fn chat(body: Value) -> Value {
-    to_chat(&body, &MessagesOptions::default()).unwrap()
+fn chat(body: &Value) -> Value {
+    to_chat(body, &MessagesOptions::default()).unwrap()
 }
 
 #[test]
 fn system_string_and_blocks() {
-    let out = chat(json!({"model": "m", "max_tokens": 10, "system": "S", "messages": [{"role": "user", "content": "hi"}]}));
+    let out = chat(&json!({"model": "m", "max_tokens": 10, "system": "S", "messages": [{"role": "user", "content": "hi"}]}));
     assert_eq!(
         out,
         json!({"model": "m", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}], "max_tokens": 10, "max_completion_tokens": 10})
     );
     // Text blocks join without a separator; the billing header block and cache_control go.
-    let out = chat(json!({"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}], "system": [
+    let out = chat(&json!({"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}], "system": [
         {"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=abc"},
         {"type": "text", "text": "You are ", "cache_control": {"type": "ephemeral"}},
         {"type": "text", "text": ""},
         {"type": "text", "text": "helpful."}]}));
     assert_eq!(out["messages"][0], json!({"role": "system", "content": "You are helpful."}));
     // An empty system adds nothing.
-    let out = chat(json!({"model": "m", "max_tokens": 1, "system": "", "messages": [{"role": "user", "content": "hi"}]}));
+    let out = chat(&json!({"model": "m", "max_tokens": 1, "system": "", "messages": [{"role": "user", "content": "hi"}]}));
     assert_eq!(out["messages"], json!([{"role": "user", "content": "hi"}]));
 }
 
 #[test]
 fn blocks_tool_use_and_tool_result() {
-    let out = chat(json!({"model": "m", "max_tokens": 64, "messages": [
+    let out = chat(&json!({"model": "m", "max_tokens": 64, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "weather?"}, {"type": "text", "text": "in Paris"}]},
         {"role": "assistant", "content": [
             {"type": "thinking", "thinking": "need a tool", "signature": "sig"},
@@ -64,7 +64,7 @@ fn blocks_tool_use_and_tool_result() {
 
 #[test]
 fn tool_result_details() {
-    let out = chat(json!({"model": "m", "max_tokens": 8, "messages": [
+    let out = chat(&json!({"model": "m", "max_tokens": 8, "messages": [
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "a", "content": [
             {"type": "tool_reference", "tool_name": "search"}, {"type": "text", "text": "x"}]}]},
         {"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "b", "content": [{"type": "text", "text": "it's"}]},
@@ -100,7 +100,7 @@ fn inline_system_messages_stay_or_merge() {
 
 #[test]
 fn sampling_stream_and_thinking_fields() {
-    let out = chat(json!({"model": "m", "max_tokens": 4096, "stream": true, "stop_sequences": ["\n\nHuman:"], "temperature": 0.2,
+    let out = chat(&json!({"model": "m", "max_tokens": 4096, "stream": true, "stop_sequences": ["\n\nHuman:"], "temperature": 0.2,
         "top_k": 5, "metadata": {"user_id": "u"}, "chat_template_kwargs": {"k": 1}, "thinking": {"type": "enabled", "budget_tokens": 2048},
         "messages": [{"role": "user", "content": "hi"}]}));
     assert_eq!(out["stop"], json!(["\n\nHuman:"]));
@@ -111,11 +111,11 @@ fn sampling_stream_and_thinking_fields() {
     assert!(out.get("metadata").is_none() && out.get("reasoning_effort").is_none());
     // thinking.disabled is applied after output_config.effort, so it wins.
     let body = json!({"model": "m", "max_tokens": 8, "output_config": {"effort": "high"}, "thinking": {"type": "disabled"}, "messages": [{"role": "user", "content": "hi"}]});
-    assert_eq!(chat(body.clone())["reasoning_effort"], "none");
+    assert_eq!(chat(&body)["reasoning_effort"], "none");
     let low = MessagesOptions { disabled_thinking_effort: "low".into(), ..MessagesOptions::default() };
     assert_eq!(to_chat(&body, &low).unwrap()["reasoning_effort"], "low");
     let adaptive = json!({"model": "m", "max_tokens": 8, "output_config": {"effort": "max"}, "thinking": {"type": "adaptive"}, "messages": []});
-    assert_eq!(chat(adaptive)["reasoning_effort"], "max");
+    assert_eq!(chat(&adaptive)["reasoning_effort"], "max");
     let over = json!({"model": "m", "max_tokens": 2000, "thinking": {"type": "enabled", "budget_tokens": 2048}, "messages": []});
     assert_eq!(to_chat(&over, &MessagesOptions::default()).unwrap_err().reason(), "invalid");
 }
@@ -124,7 +124,7 @@ fn sampling_stream_and_thinking_fields() {
 fn tools_and_tool_choice() {
     let tools = json!([{"name": "get", "description": "d", "input_schema": {"properties": {"q": {"type": "string"}}}, "cache_control": {"type": "ephemeral"}},
                        {"name": "put", "input_schema": {"type": "object"}, "strict": true}]);
-    let out = chat(json!({"model": "m", "max_tokens": 8, "tools": tools, "messages": [{"role": "user", "content": "hi"}]}));
+    let out = chat(&json!({"model": "m", "max_tokens": 8, "tools": tools, "messages": [{"role": "user", "content": "hi"}]}));
     assert_eq!(out["tool_choice"], "auto");
     assert!(out.get("parallel_tool_calls").is_none());
     assert_eq!(
@@ -132,11 +132,11 @@ fn tools_and_tool_choice() {
         json!([{"type": "function", "function": {"name": "get", "description": "d", "parameters": {"properties": {"q": {"type": "string"}}, "type": "object"}}},
                {"type": "function", "function": {"name": "put", "description": null, "parameters": {"type": "object"}, "strict": true}}])
     );
-    let out = chat(json!({"model": "m", "max_tokens": 8, "tools": tools, "tool_choice": {"type": "any", "disable_parallel_tool_use": true}, "messages": []}));
+    let out = chat(&json!({"model": "m", "max_tokens": 8, "tools": tools, "tool_choice": {"type": "any", "disable_parallel_tool_use": true}, "messages": []}));
     assert_eq!((out["tool_choice"].clone(), out["parallel_tool_calls"].clone()), (json!("required"), json!(false)));
-    let out = chat(json!({"model": "m", "max_tokens": 8, "tools": tools, "tool_choice": {"type": "tool", "name": "get"}, "messages": []}));
+    let out = chat(&json!({"model": "m", "max_tokens": 8, "tools": tools, "tool_choice": {"type": "tool", "name": "get"}, "messages": []}));
     assert_eq!((out["tool_choice"].clone(), out["parallel_tool_calls"].clone()), (json!({"function": {"name": "get"}, "type": "function"}), json!(true)));
-    let out = chat(json!({"model": "m", "max_tokens": 8, "tool_choice": {"type": "none"}, "messages": []}));
+    let out = chat(&json!({"model": "m", "max_tokens": 8, "tool_choice": {"type": "none"}, "messages": []}));
     assert_eq!(out["tool_choice"], "none");
     assert!(out.get("tools").is_none());
 }
@@ -150,7 +150,7 @@ fn tool_additions_and_removals_resolve_the_tool_list() {
             {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "a"}},
             {"type": "tool_addition", "tool": {"type": "tool_definition", "definition": {"name": "c", "input_schema": {"type": "object"}}}}]},
             {"role": "user", "content": "hi"}]});
-    let out = chat(body);
+    let out = chat(&body);
     let names: Vec<&str> = out["tools"].as_array().unwrap().iter().map(|t| t["function"]["name"].as_str().unwrap()).collect();
     assert_eq!(names, ["b", "c"]);
     // Added by reference: no longer deferred.
@@ -193,7 +193,7 @@ fn renders_like_the_equivalent_chat_request() {
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "c"}]},
         {"role": "user", "content": "d"}]});
-    let text = render_chat(&tok, &chat(body)).unwrap();
+    let text = render_chat(&tok, &chat(&body)).unwrap();
     let plain = json!({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"},
                                     {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}]});
     assert_eq!(text, render_chat(&tok, &plain).unwrap());

@@ -241,9 +241,8 @@ fn refuse_options(req: &Map<String, Value>, server: ServerFacts) -> Result<(), R
         }
     }
     match get("include") {
-        None => {}
         Some(Value::Array(inc)) if inc.iter().any(|i| i == "message.output_text.logprobs") => return Err(Refusal::Logprobs),
-        Some(Value::Array(_)) => {}
+        None | Some(Value::Array(_)) => {}
         Some(_) => return Err(Refusal::Invalid),
     }
     if is_true("enable_response_messages") {

@@ -6,25 +6,25 @@ use super::*;
 use crate::dialect::render_chat;
 use crate::tokenizer::ModelTokenizer;
 
-fn chat(body: Value) -> Value {
-    to_chat(&body, None).unwrap()
+fn chat(body: &Value) -> Value {
+    to_chat(body, None).unwrap()
 }
 
 #[test]
 fn string_input_and_instructions() {
-    let out = chat(json!({"model": "m", "instructions": "Be brief.", "input": "hi", "max_output_tokens": 16, "temperature": 0.0, "store": true}));
+    let out = chat(&json!({"model": "m", "instructions": "Be brief.", "input": "hi", "max_output_tokens": 16, "temperature": 0.0, "store": true}));
     assert_eq!(
         out,
         json!({"model": "m", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
                "add_generation_prompt": true, "continue_final_message": false, "max_tokens": 16, "temperature": 0.0})
     );
     // Empty instructions add nothing.
-    assert_eq!(chat(json!({"instructions": "", "input": "x"}))["messages"], json!([{"role": "user", "content": "x"}]));
+    assert_eq!(chat(&json!({"instructions": "", "input": "x"}))["messages"], json!([{"role": "user", "content": "x"}]));
 }
 
 #[test]
 fn items_merge_into_assistant_messages() {
-    let out = chat(json!({"input": [
+    let out = chat(&json!({"input": [
         {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
         {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "sum"}]},
         {"type": "message", "role": "assistant", "status": "completed", "id": "msg_1",
@@ -56,7 +56,7 @@ fn items_merge_into_assistant_messages() {
 
 #[test]
 fn custom_tool_calls_wrap_their_input() {
-    let out = chat(json!({"input": [{"type": "custom_tool_call", "call_id": "k", "name": "shell", "input": "ls é"},
+    let out = chat(&json!({"input": [{"type": "custom_tool_call", "call_id": "k", "name": "shell", "input": "ls é"},
                                     {"type": "custom_tool_call_output", "call_id": "k", "output": "a b"}]}));
     assert_eq!(out["messages"][0]["tool_calls"][0]["function"]["arguments"], "{\"input\": \"ls é\"}");
     assert_eq!(out["messages"][1], json!({"role": "tool", "content": "a b", "tool_call_id": "k"}));
@@ -84,7 +84,7 @@ fn previous_turns_replay_messages_and_output_text() {
 
 #[test]
 fn tools_as_the_template_sees_them() {
-    let out = chat(json!({"input": "x", "tools": [
+    let out = chat(&json!({"input": "x", "tools": [
         {"type": "function", "name": "get", "parameters": {"type": "object"}, "strict": true},
         {"type": "namespace", "name": "clock", "tools": [{"type": "function", "name": "now", "description": "time"}]},
         {"type": "custom", "name": "shell", "description": "run"},
@@ -100,7 +100,7 @@ fn tools_as_the_template_sees_them() {
     );
     // A namespaced tool chosen by its local name resolves to the flat name.
     assert_eq!(out["tool_choice"], json!({"function": {"name": "clock__now"}, "type": "function"}));
-    let none = chat(json!({"input": "x"}));
+    let none = chat(&json!({"input": "x"}));
     assert!(none.get("tools").is_none() && none.get("tool_choice").is_none());
     assert_eq!(to_chat(&json!({"input": "x", "tool_choice": "required"}), None).unwrap_err().reason(), "invalid");
     let grammar = json!({"input": "x", "tools": [{"type": "custom", "name": "g", "format": {"type": "grammar", "syntax": "lark", "definition": ""}}]});
@@ -109,16 +109,16 @@ fn tools_as_the_template_sees_them() {
 
 #[test]
 fn a_partial_final_message_is_continued() {
-    let out = chat(json!({"input": [{"role": "user", "content": "hi"},
+    let out = chat(&json!({"input": [{"role": "user", "content": "hi"},
         {"type": "message", "role": "assistant", "status": "incomplete", "content": [{"type": "output_text", "text": "the cache "}]}]}));
     assert_eq!((out["add_generation_prompt"].clone(), out["continue_final_message"].clone()), (json!(false), json!(true)));
-    let done = chat(json!({"input": [{"type": "message", "role": "assistant", "status": "completed", "content": [{"type": "output_text", "text": "x"}]}]}));
+    let done = chat(&json!({"input": [{"type": "message", "role": "assistant", "status": "completed", "content": [{"type": "output_text", "text": "x"}]}]}));
     assert_eq!(done["continue_final_message"], false);
 }
 
 #[test]
 fn reasoning_effort_reaches_the_template() {
-    let out = chat(json!({"input": "x", "reasoning": {"effort": "low", "summary": "auto"}}));
+    let out = chat(&json!({"input": "x", "reasoning": {"effort": "low", "summary": "auto"}}));
     assert_eq!(out["reasoning_effort"], "low");
     assert_eq!(crate::dialect::template_kwargs(&out)["enable_thinking"], true);
 }
@@ -144,7 +144,7 @@ fn what_cannot_be_rendered_is_named() {
 /// decide: what each case gives there is in its comment.
 #[test]
 fn item_forms_are_read_as_vllms_request_model_reads_them() {
-    let messages = |items: Value| chat(json!({"input": items}))["messages"].clone();
+    let messages = |items: Value| chat(&json!({"input": items}))["messages"].clone();
     // An input message of the assistant's, typed or not: the first part's text (the images
     // after it are dropped).
     assert_eq!(
@@ -189,5 +189,5 @@ fn renders_like_the_equivalent_chat_request() {
         {"role": "user", "content": "d"}]});
     let plain = json!({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"},
                                     {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}]});
-    assert_eq!(render_chat(&tok, &chat(body)).unwrap(), render_chat(&tok, &plain).unwrap());
+    assert_eq!(render_chat(&tok, &chat(&body)).unwrap(), render_chat(&tok, &plain).unwrap());
 }

@@ -1,6 +1,7 @@
 use super::*;
 use crate::migrate::events::strip_token_ids;
 use crate::migrate::events::typed_events as events;
+use std::fmt::Write as _;
 
 /// Real vLLM 0.32 (the tiny test model on CPU, `tests/real-vllm/run.sh` with
 /// `--enable-prompt-tokens-details` and the fixtures' `template.jinja`): for each request of
@@ -54,7 +55,7 @@ fn normalized(stream: &str) -> String {
                     ids.push(id);
                     ids.len() - 1
                 });
-                out.push_str(&format!("\"{}ITEM{n}", &p[1..]));
+                let _ = write!(out, "\"{}ITEM{n}", &p[1..]);
                 i += end;
             }
             None => {
@@ -146,7 +147,7 @@ fn moved(chat: &str, k: usize) -> String {
         for c in v["choices"].as_array_mut().unwrap() {
             c.as_object_mut().unwrap().remove("logprobs");
         }
-        out.push_str(&format!("data: {v}\n\n"));
+        let _ = write!(out, "data: {v}\n\n");
     }
     out
 }
@@ -199,11 +200,11 @@ fn text_grouped_differently_is_the_same_text_in_other_deltas() {
     assert_eq!(last(&ours), last(&theirs));
 }
 
-fn chunk(delta: Value, finish: Option<&str>) -> Value {
+fn chunk(delta: &Value, finish: Option<&str>) -> Value {
     json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700000000, "model": "m", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
 }
 
-fn usage_chunk(prompt: u64, completion: u64, details: Value) -> Value {
+fn usage_chunk(prompt: u64, completion: u64, details: &Value) -> Value {
     let mut usage = json!({"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion});
     usage.as_object_mut().unwrap().extend(details.as_object().unwrap().clone());
     json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700000000, "model": "m", "choices": [], "usage": usage})
@@ -219,17 +220,17 @@ fn run(request: &Value, setup: StreamSetup, chunks: &[Value]) -> Vec<Value> {
 #[test]
 fn reasoning_opens_its_own_item_before_the_message() {
     let first = {
-        let mut c = chunk(json!({"role": "assistant", "content": ""}), None);
+        let mut c = chunk(&json!({"role": "assistant", "content": ""}), None);
         c["usage"] = json!({"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5});
         c
     };
     let chunks = [
         first,
-        chunk(json!({"reasoning": "Let me"}), None),
-        chunk(json!({"reasoning": " think"}), None),
-        chunk(json!({"reasoning": ".", "content": "Hi"}), None),
-        chunk(json!({"content": "!"}), Some("stop")),
-        usage_chunk(5, 6, json!({"completion_tokens_details": {"reasoning_tokens": 3}})),
+        chunk(&json!({"reasoning": "Let me"}), None),
+        chunk(&json!({"reasoning": " think"}), None),
+        chunk(&json!({"reasoning": ".", "content": "Hi"}), None),
+        chunk(&json!({"content": "!"}), Some("stop")),
+        usage_chunk(5, 6, &json!({"completion_tokens_details": {"reasoning_tokens": 3}})),
     ];
     let ev = run(&json!({"input": "x", "stream": true}), StreamSetup::default(), &chunks);
     let kinds: Vec<&str> = ev.iter().map(|e| e["type"].as_str().unwrap()).collect();
@@ -275,9 +276,9 @@ fn reasoning_opens_its_own_item_before_the_message() {
 #[test]
 fn usage_carries_the_cache_counts_a_worker_reports() {
     let chunks = [
-        chunk(json!({"role": "assistant", "content": ""}), None),
-        chunk(json!({"content": "a"}), Some("length")),
-        usage_chunk(100, 1, json!({"prompt_tokens_details": {"cached_tokens": 64, "created_cache_tokens": 4}})),
+        chunk(&json!({"role": "assistant", "content": ""}), None),
+        chunk(&json!({"content": "a"}), Some("length")),
+        usage_chunk(100, 1, &json!({"prompt_tokens_details": {"cached_tokens": 64, "created_cache_tokens": 4}})),
     ];
     let ev = run(&json!({"input": "x", "stream": true, "max_output_tokens": 1}), StreamSetup { prompt_tokens: Some(100), ..setup() }, &chunks);
     let done = &ev.last().unwrap()["response"];
@@ -293,7 +294,7 @@ fn usage_carries_the_cache_counts_a_worker_reports() {
 #[test]
 fn the_echo_follows_vllms_sampling_params() {
     let first = |prompt: u64| {
-        let mut c = chunk(json!({"role": "assistant", "content": ""}), None);
+        let mut c = chunk(&json!({"role": "assistant", "content": ""}), None);
         c["usage"] = json!({"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt});
         c
     };
@@ -333,8 +334,8 @@ fn the_echo_follows_vllms_sampling_params() {
 #[test]
 fn a_worker_error_ends_the_stream_with_an_error_event() {
     let mut s = ResponsesStream::new(&json!({"stream": true}), setup());
-    let mut out = s.chunk(&chunk(json!({"role": "assistant", "content": ""}), None));
-    out.extend(s.chunk(&chunk(json!({"content": "a"}), None)));
+    let mut out = s.chunk(&chunk(&json!({"role": "assistant", "content": ""}), None));
+    out.extend(s.chunk(&chunk(&json!({"content": "a"}), None)));
     out.extend(s.feed(b"data: {\"error\": {\"message\": \"boom\", \"type\": \"InternalServerError\", \"code\": 500}}\n\n"));
     out.extend(s.feed(b"data: [DONE]\n\n"));
     out.extend(s.finish());
@@ -352,5 +353,5 @@ fn an_end_without_any_chunk_still_completes_the_response() {
     assert_eq!(ev.iter().map(|e| e["type"].as_str().unwrap()).collect::<Vec<_>>(), ["response.created", "response.in_progress", "response.completed"]);
     assert_eq!(ev[2]["response"]["id"], "resp_x");
     assert_eq!(ev[2]["response"]["output"], json!([]));
-    assert!(s.finish().is_empty() && s.chunk(&chunk(json!({"content": "late"}), None)).is_empty());
+    assert!(s.finish().is_empty() && s.chunk(&chunk(&json!({"content": "late"}), None)).is_empty());
 }
