@@ -97,7 +97,7 @@ pub fn load_str(text: &str, origin: &str, env: impl IntoIterator<Item = (String,
         })?;
     }
     validate(&cfg).map_err(|(msg, needle)| {
-        let (line, column) = needle.and_then(|n| locate(text, &n)).map(|(l, c)| (Some(l), Some(c))).unwrap_or((None, None));
+        let (line, column) = locate(text, &needle).map(|(l, c)| (Some(l), Some(c))).unwrap_or((None, None));
         err(line, column, msg)
     })?;
     cfg.admin_token = admin_token(&cfg, token_var.as_deref()).map_err(|(msg, from_file)| match from_file {
@@ -184,13 +184,14 @@ fn locate(text: &str, needle: &(String, usize)) -> Option<(usize, usize)> {
     None
 }
 
-type Invalid = (String, Option<(String, usize)>);
+/// A failed check: its message and where to point at ([`at`]).
+type Invalid = (String, (String, usize));
 
-/// Cross-field checks. On failure: the message and, when possible, a text to locate it by.
+/// Cross-field checks. On failure: the message and a text to locate it by.
 fn validate(cfg: &Config) -> Result<(), Invalid> {
     for (key, files) in [("tls", &cfg.tls), ("admin_tls", &cfg.admin_tls)] {
         if let Some(f) = files {
-            crate::tls::read(f).map_err(|e| (format!("{key}: {e}"), Some(at(key.into(), 1))))?;
+            crate::tls::read(f).map_err(|e| (format!("{key}: {e}"), at(key.into(), 1)))?;
         }
     }
     plugins(cfg)?;
@@ -198,10 +199,10 @@ fn validate(cfg: &Config) -> Result<(), Invalid> {
     let mut names = std::collections::HashSet::new();
     for m in &cfg.models {
         if m.name.trim().is_empty() {
-            return Err(("models: a model name must not be empty".into(), Some(at("name:".into(), 1))));
+            return Err(("models: a model name must not be empty".into(), at("name:".into(), 1)));
         }
         if !names.insert(m.name.as_str()) {
-            return Err((format!("models: duplicate model name {:?}", m.name), Some(at(m.name.clone(), 2))));
+            return Err((format!("models: duplicate model name {:?}", m.name), at(m.name.clone(), 2)));
         }
         model(cfg, m)?;
     }
@@ -216,23 +217,23 @@ fn at(pat: String, nth: usize) -> (String, usize) {
 /// The plugins: names, digests and limits.
 fn plugins(cfg: &Config) -> Result<(), Invalid> {
     for (i, p) in cfg.plugins.iter().enumerate() {
-        let here = || Some(at(format!("name: {}", p.name), 1));
+        let here = || at(format!("name: {}", p.name), 1);
         if p.name.is_empty() || !p.name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
             return Err((format!("plugins: name {:?} must be letters, digits, '-' or '_'", p.name), here()));
         }
         if cfg.plugins[..i].iter().any(|q| q.name == p.name) {
-            return Err((format!("plugins: duplicate name {:?}", p.name), Some(at(format!("name: {}", p.name), 2))));
+            return Err((format!("plugins: duplicate name {:?}", p.name), at(format!("name: {}", p.name), 2)));
         }
         if let Some(sha) = &p.sha256
             && (sha.len() != 64 || !sha.bytes().all(|b| b.is_ascii_hexdigit()))
         {
-            return Err((format!("plugin {:?}: sha256 must be 64 hex digits", p.name), Some(at("sha256".into(), 1))));
+            return Err((format!("plugin {:?}: sha256 must be 64 hex digits", p.name), at("sha256".into(), 1)));
         }
         if !(1..=1000).contains(&p.timeout_ms) || !(1..=4096).contains(&p.memory_mib) {
             return Err((format!("plugin {:?}: timeout_ms must be within 1..=1000 and memory_mib within 1..=4096", p.name), here()));
         }
         if let Some(h) = p.headers.iter().find(|h| h.is_empty() || !h.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')) {
-            return Err((format!("plugin {:?}: header {h:?} must be a lower-case header name", p.name), Some(at(h.clone(), 1))));
+            return Err((format!("plugin {:?}: header {h:?} must be a lower-case header name", p.name), at(h.clone(), 1)));
         }
     }
     Ok(())
@@ -241,42 +242,42 @@ fn plugins(cfg: &Config) -> Result<(), Invalid> {
 /// The settings outside models.
 fn top_level(cfg: &Config) -> Result<(), Invalid> {
     if cfg.models.is_empty() {
-        return Err(("models: at least one model is required".into(), Some(at("models".into(), 1))));
+        return Err(("models: at least one model is required".into(), at("models".into(), 1)));
     }
     if cfg.listen == cfg.admin_listen && cfg.listen.port() != 0 {
-        return Err((format!("admin_listen must differ from listen ({})", cfg.listen), Some(at("admin_listen".into(), 1))));
+        return Err((format!("admin_listen must differ from listen ({})", cfg.listen), at("admin_listen".into(), 1)));
     }
     if cfg.threads == 0 {
-        return Err(("threads must be at least 1".into(), Some(at("threads".into(), 1))));
+        return Err(("threads must be at least 1".into(), at("threads".into(), 1)));
     }
     if cfg.max_body_bytes.0 < 1024 {
-        return Err(("max_body_bytes must be at least 1KiB".into(), Some(at("max_body_bytes".into(), 1))));
+        return Err(("max_body_bytes must be at least 1KiB".into(), at("max_body_bytes".into(), 1)));
     }
     if cfg.timeouts.upstream_read_idle_ms == 0 {
-        return Err(("timeouts.upstream_read_idle_ms must be at least 1".into(), Some(at("upstream_read_idle_ms".into(), 1))));
+        return Err(("timeouts.upstream_read_idle_ms must be at least 1".into(), at("upstream_read_idle_ms".into(), 1)));
     }
     if cfg.timeouts.connect_ms == 0 {
-        return Err(("timeouts.connect_ms must be at least 1".into(), Some(at("connect_ms".into(), 1))));
+        return Err(("timeouts.connect_ms must be at least 1".into(), at("connect_ms".into(), 1)));
     }
     if cfg.retries.max_attempts == 0 {
-        return Err(("retries.max_attempts must be at least 1 (1 = no retry)".into(), Some(at("max_attempts".into(), 1))));
+        return Err(("retries.max_attempts must be at least 1 (1 = no retry)".into(), at("max_attempts".into(), 1)));
     }
-    cfg.rescheduling.validate().map_err(|m| (m, Some(at("rescheduling".into(), 1))))?;
+    cfg.rescheduling.validate().map_err(|m| (m, at("rescheduling".into(), 1)))?;
     if !(1..=100_000).contains(&cfg.migration.max_concurrent) {
-        return Err(("migration.max_concurrent must be within 1..=100000".into(), Some(at("max_concurrent".into(), 1))));
+        return Err(("migration.max_concurrent must be within 1..=100000".into(), at("max_concurrent".into(), 1)));
     }
     if cfg.max_connections == 0 {
-        return Err(("max_connections must be at least 1".into(), Some(at("max_connections".into(), 1))));
+        return Err(("max_connections must be at least 1".into(), at("max_connections".into(), 1)));
     }
     let h = &cfg.health;
     if h.interval_ms == 0 || h.timeout_ms == 0 || h.unhealthy_threshold == 0 || h.healthy_threshold == 0 {
-        return Err(("health: interval_ms, timeout_ms and both thresholds must be at least 1".into(), Some(at("health".into(), 1))));
+        return Err(("health: interval_ms, timeout_ms and both thresholds must be at least 1".into(), at("health".into(), 1)));
     }
     if cfg.load.interval_ms == 0 || cfg.load.timeout_ms == 0 {
-        return Err(("load.interval_ms and load.timeout_ms must be at least 1".into(), Some(at("load".into(), 1))));
+        return Err(("load.interval_ms and load.timeout_ms must be at least 1".into(), at("load".into(), 1)));
     }
     if !h.path.starts_with('/') {
-        return Err((format!("health.path must start with '/', got {:?}", h.path), Some(at("path".into(), 1))));
+        return Err((format!("health.path must start with '/', got {:?}", h.path), at("path".into(), 1)));
     }
     Ok(())
 }
@@ -284,12 +285,12 @@ fn top_level(cfg: &Config) -> Result<(), Invalid> {
 /// One model: its block size, shedding, routing and workers.
 fn model(cfg: &Config, m: &ModelConfig) -> Result<(), Invalid> {
     if !(1..=1024).contains(&m.block_size) {
-        return Err((format!("model {:?}: block_size must be within 1..=1024", m.name), Some(at("block_size".into(), 1))));
+        return Err((format!("model {:?}: block_size must be within 1..=1024", m.name), at("block_size".into(), 1)));
     }
-    m.shedding.thresholds.validate().map_err(|e| (format!("model {:?}: shedding: {e}", m.name), Some(at("shedding".into(), 1))))?;
-    m.disaggregation.validate().map_err(|e| (format!("model {:?}: disaggregation: {e}", m.name), Some(at("disaggregation".into(), 1))))?;
-    m.slo.validate().map_err(|e| (format!("model {:?}: slo: {e}", m.name), Some(at("slo".into(), 1))))?;
-    super::planner::validate(&m.planner).map_err(|e| (format!("model {:?}: planner: {e}", m.name), Some(at("planner".into(), 1))))?;
+    m.shedding.thresholds.validate().map_err(|e| (format!("model {:?}: shedding: {e}", m.name), at("shedding".into(), 1)))?;
+    m.disaggregation.validate().map_err(|e| (format!("model {:?}: disaggregation: {e}", m.name), at("disaggregation".into(), 1)))?;
+    m.slo.validate().map_err(|e| (format!("model {:?}: slo: {e}", m.name), at("slo".into(), 1)))?;
+    super::planner::validate(&m.planner).map_err(|e| (format!("model {:?}: planner: {e}", m.name), at("planner".into(), 1)))?;
     routing(cfg, m)?;
     workers(m)
 }
@@ -299,32 +300,29 @@ fn routing(cfg: &Config, m: &ModelConfig) -> Result<(), Invalid> {
     let r = &m.routing;
     let non_negative = |v: f64| v.is_finite() && v >= 0.0;
     if !non_negative(r.overlap_score_weight) || !non_negative(r.temperature) {
-        return Err((format!("model {:?}: routing.overlap_score_weight and temperature must be >= 0", m.name), Some(at("routing".into(), 1))));
+        return Err((format!("model {:?}: routing.overlap_score_weight and temperature must be >= 0", m.name), at("routing".into(), 1)));
     }
     let ratio_ok = r.prune_target_ratio > 0.0 && r.prune_target_ratio <= 1.0;
     if r.ttl_secs.is_nan() || r.ttl_secs <= 0.0 || r.max_tree_size == 0 || !ratio_ok || r.max_prefix_blocks == 0 {
         return Err((
             format!("model {:?}: routing.ttl_secs, max_tree_size, max_prefix_blocks must be > 0 and prune_target_ratio within (0, 1]", m.name),
-            Some(at("routing".into(), 1)),
+            at("routing".into(), 1),
         ));
     }
     use kvgate_filters::route::Mode;
     match (r.mode, &r.plugin) {
         (Mode::Plugin, None) => {
-            return Err((format!("model {:?}: routing.mode plugin needs routing.plugin (the name of a plugins entry)", m.name), Some(at("plugin".into(), 1))));
+            return Err((format!("model {:?}: routing.mode plugin needs routing.plugin (the name of a plugins entry)", m.name), at("plugin".into(), 1)));
         }
         (Mode::Plugin, Some(p)) if !cfg.plugins.iter().any(|q| q.name == *p) => {
             let known: Vec<&str> = cfg.plugins.iter().map(|q| q.name.as_str()).collect();
-            return Err((
-                format!("model {:?}: routing.plugin {p:?} is not among the plugins ({})", m.name, known.join(", ")),
-                Some(at(format!("plugin: {p}"), 1)),
-            ));
+            return Err((format!("model {:?}: routing.plugin {p:?} is not among the plugins ({})", m.name, known.join(", ")), at(format!("plugin: {p}"), 1)));
         }
         (Mode::Plugin, Some(_)) if r.fallback == Mode::Plugin => {
-            return Err((format!("model {:?}: routing.fallback must be a built-in mode (kv, round_robin, random)", m.name), Some(at("fallback".into(), 1))));
+            return Err((format!("model {:?}: routing.fallback must be a built-in mode (kv, round_robin, random)", m.name), at("fallback".into(), 1)));
         }
         (mode, Some(_)) if mode != Mode::Plugin => {
-            return Err((format!("model {:?}: routing.plugin is set but routing.mode is not plugin", m.name), Some(at("plugin:".into(), 1))));
+            return Err((format!("model {:?}: routing.plugin is set but routing.mode is not plugin", m.name), at("plugin:".into(), 1)));
         }
         _ => {}
     }
@@ -334,20 +332,20 @@ fn routing(cfg: &Config, m: &ModelConfig) -> Result<(), Invalid> {
                 "model {:?}: routing.mode kv (or fallback kv) with kv_events: true needs a kv_events endpoint on every worker (or set kv_events: false for approximate mode)",
                 m.name
             ),
-            Some(at("kv_events".into(), 1)),
+            at("kv_events".into(), 1),
         ));
     }
     if let Some(q) = r.queue_threshold {
         if !(q.is_finite() && q > 0.0) || r.queue_max_len == 0 || r.queue_max_wait_ms == 0 {
             return Err((
                 format!("model {:?}: routing.queue_threshold must be > 0 and queue_max_len, queue_max_wait_ms at least 1", m.name),
-                Some(at("queue_threshold".into(), 1)),
+                at("queue_threshold".into(), 1),
             ));
         }
         if m.shedding.max_num_batched_tokens.is_none() {
             return Err((
                 format!("model {:?}: routing.queue_threshold needs shedding.max_num_batched_tokens (the workers' prefill budget)", m.name),
-                Some(at("queue_threshold".into(), 1)),
+                at("queue_threshold".into(), 1),
             ));
         }
     }
@@ -358,48 +356,39 @@ fn routing(cfg: &Config, m: &ModelConfig) -> Result<(), Invalid> {
 fn workers(m: &ModelConfig) -> Result<(), Invalid> {
     let slots: u32 = m.workers.iter().map(|w| w.dp_size).sum();
     if slots > 256 {
-        return Err((format!("model {:?}: at most 256 worker DP ranks per model", m.name), Some(at(m.name.clone(), 1))));
+        return Err((format!("model {:?}: at most 256 worker DP ranks per model", m.name), at(m.name.clone(), 1)));
     }
     // A connector brings workers: the ones it starts, adopts or discovers.
     let planned = m.planner.rules.enabled && m.planner.connector.is_some();
     if m.workers.is_empty() && !planned {
-        return Err((
-            format!("model {:?}: at least one worker is required (or a planner with a connector to start them)", m.name),
-            Some(at(m.name.clone(), 1)),
-        ));
+        return Err((format!("model {:?}: at least one worker is required (or a planner with a connector to start them)", m.name), at(m.name.clone(), 1)));
     }
     if m.planner.rules.enabled && m.workers.iter().any(|w| w.role == super::Role::Prefill) {
-        return Err((
-            format!("model {:?}: the planner does not scale a disaggregated fleet (workers with role prefill) yet", m.name),
-            Some(at("planner".into(), 1)),
-        ));
+        return Err((format!("model {:?}: the planner does not scale a disaggregated fleet (workers with role prefill) yet", m.name), at("planner".into(), 1)));
     }
     if !m.workers.is_empty() && !planned && m.workers.iter().all(|w| !w.role.answers()) {
         return Err((
             format!("model {:?}: every worker has role prefill; at least one decode (or both) worker must serve the answers", m.name),
-            Some(at("role".into(), 1)),
+            at("role".into(), 1),
         ));
     }
     let mut urls = std::collections::HashSet::new();
     for w in &m.workers {
         if !urls.insert(&w.url) {
-            return Err((format!("model {:?}: duplicate worker {}", m.name, w.url), Some(at(w.url.authority.clone(), 2))));
+            return Err((format!("model {:?}: duplicate worker {}", m.name, w.url), at(w.url.authority.clone(), 2)));
         }
         if !(1..=64).contains(&w.dp_size) {
-            return Err((format!("worker {}: dp_size must be within 1..=64", w.url), Some(at("dp_size".into(), 1))));
+            return Err((format!("worker {}: dp_size must be within 1..=64", w.url), at("dp_size".into(), 1)));
         }
         if w.name.as_ref().is_some_and(|n| n.is_empty() || n.len() > 128 || !n.bytes().all(|b| b.is_ascii_graphic())) {
-            return Err((
-                format!("worker {}: name must be 1 to 128 visible ASCII characters (it goes into a response header)", w.url),
-                Some(at("name".into(), 1)),
-            ));
+            return Err((format!("worker {}: name must be 1 to 128 visible ASCII characters (it goes into a response header)", w.url), at("name".into(), 1)));
         }
         match (&w.replay, &w.kv_events) {
-            (Some(_), None) => return Err((format!("worker {}: replay needs kv_events", w.url), Some(at("replay".into(), 1)))),
+            (Some(_), None) => return Err((format!("worker {}: replay needs kv_events", w.url), at("replay".into(), 1))),
             (Some(_), Some(super::KvEvents::Auto)) => {
                 return Err((
                     format!("worker {}: with kv_events: auto the replay endpoint comes from the worker's /kv_event_sources", w.url),
-                    Some(at("replay".into(), 1)),
+                    at("replay".into(), 1),
                 ));
             }
             _ => {}

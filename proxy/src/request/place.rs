@@ -91,7 +91,7 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
     let worker = model.workers[idx].clone();
     req.tried.push(idx);
     let by_plugin = !matches!(decided_by, DecidedBy::Builtin(_));
-    book(gw, req, idx, &candidates[k], Decided { best_overlap, began: now, by_plugin });
+    book(gw, req, idx, &candidates[k], Decided { best_overlap, began: now, by_plugin, expected_output: output.0 });
     let prompt = req.kv.as_ref().map_or((0, 0), |k| (k.tokens as u32, k.chain.len() as u32));
     let kv = model.kv.as_ref().map(|k| k.policy.params());
     let attempt = req.tried.len() as u32;
@@ -282,11 +282,13 @@ struct Decided {
     began: u64,
     /// Whether a plugin took part, which may take milliseconds.
     by_plugin: bool,
+    /// The output tokens the request was routed as expected to generate (0: unknown).
+    expected_output: f64,
 }
 
 /// Moves (or makes) the request's booking onto worker `idx` and records the decision metrics.
 fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, decided: Decided) {
-    let Decided { best_overlap, began, by_plugin } = decided;
+    let Decided { best_overlap, began, by_plugin, expected_output } = decided;
     let model = &req.model;
     // The booking is stamped with the decision's own clock read where the decision took
     // microseconds (round_robin, random); kv routing times itself and a plugin may take long,
@@ -307,7 +309,7 @@ fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, de
     let prefill_time = req.predicted.map_or(Duration::ZERO, |p| Duration::from_secs_f64(p.own_ms.max(0.0) / 1000.0));
     // Load shedding counts the blocks its output will fill.
     #[allow(clippy::cast_sign_loss, reason = "a token count clamped to 0 or more")]
-    let output_estimate = expected_output(req).max(0.0) as u64;
+    let output_estimate = expected_output.max(0.0) as u64;
     let footprint = match &req.kv {
         // `/tokenize` and `/detokenize` compute nothing worth booking: only the request counts.
         _ if !req.endpoint.infers() => Footprint::default(),
@@ -318,8 +320,8 @@ fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, de
             mm.forgone.observe(f64::from(best_overlap.saturating_sub(chosen.overlap_blocks)));
             let decision_time = Duration::from_micros(now.saturating_sub(began));
             mm.decision_time.observe((decision_time + k.lookup_time).as_secs_f64());
-            let expected_output = req.view.expected_output();
-            Footprint { prefill_tokens, chain: k.chain.clone(), private_blocks: 0, prompt_tokens, expected_output, output_estimate, prefill_time }
+            let hint = req.view.expected_output();
+            Footprint { prefill_tokens, chain: k.chain.clone(), private_blocks: 0, prompt_tokens, expected_output: hint, output_estimate, prefill_time }
         }
         // Not tokenized: a prediction (made without the prompt's length) does not count.
         None => Footprint {
