@@ -86,6 +86,10 @@ pub struct WorkerCounters {
     prefill_load: load_rate::LoadRate,
     /// Where it is in its engine step.
     step_phase: step_phase::StepPhase,
+    /// Σ 1 / expected output tokens over the requests decoding there (first token delivered,
+    /// not ended), in millionths: how much their times per output token grow per ms a step of
+    /// theirs stalls ([`Ledger::decode_sensitivity`]).
+    sensitivity_micro: AtomicU64,
 }
 
 impl WorkerCounters {
@@ -122,6 +126,11 @@ pub struct Ledger {
     /// Output tokens of the model's finished streams, a decayed mean: what a request without
     /// a hint is expected to generate (the `time` cost's decode terms).
     output: decayed_mean::DecayedMean,
+    /// Time to first token of the model's finished streams, ms, a decayed mean.
+    ttft: decayed_mean::DecayedMean,
+    /// Time per output token of the model's finished streams (their mean gap between tokens),
+    /// ms, a decayed mean.
+    tpot: decayed_mean::DecayedMean,
 }
 
 /// Shards of a ledger's live bookings.
@@ -143,6 +152,9 @@ struct Release {
     reserved_blocks: u64,
     prompt_tokens: u64,
     expected_output: Option<u64>,
+    /// 1 / its expected output tokens, in millionths (0: not known): what it adds to the
+    /// worker's `sensitivity_micro` while it decodes.
+    sensitivity_micro: u64,
     output: Mutex<Output>,
     prefill_released: AtomicBool,
     /// When its prefill was predicted done ([`clock_us`]), and the predicted time it takes, µs.
@@ -152,12 +164,34 @@ struct Release {
     counted: AtomicBool,
 }
 
+impl Release {
+    /// Counts it as decoding on its worker `l` (`true`: its first token arrived) or no longer
+    /// (`false`: it ended), once each. Under its output lock, so that a release racing the
+    /// first token (expiry) can neither miss the count nor take it twice.
+    fn count_decoding(&self, l: &WorkerCounters, decoding: bool) {
+        if self.sensitivity_micro == 0 {
+            return;
+        }
+        let mut o = self.output.lock();
+        if decoding && !o.closed && !o.decoding {
+            o.decoding = true;
+            l.sensitivity_micro.fetch_add(self.sensitivity_micro, Ordering::Relaxed);
+        } else if !decoding && o.decoding {
+            o.decoding = false;
+            l.sensitivity_micro.fetch_sub(self.sensitivity_micro, Ordering::Relaxed);
+        }
+    }
+}
+
 /// A booking's output so far; behind a mutex shared only by its stream and a release.
 #[derive(Default)]
 struct Output {
     generated: u64,
     /// What it adds to the worker's `output_milli` now.
     milli: i64,
+    /// Decoding: its first token arrived and it has not ended (it counts in the worker's
+    /// `sensitivity_micro`).
+    decoding: bool,
     closed: bool,
 }
 
@@ -202,6 +236,8 @@ impl Ledger {
             expired: AtomicU64::new(0),
             arrivals: load_rate::LoadRate::default(),
             output: decayed_mean::DecayedMean::at_least(0.0),
+            ttft: decayed_mean::DecayedMean::at_least(0.0),
+            tpot: decayed_mean::DecayedMean::at_least(1e-3),
         })
     }
 
@@ -253,6 +289,9 @@ impl Ledger {
             return;
         }
         let Some(l) = self.worker(r.worker) else { return };
+        if computed {
+            r.count_decoding(l, true);
+        }
         l.prefill.fetch_sub(r.prefill, Ordering::Relaxed);
         let now = clock_us();
         if r.prefill > 0 && l.prefilling.fetch_sub(1, Ordering::Relaxed) == 1 {
@@ -281,6 +320,7 @@ impl Ledger {
             self.add_output(r.worker, -std::mem::take(&mut o.milli));
         }
         if let Some(l) = self.worker(r.worker) {
+            r.count_decoding(l, false);
             l.raw_blocks.fetch_sub(r.raw_blocks, Ordering::Relaxed);
             l.private_blocks.fetch_sub(r.private_blocks, Ordering::Relaxed);
             l.reserved_blocks.fetch_sub(r.reserved_blocks, Ordering::Relaxed);
@@ -388,10 +428,23 @@ impl Ledger {
         self.worker(w).map_or(0.0, |l| l.prefill_load.at(now))
     }
 
-    /// A stream of the model finished with `tokens` output tokens.
-    pub fn output_finished(&self, tokens: u64) {
+    /// A stream of the model finished: `tokens` output tokens, and its time to first token and
+    /// per output token, ms, where measured (several tokens streamed from one worker).
+    pub fn stream_finished(&self, tokens: u64, times: Option<(f64, f64)>) {
         // About the last fifty streams.
         self.output.observe(tokens as f64, 0.02);
+        if let Some((ttft, tpot)) = times.filter(|&(a, b)| a.is_finite() && b.is_finite() && a >= 0.0 && b > 0.0) {
+            self.ttft.observe(ttft, 0.02);
+            self.tpot.observe(tpot, 0.02);
+        }
+    }
+
+    /// How many ms of time to first token one ms of time per output token is worth to the
+    /// model's requests: their recent mean time to first token over their mean time per output
+    /// token (`None` before a stream was timed). A TPOT excess then weighs as much as a TTFT
+    /// excess of the same relative size, as latency objectives' violations do.
+    pub fn tpot_weight(&self) -> Option<f64> {
+        Some(self.ttft.get()? / self.tpot.get()?)
     }
 
     /// The output tokens of the model's streams, on average of the recent ones (`None` before
@@ -409,7 +462,7 @@ impl Ledger {
     /// Worker `w` as a routing candidate, as far as its bookings tell, as of `now` on
     /// [`clock_us`]'s clock (one clock read serves every worker of a decision): requests in
     /// flight, the prefill booked and its predicted backlog and load, where the worker is in its
-    /// engine step, and its active blocks. Its cache, what it reports and its health are the
+    /// engine step, its active blocks and how sensitive its decoding requests are to a stall. Its cache, what it reports and its health are the
     /// caller's to add.
     pub fn candidate(&self, w: WorkerId, now: u64) -> Candidate {
         let Some(l) = self.worker(w) else { return Candidate { id: u32::from(w), ..Candidate::default() } };
@@ -424,6 +477,7 @@ impl Ledger {
             prefill_backlog_ms: l.prefill_backlog_at(prefill, now).as_secs_f64() * 1000.0,
             prefill_load: l.prefill_load.at(now),
             active_blocks: self.active_blocks(w),
+            decode_sensitivity: l.sensitivity_micro.load(Ordering::Relaxed) as f64 / 1e6,
             ..Candidate::default()
         }
     }
@@ -533,6 +587,7 @@ impl Ledger {
             reserved_blocks,
             prompt_tokens,
             expected_output,
+            sensitivity_micro: 1_000_000u64.checked_div(output_estimate).unwrap_or(0),
             output: Mutex::new(Output::default()),
             prefill_released: AtomicBool::new(false),
             prefill_due: (due, time),
@@ -710,6 +765,48 @@ mod tests {
         b.generated(10);
         drop(b);
         assert_eq!(s.active_blocks(0), 0);
+    }
+
+    #[test]
+    fn requests_count_as_decoding_from_their_first_token_to_their_end() {
+        let s = Ledger::new(1, Tracking::default());
+        let sensitivity = || s.candidate(0, clock_us()).decode_sensitivity;
+        let short = |tokens| Footprint { prefill_tokens: 10, prompt_tokens: 10, output_estimate: tokens, ..Footprint::default() };
+        let mut a = s.book(0, short(8));
+        let mut b = s.book(0, short(1000));
+        assert!(sensitivity().abs() < 1e-12, "prefilling: nothing of theirs decodes yet");
+        a.prefill_done(true);
+        b.prefill_done(true);
+        assert!((sensitivity() - (1.0 / 8.0 + 1.0 / 1000.0)).abs() < 1e-6, "{}", sensitivity());
+        drop(a);
+        assert!((sensitivity() - 1.0 / 1000.0).abs() < 1e-6);
+        // A whole answer (unary) never decoded in steps a stall could reach; an unknown length
+        // counts nothing.
+        let mut unary = s.book(0, short(8));
+        unary.prefill_done(false);
+        let mut unknown = s.book(0, short(0));
+        unknown.prefill_done(true);
+        assert!((sensitivity() - 1.0 / 1000.0).abs() < 1e-6);
+        drop((b, unary, unknown));
+        assert!(sensitivity().abs() < 1e-12);
+    }
+
+    #[test]
+    fn expiry_racing_a_first_token_leaves_no_decoding_count() {
+        let s = Ledger::new(1, Tracking::default());
+        let mut b = s.book(0, Footprint { prefill_tokens: 10, prompt_tokens: 10, output_estimate: 4, ..Footprint::default() });
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(s.expire(Duration::from_millis(1)), 1);
+        b.prefill_done(true);
+        assert!(s.candidate(0, clock_us()).decode_sensitivity.abs() < 1e-12, "released first: the first token adds nothing");
+        drop(b);
+        let mut b = s.book(0, Footprint { prefill_tokens: 10, prompt_tokens: 10, output_estimate: 4, ..Footprint::default() });
+        b.prefill_done(true);
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(s.expire(Duration::from_millis(1)), 1);
+        assert!(s.candidate(0, clock_us()).decode_sensitivity.abs() < 1e-12, "expiry takes the count back");
+        drop(b);
+        assert!(s.candidate(0, clock_us()).decode_sensitivity.abs() < 1e-12);
     }
 
     #[test]

@@ -74,9 +74,9 @@ pub struct Placement {
     pub kv: Option<KvParams>,
     /// Prompt tokens and full blocks routing saw.
     pub prompt: (u32, u32),
-    /// Output tokens expected of the request, and left to the requests already decoding (the
-    /// `time` cost's decode terms; 0: unknown).
-    pub output: (f64, f64),
+    /// Output tokens expected of the request, the model's mean output tokens, and what a ms of
+    /// time per output token weighed (the `time` cost's decode and slowdown terms; 0: unknown).
+    pub output: (f64, f64, f64),
     /// The request's latency objectives (the `time` cost chose among the workers predicted to
     /// meet them).
     pub slo: Slo,
@@ -113,7 +113,8 @@ impl Placement {
             prompt_tokens: self.prompt.0,
             prompt_blocks: self.prompt.1,
             expected_output_tokens: self.output.0,
-            others_remaining_tokens: self.output.1,
+            mean_output_tokens: self.output.1,
+            tpot_weight: self.output.2,
             slo: self.slo,
             ..RequestSummary::default()
         }
@@ -148,6 +149,7 @@ impl Placement {
                             v["cache_room_blocks"] = json!(c.cache_room_blocks);
                             v["duplicate_ms"] = json!(t.duplicate_ms);
                             v["slowdown_ms"] = json!(t.slowdown_ms);
+                            v["decode_sensitivity"] = json!(c.decode_sensitivity);
                             v["behind_ms"] = json!(t.behind_ms);
                             v["decode_ms"] = json!(t.decode_ms);
                             v["imposed_ms"] = json!(t.imposed_ms);
@@ -170,6 +172,7 @@ impl Placement {
         };
         json!({
             "attempt": self.attempt, "decided_by": decided_by, "prompt_tokens": self.prompt.0, "prompt_blocks": self.prompt.1,
+            "expected_output_tokens": self.output.0, "tpot_weight": self.output.2,
             "candidates": candidates, "excluded": excluded,
             "chosen": self.chosen.map(|id| json!({"worker": id, "url": url(id)})), "outcome": self.outcome,
         })
@@ -196,7 +199,7 @@ mod tests {
             chosen: Some(0),
             kv: Some(KvParams { block_size: 16, cost: kvgate_filters::route::Cost::Blocks, ..KvParams::default() }),
             prompt: (64, 4),
-            output: (0.0, 0.0),
+            output: (0.0, 0.0, 0.0),
             slo: Slo::default(),
             outcome: None,
         });

@@ -668,6 +668,55 @@ async fn a_lora_adapters_blocks_are_its_own() {
 }
 
 #[tokio::test]
+async fn a_long_prompt_is_priced_for_the_short_answer_it_would_stall() {
+    // Slow steps (120 ms): a stream of 8 tokens decodes for about a second.
+    let slow = SimConfig { time_scale: 0.05, ..sim() };
+    let c = kv_cluster_on_n(2, slow, GatewayOpts { mode: "kv".into(), ..Default::default() }).await;
+    let stream = |id: &'static str, p: Vec<u32>, max_tokens: u32| {
+        let body = json!({"prompt": p, "max_tokens": max_tokens, "ignore_eos": true, "stream": true});
+        c.http.post(c.url("/v1/completions")).header("x-request-id", id).json(&body).send()
+    };
+    let receipt = |id: &'static str| async move {
+        let v: Value = c.http.get(c.admin(&format!("/requests/{id}"))).send().await.unwrap().json().await.unwrap();
+        v["route_receipt"][0].clone()
+    };
+    // One timed stream: the model's mean TTFT and TPOT give the exchange rate.
+    let r = stream("timed", prompt(1, 0, 2), 3).await.unwrap();
+    assert_eq!(r.status(), 200);
+    r.bytes().await.unwrap();
+    // A short answer, decoding: its first token is out.
+    let mut short = stream("short", prompt(2, 0, 2), 8).await.unwrap();
+    assert!(short.chunk().await.unwrap().is_some());
+    let on = receipt("short").await["chosen"]["worker"].as_u64().unwrap();
+    // A long prompt next: the worker where the short answer decodes prices the stall.
+    let long =
+        c.http.post(c.url("/v1/completions")).header("x-request-id", "long").json(&json!({"prompt": prompt(3, 0, 60), "max_tokens": 1})).send().await.unwrap();
+    assert_eq!(long.status(), 200);
+    long.bytes().await.unwrap();
+    let v = receipt("long").await;
+    let w = v["tpot_weight"].as_f64().unwrap();
+    assert!(w > 0.0, "measured from the timed stream: {v}");
+    let cands = v["candidates"].as_array().cloned().unwrap_or_default();
+    let term = |id: u64, k: &str| cands.iter().find(|x| x["worker"] == id).map_or(f64::NAN, |x| x[k].as_f64().unwrap_or(f64::NAN));
+    assert!((term(on, "decode_sensitivity") - 1.0 / 8.0).abs() < 1e-3, "{v}");
+    let expected = term(on, "prefill_ms") * w / 8.0;
+    assert!(expected > 0.0 && (term(on, "slowdown_ms") - expected).abs() < 1e-6 * expected.max(1.0), "{v}");
+    assert_eq!(term(1 - on, "slowdown_ms"), 0.0, "nothing decodes on the other worker: {v}");
+    assert_eq!(v["chosen"]["worker"], 1 - on, "the long prompt leaves the short answer alone: {v}");
+    // Once the short answer ended, nothing is priced.
+    while short.chunk().await.unwrap().is_some() {}
+    assert!(wait_until(Duration::from_secs(5), || async { c.gateway_metrics().await.sum("kvgate_worker_requests_in_flight", &[]) == 0.0 }).await.is_some());
+    let r =
+        c.http.post(c.url("/v1/completions")).header("x-request-id", "after").json(&json!({"prompt": prompt(4, 0, 60), "max_tokens": 1})).send().await.unwrap();
+    r.bytes().await.unwrap();
+    let v = receipt("after").await;
+    for cand in v["candidates"].as_array().cloned().unwrap_or_default() {
+        assert_eq!(cand["decode_sensitivity"], 0.0, "{v}");
+        assert_eq!(cand["slowdown_ms"], 0.0, "{v}");
+    }
+}
+
+#[tokio::test]
 async fn latency_objectives_are_predicted_per_worker_counted_and_checked() {
     let c = kv_cluster_with("slo:\n  ttft_ms: 60000\n  tpot_ms: 1000").await;
     let send = |id: &'static str, tpot: Option<&'static str>| {

@@ -65,7 +65,7 @@ fn main() {
         fleet_prefill_load: 0.0,
         arrivals_per_worker_s: 0.0,
         expected_output_tokens: 0.0,
-        others_remaining_tokens: 0.0,
+        mean_output_tokens: 0.0,
         slo: Default::default(),
         headers,
         nvext: None,

@@ -287,7 +287,7 @@ mod tests {
         let p = KvPolicy::new(KvParams { pricing: Pricing { decode: true, ..Pricing::default() }, ..KvParams::default() });
         let crowded = Candidate { id: 0, overlap_blocks: 128, in_flight: 24, active_blocks: 24 * 128, ..Default::default() };
         let idle = Candidate { id: 1, ..Default::default() };
-        let asking = |out: f64| RequestSummary { expected_output_tokens: out, others_remaining_tokens: 100.0, ..req(2048) };
+        let asking = |out: f64| RequestSummary { expected_output_tokens: out, mean_output_tokens: 200.0, ..req(2048) };
         assert_eq!(p.choose(&asking(16.0), &[crowded.clone(), idle.clone()]), Decision::Worker(0), "a short answer goes where its prefix is");
         assert_eq!(p.choose(&asking(1000.0), &[crowded.clone(), idle.clone()]), Decision::Worker(1), "a long one leaves the crowded batch");
         assert_eq!(p.choose(&asking(0.0), &[crowded.clone(), idle.clone()]), Decision::Worker(0), "an unknown length prices no decode");

@@ -28,8 +28,14 @@ pub struct RequestSummary<'a> {
     /// Output tokens the request is expected to generate (0: unknown): the client's hint, or
     /// its `max_tokens` within what the model's requests generate.
     pub expected_output_tokens: f64,
-    /// Output tokens a request already decoding has left, on average (0: unknown).
-    pub others_remaining_tokens: f64,
+    /// Output tokens the model's requests generate, a recent mean (0: unknown). A request
+    /// decoding has half of it left on average.
+    pub mean_output_tokens: f64,
+    /// How many ms of time to first token one ms of time per output token is worth (0:
+    /// unknown): the ratio of the model's objectives where both are set, else of its recent
+    /// mean time to first token over its mean time per output token (the ledger's
+    /// `tpot_weight`). The `slowdown` term prices a stall at it.
+    pub tpot_weight: f64,
     /// Its latency objectives (the model's, or its own): the `time` cost chooses among the
     /// workers predicted to meet them.
     pub slo: super::Slo,
@@ -91,6 +97,12 @@ pub struct Candidate {
     pub step_ms: f64,
     /// KV blocks booked on it.
     pub active_blocks: u64,
+    /// Σ 1 / expected output tokens over the requests decoding there (first token delivered,
+    /// not ended; the ledger's): a stall of `s` ms in their steps adds `s · decode_sensitivity`
+    /// ms to the sum of their times per output token. A short answer's is large: one prefill
+    /// chunk run during its few steps multiplies its time per output token, while a long
+    /// one's barely moves.
+    pub decode_sensitivity: f64,
     /// Its KV capacity in blocks (0 = unknown).
     pub total_blocks: u64,
     /// Blocks its KV cache can still take without evicting a cached one: its capacity less the

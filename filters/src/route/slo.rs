@@ -42,6 +42,13 @@ impl Slo {
         Slo { ttft_ms: other.ttft_ms.or(self.ttft_ms), tpot_ms: other.tpot_ms.or(self.tpot_ms) }
     }
 
+    /// How many ms of time to first token one ms of time per output token is worth under
+    /// these bounds, when both are set: their ratio, so that a TPOT excess weighs as much as a
+    /// TTFT excess of the same relative size ([`Slo::violation`]'s measure).
+    pub fn tpot_weight(&self) -> Option<f64> {
+        Some(self.ttft_ms? / self.tpot_ms?)
+    }
+
     /// How far predictions of `ttft_ms` and `tpot_ms` miss the bounds: the sum of each missed
     /// bound's relative excess (0: every bound met). Relative, so that a miss of 10% weighs the
     /// same on either bound.
@@ -63,6 +70,8 @@ mod tests {
         assert!((slo.violation(1100.0, 60.0) - 0.3).abs() < 1e-12, "10% and 20% over");
         assert!(Slo { tpot_ms: Some(50.0), ..Slo::default() }.violation(1e9, 50.0).abs() < 1e-12, "no TTFT bound");
         assert!(!Slo::default().is_set());
+        assert_eq!(slo.tpot_weight(), Some(20.0));
+        assert_eq!(Slo { ttft_ms: Some(1000.0), ..Slo::default() }.tpot_weight(), None, "one bound says no exchange rate");
     }
 
     #[test]

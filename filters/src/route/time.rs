@@ -6,13 +6,14 @@
 //! documents alike (docs/routing.md, "The time cost").
 //!
 //! ```text
-//! cost      = ttft + behind + duplicate + decode + imposed (+ slowdown, off by default)
+//! cost      = ttft + slowdown + behind + duplicate (+ decode + imposed, off by default)
 //! decode    = shared · step + out · Δ                          its own tokens, one step each, in the batch it joins
 //! imposed   = in_flight · Δ · shared                           the step time it adds to the requests decoding there
 //! shared    = min(out, remaining)                              the steps it shares with the batch there now
 //! Δ         = k · (seq + ctx · (prompt + out/2))               one more sequence and its context in every step
 //! out       = the request's expected output tokens (0: unknown, no decode terms)
-//! remaining = the model's mean output / 2 (what the requests there have left, on average)
+//! remaining = mean_out / 2 (what the requests there have left, on average)
+//! mean_out  = the model's recent mean output tokens
 //! k         = the worker's calibrated step over its prior (1 until measured)
 //! behind    = prefill · (prefilling + arriving) / (1 − ρ)          the requests that share its step or queue behind it
 //! arriving  = prefills booked per second per worker · join          those booked before its step begins
@@ -22,7 +23,9 @@
 //! room      = free tokens in its KV cache less its booked prefill and this prompt's own new tokens
 //! held      = the fraction of its KV cache its blocks fill (room 0 and held 1 when unknown)
 //! ρ         = the candidates' mean prefill utilisation (≤ 0.75)
-//! slowdown = prefill · in_flight                                   its chunks stall the running decodes
+//! slowdown = prefill · w · Σ_j 1/out_j                               its chunks stall the running decodes
+//! out_j    = the expected output of each request decoding there (first token sent, not ended)
+//! w        = ms of TTFT a ms of TPOT is worth: slo ttft/tpot, else the model's mean TTFT / mean TPOT
 //! ttft     = join + wait + prefill + steps · step
 //! join    = max(0, running − since_last_token) (0 unless stepping)  the running step's rest
 //! running = min(running_step, 2 · step)        the running step's predicted length (`step` if unknown)
@@ -154,8 +157,11 @@ pub struct Prediction {
     /// How long its own prefill keeps the worker busy once started (its prefill and its own
     /// steps): what it adds to the worker's prefill backlog.
     pub own_ms: f64,
-    /// What its prefill costs the requests already running there: each of their decodes
-    /// stalls while its chunks run (its prefill time × those requests).
+    /// What its prefill costs the requests decoding there: each of their steps stalls while
+    /// its chunks run, which adds its prefill time over their output length to their time per
+    /// output token; summed, and priced at what a ms of time per output token is worth in time
+    /// to first token (`RequestSummary::tpot_weight`). A stall costs a short answer far more
+    /// than a long one: one chunk in its few steps multiplies its time per output token.
     pub slowdown_ms: f64,
     /// What its prefill costs the requests that will queue behind it there: those queued now
     /// and those that arrive before the queue empties (`1 / (1 − ρ)` per queued one), each
@@ -173,11 +179,12 @@ pub struct Prediction {
     /// What its decode costs the requests decoding there: each step of theirs it overlaps is
     /// longer by its sequence and context.
     pub imposed_ms: f64,
-    /// Its predicted time per output token there, what a `tpot_ms` objective is held to: the
-    /// worker's step with its own sequence and context added, over the share of the worker's
-    /// time its prefill leaves to decoding (`1 − ρ_w`, ρ_w its own prefill utilisation, at most
-    /// [`MAX_RHO`]): the chunks of prompts arriving there stall every decode step they share,
-    /// and on a worker that prefills long prompts that, not its batch, sets the TPOT.
+    /// Its predicted time per output token there, what a `tpot_ms` objective is held to
+    /// ([`TimePriors::tpot_of`]) with its own sequence and context added (Δ): the worker's
+    /// measured step, whose gaps already hold the stalls of the prefill chunks it runs; before
+    /// any is measured, the prior step over the share of time prefill leaves to decoding. That
+    /// share is the fleet's, not the worker's recent one: where prompts arrive while it decodes
+    /// is routing's own later choice (the `slowdown` term steers them off short answers).
     pub tpot_ms: f64,
 }
 
@@ -214,8 +221,9 @@ pub struct Pricing {
 impl Default for Pricing {
     fn default() -> Self {
         // `decode` is off until it wins the first token too (#39; benches/RESULTS.md, "Pricing
-        // the decode").
-        Self { credit_booked: true, slowdown: false, queue: true, duplicates: true, decode: false }
+        // the decode"). `slowdown`, priced in the stalled requests' time per output token,
+        // wins TPOT and goodput at the same TTFT (benches/RESULTS.md, "Pricing the stall").
+        Self { credit_booked: true, slowdown: true, queue: true, duplicates: true, decode: false }
     }
 }
 
@@ -232,11 +240,14 @@ impl TimePriors {
         if c.step_ms > 0.0 { c.step_ms } else { self.step_ms(c, block_size) }
     }
 
-    /// `c`'s time per output token, ms: [`Self::step_of`] over the share of its time its
-    /// prefill leaves to decoding ([`Prediction::tpot_ms`]). The one time-per-output-token
-    /// predictor: routing's objectives and the rescheduler's view of a loaded worker read it.
-    pub fn tpot_of(&self, c: &Candidate, block_size: u32) -> f64 {
-        self.step_of(c, block_size) / decoding_share(c)
+    /// `c`'s time per output token, ms, where prefill keeps workers busy a share `rho` of the
+    /// time: its measured step once measured (the gaps between its tokens, which already hold
+    /// the stalls its prefill chunks cause), else its prior step over the share of time prefill
+    /// leaves to decoding ([`decoding_share`]). The one time-per-output-token predictor:
+    /// routing's objectives read it with the fleet's `rho` ([`Prediction::tpot_ms`]), the
+    /// rescheduler's view of a loaded worker with the worker's own.
+    pub fn tpot_of(&self, c: &Candidate, block_size: u32, rho: f64) -> f64 {
+        if c.step_ms > 0.0 { c.step_ms } else { self.step_ms(c, block_size) / decoding_share(rho) }
     }
 
     /// `c`'s prefill time per uncached token, ms: its calibrated figure once measured, else the
@@ -269,7 +280,7 @@ impl TimePriors {
         let next_step = if stepping.is_some() { c.next_step_tokens.min(c.active_prefill_tokens) as f64 } else { 0.0 };
         let wait_ms = c.prefill_backlog_ms.min(a * queued).max(a * next_step);
         let own_ms = prefill_ms + (new / chunk).ceil().max(1.0) * step;
-        let slowdown_ms = if pricing.slowdown { prefill_ms * f64::from(c.in_flight) } else { 0.0 };
+        let slowdown_ms = if pricing.slowdown { prefill_ms * req.tpot_weight * c.decode_sensitivity } else { 0.0 };
         // Prefill put on a busy fleet delays more than the requests waiting now (module doc).
         let busy = busy_period(req.fleet_prefill_load);
         let arriving = req.arrivals_per_worker_s * join_ms / 1000.0;
@@ -290,7 +301,7 @@ impl TimePriors {
             ms_per_prefill_token: a,
             decode_ms,
             imposed_ms,
-            tpot_ms: (step + delta) / decoding_share(c),
+            tpot_ms: self.tpot_of(c, req.block_size, req.fleet_prefill_load) + delta,
         }
     }
 
@@ -305,11 +316,11 @@ impl TimePriors {
     }
 }
 
-/// The share of `c`'s time its booked prefill leaves to decoding: `1 − ρ_w`, its own prefill
-/// utilisation at most [`MAX_RHO`].
+/// The share of a worker's time prefill at utilisation `rho` leaves to decoding: `1 − ρ`, ρ at
+/// most [`MAX_RHO`].
 #[inline]
-fn decoding_share(c: &Candidate) -> f64 {
-    1.0 - c.prefill_load.clamp(0.0, MAX_RHO)
+fn decoding_share(rho: f64) -> f64 {
+    1.0 - rho.clamp(0.0, MAX_RHO)
 }
 
 /// `decode` and `imposed` (module doc) of `req` on `c`, whose step is `step` ms now and which
@@ -320,7 +331,7 @@ fn decode_terms(req: &RequestSummary<'_>, c: &Candidate, step: f64, delta: f64) 
     if out <= 0.0 {
         return (0.0, 0.0);
     }
-    let remaining = if req.others_remaining_tokens > 0.0 { req.others_remaining_tokens } else { out };
+    let remaining = if req.mean_output_tokens > 0.0 { req.mean_output_tokens / 2.0 } else { out };
     let shared = out.min(remaining);
     (shared * step + out * delta, f64::from(c.in_flight) * delta * shared)
 }
@@ -408,7 +419,7 @@ mod tests {
         let p = TimePriors::default();
         let pricing = Pricing { decode: true, ..Pricing::default() };
         let c = Candidate { in_flight: 10, ..Default::default() };
-        let r = RequestSummary { expected_output_tokens: 100.0, others_remaining_tokens: 50.0, ..req(1000) };
+        let r = RequestSummary { expected_output_tokens: 100.0, mean_output_tokens: 100.0, ..req(1000) };
         let got = p.predict(&r, &c, pricing);
         let step = 6.0 + 0.03 * 10.0;
         let delta = 0.03 + 4.0e-5 * (1000.0 + 50.0);
@@ -558,11 +569,21 @@ mod tests {
     fn a_busy_decode_batch_slows_the_steps() {
         let p = TimePriors::default();
         let idle = p.predict(&req(20_000), &Candidate::default(), ON);
-        let busy = p.predict(&req(20_000), &Candidate { in_flight: 64, active_blocks: 64 * 128, ..Default::default() }, ON);
+        // 64 decoding, each expected to generate 128 tokens.
+        let running = Candidate { in_flight: 64, active_blocks: 64 * 128, decode_sensitivity: 64.0 / 128.0, ..Default::default() };
+        // A ms of TPOT worth 16 of TTFT.
+        let r = RequestSummary { tpot_weight: 16.0, ..req(20_000) };
+        let busy = p.predict(&r, &running, ON);
         assert_eq!(idle.prefill_ms, busy.prefill_ms);
         assert!(busy.steps_ms > idle.steps_ms * 1.5, "{idle:?} {busy:?}");
-        // Its prefill stalls the 64 running decodes.
-        assert_eq!(busy.slowdown_ms, 64.0 * busy.prefill_ms);
+        // Its prefill stalls the 64 running decodes: each one's TPOT grows by its prefill time
+        // / 128, worth 16 / 128 of it in TTFT.
+        assert!((busy.slowdown_ms - 8.0 * busy.prefill_ms).abs() < 1e-6, "{busy:?}");
         assert_eq!(idle.slowdown_ms, 0.0);
+        // One short answer decoding there (8 tokens) weighs 16 long ones.
+        let short = p.predict(&r, &Candidate { in_flight: 1, decode_sensitivity: 1.0 / 8.0, ..Default::default() }, ON);
+        assert!((short.slowdown_ms - 2.0 * short.prefill_ms).abs() < 1e-6, "{short:?}");
+        // Nothing measured yet: no exchange rate, no price.
+        assert_eq!(p.predict(&req(20_000), &running, ON).slowdown_ms, 0.0);
     }
 }

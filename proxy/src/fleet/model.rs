@@ -177,12 +177,13 @@ impl Model {
     }
 
     /// Worker `i`'s time per output token, ms, for `c` (its [`Model::candidate`]): the `time`
-    /// cost's predictor (its step, stretched by the prefill booked there) where the model routes by it (so the rescheduler and routing agree
-    /// on what a loaded worker is), else the inter-token latency measured there while it has
+    /// cost's predictor (its measured step, else its prior step stretched by the prefill booked
+    /// there) where the model routes by it (so the rescheduler and routing agree on what a
+    /// loaded worker is), else the inter-token latency measured there while it has
     /// requests running.
     pub fn predicted_tpot_ms(&self, i: usize, c: &Candidate) -> Option<f64> {
         match self.time_priors() {
-            Some(p) => Some(p.tpot_of(c, self.cfg.block_size)),
+            Some(p) => Some(p.tpot_of(c, self.cfg.block_size, c.prefill_load)),
             None => (c.in_flight > 0).then(|| self.workers.get(i)?.itl_ms()).flatten(),
         }
     }

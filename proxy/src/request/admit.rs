@@ -224,6 +224,7 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
         track,
         reply,
         predicted: None,
+        ttft: None,
         pd: Default::default(),
     })
 }

@@ -68,7 +68,7 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
         .collect();
     let summary = summary(req, now).among(&candidates);
     let best_overlap = summary.fleet_overlap_blocks;
-    let output = (summary.expected_output_tokens, summary.others_remaining_tokens);
+    let output = (summary.expected_output_tokens, summary.mean_output_tokens, summary.tpot_weight);
     let (decision, decided_by) = decide(gw, req, &summary, &candidates);
     let k = match decision {
         Decision::Worker(k) if k < eligible.len() => k,
@@ -220,7 +220,8 @@ fn summary(req: &RequestState, now: u64) -> RequestSummary<'_> {
         fleet_prefill_load: 0.0,
         arrivals_per_worker_s: model.ledger.arrivals_per_worker_at(now),
         expected_output_tokens: expected_output(req),
-        others_remaining_tokens: model.ledger.mean_output().map_or(0.0, |m| m / 2.0),
+        mean_output_tokens: model.ledger.mean_output().unwrap_or(0.0),
+        tpot_weight: req.slo.tpot_weight().or_else(|| model.ledger.tpot_weight()).unwrap_or(0.0),
         slo: req.slo,
         headers: &req.plugin_headers,
         nvext: req.plugin_nvext.as_deref(),

@@ -33,8 +33,14 @@ pub fn finished(gw: &Gateway, req: &mut RequestState, outcome: &Outcome) {
     }
     m.duration.observe(elapsed.as_secs_f64());
     if req.stream && matches!(outcome, Outcome::Served(200)) {
-        // What a request of this model generates, for routing's decode terms.
-        req.model.ledger.output_finished(req.entry().generated_tokens());
+        // What a request of this model generates and how long it waits for its first token and
+        // each after it, for routing's decode terms.
+        let tokens = req.entry().generated_tokens();
+        let times = req.ttft.filter(|_| tokens > 1).map(|ttft| {
+            let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
+            (ms(ttft), ms(elapsed.saturating_sub(ttft)) / (tokens - 1) as f64)
+        });
+        req.model.ledger.stream_finished(tokens, times);
     }
     if let Outcome::Refused(e) = outcome {
         tracing::debug!(request_id = req.id(), model = name, endpoint, status, error = %e, "request refused");

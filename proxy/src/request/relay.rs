@@ -608,7 +608,9 @@ impl Progress {
         }
         match (self.last, &self.ttft, &self.itl) {
             (None, Some(ttft), _) => {
-                ttft.observe(now.duration_since(self.start).as_secs_f64());
+                let took = now.duration_since(self.start);
+                ttft.observe(took.as_secs_f64());
+                req.ttft = Some(took);
                 super::disaggregate::first_token(gw, req, now);
                 calibrate_prefill(req, now.duration_since(self.sent));
             }

@@ -102,6 +102,8 @@ pub struct RequestState {
     /// What the `time` cost predicted on the worker it was placed on (its first token then
     /// calibrates that worker).
     pub predicted: Option<kvgate_filters::route::time::Prediction>,
+    /// When the client was sent its first streamed token, after admission.
+    pub ttft: Option<std::time::Duration>,
     /// Its legs on a model that disaggregates prefill from decode.
     pub pd: super::disaggregate::Pd,
 }
