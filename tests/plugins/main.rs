@@ -40,6 +40,7 @@ fn request<'a>(headers: &'a [(String, String)]) -> RequestSummary<'a> {
         arrivals_per_worker_s: 0.0,
         expected_output_tokens: 0.0,
         mean_output_tokens: 0.0,
+        tpot_weight: 0.0,
         slo: Default::default(),
         headers,
         nvext: None,

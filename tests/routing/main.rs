@@ -676,6 +676,7 @@ async fn a_long_prompt_is_priced_for_the_short_answer_it_would_stall() {
         let body = json!({"prompt": p, "max_tokens": max_tokens, "ignore_eos": true, "stream": true});
         c.http.post(c.url("/v1/completions")).header("x-request-id", id).json(&body).send()
     };
+    let c = &c;
     let receipt = |id: &'static str| async move {
         let v: Value = c.http.get(c.admin(&format!("/requests/{id}"))).send().await.unwrap().json().await.unwrap();
         v["route_receipt"][0].clone()
@@ -737,7 +738,7 @@ async fn latency_objectives_are_predicted_per_worker_counted_and_checked() {
         assert_eq!(cand["slo_violation"], 0.0, "the model's generous objectives are met everywhere: {cand}");
     }
     // A request's own objective overrides the model's: one no worker can meet is still
-    // served, by the worker predicted to miss it least, and counted as missed.
+    // served, its miss priced in the cost, and counted as missed.
     let r = send("slo-missed", Some("0.001")).await.unwrap();
     assert_eq!(r.status(), 200);
     r.bytes().await.unwrap();

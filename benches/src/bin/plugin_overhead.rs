@@ -66,6 +66,7 @@ fn main() {
         arrivals_per_worker_s: 0.0,
         expected_output_tokens: 0.0,
         mean_output_tokens: 0.0,
+        tpot_weight: 0.0,
         slo: Default::default(),
         headers,
         nvext: None,

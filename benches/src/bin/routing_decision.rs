@@ -80,6 +80,7 @@ fn main() {
     let objectives = |blocks: usize| RequestSummary {
         expected_output_tokens: 256.0,
         mean_output_tokens: 256.0,
+        tpot_weight: 20.0,
         slo: Slo { ttft_ms: Some(500.0), tpot_ms: Some(20.0) },
         ..summary(blocks)
     };

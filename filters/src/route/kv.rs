@@ -160,23 +160,19 @@ impl Policy for KvPolicy {
         let req = &self.sized(&req.among(candidates));
         let debug = tracing::enabled!(tracing::Level::DEBUG);
         let held = req.slo.is_set() && self.params.cost == Cost::Time;
-        let mut violations = Vec::new();
-        let mut costs: Vec<f64> = candidates
+        let costs: Vec<f64> = candidates
             .iter()
             .map(|c| {
                 let (cost, terms) = self.priced(req, c);
                 if debug {
                     tracing::debug!(request_id = req.request_id, worker = c.id, overlap = c.overlap_blocks, ?terms, cost, "kv routing");
                 }
-                if let (true, Terms::Time(p)) = (held, terms) {
-                    violations.push(req.slo.violation(p.ttft_ms(), p.tpot_ms));
+                match (held, terms) {
+                    (true, Terms::Time(p)) => cost + req.slo.excess_ms(p.ttft_ms(), p.tpot_ms, req.tpot_weight),
+                    _ => cost,
                 }
-                cost
             })
             .collect();
-        if held {
-            meeting_the_slo(&mut costs, &violations);
-        }
         match self.params.temperature {
             t if t > 0.0 => self.sample(&costs, t).unwrap_or_else(|| self.cheapest(candidates, &costs)),
             _ => self.cheapest(candidates, &costs),
@@ -216,18 +212,6 @@ impl KvPolicy {
         #[allow(clippy::cast_sign_loss, reason = "a uniform draw in [0, 1) times a count: not negative")]
         let k = (self.uniform() * n as f64) as usize % n;
         Decision::Worker(pool().nth(k).unwrap_or(0))
-    }
-}
-
-/// Leaves in `costs` only the candidates predicted to meet the request's objectives (their
-/// `violations` are 0); when none is, only those predicted to miss them least. The others cost
-/// infinitely much, so the cheapest (or a softmax draw) is among those kept.
-fn meeting_the_slo(costs: &mut [f64], violations: &[f64]) {
-    let least = violations.iter().copied().fold(f64::INFINITY, f64::min);
-    for (cost, &v) in costs.iter_mut().zip(violations) {
-        if v > least + 1e-9 {
-            *cost = f64::INFINITY;
-        }
     }
 }
 
@@ -296,23 +280,26 @@ mod tests {
     }
 
     #[test]
-    fn objectives_choose_among_the_workers_predicted_to_meet_them() {
+    fn objectives_price_each_predicted_miss_in_the_cost() {
         // Worker 0 holds the prompt but steps in ~8.8 ms with this request added; worker 1 is
-        // idle (~6.1 ms) and must prefill all 2,048 tokens (~80 ms to the first token).
+        // idle (~6.1 ms) but must prefill all 2,048 tokens, and copy a prefix worker 0 holds:
+        // ~150 ms dearer.
         let p = KvPolicy::new(KvParams::default());
         let crowded = Candidate { id: 0, overlap_blocks: 128, in_flight: 24, active_blocks: 24 * 128, ..Default::default() };
         let idle = Candidate { id: 1, ..Default::default() };
         let both = [crowded, idle];
-        let with = |ttft: Option<f64>, tpot: Option<f64>| RequestSummary { slo: Slo { ttft_ms: ttft, tpot_ms: tpot }, ..req(2048) };
-        assert_eq!(p.choose(&with(None, None), &both), Decision::Worker(0), "no objective: the cheapest, where the prefix is");
-        assert_eq!(p.choose(&with(None, Some(8.0)), &both), Decision::Worker(1), "only the idle worker meets 8 ms a token");
-        assert_eq!(p.choose(&with(Some(1000.0), Some(10.0)), &both), Decision::Worker(0), "both meet: the cheapest");
-        assert_eq!(p.choose(&with(None, Some(5.0)), &both), Decision::Worker(1), "neither meets 5 ms: the one missing it least");
-        assert_eq!(p.choose(&with(Some(50.0), Some(8.0)), &both), Decision::Worker(0), "a 10% TPOT miss over a 60% TTFT miss");
-        let hot = KvPolicy::new(KvParams { temperature: 0.5, ..KvParams::default() });
-        for _ in 0..50 {
-            assert_eq!(hot.choose(&with(None, Some(8.0)), &both), Decision::Worker(1), "a softmax draw never picks a worker ruled out");
-        }
+        // `tpot_weight`: what a ms of TPOT is worth in TTFT (the bounds' ratio when both are set).
+        let with =
+            |ttft: Option<f64>, tpot: Option<f64>, tpot_weight: f64| RequestSummary { slo: Slo { ttft_ms: ttft, tpot_ms: tpot }, tpot_weight, ..req(2048) };
+        assert_eq!(p.choose(&with(None, None, 0.0), &both), Decision::Worker(0), "no objective: the cheapest, where the prefix is");
+        assert_eq!(p.choose(&with(None, Some(8.0), 1000.0), &both), Decision::Worker(1), "0.8 ms over 8 ms a token, at 1,000 ms each");
+        assert_eq!(p.choose(&with(None, Some(8.0), 20.0), &both), Decision::Worker(0), "at 20 ms each, less than the prefill it saves");
+        assert_eq!(p.choose(&with(Some(1000.0), Some(10.0), 100.0), &both), Decision::Worker(0), "both met everywhere: the cheapest");
+        assert_eq!(p.choose(&with(None, Some(5.0), 1000.0), &both), Decision::Worker(1), "neither meets 5 ms: the one missing it least");
+        assert_eq!(p.choose(&with(Some(50.0), Some(8.0), 50.0 / 8.0), &both), Decision::Worker(0), "a 10% TPOT miss over a 60% TTFT miss");
+        // The penalty is the excess in ms of TTFT.
+        let slo = Slo { ttft_ms: Some(50.0), tpot_ms: Some(8.0) };
+        assert!((slo.excess_ms(80.0, 9.0, 6.25) - (30.0 + 6.25)).abs() < 1e-9);
     }
 
     #[test]

@@ -36,8 +36,8 @@ pub struct RequestSummary<'a> {
     /// mean time to first token over its mean time per output token (the ledger's
     /// `tpot_weight`). The `slowdown` term prices a stall at it.
     pub tpot_weight: f64,
-    /// Its latency objectives (the model's, or its own): the `time` cost chooses among the
-    /// workers predicted to meet them.
+    /// Its latency objectives (the model's, or its own): the `time` cost adds each worker's
+    /// predicted miss of them.
     pub slo: super::Slo,
     /// Request headers a plugin policy is allowed to see (lower-case names).
     pub headers: &'a [(String, String)],

@@ -1,10 +1,13 @@
 //! Latency objectives (#39): a bound on the time to first token and on the time per output
 //! token, per model (`slo:`) or per request (`x-slo-ttft-ms`, `x-slo-tpot-ms`). With one set,
-//! the `time` cost chooses among the workers predicted to meet every bound, cheapest first;
-//! when none is, the one predicted to miss them least ([`Slo::violation`]), as llm-d's
-//! predicted-latency scorer prefers positive headroom and, lacking it, the least negative.
-//! What is met is a prediction; `kvgate-bench compare` measures the fraction of requests that
-//! met both (goodput, as DistServe defines it).
+//! the `time` cost adds what each worker's predicted miss costs ([`Slo::excess_ms`]): a worker
+//! predicted to meet every bound costs what it did, one predicted to miss pays its excess in ms
+//! of time to first token. Ruling out every worker predicted to miss (llm-d's predicted-latency
+//! scorer's rule, headroom first) was measured first and lost goodput where predictions sit
+//! near the bounds: prefix-heavy traffic left the workers caching its prefix, computed more
+//! prefill and missed more (benches/RESULTS.md). [`Slo::violation`] says whether a placement was
+//! predicted to meet them; `kvgate-bench compare` measures the fraction of requests that met
+//! both (goodput, as DistServe defines it).
 
 use serde::Deserialize;
 
@@ -47,6 +50,15 @@ impl Slo {
     /// TTFT excess of the same relative size ([`Slo::violation`]'s measure).
     pub fn tpot_weight(&self) -> Option<f64> {
         Some(self.ttft_ms? / self.tpot_ms?)
+    }
+
+    /// What predictions of `ttft_ms` and `tpot_ms` missing the bounds cost, in ms of time to
+    /// first token: the TTFT excess, and the TPOT excess at `tpot_weight` ms each (the bounds'
+    /// own ratio where both are set, so a miss of 10% costs the same on either bound). Added
+    /// to the `time` cost, it prices a miss instead of ruling the worker out.
+    pub fn excess_ms(&self, ttft_ms: f64, tpot_ms: f64, tpot_weight: f64) -> f64 {
+        let excess = |bound: Option<f64>, v: f64| bound.map_or(0.0, |b| (v - b).max(0.0));
+        excess(self.ttft_ms, ttft_ms) + tpot_weight * excess(self.tpot_ms, tpot_ms)
     }
 
     /// How far predictions of `ttft_ms` and `tpot_ms` miss the bounds: the sum of each missed
