@@ -88,7 +88,7 @@ pub struct WorkerCounters {
     step_phase: step_phase::StepPhase,
     /// Σ 1 / expected output tokens over the requests decoding there (first token delivered,
     /// not ended), in millionths: how much their times per output token grow per ms a step of
-    /// theirs stalls ([`Ledger::decode_sensitivity`]).
+    /// theirs stalls (the candidate's `decode_sensitivity`).
     sensitivity_micro: AtomicU64,
 }
 
@@ -462,8 +462,8 @@ impl Ledger {
     /// Worker `w` as a routing candidate, as far as its bookings tell, as of `now` on
     /// [`clock_us`]'s clock (one clock read serves every worker of a decision): requests in
     /// flight, the prefill booked and its predicted backlog and load, where the worker is in its
-    /// engine step, its active blocks and how sensitive its decoding requests are to a stall. Its cache, what it reports and its health are the
-    /// caller's to add.
+    /// engine step, its active blocks and how sensitive its decoding requests are to a stall.
+    /// Its cache, what it reports and its health are the caller's to add.
     pub fn candidate(&self, w: WorkerId, now: u64) -> Candidate {
         let Some(l) = self.worker(w) else { return Candidate { id: u32::from(w), ..Candidate::default() } };
         let prefill = l.prefill.load(Ordering::Relaxed);

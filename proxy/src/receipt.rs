@@ -77,8 +77,8 @@ pub struct Placement {
     /// Output tokens expected of the request, the model's mean output tokens, and what a ms of
     /// time per output token weighed (the `time` cost's decode and slowdown terms; 0: unknown).
     pub output: (f64, f64, f64),
-    /// The request's latency objectives (the `time` cost chose among the workers predicted to
-    /// meet them).
+    /// The request's latency objectives (the `time` cost priced each worker's predicted miss of
+    /// them).
     pub slo: Slo,
     /// How the leg to the chosen worker ended: `ok`, or the error kind.
     pub outcome: Option<&'static str>,

@@ -243,9 +243,9 @@ impl TimePriors {
     /// `c`'s time per output token, ms, where prefill keeps workers busy a share `rho` of the
     /// time: its measured step once measured (the gaps between its tokens, which already hold
     /// the stalls its prefill chunks cause), else its prior step over the share of time prefill
-    /// leaves to decoding ([`decoding_share`]). The one time-per-output-token predictor:
-    /// routing's objectives read it with the fleet's `rho` ([`Prediction::tpot_ms`]), the
-    /// rescheduler's view of a loaded worker with the worker's own.
+    /// leaves to decoding (`1 − ρ`, ρ at most [`MAX_RHO`]). The one time-per-output-token
+    /// predictor: routing's objectives read it with the fleet's `rho` ([`Prediction::tpot_ms`]),
+    /// the rescheduler's view of a loaded worker with the worker's own.
     pub fn tpot_of(&self, c: &Candidate, block_size: u32, rho: f64) -> f64 {
         if c.step_ms > 0.0 { c.step_ms } else { self.step_ms(c, block_size) / decoding_share(rho) }
     }
