@@ -74,14 +74,32 @@ pub struct Placement {
     pub kv: Option<KvParams>,
     /// Prompt tokens and full blocks routing saw.
     pub prompt: (u32, u32),
-    /// Output tokens expected of the request, the model's mean output tokens, and what a ms of
-    /// time per output token weighed (the `time` cost's decode and slowdown terms; 0: unknown).
-    pub output: (f64, f64, f64),
+    /// What routing expected of the request's output.
+    pub output: OutputOutlook,
     /// The request's latency objectives (the `time` cost priced each worker's predicted miss of
     /// them).
     pub slo: Slo,
     /// How the leg to the chosen worker ended: `ok`, or the error kind.
     pub outcome: Option<&'static str>,
+}
+
+/// What routing expected of a request's output when it placed it: what the `time` cost's
+/// decode and slowdown terms read (0: unknown).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct OutputOutlook {
+    /// Output tokens expected of the request.
+    pub expected_tokens: f64,
+    /// The model's recent mean output tokens.
+    pub mean_tokens: f64,
+    /// What a ms of time per output token weighed, in ms of time to first token.
+    pub tpot_weight: f64,
+}
+
+impl OutputOutlook {
+    /// The outlook `summary` carries.
+    pub fn of(summary: &RequestSummary<'_>) -> Self {
+        Self { expected_tokens: summary.expected_output_tokens, mean_tokens: summary.mean_output_tokens, tpot_weight: summary.tpot_weight }
+    }
 }
 
 /// Every placement of one request.
@@ -112,9 +130,9 @@ impl Placement {
         let req = RequestSummary {
             prompt_tokens: self.prompt.0,
             prompt_blocks: self.prompt.1,
-            expected_output_tokens: self.output.0,
-            mean_output_tokens: self.output.1,
-            tpot_weight: self.output.2,
+            expected_output_tokens: self.output.expected_tokens,
+            mean_output_tokens: self.output.mean_tokens,
+            tpot_weight: self.output.tpot_weight,
             slo: self.slo,
             ..RequestSummary::default()
         }
@@ -172,7 +190,8 @@ impl Placement {
         };
         json!({
             "attempt": self.attempt, "decided_by": decided_by, "prompt_tokens": self.prompt.0, "prompt_blocks": self.prompt.1,
-            "expected_output_tokens": self.output.0, "tpot_weight": self.output.2,
+            "expected_output_tokens": self.output.expected_tokens, "mean_output_tokens": self.output.mean_tokens,
+            "tpot_weight": self.output.tpot_weight,
             "candidates": candidates, "excluded": excluded,
             "chosen": self.chosen.map(|id| json!({"worker": id, "url": url(id)})), "outcome": self.outcome,
         })
@@ -199,7 +218,7 @@ mod tests {
             chosen: Some(0),
             kv: Some(KvParams { block_size: 16, cost: kvgate_filters::route::Cost::Blocks, ..KvParams::default() }),
             prompt: (64, 4),
-            output: (0.0, 0.0, 0.0),
+            output: OutputOutlook { expected_tokens: 64.0, mean_tokens: 200.0, tpot_weight: 12.5 },
             slo: Slo::default(),
             outcome: None,
         });
@@ -207,6 +226,8 @@ mod tests {
         let v = r.to_json();
         assert_eq!(v[0]["chosen"]["url"], "http://127.0.0.1:1");
         assert_eq!(v[0]["excluded"][0]["reason"], "unhealthy");
+        assert_eq!((v[0]["expected_output_tokens"].as_f64(), v[0]["mean_output_tokens"].as_f64()), (Some(64.0), Some(200.0)));
+        assert_eq!(v[0]["tpot_weight"], 12.5, "what a ms of TPOT weighed");
         assert_eq!(v[0]["candidates"][0]["cost"], 4.0, "cached prompt: only its 4 decode blocks");
         assert_eq!(v[0]["candidates"][1]["cost"], 12.0, "8 prefill blocks (64 booked + 64 new) + 4 decode");
         assert_eq!(v[0]["outcome"], "ok");

@@ -8,7 +8,7 @@ use super::RequestState;
 use crate::error::GatewayError;
 use crate::fleet::{Model, Worker};
 use crate::gateway::Gateway;
-use crate::receipt::{DecidedBy, Exclusion, Placement};
+use crate::receipt::{DecidedBy, Exclusion, OutputOutlook, Placement};
 use kvgate_filters::ledger::Footprint;
 use kvgate_filters::route::{Candidate, Decision, Policy, RequestSummary, Terms};
 use std::sync::Arc;
@@ -68,7 +68,7 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
         .collect();
     let summary = summary(req, now).among(&candidates);
     let best_overlap = summary.fleet_overlap_blocks;
-    let output = (summary.expected_output_tokens, summary.mean_output_tokens, summary.tpot_weight);
+    let output = OutputOutlook::of(&summary);
     let (decision, decided_by) = decide(gw, req, &summary, &candidates);
     let k = match decision {
         Decision::Worker(k) if k < eligible.len() => k,
@@ -91,7 +91,7 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
     let worker = model.workers[idx].clone();
     req.tried.push(idx);
     let by_plugin = !matches!(decided_by, DecidedBy::Builtin(_));
-    book(gw, req, idx, &candidates[k], Decided { best_overlap, began: now, by_plugin, expected_output: output.0 });
+    book(gw, req, idx, &candidates[k], Decided { best_overlap, began: now, by_plugin, expected_output: output.expected_tokens });
     let prompt = req.kv.as_ref().map_or((0, 0), |k| (k.tokens as u32, k.chain.len() as u32));
     let kv = model.kv.as_ref().map(|k| k.policy.params());
     let attempt = req.tried.len() as u32;
