@@ -184,7 +184,7 @@ impl KvPolicy {
     /// A softmax draw over the normalised costs at temperature `t`; `None` when every cost is
     /// the same.
     fn sample(&self, costs: &[f64], t: f64) -> Option<Decision> {
-        // An infinite cost (a candidate an objective rules out) is never drawn.
+        // A cost that is not finite (a prediction gone wrong) is never drawn.
         let (min, max) = costs.iter().filter(|c| c.is_finite()).fold((f64::MAX, f64::MIN), |(lo, hi), &c| (lo.min(c), hi.max(c)));
         let range = max - min;
         if range <= 0.0 {

@@ -247,7 +247,7 @@ impl TimePriors {
     /// predictor: routing's objectives read it with the fleet's `rho` ([`Prediction::tpot_ms`]),
     /// the rescheduler's view of a loaded worker with the worker's own.
     pub fn tpot_of(&self, c: &Candidate, block_size: u32, rho: f64) -> f64 {
-        if c.step_ms > 0.0 { c.step_ms } else { self.step_ms(c, block_size) / decoding_share(rho) }
+        per_output_token(self.step_of(c, block_size), c, rho)
     }
 
     /// `c`'s prefill time per uncached token, ms: its calibrated figure once measured, else the
@@ -301,7 +301,7 @@ impl TimePriors {
             ms_per_prefill_token: a,
             decode_ms,
             imposed_ms,
-            tpot_ms: self.tpot_of(c, req.block_size, req.fleet_prefill_load) + delta,
+            tpot_ms: per_output_token(step, c, req.fleet_prefill_load) + delta,
         }
     }
 
@@ -314,6 +314,14 @@ impl TimePriors {
         let k = if c.step_ms > 0.0 && prior > 0.0 { c.step_ms / prior } else { 1.0 };
         k * (self.step_ms_per_seq + self.step_ms_per_ctx_token * (prompt + req.expected_output_tokens.max(0.0) / 2.0))
     }
+}
+
+/// `c`'s step of `step` ms ([`TimePriors::step_of`]) as a time per output token where prefill
+/// keeps workers busy a share `rho` of the time ([`TimePriors::tpot_of`]): a measured step as it
+/// is, the prior over [`decoding_share`]. `predict` passes the step it already has.
+#[inline]
+fn per_output_token(step: f64, c: &Candidate, rho: f64) -> f64 {
+    if c.step_ms > 0.0 { step } else { step / decoding_share(rho) }
 }
 
 /// The share of a worker's time prefill at utilisation `rho` leaves to decoding: `1 − ρ`, ρ at

@@ -34,7 +34,7 @@ pub fn finished(gw: &Gateway, req: &mut RequestState, outcome: &Outcome) {
     m.duration.observe(elapsed.as_secs_f64());
     if req.stream && matches!(outcome, Outcome::Served(200)) {
         // What a request of this model generates and how long it waits for its first token and
-        // each after it, for routing's decode terms.
+        // each after it: routing's decode terms and the exchange rate its stall term prices at.
         let tokens = req.entry().generated_tokens();
         let times = req.ttft.filter(|_| tokens > 1).map(|ttft| {
             let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
