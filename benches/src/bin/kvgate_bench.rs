@@ -13,7 +13,7 @@ use kvgate_bench::load::report::{self, Report, Slo};
 use kvgate_bench::load::workload::{self, Api, Workload};
 use kvgate_bench::load::{RunOptions, run};
 use kvgate_bench::peers::{self, Peer};
-use kvgate_bench::trace;
+use kvgate_bench::{trace, trace_floor};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -771,6 +771,24 @@ impl Common {
         Ok(apis)
     }
 
+    /// For a trace workload, the TTFT floor and oracle of its requests on `workers` workers
+    /// started with `sim_args` ([`trace_floor`]); `None` for the other workloads.
+    fn trace_bounds(&self, sim_args: &[String], workers: usize) -> Option<Result<String, String>> {
+        if !matches!(self.workload, Kind::Trace) {
+            return None;
+        }
+        Some((|| {
+            let args = vllm_sim::SimArgs::try_parse_from(std::iter::once("vllm-sim".to_string()).chain(sim_args.iter().cloned()))
+                .map_err(|e| format!("--sim-args: {e}"))?;
+            let cfg = args.into_config()?;
+            let engine =
+                trace_floor::Engine { timing: cfg.timing, chunk_tokens: cfg.max_num_batched_tokens, block_size: cfg.block_size, time_scale: cfg.time_scale };
+            let t = trace::load(&self.trace)?;
+            let t = &t[..t.len().min(self.max_requests)];
+            Ok(trace_floor::note(t, self.max_isl, &engine, workers, self.speedup))
+        })())
+    }
+
     fn workload(&self) -> Result<(Workload, String), String> {
         let format = self.format()?;
         let as_text = |f| if f == workload::PromptFormat::Text { "text" } else { "token-id" };
@@ -991,6 +1009,14 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
     let mut runs = Vec::new();
     let fresh = if apis.len() > 1 { "fresh for every target and API" } else { "fresh for every target" };
     let mut notes = vec![note, format!("Cluster: {n} vllm-sim workers ({}), {fresh}.", if sim_args.is_empty() { "defaults" } else { sim_args })];
+    match common.trace_bounds(&base.args, n) {
+        Some(Ok(line)) => notes.push(line),
+        Some(Err(e)) => {
+            eprintln!("kvgate-bench: {e}");
+            return 2;
+        }
+        None => {}
+    }
     // The workers' own tokenizer (vllm-sim's built-in one), so text prompts hash to the blocks
     // the workers cache; the agent workload's adds a chat template that prints tools, written
     // next to the results and given to the workers and kvgate alike.
