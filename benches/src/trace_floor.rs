@@ -1,16 +1,17 @@
-//! What no router can beat on a trace: each request's time to first token with its prompt's
-//! whole shared prefix already cached and nothing ahead of it (the *floor*), and what a
-//! clairvoyant router gets when it knows every worker's cache and queue exactly and no decode
-//! shares a prefill's steps (the *oracle*). Both use vllm-sim's own step model and token
-//! budget, so they are the bounds of the fleet `compare` starts, not of some other machine.
+//! What routing can and cannot win on a trace. The *floor*: each request's time to first token
+//! with its prompt's whole shared prefix already cached and nothing ahead of it, which no
+//! router beats. The *oracles*: what a clairvoyant router gets, one that knows every worker's
+//! cache and queue exactly, on workers that schedule as vLLM does (FCFS, steps of at most
+//! `max_num_batched_tokens`, decodes in every step; [`Worker`]). All of it runs on vllm-sim's
+//! own step model and flags, so they are the bounds of the fleet `compare` starts.
 //!
 //! A router's TTFT percentiles read against these say how much of a figure is the trace's own
-//! prefill and how much is routing: on #39's Mooncake replay every router measured ends near
-//! 1.1 s at p90, and the floor's p90 (a 16k prompt computed alone) is 760 ms.
-//!
-//! The oracle sends each request to the worker where its prefill would end first (FCFS per
-//! worker, unbounded caches that hold every prefix computed there). It is a greedy, not an
-//! optimum, but it has what no real router has: exact knowledge and steps free of decodes.
+//! prefill, how much the engine's scheduling and how much routing. Two oracles, because vLLM's
+//! scheduler lets a prompt arriving mid-prefill fill the room left in the last step of the
+//! prompt ahead, which lengthens that step by the newcomer's chunk and delays the first token
+//! ahead by as much: [`Oracle::Greedy`] takes the worker where its own first token comes first,
+//! [`Oracle::Considerate`] adds the delay it puts on the first tokens already queued there.
+//! Both are greedy, not optimal, and their caches never evict.
 
 use crate::percentile;
 use crate::trace::{TRACE_BLOCK, TraceRequest};
@@ -118,43 +119,161 @@ pub fn floor_ms(requests: &[TraceRequest], max_isl: usize, engine: &Engine) -> V
         .collect()
 }
 
-/// Each request's time to first token under the oracle on `workers` workers, ms, with arrivals
-/// `speedup` times faster than the trace's.
-pub fn oracle_ms(requests: &[TraceRequest], max_isl: usize, engine: &Engine, workers: usize, speedup: f64) -> Vec<f64> {
+/// How the oracle chooses a worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Oracle {
+    /// Where the request's own first token comes first.
+    Greedy,
+    /// Where its own first token plus the delay it puts on the first tokens of the requests
+    /// already there (by taking the room in their last step) is least.
+    Considerate,
+}
+
+/// A request on a worker: the tokens of its prompt computed (or cached) so far and those left,
+/// then the output tokens it has still to decode.
+#[derive(Debug, Clone, Copy)]
+struct Job {
+    request: usize,
+    ctx: usize,
+    left: usize,
+    decode: usize,
+}
+
+/// One worker as vLLM (and vllm-sim) schedules: its requests in the order they came, each step
+/// giving every one in turn what it needs (the rest of its prompt, or one token to decode) out
+/// of a budget of `chunk_tokens`, a step formed when the previous one ends. So a prompt
+/// arriving while a step runs waits for the next one, fills whatever room the requests ahead
+/// leave in it, and lengthens that step for every one of them.
+#[derive(Debug, Clone, Default)]
+struct Worker {
+    running: Vec<Job>,
+    /// When the last step formed ends (the worker is idle after it if nothing runs).
+    step_end: f64,
+}
+
+impl Worker {
+    /// Runs every step that starts by `t`, recording first tokens in `done`.
+    fn run_until(&mut self, t: f64, engine: &Engine, done: &mut [f64]) {
+        while !self.running.is_empty() && self.step_end <= t {
+            self.step(engine, done);
+        }
+    }
+
+    /// Runs steps until every prompt queued now has its first token (decodes go on after).
+    fn prefill_all(&mut self, engine: &Engine, done: &mut [f64]) {
+        while self.running.iter().any(|j| j.left > 0) {
+            self.step(engine, done);
+        }
+    }
+
+    fn step(&mut self, engine: &Engine, done: &mut [f64]) {
+        let mut budget = engine.chunk_tokens.max(1);
+        let mut shape = StepShape::default();
+        let mut first = Vec::new();
+        for job in &mut self.running {
+            if budget == 0 {
+                break;
+            }
+            if job.left > 0 {
+                let n = job.left.min(budget);
+                shape.add_prefill(job.ctx, n);
+                job.ctx += n;
+                job.left -= n;
+                budget -= n;
+                if job.left == 0 {
+                    first.push(job.request);
+                }
+            } else {
+                job.ctx += 1;
+                shape.add_decode(job.ctx);
+                job.decode -= 1;
+                budget -= 1;
+            }
+        }
+        self.step_end += engine.timing.step_ms(&shape) / engine.time_scale;
+        for r in first {
+            done[r] = self.step_end;
+        }
+        self.running.retain(|j| j.left > 0 || j.decode > 0);
+    }
+
+    /// Queues `job` arriving at `t` (steps up to `t` already run).
+    fn arrive(&mut self, t: f64, job: Job) {
+        if self.running.is_empty() {
+            self.step_end = self.step_end.max(t);
+        }
+        self.running.push(job);
+    }
+
+    /// What `job` arriving at `t` would cost here under `how`: when its first token comes, plus
+    /// (considerate) how much later the first tokens of the prompts already queued come.
+    fn cost(&self, t: f64, job: Job, how: Oracle, engine: &Engine, scratch: &mut [f64]) -> f64 {
+        let queued: Vec<usize> = self.running.iter().filter(|j| j.left > 0).map(|j| j.request).collect();
+        let mut with = self.clone();
+        with.arrive(t, job);
+        with.prefill_all(engine, scratch);
+        let own = scratch[job.request];
+        if how == Oracle::Greedy || queued.is_empty() {
+            return own;
+        }
+        let later: f64 = queued.iter().map(|&r| scratch[r]).sum();
+        let mut without = self.clone();
+        without.prefill_all(engine, scratch);
+        own + later - queued.iter().map(|&r| scratch[r]).sum::<f64>()
+    }
+}
+
+/// Each request's time to first token, ms, when a router that knows every worker's cache and
+/// queue exactly places it (`how`) on one of `workers` workers that schedule as vLLM does
+/// ([`Worker`]), each request decoding its output (cut to `max_osl`) after its first token;
+/// arrivals `speedup` times faster than the trace's. A prefix counts as cached on a worker
+/// from when a request bringing it is placed there, and caches never evict.
+pub fn oracle_ms(requests: &[TraceRequest], (max_isl, max_osl): (usize, usize), engine: &Engine, workers: usize, speedup: f64, how: Oracle) -> Vec<f64> {
     let speedup = if speedup > 0.0 { speedup } else { 1.0 };
-    let mut caches: Vec<Prefixes> = (0..workers.max(1)).map(|_| Prefixes::default()).collect();
-    let mut free_at = vec![0.0f64; caches.len()];
-    requests
-        .iter()
-        .map(|r| {
-            let at = r.timestamp as f64 / speedup;
-            let (ids, len) = replayed(r, max_isl);
-            let done = |w: usize| {
-                let cached = engine.reusable(caches[w].shared(ids, len), len);
-                free_at[w].max(at) + engine.prefill_ms(cached, len - cached)
-            };
-            let (w, end) = (0..caches.len()).map(|w| (w, done(w))).fold((0, f64::INFINITY), |best, x| if x.1 < best.1 { x } else { best });
-            free_at[w] = end;
-            caches[w].insert(ids, len);
-            end - at
-        })
-        .collect()
+    let mut fleet: Vec<(Worker, Prefixes)> = (0..workers.max(1)).map(|_| Default::default()).collect();
+    let mut done = vec![0.0f64; requests.len()];
+    let mut scratch = vec![0.0f64; requests.len()];
+    let at: Vec<f64> = requests.iter().map(|r| r.timestamp as f64 / speedup).collect();
+    for (i, r) in requests.iter().enumerate() {
+        let (ids, len) = replayed(r, max_isl);
+        let job = |cache: &Prefixes| {
+            let cached = engine.reusable(cache.shared(ids, len), len);
+            Job { request: i, ctx: cached, left: len - cached, decode: r.output_length.min(max_osl).saturating_sub(1) }
+        };
+        let mut best = (0, f64::INFINITY);
+        for (w, (worker, cache)) in fleet.iter_mut().enumerate() {
+            worker.run_until(at[i], engine, &mut done);
+            let c = worker.cost(at[i], job(cache), how, engine, &mut scratch);
+            if c < best.1 {
+                best = (w, c);
+            }
+        }
+        let (worker, cache) = &mut fleet[best.0];
+        worker.arrive(at[i], job(cache));
+        cache.insert(ids, len);
+    }
+    for (worker, _) in &mut fleet {
+        worker.prefill_all(engine, &mut done);
+    }
+    done.iter().zip(&at).map(|(d, a)| d - a).collect()
 }
 
 /// The line `compare` adds to its notes for a trace workload.
-pub fn note(requests: &[TraceRequest], max_isl: usize, engine: &Engine, workers: usize, speedup: f64) -> String {
+pub fn note(requests: &[TraceRequest], cut: (usize, usize), engine: &Engine, workers: usize, speedup: f64) -> String {
     // The percentiles `compare` reports the routers' TTFT with.
     let ps = |v: &[f64]| {
         let mut d: Vec<Duration> = v.iter().map(|ms| Duration::from_secs_f64(ms.max(0.0) / 1000.0)).collect();
         let [p50, p90, p99] = [0.5, 0.9, 0.99].map(|p| percentile(&mut d, p).as_millis());
         format!("{p50} / {p90} / {p99} ms")
     };
-    let floor = floor_ms(requests, max_isl, engine);
-    let oracle = oracle_ms(requests, max_isl, engine, workers, speedup);
+    let floor = floor_ms(requests, cut.0, engine);
+    let greedy = oracle_ms(requests, cut, engine, workers, speedup, Oracle::Greedy);
+    let considerate = oracle_ms(requests, cut, engine, workers, speedup, Oracle::Considerate);
     format!(
-        "TTFT bounds from vllm-sim's step model (benches/src/trace_floor.rs), p50 / p90 / p99: floor (each prompt alone, every earlier prefix cached) {}; oracle (exact knowledge, FCFS, no decode in its steps, {workers} workers) {}.",
+        "TTFT bounds from vllm-sim's step model (benches/src/trace_floor.rs), p50 / p90 / p99: floor (each prompt alone, every earlier prefix cached) {}; clairvoyant routers on {workers} workers scheduling as vLLM does: earliest own first token {}, least own plus imposed delay {}.",
         ps(&floor),
-        ps(&oracle)
+        ps(&greedy),
+        ps(&considerate)
     )
 }
 
@@ -212,15 +331,32 @@ mod tests {
         // Two at once on two workers: neither waits. Three at once on two: the third waits.
         let ids = |k: u64| (k * 100..k * 100 + 16).collect::<Vec<u64>>();
         let trace: Vec<TraceRequest> = (0..3).map(|k| req(0, 8192, &ids(k))).collect();
-        let two = oracle_ms(&trace, usize::MAX, &e, 2, 1.0);
+        let two = oracle_ms(&trace, (usize::MAX, usize::MAX), &e, 2, 1.0, Oracle::Greedy);
         assert!((two[0] - long).abs() < 1e-9 && (two[1] - long).abs() < 1e-9);
         assert!((two[2] - 2.0 * long).abs() < 1e-9, "{two:?}");
         // A repeat goes where its prefix is and computes one block.
         let again = [req(0, 8192, &ids(1)), req(0, 8192, &ids(2)), req(10_000, 8192, &ids(2))];
-        let o = oracle_ms(&again, usize::MAX, &e, 2, 1.0);
+        let o = oracle_ms(&again, (usize::MAX, usize::MAX), &e, 2, 1.0, Oracle::Greedy);
         assert!((o[2] - e.prefill_ms(8176, 16)).abs() < 1e-9, "{o:?}");
         // Arrivals compressed by the speedup: 10 s at 10× is 1 s, still after both finish.
-        let fast = oracle_ms(&again, usize::MAX, &e, 2, 10.0);
+        let fast = oracle_ms(&again, (usize::MAX, usize::MAX), &e, 2, 10.0, Oracle::Greedy);
         assert!((fast[2] - o[2]).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_prompt_arriving_mid_prefill_fills_the_last_step_and_only_the_considerate_oracle_avoids_it() {
+        let e = engine();
+        let ids = |k: u64, n: u64| (k * 100..k * 100 + n).collect::<Vec<u64>>();
+        // A: 8,200 tokens, a full step then 8. C, 100 ms later, goes to the idle worker. B, at
+        // 200 ms, finishes first by filling A's last step, which delays A's first token by a
+        // whole chunk; waiting for C's worker costs B less than that.
+        let a = 8200;
+        let trace = [req(0, a, &ids(1, 17)), req(100, 8192, &ids(2, 16)), req(200, 8192, &ids(3, 16))];
+        let alone = e.prefill_ms(0, a);
+        let greedy = oracle_ms(&trace, (usize::MAX, usize::MAX), &e, 2, 1.0, Oracle::Greedy);
+        assert!(greedy[0] > alone + 250.0, "B took the room in A's last step: {greedy:?} against {alone}");
+        let considerate = oracle_ms(&trace, (usize::MAX, usize::MAX), &e, 2, 1.0, Oracle::Considerate);
+        assert!((considerate[0] - alone).abs() < 1e-9, "{considerate:?} against {alone}, greedy {greedy:?}");
+        assert!(considerate[2] > greedy[2], "B pays for it: {considerate:?} {greedy:?}");
     }
 }

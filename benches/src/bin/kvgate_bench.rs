@@ -785,7 +785,7 @@ impl Common {
                 trace_floor::Engine { timing: cfg.timing, chunk_tokens: cfg.max_num_batched_tokens, block_size: cfg.block_size, time_scale: cfg.time_scale };
             let t = trace::load(&self.trace)?;
             let t = &t[..t.len().min(self.max_requests)];
-            Ok(trace_floor::note(t, self.max_isl, &engine, workers, self.speedup))
+            Ok(trace_floor::note(t, (self.max_isl, self.max_osl), &engine, workers, self.speedup))
         })())
     }
 

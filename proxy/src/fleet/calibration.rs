@@ -1,19 +1,24 @@
 //! What the gateway learns about one worker's speed, for `kv` mode's `time` cost
-//! (docs/routing.md, "The time cost"): two correction factors on the cost's priors, each an
-//! exponentially weighted average of measured ÷ predicted.
+//! (docs/routing.md, "The time cost"): two correction factors on the cost's priors.
 //!
 //! - `prefill`: from each streamed request's time to first token on its first worker, after
-//!   the part the steps explain, against the wait and prefill that were predicted for it.
+//!   the part the steps explain, against the wait and prefill that were predicted for it. A
+//!   least-squares fit through the origin of measured on prior-predicted time, over decayed
+//!   sums: a sample counts by the square of its predicted time, so a long prompt's prefill
+//!   tells the worker's speed and a short prompt's, whose time is mostly queueing the gateway
+//!   could not see, hardly moves it.
 //! - `step`: from each inter-token gap, against the step time the priors predict for the load
-//!   booked on the worker at that moment.
+//!   booked on the worker at that moment, an exponentially weighted average of their ratio.
 //!
 //! A single sample moves a factor by at most a bounded ratio, so a request stuck behind load the
 //! gateway did not book (another gateway's, a stalled engine) bends the estimate without
-//! breaking it. Each factor is a lock-free `DecayedMean` (the ledger's).
+//! breaking it. Each factor is read lock-free from a `DecayedMean` (the ledger's); the prefill
+//! fit's sums sit behind a lock taken once per streamed request, never by routing.
 
 use kvgate_filters::ledger::decayed_mean::DecayedMean;
+use parking_lot::Mutex;
 
-/// Weight of a new prefill sample (one per streamed request).
+/// Weight of a new prefill sample in the fit's decayed sums (one per streamed request).
 const PREFILL_WEIGHT: f64 = 1.0 / 8.0;
 /// Weight of a new step sample (one per token gap, so many more).
 const STEP_WEIGHT: f64 = 1.0 / 32.0;
@@ -28,13 +33,31 @@ const MIN_FACTOR: f64 = 1e-6;
 /// The two factors (nothing learned yet: the priors apply as they are).
 #[derive(Debug)]
 pub struct Calibration {
+    /// The prefill factor as last fitted (what routing reads).
     prefill: DecayedMean,
+    prefill_fit: Mutex<Fit>,
     step: DecayedMean,
+}
+
+/// Decayed sums of a least-squares fit through the origin, `y ≈ factor · x`.
+#[derive(Debug, Default)]
+struct Fit {
+    xy: f64,
+    xx: f64,
+}
+
+impl Fit {
+    /// Adds `(x, y)` at `weight`, the older samples decayed by `1 − weight`; the factor now.
+    fn add(&mut self, x: f64, y: f64, weight: f64) -> f64 {
+        self.xy += weight * (x * y - self.xy);
+        self.xx += weight * (x * x - self.xx);
+        self.xy / self.xx
+    }
 }
 
 impl Default for Calibration {
     fn default() -> Self {
-        Self { prefill: DecayedMean::at_least(MIN_FACTOR), step: DecayedMean::at_least(MIN_FACTOR) }
+        Self { prefill: DecayedMean::at_least(MIN_FACTOR), prefill_fit: Mutex::default(), step: DecayedMean::at_least(MIN_FACTOR) }
     }
 }
 
@@ -63,18 +86,26 @@ impl Calibration {
     /// wait and prefill predicted with the prefill factor `factor_then` (the one in force when
     /// it was placed), `steps_ms` what the steps explain.
     ///
-    /// The sample is `factor_then` × measured ÷ predicted, not the current factor × that: the
-    /// requests placed together on a worker before its first token were all predicted with the
-    /// same factor, and applying each one's ratio to a factor the earlier ones had already
-    /// raised compounded one slow start into a factor hundreds of times too high, which then
-    /// kept the worker from ever being chosen again (benches/RESULTS.md, "The running step's
-    /// length").
+    /// The sample is the prediction at the priors (`predicted_ms / factor_then`) against the
+    /// time measured, not a ratio applied to the current factor: the requests placed together
+    /// on a worker before its first token were all predicted with the same factor, and applying
+    /// each one's ratio to a factor the earlier ones had already raised compounded one slow
+    /// start into a factor hundreds of times too high, which then kept the worker from ever
+    /// being chosen again (benches/RESULTS.md, "The running step's length").
+    ///
+    /// The fit weighs a sample by its predicted time squared. An average of ratios weighed
+    /// every request alike, and on a trace of 16k-token documents among short questions the
+    /// short ones' unseen waits (4× their few ms of prefill) swung identical workers' factors
+    /// from 0.74 to 1.47, so a 16k prefill was predicted anywhere from 400 to 900 ms against
+    /// 760 (benches/RESULTS.md, "Calibrating on the prefill, not the queue").
     pub fn observe_prefill(&self, ttft_ms: f64, predicted_ms: f64, steps_ms: f64, factor_then: f64) {
         if predicted_ms < MIN_PREDICTED_MS || !ttft_ms.is_finite() || !factor_then.is_finite() || factor_then <= 0.0 {
             return;
         }
-        let ratio = ((ttft_ms - steps_ms).max(0.0) / predicted_ms).clamp(1.0 / CLAMP, CLAMP);
-        self.prefill.observe(factor_then * ratio, PREFILL_WEIGHT);
+        let at_priors = predicted_ms / factor_then;
+        let measured = (ttft_ms - steps_ms).max(0.0).clamp(predicted_ms / CLAMP, predicted_ms * CLAMP);
+        let factor = self.prefill_fit.lock().add(at_priors, measured, PREFILL_WEIGHT);
+        self.prefill.observe(factor, 1.0);
     }
 
     /// One inter-token gap of `gap_ms` where the priors predict a step of `prior_step_ms`.
@@ -119,6 +150,26 @@ mod tests {
         }
         c.observe_prefill(60_000.0, 100.0 * c.prefill(), 0.0, c.prefill());
         assert!(c.prefill() < 1.5, "{}", c.prefill());
+    }
+
+    #[test]
+    fn short_prompts_unseen_waits_do_not_move_what_long_prefills_measure() {
+        let c = Calibration::default();
+        for _ in 0..40 {
+            // A 16k prefill measured as predicted at the priors, then three short prompts
+            // that each waited 4× their predicted 5 ms behind load the gateway did not see.
+            c.observe_prefill(760.0, 760.0 * c.prefill(), 0.0, c.prefill());
+            for _ in 0..3 {
+                c.observe_prefill(20.0, 5.0 * c.prefill(), 0.0, c.prefill());
+            }
+        }
+        assert!((c.prefill() - 1.0).abs() < 0.01, "{}", c.prefill());
+        // Only short prompts: their ratio is all there is, and the factor follows it.
+        let short = Calibration::default();
+        for _ in 0..60 {
+            short.observe_prefill(10.0, 5.0 * short.prefill(), 0.0, short.prefill());
+        }
+        assert!((short.prefill() - 2.0).abs() < 0.01, "{}", short.prefill());
     }
 
     #[test]
