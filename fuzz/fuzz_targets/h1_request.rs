@@ -7,7 +7,7 @@
 //! One difference is by choice and taken out of the input: kvgate passes on a target holding
 //! characters outside RFC 3986 (`` ` ``, `{`, `|`, `"`, …, and UTF-8 past ASCII), as nginx and
 //! vLLM's own server do, where hyper's `Uri` refuses them. Those bytes are replaced by `a` in
-//! the targets of request lines only (any line shaped `METHOD target HTTP/…`), so header names
+//! the targets of request lines only (any line shaped `method target HTTP/…`, the method any token), so header names
 //! and values, chunk lines and bodies keep every byte and are compared as they are.
 #![no_main]
 
@@ -19,14 +19,19 @@ fn outside_rfc3986(b: u8) -> bool {
     matches!(b, b'"' | b'<' | b'>' | b'\\' | b'^' | b'`' | b'{' | b'|' | b'}') || b >= 0x80
 }
 
+/// A byte of an RFC 9110 token, what a method is made of (`tTE` is a method as much as `GET`).
+fn tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
 /// `data` with the bytes hyper's `Uri` refuses replaced in the target of every line shaped
-/// like a request line: an upper-case method, one space, the target, one space, `HTTP/`. A
-/// body or header line that happens to have that shape is changed alike for both parsers, so
+/// like a request line: a method (a token), one space, the target, one space, `HTTP/`. A body
+/// or header line that happens to have that shape is changed alike for both parsers, so
 /// framing is compared all the same.
 fn targets_within_rfc3986(data: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(data.len());
     for line in data.split_inclusive(|&b| b == b'\n') {
-        let method = line.iter().take_while(|b| b.is_ascii_uppercase()).count();
+        let method = line.iter().take_while(|&&b| tchar(b)).count();
         let rest = &line[method..];
         let target = rest.strip_prefix(b" ").and_then(|t| t.windows(6).position(|w| w == b" HTTP/").map(|end| method + 1..method + 1 + end));
         match target {
