@@ -260,6 +260,9 @@ pub fn oracle_ms(requests: &[TraceRequest], (max_isl, max_osl): (usize, usize), 
 
 /// The line `compare` adds to its notes for a trace workload.
 pub fn note(requests: &[TraceRequest], cut: (usize, usize), engine: &Engine, workers: usize, speedup: f64) -> String {
+    if requests.is_empty() {
+        return "TTFT bounds: the trace has no requests.".into();
+    }
     // The percentiles `compare` reports the routers' TTFT with.
     let ps = |v: &[f64]| {
         let mut d: Vec<Duration> = v.iter().map(|ms| Duration::from_secs_f64(ms.max(0.0) / 1000.0)).collect();
@@ -358,5 +361,7 @@ mod tests {
         let considerate = oracle_ms(&trace, (usize::MAX, usize::MAX), &e, 2, 1.0, Oracle::Considerate);
         assert!((considerate[0] - alone).abs() < 1e-9, "{considerate:?} against {alone}, greedy {greedy:?}");
         assert!(considerate[2] > greedy[2], "B pays for it: {considerate:?} {greedy:?}");
+        assert!(note(&[], (1, 1), &e, 0, 1.0).contains("no requests"));
+        assert!(note(&trace, (usize::MAX, usize::MAX), &e, 0, 0.0).starts_with("TTFT bounds from"), "no workers or speed-up: one worker, real time");
     }
 }
