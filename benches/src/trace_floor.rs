@@ -1,9 +1,12 @@
 //! What routing can and cannot win on a trace. The *floor*: each request's time to first token
-//! with its prompt's whole shared prefix already cached and nothing ahead of it, which no
-//! router beats. The *oracles*: what a clairvoyant router gets, one that knows every worker's
-//! cache and queue exactly, on workers that schedule as vLLM does (FCFS, steps of at most
-//! `max_num_batched_tokens`, decodes in every step; [`Worker`]). All of it runs on vllm-sim's
-//! own step model and flags, so they are the bounds of the fleet `compare` starts.
+//! with every prefix an earlier request computed already cached and nothing ahead of it, which
+//! no router beats. The *oracles*: what a clairvoyant router gets, one that knows every
+//! worker's cache and queue exactly, on workers that schedule as vLLM does (FCFS, steps of at
+//! most `max_num_batched_tokens`, decodes in every step; [`Worker`]). All of it runs on
+//! vllm-sim's own step model and flags, so the figures are those of the fleet `compare`
+//! starts. The oracles are references, not bounds, and optimistic ones: a prefix counts as
+//! cached from when its request is placed (vllm-sim finds only computed blocks), caches never
+//! evict, and neither `max_num_seqs` nor KV capacity limits a worker.
 //!
 //! A router's TTFT percentiles read against these say how much of a figure is the trace's own
 //! prefill, how much the engine's scheduling and how much routing. Two oracles, because vLLM's
@@ -154,7 +157,8 @@ struct Worker {
 impl Worker {
     /// Runs every step that starts by `t`, recording first tokens in `done`.
     fn run_until(&mut self, t: f64, engine: &Engine, done: &mut [f64]) {
-        while !self.running.is_empty() && self.step_end <= t {
+        // A step starting at `t` exactly is formed with what arrives at `t`.
+        while !self.running.is_empty() && self.step_end < t {
             self.step(engine, done);
         }
     }
@@ -186,7 +190,7 @@ impl Worker {
             } else {
                 job.ctx += 1;
                 shape.add_decode(job.ctx);
-                job.decode -= 1;
+                job.decode = job.decode.saturating_sub(1);
                 budget -= 1;
             }
         }
@@ -238,7 +242,8 @@ pub fn oracle_ms(requests: &[TraceRequest], (max_isl, max_osl): (usize, usize), 
         let (ids, len) = replayed(r, max_isl);
         let job = |cache: &Prefixes| {
             let cached = engine.reusable(cache.shared(ids, len), len);
-            Job { request: i, ctx: cached, left: len - cached, decode: r.output_length.min(max_osl).saturating_sub(1) }
+            // An empty prompt still computes a token to answer.
+            Job { request: i, ctx: cached, left: (len - cached).max(1), decode: r.output_length.min(max_osl).saturating_sub(1) }
         };
         let mut best = (0, f64::INFINITY);
         for (w, (worker, cache)) in fleet.iter_mut().enumerate() {
@@ -261,8 +266,9 @@ pub fn oracle_ms(requests: &[TraceRequest], (max_isl, max_osl): (usize, usize), 
 /// The line `compare` adds to its notes for a trace workload.
 pub fn note(requests: &[TraceRequest], cut: (usize, usize), engine: &Engine, workers: usize, speedup: f64) -> String {
     if requests.is_empty() {
-        return "TTFT bounds: the trace has no requests.".into();
+        return "TTFT floor: the trace has no requests.".into();
     }
+    let workers = workers.max(1);
     // The percentiles `compare` reports the routers' TTFT with.
     let ps = |v: &[f64]| {
         let mut d: Vec<Duration> = v.iter().map(|ms| Duration::from_secs_f64(ms.max(0.0) / 1000.0)).collect();
@@ -272,9 +278,12 @@ pub fn note(requests: &[TraceRequest], cut: (usize, usize), engine: &Engine, wor
     let floor = floor_ms(requests, cut.0, engine);
     let greedy = oracle_ms(requests, cut, engine, workers, speedup, Oracle::Greedy);
     let considerate = oracle_ms(requests, cut, engine, workers, speedup, Oracle::Considerate);
+    let floor = format!(
+        "TTFT from vllm-sim's step model (benches/src/trace_floor.rs), p50 / p90 / p99: the floor (each prompt alone, every earlier prefix cached) {}",
+        ps(&floor)
+    );
     format!(
-        "TTFT bounds from vllm-sim's step model (benches/src/trace_floor.rs), p50 / p90 / p99: floor (each prompt alone, every earlier prefix cached) {}; clairvoyant routers on {workers} workers scheduling as vLLM does: earliest own first token {}, least own plus imposed delay {}.",
-        ps(&floor),
+        "{floor}; clairvoyant routers on {workers} workers scheduling as vLLM does (references, not bounds): earliest own first token {}, least own plus imposed delay {}.",
         ps(&greedy),
         ps(&considerate)
     )
@@ -362,6 +371,6 @@ mod tests {
         assert!((considerate[0] - alone).abs() < 1e-9, "{considerate:?} against {alone}, greedy {greedy:?}");
         assert!(considerate[2] > greedy[2], "B pays for it: {considerate:?} {greedy:?}");
         assert!(note(&[], (1, 1), &e, 0, 1.0).contains("no requests"));
-        assert!(note(&trace, (usize::MAX, usize::MAX), &e, 0, 0.0).starts_with("TTFT bounds from"), "no workers or speed-up: one worker, real time");
+        assert!(note(&trace, (usize::MAX, usize::MAX), &e, 0, 0.0).starts_with("TTFT from"), "no workers or speed-up: one worker, real time");
     }
 }

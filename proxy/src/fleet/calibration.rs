@@ -3,16 +3,17 @@
 //!
 //! - `prefill`: from each streamed request's time to first token on its first worker, after
 //!   the part the steps explain, against the wait and prefill that were predicted for it. A
-//!   least-squares fit through the origin of measured on prior-predicted time, over decayed
-//!   sums: a sample counts by the square of its predicted time, so a long prompt's prefill
-//!   tells the worker's speed and a short prompt's, whose time is mostly queueing the gateway
-//!   could not see, hardly moves it.
+//!   least-squares fit through the origin of measured on prior-predicted time (wait and
+//!   prefill), over decayed sums: a sample counts by the square of its predicted time, so a
+//!   long prefill (or a long predicted wait) tells the worker's speed and a short prompt's few
+//!   ms, mostly queueing the gateway could not see, hardly move it.
 //! - `step`: from each inter-token gap, against the step time the priors predict for the load
 //!   booked on the worker at that moment, an exponentially weighted average of their ratio.
 //!
-//! A single sample moves a factor by at most a bounded ratio, so a request stuck behind load the
-//! gateway did not book (another gateway's, a stalled engine) bends the estimate without
-//! breaking it. Each factor is read lock-free from a `DecayedMean` (the ledger's); the prefill
+//! A sample's measured time counts at most 4× what was predicted, so a request stuck behind load
+//! the gateway did not book (another gateway's, a stalled engine) bends the estimate without
+//! breaking it; a long one after many short ones can still move the prefill factor most of the
+//! way to its ratio, which is the point of the fit. Each factor is read lock-free from a `DecayedMean` (the ledger's); the prefill
 //! fit's sums sit behind a lock taken once per streamed request, never by routing.
 
 use kvgate_filters::ledger::decayed_mean::DecayedMean;
@@ -35,7 +36,9 @@ const MIN_FACTOR: f64 = 1e-6;
 pub struct Calibration {
     /// The prefill factor as last fitted (what routing reads).
     prefill: DecayedMean,
+    /// The sums the prefill factor is fitted from; locked once per streamed request.
     prefill_fit: Mutex<Fit>,
+    /// The step factor.
     step: DecayedMean,
 }
 
@@ -47,11 +50,18 @@ struct Fit {
 }
 
 impl Fit {
-    /// Adds `(x, y)` at `weight`, the older samples decayed by `1 − weight`; the factor now.
-    fn add(&mut self, x: f64, y: f64, weight: f64) -> f64 {
+    /// Adds `(x, y)` at `weight`, the older samples decayed by `1 − weight`; the factor now,
+    /// or `None` (and the sums start over) if they stopped being finite numbers.
+    fn add(&mut self, x: f64, y: f64, weight: f64) -> Option<f64> {
         self.xy += weight * (x * y - self.xy);
         self.xx += weight * (x * x - self.xx);
-        self.xy / self.xx
+        let factor = self.xy / self.xx;
+        if self.xx > 0.0 && factor.is_finite() {
+            Some(factor)
+        } else {
+            *self = Self::default();
+            None
+        }
     }
 }
 
@@ -99,13 +109,17 @@ impl Calibration {
     /// from 0.74 to 1.47, so a 16k prefill was predicted anywhere from 400 to 900 ms against
     /// 760 (benches/RESULTS.md, "Calibrating on the prefill, not the queue").
     pub fn observe_prefill(&self, ttft_ms: f64, predicted_ms: f64, steps_ms: f64, factor_then: f64) {
-        if predicted_ms < MIN_PREDICTED_MS || !ttft_ms.is_finite() || !factor_then.is_finite() || factor_then <= 0.0 {
+        let finite = [ttft_ms, predicted_ms, steps_ms, factor_then].iter().all(|v| v.is_finite());
+        if !finite || predicted_ms < MIN_PREDICTED_MS || factor_then <= 0.0 {
             return;
         }
         let at_priors = predicted_ms / factor_then;
-        let measured = (ttft_ms - steps_ms).max(0.0).clamp(predicted_ms / CLAMP, predicted_ms * CLAMP);
-        let factor = self.prefill_fit.lock().add(at_priors, measured, PREFILL_WEIGHT);
-        self.prefill.observe(factor, 1.0);
+        let measured = (ttft_ms - steps_ms).clamp(predicted_ms / CLAMP, predicted_ms * CLAMP);
+        // Published under the lock, so a fit that includes a sample never loses to an older one.
+        let mut fit = self.prefill_fit.lock();
+        if let Some(factor) = fit.add(at_priors, measured, PREFILL_WEIGHT) {
+            self.prefill.observe(factor, 1.0);
+        }
     }
 
     /// One inter-token gap of `gap_ms` where the priors predict a step of `prior_step_ms`.
@@ -150,6 +164,22 @@ mod tests {
         }
         c.observe_prefill(60_000.0, 100.0 * c.prefill(), 0.0, c.prefill());
         assert!(c.prefill() < 1.5, "{}", c.prefill());
+    }
+
+    #[test]
+    fn numbers_that_are_not_finite_teach_nothing() {
+        let c = Calibration::default();
+        c.observe_prefill(300.0, 100.0, 0.0, 1.0);
+        for bad in [f64::NAN, f64::INFINITY] {
+            c.observe_prefill(300.0, bad, 0.0, 1.0);
+            c.observe_prefill(bad, 100.0, 0.0, 1.0);
+            c.observe_prefill(300.0, 100.0, bad, 1.0);
+            c.observe_prefill(300.0, 100.0, 0.0, bad);
+        }
+        assert!((c.prefill() - 3.0).abs() < 1e-9, "{}", c.prefill());
+        // Sums that overflow start over rather than publish NaN.
+        c.observe_prefill(1e300, 1e300, 0.0, 1e-300);
+        assert!(c.prefill().is_finite() && c.prefill() > 0.0, "{}", c.prefill());
     }
 
     #[test]

@@ -45,7 +45,16 @@ pub fn finished(gw: &Gateway, req: &mut RequestState, outcome: &Outcome) {
     if let Outcome::Refused(e) = outcome {
         tracing::debug!(request_id = req.id(), model = name, endpoint, status, error = %e, "request refused");
     }
-    tracing::debug!(request_id = req.id(), model = name, endpoint, status, stream = req.stream, elapsed_ms = elapsed.as_millis() as u64, ttft_ms = ?req.ttft.map(|t| t.as_millis()), "request done");
+    tracing::debug!(
+        request_id = req.id(),
+        model = name,
+        endpoint,
+        status,
+        stream = req.stream,
+        elapsed_ms = elapsed.as_millis() as u64,
+        ttft_ms = req.ttft.map(|t| t.as_millis() as u64),
+        "request done"
+    );
 }
 
 /// The client went away: kill the request's context and count the cancellation once per
