@@ -1,8 +1,8 @@
 //! kvgate's benchmarks and load tools. The library holds what the binaries share: a
-//! deterministic generator and percentiles, Mooncake trace loading ([`trace`]) and the TTFT
-//! bounds of a trace ([`trace_floor`]), the load generator behind `kvgate-bench` ([`load`]),
-//! processes for clusters of release binaries ([`cluster`]), the peer routers `compare` runs
-//! ([`peers`]), and the rescheduler benchmark ([`reschedule`]).
+//! deterministic generator and percentiles, Mooncake trace loading ([`trace`]) and a trace's
+//! TTFT floor and clairvoyant references ([`trace_floor`]), the load generator behind
+//! `kvgate-bench` ([`load`]), processes for clusters of release binaries ([`cluster`]), the
+//! peer routers `compare` runs ([`peers`]), and the rescheduler benchmark ([`reschedule`]).
 
 pub mod cluster;
 pub mod connections;

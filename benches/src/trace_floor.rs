@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 use vllm_sim::timing::{StepShape, TimingModel};
 
-/// The engine constants the bounds are computed with.
+/// The engine constants the floor and the oracles are computed with.
 #[derive(Debug, Clone, Copy)]
 pub struct Engine {
     /// vllm-sim's step-time model.
@@ -36,20 +36,14 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// The time, ms of wall time, to prefill `new` tokens on top of `cached` ones alone: one
-    /// step per chunk, each carrying only that chunk.
+    /// The time, ms of wall time, to prefill `new` tokens on top of `cached` ones alone: a
+    /// worker with nothing else to run ([`Worker`]), one step per chunk.
     pub fn prefill_ms(&self, cached: usize, new: usize) -> f64 {
-        let chunk = self.chunk_tokens.max(1);
-        let (mut ctx, mut left, mut ms) = (cached, new, 0.0);
-        while left > 0 {
-            let c = left.min(chunk);
-            let mut s = StepShape::default();
-            s.add_prefill(ctx, c);
-            ms += self.timing.step_ms(&s);
-            ctx += c;
-            left -= c;
-        }
-        ms / self.time_scale
+        let mut alone = Worker::default();
+        let mut done = [0.0];
+        alone.arrive(0.0, Job { request: 0, ctx: cached, left: new, decode: 0 });
+        alone.prefill_all(self, &mut done);
+        done[0]
     }
 
     /// Tokens of a `len`-token prompt a cache holding `shared` of its leading tokens saves:
@@ -212,11 +206,11 @@ impl Worker {
     /// What `job` arriving at `t` would cost here under `how`: when its first token comes, plus
     /// (considerate) how much later the first tokens of the prompts already queued come.
     fn cost(&self, t: f64, job: Job, how: Oracle, engine: &Engine, scratch: &mut [f64]) -> f64 {
-        let queued: Vec<usize> = self.running.iter().filter(|j| j.left > 0).map(|j| j.request).collect();
         let mut with = self.clone();
         with.arrive(t, job);
         with.prefill_all(engine, scratch);
         let own = scratch[job.request];
+        let queued: Vec<usize> = self.running.iter().filter(|j| j.left > 0).map(|j| j.request).collect();
         if how == Oracle::Greedy || queued.is_empty() {
             return own;
         }
@@ -245,16 +239,18 @@ pub fn oracle_ms(requests: &[TraceRequest], (max_isl, max_osl): (usize, usize), 
             // An empty prompt still computes a token to answer.
             Job { request: i, ctx: cached, left: (len - cached).max(1), decode: r.output_length.min(max_osl).saturating_sub(1) }
         };
-        let mut best = (0, f64::INFINITY);
+        let mut best: Option<(usize, f64, Job)> = None;
         for (w, (worker, cache)) in fleet.iter_mut().enumerate() {
             worker.run_until(at[i], engine, &mut done);
-            let c = worker.cost(at[i], job(cache), how, engine, &mut scratch);
-            if c < best.1 {
-                best = (w, c);
+            let here = job(cache);
+            let c = worker.cost(at[i], here, how, engine, &mut scratch);
+            if best.is_none_or(|(_, least, _)| c < least) {
+                best = Some((w, c, here));
             }
         }
-        let (worker, cache) = &mut fleet[best.0];
-        worker.arrive(at[i], job(cache));
+        let (w, _, here) = best.expect("at least one worker");
+        let (worker, cache) = &mut fleet[w];
+        worker.arrive(at[i], here);
         cache.insert(ids, len);
     }
     for (worker, _) in &mut fleet {

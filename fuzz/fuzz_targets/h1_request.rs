@@ -7,8 +7,9 @@
 //! One difference is by choice and taken out of the input: kvgate passes on a target holding
 //! characters outside RFC 3986 (`` ` ``, `{`, `|`, `"`, …, and UTF-8 past ASCII), as nginx and
 //! vLLM's own server do, where hyper's `Uri` refuses them. Those bytes are replaced by `a` in
-//! the targets of request lines only (any line shaped `method target HTTP/…`, the method any token), so header names
-//! and values, chunk lines and bodies keep every byte and are compared as they are.
+//! the targets of request lines only (any line shaped `method target HTTP/…`, the method any
+//! token), so header names and values, chunk lines and bodies keep every byte and are compared
+//! as they are.
 #![no_main]
 
 use kvgate_fuzz::{block_on, hyper_requests};

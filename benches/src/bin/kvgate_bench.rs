@@ -771,8 +771,9 @@ impl Common {
         Ok(apis)
     }
 
-    /// For a trace workload, the TTFT floor and oracle of its requests on `workers` workers
-    /// started with `sim_args` ([`trace_floor`]); `None` for the other workloads.
+    /// For a trace workload, the TTFT floor and clairvoyant references of its requests on
+    /// `workers` workers started with `sim_args` ([`trace_floor`]); `None` for the other
+    /// workloads.
     fn trace_bounds(&self, sim_args: &[String], workers: usize) -> Option<Result<String, String>> {
         if !matches!(self.workload, Kind::Trace) {
             return None;

@@ -13,8 +13,9 @@
 //! A sample's measured time counts at most 4× what was predicted, so a request stuck behind load
 //! the gateway did not book (another gateway's, a stalled engine) bends the estimate without
 //! breaking it; a long one after many short ones can still move the prefill factor most of the
-//! way to its ratio, which is the point of the fit. Each factor is read lock-free from a `DecayedMean` (the ledger's); the prefill
-//! fit's sums sit behind a lock taken once per streamed request, never by routing.
+//! way to its ratio, which is the point of the fit. Each factor is read lock-free from a
+//! `DecayedMean` (the ledger's); the prefill fit's sums sit behind a lock taken once per
+//! streamed request, never by routing.
 
 use kvgate_filters::ledger::decayed_mean::DecayedMean;
 use parking_lot::Mutex;
