@@ -30,8 +30,15 @@ fn sim_config(pub_port: u16, replay_port: u16) -> SimConfig {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+/// A port below the kernel's ephemeral range (never assigned by the kernel on its own) and free
+/// now, for a socket that must be bound at a port named up front: an engine restarted on the
+/// endpoints it had, a subscriber that binds. Each is handed out once per process.
+fn reserved_port() -> u16 {
+    static NEXT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
+    let base = 12_000 + u16::try_from(std::process::id() % 64).expect("below 64") * 100;
+    std::iter::repeat_with(|| base + NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 100)
+        .find(|&p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok())
+        .expect("a free port")
 }
 
 struct Fixture {
@@ -51,7 +58,7 @@ impl Drop for Fixture {
 }
 
 async fn fixture(with_replay: bool) -> Fixture {
-    let ports = (free_port(), free_port());
+    let ports = (reserved_port(), reserved_port());
     let sim = SimServer::start(sim_config(ports.0, ports.1)).await.expect("sim starts");
     let index = Arc::new(FlatIndex::new(8, 1024));
     let registry = prometheus::Registry::new();
@@ -211,13 +218,13 @@ async fn an_unknown_parent_clears_the_worker() {
 #[tokio::test]
 async fn bind_mode_receives_from_an_engine_that_connects() {
     // vLLM can be told to connect its PUB to the router: the subscriber binds.
-    let port = free_port();
+    let port = reserved_port();
     let index = Arc::new(FlatIndex::new(4, 64));
     let hasher = Hasher::new(BS, DEFAULT_SEED);
     let src = Source { endpoint: format!("tcp://*:{port}"), replay: None, topic: "".into(), worker: 2, hasher, label: "bound".into() };
     let task = tokio::spawn(run(src, index.clone(), KvMetrics::new(&prometheus::Registry::new())));
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let mut cfg = sim_config(free_port(), free_port());
+    let mut cfg = sim_config(0, 0);
     cfg.kv_events.endpoint = format!("tcp://127.0.0.1:{port}");
     cfg.kv_events.replay_endpoint = None;
     let sim = SimServer::start(cfg).await.expect("sim starts");

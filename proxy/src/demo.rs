@@ -76,15 +76,6 @@ pub fn run(o: &DemoOptions) -> i32 {
             replay: s.replay_endpoints().first().cloned().unwrap_or_default(),
         })
         .collect();
-    // A taken port would leave another program answering at the printed address.
-    for (what, port) in [("--port", o.port), ("--admin-port", o.admin_port)] {
-        if port != 0
-            && let Err(e) = std::net::TcpListener::bind(("127.0.0.1", port))
-        {
-            eprintln!("kvgate demo: 127.0.0.1:{port} ({what}) is not free: {e}; pick another port (0: any free one)");
-            return 1;
-        }
-    }
     let yaml = config_yaml(o, &workers);
     let cfg: Config = match crate::config::load_str(&yaml, "<demo>", Vec::<(String, String)>::new()) {
         Ok(c) => c,
@@ -96,7 +87,7 @@ pub fn run(o: &DemoOptions) -> i32 {
     let gw = match GatewayHandle::spawn(cfg, None) {
         Ok(g) => g,
         Err(e) => {
-            eprintln!("kvgate demo: the gateway did not start: {e}");
+            eprintln!("kvgate demo: the gateway did not start: {e} (--port 0 / --admin-port 0: any free port)");
             return 1;
         }
     };

@@ -12,6 +12,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// Everything request handlers and background tasks share.
 pub struct Gateway {
+    /// This process's gateway among others: fresh at every start (see [`Gateway::instance`]).
+    instance: String,
     config: ArcSwap<Config>,
     fleet: ArcSwap<Fleet>,
     registry: WorkerRegistry,
@@ -67,6 +69,7 @@ impl Gateway {
         let stored_responses = crate::fleet::StoredResponses::new(cfg.responses.remembered_ids);
         let tls = crate::tls::Certificates::load(&cfg)?;
         Ok(Arc::new(Self {
+            instance: new_instance_id(),
             tls,
             client_limits: Default::default(),
             thresholds: parking_lot::RwLock::new(thresholds),
@@ -88,6 +91,13 @@ impl Gateway {
             added: parking_lot::Mutex::new(Default::default()),
             applying: parking_lot::Mutex::new(()),
         }))
+    }
+
+    /// This gateway's instance id, fresh at every start and shown by `/health`: a client (or a
+    /// test) that waits for a gateway to come up knows it reached this one and not another
+    /// server on the same address.
+    pub fn instance(&self) -> &str {
+        &self.instance
     }
 
     /// The configuration in force.
@@ -296,4 +306,14 @@ impl Drop for OpenRequest {
     fn drop(&mut self) {
         self.0.open.fetch_sub(1, Ordering::SeqCst);
     }
+}
+
+/// 16 hex digits from the clock, the process id and a count of the ids made: two gateways
+/// started in one process, or in two at the same instant, get different ids.
+fn new_instance_id() -> String {
+    use std::sync::atomic::AtomicU64;
+    static STARTED: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    let seed = nanos ^ (u64::from(std::process::id()) << 40) ^ STARTED.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed);
+    format!("{:016x}", kvgate_kv::hash::mix(seed))
 }

@@ -12,10 +12,12 @@ use async_trait::async_trait;
 use pingora::listeners::{L4BufferSettings, ListenerConfig};
 use pingora::prelude::*;
 use pingora::server::configuration::ServerConf;
-use pingora::server::{RunArgs, ShutdownSignal, ShutdownSignalWatch, ShutdownWatch};
+use pingora::server::{Fds, ListenFds, RunArgs, ShutdownSignal, ShutdownSignalWatch, ShutdownWatch};
 use pingora::services::background::{BackgroundService, background_service};
 use pingora::services::listening::Service;
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::IntoRawFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -93,7 +95,7 @@ fn client_buffers() -> L4BufferSettings {
 }
 
 /// A listener on `addr`, speaking TLS with `certs` when given.
-fn listener(addr: std::net::SocketAddr, certs: Option<&Arc<crate::tls::CertStore>>) -> ListenerConfig {
+fn listener(addr: SocketAddr, certs: Option<&Arc<crate::tls::CertStore>>) -> ListenerConfig {
     let l = ListenerConfig::tcp(addr.to_string()).l4_buffer(client_buffers());
     match certs {
         Some(c) => l.tls(c.settings()),
@@ -101,7 +103,72 @@ fn listener(addr: std::net::SocketAddr, certs: Option<&Arc<crate::tls::CertStore
     }
 }
 
-fn build(gw: Arc<Gateway>, cfg: &Config, manual: watch::Receiver<Option<Stop>>) -> (Server, RunArgs) {
+/// The gateway's two listening sockets, bound before its server starts.
+///
+/// A port is bound once, by the process that serves it: a taken address fails the start with
+/// the system's reason (Pingora would retry for half a minute, then panic), and port 0 gets a
+/// port the caller reads back instead of one guessed free and bound later, which another
+/// program may take in between. Neither socket sets `SO_REUSEPORT`, so no other listener can
+/// share the port and take a share of its connections.
+#[derive(Debug)]
+pub struct Listeners {
+    public: TcpListener,
+    admin: TcpListener,
+}
+
+impl Listeners {
+    /// Binds `listen` and `admin_listen`; an error names the address that failed.
+    pub fn bind(cfg: &Config) -> std::io::Result<Self> {
+        let bind = |what: &str, addr: SocketAddr| {
+            let l = TcpListener::bind(addr).map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {addr} ({what}): {e}")))?;
+            // Pingora's accept loop runs on tokio, which needs the socket non-blocking.
+            l.set_nonblocking(true)?;
+            Ok::<_, std::io::Error>(l)
+        };
+        Ok(Self { public: bind("listen", cfg.listen)?, admin: bind("admin_listen", cfg.admin_listen)? })
+    }
+
+    /// The addresses bound: the public listener's and the admin listener's.
+    pub fn addrs(&self) -> std::io::Result<(SocketAddr, SocketAddr)> {
+        Ok((self.public.local_addr()?, self.admin.local_addr()?))
+    }
+
+    /// The sockets as Pingora takes inherited ones: a table of descriptors by the address its
+    /// listener names. Each descriptor's ownership passes to the service that looks it up.
+    fn into_table(self) -> std::io::Result<ListenFds> {
+        let (public, admin) = self.addrs()?;
+        let mut fds = Fds::new();
+        fds.add(public.to_string(), self.public.into_raw_fd());
+        fds.add(admin.to_string(), self.admin.into_raw_fd());
+        Ok(Arc::new(parking_lot::Mutex::new(fds)))
+    }
+}
+
+/// A Pingora listening service that takes its sockets from the gateway's own bound table
+/// instead of the server's, where it would bind them itself.
+struct Prebound<S> {
+    inner: S,
+    fds: ListenFds,
+}
+
+#[async_trait]
+impl<S: pingora::services::Service> pingora::services::Service for Prebound<S> {
+    async fn start_service(&mut self, _server_fds: Option<ListenFds>, shutdown: ShutdownWatch, listeners_per_fd: usize) {
+        self.inner.start_service(Some(self.fds.clone()), shutdown, listeners_per_fd).await;
+    }
+
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn threads(&self) -> Option<usize> {
+        self.inner.threads()
+    }
+}
+
+fn build(gw: Arc<Gateway>, cfg: &Config, bound: Listeners, manual: watch::Receiver<Option<Stop>>) -> std::io::Result<(Server, RunArgs)> {
+    let (public_addr, admin_addr) = bound.addrs()?;
+    let fds = bound.into_table()?;
     let conf = ServerConf {
         threads: cfg.threads,
         // Draining happens in `Signals` before Pingora's shutdown starts; after it, stop promptly.
@@ -117,30 +184,32 @@ fn build(gw: Arc<Gateway>, cfg: &Config, manual: watch::Receiver<Option<Stop>>) 
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
     let mut public = Service::new("kvgate".to_string(), GatewayApp::new(gw.clone(), Role::Public));
-    public.add_listener(listener(cfg.listen, gw.tls.public.as_ref()));
+    public.add_listener(listener(public_addr, gw.tls.public.as_ref()));
     let mut admin = Service::new("kvgate-admin".to_string(), GatewayApp::new(gw.clone(), Role::Admin));
     admin.threads = Some(1);
-    admin.add_listener(listener(cfg.admin_listen, gw.tls.admin.as_ref()));
-    server.add_service(public);
-    server.add_service(admin);
+    admin.add_listener(listener(admin_addr, gw.tls.admin.as_ref()));
+    server.add_service(Prebound { inner: public, fds: fds.clone() });
+    server.add_service(Prebound { inner: admin, fds });
     // Watching before the listeners open: an edit made once the gateway answers is never missed.
     let config_watch = gw.config_path().map(|p| crate::tasks::ConfigWatch::install(p));
     server.add_service(background_service("tasks", Background(gw.clone(), config_watch)));
-    (server, RunArgs { shutdown_signal: Box::new(Signals { gw, manual }) })
+    Ok((server, RunArgs { shutdown_signal: Box::new(Signals { gw, manual }) }))
 }
 
-/// Runs the gateway in this thread until it stops.
+/// Runs the gateway in this thread until it stops; exits the process when a listener cannot
+/// be bound or the gateway's state cannot be built.
 pub fn run(cfg: &Config, path: Option<PathBuf>) {
-    let gw = match Gateway::new(cfg.clone(), path) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("kvgate: {e}");
-            std::process::exit(1);
-        }
+    let fail = |e: &dyn std::fmt::Display| -> ! {
+        eprintln!("kvgate: {e}");
+        std::process::exit(1);
     };
+    let mut cfg = cfg.clone();
+    let bound = Listeners::bind(&cfg).unwrap_or_else(|e| fail(&e));
+    (cfg.listen, cfg.admin_listen) = bound.addrs().unwrap_or_else(|e| fail(&e));
+    let gw = Gateway::new(cfg.clone(), path).unwrap_or_else(|e| fail(&e));
     let (_tx, rx) = watch::channel(None);
-    let (server, args) = build(gw, cfg, rx);
-    tracing::info!(listen = %cfg.listen, admin = %cfg.admin_listen, models = cfg.models.len(), "kvgate starting");
+    let (server, args) = build(gw.clone(), &cfg, bound, rx).unwrap_or_else(|e| fail(&e));
+    tracing::info!(listen = %cfg.listen, admin = %cfg.admin_listen, instance = gw.instance(), models = cfg.models.len(), "kvgate starting");
     server.run(args);
 }
 
@@ -156,40 +225,47 @@ pub struct GatewayHandle {
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
-fn free_port() -> std::io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
 impl GatewayHandle {
-    /// Starts a gateway; listen addresses with port 0 get a free port. Returns once both
-    /// listeners accept connections.
+    /// Starts a gateway; listen addresses with port 0 get a port of the system's choosing (see
+    /// [`GatewayHandle::listen`]). Returns once this gateway answers `/health` on every plain
+    /// HTTP listener with its own instance id, so a caller never mistakes another server for it.
     pub fn spawn(mut cfg: Config, path: Option<PathBuf>) -> std::io::Result<Self> {
-        if cfg.listen.port() == 0 {
-            cfg.listen.set_port(free_port()?);
-        }
-        if cfg.admin_listen.port() == 0 {
-            cfg.admin_listen.set_port(free_port()?);
-        }
+        let bound = Listeners::bind(&cfg)?;
+        (cfg.listen, cfg.admin_listen) = bound.addrs()?;
         let gw = Gateway::new(cfg.clone(), path).map_err(std::io::Error::other)?;
         let (tx, rx) = watch::channel(None);
         // Pingora's server is not Send: build it on the thread that runs it.
         let (gw2, cfg2) = (gw.clone(), cfg.clone());
-        let thread = std::thread::Builder::new().name("kvgate".into()).spawn(move || {
-            let (server, args) = build(gw2, &cfg2, rx);
-            server.run(args)
-        })?;
-        let connectable = |a: SocketAddr| {
-            let a = if a.ip().is_unspecified() { SocketAddr::from(([127, 0, 0, 1], a.port())) } else { a };
-            TcpStream::connect_timeout(&a, Duration::from_millis(100)).is_ok()
-        };
-        let start = Instant::now();
-        while !(connectable(cfg.listen) && connectable(cfg.admin_listen)) {
-            if start.elapsed() > Duration::from_secs(10) || thread.is_finished() {
-                return Err(std::io::Error::other(format!("kvgate did not start listening on {} / {}", cfg.listen, cfg.admin_listen)));
+        let (built_tx, built_rx) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new().name("kvgate".into()).spawn(move || match build(gw2, &cfg2, bound, rx) {
+            Ok((server, args)) => {
+                let _ = built_tx.send(Ok(()));
+                server.run(args);
             }
-            std::thread::sleep(Duration::from_millis(10));
+            Err(e) => {
+                let _ = built_tx.send(Err(e));
+            }
+        })?;
+        built_rx.recv().map_err(|_| std::io::Error::other("the gateway's server thread ended before it was built"))??;
+        let handle = Self { listen: cfg.listen, admin: cfg.admin_listen, gateway: gw, stop: tx, thread: Some(thread) };
+        handle.wait_answering()?;
+        Ok(handle)
+    }
+
+    /// Waits until each plain HTTP listener answers `/health` as this instance. A TLS listener
+    /// is ours by construction (bound above) and queues connections until accepted.
+    fn wait_answering(&self) -> std::io::Result<()> {
+        let plain = [(self.listen, self.gateway.tls.public.is_none()), (self.admin, self.gateway.tls.admin.is_none())];
+        let start = Instant::now();
+        for (addr, _) in plain.into_iter().filter(|&(_, plain)| plain) {
+            while !answers_as(addr, self.gateway.instance()) {
+                if start.elapsed() > Duration::from_secs(10) || self.thread.as_ref().is_none_or(std::thread::JoinHandle::is_finished) {
+                    return Err(std::io::Error::other(format!("kvgate did not answer on {addr}")));
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
         }
-        Ok(Self { listen: cfg.listen, admin: cfg.admin_listen, gateway: gw, stop: tx, thread: Some(thread) })
+        Ok(())
     }
 
     /// `http://127.0.0.1:port` of the public listener.
@@ -223,6 +299,16 @@ impl GatewayHandle {
     }
 }
 
+impl std::fmt::Debug for GatewayHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GatewayHandle")
+            .field("listen", &self.listen)
+            .field("admin", &self.admin)
+            .field("instance", &self.gateway.instance())
+            .finish_non_exhaustive()
+    }
+}
+
 impl Drop for GatewayHandle {
     fn drop(&mut self) {
         let _ = self.stop.send(Some(Stop::Fast));
@@ -230,4 +316,24 @@ impl Drop for GatewayHandle {
             let _ = t.join();
         }
     }
+}
+
+/// True when the HTTP server at `addr` answers `GET /health` naming `instance` (any status:
+/// a gateway without healthy workers answers 503 and is still up).
+fn answers_as(addr: SocketAddr, instance: &str) -> bool {
+    let ip = match addr.ip() {
+        std::net::IpAddr::V4(a) if a.is_unspecified() => std::net::Ipv4Addr::LOCALHOST.into(),
+        std::net::IpAddr::V6(a) if a.is_unspecified() => std::net::Ipv6Addr::LOCALHOST.into(),
+        ip => ip,
+    };
+    let addr = SocketAddr::new(ip, addr.port());
+    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) else { return false };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    if s.write_all(b"GET /health HTTP/1.1\r\nhost: kvgate\r\nconnection: close\r\n\r\n").is_err() {
+        return false;
+    }
+    let mut answer = Vec::new();
+    let _ = s.take(64 * 1024).read_to_end(&mut answer);
+    let needle = format!("\"instance\":\"{instance}\"");
+    answer.windows(needle.len()).any(|w| w == needle.as_bytes())
 }

@@ -204,8 +204,9 @@ async fn a_failed_pull_fails_the_request_under_the_fail_policy() {
     })
     .await
     .unwrap();
-    // A prefill worker that is gone: a port nobody listens on.
-    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    // A prefill worker that is gone: a port nobody listens on (a privileged one, which no test
+    // binds, so it stays refused).
+    let closed = 1;
     let params = json!({"do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": [[1, 2, 3, 4, 5, 6]], "remote_engine_id": "gone",
                         "remote_request_id": "cmpl-x-0-12345678", "remote_host": "127.0.0.1", "remote_port": closed, "tp_size": 1});
     let (s, v) = post(&d, "/v1/completions", &decode_leg(completion(8), &params)).await;

@@ -18,6 +18,7 @@ use vllm_sim::SimConfig;
 mod disagg;
 mod drop_in;
 mod fleet;
+mod listeners;
 mod openapi;
 mod tls;
 
@@ -288,8 +289,8 @@ async fn bad_requests_get_openai_shaped_errors() {
 
 #[tokio::test]
 async fn no_healthy_worker_is_a_clear_503() {
-    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
-    let c = Cluster::front(&[format!("http://{dead}")], GatewayOpts::default()).await;
+    // A privileged port no test binds: it refuses connections for the whole test.
+    let c = Cluster::front(&["http://127.0.0.1:1".to_string()], GatewayOpts::default()).await;
     wait_until(Duration::from_secs(3), || async {
         let v: Value = c.http.get(c.admin("/workers")).send().await.unwrap().json().await.unwrap();
         v["models"][0]["workers"][0]["healthy"] == json!(false)

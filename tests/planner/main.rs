@@ -28,18 +28,6 @@ fn sim_binary() -> PathBuf {
     bin
 }
 
-/// A free port with `span` free ports above it, and as many 1000 higher (the KV ports).
-fn port_base(span: u16) -> u16 {
-    loop {
-        let p = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let base = 20000 + p % 20000;
-        let free = |q: u16| std::net::TcpListener::bind(("127.0.0.1", q)).is_ok();
-        if (base..base + span).all(|q| free(q) && free(q + 1000)) {
-            return base;
-        }
-    }
-}
-
 /// The gateway config: one model, no configured workers (or `workers`), a planner with the
 /// local connector starting vllm-sim.
 fn planner_yaml(dir: &Path, planner: &str, workers: &str, mode: &str) -> String {
@@ -49,10 +37,11 @@ fn planner_yaml(dir: &Path, planner: &str, workers: &str, mode: &str) -> String 
         format!("{} --port {{port}} --served-model-name {{model}} --num-gpu-blocks-override 200 --max-model-len 2048 --kv-events-config '{kv}'", sim.display());
     format!(
         "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nthreads: 2\nload:\n  interval_ms: 100\nhealth:\n  interval_ms: 100\n  timeout_ms: 1000\n  unhealthy_threshold: 2\n  healthy_threshold: 1\n\
-         models:\n  - name: sim-model\n    tokenizer: builtin\n    routing:\n      mode: {mode}\n    planner:\n      enabled: true\n      log: {log}\n{planner}      connector:\n        kind: local\n        command: \"{command}\"\n        ports_from: {ports}\n        log_dir: {logs}\n        ready_timeout_s: 30\n        stop_timeout_s: 10\n    workers: {workers}\n",
+         models:\n  - name: sim-model\n    tokenizer: builtin\n    routing:\n      mode: {mode}\n    planner:\n      enabled: true\n      log: {log}\n{planner}      connector:\n        kind: local\n        command: \"{command}\"\n        ports_from: {ports}\n        kv_ports_from: {kv_ports}\n        log_dir: {logs}\n        ready_timeout_s: 30\n        stop_timeout_s: 10\n    workers: {workers}\n",
         log = dir.join("planner.jsonl").display(),
         logs = dir.join("workers").display(),
-        ports = port_base(8),
+        ports = kvgate_tests::ports::reserved_run(8),
+        kv_ports = kvgate_tests::ports::reserved_run(8),
         command = command.replace('"', "\\\""),
     )
 }
@@ -161,7 +150,8 @@ async fn a_real_vllm_worker_started_by_the_local_connector_joins_and_leaves_clea
     let zmq = std::env::var("KVGATE_TARGET_ZMQ").expect("KVGATE_TARGET_ZMQ names the first server's KV events");
     let dir = TempDir::new();
     // Below the ephemeral range, as the suite picks its own (vLLM binds its KV port late).
-    let ports = 20000 + (std::process::id() % 5000) as u16 * 2;
+    let ports = kvgate_tests::ports::reserved_run(4);
+    let kv_ports = kvgate_tests::ports::reserved_run(4);
     let rules = |min: u32| {
         format!(
             "      metric_pulling_interval_s: 0.5\n      adjustment_interval_s: 2\n      min_gpu_budget: {min}\n      max_gpu_budget: 2\n      decode_kv_scale_up_threshold: 0.99\n      decode_kv_scale_down_threshold: 0.9\n      new_decode_worker_grace_period: 0\n      drain_timeout_s: 120\n"
@@ -173,7 +163,7 @@ async fn a_real_vllm_worker_started_by_the_local_connector_joins_and_leaves_clea
              models:\n  - name: {model}\n    tokenizer: {tokenizer}\n    block_size: 32\n    routing:\n      mode: kv\n    planner:\n      enabled: true\n      log: {log}\n{rules}      connector:\n        kind: local\n        command: \"bash {run} {{port}} {{kv_port}}\"\n        ports_from: {ports}\n        kv_ports_from: {kv}\n        log_dir: {logs}\n        ready_timeout_s: 300\n        stop_timeout_s: 30\n    workers:\n      - url: {first}\n        kv_events: {zmq}\n",
             log = dir.0.join("planner.jsonl").display(),
             logs = dir.0.join("workers").display(),
-            kv = ports + 100,
+            kv = kv_ports,
             rules = rules(min),
         )
     };

@@ -299,16 +299,9 @@ mod tests {
         let dir = TestDir(std::env::temp_dir().join(format!("kvgate-local-{}-{n}", std::process::id())));
         std::fs::create_dir_all(dir.path()).unwrap();
         let state = dir.path().join("state.json");
-        let yaml = format!("{{command: '{command}', ports_from: {}, state_file: {}, {extra}}}", free_port_base(), state.display());
+        let yaml = format!("{{command: '{command}', ports_from: 21000, state_file: {}, {extra}}}", state.display());
         let cfg: LocalConnector = serde_yaml::from_str(&yaml).unwrap();
         (Local::new(cfg, "org/model", 1), dir)
-    }
-
-    /// A base port with 20 free ports above it and above it + 1000.
-    fn free_port_base() -> u16 {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let p = l.local_addr().unwrap().port();
-        if p > 60000 { 20000 + p % 1000 } else { p.max(2000) - 1000 }
     }
 
     #[test]

@@ -42,7 +42,7 @@ pub fn merged_cards(fleet: &Fleet) -> Vec<Value> {
 }
 
 /// `GET /health`: 200 while some worker of every model is healthy, else 503 (load balancers
-/// should stop sending); 503 while draining.
+/// should stop sending); 503 while draining. The body names this gateway's instance.
 pub async fn health(gw: &Arc<Gateway>, session: &mut ClientConn) {
     let fleet = gw.fleet();
     let mut unavailable = Vec::new();
@@ -58,7 +58,7 @@ pub async fn health(gw: &Arc<Gateway>, session: &mut ClientConn) {
     } else {
         (503, "degraded")
     };
-    respond_json(session, status, &json!({"status": state, "models_without_healthy_workers": unavailable})).await;
+    respond_json(session, status, &json!({"status": state, "instance": gw.instance(), "models_without_healthy_workers": unavailable})).await;
 }
 
 /// `GET /metrics`.
