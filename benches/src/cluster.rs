@@ -1,17 +1,52 @@
 //! Clusters of release binaries for benchmarks: `vllm-sim` workers with KV events, a `kvgate`
 //! in front of them, and other routers when installed; every process is killed when its
-//! [`Procs`] drops, and every port is a free one chosen up front.
+//! [`Procs`] drops. Our own binaries bind port 0 and write the ports they got to a file
+//! (`--ports-file`), so no port is guessed free and bound later by another process.
 
+use serde_json::Value;
 use std::fmt::Write as _;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// Distinct free ports: every probe listener stays open until all are chosen, so none repeats.
-pub fn free_ports(n: usize) -> Vec<u16> {
+/// Distinct ports free now, for third-party servers (peer routers, nginx) that cannot bind
+/// port 0 and say which port they got; every probe stays open until all are chosen, so none
+/// repeats. A benchmark runs alone, so nothing else takes them before the peer binds.
+pub fn ports_for_peers(n: usize) -> Vec<u16> {
     let held: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").expect("a free port")).collect();
     held.iter().map(|l| l.local_addr().expect("bound").port()).collect()
+}
+
+/// A fresh path for a `--ports-file` in the temporary directory.
+fn ports_file_path(what: &str) -> PathBuf {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    std::env::temp_dir().join(format!("kvgate-bench-{}-{what}-{}.ports.json", std::process::id(), N.fetch_add(1, Ordering::Relaxed)))
+}
+
+/// Waits for the `--ports-file` a child writes once its sockets are bound, and reads it; an
+/// error when the child exits first or `limit` passes.
+pub async fn read_ports_file(child: &mut Child, path: &Path, limit: Duration) -> Result<Value, String> {
+    let start = Instant::now();
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path) {
+            let _ = std::fs::remove_file(path);
+            return serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()));
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(format!("the process exited ({status}) before binding its ports"));
+        }
+        if start.elapsed() > limit {
+            return Err(format!("{} was not written within {limit:?}", path.display()));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The port of an address or URL (`host:port`, `http://host:port`, `tcp://host:port`).
+fn port_of(addr: &str) -> Result<u16, String> {
+    addr.trim_end_matches('/').rsplit(':').next().and_then(|p| p.parse().ok()).ok_or_else(|| format!("no port in {addr}"))
 }
 
 /// Child processes, killed on drop.
@@ -48,7 +83,8 @@ pub struct SimWorker {
     pub kv_events: String,
     /// Its replay endpoint.
     pub replay: String,
-    /// Its ports (HTTP, KV events, replay), to start it again with [`sim_command`].
+    /// The ports it bound (HTTP, KV events, replay), to start it again where it was with
+    /// [`sim_command`], as a restarted pod comes back on its own ports.
     pub ports: [u16; 3],
 }
 
@@ -65,8 +101,8 @@ pub struct SimOptions {
     pub env: Vec<(String, String)>,
 }
 
-/// The command that runs one worker on `ports` (HTTP, KV events, replay), seeded `seed`; run
-/// again, it brings the same worker back on the same ports.
+/// The command that runs one worker on `ports` (HTTP, KV events, replay; 0: any), seeded
+/// `seed`; run again with the ports it bound, it brings the same worker back where it was.
 pub fn sim_command(o: &SimOptions, seed: usize, [port, ev, rp]: [u16; 3]) -> Command {
     // As in vLLM, a `*` endpoint binds; without it the engine would connect. The topic is
     // vLLM's default, "": vllm-router's static event sources subscribe to exactly that.
@@ -81,21 +117,21 @@ pub fn sim_command(o: &SimOptions, seed: usize, [port, ev, rp]: [u16; 3]) -> Com
     c
 }
 
-/// Starts `n` workers and waits until they are healthy.
+/// Starts `n` workers on ports of the system's choosing and waits until they are healthy.
 pub async fn start_sims(procs: &mut Procs, o: &SimOptions, n: usize) -> Result<Vec<SimWorker>, String> {
     let http = reqwest::Client::new();
-    let ports = free_ports(3 * n);
     let mut workers = Vec::with_capacity(n);
     for w in 0..n {
-        let (port, ev, rp) = (ports[3 * w], ports[3 * w + 1], ports[3 * w + 2]);
-        let child = sim_command(o, w + 1, [port, ev, rp]).spawn().map_err(|e| format!("{}: {e}", o.bin.display()))?;
+        let file = ports_file_path("sim");
+        let mut child = sim_command(o, w + 1, [0; 3]).arg("--ports-file").arg(&file).spawn().map_err(|e| format!("{}: {e}", o.bin.display()))?;
+        let bound = read_ports_file(&mut child, &file, Duration::from_secs(30)).await;
         procs.0.push(child);
-        workers.push(SimWorker {
-            url: format!("http://127.0.0.1:{port}"),
-            kv_events: format!("tcp://127.0.0.1:{ev}"),
-            replay: format!("tcp://127.0.0.1:{rp}"),
-            ports: [port, ev, rp],
-        });
+        let bound = bound?;
+        let first =
+            |key: &str| bound[key].get(0).and_then(Value::as_str).map(str::to_owned).ok_or_else(|| format!("vllm-sim wrote no {key} endpoint: {bound}"));
+        let (url, kv_events, replay) = (bound["url"].as_str().unwrap_or_default().to_string(), first("kv_events")?, first("replay")?);
+        let ports = [port_of(&url)?, port_of(&kv_events)?, port_of(&replay)?];
+        workers.push(SimWorker { url, kv_events, replay, ports });
     }
     for w in &workers {
         wait_ok(&http, &format!("{}/health", w.url), Duration::from_secs(30)).await?;
@@ -113,16 +149,53 @@ pub struct Kvgate {
 }
 
 /// Starts the `kvgate` binary `bin` on the config file `config`, quiet (warnings only, output
-/// discarded).
-pub fn spawn_kvgate(bin: &Path, config: &Path) -> Result<Child, String> {
-    Command::new(bin)
+/// discarded), and returns once it has bound its listeners (the config's `listen` and
+/// `admin_listen` are best port 0) and answers `/health` as itself (any status: a planner's
+/// gateway starts with no worker).
+pub async fn spawn_kvgate(bin: &Path, config: &Path) -> Result<(Child, Kvgate), String> {
+    let file = ports_file_path("kvgate");
+    let mut child = Command::new(bin)
         .arg("--config")
         .arg(config)
+        .arg("--ports-file")
+        .arg(&file)
         .env("KVGATE_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .map_err(|e| format!("{}: {e}", bin.display()))
+        .map_err(|e| format!("{}: {e}", bin.display()))?;
+    let ready = async {
+        let bound = read_ports_file(&mut child, &file, Duration::from_secs(30)).await?;
+        let addr =
+            |key: &str| bound[key].as_str().map(|a| format!("http://127.0.0.1:{}", port_of(a).unwrap_or(0))).ok_or_else(|| format!("no {key} in {bound}"));
+        let gw = Kvgate { url: addr("listen")?, admin: addr("admin_listen")? };
+        let instance = bound["instance"].as_str().unwrap_or_default().to_string();
+        wait_answering(&gw.admin, &instance).await?;
+        Ok::<_, String>(gw)
+    };
+    match ready.await {
+        Ok(gw) => Ok((child, gw)),
+        Err(e) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            Err(e)
+        }
+    }
+}
+
+/// Waits until `/health` at `base` names `instance`.
+async fn wait_answering(base: &str, instance: &str) -> Result<(), String> {
+    let http = reqwest::Client::new();
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(30) {
+        if let Ok(r) = http.get(format!("{base}/health")).send().await
+            && r.json::<Value>().await.is_ok_and(|v| v["instance"] == instance)
+        {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Err(format!("{base} did not answer as kvgate instance {instance}"))
 }
 
 /// Starts `kvgate` with `routing` (lines of a model's `routing:` section) in front of
@@ -130,30 +203,29 @@ pub fn spawn_kvgate(bin: &Path, config: &Path) -> Result<Child, String> {
 /// every worker.
 pub async fn start_kvgate(procs: &mut Procs, bin: &Path, model: &str, routing: &str, workers: &[SimWorker], extra_model: &str) -> Result<Kvgate, String> {
     let http = reqwest::Client::new();
-    let ports = free_ports(2);
     let mut list = String::new();
     for w in workers {
         let _ = write!(list, "      - url: {}\n        kv_events: {}\n        replay: {}\n", w.url, w.kv_events, w.replay);
     }
     let routing: String = routing.lines().flat_map(|l| ["      ", l.trim(), "\n"]).collect();
     let extra: String = extra_model.lines().flat_map(|l| ["    ", l, "\n"]).collect();
-    let config = format!(
-        "listen: 127.0.0.1:{}\nadmin_listen: 127.0.0.1:{}\nmodels:\n  - name: {model}\n    routing:\n{routing}{extra}    workers:\n{list}",
-        ports[0], ports[1]
-    );
-    let path = std::env::temp_dir().join(format!("kvgate-bench-{}-{}.yaml", std::process::id(), ports[0]));
+    let config = format!("{LISTEN_ANY}models:\n  - name: {model}\n    routing:\n{routing}{extra}    workers:\n{list}");
+    let path = ports_file_path("config").with_extension("yaml");
     std::fs::write(&path, config).map_err(|e| e.to_string())?;
-    procs.0.push(spawn_kvgate(bin, &path)?);
-    let url = format!("http://127.0.0.1:{}", ports[0]);
-    let admin = format!("http://127.0.0.1:{}", ports[1]);
-    let up = wait_ok(&http, &format!("{url}/health"), Duration::from_secs(30)).await;
+    let started = spawn_kvgate(bin, &path).await;
     let _ = std::fs::remove_file(&path);
-    up?;
+    let (child, gw) = started?;
+    procs.0.push(child);
+    wait_ok(&http, &format!("{}/health", gw.url), Duration::from_secs(30)).await?;
     if routing.contains("mode: kv") && !routing.contains("kv_events: false") {
-        wait_for_events(&http, &format!("{admin}/metrics"), model, workers).await?;
+        wait_for_events(&http, &format!("{}/metrics", gw.admin), model, workers).await?;
     }
-    Ok(Kvgate { url, admin })
+    Ok(gw)
 }
+
+/// The listener lines of a benchmark's kvgate config: both on loopback, ports of the system's
+/// choosing (read back by [`spawn_kvgate`]).
+pub const LISTEN_ANY: &str = "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\n";
 
 /// Waits until the gateway has applied KV events from every worker (a probe request per worker,
 /// sent directly, makes each publish), so kv routing does not start blind.

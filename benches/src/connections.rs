@@ -11,7 +11,7 @@
 //! With `max_connections` at its default (10,000) and `count` at it, one connection more is
 //! tried too: it must be closed unanswered.
 
-use crate::cluster::{free_ports, spawn_kvgate};
+use crate::cluster::{LISTEN_ANY, ports_for_peers, spawn_kvgate};
 use crate::procfs;
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -138,21 +138,33 @@ impl Drop for Server {
     }
 }
 
+/// The servers compared.
+#[derive(Clone, Copy)]
+enum Kind {
+    Kvgate,
+    Nginx,
+}
+
 /// Starts one kind of server.
-type StartServer = fn(&Options) -> Result<Server, String>;
+async fn start(kind: Kind, o: &Options) -> Result<Server, String> {
+    match kind {
+        Kind::Kvgate => start_kvgate_server(o).await,
+        Kind::Nginx => start_nginx(o),
+    }
+}
 
 /// Runs every shape on kvgate, then on nginx.
 pub async fn run(o: &Options) -> Result<Vec<Figure>, String> {
     std::fs::create_dir_all(&o.out).map_err(|e| format!("{}: {e}", o.out.display()))?;
     let mut figures = Vec::new();
-    let mut servers: Vec<StartServer> = vec![start_kvgate_server];
+    let mut servers = vec![Kind::Kvgate];
     if o.nginx {
-        servers.push(start_nginx);
+        servers.push(Kind::Nginx);
     }
-    for start in servers {
+    for kind in servers {
         for &shape in &o.shapes {
             // A fresh server per shape: what one shape left behind does not count for the next.
-            let server = start(o)?;
+            let server = start(kind, o).await?;
             wait_listening(server.port).await?;
             figures.push(measure(o, &server, shape).await?);
         }
@@ -160,21 +172,19 @@ pub async fn run(o: &Options) -> Result<Vec<Figure>, String> {
     Ok(figures)
 }
 
-fn start_kvgate_server(o: &Options) -> Result<Server, String> {
-    let ports = free_ports(3);
-    // The worker's port is closed: no request here ever reaches one.
-    let config = format!(
-        "listen: 127.0.0.1:{}\nadmin_listen: 127.0.0.1:{}\nthreads: {}\nmodels:\n  - name: m\n    workers:\n      - url: http://127.0.0.1:{}\n",
-        ports[0], ports[1], o.threads, ports[2]
-    );
-    let path = o.out.join(format!("kvgate-connections-{}.yaml", ports[0]));
+async fn start_kvgate_server(o: &Options) -> Result<Server, String> {
+    // The worker's port is closed (a privileged one nothing binds): no request here ever
+    // reaches one.
+    let config = format!("{LISTEN_ANY}threads: {}\nmodels:\n  - name: m\n    workers:\n      - url: http://127.0.0.1:1\n", o.threads);
+    let path = o.out.join(format!("kvgate-connections-{}.yaml", std::process::id()));
     std::fs::write(&path, config).map_err(|e| e.to_string())?;
-    let child = spawn_kvgate(&o.kvgate_bin, &path)?;
-    Ok(Server { name: "kvgate", child, port: ports[0], stop: None })
+    let (child, at) = spawn_kvgate(&o.kvgate_bin, &path).await?;
+    let port = at.url.rsplit(':').next().and_then(|p| p.parse().ok()).ok_or_else(|| format!("no port in {}", at.url))?;
+    Ok(Server { name: "kvgate", child, port, stop: None })
 }
 
 fn start_nginx(o: &Options) -> Result<Server, String> {
-    let port = free_ports(1)[0];
+    let port = ports_for_peers(1)[0];
     let prefix = std::path::absolute(o.out.join(format!("nginx-{port}"))).map_err(|e| e.to_string())?;
     std::fs::create_dir_all(prefix.join("logs")).map_err(|e| e.to_string())?;
     let conns = o.count + 64;

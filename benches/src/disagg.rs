@@ -11,7 +11,7 @@
 //! disaggregation buys), time to first token (what the second leg and the transfer cost, split
 //! by the gateway's `kvgate_disagg_*` histograms), end to end, and failures.
 
-use crate::cluster::{Procs, SimOptions, SimWorker, free_ports, spawn_kvgate, start_sims, wait_ok};
+use crate::cluster::{LISTEN_ANY, Procs, SimOptions, SimWorker, spawn_kvgate, start_sims, wait_ok};
 use crate::load::client::{self, Sample};
 use crate::{Rng, percentile};
 use serde_json::json;
@@ -124,11 +124,10 @@ async fn run_case(o: &Options, split: bool) -> Result<Case, String> {
     } else {
         (start_sims(&mut procs, &base, o.workers).await?, vec!["both"; o.workers], "aggregated".to_string())
     };
-    let ports = free_ports(2);
     let config = o.out.join(format!("disagg-{name}.yaml"));
-    std::fs::write(&config, yaml(&ports, &workers, &roles)).map_err(|e| e.to_string())?;
-    let mut gw = spawn_kvgate(&o.kvgate_bin, &config)?;
-    let (url, admin) = (format!("http://127.0.0.1:{}", ports[0]), format!("http://127.0.0.1:{}", ports[1]));
+    std::fs::write(&config, yaml(&workers, &roles)).map_err(|e| e.to_string())?;
+    let (mut gw, at) = spawn_kvgate(&o.kvgate_bin, &config).await?;
+    let (url, admin) = (at.url, at.admin);
     let http = reqwest::Client::new();
     if let Err(e) = wait_ok(&http, &format!("{url}/health"), Duration::from_secs(30)).await {
         let _ = gw.kill();
@@ -185,15 +184,12 @@ fn sim_args(o: &Options, role: Option<&str>) -> Vec<String> {
 }
 
 /// The gateway's config: kv routing at defaults, worker `i` in `roles[i]`.
-fn yaml(ports: &[u16], workers: &[SimWorker], roles: &[&str]) -> String {
+fn yaml(workers: &[SimWorker], roles: &[&str]) -> String {
     let list = workers.iter().zip(roles).fold(String::new(), |mut s, (w, r)| {
         let _ = write!(s, "      - url: {}\n        kv_events: {}\n        replay: {}\n        role: {r}\n", w.url, w.kv_events, w.replay);
         s
     });
-    format!(
-        "listen: 127.0.0.1:{}\nadmin_listen: 127.0.0.1:{}\nhealth:\n  interval_ms: 500\nmodels:\n  - name: sim-model\n    tokenizer: builtin\n    routing:\n      mode: kv\n    workers:\n{list}",
-        ports[0], ports[1]
-    )
+    format!("{LISTEN_ANY}health:\n  interval_ms: 500\nmodels:\n  - name: sim-model\n    tokenizer: builtin\n    routing:\n      mode: kv\n    workers:\n{list}")
 }
 
 /// Sends the workload: Poisson arrivals at `rate` for `duration`, each a unique prompt of

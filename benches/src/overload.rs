@@ -11,7 +11,7 @@
 //! streams, client timeouts), TTFT of the accepted streams, the gateway's peak resident memory
 //! and descriptors, and its bookings once the load stopped (must be 0).
 
-use crate::cluster::{Procs, SimOptions, SimWorker, free_ports, metric_sum, spawn_kvgate, start_sims, wait_ok};
+use crate::cluster::{LISTEN_ANY, Procs, SimOptions, SimWorker, metric_sum, spawn_kvgate, start_sims, wait_ok};
 use crate::load::client;
 use crate::procfs;
 use crate::{Rng, percentile};
@@ -158,11 +158,10 @@ async fn run_case(o: &Options, factor: f64, shedding: bool) -> Result<Case, Stri
         env: Vec::new(),
     };
     let workers = start_sims(&mut procs, &sims, o.workers).await?;
-    let ports = free_ports(2);
     let config = o.out.join(format!("overload-{factor}-{}.yaml", if shedding { "shed" } else { "plain" }));
-    std::fs::write(&config, yaml(&ports, &workers, &o.routing, shedding.then_some(o.shedding.as_str()))).map_err(|e| e.to_string())?;
-    let mut gw = spawn_kvgate(&o.kvgate_bin, &config)?;
-    let (url, admin) = (format!("http://127.0.0.1:{}", ports[0]), format!("http://127.0.0.1:{}", ports[1]));
+    std::fs::write(&config, yaml(&workers, &o.routing, shedding.then_some(o.shedding.as_str()))).map_err(|e| e.to_string())?;
+    let (mut gw, at) = spawn_kvgate(&o.kvgate_bin, &config).await?;
+    let (url, admin) = (at.url, at.admin);
     #[allow(clippy::cast_sign_loss, reason = "clamped to 1 or more")]
     let clients = ((o.workers * o.streams_per_worker) as f64 * factor).round().max(1.0) as usize;
     let http = reqwest::Client::builder().pool_max_idle_per_host(clients).build().map_err(|e| e.to_string())?;
@@ -221,7 +220,7 @@ async fn run_case(o: &Options, factor: f64, shedding: bool) -> Result<Case, Stri
     })
 }
 
-fn yaml(ports: &[u16], workers: &[SimWorker], routing: &str, shedding: Option<&str>) -> String {
+fn yaml(workers: &[SimWorker], routing: &str, shedding: Option<&str>) -> String {
     let list = workers.iter().fold(String::new(), |mut s, w| {
         let _ = write!(s, "      - url: {}\n        kv_events: {}\n        replay: {}\n", w.url, w.kv_events, w.replay);
         s
@@ -229,10 +228,7 @@ fn yaml(ports: &[u16], workers: &[SimWorker], routing: &str, shedding: Option<&s
     let section = |name: &str, body: &str| format!("    {name}:\n{}\n", body.lines().map(|l| format!("      {}", l.trim())).collect::<Vec<_>>().join("\n"));
     let shedding = shedding.map(|s| section("shedding", s)).unwrap_or_default();
     let routing = if routing.trim().is_empty() { String::new() } else { section("routing", routing) };
-    format!(
-        "listen: 127.0.0.1:{}\nadmin_listen: 127.0.0.1:{}\nhealth:\n  interval_ms: 500\nmodels:\n  - name: sim-model\n    tokenizer: builtin\n{routing}{shedding}    workers:\n{list}",
-        ports[0], ports[1]
-    )
+    format!("{LISTEN_ANY}health:\n  interval_ms: 500\nmodels:\n  - name: sim-model\n    tokenizer: builtin\n{routing}{shedding}    workers:\n{list}")
 }
 
 type Shared = (Arc<Counters>, Arc<AtomicBool>, Arc<parking_lot::Mutex<Vec<Duration>>>, Arc<parking_lot::Mutex<Vec<String>>>);

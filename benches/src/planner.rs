@@ -7,7 +7,7 @@
 //!   waiting: the time from the decision to the worker's exit, the longest pause a client saw
 //!   between two tokens, and failures.
 
-use crate::cluster::{free_ports, spawn_kvgate, wait_ok};
+use crate::cluster::{LISTEN_ANY, spawn_kvgate, wait_ok};
 use crate::load::client;
 use crate::{Rng, percentile};
 use serde_json::{Value, json};
@@ -61,20 +61,21 @@ impl Gateway {
     /// Starts kvgate with `planner` (lines of the planner section, connector excluded),
     /// routing `mode`, vllm-sim workers of `gpu_blocks` blocks.
     async fn start(o: &Options, planner: &str, log: &Path, mode: &str, gpu_blocks: usize) -> Result<Self, String> {
-        let ports = free_ports(3);
-        let config = o.out.join(format!("kvgate-planner-{}.yaml", ports[0]));
-        std::fs::write(&config, Self::yaml(o, planner, log, &ports, mode, gpu_blocks)).map_err(|e| e.to_string())?;
-        let child = spawn_kvgate(&o.kvgate_bin, &config)?;
+        let config = o.out.join(format!("kvgate-planner-{}.yaml", std::process::id()));
+        std::fs::write(&config, Self::yaml(o, planner, log, mode, gpu_blocks)).map_err(|e| e.to_string())?;
+        let (child, at) = spawn_kvgate(&o.kvgate_bin, &config).await?;
         let http = reqwest::Client::builder().pool_max_idle_per_host(256).build().map_err(|e| e.to_string())?;
-        let gw = Self { child, url: format!("http://127.0.0.1:{}", ports[0]), admin: format!("http://127.0.0.1:{}", ports[1]), config, http };
+        let gw = Self { child, url: at.url, admin: at.admin, config, http };
         // /health says 503 until a worker is healthy, and the planner starts with none.
         wait_ok(&gw.http, &format!("{}/metrics", gw.admin), Duration::from_secs(30)).await?;
         Ok(gw)
     }
 
-    fn yaml(o: &Options, planner: &str, log: &Path, ports: &[u16], mode: &str, gpu_blocks: usize) -> String {
-        // The sims' ports: a free range well away from the ephemeral ones the gateway took.
-        let base = 20000 + ports[2] % 20000;
+    fn yaml(o: &Options, planner: &str, log: &Path, mode: &str, gpu_blocks: usize) -> String {
+        // The sims' ports (and their KV ports, 1000 up): below the kernel's ephemeral range, so
+        // no socket the system places on its own takes one between the connector's check and the
+        // worker's bind; a benchmark runs alone, so nothing else binds there.
+        let base = 21_000;
         let kv = r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{kv_port}","topic":""}"#;
         let command = format!(
             "{} --port {{port}} --served-model-name {{model}} --time-scale {} --num-gpu-blocks-override {} --max-model-len 4096 --max-num-seqs 512 --kv-events-config '{kv}'",
@@ -84,9 +85,7 @@ impl Gateway {
         );
         let planner: String = planner.lines().flat_map(|l| ["      ", l.trim(), "\n"]).collect();
         format!(
-            "listen: 127.0.0.1:{}\nadmin_listen: 127.0.0.1:{}\nload:\n  interval_ms: 100\nhealth:\n  interval_ms: 200\nmodels:\n  - name: sim-model\n    tokenizer: builtin\n    routing:\n      mode: {mode}\n    planner:\n      enabled: true\n      log: {}\n{planner}      connector:\n        kind: local\n        command: \"{}\"\n        ports_from: {base}\n        ready_timeout_s: 60\n    workers: []\n",
-            ports[0],
-            ports[1],
+            "{LISTEN_ANY}load:\n  interval_ms: 100\nhealth:\n  interval_ms: 200\nmodels:\n  - name: sim-model\n    tokenizer: builtin\n    routing:\n      mode: {mode}\n    planner:\n      enabled: true\n      log: {}\n{planner}      connector:\n        kind: local\n        command: \"{}\"\n        ports_from: {base}\n        ready_timeout_s: 60\n    workers: []\n",
             log.display(),
             command.replace('"', "\\\"")
         )

@@ -6,7 +6,7 @@
 //! binaries, workers and workload; per-request TTFT and TPOT are measured by the client, the
 //! migration pause by the gateway (`kvgate_migration_pause_seconds`).
 
-use crate::cluster::{Procs, SimOptions, SimWorker, free_ports, spawn_kvgate, start_sims, wait_ok};
+use crate::cluster::{LISTEN_ANY, Procs, SimOptions, SimWorker, spawn_kvgate, start_sims, wait_ok};
 use crate::load::client;
 use crate::{Rng, percentile};
 use std::path::PathBuf;
@@ -70,25 +70,24 @@ pub async fn run(o: &Options) -> Result<(Figures, Figures), String> {
     Ok((off, on))
 }
 
-fn config(ports: &[u16], workers: &[SimWorker], rescheduling: &str) -> String {
+fn config(workers: &[SimWorker], rescheduling: &str) -> String {
     let list: String = workers.iter().flat_map(|w| ["      - url: ", w.url.as_str(), "\n"]).collect();
     let resched: String = rescheduling.lines().flat_map(|l| ["  ", l.trim(), "\n"]).collect();
     let section = if resched.is_empty() { String::new() } else { format!("rescheduling:\n{resched}") };
     format!(
-        "listen: 127.0.0.1:{}\nadmin_listen: 127.0.0.1:{}\nload:\n  interval_ms: 100\nhealth:\n  interval_ms: 200\n{section}models:\n  - name: sim-model\n    routing:\n      mode: round_robin\n    workers:\n{list}",
-        ports[0], ports[1]
+        "{LISTEN_ANY}load:\n  interval_ms: 100\nhealth:\n  interval_ms: 200\n{section}models:\n  - name: sim-model\n    routing:\n      mode: round_robin\n    workers:\n{list}"
     )
 }
 
 /// One run: a gateway over the first workers, the burst, the scale-out, the figures.
 async fn burst(o: &Options, workers: &[SimWorker], rescheduling: &str, seed: u64) -> Result<Figures, String> {
     let http = reqwest::Client::builder().pool_max_idle_per_host(o.requests).build().map_err(|e| e.to_string())?;
-    let ports = free_ports(2);
-    let path = std::env::temp_dir().join(format!("kvgate-resched-{}-{}.yaml", std::process::id(), ports[0]));
-    std::fs::write(&path, config(&ports, &workers[..o.initial], rescheduling)).map_err(|e| e.to_string())?;
+    let path = std::env::temp_dir().join(format!("kvgate-resched-{}-{seed}.yaml", std::process::id()));
+    std::fs::write(&path, config(&workers[..o.initial], rescheduling)).map_err(|e| e.to_string())?;
     let mut procs = Procs::default();
-    procs.0.push(spawn_kvgate(&o.kvgate_bin, &path)?);
-    let (url, admin) = (format!("http://127.0.0.1:{}", ports[0]), format!("http://127.0.0.1:{}", ports[1]));
+    let (gw, at) = spawn_kvgate(&o.kvgate_bin, &path).await?;
+    procs.0.push(gw);
+    let (url, admin) = (at.url, at.admin);
     wait_ok(&http, &format!("{url}/health"), Duration::from_secs(30)).await?;
     let mut rng = Rng(0x5eed ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
     let started = Instant::now();
@@ -103,7 +102,7 @@ async fn burst(o: &Options, workers: &[SimWorker], rescheduling: &str, seed: u64
         .collect();
     // Scale out once every stream is running on the first workers.
     wait_running(&http, &admin, o.requests).await?;
-    std::fs::write(&path, config(&ports, workers, rescheduling)).map_err(|e| e.to_string())?;
+    std::fs::write(&path, config(workers, rescheduling)).map_err(|e| e.to_string())?;
     let reload = http.post(format!("{admin}/reload")).send().await.map_err(|e| e.to_string())?;
     if !reload.status().is_success() {
         return Err(format!("reload failed: {}", reload.text().await.unwrap_or_default()));

@@ -10,7 +10,7 @@
 //! hide: they move by continuation when they can (#13), else they are cut. A failure more than
 //! a few seconds away from any kill is the gateway's.
 
-use crate::cluster::{Procs, SimOptions, SimWorker, free_ports, metric_sum, sim_command, spawn_kvgate, start_sims, wait_ok};
+use crate::cluster::{LISTEN_ANY, Procs, SimOptions, SimWorker, metric_sum, sim_command, spawn_kvgate, start_sims, wait_ok};
 use crate::load::client;
 use crate::procfs;
 use crate::{Rng, percentile};
@@ -135,11 +135,10 @@ pub async fn run(o: &Options) -> Result<Report, String> {
         env: Vec::new(),
     };
     let workers = start_sims(&mut procs, &sims, o.workers).await?;
-    let ports = free_ports(2);
     let config = o.out.join("soak.yaml");
-    std::fs::write(&config, yaml(&ports, &workers, 60_000)).map_err(|e| e.to_string())?;
-    let mut gw = spawn_kvgate(&o.kvgate_bin, &config)?;
-    let (url, admin) = (format!("http://127.0.0.1:{}", ports[0]), format!("http://127.0.0.1:{}", ports[1]));
+    std::fs::write(&config, yaml(&workers, 60_000)).map_err(|e| e.to_string())?;
+    let (mut gw, at) = spawn_kvgate(&o.kvgate_bin, &config).await?;
+    let (url, admin) = (at.url, at.admin);
     let http = reqwest::Client::builder().pool_max_idle_per_host(o.streams).build().map_err(|e| e.to_string())?;
     let ready = wait_ok(&http, &format!("{url}/health"), Duration::from_secs(30)).await;
     if let Err(e) = ready {
@@ -187,7 +186,7 @@ pub async fn run(o: &Options) -> Result<Report, String> {
         if !o.reload_every.is_zero() && now >= next_reload {
             next_reload += o.reload_every;
             let n = counters.reloads.fetch_add(1, Ordering::Relaxed) + 1;
-            std::fs::write(&config, yaml(&ports, &workers, 60_000 + n)).map_err(|e| e.to_string())?;
+            std::fs::write(&config, yaml(&workers, 60_000 + n)).map_err(|e| e.to_string())?;
             let _ = http.post(format!("{admin}/reload")).send().await;
         }
         if now >= next_sample {
@@ -220,15 +219,14 @@ pub async fn run(o: &Options) -> Result<Report, String> {
     Ok(Report { samples, final_bookings: last.bookings, final_in_flight: in_flight, other_errors, ttft_ms })
 }
 
-fn yaml(ports: &[u16], workers: &[SimWorker], write_ms: u64) -> String {
+fn yaml(workers: &[SimWorker], write_ms: u64) -> String {
     let list = workers.iter().fold(String::new(), |mut s, w| {
         let _ = write!(s, "      - url: {}\n        kv_events: {}\n        replay: {}\n", w.url, w.kv_events, w.replay);
         s
     });
     // `client_write_ms` changes on every reload so each one applies a new config.
     format!(
-        "listen: 127.0.0.1:{}\nadmin_listen: 127.0.0.1:{}\nmax_connections: 100000\nhealth:\n  interval_ms: 500\ntimeouts:\n  client_write_ms: {write_ms}\nmodels:\n  - name: sim-model\n    tokenizer: builtin\n    workers:\n{list}",
-        ports[0], ports[1]
+        "{LISTEN_ANY}max_connections: 100000\nhealth:\n  interval_ms: 500\ntimeouts:\n  client_write_ms: {write_ms}\nmodels:\n  - name: sim-model\n    tokenizer: builtin\n    workers:\n{list}"
     )
 }
 

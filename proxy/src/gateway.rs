@@ -120,16 +120,18 @@ impl Gateway {
     }
 
     /// [`Gateway::apply`], with `applying` held by the caller.
-    fn apply_locked(&self, cfg: Config) -> Result<(), String> {
+    fn apply_locked(&self, mut cfg: Config) -> Result<(), String> {
         let old = self.config();
-        if old.listen != cfg.listen
-            || old.admin_listen != cfg.admin_listen
+        if !bound_as(old.listen, cfg.listen)
+            || !bound_as(old.admin_listen, cfg.admin_listen)
             || old.threads != cfg.threads
             || old.tls != cfg.tls
             || old.admin_tls != cfg.admin_tls
         {
             tracing::warn!("listen, admin_listen, threads, tls and admin_tls take effect at the next restart");
         }
+        // The sockets stay as bound: the live config says where the gateway listens.
+        (cfg.listen, cfg.admin_listen) = (old.listen, old.admin_listen);
         let before: std::collections::HashSet<String> = self.fleet().all_workers().iter().map(|(m, w)| format!("{m}@{}", w.url)).collect();
         let old_fleet = self.fleet();
         let slots = self.plugins.prepare(&cfg.plugins)?;
@@ -306,6 +308,11 @@ impl Drop for OpenRequest {
     fn drop(&mut self) {
         self.0.open.fetch_sub(1, Ordering::SeqCst);
     }
+}
+
+/// True when a listener bound at `bound` is what `configured` asks for: port 0 asks for any.
+fn bound_as(bound: std::net::SocketAddr, configured: std::net::SocketAddr) -> bool {
+    bound.ip() == configured.ip() && (configured.port() == 0 || configured.port() == bound.port())
 }
 
 /// 16 hex digits from the clock, the process id and a count of the ids made: two gateways

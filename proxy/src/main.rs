@@ -19,6 +19,11 @@ struct Cli {
     /// Log filter (tracing EnvFilter syntax).
     #[arg(long, global = true, default_value = "info", env = "KVGATE_LOG")]
     log: String,
+    /// Once both listeners are bound, write their addresses and the instance id to this file as
+    /// JSON (`{"listen": "host:port", "admin_listen": "host:port", "instance": "…"}`): with port
+    /// 0 in the config, a supervisor or a benchmark learns the ports the system gave.
+    #[arg(long, value_name = "FILE")]
+    ports_file: Option<PathBuf>,
     #[command(subcommand)]
     cmd: Option<Cmd>,
 }
@@ -90,6 +95,6 @@ fn main() {
         let workers: usize = cfg.models.iter().map(|m| m.workers.len()).sum();
         println!("{}: ok ({} models, {workers} workers, {} plugins)", path.display(), cfg.models.len(), cfg.plugins.len());
     } else {
-        kvgate::server::run(&cfg, Some(path));
+        kvgate::server::run(&cfg, Some(path), cli.ports_file.as_deref());
     }
 }

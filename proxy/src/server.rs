@@ -197,8 +197,9 @@ fn build(gw: Arc<Gateway>, cfg: &Config, bound: Listeners, manual: watch::Receiv
 }
 
 /// Runs the gateway in this thread until it stops; exits the process when a listener cannot
-/// be bound or the gateway's state cannot be built.
-pub fn run(cfg: &Config, path: Option<PathBuf>) {
+/// be bound or the gateway's state cannot be built. With `ports_file`, the addresses bound and
+/// the instance id are written there (as JSON) before the gateway serves.
+pub fn run(cfg: &Config, path: Option<PathBuf>, ports_file: Option<&std::path::Path>) {
     let fail = |e: &dyn std::fmt::Display| -> ! {
         eprintln!("kvgate: {e}");
         std::process::exit(1);
@@ -209,8 +210,20 @@ pub fn run(cfg: &Config, path: Option<PathBuf>) {
     let gw = Gateway::new(cfg.clone(), path).unwrap_or_else(|e| fail(&e));
     let (_tx, rx) = watch::channel(None);
     let (server, args) = build(gw.clone(), &cfg, bound, rx).unwrap_or_else(|e| fail(&e));
+    if let Some(p) = ports_file {
+        write_ports_file(p, &cfg, gw.instance()).unwrap_or_else(|e| fail(&format!("cannot write {}: {e}", p.display())));
+    }
     tracing::info!(listen = %cfg.listen, admin = %cfg.admin_listen, instance = gw.instance(), models = cfg.models.len(), "kvgate starting");
     server.run(args);
+}
+
+/// The addresses bound and the instance id as JSON, written whole (to a temporary name, then
+/// renamed), so a reader polling for the file never sees half of it.
+fn write_ports_file(path: &std::path::Path, cfg: &Config, instance: &str) -> std::io::Result<()> {
+    let v = serde_json::json!({"listen": cfg.listen.to_string(), "admin_listen": cfg.admin_listen.to_string(), "instance": instance});
+    let tmp = path.with_extension("partial");
+    std::fs::write(&tmp, v.to_string())?;
+    std::fs::rename(&tmp, path)
 }
 
 /// A gateway running on its own thread (tests, `kvgate demo`).

@@ -487,6 +487,11 @@ pub struct SimArgs {
     /// Log filter (tracing EnvFilter syntax), e.g. `info` or `vllm_sim=debug`.
     #[arg(long, default_value = "info", env = "VLLM_SIM_LOG")]
     pub log: String,
+    /// [sim] Once every socket is bound, write the addresses they got to this file as JSON
+    /// (`{"url": "http://host:port", "kv_events": [...], "replay": [...]}`), so a caller that asked for
+    /// port 0 learns the ports without guessing free ones beforehand.
+    #[arg(long, value_name = "FILE")]
+    pub ports_file: Option<PathBuf>,
 }
 
 impl SimArgs {

@@ -8,7 +8,7 @@
 //! which tells how much of the gap to nginx is the engine and how much is the gateway.
 //!
 //! ```text
-//! floor-proxy --listen 127.0.0.1:8080 --upstream 127.0.0.1:9000 [--threads N]
+//! floor-proxy --listen 127.0.0.1:8080 --upstream 127.0.0.1:9000 [--threads N] [--ports-file F]
 //! ```
 
 use clap::Parser;
@@ -33,6 +33,9 @@ struct Args {
     /// work, to see how added latency grows with it at one engine.
     #[arg(long, default_value_t = 0)]
     work_us: u64,
+    /// Once listening, write `{"listen": "host:port"}` here (for `--listen 127.0.0.1:0`).
+    #[arg(long)]
+    ports_file: Option<std::path::PathBuf>,
 }
 
 fn main() -> io::Result<()> {
@@ -43,6 +46,11 @@ fn main() -> io::Result<()> {
     }
     rt.enable_all().build()?.block_on(async move {
         let listener = TcpListener::bind(a.listen).await?;
+        if let Some(path) = &a.ports_file {
+            let tmp = path.with_extension("partial");
+            std::fs::write(&tmp, format!("{{\"listen\":\"{}\"}}", listener.local_addr()?))?;
+            std::fs::rename(&tmp, path)?;
+        }
         loop {
             let (client, _) = listener.accept().await?;
             let (upstream, work) = (a.upstream, std::time::Duration::from_micros(a.work_us));

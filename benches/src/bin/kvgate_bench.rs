@@ -1360,7 +1360,7 @@ async fn start_peer(
     block_size: usize,
     logs: &Path,
 ) -> Result<Option<(String, String, String)>, String> {
-    let ports = cluster::free_ports(2);
+    let ports = cluster::ports_for_peers(2);
     let (port, prom) = (ports[0].to_string(), ports[1].to_string());
     let urls: Vec<&str> = workers.iter().map(|w| w.url.as_str()).collect();
     let (bin, mut args): (&PathBuf, Vec<String>) = match peer.router {

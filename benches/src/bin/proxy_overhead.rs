@@ -463,8 +463,25 @@ impl Drop for Target {
     }
 }
 
-fn free_port() -> u16 {
+/// A port free now, for nginx, which cannot bind port 0 and say which port it got; this
+/// benchmark runs alone, so nothing takes it before nginx binds.
+fn port_for_peer() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// The port in the `--ports-file` our own binaries write once bound (under `key`), waited for.
+fn bound_port(child: &mut std::process::Child, file: &Path, key: &str, what: &str) -> u16 {
+    let start = Instant::now();
+    loop {
+        if let Ok(text) = std::fs::read_to_string(file) {
+            let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+            let addr = v[key].as_str().unwrap_or_else(|| panic!("{what} wrote no {key}: {v}"));
+            return addr.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("no port in {addr}"));
+        }
+        assert!(matches!(child.try_wait(), Ok(None)), "{what} exited before binding (an older build without --ports-file?)");
+        assert!(start.elapsed() < Duration::from_secs(20), "{what} wrote no {} in 20 s", file.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 fn wait_listening(port: u16, what: &str) {
@@ -497,34 +514,35 @@ fn own_cpus() -> String {
 
 /// Starts `bin` with a generated config in front of `upstream` (`extra` goes into the model).
 fn start_gateway(name: &'static str, bin: &str, dir: &Path, upstream: std::net::SocketAddr, a: &Args, model_extra: &str) -> Target {
-    let (port, admin_port) = (free_port(), free_port());
     let threads = a.kvgate_threads.map_or(String::new(), |t| format!("threads: {t}\n"));
-    let yaml = format!(
-        "listen: 127.0.0.1:{port}\nadmin_listen: 127.0.0.1:{admin_port}\n{threads}models:\n  - name: m\n{model_extra}    workers:\n      - url: http://{upstream}\n"
-    );
+    let yaml =
+        format!("listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\n{threads}models:\n  - name: m\n{model_extra}    workers:\n      - url: http://{upstream}\n");
     let cfg = dir.join(format!("{name}.yaml"));
     std::fs::write(&cfg, yaml).unwrap();
-    let child = proxy_command(bin, a.proxy_cpus.as_deref())
-        .args(["--config", cfg.to_str().unwrap(), "--log", "warn"])
+    let ports = dir.join(format!("{name}.ports.json"));
+    let mut child = proxy_command(bin, a.proxy_cpus.as_deref())
+        .args(["--config", cfg.to_str().unwrap(), "--log", "warn", "--ports-file", ports.to_str().unwrap()])
         .stdout(Stdio::null())
         .spawn()
         .unwrap_or_else(|e| panic!("start {bin} (cargo build --release -p kvgate): {e}"));
+    let port = bound_port(&mut child, &ports, "listen", name);
     wait_listening(port, name);
     Target { name, child: Some(child), port, stop: None }
 }
 
 /// Starts `floor-proxy` in front of `upstream`, spending `work_us` of CPU per request.
-fn start_floor(name: &'static str, bin: &str, upstream: std::net::SocketAddr, a: &Args, work_us: u64) -> Target {
-    let port = free_port();
+fn start_floor(name: &'static str, bin: &str, dir: &Path, upstream: std::net::SocketAddr, a: &Args, work_us: u64) -> Target {
+    let ports = dir.join(format!("{name}.ports.json"));
     let mut cmd = proxy_command(bin, a.proxy_cpus.as_deref());
-    cmd.args(["--listen", &format!("127.0.0.1:{port}"), "--upstream", &upstream.to_string()]);
+    cmd.args(["--listen", "127.0.0.1:0", "--upstream", &upstream.to_string(), "--ports-file", ports.to_str().unwrap()]);
     if work_us > 0 {
         cmd.args(["--work-us", &work_us.to_string()]);
     }
     if let Some(t) = a.kvgate_threads {
         cmd.args(["--threads", &t.to_string()]);
     }
-    let child = cmd.stdout(Stdio::null()).spawn().unwrap_or_else(|e| panic!("start {bin} (cargo build --release -p kvgate-bench): {e}"));
+    let mut child = cmd.stdout(Stdio::null()).spawn().unwrap_or_else(|e| panic!("start {bin} (cargo build --release -p kvgate-bench): {e}"));
+    let port = bound_port(&mut child, &ports, "listen", name);
     wait_listening(port, "floor-proxy");
     Target { name, child: Some(child), port, stop: None }
 }
@@ -532,7 +550,7 @@ fn start_floor(name: &'static str, bin: &str, upstream: std::net::SocketAddr, a:
 /// Starts nginx as a keep-alive reverse proxy with buffering off (SSE passes through), with
 /// `workers` worker processes.
 fn start_nginx(name: &'static str, dir: &Path, upstream: std::net::SocketAddr, a: &Args, workers: usize) -> Target {
-    let port = free_port();
+    let port = port_for_peer();
     let prefix = dir.join(name);
     std::fs::create_dir_all(prefix.join("logs")).unwrap();
     let conf = format!(
@@ -581,9 +599,9 @@ async fn main() {
         }
     }
     if let Some(bin) = &a.floor_bin {
-        targets.push(start_floor("floor", bin, up_addr, &a, 0));
+        targets.push(start_floor("floor", bin, &dir, up_addr, &a, 0));
         if let Some(w) = a.floor_work_us {
-            targets.push(start_floor(Box::leak(format!("floor+{w}").into_boxed_str()), bin, up_addr, &a, w));
+            targets.push(start_floor(Box::leak(format!("floor+{w}").into_boxed_str()), bin, &dir, up_addr, &a, w));
         }
     }
     if let Some(bin) = &a.baseline_bin {
