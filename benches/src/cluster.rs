@@ -5,17 +5,15 @@
 
 use serde_json::Value;
 use std::fmt::Write as _;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// Distinct ports free now, for third-party servers (peer routers, nginx) that cannot bind
-/// port 0 and say which port they got; every probe stays open until all are chosen, so none
-/// repeats. A benchmark runs alone, so nothing else takes them before the peer binds.
+/// Distinct ports for third-party servers (peer routers, nginx), which cannot bind port 0 and
+/// say which port they got: from below the kernel's ephemeral range, so neither the benchmark's
+/// own connections nor any port-0 bind takes one before the peer binds it.
 pub fn ports_for_peers(n: usize) -> Vec<u16> {
-    let held: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").expect("a free port")).collect();
-    held.iter().map(|l| l.local_addr().expect("bound").port()).collect()
+    (0..n).map(|_| kvgate_tests::ports::reserved_run(1)).collect()
 }
 
 /// A fresh path for a `--ports-file` in the temporary directory.

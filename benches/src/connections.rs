@@ -1,4 +1,4 @@
-//! `kvgate-bench connections`: what idle and slow clients cost a gateway (#36), against nginx
+//! `kvgate-bench connections`: what idle and slow clients cost a gateway, against nginx
 //! in the same run. Each shape opens `count` client connections that each send a few bytes and
 //! then wait, and reads the server's resident memory and descriptors before, while they are
 //! held, and after they close:

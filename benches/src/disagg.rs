@@ -1,4 +1,4 @@
-//! `kvgate-bench disagg` (#38): a prefill-heavy workload through kvgate in front of the same
+//! `kvgate-bench disagg`: a prefill-heavy workload through kvgate in front of the same
 //! number of vllm-sim workers, once aggregated (every worker prefills and decodes) and once
 //! disaggregated (half the workers `role: prefill` with a `kv_producer` connector, half
 //! `role: decode` with a `kv_consumer`), each case on a fresh gateway and fresh workers, the

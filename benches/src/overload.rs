@@ -1,11 +1,11 @@
-//! `kvgate-bench overload` (#36): closed-loop streaming clients at a multiple of the fleet's
+//! `kvgate-bench overload`: closed-loop streaming clients at a multiple of the fleet's
 //! capacity, through kvgate with and without load shedding, each case on a fresh gateway and
 //! fresh vllm-sim workers. The fleet's capacity is the streams its workers' KV caches hold
 //! (`streams_per_worker` whole streams each, as a memory-bound vLLM is); past it a worker
 //! queues new streams and preempts running ones, and first tokens wait.
-//! With shedding set, the gateway answers the excess with seed 000's 503 before it reaches a
-//! worker, so the streams it accepts keep their first-token time. A refused client waits a
-//! moment (`backoff`) and sends again, as the 503's `Retry-After` asks.
+//! With shedding set, the gateway answers the excess with Dynamo's load-shedding 503 before it
+//! reaches a worker, so the streams it accepts keep their first-token time. A refused client
+//! waits a moment (`backoff`) and sends again, as the 503's `Retry-After` asks.
 //!
 //! Counted per case: answers by kind (200 whole, 503, 429, any other status, cut or short
 //! streams, client timeouts), TTFT of the accepted streams, the gateway's peak resident memory

@@ -5,8 +5,7 @@
 //! A peer target is `vllm-router-<policy>` or `smg-<policy>`, optionally followed by `@` and
 //! `;`-separated options: `key=value` is passed as `--key value`, a bare `key` as the flag
 //! `--key`, and `docs` expands to the configuration the peer's documentation recommends for
-//! that policy ([`documented`]; where each comes from: benches/RESULTS.md, "Peers and their
-//! documented configurations").
+//! that policy ([`documented`]).
 
 /// Which router.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

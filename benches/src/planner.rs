@@ -1,4 +1,4 @@
-//! `kvgate-bench planner`: the planner (seed 002, issue #35) with the `local` connector starting
+//! `kvgate-bench planner`: the planner (Dynamo's design) with the `local` connector starting
 //! vllm-sim processes, on release binaries.
 //! - `ramp`: closed-loop streaming clients in steps up and down; the planner scales the fleet
 //!   from nothing to its minimum, up with the load and back. Reports every request's outcome
@@ -38,7 +38,7 @@ pub struct Options {
     pub steps: Vec<usize>,
     /// ramp: seconds per step.
     pub step_s: f64,
-    /// The planner's `adjustment_interval_s` (the seed's 30 s makes a long run).
+    /// The planner's `adjustment_interval_s` (Dynamo's default of 30 s makes a long run).
     pub interval_s: f64,
     /// The planner's `max_gpu_budget` (one GPU per worker).
     pub max_workers: u32,

@@ -1,10 +1,10 @@
-//! `kvgate-bench reschedule`: what the rescheduler (seed 004's `decode_load`) does for a fleet
-//! whose load is skewed. A burst of long decodes lands on the first workers of a fleet that
-//! then scales out (more workers are added by a config reload, as a planner would): without
-//! the rescheduler the old workers keep their whole batch until it ends and the new ones idle;
-//! with it, streams move to the new workers by continuation. Both runs use the same release
-//! binaries, workers and workload; per-request TTFT and TPOT are measured by the client, the
-//! migration pause by the gateway (`kvgate_migration_pause_seconds`).
+//! `kvgate-bench reschedule`: what the rescheduler (Llumnix's `decode_load` policy) does for a
+//! fleet whose load is skewed. A burst of long decodes lands on the first workers of a fleet
+//! that then scales out (more workers are added by a config reload, as a planner would):
+//! without the rescheduler the old workers keep their whole batch until it ends and the new
+//! ones idle; with it, streams move to the new workers by continuation. Both runs use the same
+//! release binaries, workers and workload; per-request TTFT and TPOT are measured by the
+//! client, the migration pause by the gateway (`kvgate_migration_pause_seconds`).
 
 use crate::cluster::{LISTEN_ANY, Procs, SimOptions, SimWorker, spawn_kvgate, start_sims, wait_ok};
 use crate::load::client;

@@ -1,5 +1,5 @@
 //! `kvgate-bench soak`: many concurrent SSE streams through kvgate for a long time, with a churn
-//! of faults injected on purpose (#36): clients that cancel mid-stream, workers killed
+//! of faults injected on purpose: clients that cancel mid-stream, workers killed
 //! (SIGKILL) and started again on the same ports, and config reloads that change a value. The
 //! gateway's resident memory and descriptors, the streams finished, cancelled and failed, and
 //! its bookings are sampled at a fixed interval; at the end the load stops and every booking
@@ -7,7 +7,7 @@
 //!
 //! A failed stream is one the client did not cancel that did not end with all its tokens. The
 //! streams running on a worker when it is killed are the injected failures the gateway may not
-//! hide: they move by continuation when they can (#13), else they are cut. A failure more than
+//! hide: they move by continuation when they can, else they are cut. A failure more than
 //! a few seconds away from any kill is the gateway's.
 
 use crate::cluster::{LISTEN_ANY, Procs, SimOptions, SimWorker, metric_sum, sim_command, spawn_kvgate, start_sims, wait_ok};

@@ -307,7 +307,7 @@ mod tests {
         let two = e.prefill_ms(0, 16_384);
         assert!(two > 2.0 * one, "{two} {one}");
         assert!((Engine { time_scale: 2.0, ..e }.prefill_ms(0, 8192) - one / 2.0).abs() < 1e-9);
-        // 16k alone: the 760 ms #39's analysis quotes.
+        // 16k alone: the 760 ms the latency-objective analysis quotes.
         assert!((two - 760.0).abs() < 1.0, "{two}");
     }
 

@@ -497,7 +497,7 @@ impl Ledger {
     /// worker's capacity. The KV in use now understates a worker whose streams were just
     /// admitted, and admitting more there ends in a queue on the worker; each stream's whole
     /// final size overstates it, as streams on a worker are at different stages and one ending
-    /// frees the blocks another grows into (benches/RESULTS.md, "Overload").
+    /// frees the blocks another grows into.
     pub fn expected_blocks(&self, w: WorkerId) -> u64 {
         let Some(l) = self.worker(w) else { return 0 };
         let (prompt, tracked) = self.prompt_and_output_blocks(w, l);

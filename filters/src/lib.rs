@@ -6,10 +6,11 @@
 //!   read by every routing mode and by shedding;
 //! - [`migrate`]: which streams may move to another worker, the continuation request that
 //!   moves them, and the re-wrapping of its events;
-//! - [`plan`]: the planner's scaling decisions (seed 002) from the load it pulls;
-//! - [`reschedule`]: the rescheduler's policies (seed 004), pair validation and request
+//! - [`plan`]: the planner's scaling decisions (Dynamo's planner) from the load it pulls;
+//! - [`reschedule`]: the rescheduler's policies (Llumnix's), pair validation and request
 //!   selection;
-//! - [`shed`]: busy detection (seed 000) and the 503 body sent when every worker is busy.
+//! - [`shed`]: busy detection (Dynamo's load shedding) and the 503 body sent when every worker
+//!   is busy.
 //!
 //! Nothing here knows about HTTP or Pingora; the proxy crate calls these filters.
 

@@ -1,23 +1,23 @@
-//! The planner's decisions (seed 002, issue #35): from the load it pulls every
+//! The planner's decisions (Dynamo's planner design): from the load it pulls every
 //! `metric_pulling_interval_s`, once per `adjustment_interval_s`, whether to add or remove one
 //! decode (or aggregated) worker and one prefill worker. Pure: no clocks, no I/O. The caller
 //! pulls, feeds [`Planner::observe`], calls [`Planner::adjust`] at each interval's end and acts
 //! (or, in observe-only mode, only records) what it returns.
 //!
-//! The load, as the seed defines it:
+//! The load, as Dynamo's planner defines it:
 //! - decode / aggregated workers: the average KV-cache utilisation (0–1) over the interval;
 //! - prefill workers: the *queue utilisation*, for kvgate the requests waiting for a prefill
 //!   (the router queue plus the workers' `vllm:num_requests_waiting`) per prefill worker,
 //!   averaged over the interval.
 //!
-//! The seed's rules, each a [`Reason`] when it holds a change back: at most one worker of each
+//! Dynamo's rules, each a [`Reason`] when it holds a change back: at most one worker of each
 //! kind per interval; nothing is pulled or decided while a change is under way; the GPU budget
 //! (`min_gpu_budget` ≤ GPUs of each kind, all GPUs ≤ `max_gpu_budget`); no decode scale-down
 //! for `new_decode_worker_grace_period` intervals after a decode worker was added; no prefill
 //! scale-up when the queue's trend in this interval brings it under the threshold within
 //! [`PREFILL_QUEUE_BUFFER_PERIOD`] intervals.
 
-/// Intervals over which the prefill queue's trend is extrapolated (the seed's
+/// Intervals over which the prefill queue's trend is extrapolated (Dynamo's
 /// `NEW_PREFILL_WORKER_QUEUE_BUFFER_PERIOD`).
 pub const PREFILL_QUEUE_BUFFER_PERIOD: f64 = 3.0;
 
@@ -28,11 +28,11 @@ pub enum PlanMode {
     /// Scale the fleet.
     #[default]
     Act,
-    /// Decide and record, change nothing (the seed's `--no-operation`).
+    /// Decide and record, change nothing (Dynamo's `--no-operation`).
     ObserveOnly,
 }
 
-/// A model's planner settings: the seed's knobs under their own names (dashes become
+/// A model's planner settings: Dynamo's knobs under their own names (dashes become
 /// underscores), with its defaults; a model's `planner` config section.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -183,8 +183,8 @@ impl Planner {
         Self { params, pulls: Vec::new(), grace_left: 0 }
     }
 
-    /// Records a pull; ignored while a change is under way (`adjusting`), as the seed blocks
-    /// pulling then.
+    /// Records a pull; ignored while a change is under way (`adjusting`), as Dynamo's planner
+    /// blocks pulling then.
     pub fn observe(&mut self, pull: Pull, adjusting: bool) {
         if !adjusting {
             self.pulls.push(pull);

@@ -1,8 +1,9 @@
-//! Approximate mode, for workers that publish no KV events (seed 001): the router records its
-//! own routing decisions as if the chosen worker had cached the request's blocks, and forgets
-//! them after a TTL (default 120 s). When the index grows past `max_tree_size` blocks (default
-//! 2^20) it is pruned to `prune_target_ratio × max_tree_size` (default 0.8), earliest-expiring
-//! first and, among equal expiries, deepest first (a prefix outlives its continuations).
+//! Approximate mode, as Dynamo's KV router has it, for workers that publish no KV events: the
+//! router records its own routing decisions as if the chosen worker had cached the request's
+//! blocks, and forgets them after a TTL (default 120 s). When the index grows past
+//! `max_tree_size` blocks (default 2^20) it is pruned to `prune_target_ratio × max_tree_size`
+//! (default 0.8), earliest-expiring first and, among equal expiries, deepest first (a prefix
+//! outlives its continuations).
 //!
 //! Built on the [`ReferenceTree`]; a min-heap of expiries is lazily cleaned (stale entries are
 //! skipped when popped; the heap is rebuilt when it grows 50× past the live entries).

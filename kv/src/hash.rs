@@ -5,9 +5,8 @@
 //! in-memory bytes (u32, native endian; hashes never leave the process), and
 //! `seed' = seed ^ xxh3_64(lora_name)` for an adapter (the base model uses `seed`). Each
 //! block's content hash is independent of the others, so the CPU overlaps them; only the cheap
-//! `link` is serial (an 8k-token prompt hashes in ~2 µs, benches/RESULTS.md). A
-//! partial tail block is ignored. Because each hash covers its whole prefix, one lookup per block answers "does this
-//! worker hold the prefix up to here".
+//! `link` is serial. A partial tail block is ignored. Because each hash covers its whole prefix,
+//! one lookup per block answers "does this worker hold the prefix up to here".
 //!
 //! Requests and event `token_ids` go through this same function, so kvgate never depends on
 //! vLLM's hash algorithm or `PYTHONHASHSEED`: engine hashes are only ids for parent links and
@@ -137,8 +136,8 @@ pub fn opaque_digest(encoded_keys: &[u8]) -> u64 {
 
 /// One link of the chain: a bijection of the parent for a fixed block and of the block for a
 /// fixed parent, so prefixes that differ once stay different whatever follows. It is the only
-/// serial step of [`Hasher::chain`]: a rotate, an xor and one multiply (~5 cycles) where a full
-/// finaliser took ~14. `content` is already an avalanche-complete xxh3, so the product needs
+/// serial step of [`Hasher::chain`]: a rotate, an xor and one multiply, a fraction of a full
+/// finaliser's latency. `content` is already an avalanche-complete xxh3, so the product needs
 /// no finaliser; the rotation feeds the parent's well-mixed high bits into the product's low
 /// bits, which the flat index reads first.
 #[inline]

@@ -1,7 +1,6 @@
 //! A JSON list of token ids read straight from the bytes: a long prompt's ids arrive as one
 //! (the request's `prompt`, the first event's `prompt_token_ids`), tens of KiB of digits that
-//! a JSON parser read at several times this reader's cost (benches/RESULTS.md, "A long id
-//! prompt read once").
+//! a JSON parser read at several times this reader's cost.
 //!
 //! Only the plain form is read: `[`, then ids each `0` or `[1-9][0-9]*` up to `u32::MAX`,
 //! separated by commas, then `]`, with JSON whitespace anywhere between. Any other list (a sign,
@@ -53,7 +52,7 @@ const ONES: u64 = 0x0101_0101_0101_0101;
 
 /// The id at `i` and the index just past its digits. Eight bytes are looked at in one word:
 /// where the digits end and what they are worth come from a few word operations instead of
-/// a branch per digit, whose mispredictions made a byte loop cost ~8 ns per id.
+/// a branch per digit, whose mispredictions dominated a byte loop's cost per id.
 fn id(b: &[u8], i: usize) -> Option<(u32, usize)> {
     let word = match b.get(i..i + 8) {
         Some(w) => w.try_into().unwrap_or([b' '; 8]),

@@ -30,15 +30,20 @@ fn sim_config(pub_port: u16, replay_port: u16) -> SimConfig {
     }
 }
 
-/// A port below the kernel's ephemeral range (never assigned by the kernel on its own) and free
-/// now, for a socket that must be bound at a port named up front: an engine restarted on the
-/// endpoints it had, a subscriber that binds. Each is handed out once per process.
+/// A port below the kernel's ephemeral range (which the kernel never assigns on its own) and
+/// free now, for a socket that must be bound at a port named up front: an engine restarted on
+/// the endpoints it had, a subscriber that binds. Each is handed out once per process, from a
+/// run of 100 that starts at an offset of the process id.
 fn reserved_port() -> u16 {
     static NEXT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
+    let floor = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok().and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok());
     let base = 12_000 + u16::try_from(std::process::id() % 64).expect("below 64") * 100;
-    std::iter::repeat_with(|| base + NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 100)
+    assert!(floor.unwrap_or(32_768) > u32::from(base) + 100, "the ephemeral range starts at {floor:?}: no reserved ports below it");
+    std::iter::from_fn(|| Some(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)))
+        .take_while(|&n| n < 100)
+        .map(|n| base + n)
         .find(|&p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok())
-        .expect("a free port")
+        .expect("a free port among this process's reserved ones")
 }
 
 struct Fixture {
@@ -176,8 +181,15 @@ async fn an_engine_restart_clears_the_worker_and_resyncs() {
     assert!(f.wait_matched(&before, 3).await);
     // The worker dies and comes back empty on the same endpoints.
     f.sim.take().unwrap().shutdown().await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    f.sim = Some(SimServer::start(sim_config(f.ports.0, f.ports.1)).await.expect("restarted"));
+    let down = Instant::now();
+    f.sim = loop {
+        // The old sockets may take a moment to close: the ports are ours (reserved), so retry.
+        match SimServer::start(sim_config(f.ports.0, f.ports.1)).await {
+            Ok(s) => break Some(s),
+            Err(_) if down.elapsed() < Duration::from_secs(10) => tokio::time::sleep(Duration::from_millis(20)).await,
+            Err(e) => panic!("the engine did not come back on its endpoints: {e}"),
+        }
+    };
     let after = prompt(6, 2);
     let start = Instant::now();
     loop {

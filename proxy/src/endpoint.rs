@@ -279,7 +279,7 @@ impl Endpoint {
         self as usize
     }
 
-    /// Metric label (seed 003's values for chat and completions).
+    /// Metric label (Dynamo's cancellation metric's values for chat and completions).
     pub fn label(self) -> &'static str {
         match self {
             Self::Chat => "chat_completions",

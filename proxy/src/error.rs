@@ -116,7 +116,7 @@ pub(crate) enum GatewayError {
     /// The request waited in the router queue past `routing.queue_max_wait_ms`.
     #[error("queue wait of {0} timed out")]
     QueueTimeout(String),
-    /// Every worker is over a busy threshold (seed 000).
+    /// Every worker is over a busy threshold (Dynamo's load shedding).
     #[error("all workers of {0} busy")]
     AllBusy(String),
     /// The model has no healthy worker left to try.

@@ -1,7 +1,7 @@
 //! A limit on idle time that is re-armed over and over (a client connection between requests,
 //! a worker between chunks): one timer, moved later each time. Moving a registered tokio timer
 //! later is a store; a fresh `tokio::time::timeout` each time was a timer-wheel insert and
-//! removal (benches/RESULTS.md, "One idle timer per connection").
+//! removal.
 
 use std::pin::Pin;
 use std::time::Duration;

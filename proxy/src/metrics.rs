@@ -1,6 +1,6 @@
 //! The gateway's Prometheus metrics (`kvgate_*`), in one registry served on `/metrics` of both
-//! listeners. Where seed 003 names a metric (`dynamo_frontend_model_cancellation_total`), the
-//! kvgate equivalent keeps its labels.
+//! listeners. Where Dynamo's cancellation design names a metric
+//! (`dynamo_frontend_model_cancellation_total`), the kvgate equivalent keeps its labels.
 
 pub mod disaggregation;
 pub mod planner;

@@ -88,13 +88,15 @@ impl BackgroundService for Background {
 /// Pingora's own buffers in front of a client socket: none. `ClientConn` keeps its own read
 /// buffer and gathers each send in its own write buffer, both borrowed from the thread only
 /// while bytes move; Pingora's defaults (64 KiB read, allocated for every connection as it is
-/// accepted, and a write buffer) cost an idle client ~100 KB for nothing (#36,
-/// docs/hardening.md, "Memory per connection").
+/// accepted, and a write buffer) would cost every idle client that much for nothing
+/// (docs/hardening.md).
 fn client_buffers() -> L4BufferSettings {
     L4BufferSettings::unbuffered()
 }
 
-/// A listener on `addr`, speaking TLS with `certs` when given.
+/// A listener on `addr`, speaking TLS with `certs` when given. The socket is bound already
+/// ([`Listeners`]): socket options given here would not apply, as Pingora sets them only on a
+/// socket it binds itself.
 fn listener(addr: SocketAddr, certs: Option<&Arc<crate::tls::CertStore>>) -> ListenerConfig {
     let l = ListenerConfig::tcp(addr.to_string()).l4_buffer(client_buffers());
     match certs {
@@ -111,14 +113,14 @@ fn listener(addr: SocketAddr, certs: Option<&Arc<crate::tls::CertStore>>) -> Lis
 /// program may take in between. Neither socket sets `SO_REUSEPORT`, so no other listener can
 /// share the port and take a share of its connections.
 #[derive(Debug)]
-pub struct Listeners {
+pub(crate) struct Listeners {
     public: TcpListener,
     admin: TcpListener,
 }
 
 impl Listeners {
     /// Binds `listen` and `admin_listen`; an error names the address that failed.
-    pub fn bind(cfg: &Config) -> std::io::Result<Self> {
+    pub(crate) fn bind(cfg: &Config) -> std::io::Result<Self> {
         let bind = |what: &str, addr: SocketAddr| {
             let l = TcpListener::bind(addr).map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {addr} ({what}): {e}")))?;
             // Pingora's accept loop runs on tokio, which needs the socket non-blocking.
@@ -129,32 +131,28 @@ impl Listeners {
     }
 
     /// The addresses bound: the public listener's and the admin listener's.
-    pub fn addrs(&self) -> std::io::Result<(SocketAddr, SocketAddr)> {
+    pub(crate) fn addrs(&self) -> std::io::Result<(SocketAddr, SocketAddr)> {
         Ok((self.public.local_addr()?, self.admin.local_addr()?))
-    }
-
-    /// The sockets as Pingora takes inherited ones: a table of descriptors by the address its
-    /// listener names. Each descriptor's ownership passes to the service that looks it up.
-    fn into_table(self) -> std::io::Result<ListenFds> {
-        let (public, admin) = self.addrs()?;
-        let mut fds = Fds::new();
-        fds.add(public.to_string(), self.public.into_raw_fd());
-        fds.add(admin.to_string(), self.admin.into_raw_fd());
-        Ok(Arc::new(parking_lot::Mutex::new(fds)))
     }
 }
 
-/// A Pingora listening service that takes its sockets from the gateway's own bound table
-/// instead of the server's, where it would bind them itself.
+/// A Pingora listening service over a socket bound already: when the server starts it, the
+/// socket's descriptor passes to Pingora in a table of its own (the way Pingora takes sockets
+/// inherited across an upgrade) instead of the server's, where Pingora would bind the address
+/// itself. A service the server never starts closes its socket when dropped.
 struct Prebound<S> {
     inner: S,
-    fds: ListenFds,
+    socket: Option<(SocketAddr, TcpListener)>,
 }
 
 #[async_trait]
 impl<S: pingora::services::Service> pingora::services::Service for Prebound<S> {
     async fn start_service(&mut self, _server_fds: Option<ListenFds>, shutdown: ShutdownWatch, listeners_per_fd: usize) {
-        self.inner.start_service(Some(self.fds.clone()), shutdown, listeners_per_fd).await;
+        let mut fds = Fds::new();
+        if let Some((addr, socket)) = self.socket.take() {
+            fds.add(addr.to_string(), socket.into_raw_fd());
+        }
+        self.inner.start_service(Some(Arc::new(parking_lot::Mutex::new(fds))), shutdown, listeners_per_fd).await;
     }
 
     fn name(&self) -> &str {
@@ -164,11 +162,14 @@ impl<S: pingora::services::Service> pingora::services::Service for Prebound<S> {
     fn threads(&self) -> Option<usize> {
         self.inner.threads()
     }
+
+    fn runtime_opts_override(&self, global: &pingora::server::RuntimeOpts) -> Option<pingora::server::RuntimeOpts> {
+        self.inner.runtime_opts_override(global)
+    }
 }
 
 fn build(gw: Arc<Gateway>, cfg: &Config, bound: Listeners, manual: watch::Receiver<Option<Stop>>) -> std::io::Result<(Server, RunArgs)> {
     let (public_addr, admin_addr) = bound.addrs()?;
-    let fds = bound.into_table()?;
     let conf = ServerConf {
         threads: cfg.threads,
         // Draining happens in `Signals` before Pingora's shutdown starts; after it, stop promptly.
@@ -188,8 +189,8 @@ fn build(gw: Arc<Gateway>, cfg: &Config, bound: Listeners, manual: watch::Receiv
     let mut admin = Service::new("kvgate-admin".to_string(), GatewayApp::new(gw.clone(), Role::Admin));
     admin.threads = Some(1);
     admin.add_listener(listener(admin_addr, gw.tls.admin.as_ref()));
-    server.add_service(Prebound { inner: public, fds: fds.clone() });
-    server.add_service(Prebound { inner: admin, fds });
+    server.add_service(Prebound { inner: public, socket: Some((public_addr, bound.public)) });
+    server.add_service(Prebound { inner: admin, socket: Some((admin_addr, bound.admin)) });
     // Watching before the listeners open: an edit made once the gateway answers is never missed.
     let config_watch = gw.config_path().map(|p| crate::tasks::ConfigWatch::install(p));
     server.add_service(background_service("tasks", Background(gw.clone(), config_watch)));
@@ -205,6 +206,10 @@ pub fn run(cfg: &Config, path: Option<PathBuf>, ports_file: Option<&std::path::P
         std::process::exit(1);
     };
     let mut cfg = cfg.clone();
+    // A file left by an earlier run must not pass for this one's while it starts.
+    if let Some(p) = ports_file {
+        let _ = std::fs::remove_file(p);
+    }
     let bound = Listeners::bind(&cfg).unwrap_or_else(|e| fail(&e));
     (cfg.listen, cfg.admin_listen) = bound.addrs().unwrap_or_else(|e| fail(&e));
     let gw = Gateway::new(cfg.clone(), path).unwrap_or_else(|e| fail(&e));
@@ -260,20 +265,29 @@ impl GatewayHandle {
             }
         })?;
         built_rx.recv().map_err(|_| std::io::Error::other("the gateway's server thread ended before it was built"))??;
-        let handle = Self { listen: cfg.listen, admin: cfg.admin_listen, gateway: gw, stop: tx, thread: Some(thread) };
+        let mut handle = Self { listen: cfg.listen, admin: cfg.admin_listen, gateway: gw, stop: tx, thread: Some(thread) };
         handle.wait_answering()?;
         Ok(handle)
     }
 
     /// Waits until each plain HTTP listener answers `/health` as this instance. A TLS listener
-    /// is ours by construction (bound above) and queues connections until accepted.
-    fn wait_answering(&self) -> std::io::Result<()> {
+    /// is not asked: it is ours by construction (bound above) and queues connections until the
+    /// server accepts them, but nothing here shows that its service started.
+    fn wait_answering(&mut self) -> std::io::Result<()> {
         let plain = [(self.listen, self.gateway.tls.public.is_none()), (self.admin, self.gateway.tls.admin.is_none())];
         let start = Instant::now();
         for (addr, _) in plain.into_iter().filter(|&(_, plain)| plain) {
             while !answers_as(addr, self.gateway.instance()) {
-                if start.elapsed() > Duration::from_secs(10) || self.thread.as_ref().is_none_or(std::thread::JoinHandle::is_finished) {
-                    return Err(std::io::Error::other(format!("kvgate did not answer on {addr}")));
+                if self.thread.as_ref().is_none_or(std::thread::JoinHandle::is_finished) {
+                    let how = match self.thread.take().map(std::thread::JoinHandle::join) {
+                        Some(Err(_)) => "panicked",
+                        _ => "ended",
+                    };
+                    return Err(std::io::Error::other(format!("the gateway's server thread {how} before {addr} answered")));
+                }
+                // Only a hang ends here: the socket is ours, so no other server can answer.
+                if start.elapsed() > Duration::from_secs(30) {
+                    return Err(std::io::Error::other(format!("kvgate did not answer /health on {addr} within 30 s")));
                 }
                 std::thread::sleep(Duration::from_millis(5));
             }
@@ -339,14 +353,13 @@ fn answers_as(addr: SocketAddr, instance: &str) -> bool {
         std::net::IpAddr::V6(a) if a.is_unspecified() => std::net::Ipv6Addr::LOCALHOST.into(),
         ip => ip,
     };
-    let addr = SocketAddr::new(ip, addr.port());
-    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) else { return false };
+    let Ok(mut s) = TcpStream::connect_timeout(&SocketAddr::new(ip, addr.port()), Duration::from_millis(200)) else { return false };
     let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
     if s.write_all(b"GET /health HTTP/1.1\r\nhost: kvgate\r\nconnection: close\r\n\r\n").is_err() {
         return false;
     }
     let mut answer = Vec::new();
     let _ = s.take(64 * 1024).read_to_end(&mut answer);
-    let needle = format!("\"instance\":\"{instance}\"");
-    answer.windows(needle.len()).any(|w| w == needle.as_bytes())
+    let body = answer.windows(4).position(|w| w == b"\r\n\r\n").map_or(&[][..], |at| &answer[at + 4..]);
+    serde_json::from_slice::<serde_json::Value>(body).is_ok_and(|v| v["instance"] == instance)
 }

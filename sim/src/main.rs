@@ -10,6 +10,10 @@ async fn main() {
     let filter = tracing_subscriber::EnvFilter::try_new(&args.log).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     tracing_subscriber::fmt().with_env_filter(filter).with_target(false).init();
     let ports_file = args.ports_file.clone();
+    // A file left by an earlier run must not pass for this one's while it starts.
+    if let Some(p) = &ports_file {
+        let _ = std::fs::remove_file(p);
+    }
     let cfg = match args.into_config() {
         Ok(c) => c,
         Err(e) => {

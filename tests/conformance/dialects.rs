@@ -240,7 +240,7 @@ async fn vllm_ids(t: &Target, kind: &str, body: &Value) -> Result<Vec<Option<u32
 /// ids, and refuses what vLLM refuses for the request itself. What the server refuses for its
 /// own configuration (tool choice without `--enable-auto-tool-choice` and a tool parser) the
 /// gateway cannot know: rendering such a request costs nothing (it only routes it), so those
-/// cases are not compared. At least 50 cases must be compared and equal (#34). Elsewhere there
+/// cases are not compared. At least 50 cases must be compared and equal. Elsewhere there
 /// is nothing to compare with.
 #[tokio::test]
 async fn rendering_equals_vllms_render_endpoints() {

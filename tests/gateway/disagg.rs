@@ -1,4 +1,4 @@
-//! Prefill/decode disaggregation (#38) end to end: kvgate in front of vllm-sim prefill workers
+//! Prefill/decode disaggregation end to end: kvgate in front of vllm-sim prefill workers
 //! (`kv_producer`) and decode workers (`kv_consumer`) speaking vLLM's `kv_transfer_params`
 //! protocol, and in front of two real vLLM servers sharing KV through vLLM's `ExampleConnector`
 //! (when the real-vLLM suite names them).

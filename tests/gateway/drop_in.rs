@@ -1,4 +1,4 @@
-//! The drop-in promise (#34): every path a vLLM server answers is answered through the gateway
+//! The drop-in promise: every path a vLLM server answers is answered through the gateway
 //! as the server answers it, except vLLM's control endpoints, which the public listener never
 //! forwards; `passthrough` rules adjust the rest.
 

@@ -1,4 +1,4 @@
-//! What the gateway answers for the fleet as a whole (#34): `/v1/models` from the workers' own
+//! What the gateway answers for the fleet as a whole: `/v1/models` from the workers' own
 //! model cards, requests naming a LoRA adapter placed only on workers that list it, and vLLM's
 //! control endpoints as fleet operations on the admin listener.
 
@@ -181,7 +181,7 @@ async fn adapter_requests_land_only_on_workers_with_the_adapter() {
 }
 
 /// With an admin token, every admin endpoint but `/metrics` and `/health` answers 401 without
-/// it or with a wrong one (counted), and works with it (#36).
+/// it or with a wrong one (counted), and works with it.
 #[tokio::test]
 async fn the_admin_token_guards_every_admin_endpoint_but_metrics_and_health() {
     let sim = vllm_sim::SimServer::start(kvgate_tests::target::test_sim_config()).await.expect("sim starts");
@@ -234,7 +234,7 @@ async fn the_admin_token_guards_every_admin_endpoint_but_metrics_and_health() {
 }
 
 /// `x-kvgate-worker` names the worker without its address by default; `url` and `off` as
-/// asked (#36).
+/// asked.
 #[tokio::test]
 async fn the_worker_header_hides_addresses_by_default() {
     let sim = vllm_sim::SimServer::start(kvgate_tests::target::test_sim_config()).await.expect("sim starts");
@@ -264,7 +264,7 @@ async fn the_worker_header_hides_addresses_by_default() {
 }
 
 /// Past `max_connections`, a new client connection is closed at once and counted; one that
-/// closes makes room (#36).
+/// closes makes room.
 #[tokio::test]
 async fn connections_past_the_cap_are_closed_and_counted() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -308,7 +308,7 @@ async fn connections_past_the_cap_are_closed_and_counted() {
 
 /// `per_client.max_concurrent`: a client with that many requests in flight gets 429 with
 /// `Retry-After` for the next, counted; one ending makes room; clients told apart by an API-key
-/// header count apart (#36).
+/// header count apart.
 #[tokio::test]
 async fn a_client_over_its_concurrent_requests_gets_429() {
     let sim = vllm_sim::SimServer::start(super::sim(1.0)).await.expect("sim starts");

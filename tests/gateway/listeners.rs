@@ -24,10 +24,11 @@ async fn spawn(cfg: kvgate::config::Config) -> std::io::Result<GatewayHandle> {
     tokio::task::spawn_blocking(move || GatewayHandle::spawn(cfg, None)).await.expect("join")
 }
 
-/// What once made a test's first request fail with hyper's `UnexpectedMessage`: the port the
-/// gateway was to bind had been given, meanwhile, to a simulator's KV-event PUB socket, which
-/// greets every connection first (ZMTP's signature); the old readiness check, a TCP connect,
-/// took that socket for the gateway. Now the start fails and names the address.
+/// An address another socket holds fails the start and names the address. The hazard it
+/// guards against: a simulator's KV-event PUB socket greets every connection first (ZMTP's
+/// signature), so a gateway that served "on" a port such a socket held, or a readiness check
+/// that took it for the gateway, hands an HTTP client bytes it never asked for (hyper's
+/// `UnexpectedMessage`).
 #[tokio::test(flavor = "multi_thread")]
 async fn an_address_another_socket_holds_fails_the_start() {
     let mut zmq = zeromq::PubSocket::new();
@@ -46,9 +47,9 @@ async fn an_address_another_socket_holds_fails_the_start() {
     assert!(e.to_string().contains(&format!("cannot listen on 127.0.0.1:{port} (listen)")), "{e}");
 }
 
-/// What once aborted a test binary with "IO Safety violation: owned file descriptor already
-/// closed": both listeners given one address (two picks of a free port that came out equal).
-/// Pingora then handed one descriptor to both services, and the second to close it aborted.
+/// One address for both listeners fails the start. Handed to Pingora to bind, it would give one
+/// descriptor to both services, and the second to close it would abort the process ("IO Safety
+/// violation: owned file descriptor already closed").
 #[tokio::test(flavor = "multi_thread")]
 async fn one_address_for_both_listeners_fails_the_start() {
     let port = kvgate_tests::ports::reserved_run(1);

@@ -1,4 +1,4 @@
-//! docs/endpoints.md's table against the gateway and against a live vLLM (#34): every row's kind
+//! docs/endpoints.md's table against the gateway and against a live vLLM: every row's kind
 //! is what the gateway does with its path; on real vLLM (tests/real-vllm/run-suite.sh), every
 //! path and method of the server's `openapi.json` has a row, and every row the server serves
 //! answers through the gateway with the status it answers directly (control paths: 403).

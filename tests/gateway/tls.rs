@@ -1,4 +1,4 @@
-//! TLS on the listeners (#36): requests over TLS with a self-signed certificate, the pair read
+//! TLS on the listeners: requests over TLS with a self-signed certificate, the pair read
 //! again on `POST /reload` and when its files change, a bad pair refused with the old one kept,
 //! and the OpenAI SDK over TLS (under tests/real-vllm/run-suite.sh, which names its Python).
 

@@ -1,4 +1,4 @@
-//! Moving running streams (issue #13, docs/migration.md): a stream moved mid-way by
+//! Moving running streams (docs/migration.md): a stream moved mid-way by
 //! `POST /migrate` or by failover is identical to the same request unmoved (text, token ids,
 //! finish, usage, one `[DONE]`), bookings return to 0, and requests that cannot move say why.
 //!

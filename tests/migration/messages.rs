@@ -1,4 +1,4 @@
-//! Anthropic Messages streams move too (issue #34, docs/migration.md "Anthropic Messages
+//! Anthropic Messages streams move too (docs/migration.md "Anthropic Messages
 //! streams"): the gateway sends a movable `/v1/messages` stream to its worker as the chat request
 //! vLLM builds from it and turns the chat events back into Anthropic events. The unmoved stream
 //! is the worker's own `/v1/messages` stream (the message id aside, which both make from the

@@ -1,4 +1,4 @@
-//! OpenAI Responses streams move too (issue #34, docs/migration.md "OpenAI Responses
+//! OpenAI Responses streams move too (docs/migration.md "OpenAI Responses
 //! streams"): a movable `/v1/responses` stream that its worker would not store is sent to the
 //! worker as the chat request that renders and samples as it, and the gateway makes vLLM's
 //! Responses events of the chat events. A stream moved by the admin or by its worker's death is

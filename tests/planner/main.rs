@@ -1,4 +1,4 @@
-//! The planner end to end (issue #35): a gateway whose model's workers are vllm-sim processes
+//! The planner end to end: a gateway whose model's workers are vllm-sim processes
 //! the `local` connector starts from a command template, under load that rises and falls.
 
 #![allow(clippy::float_cmp, reason = "tests compare exact metric values, counts the target reports as floats")]
@@ -253,9 +253,15 @@ async fn observe_only_decides_and_records_but_starts_nothing() {
 /// and read again when the worker comes back after a restart with another publisher.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_events_auto_follows_a_worker_that_restarts_with_another_publisher() {
-    let first = vllm_sim::SimServer::start(kvgate_tests::target::test_sim_config()).await.expect("sim starts");
+    // The worker comes back on its HTTP address, so that address (and the first publisher's, so
+    // the second's differs) is reserved below the ephemeral range, where nothing else binds
+    // between the stop and the restart.
+    let ports = kvgate_tests::ports::reserved_run(2);
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], ports));
+    let mut cfg = vllm_sim::SimConfig { listen: addr, ..kvgate_tests::target::test_sim_config() };
+    cfg.kv_events.endpoint = format!("tcp://*:{}", ports + 1);
+    let first = vllm_sim::SimServer::start(cfg).await.expect("sim starts");
     let url = first.url();
-    let addr: std::net::SocketAddr = url.trim_start_matches("http://").parse().unwrap();
     let yaml = format!(
         "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nthreads: 2\nhealth:\n  interval_ms: 100\n  timeout_ms: 500\n  unhealthy_threshold: 1\n  healthy_threshold: 1\n\
          models:\n  - name: sim-model\n    tokenizer: builtin\n    routing:\n      mode: kv\n    workers:\n      - url: {url}\n        kv_events: auto\n"

@@ -308,12 +308,13 @@ async fn disconnect_during_prefill_aborts_a_unary_request() {
             assert_eq!(m.sum("vllm:num_requests_running", &[]), 0.0);
             break;
         }
-        assert!(gone.elapsed() < Duration::from_millis(500), "not aborted 500 ms after the disconnect");
+        // Generous for a loaded machine: the abort takes one step, milliseconds when idle.
+        assert!(gone.elapsed() < Duration::from_secs(3), "not aborted 3 s after the disconnect");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    // Let the in-flight step finish: blocks are released, nothing leaks.
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    assert_eq!(t.metrics().await.sum("vllm:kv_cache_usage_perc", &[]), 0.0);
+    // Once the in-flight step finishes its blocks are released: nothing leaks.
+    let freed = kvgate_tests::cluster::wait_until(Duration::from_secs(5), || async { t.metrics().await.sum("vllm:kv_cache_usage_perc", &[]) == 0.0 }).await;
+    assert!(freed.is_some(), "the aborted request's blocks are freed");
 }
 
 #[tokio::test]

@@ -1,4 +1,4 @@
-//! The soak's CI variant (#36): two minutes of concurrent streams through a gateway in front
+//! The soak's CI variant: two minutes of concurrent streams through a gateway in front
 //! of three simulated workers, with clients cancelling mid-stream, a worker crashed and started
 //! again on its address every 30 s, and a config change reloaded every 20 s. At the end every
 //! booking is back to 0, nothing is left in flight, the process's descriptors are back near
@@ -41,7 +41,15 @@ struct Tally {
 async fn two_minutes_of_streams_with_cancels_crashes_and_reloads_leave_nothing_behind() {
     let sim = SimConfig { time_scale: 2.0, ..test_sim_config() };
     let opts = GatewayOpts { extra: "timeouts:\n  client_write_ms: 60000\n".into(), ..GatewayOpts::default() };
-    let mut c = Cluster::sims(3, sim.clone(), opts).await;
+    // Each worker comes back on its address after a crash, so the addresses are reserved below
+    // the ephemeral range, where no connection or port-0 bind takes them while a worker is down.
+    let base = kvgate_tests::ports::reserved_run(3);
+    let mut sims = Vec::new();
+    for k in 0..3 {
+        sims.push(SimServer::start(SimConfig { listen: ([127, 0, 0, 1], base + k).into(), ..sim.clone() }).await.expect("sim starts"));
+    }
+    let mut c = Cluster::front(&sims.iter().map(SimServer::url).collect::<Vec<_>>(), opts).await;
+    c.sims = sims;
     let fds_before = open_fds();
     let url = c.url("/v1/completions");
     // The streams' own client, dropped at the end so its pooled connections close.
@@ -104,6 +112,7 @@ async fn two_minutes_of_streams_with_cancels_crashes_and_reloads_leave_nothing_b
             let listen = c.sims[k].addr();
             c.sims[k].crash();
             c.sims[k].stopped().await;
+            // Down for a second, as a restarted pod would be.
             tokio::time::sleep(Duration::from_secs(1)).await;
             c.sims[k] = SimServer::start(SimConfig { listen, ..sim.clone() }).await.expect("the worker comes back on its address");
         }

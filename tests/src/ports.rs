@@ -18,7 +18,9 @@ const FLOOR: u32 = 10_000;
 /// by itself and none handed out before in this process.
 pub fn reserved_run(n: u16) -> u16 {
     static NEXT: AtomicU32 = AtomicU32::new(0);
-    let ceiling = ephemeral_floor().saturating_sub(1).max(FLOOR + 2_000);
+    let floor = ephemeral_floor();
+    assert!(floor > FLOOR + 2_000, "the ephemeral range starts at {floor}: no room below it for reserved ports");
+    let ceiling = floor - 1;
     let span = ceiling - FLOOR;
     let offset = (std::process::id() % 16) * (span / 16);
     loop {

@@ -1,4 +1,4 @@
-//! KV index benchmarks (issue #4), release mode:
+//! KV index benchmarks, release mode:
 //! 1. `find_matches` latency for an 8,192-token prompt (block size 16 → 512 blocks) over an
 //!    index of 1M blocks, with 8, 64 and 256 workers: p50/p99 of single calls, and the same
 //!    query on the reference tree as the baseline;

@@ -57,10 +57,9 @@ enum Cmd {
         /// load-balancing guide; vllm-router 0.1.17 defaults to 0.3 / 64 / 1.5), SMG cache_aware
         /// `--cache-threshold 0.5 --balance-abs-threshold 32 --balance-rel-threshold 1.5
         /// --eviction-interval-secs 120 --max-tree-size 67108864` (the SGLang Model Gateway
-        /// guide; sglang-router 0.3.2 defaults to 0.3 / 64 / 1.5 / 60 s); sources in
-        /// benches/RESULTS.md. vllm-router kv_aware's workers run as its documentation requires:
-        /// sha256_cbor hashes published as 32-byte digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0),
-        /// PYTHONHASHSEED=0, event topic "".
+        /// guide; sglang-router 0.3.2 defaults to 0.3 / 64 / 1.5 / 60 s). vllm-router kv_aware's
+        /// workers run as its documentation requires: sha256_cbor hashes published as 32-byte
+        /// digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0), PYTHONHASHSEED=0, event topic "".
         #[arg(long, value_delimiter = ',', default_value = "kvgate-kv,kvgate-round_robin,vllm-router-cache_aware,vllm-router-kv_aware,smg-cache_aware")]
         targets: Vec<String>,
         /// The vllm-sim binary.
@@ -93,22 +92,22 @@ enum Cmd {
         common: Common,
     },
     /// The rescheduler on a skewed fleet: a burst of long decodes on the first workers, then a
-    /// scale-out; the same burst without and with `decode_load` (benches/RESULTS.md).
+    /// scale-out; the same burst without and with `decode_load`.
     Reschedule(RescheduleArgs),
-    /// The planner (seed 002) with the local connector starting vllm-sim workers: a load ramp
-    /// up and down, and a scale-down by migration against one by waiting (benches/RESULTS.md).
+    /// The planner (Dynamo's design) with the local connector starting vllm-sim workers: a load
+    /// ramp up and down, and a scale-down by migration against one by waiting.
     Planner(PlannerArgs),
     /// What idle and slow clients cost: resident memory and descriptors per held connection,
-    /// for several client shapes, kvgate beside nginx (#36, docs/hardening.md).
+    /// for several client shapes, kvgate beside nginx (docs/hardening.md).
     Connections(ConnectionsArgs),
     /// Many concurrent streams for a long time with cancels, worker kills and reloads: memory,
-    /// descriptors, errors and bookings per interval (#36, docs/hardening.md).
+    /// descriptors, errors and bookings per interval (docs/hardening.md).
     Soak(SoakArgs),
     /// Streaming clients at multiples of the fleet's capacity, without and with load shedding:
-    /// answers by kind, TTFT of the accepted, memory, descriptors, bookings after (#36).
+    /// answers by kind, TTFT of the accepted, memory, descriptors, bookings after.
     Overload(OverloadArgs),
     /// A prefill-heavy workload through kvgate on aggregated workers, then on the same number
-    /// split into prefill and decode workers: ITL, TTFT (with the transfer's share), e2e (#38).
+    /// split into prefill and decode workers: ITL, TTFT (with the transfer's share), e2e.
     Disagg(DisaggArgs),
 }
 

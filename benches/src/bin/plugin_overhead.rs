@@ -1,4 +1,4 @@
-//! What a WebAssembly routing policy adds to a decision (issue #6): one call into a plugin
+//! What a WebAssembly routing policy adds to a decision: one call into a plugin
 //! with 64 candidate workers, against the built-in `kv` cost choosing among the same 64 in the
 //! same run. Three plugins: `hostile` in its well-behaved mode (pins the highest id: the bare
 //! cost of a call: copying the request and 64 records in, the answer out), and the

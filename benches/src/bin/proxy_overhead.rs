@@ -22,9 +22,8 @@
 //! CPU per request and so leaves more of the shared cores to the proxies.
 //!
 //! `--rounds N` measures each path N times per row, the paths taking turns, so that the shared
-//! machine's slow spells (nginx's own rate moved between 41k and 60k requests/s from one 3 s
-//! window to the next on the 2-core VM of benches/RESULTS.md) are spread over every path instead
-//! of landing on whichever ran then.
+//! machine's slow spells (on a shared VM even nginx's own rate swings widely from one window to
+//! the next) are spread over every path instead of landing on whichever ran then.
 //!
 //! By default the proxies share every core with the load and the upstream, so the scheduler's
 //! placement of four busy threads on a small machine moves the figures from run to run.
@@ -463,10 +462,10 @@ impl Drop for Target {
     }
 }
 
-/// A port free now, for nginx, which cannot bind port 0 and say which port it got; this
-/// benchmark runs alone, so nothing takes it before nginx binds.
+/// A port for nginx, which cannot bind port 0 and say which port it got: from below the
+/// kernel's ephemeral range, so no connection or port-0 bind takes it before nginx binds it.
 fn port_for_peer() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    kvgate_tests::ports::reserved_run(1)
 }
 
 /// The port in the `--ports-file` our own binaries write once bound (under `key`), waited for.

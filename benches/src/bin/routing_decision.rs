@@ -1,4 +1,4 @@
-//! The KV routing decision for an 8,192-token prompt over 64 workers (issue #5): hash the
+//! The KV routing decision for an 8,192-token prompt over 64 workers: hash the
 //! prompt's 512 blocks, look them up in the index (~1M blocks) and in the booked-load index,
 //! build 64 candidates and pick the cheapest, under each `kv` cost (`time`, `blocks`). Tokenization excluded. Release, one pinned core;
 //! `round_robin` measured in the same run as the baseline. Each decision is followed by the
@@ -60,7 +60,7 @@ fn main() {
         }
     }
     let time = KvPolicy::new(KvParams::default());
-    // #39's whole cost: the decode terms priced and latency objectives to meet.
+    // The time cost with everything on: the decode terms priced and latency objectives to meet.
     let full = KvPolicy::new(KvParams { pricing: Pricing { decode: true, ..Pricing::default() }, ..KvParams::default() });
     let blocks = KvPolicy::new(KvParams { cost: Cost::Blocks, ..KvParams::default() });
     let candidates = |cached: &[u32], booked: &[u32]| -> Vec<Candidate> {
@@ -116,7 +116,7 @@ fn main() {
         (lat, probe)
     };
     let (mut lat, probe) = measure(&time);
-    // p99 of each consecutive 5,000 decisions (~45 ms): a burst from the shared machine shows
+    // p99 of each consecutive 5,000 decisions: a burst from the shared machine shows
     // as a high round whose hash-alone probe is high too; a cost of the decision itself shows
     // in every round with the probe unchanged.
     let rounds = |v: &[Duration]| v.chunks(5_000).map(|c| format!("{:.1}", pct(&mut c.to_vec(), 0.99))).collect::<Vec<_>>().join(" ");
@@ -160,8 +160,7 @@ fn main() {
     });
     // Booking a placed request's prompt and releasing it at its end (the ledger's bookkeeping
     // around a decision), against keeping every booked block in a `FlatIndex` as the ledger
-    // did before (benches/RESULTS.md, "Booked prefixes without per-block work"), over the same
-    // bookings.
+    // did before, over the same bookings.
     let flat = FlatIndex::new(WORKERS, 4096);
     for w in 0..WORKERS {
         for r in 0..4u32 {

@@ -1,4 +1,4 @@
-//! Tokenization CPU per request with and without the segment cache (issues #5 and #14), using a
+//! Tokenization CPU per request with and without the segment cache, using a
 //! real production tokenizer (DeepSeek-V4, vocab 129k), on two workloads: multi-turn chat (the
 //! segments between added tokens repeat) and completions whose text prompts share a long
 //! document (one segment, reused only when cut into chunks). Every request's ids are checked to
@@ -93,7 +93,7 @@ const WORDS: &[&str] = &[
     "could",
 ];
 
-/// 31 pseudo-random bits as an index (the workload recorded in RESULTS.md).
+/// 31 pseudo-random bits as an index; the workload depends on exactly these bits.
 fn next(rng: &mut Rng) -> usize {
     (rng.next_u64() >> 33) as usize
 }

@@ -6,9 +6,8 @@
 //!
 //! The state is one atomic and waiters share one `Notify`: a context is made for every request,
 //! and a `watch` channel's eight notify slots cost more to create and drop than the rest of
-//! it (benches/RESULTS.md, "A lighter request, and a stream's first token apart from the
-//! rest"). One atomic step also settles a stop and a kill that race: only the call that finds
-//! the context running reports the change.
+//! it. One atomic step also settles a stop and a kill that race: only the call that finds the
+//! context running reports the change.
 
 use parking_lot::Mutex;
 use std::sync::Arc;

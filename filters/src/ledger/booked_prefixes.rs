@@ -11,9 +11,8 @@
 //! document, a conversation; a release merges what no longer parts) and O(log L) block
 //! comparisons per node, whatever the prompt's length L. One mutex covers the tree: lookups
 //! and bookings alike hold it for one walk. Keeping every booked block in a hash
-//! table instead cost a few cache misses per block: 100–200 µs to book and release a
-//! 1,000-block prompt on a busy gateway (benches/RESULTS.md, "Booked prefixes without
-//! per-block work").
+//! table instead cost a few cache misses per block, which a long prompt on a busy gateway paid
+//! on every booking and release.
 
 use kvgate_kv::hash::{BlockHash, BuildIdHasher};
 use kvgate_kv::index::{Matches, WorkerId};

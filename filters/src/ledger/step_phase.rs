@@ -4,7 +4,7 @@
 //! booked on it since then will all run in its next step, together with the next request's.
 //! The `time` cost reads both (docs/routing.md, "The time cost"): without them, the worker that
 //! just finished a request looks the least loaded exactly when a new request would wait a whole
-//! step there (benches/RESULTS.md, "Joining the next step").
+//! step there.
 
 use super::decayed_mean::DecayedMean;
 use std::sync::atomic::{AtomicU64, Ordering};

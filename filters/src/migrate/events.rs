@@ -97,8 +97,7 @@ pub struct EventIds {
 }
 
 /// [`strip_token_ids`], and the lists it removed, read on the way: a first event carries the
-/// whole prompt's ids, which a JSON parse took several times as long to read
-/// (benches/RESULTS.md, "What a long token-id prompt costs through the gateway"). `None` when
+/// whole prompt's ids, which a JSON parse took several times as long to read. `None` when
 /// a list is neither `null` nor plain decimal `u32`s, or a key comes twice (several choices):
 /// such an event is for a JSON parser to read whole.
 pub fn strip_and_read_ids(event: &[u8]) -> Option<(Vec<u8>, EventIds)> {

@@ -1,4 +1,4 @@
-//! Moving a running stream to another worker by continuation (issues #13, #34): the pure decisions
+//! Moving a running stream to another worker by continuation: the pure decisions
 //! and transformations, without HTTP.
 //!
 //! - [`pin`]: whether a request may move at all, and if not, why (counted and documented);

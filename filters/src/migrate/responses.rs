@@ -1,5 +1,5 @@
 //! An OpenAI Responses stream (`/v1/responses`) served by a chat-completions stream, so that it
-//! can move (issue #34). vLLM 0.32's `/v1/responses` returns no token ids, so the gateway cannot
+//! can move. vLLM 0.32's `/v1/responses` returns no token ids, so the gateway cannot
 //! continue its stream on another worker; its `/v1/chat/completions` does (`return_token_ids`).
 //! For a Responses request whose chat form is exactly what vLLM generates from, the gateway can
 //! send the worker that chat request instead and turn the chat stream into the Responses events

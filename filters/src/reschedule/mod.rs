@@ -1,4 +1,4 @@
-//! The rescheduler's decisions (seed 004, Llumnix's rescheduler), without I/O: per policy,
+//! The rescheduler's decisions (Llumnix's rescheduler), without I/O: per policy,
 //! metrics → filters → selector give migration pairs ([`policies`]); pairs are validated
 //! against each other ([`validate`]); per pair, the requests that move are picked by a rule
 //! and an order ([`select`]). `proxy/src/tasks/rescheduler.rs` builds the cluster view each

@@ -1,4 +1,4 @@
-//! The rescheduling policies of seed 004, each metrics → filters → selector:
+//! The rescheduling policies of Llumnix's rescheduler, each metrics → filters → selector:
 //!
 //! - load balance (`decode_load`, `neutral_load`): sources at or above the threshold,
 //!   destinations below it; metricBalanceSelector pairs the highest source with the lowest
@@ -78,7 +78,7 @@ pub enum Policy {
     },
 }
 
-/// The smallest decode batch that counts as "has decodes" (the seed's 0.1).
+/// The smallest decode batch that counts as "has decodes" (Llumnix's 0.1).
 const MIN_BATCH: f64 = 0.1;
 
 impl Policy {

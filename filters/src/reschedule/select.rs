@@ -1,4 +1,4 @@
-//! Which requests a migration pair moves (seed 004's "Migration Request Types" and "Migration
+//! Which requests a migration pair moves (Llumnix's "Migration Request Types" and "Migration
 //! Request Ordering"): a rule says how much (`NUM_REQ` requests, `TOKEN` tokens, `RATIO`
 //! percent of the source's KV cache), an order says which first.
 
@@ -134,7 +134,7 @@ mod tests {
 
     #[test]
     fn token_sr_1024_moves_the_shortest_until_1024_tokens() {
-        // The seed's defaults: TOKEN / SR / 1024.
+        // Llumnix's defaults: TOKEN / SR / 1024.
         assert_eq!(select(&reqs(), take(Rule::Token, Order::Sr, 1024.0), 0), ["b", "c", "a"]);
         assert_eq!(select(&reqs(), take(Rule::Token, Order::Sr, 700.0), 0), ["b", "c"]);
         assert_eq!(select(&reqs(), take(Rule::Token, Order::Sr, 1.0), 0), ["b"], "at least one");

@@ -1,5 +1,5 @@
 //! `kv` mode: a KV-cache-aware cost per worker, lowest wins. Two costs: `time` (the default;
-//! predicted time to first token, see [`super::time`]) and `blocks`, seed 001's cost in KV
+//! predicted time to first token, see [`super::time`]) and `blocks`, Dynamo's KV router cost in KV
 //! blocks, unchanged:
 //!
 //! ```text
@@ -28,7 +28,7 @@ pub enum Cost {
     /// Predicted time to first token ([`super::time`]).
     #[default]
     Time,
-    /// Seed 001: `overlap_score_weight · prefill_blocks + decode_blocks`.
+    /// The Dynamo KV router's: `overlap_score_weight · prefill_blocks + decode_blocks`.
     Blocks,
 }
 
@@ -134,7 +134,7 @@ impl KvPolicy {
         }
     }
 
-    /// (prefill_blocks, decode_blocks, cost) of one candidate under seed 001's cost.
+    /// (prefill_blocks, decode_blocks, cost) of one candidate under the Dynamo KV router's cost.
     pub fn blocks_cost(&self, req: &RequestSummary<'_>, c: &Candidate) -> (f64, f64, f64) {
         let bs = f64::from(self.params.block_size.max(1));
         let cached_tokens = (f64::from(c.overlap_blocks) * bs).min(f64::from(req.prompt_tokens));
@@ -233,7 +233,7 @@ mod tests {
         }
     }
 
-    /// Seed 001's cost.
+    /// The Dynamo KV router's cost.
     fn blocks() -> KvParams {
         KvParams { cost: Cost::Blocks, ..KvParams::default() }
     }
@@ -244,8 +244,9 @@ mod tests {
 
     #[test]
     fn matches_the_seed_example() {
-        // Seed 001: worker costs 18, 10, 11 → worker 2 (index 1). Build candidates whose terms
-        // are (prefill 8, decode 10), (5, 5), (2, 9) for a 0-block request.
+        // The Dynamo KV router guide's example: worker costs 18, 10, 11 → worker 2 (index 1).
+        // Build candidates whose terms are (prefill 8, decode 10), (5, 5), (2, 9) for a 0-block
+        // request.
         let p = KvPolicy::new(KvParams { block_size: 1, ..blocks() });
         let r = RequestSummary { prompt_tokens: 0, prompt_blocks: 0, ..req(0) };
         let c = [cand(1, 0, 8, 10), cand(2, 0, 5, 5), cand(3, 0, 2, 9)];

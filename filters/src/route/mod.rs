@@ -28,7 +28,7 @@ pub enum Mode {
     /// Uniformly random worker.
     Random,
     /// KV-cache aware: the lowest cost (`time`: predicted time to first token; `blocks`:
-    /// seed 001's `overlap_score_weight · prefill_blocks + decode_blocks`).
+    /// the Dynamo KV router's `overlap_score_weight · prefill_blocks + decode_blocks`).
     Kv,
     /// A WebAssembly policy decides, with a built-in mode as its fallback.
     Plugin,

@@ -1,11 +1,11 @@
-//! Latency objectives (#39): a bound on the time to first token and on the time per output
+//! Latency objectives: a bound on the time to first token and on the time per output
 //! token, per model (`slo:`) or per request (`x-slo-ttft-ms`, `x-slo-tpot-ms`). With one set,
 //! the `time` cost adds what each worker's predicted miss costs ([`Slo::excess_ms`]): a worker
 //! predicted to meet every bound costs what it did, one predicted to miss pays its excess in ms
 //! of time to first token. Ruling out every worker predicted to miss (llm-d's predicted-latency
 //! scorer's rule, headroom first) was measured first and lost goodput where predictions sit
 //! near the bounds: prefix-heavy traffic left the workers caching its prefix, computed more
-//! prefill and missed more (benches/RESULTS.md). [`Slo::violation`] says whether a placement was
+//! prefill and missed more. [`Slo::violation`] says whether a placement was
 //! predicted to meet them; `kvgate-bench compare` measures the fraction of requests that met
 //! both (goodput, as DistServe defines it).
 

@@ -49,8 +49,7 @@
 //! from it), then shares the next step with every
 //! prefill booked there since that token. Without `join`, a worker that has just finished a
 //! request looks the least loaded at the moment a newcomer would wait a whole step there, and
-//! load-aware choices among equally cached workers lose to round robin (benches/RESULTS.md,
-//! "Joining the next step").
+//! load-aware choices among equally cached workers lose to round robin.
 //!
 //! `behind` and `duplicate` are prefill time the request puts on others: its own prefill delays
 //! the requests that queue behind it here, and a copy of a prefix is computed again later by
@@ -60,7 +59,7 @@
 //! M/M/1 queue). ρ is the candidates' mean predicted prefill time booked per second (the
 //! ledger's `prefill_load`), capped at [`MAX_RHO`]. The fleet's, not each worker's: a
 //! per-worker ρ lags its bookings by seconds, and the cost then chased the worker booked least
-//! lately, moving requests off the workers caching their prefix (benches/RESULTS.md).
+//! lately, moving requests off the workers caching their prefix.
 //!
 //! `duplicate` prices what the fleet's caches lose when a prefix another worker already holds
 //! (`fleet_cached`, the longest cached prefix among the candidates) is computed again here:
@@ -78,7 +77,7 @@
 //! most its own conversation gains from a copy, and on a busy fleet computing it twice costs the
 //! compute of a cache miss.
 //!
-//! `decode` and `imposed` (#39, `price_decode`, off by default for now) price what the choice
+//! `decode` and `imposed` (`price_decode`, off by default for now) price what the choice
 //! costs every token after the first: a
 //! worker whose batch is large, or whose running requests attend over long contexts, steps
 //! slower, and the request joining it both waits those steps and lengthens them for everyone
@@ -220,9 +219,8 @@ pub struct Pricing {
 
 impl Default for Pricing {
     fn default() -> Self {
-        // `decode` is off until it wins the first token too (#39; benches/RESULTS.md, "Pricing
-        // the decode"). `slowdown`, priced in the stalled requests' time per output token,
-        // wins TPOT and goodput at the same TTFT (benches/RESULTS.md, "Pricing the stall").
+        // `decode` is off until it wins the first token too. `slowdown`, priced in the stalled
+        // requests' time per output token, wins TPOT and goodput at the same TTFT.
         Self { credit_booked: true, slowdown: true, queue: true, duplicates: true, decode: false }
     }
 }

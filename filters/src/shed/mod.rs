@@ -1,7 +1,7 @@
-//! Load shedding (seed 000): a worker is busy when its load crosses a configured threshold, a
-//! worker with several DP ranks only when all its ranks are; busy workers get no new requests in
-//! any routing mode, and when every worker of a model is busy the request is refused with HTTP
-//! 503 and [`REJECTION_BODY`].
+//! Load shedding (Dynamo's request rejection): a worker is busy when its load crosses a
+//! configured threshold, a worker with several DP ranks only when all its ranks are; busy
+//! workers get no new requests in any routing mode, and when every worker of a model is busy
+//! the request is refused with HTTP 503 and [`REJECTION_BODY`].
 //!
 //! A rank is busy when any configured threshold is crossed (OR):
 //! - `active_decode_blocks_threshold` (fraction): KV blocks in use over its total, taking the
@@ -13,7 +13,7 @@
 
 use serde::{Deserialize, Serialize};
 
-/// The body of the 503 sent when every worker is busy, exactly as the seed specifies.
+/// The body of the 503 sent when every worker is busy, exactly as Dynamo's load shedding specifies.
 pub const REJECTION_BODY: &str =
     r#"{"message":"Service temporarily unavailable: All workers are busy, please retry later","type":"service_unavailable","code":503}"#;
 

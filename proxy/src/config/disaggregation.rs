@@ -1,4 +1,4 @@
-//! Prefill/decode disaggregation keys (seed 001's disaggregated serving, #38): a worker's
+//! Prefill/decode disaggregation keys (Dynamo's disaggregated serving): a worker's
 //! [`Role`], and a model's [`Disaggregation`] section (when a request runs in two legs, and the
 //! prefill workers' busy thresholds).
 
@@ -42,7 +42,7 @@ pub struct Disaggregation {
     /// disaggregation: a short prefill costs a decode batch less than a transfer and a second
     /// round trip cost the request). Counted untokenized as 4 bytes per token.
     pub min_prefill_tokens: u64,
-    /// Busy thresholds of the prefill workers (seed 000 per role; unset = the model's
+    /// Busy thresholds of the prefill workers (load shedding per role; unset = the model's
     /// `shedding` thresholds). Every prefill worker busy sends the request aggregated to a
     /// decode worker, counted, rather than refusing it.
     pub prefill_shedding: Option<kvgate_filters::shed::Thresholds>,

@@ -97,7 +97,7 @@ pub struct Config {
     /// Moving running streams to another worker (failover, admin moves).
     #[serde(default)]
     pub migration: Migration,
-    /// The rescheduler (seed 004): moves running and waiting requests between workers.
+    /// The rescheduler (Llumnix's): moves running and waiting requests between workers.
     #[serde(default)]
     pub rescheduling: Rescheduling,
     /// Active health checks.
@@ -281,8 +281,8 @@ impl Default for LoadPolling {
     }
 }
 
-/// Load shedding of a model (seed 000): thresholds, and the workers' prefill budget for the
-/// fractional threshold.
+/// Load shedding of a model (Dynamo's request rejection): thresholds, and the workers' prefill
+/// budget for the fractional threshold.
 #[derive(Debug, Clone, PartialEq, Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct Shedding {
@@ -328,7 +328,7 @@ pub struct ModelConfig {
     /// When workers are too busy for new requests.
     #[serde(default)]
     pub shedding: Shedding,
-    /// Scaling its fleet (seed 002).
+    /// Scaling its fleet (Dynamo's planner).
     #[serde(default)]
     pub planner: Planner,
     /// Prefill/decode disaggregation, for a model with `role: prefill` workers.
@@ -355,7 +355,7 @@ pub struct Routing {
     /// the plugin each worker's cache overlap).
     pub fallback: Mode,
     /// kv: the cost minimized: `time` (predicted time to first token, calibrated per worker)
-    /// or `blocks` (seed 001's `overlap_score_weight · prefill_blocks + decode_blocks`).
+    /// or `blocks` (Dynamo's `overlap_score_weight · prefill_blocks + decode_blocks`).
     pub cost: kvgate_filters::route::Cost,
     /// kv, `time` cost: a prefix being computed on a worker for a request in flight counts as
     /// cached there.

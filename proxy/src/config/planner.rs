@@ -1,4 +1,4 @@
-//! A model's `planner` section (issue #35): seed 002's knobs with its defaults
+//! A model's `planner` section: Dynamo's planner knobs with their defaults
 //! ([`PlanParams`], the rules' own type), plus what only the gateway needs: the connector that
 //! starts and stops workers, how long a drain may take, and where the decision log goes.
 
@@ -9,7 +9,7 @@ use std::path::PathBuf;
 /// The `planner` section.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Planner {
-    /// Seed 002's knobs (`enabled`, `mode`, intervals, budgets, thresholds, grace period).
+    /// Dynamo's planner knobs (`enabled`, `mode`, intervals, budgets, thresholds, grace period).
     pub rules: PlanParams,
     /// What adds and removes workers (`None`: observe only).
     pub connector: Option<ConnectorConfig>,
@@ -30,7 +30,7 @@ pub enum DrainMode {
     /// requests that cannot move.
     #[default]
     Migrate,
-    /// Wait for its requests to finish where they are (the seed's way).
+    /// Wait for its requests to finish where they are (Dynamo's way).
     Wait,
 }
 
@@ -40,7 +40,7 @@ impl Default for Planner {
     }
 }
 
-/// The keys of the section that are not seed 002's.
+/// The keys of the section that Dynamo's planner does not have.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct GatewayKeys {
@@ -55,7 +55,7 @@ struct GatewayKeys {
 }
 
 impl<'de> Deserialize<'de> for Planner {
-    /// The seed's knobs and the gateway's sit side by side in one mapping; each half is read by
+    /// Dynamo's knobs and the gateway's sit side by side in one mapping; each half is read by
     /// its own type, both refusing unknown keys.
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let mut map = serde_yaml::Mapping::deserialize(d)?;

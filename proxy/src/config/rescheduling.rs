@@ -1,10 +1,10 @@
-//! The `rescheduling` section: seed 004's flags under their own names (dashes become
+//! The `rescheduling` section: Llumnix's flags under their own names (dashes become
 //! underscores), with its defaults. docs/migration.md describes the loop.
 
 use kvgate_filters::reschedule::{Domain, Order, Policy, Rule, Scope, Take};
 use serde::Deserialize;
 
-/// The rescheduler (off by default, as in the seed).
+/// The rescheduler (off by default, as in Llumnix).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Rescheduling {
@@ -60,7 +60,7 @@ pub enum LoadMetric {
     KvCacheUsageRatioProjected,
     /// The worker's reported KV usage only.
     KvCacheUsageRatio,
-    /// The worker's predicted time per output token (routing's step predictor, #39) over
+    /// The worker's predicted time per output token (routing's step predictor) over
     /// `tpot_slo`: 1.0 is a worker at its SLO.
     PredictedTpotRatio,
 }
@@ -92,14 +92,14 @@ impl Default for Rescheduling {
     }
 }
 
-/// Policy names the seed defines.
+/// Policy names Llumnix defines.
 pub const POLICY_NAMES: [&str; 7] =
     ["decode_load", "neutral_load", "prefill_failover", "decode_failover", "neutral_failover", "binpacking_mitigation", "binpacking_consolidation"];
 
 /// One configured policy.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Configured {
-    /// Its seed name (metric label).
+    /// Its Llumnix name (metric label).
     pub name: &'static str,
     /// What it does.
     pub policy: Policy,

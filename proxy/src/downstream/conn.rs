@@ -3,7 +3,7 @@
 //! written straight into one buffer (a unary answer leaves in one send, head and body
 //! together), keep-alive and pipelining. Pingora accepts the connection and hands it over
 //! (`http::GatewayApp`); its HTTP/1 server session cost more CPU per request than the
-//! gateway's own phases (benches/RESULTS.md, "The client side without Pingora's session").
+//! gateway's own phases.
 //!
 //! Reads are cancel-safe (one read into the buffer is the only await; parsing follows it), so
 //! [`ClientConn::closed`] can race a worker in a `select!` and lose no pipelined byte.
@@ -233,7 +233,7 @@ impl ResponseHead {
 /// The client's connection.
 pub struct ClientConn {
     stream: Stream,
-    /// Bytes read and not yet taken: no buffer while the client sends nothing (#36).
+    /// Bytes read and not yet taken: no buffer while the client sends nothing.
     rbuf: ReadBuffer,
     head: RequestHead,
     body: Framing,
@@ -567,7 +567,7 @@ impl ClientConn {
     }
 
     /// Reads what the client sends next into the read buffer; 0 when it closed. A connection
-    /// whose client sends nothing holds no read buffer (#36): each try borrows one of the
+    /// whose client sends nothing holds no read buffer: each try borrows one of the
     /// thread's spares and, when the socket has nothing yet, gives it back before waiting
     /// (an unfinished head keeps only its own bytes meanwhile), as nginx does with its header
     /// buffer. A failed try changes nothing in the socket, so the next one starts afresh.

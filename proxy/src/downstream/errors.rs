@@ -1,6 +1,7 @@
 //! Client-facing errors: OpenAI-shaped JSON (`{"error":{"message","type","param","code"}}`),
-//! except seed 000's body for "every worker is busy", with one constructor per situation so
-//! status codes and types are decided in one place. Nothing else builds a `ClientError`.
+//! except Dynamo's load-shedding body for "every worker is busy", with one constructor per
+//! situation so status codes and types are decided in one place. Nothing else builds a
+//! `ClientError`.
 
 use serde_json::json;
 
@@ -17,7 +18,7 @@ pub struct ClientError {
     pub param: Option<&'static str>,
     /// Seconds the client should wait before retrying (`Retry-After`), if any.
     pub retry_after: Option<u32>,
-    /// A fixed body that replaces the OpenAI shape (seed 000's rejection body).
+    /// A fixed body that replaces the OpenAI shape (Dynamo's load-shedding rejection body).
     fixed_body: Option<&'static str>,
     /// Written in the Anthropic API's error shape (a `/v1/messages` client's SDK reads that).
     anthropic: bool,
@@ -168,7 +169,7 @@ impl ClientError {
         Self::new(503, "service_unavailable", format!("Timed out waiting in the router queue of model `{model}`; retry later."), None)
     }
 
-    /// 503 with seed 000's exact body: every worker of the model is over a busy threshold.
+    /// 503 with Dynamo's exact rejection body: every worker of the model is over a busy threshold.
     pub fn all_busy() -> Self {
         let mut e = Self::new(503, "service_unavailable", "All workers are busy, please retry later", None);
         e.retry_after = Some(1);

@@ -101,14 +101,14 @@ impl Calibration {
     /// time measured, not a ratio applied to the current factor: the requests placed together
     /// on a worker before its first token were all predicted with the same factor, and applying
     /// each one's ratio to a factor the earlier ones had already raised compounded one slow
-    /// start into a factor hundreds of times too high, which then kept the worker from ever
-    /// being chosen again (benches/RESULTS.md, "The running step's length").
+    /// start into a factor far too high, which then kept the worker from ever being chosen
+    /// again.
     ///
     /// The fit weighs a sample by its predicted time squared. An average of ratios weighed
     /// every request alike, and on a trace of 16k-token documents among short questions the
     /// short ones' unseen waits (4× their few ms of prefill) swung identical workers' factors
-    /// from 0.74 to 1.47, so a 16k prefill was predicted anywhere from 400 to 900 ms against
-    /// 760 (benches/RESULTS.md, "Calibrating on the prefill, not the queue").
+    /// far apart, so the same 16k prefill was predicted well short on some and well over on
+    /// others.
     pub fn observe_prefill(&self, ttft_ms: f64, predicted_ms: f64, steps_ms: f64, factor_then: f64) {
         let finite = [ttft_ms, predicted_ms, steps_ms, factor_then].iter().all(|v| v.is_finite());
         if !finite || predicted_ms < MIN_PREDICTED_MS || factor_then <= 0.0 {

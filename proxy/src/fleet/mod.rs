@@ -27,7 +27,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 /// A map by model name. Every request looks its model up in one, so it hashes with foldhash
-/// rather than SipHash (about 140 instructions fewer per lookup). The keys come from the
+/// rather than SipHash (far fewer instructions per lookup). The keys come from the
 /// config, never from clients, so no client can fill a bucket.
 pub type ByName<V> = HashMap<String, V, foldhash::fast::RandomState>;
 

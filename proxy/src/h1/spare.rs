@@ -1,10 +1,10 @@
 //! Buffers kept for reuse per thread: read buffers, a few per thread (every worker response is
 //! read into a buffer of [`READ_SIZE`] bytes, and allocating one per response took the
-//! allocator's slow path for large blocks each time: benches/RESULTS.md, "The gateway's own
-//! HTTP/1.1, both sides"), and one of each list every response builds ([`Kept`]: a response
-//! head's header lines, a worker response's header offsets, a client connection's writes).
+//! allocator's slow path for large blocks each time), and one of each list every response
+//! builds ([`Kept`]: a response head's header lines, a worker response's header offsets, a
+//! client connection's writes).
 //!
-//! They are also what keeps an idle client cheap (#36): a client connection borrows a read
+//! They are also what keeps an idle client cheap: a client connection borrows a read
 //! buffer only while bytes are arriving and a write buffer only while a response goes out, so
 //! one that waits holds neither (docs/hardening.md, "Memory per connection").
 
@@ -45,7 +45,7 @@ thread_local! {
 /// A list taken from its thread's one spare, which goes back empty, on drop, to the spare of the
 /// thread that drops it (a request's task may have moved to another thread meanwhile). Every
 /// response builds a few such lists, and an allocation fewer per request is worth a
-/// thread-local (benches/RESULTS.md, "Fewer allocations and clock reads per request").
+/// thread-local.
 #[derive(Debug)]
 pub struct Kept<T: 'static> {
     list: Vec<T>,

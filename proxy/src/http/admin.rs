@@ -4,7 +4,7 @@
 //! worker; `super::migrate`), `GET /rescheduling` (the rescheduler's last cycle), `GET /planner`
 //! (each planner's mode, workers wanted, last decision and the workers it started),
 //! `POST /reload` (re-read the config file; a bad file is refused and the old config stays),
-//! `GET /busy_threshold` and `POST /busy_threshold` (seed 000's shapes: read or set a model's
+//! `GET /busy_threshold` and `POST /busy_threshold` (Dynamo's shapes: read or set a model's
 //! busy thresholds at run time), `GET /plugins` and `POST /plugins/reload` (re-read every
 //! plugin file now; a module that does not load is refused and the old one keeps serving),
 //! and vLLM's control endpoints as fleet operations (`POST /pause`, `/resume`, `/sleep`,

@@ -182,8 +182,8 @@ impl GatewayApp {
             session.close_after();
         }
         // A request's work is boxed on its own: the connection's future, which lives as long as
-        // the client stays, then holds only what waiting for a head needs (under 1 KiB), not
-        // the ~5 KiB of a request in flight (#36, docs/hardening.md "Memory per connection").
+        // the client stays, then holds only what waiting for a head needs, not the much larger
+        // state of a request in flight (docs/hardening.md "Memory per connection").
         let abort = match self.role {
             Role::Public => Box::pin(self.public(session)).await,
             Role::Admin => {

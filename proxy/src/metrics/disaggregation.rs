@@ -1,4 +1,4 @@
-//! Prefill/decode disaggregation metrics (`kvgate_disagg_*`, #38): how each request ran (in
+//! Prefill/decode disaggregation metrics (`kvgate_disagg_*`): how each request ran (in
 //! two legs, or aggregated and why), and its time to first token split into the prefill leg
 //! and the decode leg's first token (the KV transfer and one decode step).
 

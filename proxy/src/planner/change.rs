@@ -2,7 +2,7 @@
 //! - up: the connector starts a worker; once its health path answers 200 it joins routing
 //!   (a worker that exits or stays silent past the ready timeout is stopped: the change failed);
 //! - down: the victim leaves routing at once (no new request reaches it), its streams move by
-//!   continuation (#13: the destination chosen by the model's routing, KV-aware) or, with
+//!   continuation (the destination chosen by the model's routing, KV-aware) or, with
 //!   `drain: wait`, finish where they are; requests that cannot move (unary, pinned) are waited
 //!   for; after `drain_timeout_s` the worker is stopped whatever is left.
 

@@ -1,4 +1,4 @@
-//! Seed 002's planner acting on one model's fleet (issue #35; docs/planner.md). Every
+//! Dynamo's planner acting on one model's fleet (docs/planner.md). Every
 //! `metric_pulling_interval_s` it pulls the load the gateway already holds, every
 //! `adjustment_interval_s` it asks the rules (`kvgate_filters::plan`) for a decision, and in
 //! `act` mode it carries the decision out through the model's connector, one change at a time:
@@ -27,7 +27,7 @@ pub struct ModelPlanner {
     rules: Planner,
     connector: Option<Arc<dyn Connector>>,
     recorder: Recorder,
-    /// The change under way; pulls and decisions wait for it (the seed blocks them).
+    /// The change under way; pulls and decisions wait for it (as Dynamo's planner blocks them).
     change: Option<tokio::task::JoinHandle<change::Outcome>>,
     /// Workers wanted: the running count when planning started, then each decision's.
     desired: Option<u32>,

@@ -50,8 +50,8 @@ impl Recorder {
         Self { model: model.to_string(), log, metrics }
     }
 
-    /// A pull (`held`: taken while a change was under way, so not counted, as the seed blocks
-    /// pulling then).
+    /// A pull (`held`: taken while a change was under way, so not counted, as Dynamo's planner
+    /// blocks pulling then).
     pub fn pull(&mut self, p: &Pull, workers: u32, held: bool) {
         self.metrics.kv_usage.set(p.decode_kv);
         self.metrics.queue.set(p.prefill_queue.unwrap_or(0.0));

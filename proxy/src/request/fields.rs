@@ -1,13 +1,13 @@
 //! The request body's routing fields ([`RequestView`]) read in one pass over the bytes, and,
 //! when asked, a completion prompt's token ids ([`PromptIds`]) read on the way past them.
 //!
-//! serde_json, deserializing the view, spent about 2,600 instructions on a 250-byte body, most
-//! of it checking every string it read (benches/RESULTS.md, "A one-pass read of the routing
-//! fields"). This reader validates the whole body as JSON as strictly as serde_json does, or more
-//! so, and reads the few top-level fields routing needs. Whatever it does not handle itself (a
-//! key or `model` with escapes, a repeated field, a value of the wrong type, nesting deeper than
-//! serde_json allows, anything malformed) it hands to serde_json, so a body it accepts is one
-//! serde_json accepts with the same fields, and every refusal carries serde_json's message.
+//! serde_json, deserializing the view, spent most of its work on a small body checking every
+//! string it read. This reader validates the whole body as JSON as strictly as serde_json does,
+//! or more so, and reads the few top-level fields routing needs. Whatever it does not handle
+//! itself (a key or `model` with escapes, a repeated field, a value of the wrong type, nesting
+//! deeper than serde_json allows, anything malformed) it hands to serde_json, so a body it
+//! accepts is one serde_json accepts with the same fields, and every refusal carries
+//! serde_json's message.
 
 // Parses bytes from outside: a narrowing cast here could truncate a peer's value.
 #![deny(clippy::cast_possible_truncation)]
@@ -19,8 +19,7 @@ use std::ops::Range;
 const MAX_DEPTH: u32 = 128;
 
 /// A prompt of token ids, read on the way past it: `/v1/completions` bodies of long id prompts
-/// are mostly their ids, and parsing them a second time cost more than the rest of admission
-/// (benches/RESULTS.md, "What a long token-id prompt costs through the gateway").
+/// are mostly their ids, and parsing them a second time cost more than the rest of admission.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PromptIds {
     /// The ids.

@@ -10,8 +10,8 @@
 //! - [`ledger_upkeep`]: booking expiry and the ledger gauges;
 //! - [`config_watch`]: config file watch and SIGHUP → reload;
 //! - [`plugin_watch`]: plugin file polling → hot swap;
-//! - [`rescheduler`]: seed 004's rescheduling loop (moves requests between workers);
-//! - [`planner`]: seed 002's planner for every planned model (scales its fleet);
+//! - [`rescheduler`]: Llumnix's rescheduling loop (moves requests between workers);
+//! - [`planner`]: Dynamo's planner for every planned model (scales its fleet);
 //! - [`tls_reload`]: TLS certificate files read again when they change.
 
 pub mod config_watch;

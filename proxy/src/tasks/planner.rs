@@ -1,4 +1,4 @@
-//! Runs seed 002's planner for every model whose `planner.enabled` is set (`crate::planner`):
+//! Runs Dynamo's planner for every model whose `planner.enabled` is set (`crate::planner`):
 //! starts one when a model gets a planner, reconfigures it on reload, and when a model loses
 //! its planner drains and stops the workers it started. Publishes each planner's state for
 //! `GET /planner`.

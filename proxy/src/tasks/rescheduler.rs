@@ -1,4 +1,4 @@
-//! The rescheduler (seed 004; docs/migration.md), every `rescheduling_interval_ms` while
+//! The rescheduler (Llumnix's; docs/migration.md), every `rescheduling_interval_ms` while
 //! `enable_rescheduling` is on: per model, the cluster view (per worker: the load metric, health,
 //! staleness of its polled metrics, node and unit labels, the TPOT the gateway measures on its
 //! streams, the requests booked on it), the configured policies' pairs (validated: no A→B with

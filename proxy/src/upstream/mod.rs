@@ -262,8 +262,7 @@ pub async fn exchange(cfg: &Config, worker: &Worker, out: Outgoing<'_>, header_t
 /// A connection to `worker`: an idle one from `pool` unless `fresh`, else a new one to `addr`
 /// within `limit`. Returns whether it was reused. A plain tokio stream: the gateway reads and
 /// writes it in whole pieces through its own buffers, so Pingora's buffered, timed stream would
-/// only add a layer per read and write (benches/RESULTS.md, "Worker connections as plain
-/// sockets").
+/// only add a layer per read and write.
 async fn connect(worker: &Worker, addr: SocketAddr, limit: Duration, pool: &IdlePool, idle: Duration, fresh: bool) -> Result<(TcpStream, bool), LegError> {
     if let Some(s) = if fresh { None } else { pool.take(idle) } {
         return Ok((s, true));

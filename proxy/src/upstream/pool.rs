@@ -1,15 +1,14 @@
 //! The request legs' keep-alive pool: idle HTTP/1.1 connections to one worker, kept on the
 //! worker itself.
 //!
-//! Why not Pingora's pool: it parks every returned connection behind a mutex, spawns a task
-//! per return to watch it, and a reuse must wake that task and wait for it to hand the
-//! connection back — two task wake-ups and a timer per request, about a fifth of the gateway's
-//! CPU on a fast upstream (benches/RESULTS.md, "The data plane against nginx"). Here a return
-//! is a push and a reuse is a pop under a lock held for neither I/O nor allocation; a
-//! connection the worker closed while it sat idle is found when it is taken, if the runtime
-//! has seen the close (one non-blocking read), and otherwise by the request failing before any
-//! response byte, which `exchange` retries once on a fresh connection; an idle one past its
-//! time is dropped when met or by [`IdlePool::sweep`].
+//! Why not Pingora's pool: it parks every returned connection behind a mutex, spawns a task per
+//! return to watch it, and a reuse must wake that task and wait for it to hand the connection
+//! back — two task wake-ups and a timer per request, a large share of the gateway's CPU on a
+//! fast upstream. Here a return is a push and a reuse is a pop under a lock held for neither
+//! I/O nor allocation; a connection the worker closed while it sat idle is found when it is
+//! taken, if the runtime has seen the close (one non-blocking read), and otherwise by the
+//! request failing before any response byte, which `exchange` retries once on a fresh
+//! connection; an idle one past its time is dropped when met or by [`IdlePool::sweep`].
 
 use parking_lot::Mutex;
 use std::pin::Pin;

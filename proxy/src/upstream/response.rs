@@ -3,7 +3,7 @@
 //! `Content-Length`, chunked coding ([`crate::h1::chunked`]) or the connection's close
 //! (RFC 9112 §6.3). Pingora's HTTP/1 client built two header maps per response and kept its
 //! own read state around them; this is the part of a request's CPU that was its engine's, not
-//! the gateway's (benches/RESULTS.md, "The floor of a tokio proxy").
+//! the gateway's.
 //!
 //! Every read is cancel-safe: the only await is one read into the buffer, and decoding happens
 //! after it, so a read dropped by a `select!` or polled once and abandoned loses no byte.

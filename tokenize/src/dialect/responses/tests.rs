@@ -140,7 +140,7 @@ fn what_cannot_be_rendered_is_named() {
 }
 
 /// Where the gateway's two conversions of Responses input differed before they became this
-/// one (issue #34), vLLM 0.32's request model and `_construct_message_from_response_item`
+/// one, vLLM 0.32's request model and `_construct_message_from_response_item`
 /// decide: what each case gives there is in its comment.
 #[test]
 fn item_forms_are_read_as_vllms_request_model_reads_them() {
