@@ -63,7 +63,7 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
                 (Some(kv), Some(inputs)) => kv.with_prefix(c, &inputs.cached, &inputs.booked),
                 _ => c,
             };
-            super::disaggregate::as_candidate(req, c)
+            req.pd.candidate(c, req.kv.as_ref().map(|k| k.chain.len() as u32))
         })
         .collect();
     let summary = summary(req, now).among(&candidates);
