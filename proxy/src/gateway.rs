@@ -315,12 +315,8 @@ fn bound_as(bound: std::net::SocketAddr, configured: std::net::SocketAddr) -> bo
     bound.ip() == configured.ip() && (configured.port() == 0 || configured.port() == bound.port())
 }
 
-/// 16 hex digits from the clock, the process id and a count of the ids made: two gateways
-/// started in one process, or in two at the same instant, get different ids.
+/// 16 hex digits, fresh, with the process id mixed in: two gateways started in one process,
+/// or in two processes at the same instant, get different ids.
 fn new_instance_id() -> String {
-    use std::sync::atomic::AtomicU64;
-    static STARTED: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
-    let seed = nanos ^ (u64::from(std::process::id()) << 40) ^ STARTED.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed);
-    format!("{:016x}", kvgate_kv::hash::mix(seed))
+    crate::ids::hex_id("", kvgate_kv::hash::mix(crate::ids::fresh_bits() ^ u64::from(std::process::id())))
 }

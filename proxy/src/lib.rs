@@ -43,6 +43,7 @@ pub mod gateway;
 pub(crate) mod h1;
 pub mod http;
 pub(crate) mod idle_timer;
+pub(crate) mod ids;
 pub(crate) mod inflight;
 pub(crate) mod kv_routing;
 pub(crate) mod metrics;

@@ -52,6 +52,9 @@ pub enum DecidedBy {
     Plugin(String),
     /// The plugin failed and its fallback mode decided.
     Fallback { plugin: String, mode: &'static str, failure: String },
+    /// One worker only could take it (the worker holding its stored response, or the one a move
+    /// was aimed at): nothing was asked.
+    Pinned,
 }
 
 /// One placement.
@@ -187,6 +190,7 @@ impl Placement {
             DecidedBy::Builtin(mode) => json!({"mode": mode}),
             DecidedBy::Plugin(name) => json!({"plugin": name}),
             DecidedBy::Fallback { plugin, mode, failure } => json!({"plugin": plugin, "fallback": mode, "failure": failure}),
+            DecidedBy::Pinned => json!({"pinned": true}),
         };
         json!({
             "attempt": self.attempt, "decided_by": decided_by, "prompt_tokens": self.prompt.0, "prompt_blocks": self.prompt.1,

@@ -763,3 +763,24 @@ async fn latency_objectives_are_predicted_per_worker_counted_and_checked() {
     assert_eq!(e["error"]["param"], "x-slo-tpot-ms", "{e}");
     assert!(e["error"]["message"].as_str().unwrap_or_default().contains("positive number of milliseconds"), "{e}");
 }
+
+/// A turn pinned to the worker holding its stored response is no routing decision: round
+/// robin's turn stays where it was, so the first turns of two-turn conversations alternate.
+#[tokio::test]
+async fn pinned_turns_leave_the_round_robins_turn_alone() {
+    let sim = SimConfig { responses_store: true, ..test_sim_config() };
+    let c = Cluster::sims(2, sim, GatewayOpts::default()).await;
+    let turn = |body: Value| c.http.post(c.url("/v1/responses")).json(&body).send();
+    let worker = |r: &reqwest::Response| r.headers().get("x-kvgate-worker").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
+    let mut firsts = Vec::new();
+    for n in 0..8 {
+        let r1 = turn(json!({"model": "sim-model", "input": format!("turn one {n}"), "max_output_tokens": 2})).await.unwrap();
+        assert_eq!(r1.status(), 200);
+        let w1 = worker(&r1);
+        let id = r1.json::<Value>().await.unwrap()["id"].as_str().expect("a response id").to_string();
+        let r2 = turn(json!({"model": "sim-model", "input": "turn two", "previous_response_id": id, "max_output_tokens": 2})).await.unwrap();
+        assert_eq!((r2.status().as_u16(), worker(&r2)), (200, w1.clone()), "conversation {n}: the second turn follows the first");
+        firsts.push(w1);
+    }
+    assert!(firsts.windows(2).all(|w| w[0] != w[1]), "first turns alternate between the two workers: {firsts:?}");
+}

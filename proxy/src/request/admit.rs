@@ -3,6 +3,7 @@
 //! registry. Every refusal here is a [`GatewayError`] answered before any worker is involved.
 
 use super::track;
+use super::view::RequestView;
 use super::{Outcome, RequestState, record};
 use crate::downstream::conn::ClientConn;
 use crate::downstream::io::{BodyError, read_body};
@@ -13,53 +14,8 @@ use crate::inflight::RequestEntry;
 use kvgate_filters::cancel::RequestContext;
 use kvgate_filters::migrate::PinReason;
 use kvgate_filters::route::Slo;
-use serde::Deserialize;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// The fields routing reads; everything else is forwarded untouched. Read by
-/// [`fields::read`](super::fields::read).
-#[derive(Debug, Default, PartialEq, Deserialize)]
-pub struct RequestView {
-    /// `model`.
-    pub model: Option<String>,
-    /// `stream`.
-    #[serde(default)]
-    pub stream: Option<bool>,
-    /// The request's `nvext` object (agent hints), kept whole for plugins.
-    #[serde(default)]
-    pub nvext: Option<serde_json::Value>,
-    /// `stream_options`.
-    #[serde(default)]
-    pub stream_options: Option<StreamOptions>,
-}
-
-/// The part of `stream_options` the gateway reads.
-#[derive(Debug, Default, PartialEq, Deserialize)]
-pub struct StreamOptions {
-    /// `include_usage`: a final usage event.
-    #[serde(default)]
-    pub include_usage: Option<bool>,
-}
-
-impl RequestView {
-    /// Router-queue priority jump (seconds of head start): `nvext.agent_hints.priority`, else
-    /// `latency_sensitivity`.
-    pub fn priority_jump(&self) -> f64 {
-        let hint = |name: &str| self.nvext.as_ref().and_then(|n| n.get("agent_hints")?.get(name)?.as_f64());
-        hint("priority").or_else(|| hint("latency_sensitivity")).unwrap_or(0.0).max(0.0)
-    }
-
-    /// Whether the client asked for a final usage event.
-    pub fn include_usage(&self) -> bool {
-        self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false)
-    }
-
-    /// The client's expected output length (`nvext.agent_hints.osl`).
-    pub fn expected_output(&self) -> Option<u64> {
-        self.nvext.as_ref().and_then(|v| v.pointer("/agent_hints/osl")).and_then(serde_json::Value::as_u64)
-    }
-}
 
 /// A request id: the client's X-Request-Id when it is sane, else a fresh one.
 pub fn request_id(session: &ClientConn) -> String {
@@ -68,25 +24,7 @@ pub fn request_id(session: &ClientConn) -> String {
         .header_str("x-request-id")
         .filter(|s| !s.is_empty() && s.len() <= 256 && s.bytes().all(|b| b.is_ascii_graphic()))
         .map(str::to_owned)
-        .unwrap_or_else(new_id)
-}
-
-/// 64 fresh bits for an id: the clock mixed with a process-wide counter, so two ids made in
-/// the same nanosecond still differ.
-pub(super) fn fresh_bits() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static N: AtomicU64 = AtomicU64::new(0);
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
-    kvgate_kv::hash::mix(t ^ N.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed))
-}
-
-fn new_id() -> String {
-    let x = fresh_bits();
-    // "kvg-" and 16 hex digits, written without the formatting machinery (it runs per request).
-    let mut id = String::with_capacity(20);
-    id.push_str("kvg-");
-    (0..16).rev().for_each(|i| id.push(char::from(b"0123456789abcdef"[(x >> (4 * i)) as usize & 15])));
-    id
+        .unwrap_or_else(|| crate::ids::hex_id("kvg-", crate::ids::fresh_bits()))
 }
 
 /// The routing fields of `body` (and a completion's prompt ids, with `ids`). A JSON endpoint's

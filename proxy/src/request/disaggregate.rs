@@ -18,6 +18,7 @@
 //! leg is a child of the request's context, and dropping it closes its connection, which
 //! aborts the request in vLLM), and its decode leg never starts.
 
+use super::pd::Pd;
 use super::place;
 use super::{Outcome, RequestState};
 use crate::downstream::closed::client_closed;
@@ -27,36 +28,9 @@ use crate::fleet::Worker;
 use crate::gateway::Gateway;
 use bytes::Bytes;
 use kvgate_filters::cancel::RequestContext;
-use kvgate_filters::route::Candidate;
 use serde_json::{Map, Value};
 use std::sync::Arc;
 use std::time::Instant;
-
-/// Where a request is in its two legs.
-#[derive(Debug, Default)]
-pub struct Pd {
-    /// The prefill leg is being placed: placement offers prefill workers only.
-    pub prefill_leg: bool,
-    /// The decode leg's body: the request plus the transfer parameters the prefill worker
-    /// returned (`None`: aggregated, or the parameters were null and the request goes as is).
-    pub decode_body: Option<Bytes>,
-    /// A prefill worker computed the prompt: the decode placement prices it as present on
-    /// every decode worker, and the first token calibrates no prefill speed.
-    pub transferred: bool,
-    /// When the prefill leg answered (the decode leg's first token is timed from it).
-    pub prefilled_at: Option<Instant>,
-}
-
-impl Pd {
-    /// The decode leg was sent once: a resend (a retry, a move before the first byte, a
-    /// migrated stream's continuation) goes without the transfer parameters, which name
-    /// blocks the first decode worker may have pulled (the prefill worker then frees them) or
-    /// aborted, and is priced as the prompt computed where it goes.
-    pub fn decode_leg_spent(&mut self) {
-        self.decode_body = None;
-        self.transferred = false;
-    }
-}
 
 /// Why a request of a disaggregating model ran aggregated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -274,18 +248,6 @@ async fn prefill(req: &RequestState, worker: &Arc<Worker>, wire: &[u8]) -> Resul
         }
         Err(e) => Err(e.to_string()),
     }
-}
-
-/// A candidate as this leg's placement sees it: a prefill worker carries no decode load
-/// (seed 001), and once a prefill worker computed the prompt every decode worker will hold it
-/// (its blocks are transferred, not computed), so only the decode load tells them apart.
-pub fn as_candidate(req: &RequestState, mut c: Candidate) -> Candidate {
-    if req.pd.prefill_leg {
-        c.active_blocks = 0;
-    } else if req.pd.transferred {
-        c.overlap_blocks = req.kv.as_ref().map_or(c.overlap_blocks, |k| k.chain.len() as u32);
-    }
-    c
 }
 
 /// A disaggregated stream's first token reached the client at `now`: the decode leg's share

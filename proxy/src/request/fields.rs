@@ -12,7 +12,7 @@
 // Parses bytes from outside: a narrowing cast here could truncate a peer's value.
 #![deny(clippy::cast_possible_truncation)]
 
-use super::admit::RequestView;
+use super::view::RequestView;
 use std::ops::Range;
 
 /// serde_json's own nesting limit: deeper bodies are its to refuse.

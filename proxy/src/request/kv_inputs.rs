@@ -3,9 +3,7 @@
 //! `cache_salt` and the LoRA adapter it names, as vLLM keys them), and per worker the leading blocks already cached there and
 //! already booked there by requests in flight.
 
-use super::RequestState;
-use crate::endpoint::Endpoint;
-use crate::gateway::Gateway;
+use crate::fleet::Model;
 use crate::kv_routing::KvRouting;
 use kvgate_kv::hash::BlockHash;
 use std::time::{Duration, Instant};
@@ -28,40 +26,21 @@ pub struct KvInputs {
     pub salt: Option<u64>,
 }
 
-/// Fills `req.kv` when the model routes on the KV cache. A Messages or Responses prompt that
-/// cannot be rendered exactly is placed by load alone (no prefix), and counted
-/// (`kvgate_render_fallback_total{endpoint,reason}`).
-pub async fn prepare(gw: &Gateway, req: &mut RequestState) {
-    let (Some(kv), Some(body)) = (req.model.kv.clone(), req.parsed.take()) else { return };
-    let salt = salt(&body.fields);
-    let tokens = match req.endpoint {
-        Endpoint::Messages | Endpoint::Responses => super::prompt::dialect_tokens(body.fields, req.endpoint, &kv).await.unwrap_or_else(|reason| {
-            gw.metrics.render_fallback.with_label_values(&[req.endpoint.label(), reason]).inc();
-            Vec::new()
-        }),
-        ep => super::prompt::tokens(body, ep == Endpoint::Chat, kv.tokenizer.as_ref(), kv.max_tokens()).await.unwrap_or_default(),
-    };
-    req.kv = Some(inputs(req, &kv, &tokens, salt));
-}
+impl KvInputs {
+    /// The inputs for a prompt of `tokens` on `model` (the LoRA `adapter` it names keys its
+    /// blocks, as vLLM keys them), salted by `salt` (see [`KvInputs::salt_of`]).
+    pub fn of(model: &Model, kv: &KvRouting, adapter: Option<&str>, tokens: &[u32], salt: Option<u64>) -> Self {
+        let t0 = Instant::now();
+        let chain = kv.chain_for(tokens, salt, adapter);
+        // The blocks cost at weight 0 is pure load balancing: the cache is not consulted.
+        let cached = if model.cfg.routing.uses_cache() { kv.cached(&chain).to_dense(kv.rank_count()) } else { vec![0; kv.rank_count()] };
+        let booked = model.ledger.overlap(&chain).to_dense(model.workers.len());
+        Self { tokens: tokens.len(), chain, cached, booked, lookup_time: t0.elapsed(), salt }
+    }
 
-/// The digest of a body's `cache_salt`: vLLM hashes a non-empty string salt into the first
-/// block (and refuses any other value, so routing need not care which worker gets it).
-fn salt(fields: &serde_json::Value) -> Option<u64> {
-    fields.get("cache_salt").and_then(serde_json::Value::as_str).filter(|s| !s.is_empty()).map(kvgate_kv::hash::salt_digest)
-}
-
-/// The inputs for a prompt whose tokens are known (a continuation's: prompt + generated ids),
-/// salted as the request's first inputs were.
-pub fn from_tokens(req: &RequestState, kv: &KvRouting, tokens: &[u32]) -> KvInputs {
-    inputs(req, kv, tokens, req.kv.as_ref().and_then(|k| k.salt))
-}
-
-fn inputs(req: &RequestState, kv: &KvRouting, tokens: &[u32], salt: Option<u64>) -> KvInputs {
-    let t0 = Instant::now();
-    let adapter = crate::fleet::Fleet::adapter(&req.model, req.view.model.as_deref());
-    let chain = kv.chain_for(tokens, salt, adapter);
-    // The blocks cost at weight 0 is pure load balancing: the cache is not consulted.
-    let cached = if req.model.cfg.routing.uses_cache() { kv.cached(&chain).to_dense(kv.rank_count()) } else { vec![0; kv.rank_count()] };
-    let booked = req.model.ledger.overlap(&chain).to_dense(req.model.workers.len());
-    KvInputs { tokens: tokens.len(), chain, cached, booked, lookup_time: t0.elapsed(), salt }
+    /// The digest of a body's `cache_salt`: vLLM hashes a non-empty string salt into the first
+    /// block (and refuses any other value, so routing need not care which worker gets it).
+    pub fn salt_of(fields: &serde_json::Value) -> Option<u64> {
+        fields.get("cache_salt").and_then(serde_json::Value::as_str).filter(|s| !s.is_empty()).map(kvgate_kv::hash::salt_digest)
+    }
 }

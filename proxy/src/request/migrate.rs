@@ -13,7 +13,7 @@
 
 use super::leg::{self, Leg, LegEnd, Outbound};
 use super::place::{self, Among};
-use super::{RequestState, kv_inputs, record};
+use super::{RequestState, record};
 use crate::downstream::conn::ClientConn;
 use crate::fleet::Worker;
 use crate::gateway::Gateway;
@@ -149,7 +149,8 @@ pub async fn continue_stream(
     let source = req.model.workers.iter().position(|w| Arc::ptr_eq(w, &leaving));
     let to = to.and_then(|t| req.model.workers.iter().position(|w| Arc::ptr_eq(w, &t)));
     if let Some(kv) = req.model.kv.clone() {
-        req.kv = Some(kv_inputs::from_tokens(req, &kv, &ids));
+        // A continuation's prompt (the prompt and the ids generated) is salted as the first was.
+        req.kv = Some(req.kv_inputs(&kv, &ids, req.kv.as_ref().and_then(|k| k.salt)));
     }
     let from = leaving.label.clone();
     let out = Outbound {

@@ -24,6 +24,7 @@ pub mod kv_inputs;
 pub mod leg;
 pub mod migrate;
 pub mod parsed;
+pub mod pd;
 pub mod place;
 pub mod prompt;
 pub mod queue;
@@ -32,6 +33,7 @@ pub mod relay;
 pub mod state;
 pub mod stored;
 pub mod track;
+pub mod view;
 
 use crate::downstream::conn::ClientConn;
 use crate::downstream::io::respond_error;
@@ -113,7 +115,7 @@ async fn run(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestState
     let outcome = match queue::wait(gw, session, req).await {
         Err(outcome) => outcome,
         Ok(()) => {
-            kv_inputs::prepare(gw, req).await;
+            prompt::prepare_kv(gw, req).await;
             match disaggregate::run(gw, session, req).await {
                 Ok(()) => attempts(gw, session, req).await,
                 Err(outcome) => outcome,

@@ -63,13 +63,18 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
                 (Some(kv), Some(inputs)) => kv.with_prefix(c, &inputs.cached, &inputs.booked),
                 _ => c,
             };
-            super::disaggregate::as_candidate(req, c)
+            req.pd.candidate(c, req.kv.as_ref().map(|k| k.chain.len() as u32))
         })
         .collect();
     let summary = summary(req, now).among(&candidates);
     let best_overlap = summary.fleet_overlap_blocks;
     let output = OutputOutlook::of(&summary);
-    let (decision, decided_by) = decide(gw, req, &summary, &candidates);
+    // A request pinned to one worker is not a routing decision: asking the policy would count
+    // it, and advance a round robin's turn past the next request that is one.
+    let (decision, decided_by) = match among {
+        Among::Only(_) => (Decision::Worker(0), DecidedBy::Pinned),
+        Among::Except(_) => decide(gw, req, &summary, &candidates),
+    };
     let k = match decision {
         Decision::Worker(k) if k < eligible.len() => k,
         Decision::Worker(_) => 0,
@@ -90,7 +95,7 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
     }
     let worker = model.workers[idx].clone();
     req.tried.push(idx);
-    let by_plugin = !matches!(decided_by, DecidedBy::Builtin(_));
+    let by_plugin = matches!(decided_by, DecidedBy::Plugin(_) | DecidedBy::Fallback { .. });
     book(gw, req, idx, &candidates[k], Decided { best_overlap, began: now, by_plugin, expected_output: output.expected_tokens });
     let prompt = req.kv.as_ref().map_or((0, 0), |k| (k.tokens as u32, k.chain.len() as u32));
     let kv = model.kv.as_ref().map(|k| k.policy.params());

@@ -10,12 +10,31 @@
 //!   boundaries do not line up with the worker's, so the index (fed by real token ids) cannot
 //!   match them; use it with approximate mode (`kv_events: false`).
 
+use super::RequestState;
+use super::kv_inputs::KvInputs;
 use super::parsed::ParsedBody;
 use crate::endpoint::Endpoint;
+use crate::gateway::Gateway;
 use crate::kv_routing::KvRouting;
 use kvgate_tokenize::{SegmentCache, dialect};
 use serde_json::Value;
 use std::sync::Arc;
+
+/// Fills `req.kv` when the model routes on the KV cache. A Messages or Responses prompt that
+/// cannot be rendered exactly is placed by load alone (no prefix), and counted
+/// (`kvgate_render_fallback_total{endpoint,reason}`).
+pub async fn prepare_kv(gw: &Gateway, req: &mut RequestState) {
+    let (Some(kv), Some(body)) = (req.model.kv.clone(), req.parsed.take()) else { return };
+    let salt = KvInputs::salt_of(&body.fields);
+    let tokens = match req.endpoint {
+        Endpoint::Messages | Endpoint::Responses => dialect_tokens(body.fields, req.endpoint, &kv).await.unwrap_or_else(|reason| {
+            gw.metrics.render_fallback.with_label_values(&[req.endpoint.label(), reason]).inc();
+            Vec::new()
+        }),
+        ep => tokens(body, ep == Endpoint::Chat, kv.tokenizer.as_ref(), kv.max_tokens()).await.unwrap_or_default(),
+    };
+    req.kv = Some(req.kv_inputs(&kv, &tokens, salt));
+}
 
 /// Extracts the routing tokens from a parsed request body, which it consumes (a prompt's ids
 /// are taken, not copied, and a long conversation moves to the blocking pool whole); `None`

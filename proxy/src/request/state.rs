@@ -3,7 +3,7 @@
 //! and the workers tried, the request's registration in the in-flight registry, and the
 //! follower of a stream that may move.
 
-use super::admit::RequestView;
+use super::view::RequestView;
 use super::kv_inputs::KvInputs;
 use super::track::Tracker;
 use crate::config::Config;
@@ -11,6 +11,7 @@ use crate::downstream::conn::RequestHead;
 use crate::endpoint::Endpoint;
 use crate::fleet::{Model, Worker};
 use crate::inflight::{Registered, RequestEntry};
+use crate::kv_routing::KvRouting;
 use bytes::Bytes;
 use kvgate_filters::cancel::RequestContext;
 use kvgate_filters::ledger::Booking;
@@ -105,7 +106,7 @@ pub struct RequestState {
     /// When the client was sent its first streamed token, after admission.
     pub ttft: Option<std::time::Duration>,
     /// Its legs on a model that disaggregates prefill from decode.
-    pub pd: super::disaggregate::Pd,
+    pub pd: super::pd::Pd,
 }
 
 impl RequestState {
@@ -128,6 +129,13 @@ impl RequestState {
     /// Its registry entry.
     pub fn entry(&self) -> &Arc<RequestEntry> {
         self.registered.entry()
+    }
+
+    /// The KV routing inputs of a prompt of `tokens` for this request: keyed by the LoRA
+    /// adapter it names, salted by `salt`.
+    pub fn kv_inputs(&self, kv: &KvRouting, tokens: &[u32], salt: Option<u64>) -> KvInputs {
+        let adapter = crate::fleet::Fleet::adapter(&self.model, self.view.model.as_deref());
+        KvInputs::of(&self.model, kv, adapter, tokens, salt)
     }
 
     /// Prompt tokens routing counted (0 when the prompt was not tokenized).

@@ -76,7 +76,7 @@ pub fn answered(gw: &Gateway, refs: Option<&StoredRefs>, worker: &crate::fleet::
 /// A response id in vLLM 0.32's form: `resp_` and 16 hex digits (64 bits, as its
 /// `random_uuid`).
 fn new_response_id() -> String {
-    format!("resp_{:016x}", super::admit::fresh_bits())
+    crate::ids::hex_id("resp_", crate::ids::fresh_bits())
 }
 
 /// `body` (a JSON object) with `"request_id": id` as its first member; `None` when the body
