@@ -21,7 +21,7 @@
 //! - [`http`]: the Pingora services (public API, admin);
 //! - [`tls`]: TLS on the listeners, certificates replaced without a restart;
 //! - [`tasks`]: background work under one supervisor;
-//! - [`planner`]: seed 002's planner acting on a model's fleet (pull, decide, scale up, drain
+//! - [`planner`]: Dynamo's planner design acting on a model's fleet (pull, decide, scale up, drain
 //!   and stop);
 //! - [`connector`]: how the planner starts and stops workers (`local` processes);
 //! - [`plugins`]: loaded WebAssembly routing policies;

@@ -1,4 +1,4 @@
-//! Phase 3a, the prefill leg of a disaggregated request (seed 001's disaggregated serving, on
+//! Phase 3a, the prefill leg of a disaggregated request (Dynamo's disaggregated serving, on
 //! vLLM's own `kv_transfer_params` protocol; docs/disaggregation.md has the protocol and its
 //! sources).
 //!
@@ -56,7 +56,7 @@ pub enum Fallback {
     /// the prompt's logprobs or its echo.
     Fields,
     /// Every decode worker is over its busy thresholds: a prefill leg would be wasted on a
-    /// request that gets seed 000's 503.
+    /// request that gets the load-shedding 503.
     DecodeBusy,
 }
 

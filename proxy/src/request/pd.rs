@@ -31,7 +31,7 @@ impl Pd {
     }
 
     /// A candidate as this leg's placement sees it: a prefill worker carries no decode load
-    /// (seed 001), and once a prefill worker computed the prompt every decode worker will hold
+    /// (as in Dynamo's KV router), and once a prefill worker computed the prompt every decode worker will hold
     /// it (its `prompt_blocks` are transferred, not computed), so only the decode load tells them
     /// apart.
     pub fn candidate(&self, mut c: Candidate, prompt_blocks: Option<u32>) -> Candidate {
@@ -43,4 +43,3 @@ impl Pd {
         c
     }
 }
-

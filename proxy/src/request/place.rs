@@ -1,6 +1,6 @@
 //! Phase 3, placement: shedding, then routing. Workers that are unhealthy or already tried are
 //! left out; busy ones too while some worker is not busy (on the first attempt, all busy is a
-//! 503 with seed 000's body). The built-in mode, or the plugin in front of it, picks among the
+//! 503 with Dynamo's load-shedding body). The built-in mode, or the plugin in front of it, picks among the
 //! rest; the request's booking moves onto the chosen worker, and the decision is written to the
 //! request's route receipt.
 
@@ -122,8 +122,8 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
 }
 
 /// Whether every worker that could serve the request's answer (what [`place`]'s first attempt
-/// would offer) is over the model's busy thresholds, so that the request would get seed 000's
-/// 503 (a prefill leg for it would be wasted).
+/// would offer) is over the model's busy thresholds, so that the request would get the
+/// load-shedding 503 (a prefill leg for it would be wasted).
 pub fn answers_all_busy(gw: &Gateway, req: &RequestState) -> bool {
     let model = &req.model;
     let thresholds = gw.thresholds(&model.cfg.name);
@@ -319,7 +319,7 @@ fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, de
     let footprint = match &req.kv {
         // `/tokenize` and `/detokenize` compute nothing worth booking: only the request counts.
         _ if !req.endpoint.infers() => Footprint::default(),
-        // A prefill worker holds no decode load (seed 001: no active-block tracking there).
+        // A prefill worker holds no decode load (as in Dynamo's KV router: no active-block tracking there).
         _ if req.pd.prefill_leg => Footprint { prefill_tokens, prompt_tokens, prefill_time, ..Footprint::default() },
         Some(k) => {
             mm.overlap.observe(f64::from(chosen.overlap_blocks));

@@ -3,9 +3,9 @@
 //! and the workers tried, the request's registration in the in-flight registry, and the
 //! follower of a stream that may move.
 
-use super::view::RequestView;
 use super::kv_inputs::KvInputs;
 use super::track::Tracker;
+use super::view::RequestView;
 use crate::config::Config;
 use crate::downstream::conn::RequestHead;
 use crate::endpoint::Endpoint;

@@ -45,4 +45,3 @@ impl RequestView {
         self.nvext.as_ref().and_then(|v| v.pointer("/agent_hints/osl")).and_then(serde_json::Value::as_u64)
     }
 }
-
