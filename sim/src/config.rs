@@ -121,7 +121,7 @@ impl KvTransferConfig {
     pub fn parse(json: &str) -> Result<Self, String> {
         let mut c: Self = serde_json::from_str(json).map_err(|e| format!("--kv-transfer-config: {e}"))?;
         if c.engine_id.is_none() {
-            c.engine_id = Some(crate::api::response::random_uuid());
+            c.engine_id = Some(crate::ids::random_uuid());
         }
         c.validate()?;
         Ok(c)

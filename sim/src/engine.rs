@@ -436,7 +436,7 @@ impl EngineTask {
 
     /// Tells a prefill worker to free the blocks of a decode leg aborted before its pull (a
     /// pull of no blocks), as vLLM's connector notifies it rather than leave them to the lease.
-    fn free_remote(&self, remote: Arc<crate::kv_connector::RemotePrefill>) {
+    fn free_remote(&self, remote: Arc<crate::scheduler::RemotePrefill>) {
         let stop = self.params.stop.clone();
         tokio::spawn(async move {
             tokio::select! {

@@ -24,7 +24,7 @@
 
 use crate::config::KvTransferConfig;
 use crate::kv_cache::BlockId;
-use crate::scheduler::{HeldKv, KvTransfer};
+use crate::scheduler::{HeldKv, KvTransfer, RemotePrefill};
 use axum::body::Body;
 use bytes::Bytes;
 use hyper::StatusCode;
@@ -43,21 +43,6 @@ const PULL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Largest answer read.
 const MAX_REPLY_BYTES: usize = 64 << 20;
-
-/// Where a decode leg's prompt KV lies: the prefill worker's reply, as the decode leg carries it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RemotePrefill {
-    /// `remote_engine_id`.
-    pub engine_id: String,
-    /// `remote_request_id`: the prefill worker's internal id of the held request.
-    pub request_id: String,
-    /// `remote_host`.
-    pub host: String,
-    /// `remote_port`.
-    pub port: u16,
-    /// `remote_block_ids[0]`: the held blocks (one KV cache group).
-    pub block_ids: Vec<BlockId>,
-}
 
 /// The body of `POST /kv_transfer/pull`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

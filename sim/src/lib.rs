@@ -18,6 +18,7 @@ pub mod config;
 pub mod engine;
 pub mod events;
 pub mod faults;
+pub mod ids;
 pub mod kv_cache;
 pub mod kv_connector;
 pub mod lora;

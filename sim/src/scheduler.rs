@@ -31,7 +31,6 @@
 use crate::block_hash::{BlockHash, ExtraKey, hash_block_with};
 use crate::events::{BlockKeys, KvEvent};
 use crate::kv_cache::{BlockId, BlockPool};
-use crate::kv_connector::RemotePrefill;
 use crate::lora::LoraRequest;
 use crate::sampler::{ContextHash, Sampler};
 use crate::timing::StepShape;
@@ -294,7 +293,7 @@ pub struct Scheduler {
 }
 
 mod pd;
-pub use pd::{HeldKv, LoadOutcome};
+pub use pd::{HeldKv, LoadOutcome, RemotePrefill};
 
 fn ceil_div(a: usize, b: usize) -> usize {
     a.div_ceil(b)

@@ -164,6 +164,6 @@ impl AppState {
 /// random one) with 8 random hex digits appended, unique even when a client reuses its id for
 /// both legs.
 fn internal_id(headers: &HeaderMap) -> String {
-    let base = headers.get("x-request-id").and_then(|v| v.to_str().ok()).map_or_else(super::response::random_id, str::to_owned);
-    format!("{base}-{}", &super::response::random_id()[..8])
+    let base = headers.get("x-request-id").and_then(|v| v.to_str().ok()).map_or_else(crate::ids::random_id, str::to_owned);
+    format!("{base}-{}", &crate::ids::random_id()[..8])
 }

@@ -35,7 +35,7 @@ impl Meta {
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned)
             .or_else(|| body_request_id.map(str::to_owned))
-            .unwrap_or_else(random_id);
+            .unwrap_or_else(crate::ids::random_id);
         let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         let id = format!("{prefix}-{base}");
         Self { id_json: json_str(&id), id, created, model_json: json_str(model), echo_request_id: if echo { Some(base) } else { None } }
@@ -45,21 +45,6 @@ impl Meta {
 /// A JSON string literal for `s`.
 pub fn json_str(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
-}
-
-/// 16 random hex digits, as vLLM's `random_uuid()` gives for request ids.
-pub fn random_id() -> String {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
-    format!("{:016x}", crate::sampler::mix(t ^ COUNTER.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed)))
-}
-
-/// A random version-4 UUID string, as Python's `str(uuid.uuid4())` (vLLM's default
-/// `engine_id`).
-pub fn random_uuid() -> String {
-    let (a, b) = (random_id(), random_id());
-    format!("{}-{}-4{}-{}{}-{}", &a[..8], &a[8..12], &a[13..16], ["8", "9", "a", "b"][usize::from(b.as_bytes()[0] % 4)], &b[1..4], &b[4..16])
 }
 
 /// Per-choice state while streaming.

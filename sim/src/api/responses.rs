@@ -28,9 +28,10 @@
 use super::error::{ApiError, json_response};
 use super::generate::{Generation, PreparedPrompt};
 use super::protocol::{GenParams, check_cache_salt, parse_body};
-use super::response::{ChoiceState, ChunkFormat, Meta, collect, delivery_text, json_str, random_id, sse};
+use super::response::{ChoiceState, ChunkFormat, Meta, collect, delivery_text, json_str, sse};
 use super::{AppState, render_dialect_chat};
 use crate::engine::Delivery;
+use crate::ids::random_id;
 use crate::scheduler::FinishReason;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};

@@ -22,6 +22,21 @@ pub(super) struct Held {
     num_cached_tokens: usize,
 }
 
+/// Where a decode leg's prompt KV lies: the prefill worker's reply, as the decode leg carries it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemotePrefill {
+    /// `remote_engine_id`.
+    pub engine_id: String,
+    /// `remote_request_id`: the prefill worker's internal id of the held request.
+    pub request_id: String,
+    /// `remote_host`.
+    pub host: String,
+    /// `remote_port`.
+    pub port: u16,
+    /// `remote_block_ids[0]`: the held blocks (one KV cache group).
+    pub block_ids: Vec<BlockId>,
+}
+
 /// What a prefill leg's reply tells the decode worker, once its blocks are held.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HeldKv {
@@ -130,7 +145,7 @@ impl Scheduler {
 
     /// The prefill worker a decode leg still waiting for admission would pull from: if it is
     /// aborted now, vLLM's connector still tells that worker to free the blocks.
-    pub fn pending_pull(&self, id: ReqId) -> Option<std::sync::Arc<crate::kv_connector::RemotePrefill>> {
+    pub fn pending_pull(&self, id: ReqId) -> Option<std::sync::Arc<RemotePrefill>> {
         let req = self.requests.get(&id).filter(|r| r.load == Load::Pending)?;
         match &req.kv {
             KvTransfer::Pull(r) => Some(r.clone()),
@@ -139,7 +154,7 @@ impl Scheduler {
     }
 
     /// [`Scheduler::pending_pull`] of every waiting request.
-    pub fn pending_pulls(&self) -> Vec<std::sync::Arc<crate::kv_connector::RemotePrefill>> {
+    pub fn pending_pulls(&self) -> Vec<std::sync::Arc<RemotePrefill>> {
         self.waiting.iter().filter_map(|&id| self.pending_pull(id)).collect()
     }
 

@@ -1,6 +1,6 @@
 use super::*;
 use crate::block_hash::{hash_block, hash_block_from, none_hash, root_hash};
-use crate::kv_connector::RemotePrefill;
+use crate::scheduler::RemotePrefill;
 
 fn cfg(blocks: usize, budget: usize, seqs: usize) -> SchedulerConfig {
     SchedulerConfig {
