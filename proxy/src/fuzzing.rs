@@ -73,7 +73,7 @@ pub async fn worker_response(bytes: &[u8], head_request: bool) -> Result<(u16, V
 /// the way are the ones [`ParsedBody`] reads (the promise in `request/fields.rs`).
 pub fn request_fields(body: &[u8]) {
     let fast = fields::read(body, true);
-    let reference: Result<crate::request::admit::RequestView, _> = serde_json::from_slice(body);
+    let reference: Result<crate::request::view::RequestView, _> = serde_json::from_slice(body);
     match (&fast, &reference) {
         (Ok((view, _)), Ok(expected)) => assert_eq!(view, expected, "the fields read differ from serde_json's"),
         (Err(_), Err(_)) => {}
