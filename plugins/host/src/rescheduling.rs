@@ -7,7 +7,7 @@ use crate::bindings::rescheduler::kvgate::policy::types as wit;
 use crate::bindings::rescheduler::{Rescheduler, ReschedulerPre};
 use crate::component::{self, Compiled, Kind};
 use crate::failure::{Failure, LoadError};
-use crate::sandbox::{self, HostState};
+use crate::sandbox::{self, HostState, Limits};
 use parking_lot::Mutex;
 use wasmtime::Store;
 
@@ -120,7 +120,7 @@ impl ReschedulingPlugin {
         let pre =
             ReschedulerPre::new(component::link(&compiled, Kind::Rescheduler)?).map_err(|e| err(format!("does not match the rescheduler world: {e:#}")))?;
         let plugin = Self { compiled, pre, live: Mutex::new(None) };
-        let live = plugin.instantiate().map_err(|f| err(format!("init failed: {f}")))?;
+        let live = plugin.instantiate(plugin.compiled.spec.limits.at_load()).map_err(|f| err(format!("init failed: {f}")))?;
         *plugin.live.lock() = Some(live);
         Ok(plugin)
     }
@@ -130,8 +130,8 @@ impl ReschedulingPlugin {
         &self.compiled.spec.name
     }
 
-    fn instantiate(&self) -> Result<Live, Failure> {
-        let limits = self.compiled.spec.limits;
+    /// A fresh instance, its `init` run under `limits`.
+    fn instantiate(&self, limits: Limits) -> Result<Live, Failure> {
         let mut store = sandbox::store(limits);
         sandbox::arm(&mut store, limits);
         let rescheduler = match self.pre.instantiate(&mut store) {
@@ -150,7 +150,7 @@ impl ReschedulingPlugin {
         let mut slot = self.live.lock();
         let mut live = match slot.take() {
             Some(l) => l,
-            None => self.instantiate()?,
+            None => self.instantiate(self.compiled.spec.limits)?,
         };
         let limits = self.compiled.spec.limits;
         sandbox::arm(&mut live.store, limits);

@@ -57,7 +57,7 @@ impl RoutingPlugin {
         let err = |message: String| LoadError { plugin: name.clone(), message };
         let pre = RouterPre::new(component::link(&compiled, Kind::Router)?).map_err(|e| err(format!("does not match the router world: {e:#}")))?;
         let plugin = Self { compiled, pre, idle: Mutex::new(Vec::new()), breaker: Mutex::new(Breaker::default()) };
-        let live = plugin.instantiate().map_err(|f| err(format!("init failed: {f}")))?;
+        let live = plugin.instantiate(plugin.limits().at_load()).map_err(|f| err(format!("init failed: {f}")))?;
         plugin.idle.lock().push(live);
         Ok(plugin)
     }
@@ -81,8 +81,8 @@ impl RoutingPlugin {
         self.compiled.spec.limits
     }
 
-    fn instantiate(&self) -> Result<Live, Failure> {
-        let limits = self.limits();
+    /// A fresh instance, its `init` run under `limits`.
+    fn instantiate(&self, limits: Limits) -> Result<Live, Failure> {
         let mut store = sandbox::store(limits);
         sandbox::arm(&mut store, limits);
         let router = match self.pre.instantiate(&mut store) {
@@ -131,7 +131,7 @@ impl RoutingPlugin {
     fn call(&self, req: &RouteRequest<'_>, candidates: &[Candidate]) -> Result<Option<Decision>, Failure> {
         let mut live = match self.idle.lock().pop() {
             Some(l) => l,
-            None => self.instantiate()?,
+            None => self.instantiate(self.limits())?,
         };
         let limits = self.limits();
         let request = wit::Request {

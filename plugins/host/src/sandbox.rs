@@ -36,10 +36,16 @@ pub fn engine() -> &'static Engine {
     })
 }
 
+/// The least deadline of the `init` a plugin runs when it is loaded, ms. Loading is off the
+/// request path, and a deadline of a call's few milliseconds there fails a sound plugin (and
+/// the gateway's start) whenever the host is busy for a moment.
+pub const LOAD_INIT_MS: u64 = 1_000;
+
 /// Per-call bounds of a plugin.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
-    /// Deadline of one call (and of `init`), ms.
+    /// Deadline of one call, ms; also of the `init` of an instance made on the request path
+    /// (the one made at load gets at least [`LOAD_INIT_MS`]).
     pub timeout_ms: u64,
     /// Linear memory cap, MiB.
     pub memory_mib: u64,
@@ -48,6 +54,13 @@ pub struct Limits {
 impl Default for Limits {
     fn default() -> Self {
         Self { timeout_ms: 5, memory_mib: 32 }
+    }
+}
+
+impl Limits {
+    /// The limits of the `init` run when the plugin is loaded.
+    pub fn at_load(self) -> Self {
+        Self { timeout_ms: self.timeout_ms.max(LOAD_INIT_MS), ..self }
     }
 }
 
@@ -115,4 +128,17 @@ pub fn classify(store: &Store<HostState>, limits: Limits, err: &wasmtime::Error)
         return Failure::Memory(limits.memory_mib);
     }
     Failure::Trap(format!("{err:#}").lines().next().unwrap_or("unknown trap").to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn init_at_load_gets_at_least_a_second_and_keeps_a_longer_deadline() {
+        let l = Limits { timeout_ms: 5, memory_mib: 32 };
+        assert_eq!(l.at_load(), Limits { timeout_ms: LOAD_INIT_MS, memory_mib: 32 });
+        let slow = Limits { timeout_ms: 3_000, ..l };
+        assert_eq!(slow.at_load(), slow);
+    }
 }
