@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The project's whole test suite, as CI runs it:
-#   1. formatting (rustfmt.toml) and clippy with every warning denied;
+#   1. formatting (rustfmt.toml) and clippy with every warning denied; no import circle in the
+#      gateway or the simulator (tests/acyclic.sh: installs cargo-modules on first use);
 #   2. every crate's unit and integration tests (vllm-sim workers in-process, ephemeral ports);
 #   2b. every fuzz target (fuzz/, docs/fuzzing.md) for FUZZ_SECONDS (15) on its seeds
 #       (tests/fuzz-smoke.sh: installs the nightly toolchain and cargo-fuzz on first use);
@@ -39,6 +40,7 @@ timed() {
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+bash tests/acyclic.sh
 suite_start=$(date +%s)
 cargo test --workspace --all-targets 2>&1 | timed
 echo "cargo test took $(( $(date +%s) - suite_start )) s"

@@ -77,7 +77,7 @@ pub fn run(o: &DemoOptions) -> i32 {
         })
         .collect();
     let yaml = config_yaml(o, &workers);
-    let cfg: Config = match crate::config::load_str(&yaml, "<demo>", Vec::<(String, String)>::new()) {
+    let cfg: Config = match crate::config::load::load_str(&yaml, "<demo>", Vec::<(String, String)>::new()) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("kvgate demo: {e}");

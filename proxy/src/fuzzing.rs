@@ -119,5 +119,5 @@ pub fn kv_event_sources(body: &[u8]) {
 
 /// A configuration file: loaded, or refused with a line and column, never a panic.
 pub fn config(yaml: &str) {
-    let _ = crate::config::load_str(yaml, "fuzz", Vec::new());
+    let _ = crate::config::load::load_str(yaml, "fuzz", Vec::new());
 }

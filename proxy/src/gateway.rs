@@ -2,8 +2,10 @@
 //! the upstream connector, metrics, the in-flight registry, the loaded
 //! plugins and the drain switch.
 
-use crate::config::{Config, ConfigError};
-use crate::fleet::{Fleet, WorkerRegistry};
+use crate::config::Config;
+use crate::config::load::ConfigError;
+use crate::fleet::Fleet;
+use crate::fleet::registry::WorkerRegistry;
 use crate::metrics::Metrics;
 use arc_swap::ArcSwap;
 use std::path::PathBuf;
@@ -228,7 +230,7 @@ impl Gateway {
         };
         // The certificate files are read again on every reload, changed or not.
         self.tls.reload(true, &self.metrics);
-        match crate::config::load_file(path) {
+        match crate::config::load::load_file(path) {
             Ok(cfg) => {
                 if *self.config() != cfg {
                     if let Err(message) = self.apply(cfg) {

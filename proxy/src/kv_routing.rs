@@ -288,7 +288,7 @@ mod tests {
         let yaml = format!(
             "models:\n  - name: m\n    routing:\n      mode: kv\n      kv_events: {kv_events}\n    workers:\n      - url: http://a:1\n        kv_events: tcp://127.0.0.1:5557\n"
         );
-        let cfg = crate::config::load_str(&yaml, "t", Vec::<(String, String)>::new()).unwrap();
+        let cfg = crate::config::load::load_str(&yaml, "t", Vec::<(String, String)>::new()).unwrap();
         KvRouting::build(&cfg.models[0]).unwrap()
     }
 

@@ -69,7 +69,7 @@ fn main() {
         eprintln!("kvgate: --config FILE is required (see conf/kvgate.yaml)");
         std::process::exit(2);
     };
-    let cfg = match kvgate::config::load_file(&path) {
+    let cfg = match kvgate::config::load::load_file(&path) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("{e}");

@@ -289,11 +289,12 @@ pub struct Scheduler {
     /// Decode legs waiting for their KV pull (vLLM's `WAITING_FOR_REMOTE_KVS`).
     loading: Vec<ReqId>,
     /// Finished prefill legs whose blocks wait for a decode worker.
-    held: HashMap<ReqId, pd::Held>,
+    held: HashMap<ReqId, transfer::Held>,
 }
 
 mod pd;
-pub use pd::{HeldKv, LoadOutcome, RemotePrefill};
+mod transfer;
+pub use transfer::{HeldKv, LoadOutcome, RemotePrefill};
 
 fn ceil_div(a: usize, b: usize) -> usize {
     a.div_ceil(b)

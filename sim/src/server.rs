@@ -111,7 +111,7 @@ impl SimServer {
         });
         // vLLM loads `--lora-modules` before serving and refuses to start when one fails.
         for m in &state.cfg.lora_modules {
-            let req = crate::api::lora::LoadRequest { lora_name: m.name.clone(), lora_path: m.path.clone(), load_inplace: false };
+            let req = crate::api::adapters::LoadRequest { lora_name: m.name.clone(), lora_path: m.path.clone(), load_inplace: false };
             if let Err(e) = state.load_lora(&req, m.base_model_name.as_deref()) {
                 stop.cancel();
                 return Err(SimError::Config(e.message));

@@ -17,7 +17,7 @@ use zeromq::Socket;
 
 fn config(worker: &str) -> kvgate::config::Config {
     let yaml = format!("listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nthreads: 1\nmodels:\n  - name: sim-model\n    workers:\n      - url: {worker}\n");
-    kvgate::config::load_str(&yaml, "<test>", Vec::<(String, String)>::new()).expect("valid")
+    kvgate::config::load::load_str(&yaml, "<test>", Vec::<(String, String)>::new()).expect("valid")
 }
 
 async fn spawn(cfg: kvgate::config::Config) -> std::io::Result<GatewayHandle> {

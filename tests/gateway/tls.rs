@@ -109,11 +109,11 @@ fn a_tls_pair_that_does_not_load_is_refused_with_its_line() {
     let (_, other_key) = self_signed();
     install(&dir, &(cert, other_key));
     let yaml = format!("{}models:\n  - name: m\n    workers:\n      - url: http://127.0.0.1:1\n", tls_yaml(&dir));
-    let e = kvgate::config::load_str(&yaml, "test", Vec::new()).expect_err("a key of another certificate");
+    let e = kvgate::config::load::load_str(&yaml, "test", Vec::new()).expect_err("a key of another certificate");
     assert_eq!(e.line, Some(1), "{e}");
     assert!(e.to_string().contains("is not the key of"), "{e}");
     std::fs::remove_file(dir.join("tls.crt")).unwrap();
-    let e = kvgate::config::load_str(&yaml, "test", Vec::new()).expect_err("a missing file");
+    let e = kvgate::config::load::load_str(&yaml, "test", Vec::new()).expect_err("a missing file");
     assert!(e.to_string().contains("tls.crt"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }

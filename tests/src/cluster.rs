@@ -171,7 +171,7 @@ impl Cluster {
         let dir = TempDir::new();
         let path = dir.0.join("kvgate.yaml");
         std::fs::write(&path, yaml).expect("write config");
-        let cfg = kvgate::config::load_file(&path).expect("valid test config");
+        let cfg = kvgate::config::load::load_file(&path).expect("valid test config");
         let p = path.clone();
         let gw = tokio::task::spawn_blocking(move || GatewayHandle::spawn(cfg, Some(p))).await.expect("join").expect("gateway starts");
         Cluster { sims: Vec::new(), gw: Some(gw), config_path: path, http: reqwest::Client::new(), _dir: dir }

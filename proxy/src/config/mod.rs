@@ -5,7 +5,7 @@
 
 mod admin_token;
 mod disaggregation;
-mod load;
+pub mod load;
 mod passthrough;
 mod planner;
 mod rescheduling;
@@ -13,7 +13,6 @@ mod values;
 
 pub use admin_token::AdminToken;
 pub use disaggregation::{Disaggregation, Role};
-pub use load::{ConfigError, load_file, load_str};
 pub use passthrough::{Passthrough, PathPattern};
 pub use planner::{ConnectorConfig, DrainMode, KubernetesConnector, LocalConnector, PlanMode, PlanParams, Planner, WorkloadKind};
 pub use rescheduling::{LoadMetric, Rescheduling};

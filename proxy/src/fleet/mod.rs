@@ -13,13 +13,12 @@
 pub mod calibration;
 mod cards;
 mod model;
-mod registry;
+pub(crate) mod registry;
 mod stored_responses;
 mod worker;
 
 pub use cards::ModelCards;
 pub use model::Model;
-pub use registry::WorkerRegistry;
 pub use stored_responses::StoredResponses;
 pub use worker::{FoundKvSource, ReportedLoad, Worker};
 

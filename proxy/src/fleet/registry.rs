@@ -118,7 +118,7 @@ mod tests {
     fn registry_keeps_worker_state_across_rebuilds() {
         let cfg = |urls: &[&str]| {
             let workers: String = urls.iter().flat_map(|&u| ["      - url: ", u, "\n"]).collect();
-            crate::config::load_str(&format!("models:\n  - name: m\n    workers:\n{workers}"), "t", Vec::new()).unwrap()
+            crate::config::load::load_str(&format!("models:\n  - name: m\n    workers:\n{workers}"), "t", Vec::new()).unwrap()
         };
         let reg = WorkerRegistry::default();
         let f1 = reg.build(&cfg(&["http://a:1", "http://b:1"]), None, &HashMap::new()).unwrap();

@@ -128,7 +128,7 @@ async fn reload(gw: &Arc<Gateway>, session: &mut ClientConn) {
     let gw2 = gw.clone();
     let result = tokio::task::spawn_blocking(move || gw2.reload())
         .await
-        .unwrap_or_else(|e| Err(crate::config::ConfigError { origin: "reload".into(), line: None, column: None, message: e.to_string() }));
+        .unwrap_or_else(|e| Err(crate::config::load::ConfigError { origin: "reload".into(), line: None, column: None, message: e.to_string() }));
     match result {
         Ok(()) => respond_json(session, 200, &json!({"status": "ok"})).await,
         Err(e) => {

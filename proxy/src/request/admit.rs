@@ -2,9 +2,10 @@
 //! the fields routing reads, find the model, and register the request in the in-flight
 //! registry. Every refusal here is a [`GatewayError`] answered before any worker is involved.
 
+use super::outcome::Outcome;
 use super::track;
 use super::view::RequestView;
-use super::{Outcome, RequestState, record};
+use super::{RequestState, record};
 use crate::downstream::conn::ClientConn;
 use crate::downstream::io::{BodyError, read_body};
 use crate::endpoint::Endpoint;

@@ -18,9 +18,10 @@
 //! leg is a child of the request's context, and dropping it closes its connection, which
 //! aborts the request in vLLM), and its decode leg never starts.
 
+use super::RequestState;
+use super::outcome::Outcome;
 use super::pd::Pd;
 use super::place;
-use super::{Outcome, RequestState};
 use crate::downstream::closed::client_closed;
 use crate::downstream::conn::ClientConn;
 use crate::error::GatewayError;

@@ -23,6 +23,7 @@ pub mod fields;
 pub mod kv_inputs;
 pub mod leg;
 pub mod migrate;
+pub mod outcome;
 pub mod parsed;
 pub mod pd;
 pub mod place;
@@ -43,36 +44,12 @@ use crate::gateway::Gateway;
 use crate::move_order::{MoveOrder, MoveRefused, MoveReport};
 use kvgate_filters::cancel::RequestContext;
 use leg::LegEnd;
+use outcome::Outcome;
 use place::Among;
 use relay::Relayed;
 pub use state::RequestState;
 use std::sync::Arc;
 use std::time::Instant;
-
-/// How a request ended.
-#[derive(Debug)]
-pub enum Outcome {
-    /// A complete response went out with this status.
-    Served(u16),
-    /// The worker died mid-response; the client connection must be closed abruptly so the
-    /// client sees an error, not a clean end of a truncated body.
-    Truncated(u16),
-    /// The gateway answered with an error.
-    Refused(GatewayError),
-    /// The client went away.
-    Cancelled,
-}
-
-impl Outcome {
-    /// The HTTP status recorded for it (499: the client left).
-    pub fn status(&self) -> u16 {
-        match self {
-            Self::Served(s) | Self::Truncated(s) => *s,
-            Self::Refused(e) => e.status(),
-            Self::Cancelled => 499,
-        }
-    }
-}
 
 /// Serves one request end to end. Returns true when the client connection must be aborted
 /// (the response was cut by a failing worker).

@@ -5,7 +5,8 @@
 //! `/resume`, whether or not the model has a queue: an RL trainer's pause → weight update →
 //! resume costs clients time, not errors.
 
-use super::{Outcome, RequestState};
+use super::RequestState;
+use super::outcome::Outcome;
 use crate::downstream::closed::client_closed;
 use crate::downstream::conn::ClientConn;
 use crate::error::GatewayError;

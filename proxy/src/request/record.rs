@@ -1,7 +1,8 @@
 //! Phase 6, the record: metrics, logs and the registry's final status for every way a request
 //! ends, and the events on the way (a cancelled request, a failed leg) counted once each.
 
-use super::{Outcome, RequestState};
+use super::RequestState;
+use super::outcome::Outcome;
 use crate::endpoint::Endpoint;
 use crate::error::{GatewayError, LegError};
 use crate::fleet::Worker;

@@ -16,8 +16,9 @@
 
 use super::leg::{First, Leg};
 use super::migrate::{self, Moved, Stop, Warming};
+use super::outcome::Outcome;
 use super::track::Tracker;
-use super::{Outcome, RequestState, record};
+use super::{RequestState, record};
 use crate::downstream::closed::client_closed;
 use crate::downstream::conn::{ClientConn, ResponseHead};
 use crate::error::{GatewayError, LegError, LegErrorKind};

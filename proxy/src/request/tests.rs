@@ -4,7 +4,7 @@
 //! stream.
 
 use super::*;
-use crate::config::load_str;
+use crate::config::load::load_str;
 use crate::inflight::Phase;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;

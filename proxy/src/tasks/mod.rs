@@ -200,7 +200,7 @@ mod tests {
 
     #[tokio::test]
     async fn every_task_starts_and_stops_together() {
-        let cfg = crate::config::load_str("models:\n  - name: m\n    workers:\n      - url: http://127.0.0.1:9\n", "t", Vec::new()).unwrap();
+        let cfg = crate::config::load::load_str("models:\n  - name: m\n    workers:\n      - url: http://127.0.0.1:9\n", "t", Vec::new()).unwrap();
         let gw = Gateway::new(cfg, None).unwrap();
         let s = Supervisor::start(gw.clone(), None);
         assert_eq!(s.running(), Task::ALL.to_vec());

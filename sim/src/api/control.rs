@@ -21,15 +21,8 @@ use axum::body::Body;
 use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use parking_lot::Mutex;
 use serde_json::{Value, json};
 use std::sync::Arc;
-
-/// What the simulated executor holds asleep (`/sleep` level 1 and 2: weights and KV cache).
-#[derive(Debug, Default)]
-pub struct Sleep {
-    tags: Mutex<Vec<String>>,
-}
 
 /// Tags a level-1 or level-2 sleep puts to sleep.
 const SLEEP_TAGS: [&str; 2] = ["weights", "kv_cache"];

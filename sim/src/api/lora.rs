@@ -9,6 +9,7 @@
 //! `adapter_config.json`, as vLLM requires; no weights are read.
 
 use super::AppState;
+use super::adapters::LoadRequest;
 use super::error::{ApiError, json_response};
 use super::protocol::parse_body;
 use crate::lora::LoraRequest;
@@ -17,45 +18,8 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use parking_lot::Mutex;
 use serde_json::{Value, json};
 use std::sync::Arc;
-
-/// The adapters loaded, in load order (a reload in place keeps its place and id).
-#[derive(Debug, Default)]
-pub struct Loras {
-    inner: Mutex<Inner>,
-}
-
-#[derive(Debug, Default)]
-struct Inner {
-    adapters: Vec<Arc<LoraRequest>>,
-    /// The last id handed out (vLLM's `lora_id_counter`).
-    last_id: u32,
-}
-
-impl Loras {
-    /// The adapter called `name`.
-    pub fn get(&self, name: &str) -> Option<Arc<LoraRequest>> {
-        self.inner.lock().adapters.iter().find(|a| a.name == name).cloned()
-    }
-
-    /// Every adapter, in load order.
-    pub fn all(&self) -> Vec<Arc<LoraRequest>> {
-        self.inner.lock().adapters.clone()
-    }
-}
-
-/// What a load asks for (vLLM's `LoadLoRAAdapterRequest`).
-#[derive(Debug, Clone, Default)]
-pub struct LoadRequest {
-    /// Adapter name.
-    pub lora_name: String,
-    /// Adapter path.
-    pub lora_path: String,
-    /// Replace an adapter of that name (keeping its id).
-    pub load_inplace: bool,
-}
 
 fn invalid(message: String) -> ApiError {
     ApiError { status: StatusCode::BAD_REQUEST, message, kind: "InvalidUserInput", param: None }

@@ -1,6 +1,7 @@
 //! The HTTP API, shaped like vLLM's OpenAI-compatible server: routes, shared state, and
 //! helpers used by more than one endpoint. One file per endpoint family.
 
+pub mod adapters;
 pub mod chat;
 pub mod completions;
 pub mod control;
@@ -12,7 +13,9 @@ pub mod messages;
 pub mod misc;
 pub mod protocol;
 pub mod response;
+pub mod response_store;
 pub mod responses;
+pub mod sleep;
 
 use crate::config::SimConfig;
 use crate::engine::EngineHandle;
@@ -53,11 +56,11 @@ pub struct AppState {
     /// What vLLM probes from the chat template for `/v1/messages`, on first use.
     pub messages_options: OnceLock<MessagesOptions>,
     /// Responses API responses kept for `previous_response_id`, GET and cancel.
-    pub response_store: responses::ResponseStore,
+    pub response_store: response_store::ResponseStore,
     /// LoRA adapters loaded.
-    pub loras: lora::Loras,
+    pub loras: adapters::Loras,
     /// What `/sleep` put to sleep.
-    pub sleep: control::Sleep,
+    pub sleep: sleep::Sleep,
 }
 
 impl AppState {

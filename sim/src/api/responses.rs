@@ -38,44 +38,9 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use kvgate_tokenize::dialect::responses as dialect;
-use parking_lot::Mutex;
 use serde_json::{Value, json};
-use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::Arc;
-
-/// Responses kept while the store is on: the response as last answered, the chat messages it
-/// was rendered from, and the task of a background one still running.
-#[derive(Default)]
-pub struct ResponseStore {
-    map: Mutex<HashMap<String, Stored>>,
-}
-
-struct Stored {
-    response: Value,
-    messages: Vec<Value>,
-    task: Option<tokio::task::AbortHandle>,
-}
-
-impl ResponseStore {
-    fn put(&self, id: &str, response: Value, messages: Vec<Value>) {
-        self.map.lock().insert(id.to_owned(), Stored { response, messages, task: None });
-    }
-
-    /// Replaces a stored response unless it was cancelled meanwhile (vLLM keeps the cancel).
-    fn finish(&self, id: &str, response: Value) {
-        if let Some(s) = self.map.lock().get_mut(id)
-            && s.response["status"] != "cancelled"
-        {
-            s.response = response;
-            s.task = None;
-        }
-    }
-
-    fn get(&self, id: &str) -> Option<(Value, Vec<Value>)> {
-        self.map.lock().get(id).map(|s| (s.response.clone(), s.messages.clone()))
-    }
-}
 
 /// vLLM's 404 for an id the store does not hold.
 fn not_found(id: &str) -> ApiError {
