@@ -168,7 +168,8 @@ fn block_size(v: Option<&Value>) -> Result<usize, DecodeError> {
 }
 
 fn check_stored(mut s: Stored, extra_keys: Option<&Value>) -> Result<Event, DecodeError> {
-    if s.token_ids.len() != s.hashes.len() * s.block_size {
+    // A block size of any u64 may come in: the product must not overflow.
+    if s.hashes.len().checked_mul(s.block_size) != Some(s.token_ids.len()) {
         return err(format!("{} token ids for {} blocks of {}", s.token_ids.len(), s.hashes.len(), s.block_size));
     }
     s.extras = extras(extra_keys, s.lora_name.as_deref(), s.hashes.len());
@@ -348,6 +349,18 @@ mod tests {
         assert_eq!(s.hashes, vec![0x0102_0304_0506_0708]);
         assert_eq!(s.parent, Some((-5i64).cast_unsigned()));
         assert!(batch.events[0].is_main_gpu());
+    }
+
+    #[test]
+    fn a_block_size_whose_product_overflows_is_an_error() {
+        // Found by the fuzz smoke: two hashes of a block of 0xcfcfcfcfc1ffff01 tokens.
+        let found = [
+            0x93, 0xcb, 0x3f, 0xf8, 0xd6, 0xff, 0xff, 0xff, 0x00, 0x00, 0x93, 0x97, 0xab, b'B', b'l', b'o', b'c', b'k', b'S', b't', b'o', b'r', b'e', b'd',
+            0x92, 0x7b, 0xfb, 0x77, 0x94, 0x3d, 0x00, 0x00, 0x4f, 0xcf, 0xcf, 0xcf, 0xcf, 0xcf, 0xc1, 0xff, 0xff, 0x01, 0x00, 0xff, 0xff, 0xef, 0x6c, 0x94,
+            0x00,
+        ];
+        let e = decode_batch(&found).unwrap_err();
+        assert!(e.0.contains("token ids for 2 blocks"), "{e:?}");
     }
 
     #[test]
