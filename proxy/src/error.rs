@@ -12,7 +12,7 @@ use std::fmt;
 
 /// What went wrong on an upstream leg.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum LegErrorKind {
+pub enum LegErrorKind {
     /// The worker's host name did not resolve.
     Resolve,
     /// The TCP connection was refused or timed out (also a health signal).
@@ -36,7 +36,7 @@ pub(crate) enum LegErrorKind {
 
 impl LegErrorKind {
     /// The `kind` label of `kvgate_upstream_errors_total`.
-    pub(crate) fn label(self) -> &'static str {
+    pub fn label(self) -> &'static str {
         match self {
             Self::Resolve => "resolve",
             Self::Connect => "connect",

@@ -4,6 +4,7 @@
 //! the request in the in-flight registry, so `GET /requests/{id}` answers "why did this request
 //! go there?" while it runs and after it finished.
 
+use crate::error::LegErrorKind;
 use crate::fleet::Worker;
 use kvgate_filters::route::{Candidate, KvParams, KvPolicy, RequestSummary, Slo, Terms};
 use serde_json::{Value, json};
@@ -82,8 +83,36 @@ pub struct Placement {
     /// The request's latency objectives (the `time` cost priced each worker's predicted miss of
     /// them).
     pub slo: Slo,
-    /// How the leg to the chosen worker ended: `ok`, or the error kind.
-    pub outcome: Option<&'static str>,
+    /// How the leg to the chosen worker ended.
+    pub outcome: Option<LegOutcome>,
+}
+
+/// How a placement's leg ended, as its receipt shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LegOutcome {
+    /// The worker answered, and its answer went to the client (`ok`).
+    Answered,
+    /// A move order sent the request elsewhere before its first byte (`moved`).
+    Moved,
+    /// A prefill leg computed the prompt's KV for the decode leg (`prefilled`).
+    Prefilled,
+    /// A prefill leg failed; the request was served aggregated (`prefill_failed`).
+    PrefillFailed,
+    /// The leg failed (its error kind's label, as `kvgate_upstream_errors_total` counts it).
+    Failed(LegErrorKind),
+}
+
+impl LegOutcome {
+    /// The receipt's `outcome` value.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Answered => "ok",
+            Self::Moved => "moved",
+            Self::Prefilled => "prefilled",
+            Self::PrefillFailed => "prefill_failed",
+            Self::Failed(kind) => kind.label(),
+        }
+    }
 }
 
 /// What routing expected of a request's output when it placed it: what the `time` cost's
@@ -114,7 +143,7 @@ pub struct RouteReceipt {
 
 impl RouteReceipt {
     /// Records how the last placement's leg ended.
-    pub fn leg_ended(&mut self, outcome: &'static str) {
+    pub fn leg_ended(&mut self, outcome: LegOutcome) {
         if let Some(p) = self.placements.last_mut() {
             p.outcome = Some(outcome);
         }
@@ -197,7 +226,7 @@ impl Placement {
             "expected_output_tokens": self.output.expected_tokens, "mean_output_tokens": self.output.mean_tokens,
             "tpot_weight": self.output.tpot_weight,
             "candidates": candidates, "excluded": excluded,
-            "chosen": self.chosen.map(|id| json!({"worker": id, "url": url(id)})), "outcome": self.outcome,
+            "chosen": self.chosen.map(|id| json!({"worker": id, "url": url(id)})), "outcome": self.outcome.map(LegOutcome::label),
         })
     }
 }
@@ -226,7 +255,7 @@ mod tests {
             slo: Slo::default(),
             outcome: None,
         });
-        r.leg_ended("ok");
+        r.leg_ended(LegOutcome::Answered);
         let v = r.to_json();
         assert_eq!(v[0]["chosen"]["url"], "http://127.0.0.1:1");
         assert_eq!(v[0]["excluded"][0]["reason"], "unhealthy");

@@ -27,6 +27,7 @@ use crate::downstream::conn::ClientConn;
 use crate::error::GatewayError;
 use crate::fleet::Worker;
 use crate::gateway::Gateway;
+use crate::receipt::LegOutcome;
 use bytes::Bytes;
 use kvgate_filters::cancel::RequestContext;
 use serde_json::{Map, Value};
@@ -113,12 +114,12 @@ pub async fn run(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestS
             gw.metrics.disagg.prefill_leg.with_label_values(&[req.model_name()]).observe(now.duration_since(sent).as_secs_f64());
             gw.metrics.disagg.requests.with_label_values(&[req.model_name(), "disaggregated", "prefilled"]).inc();
             req.pd = Pd { prefill_leg: false, decode_body: decode, transferred: true, prefilled_at: Some(now) };
-            req.entry().receipt.lock().leg_ended("prefilled");
+            req.entry().receipt.lock().leg_ended(LegOutcome::Prefilled);
             Ok(())
         }
         Err(detail) => {
             tracing::warn!(request_id = req.id(), worker = %worker.url, detail = detail.as_str(), "prefill leg failed; serving the request aggregated");
-            req.entry().receipt.lock().leg_ended("prefill_failed");
+            req.entry().receipt.lock().leg_ended(LegOutcome::PrefillFailed);
             aggregated(gw, req, Fallback::PrefillFailed);
             Ok(())
         }

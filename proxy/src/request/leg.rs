@@ -10,15 +10,18 @@
 //! token").
 //!
 //! Every failure is a typed [`LegError`] whose kind decides what happens next: retryable kinds
-//! go to another worker, the rest end the request.
+//! go to another worker, the rest end the request. [`LegEnd::step`] is that rule, the one the
+//! attempt loop and a move's destination both follow.
 
-use super::RequestState;
+use super::{RequestState, record};
 use crate::config::Config;
 use crate::downstream::closed::client_closed;
 use crate::downstream::conn::ClientConn;
 use crate::error::{LegError, LegErrorKind};
 use crate::fleet::Worker;
+use crate::gateway::Gateway;
 use crate::move_order::MoveOrder;
+use crate::receipt::LegOutcome;
 use crate::upstream::{self, Exchange, Outgoing};
 use bytes::Bytes;
 use std::sync::Arc;
@@ -58,6 +61,62 @@ pub enum LegEnd {
     /// An order moved the request before its first byte: it is sent elsewhere (the leg, and
     /// with it the worker's copy of the request, is dropped).
     Reroute(MoveOrder),
+}
+
+/// What follows a leg's end.
+pub enum Step {
+    /// Relay the worker's answer.
+    Relay(Box<Leg>),
+    /// Try another worker: nothing of this leg reached the client, and the failure says
+    /// nothing about the request (counted).
+    Retry(LegError),
+    /// Give up: another worker would fail the same way (counted).
+    Refuse(LegError),
+    /// Send the request where the order says.
+    Move(MoveOrder),
+    /// The client left.
+    ClientGone,
+}
+
+impl LegEnd {
+    /// The one rule for what follows a leg's end, for the attempt loop and a move's
+    /// destination alike; the placement's receipt records how the leg ended, and a failure is
+    /// counted. A leg answered with another status than 200 once the client has its head (a
+    /// resent stream, a continuation) cannot be passed on: it is a failure, retryable on a 5xx.
+    pub fn step(self, gw: &Gateway, session: &ClientConn, req: &RequestState, worker: &Worker) -> Step {
+        let end = match self {
+            Self::Answered(leg) if session.head_sent() && leg.ex.status != 200 => Self::Failed(answered_after_head(&leg)),
+            end => end,
+        };
+        let ended = |outcome| req.entry().receipt.lock().leg_ended(outcome);
+        match end {
+            Self::Answered(leg) => {
+                ended(LegOutcome::Answered);
+                Step::Relay(leg)
+            }
+            Self::Reroute(order) => {
+                ended(LegOutcome::Moved);
+                Step::Move(order)
+            }
+            Self::ClientGone => Step::ClientGone,
+            Self::Failed(e) => {
+                ended(LegOutcome::Failed(e.kind));
+                record::leg_failed(gw, req, worker, &e);
+                if e.retryable { Step::Retry(e) } else { Step::Refuse(e) }
+            }
+        }
+    }
+}
+
+/// The failure a leg answered with `status` (not 200) is, once the client has a 200 head.
+fn answered_after_head(leg: &Leg) -> LegError {
+    let status = leg.ex.status;
+    let detail = format!("answered {status} after the client's 200 head went out");
+    match status {
+        500.. => LegError::new(LegErrorKind::Status5xx, &leg.worker.url, detail),
+        // Another worker would refuse the same request the same way.
+        _ => LegError::new(LegErrorKind::Response, &leg.worker.url, detail).final_(),
+    }
 }
 
 /// What a leg sends.

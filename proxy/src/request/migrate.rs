@@ -11,7 +11,7 @@
 //! request. Each request moves at most `migration.limit` times; at most
 //! `migration.max_concurrent` moves run at once.
 
-use super::leg::{self, Leg, LegEnd, Outbound};
+use super::leg::{self, Leg, Outbound, Step};
 use super::place::{self, Among};
 use super::{RequestState, record};
 use crate::downstream::conn::ClientConn;
@@ -36,7 +36,7 @@ pub enum Moved {
 }
 
 /// A move that did not.
-pub enum Stop {
+pub enum NotMoved {
     /// The client left meanwhile.
     ClientGone,
     /// Not movable, or no destination took it.
@@ -113,36 +113,19 @@ pub async fn continue_stream(
     reason: MoveReason,
     source: usize,
     to: Option<Arc<Worker>>,
-) -> Result<Moved, Stop> {
+) -> Result<Moved, NotMoved> {
     let model = req.model_name().to_string();
     let count = |outcome: &str| gw.metrics.migrations.with_label_values(&[model.as_str(), reason.label(), outcome]).inc();
     // A continuation is computed where it goes: no transferred prompt to price.
     req.pd.decode_leg_spent();
-    // Every token was generated (and maybe `[DONE]` sent): only the end is missing.
-    if req.track.as_ref().is_some_and(|t| t.done() || t.record.finished) {
-        count("finished");
-        return Ok(Moved::Finished);
-    }
-    if let Err(why) = may_move(req) {
-        if why == MoveRefused::Pinned(PinReason::ContextTooLong.label()) {
-            record::pinned(gw, req.entry(), &model, PinReason::ContextTooLong);
-        }
-        count(if matches!(why, MoveRefused::Pinned(_)) { "pinned" } else { "limit" });
-        return Err(Stop::Refused(why));
-    }
-    let (body, ids, generated) = match continuation(req) {
+    let (body, ids, generated) = match prepared(gw, req) {
         Ok(c) => c,
-        Err(ContinuationError::Finished) => {
-            count("finished");
-            return Ok(Moved::Finished);
-        }
-        // `may_move` refused a context that does not fit, and the rollback only shortens it.
-        Err(e @ ContinuationError::TooLong { .. }) => {
-            count("failed");
-            return Err(Stop::Refused(MoveRefused::Failed(e.to_string())));
+        Err((outcome, result)) => {
+            count(outcome);
+            return result;
         }
     };
-    let _permit = gw.migrations.acquire().await.map_err(|_| Stop::Refused(MoveRefused::NotNow("shutting down")))?;
+    let _permit = gw.migrations.acquire().await.map_err(|_| NotMoved::Refused(MoveRefused::NotNow("shutting down")))?;
     req.entry().moved();
     let leaving = req.model.workers[source].clone();
     place::adopt_current_model(gw, req);
@@ -152,29 +135,46 @@ pub async fn continue_stream(
         // A continuation's prompt (the prompt and the ids generated) is salted as the first was.
         req.kv = Some(req.kv_inputs(&kv, &ids, req.kv.as_ref().and_then(|k| k.salt)));
     }
-    let from = leaving.label.clone();
-    let out = Outbound {
-        method: "POST",
-        path: "/v1/completions",
-        body: &body,
-        request_id: format!("{}-m{}", req.id(), req.entry().moves()).into(),
-        orders: false,
-        head_first: false,
-    };
-    match destination(gw, session, req, &out, source, to, ids.len()).await {
-        Ok(leg) => {
-            count("ok");
-            if let Some(t) = req.track.as_mut() {
-                t.continuing();
-            }
-            let report = MoveReport { from, to: leg.worker.label.clone(), how: "continuation", generated };
-            tracing::info!(request_id = req.id(), from = report.from.as_str(), to = report.to.as_str(), reason = reason.label(), generated, "stream moved");
-            Ok(Moved::Leg(leg, report))
-        }
-        Err(stop) => {
+    let request_id = format!("{}-m{}", req.id(), req.entry().moves()).into();
+    let out = Outbound { method: "POST", path: "/v1/completions", body: &body, request_id, orders: false, head_first: false };
+    let leg = match destination(gw, session, req, &out, source, to, ids.len()).await {
+        Ok(leg) => leg,
+        Err(not) => {
             count("failed");
-            Err(stop)
+            return Err(not);
         }
+    };
+    count("ok");
+    if let Some(t) = req.track.as_mut() {
+        t.continuing();
+    }
+    let report = MoveReport { from: leaving.label.clone(), to: leg.worker.label.clone(), how: "continuation", generated };
+    tracing::info!(request_id = req.id(), from = report.from.as_str(), to = report.to.as_str(), reason = reason.label(), generated, "stream moved");
+    Ok(Moved::Leg(leg, report))
+}
+
+/// The continuation's body, its prompt ids and how many were generated; or, when there is
+/// none to send, the move's `kvgate_migrations_total` outcome and its result.
+type Prepared = Result<(Bytes, Vec<u32>, usize), (&'static str, Result<Moved, NotMoved>)>;
+
+/// The continuation, if the stream may and needs to move.
+fn prepared(gw: &Gateway, req: &mut RequestState) -> Prepared {
+    // Every token was generated (and maybe `[DONE]` sent): only the end is missing.
+    if req.track.as_ref().is_some_and(|t| t.done() || t.record.finished) {
+        return Err(("finished", Ok(Moved::Finished)));
+    }
+    if let Err(why) = may_move(req) {
+        if why == MoveRefused::Pinned(PinReason::ContextTooLong.label()) {
+            record::pinned(gw, req.entry(), req.model_name(), PinReason::ContextTooLong);
+        }
+        let outcome = if matches!(why, MoveRefused::Pinned(_)) { "pinned" } else { "limit" };
+        return Err((outcome, Err(NotMoved::Refused(why))));
+    }
+    match continuation(req) {
+        Ok(c) => Ok(c),
+        Err(ContinuationError::Finished) => Err(("finished", Ok(Moved::Finished))),
+        // `may_move` refused a context that does not fit, and the rollback only shortens it.
+        Err(e @ ContinuationError::TooLong { .. }) => Err(("failed", Err(NotMoved::Refused(MoveRefused::Failed(e.to_string()))))),
     }
 }
 
@@ -206,7 +206,7 @@ async fn destination(
     source: Option<usize>,
     mut to: Option<usize>,
     prompt: usize,
-) -> Result<Box<Leg>, Stop> {
+) -> Result<Box<Leg>, NotMoved> {
     let mut left_out: Vec<usize> = source.into_iter().collect();
     loop {
         let among = match to.take() {
@@ -217,33 +217,24 @@ async fn destination(
         let worker = match place::place_among(gw, req, among) {
             Ok(w) => w,
             Err(_) if aimed => continue,
-            Err(e) => return Err(Stop::Refused(MoveRefused::Failed(e.to_string()))),
+            Err(e) => return Err(NotMoved::Refused(MoveRefused::Failed(e.to_string()))),
         };
-        let Some(idx) = req.tried.last().copied() else { return Err(Stop::Refused(MoveRefused::Failed("no placement".into()))) };
+        let Some(idx) = req.tried.last().copied() else { return Err(NotMoved::Refused(MoveRefused::Failed("no placement".into()))) };
         // The registry counts the client's prompt, not the continuation's (which holds the
         // generated tokens it counts already).
         let prompt_len = req.track.as_ref().map_or(0, |t| t.record.prompt_ids.len() as u64);
         req.entry().placed(&worker, prompt_len);
         count_recomputed(gw, req, idx, prompt);
-        match leg::run(session, req, &worker, out, true).await {
-            LegEnd::Answered(leg) if leg.ex.status == 200 => {
-                req.entry().receipt.lock().leg_ended("ok");
-                return Ok(leg);
-            }
-            LegEnd::Answered(leg) => {
-                // A continuation the worker refuses (e.g. longer than its context) fails the same way elsewhere.
-                req.entry().receipt.lock().leg_ended("status");
-                return Err(Stop::Refused(MoveRefused::Failed(format!("{} answered the continuation with {}", worker.label, leg.ex.status))));
-            }
-            LegEnd::ClientGone => return Err(Stop::ClientGone),
-            LegEnd::Reroute(order) => order.answer(Err(MoveRefused::NotNow("already moving"))),
-            LegEnd::Failed(e) => {
-                req.entry().receipt.lock().leg_ended(e.kind.label());
-                record::leg_failed(gw, req, &worker, &e);
-                if !e.retryable {
-                    return Err(Stop::Refused(MoveRefused::Failed(e.to_string())));
-                }
-            }
+        let end = leg::run(session, req, &worker, out, true).await;
+        match end.step(gw, session, req, &worker) {
+            Step::Relay(leg) => return Ok(leg),
+            Step::ClientGone => return Err(NotMoved::ClientGone),
+            // A continuation the worker refuses (e.g. longer than its context) fails the same
+            // way elsewhere.
+            Step::Refuse(e) => return Err(NotMoved::Refused(MoveRefused::Failed(e.to_string()))),
+            // A continuation's leg takes no orders: it is one already.
+            Step::Move(order) => order.answer(Err(MoveRefused::NotNow("already moving"))),
+            Step::Retry(_) => {}
         }
         left_out.push(idx);
     }

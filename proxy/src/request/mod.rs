@@ -43,7 +43,7 @@ use crate::error::{GatewayError, LegError};
 use crate::gateway::Gateway;
 use crate::move_order::{MoveOrder, MoveRefused, MoveReport};
 use kvgate_filters::cancel::RequestContext;
-use leg::LegEnd;
+use leg::Step;
 use outcome::Outcome;
 use place::Among;
 use relay::Relayed;
@@ -124,73 +124,93 @@ async fn attempt(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestS
     let mut last: Option<LegError> = None;
     let mut order: Option<MoveOrder> = None;
     while req.tried.len() < max || order.is_some() {
-        if !req.tried.is_empty() {
-            req.pd.decode_leg_spent();
-        }
-        let worker = match order.take() {
-            Some(o) => match reroute(gw, req, o) {
-                Some(w) => w,
-                None => continue,
-            },
-            None => {
-                if !req.tried.is_empty() {
-                    gw.metrics.retries.with_label_values(&[req.model_name()]).inc();
-                }
-                match place::place(gw, req) {
-                    Ok(w) => w,
-                    // No untried worker left: the answer below says why the tried ones failed.
-                    Err(GatewayError::NoHealthyWorker(_)) => break,
-                    // Paused since the request passed phase 2: it waits there again. A wait that
-                    // had nothing to wait for would only spin: the pause is the answer then.
-                    Err(GatewayError::Paused(m)) => match queue::wait_resumed(gw, session, req).await {
-                        Ok(true) => continue,
-                        Ok(false) => return Outcome::Refused(GatewayError::Paused(m)),
-                        Err(outcome) => return outcome,
-                    },
-                    Err(e) => return Outcome::Refused(e),
-                }
-            }
+        let worker = match next_worker(gw, session, req, order.take()).await {
+            Placed::On(w) => w,
+            Placed::Again => continue,
+            // No untried worker left: the answer below says why the tried ones failed.
+            Placed::NoneLeft => break,
+            Placed::Over(outcome) => return outcome,
         };
         let may_retry = req.tried.len() < max && req.tried.len() < req.model.answering_workers();
-        let out = leg::Outbound::original(req);
-        match leg::run(session, req, &worker, &out, may_retry).await {
-            LegEnd::Answered(leg) => {
-                req.entry().receipt.lock().leg_ended("ok");
-                stored::answered(gw, req.stored.as_ref(), &leg.worker, leg.ex.status);
-                match relay::relay(gw, session, req, leg).await {
-                    Relayed::Done(outcome) => return outcome,
-                    Relayed::Reroute(o) => {
-                        req.entry().receipt.lock().leg_ended("moved");
-                        order = Some(o);
-                    }
-                    // Counted by the relay.
-                    Relayed::Resend(e) => {
-                        req.entry().receipt.lock().leg_ended(e.kind.label());
-                        if !e.retryable {
-                            return Outcome::Refused(GatewayError::from_leg(req.model_name(), e));
-                        }
-                        last = Some(e);
-                    }
-                }
-            }
-            LegEnd::ClientGone => return record::cancelled(gw, req),
-            LegEnd::Reroute(o) => {
-                req.entry().receipt.lock().leg_ended("moved");
-                order = Some(o);
-            }
-            LegEnd::Failed(e) => {
-                req.entry().receipt.lock().leg_ended(e.kind.label());
-                record::leg_failed(gw, req, &worker, &e);
-                if !e.retryable {
-                    return Outcome::Refused(GatewayError::from_leg(req.model_name(), e));
-                }
-                last = Some(e);
-            }
+        match turn(gw, session, req, &worker, may_retry).await {
+            Turn::Over(outcome) => return outcome,
+            Turn::Retry(e) => last = Some(e),
+            Turn::Move(o) => order = Some(o),
         }
     }
     match last {
         Some(leg) => Outcome::Refused(GatewayError::from_leg(req.model_name(), leg)),
         None => Outcome::Refused(GatewayError::NoHealthyWorker(req.model_name().to_string())),
+    }
+}
+
+/// Where the next attempt goes.
+enum Placed {
+    /// This worker (placed, booked).
+    On(Arc<crate::fleet::Worker>),
+    /// Nowhere yet: look again (an order was refused, or a pause ended).
+    Again,
+    /// No untried worker is left.
+    NoneLeft,
+    /// The request ends.
+    Over(Outcome),
+}
+
+/// Places the next attempt: where `order` says, or as the routing mode says (a retry after
+/// the first attempt).
+async fn next_worker(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestState, order: Option<MoveOrder>) -> Placed {
+    if !req.tried.is_empty() {
+        req.pd.decode_leg_spent();
+    }
+    if let Some(o) = order {
+        return reroute(gw, req, o).map_or(Placed::Again, Placed::On);
+    }
+    if !req.tried.is_empty() {
+        gw.metrics.retries.with_label_values(&[req.model_name()]).inc();
+    }
+    match place::place(gw, req) {
+        Ok(w) => Placed::On(w),
+        Err(GatewayError::NoHealthyWorker(_)) => Placed::NoneLeft,
+        // Paused since the request passed phase 2: it waits there again. A wait that had
+        // nothing to wait for would only spin: the pause is the answer then.
+        Err(GatewayError::Paused(m)) => match queue::wait_resumed(gw, session, req).await {
+            Ok(true) => Placed::Again,
+            Ok(false) => Placed::Over(Outcome::Refused(GatewayError::Paused(m))),
+            Err(outcome) => Placed::Over(outcome),
+        },
+        Err(e) => Placed::Over(Outcome::Refused(e)),
+    }
+}
+
+/// What one attempt led to.
+enum Turn {
+    /// The request is over.
+    Over(Outcome),
+    /// The leg failed and another worker may take the request.
+    Retry(LegError),
+    /// An order moves the request before its first byte.
+    Move(MoveOrder),
+}
+
+/// One attempt on `worker`: its leg and, once the worker answers, the relay. A leg's end, and
+/// a stream's before its first byte, go through [`leg::LegEnd::step`].
+async fn turn(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestState, worker: &Arc<crate::fleet::Worker>, may_retry: bool) -> Turn {
+    let out = leg::Outbound::original(req);
+    let mut end = leg::run(session, req, worker, &out, may_retry).await;
+    loop {
+        match end.step(gw, session, req, worker) {
+            Step::Relay(leg) => {
+                stored::answered(gw, req.stored.as_ref(), &leg.worker, leg.ex.status);
+                match relay::relay(gw, session, req, leg).await {
+                    Relayed::Done(outcome) => return Turn::Over(outcome),
+                    Relayed::Ended(before_first_byte) => end = before_first_byte,
+                }
+            }
+            Step::Retry(e) => return Turn::Retry(e),
+            Step::Refuse(e) => return Turn::Over(Outcome::Refused(GatewayError::from_leg(req.model_name(), e))),
+            Step::Move(o) => return Turn::Move(o),
+            Step::ClientGone => return Turn::Over(record::cancelled(gw, req)),
+        }
     }
 }
 

@@ -7,15 +7,15 @@
 //!
 //! A stream's head goes out before its first token ([`First::Awaited`]); until that token, a
 //! worker that fails or stalls past `timeouts.first_byte_ms`, or a move order, sends the request
-//! back to the attempts ([`Relayed::Resend`], [`Relayed::Reroute`]), which resend it: the client
-//! has seen nothing of the body, so the next worker's stream continues it unseen.
+//! back to the attempts ([`Relayed::Ended`]), which resend it: the client has seen nothing of
+//! the body, so the next worker's stream continues it unseen.
 //!
 //! A Messages stream its worker was sent as chat (`track::follow`) is answered in the Anthropic
 //! API: what the tracker passes on (or the gateway adds at a stream's end) goes through the
 //! request's `Reply` (Anthropic or Responses events), and so does an error answer's body.
 
-use super::leg::{First, Leg};
-use super::migrate::{self, Moved, Stop, Warming};
+use super::leg::{First, Leg, LegEnd};
+use super::migrate::{self, Moved, NotMoved, Warming};
 use super::outcome::Outcome;
 use super::track::Tracker;
 use super::{RequestState, record};
@@ -39,30 +39,16 @@ use std::time::{Duration, Instant};
 pub enum Relayed {
     /// The request is over.
     Done(Outcome),
-    /// The worker failed before the stream's first byte, or answered a resent stream with
-    /// another status than 200 (counted already): nothing of the body reached the client, so
-    /// the request may be sent again, as a retry, when the error is retryable.
-    Resend(LegError),
-    /// A move was ordered before the stream's first byte: the request is sent where it says.
-    Reroute(MoveOrder),
+    /// The leg ended before the stream's first byte (the worker failed or stalled, or a move
+    /// was ordered): nothing of the body reached the client, so the attempts may send the
+    /// request again, as [`LegEnd::step`] says.
+    Ended(LegEnd),
 }
 
 /// Relays an answered leg to the client; a stream whose worker fails (or that an operator
 /// moves) continues on another worker when it may (`migrate`).
 pub async fn relay(gw: &Gateway, session: &mut ClientConn, req: &mut RequestState, leg: Box<Leg>) -> Relayed {
     let status = leg.ex.status;
-    if session.head_sent() && status != 200 {
-        // A resent stream whose worker answers otherwise: the client has a 200 head already, so
-        // this answer cannot be passed on; another worker may still take the request.
-        let detail = format!("answered the resent stream with {status}");
-        let e = match status {
-            500.. => LegError::new(LegErrorKind::Status5xx, &leg.worker.url, detail),
-            // Another worker would refuse the same request the same way.
-            _ => LegError::new(LegErrorKind::Response, &leg.worker.url, detail).final_(),
-        };
-        record::leg_failed(gw, req, &leg.worker, &e);
-        return Relayed::Resend(e);
-    }
     // Approximate mode learns from requests the worker took on (2xx); a stream whose first
     // token is still to come, once it comes (a worker failing before it may be replaced).
     if (200..300).contains(&status) && matches!(leg.first, First::Read(_)) {
@@ -112,14 +98,13 @@ async fn relay_legs(gw: &Gateway, session: &mut ClientConn, req: &mut RequestSta
     let mut warming: Option<Warming> = None;
     loop {
         let source = req.tried.last().copied().unwrap_or(0);
-        let end = body(gw, session, req, &mut progress, *leg, status, &mut warming).await;
+        let end = body(gw, session, req, &mut progress, *leg, &mut warming).await;
         if let Some(w) = warming.take() {
             w.order.answer(Err(MoveRefused::NotNow("the stream ended or its worker failed while the destination warmed up")));
         }
         let (reason, order) = match end {
             BodyEnd::Done(outcome) => return Relayed::Done(outcome),
-            BodyEnd::Resend(e) => return Relayed::Resend(e),
-            BodyEnd::Reroute(order) => return Relayed::Reroute(order),
+            BodyEnd::BeforeFirstByte(end) => return Relayed::Ended(end),
             BodyEnd::Failed => (MoveReason::Failover, None),
             BodyEnd::Ordered(order) => (order.reason, Some(order)),
         };
@@ -143,7 +128,7 @@ async fn settle(
     gw: &Gateway,
     session: &mut ClientConn,
     req: &mut RequestState,
-    moved: Result<Moved, Stop>,
+    moved: Result<Moved, NotMoved>,
     order: Option<MoveOrder>,
     status: u16,
 ) -> Result<Box<Leg>, Outcome> {
@@ -163,11 +148,11 @@ async fn settle(
             let usage = req.view.include_usage() || req.reply.is_some();
             req.track.as_ref().map(|t| t.synthetic_end(usage)).unwrap_or_default()
         }
-        Err(Stop::ClientGone) => {
+        Err(NotMoved::ClientGone) => {
             answer(Err(MoveRefused::NotNow("the client left")));
             return Err(record::cancelled(gw, req));
         }
-        Err(Stop::Refused(why)) => {
+        Err(NotMoved::Refused(why)) => {
             answer(Err(why));
             // The worker's own error event, when it sent one, ends the stream as it would have.
             let Some(ev) = req.track.as_mut().and_then(Tracker::take_withheld) else { return Err(Outcome::Truncated(status)) };
@@ -198,38 +183,59 @@ enum BodyEnd {
     Failed,
     /// An operator ordered a move (checked: the request may move).
     Ordered(MoveOrder),
-    /// The worker failed before the stream's first byte (counted already).
-    Resend(LegError),
-    /// A move was ordered before the stream's first byte.
-    Reroute(MoveOrder),
+    /// The leg ended before the stream's first byte: the worker failed or stalled, or a move
+    /// was ordered.
+    BeforeFirstByte(LegEnd),
+}
+
+/// The leg whose body is being relayed, and where reading it stands.
+struct Reading {
+    ex: Exchange,
+    worker: Arc<Worker>,
+    /// What stopped the last gathering of chunks early (the body's end or a failure), still
+    /// to be handled; or the first bytes the leg read.
+    pending: Option<Result<Option<Bytes>, LegError>>,
+    /// A stream's first token, while awaited: it has the first-byte deadline instead of the
+    /// idle limit.
+    awaited: Option<Awaited>,
+    /// The limit on the worker's silence between two chunks.
+    idle: Duration,
+    /// One timer per leg, moved later before each read.
+    stall: IdleTimer,
+}
+
+impl Reading {
+    fn new(leg: Leg, idle: Duration) -> Self {
+        let Leg { ex, first, worker } = leg;
+        let (pending, awaited) = match first {
+            First::Read(first) => (Some(Ok(first)), None),
+            First::Awaited { deadline } => (None, Some(Awaited { deadline })),
+        };
+        Self { ex, worker, pending, awaited, idle, stall: IdleTimer::default() }
+    }
+
+    /// How long the next read may wait: while a stream's first token is awaited, until the
+    /// first-byte deadline, or without a limit when there is none (long prefills are
+    /// legitimate); else the idle limit.
+    fn wait_limit(&self) -> Option<Duration> {
+        match self.awaited {
+            Some(Awaited { deadline: Some(deadline) }) => Some(deadline.saturating_duration_since(Instant::now())),
+            Some(Awaited { deadline: None }) => None,
+            None => Some(self.idle),
+        }
+    }
 }
 
 /// Relays one leg's body until it ends, fails or is moved.
-async fn body(
-    gw: &Gateway,
-    session: &mut ClientConn,
-    req: &mut RequestState,
-    progress: &mut Progress,
-    leg: Leg,
-    status: u16,
-    warming: &mut Option<Warming>,
-) -> BodyEnd {
-    let Leg { mut ex, first, worker } = leg;
-    // The limit on the worker's silence between two chunks: one timer per leg, moved later
-    // before each read.
-    let (idle, mut stall) = (Duration::from_millis(req.cfg.timeouts.upstream_read_idle_ms), IdleTimer::default());
-    // A stream's first token, while awaited, has the first-byte deadline instead.
-    let (mut pending, mut awaited) = match first {
-        First::Read(first) => (Some(Ok(first)), None),
-        First::Awaited { deadline } => (None, Some(Awaited { deadline })),
-    };
+async fn body(gw: &Gateway, session: &mut ClientConn, req: &mut RequestState, progress: &mut Progress, leg: Leg, warming: &mut Option<Warming>) -> BodyEnd {
+    let mut r = Reading::new(leg, Duration::from_millis(req.cfg.timeouts.upstream_read_idle_ms));
     loop {
-        let chunk = match pending.take() {
+        let chunk = match r.pending.take() {
             Some(c) => c,
             None => {
-                let mailbox = orders(req, awaited.is_some(), warming.as_ref());
-                let next = next_chunk(session, &mut ex, &worker.url, wait_limit(awaited, idle), &mut stall, warming, mailbox).await;
-                match waited(gw, session, req, &worker, next, &mut awaited, warming) {
+                let mailbox = orders(req, r.awaited.is_some(), warming.as_ref());
+                let next = next_chunk(session, &mut r, warming, mailbox).await;
+                match waited(gw, session, req, &mut r, next, warming) {
                     Waited::Chunk(c) => c,
                     Waited::Again => continue,
                     Waited::End(end) => return end,
@@ -237,18 +243,19 @@ async fn body(
             }
         };
         let failure = match chunk {
-            Ok(body) => match deliver(gw, session, req, progress, &mut ex, &worker.url, body, &mut pending).await {
+            Ok(body) => match deliver(gw, session, req, progress, &mut r, body).await {
                 Delivered::More => continue,
                 Delivered::Complete => {
-                    upstream::release(ex);
+                    let status = r.ex.status;
+                    upstream::release(r.ex);
                     return BodyEnd::Done(Outcome::Served(status));
                 }
                 Delivered::ClientGone => return BodyEnd::Done(record::cancelled(gw, req)),
-                Delivered::Failed(detail) => LegError::new(LegErrorKind::Midstream, &worker.url, detail),
+                Delivered::Failed(detail) => LegError::new(LegErrorKind::Midstream, &r.worker.url, detail),
             },
             Err(e) => e,
         };
-        record::leg_failed(gw, req, &worker, &failure);
+        record::leg_failed(gw, req, &r.worker, &failure);
         return BodyEnd::Failed;
     }
 }
@@ -269,21 +276,14 @@ enum Waited {
     End(BodyEnd),
 }
 
-/// Acts on what the wait for the next chunk gave. While a stream's first token is `awaited`, a
+/// Acts on what the wait for the next chunk gave. While a stream's first token is awaited, a
 /// failure or a move order sends the request back to the attempts; the first chunk ends that
 /// wait and records the routing decision.
-fn waited(
-    gw: &Gateway,
-    session: &ClientConn,
-    req: &mut RequestState,
-    worker: &Arc<Worker>,
-    next: Next,
-    awaited: &mut Option<Awaited>,
-    warming: &mut Option<Warming>,
-) -> Waited {
+fn waited(gw: &Gateway, session: &ClientConn, req: &mut RequestState, r: &mut Reading, next: Next, warming: &mut Option<Warming>) -> Waited {
+    let (worker, awaited) = (&r.worker, &mut r.awaited);
     match next {
-        Next::Chunk(Err(e)) if awaited.is_some() => Waited::End(BodyEnd::Resend(no_first_byte(gw, req, worker, e))),
-        Next::Order(o) if awaited.is_some() => elsewhere(worker, o).map_or(Waited::Again, |o| Waited::End(BodyEnd::Reroute(o))),
+        Next::Chunk(Err(e)) if awaited.is_some() => Waited::End(BodyEnd::BeforeFirstByte(LegEnd::Failed(no_first_byte(worker, e)))),
+        Next::Order(o) if awaited.is_some() => elsewhere(worker, o).map_or(Waited::Again, |o| Waited::End(BodyEnd::BeforeFirstByte(LegEnd::Reroute(o)))),
         Next::Chunk(c) => {
             if awaited.take().is_some() {
                 record_decision(req);
@@ -316,24 +316,14 @@ enum Delivered {
 }
 
 /// Writes a body chunk (`None`: the body's end) to the client, with every chunk the worker has
-/// delivered since (what stopped that gathering early is left in `pending`); then records what
-/// the tokens mean for the request.
-#[allow(clippy::too_many_arguments)]
-async fn deliver(
-    gw: &Gateway,
-    session: &mut ClientConn,
-    req: &mut RequestState,
-    progress: &mut Progress,
-    ex: &mut Exchange,
-    url: &crate::config::UpstreamUrl,
-    body: Option<Bytes>,
-    pending: &mut Option<Result<Option<Bytes>, LegError>>,
-) -> Delivered {
+/// delivered since (what stopped that gathering early is left in `r.pending`); then records
+/// what the tokens mean for the request.
+async fn deliver(gw: &Gateway, session: &mut ClientConn, req: &mut RequestState, progress: &mut Progress, r: &mut Reading, body: Option<Bytes>) -> Delivered {
     let (bytes, end) = match body {
         Some(bytes) => {
-            let (bytes, after) = coalesce(ex, bytes, url);
-            *pending = after;
-            (bytes, ex.response.is_done())
+            let (bytes, after) = coalesce(&mut r.ex, bytes, &r.worker.url);
+            r.pending = after;
+            (bytes, r.ex.response.is_done())
         }
         None => (Bytes::new(), true),
     };
@@ -371,27 +361,15 @@ fn orders<'a>(req: &'a RequestState, awaited: bool, warming: Option<&Warming>) -
     (awaited || movable).then(|| &req.entry().mailbox)
 }
 
-/// How long the next read may wait: while a stream's first token is awaited, until the
-/// first-byte deadline, or without a limit when there is none (long prefills are legitimate);
-/// else the idle limit.
-fn wait_limit(awaited: Option<Awaited>, idle: Duration) -> Option<Duration> {
-    match awaited {
-        Some(Awaited { deadline: Some(deadline) }) => Some(deadline.saturating_duration_since(Instant::now())),
-        Some(Awaited { deadline: None }) => None,
-        None => Some(idle),
-    }
-}
-
 /// A worker that failed, or stalled past the first-byte deadline, before the stream's first
-/// byte: a retryable leg error, counted.
-fn no_first_byte(gw: &Gateway, req: &RequestState, worker: &Arc<Worker>, e: LegError) -> LegError {
+/// byte: a retryable leg error.
+fn no_first_byte(worker: &Worker, e: LegError) -> LegError {
     let detail = match e.kind {
         LegErrorKind::Stalled => "no first byte within timeouts.first_byte_ms".to_string(),
         _ => e.detail.clone(),
     };
     let mut first = LegError::new(LegErrorKind::BeforeFirstByte, &worker.url, detail);
     first.source = e.source;
-    record::leg_failed(gw, req, worker, &first);
     first
 }
 
@@ -515,15 +493,10 @@ enum Next {
 
 /// Waits for the next body chunk, the client leaving, or (with `orders`: a stream that may move,
 /// or whose first token is awaited) a move order.
-async fn next_chunk(
-    session: &mut ClientConn,
-    ex: &mut Exchange,
-    worker: &crate::config::UpstreamUrl,
-    limit: Option<Duration>,
-    stall: &mut IdleTimer,
-    warming: &mut Option<Warming>,
-    orders: Option<&Mailbox>,
-) -> Next {
+async fn next_chunk(session: &mut ClientConn, r: &mut Reading, warming: &mut Option<Warming>, orders: Option<&Mailbox>) -> Next {
+    let limit = r.wait_limit();
+    let Reading { ex, worker, stall, .. } = r;
+    let worker = &worker.url;
     let warm = or_never(warming.as_mut().map(|w| &mut w.done));
     let stalled = or_never(limit.map(|limit| stall.arm(limit)));
     // The client leaving, orders and a finished warm-up are looked at before the worker's next
