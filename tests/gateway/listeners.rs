@@ -21,6 +21,7 @@ fn config(worker: &str) -> kvgate::config::Config {
 }
 
 async fn spawn(cfg: kvgate::config::Config) -> std::io::Result<GatewayHandle> {
+    kvgate_tests::logs::capture();
     tokio::task::spawn_blocking(move || GatewayHandle::spawn(cfg, None)).await.expect("join")
 }
 

@@ -168,6 +168,7 @@ impl Cluster {
 
     /// A gateway from a YAML text.
     pub async fn front_yaml(yaml: String) -> Cluster {
+        crate::logs::capture();
         let dir = TempDir::new();
         let path = dir.0.join("kvgate.yaml");
         std::fs::write(&path, yaml).expect("write config");

@@ -7,6 +7,7 @@ pub mod cluster;
 pub mod events;
 pub mod fake_kube;
 pub mod guests;
+pub mod logs;
 pub mod ports;
 pub mod prom;
 pub mod sse;
