@@ -3,17 +3,22 @@
 //! registry. Every refusal here is a [`GatewayError`] answered before any worker is involved.
 
 use super::outcome::Outcome;
+use super::state::{Forward, PluginInputs};
 use super::track;
 use super::view::RequestView;
 use super::{RequestState, record};
+use crate::config::Config;
 use crate::downstream::conn::ClientConn;
 use crate::downstream::io::{BodyError, read_body};
 use crate::endpoint::Endpoint;
 use crate::error::GatewayError;
+use crate::fleet::{Fleet, Model};
 use crate::gateway::Gateway;
 use crate::inflight::RequestEntry;
+use bytes::Bytes;
 use kvgate_filters::cancel::RequestContext;
 use kvgate_filters::migrate::PinReason;
+use kvgate_filters::migrate::reply::Reply;
 use kvgate_filters::route::Slo;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -61,7 +66,7 @@ fn slo_headers(session: &ClientConn) -> Result<Slo, Outcome> {
 
 /// Whether a stream of `endpoint` would move but for its API (so it is pinned with reason
 /// `api`): never while migration is off, when nothing moves.
-fn movable_api(cfg: &crate::config::Config, stream: bool, endpoint: Endpoint) -> bool {
+fn movable_api(cfg: &Config, stream: bool, endpoint: Endpoint) -> bool {
     stream && cfg.migration.limit > 0 && endpoint.infers() && !endpoint.moves()
 }
 
@@ -71,74 +76,33 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
         return Err(Outcome::Refused(GatewayError::Draining));
     }
     let cfg = gw.config();
-    let body = match read_body(session, cfg.max_body_bytes.0, Duration::from_millis(cfg.timeouts.request_body_ms)).await {
-        Ok(b) => b,
-        Err(BodyError::TooLarge(limit)) => return Err(Outcome::Refused(GatewayError::TooLarge(limit))),
-        Err(BodyError::Timeout) => return Err(Outcome::Refused(GatewayError::BodyTimeout)),
-        Err(BodyError::Malformed(why)) => {
-            return Err(Outcome::Refused(GatewayError::BadRequest { message: format!("Malformed request body: {why}"), param: None }));
-        }
-        Err(BodyError::Gone) => return Err(Outcome::Cancelled),
-    };
+    let body = body(session, &cfg).await?;
     let fleet = gw.fleet();
     // A completion's prompt of token ids is read on the way when the body may be parsed whole
     // below (kv routing, or a stream that may move), so the ids are parsed once.
     let ids = endpoint == Endpoint::Completions && (cfg.migration.limit > 0 || fleet.models.values().any(|m| m.kv.is_some()));
     let (view, prompt) = view_of(endpoint, session.req().header_str("content-type"), &body, ids)?;
-    let named = fleet.resolve(view.model.as_deref());
-    // A body that cannot name a model (a form without one, a passthrough's GET) goes to the
-    // first model's workers rather than being refused: vLLM answers such paths for any model.
-    let unnamed = || (!endpoint.json_body() && view.model.is_none()).then(|| fleet.order.first().and_then(|n| fleet.model(n))).flatten();
-    let Some(model) = named.or_else(unnamed).cloned() else {
-        let e = match &view.model {
-            Some(name) => GatewayError::UnknownModel { name: name.clone(), served: fleet.order.clone() },
-            None => GatewayError::BadRequest { message: "`model` is required when the gateway serves several models".into(), param: Some("model") },
-        };
-        return Err(Outcome::Refused(e));
-    };
+    let model = model_of(&fleet, endpoint, &view)?;
     let stream = view.stream.unwrap_or(false);
     // The whole body is parsed only when kv routing tokenizes it or a stream may move.
     let movable = stream && endpoint.moves() && cfg.migration.limit > 0;
     let mut parsed = ((endpoint.renders() && model.kv.is_some()) || movable).then(|| super::parsed::ParsedBody::parse_with(&body, prompt).ok()).flatten();
-    // Only a Responses stream reads them; the cards' scan stays off every other request's path.
-    let facts = if endpoint == Endpoint::Responses && movable {
-        track::ModelFacts { harmony: model.may_be_harmony(), max_model_len: model.shortest_context() }
-    } else {
-        track::ModelFacts::default()
-    };
-    let (track, body, pinned, translated) = match parsed.as_ref().filter(|_| movable).map(|p| track::follow(endpoint, &body, &p.fields, facts)) {
-        Some(Ok(f)) => (Some(f.tracker), f.body, None, f.translated),
-        Some(Err(reason)) => (None, body, Some(reason), None),
-        // A stream of another API stays where it starts, and says why.
-        None if movable_api(&cfg, stream, endpoint) => (None, body, Some(PinReason::Api), None),
-        None => (None, body, None, None),
-    };
-    // A Messages or Responses stream sent as chat goes to the chat path (the client's query,
-    // which vLLM does not read there, stays behind).
-    let (forward, reply) = match translated {
-        Some((path, reply)) => (super::state::Forward::post(path), Some(reply)),
-        None => (super::state::Forward::of(session.req()), None),
-    };
+    let followed = followed(&cfg, endpoint, &model, stream, parsed.as_ref().filter(|_| movable), body);
+    let (forward, reply) = forward(session, followed.translated);
     let output_limit = parsed.as_ref().and_then(|p| super::parsed::output_limit(&p.fields));
     let slo = model.cfg.slo.overridden_by(slo_headers(session)?);
     if model.kv.is_none() {
         parsed = None;
     }
     // A Responses stream sent as chat makes no stored response (the translation refuses those).
-    let (stored, body) = if reply.is_some() { (None, body) } else { super::stored::read(endpoint, session.req().path(), body) };
+    let (stored, body) = if reply.is_some() { (None, followed.body) } else { super::stored::read(endpoint, session.req().path(), followed.body) };
     let entry = RequestEntry::new(model.name.clone(), endpoint.label(), stream, view.priority_jump(), ctx.clone(), start);
     let registered = gw.requests.register(entry);
-    if let Some(reason) = pinned {
+    if let Some(reason) = followed.pinned {
         record::pinned(gw, registered.entry(), &model.cfg.name, reason);
     }
     // Taken once and kept for the whole request (retries included).
-    let plugin = model.plugin.as_ref().map(|slot| slot.current());
-    let plugin_headers = plugin.as_ref().map_or_else(Vec::new, |p| {
-        let h = session.req();
-        p.headers().iter().filter_map(|name| h.header_str(name).map(|v| (name.clone(), v.to_string()))).collect()
-    });
-    // Serialized only for a plugin: other modes never read it.
-    let plugin_nvext = plugin.as_ref().and(view.nvext.as_ref()).map(|v| v.to_string());
+    let plugin = model.plugin.as_ref().map(|slot| PluginInputs::of(slot.current(), session.req(), &view));
     Ok(RequestState {
         cfg,
         endpoint,
@@ -155,15 +119,76 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
         model,
         kv: None,
         plugin,
-        plugin_headers,
-        plugin_nvext,
         booking: None,
         tried: Vec::new(),
         registered,
-        track,
+        track: followed.tracker,
         reply,
         predicted: None,
         ttft: None,
         pd: Default::default(),
     })
+}
+
+/// The method and target the request is forwarded with, and the translation of its answer.
+/// A Messages or Responses stream sent as chat goes to the chat path (the client's query,
+/// which vLLM does not read there, stays behind).
+fn forward(session: &ClientConn, translated: Option<(&'static str, Reply)>) -> (Forward, Option<Reply>) {
+    match translated {
+        Some((path, reply)) => (Forward::post(path), Some(reply)),
+        None => (Forward::of(session.req()), None),
+    }
+}
+
+/// The request's body, read whole (capped, with a deadline).
+async fn body(session: &mut ClientConn, cfg: &Config) -> Result<Bytes, Outcome> {
+    match read_body(session, cfg.max_body_bytes.0, Duration::from_millis(cfg.timeouts.request_body_ms)).await {
+        Ok(b) => Ok(b),
+        Err(BodyError::TooLarge(limit)) => Err(Outcome::Refused(GatewayError::TooLarge(limit))),
+        Err(BodyError::Timeout) => Err(Outcome::Refused(GatewayError::BodyTimeout)),
+        Err(BodyError::Malformed(why)) => Err(Outcome::Refused(GatewayError::BadRequest { message: format!("Malformed request body: {why}"), param: None })),
+        Err(BodyError::Gone) => Err(Outcome::Cancelled),
+    }
+}
+
+/// The model the request addresses. A body that cannot name a model (a form without one, a
+/// passthrough's GET) goes to the first model's workers rather than being refused: vLLM
+/// answers such paths for any model.
+fn model_of(fleet: &Fleet, endpoint: Endpoint, view: &RequestView) -> Result<Arc<Model>, Outcome> {
+    let named = fleet.resolve(view.model.as_deref());
+    let unnamed = || (!endpoint.json_body() && view.model.is_none()).then(|| fleet.order.first().and_then(|n| fleet.model(n))).flatten();
+    match named.or_else(unnamed) {
+        Some(model) => Ok(model.clone()),
+        None => Err(Outcome::Refused(match &view.model {
+            Some(name) => GatewayError::UnknownModel { name: name.clone(), served: fleet.order.clone() },
+            None => GatewayError::BadRequest { message: "`model` is required when the gateway serves several models".into(), param: Some("model") },
+        })),
+    }
+}
+
+/// How a stream is followed: its tracker and the body its worker gets (the token ids it asks
+/// for, or the chat request a Messages or Responses stream is sent as), or why it cannot move.
+struct Followed {
+    tracker: Option<track::Tracker>,
+    body: Bytes,
+    pinned: Option<PinReason>,
+    translated: Option<(&'static str, Reply)>,
+}
+
+/// Follows a stream that may move (`movable`: its parsed body); a stream of another API stays
+/// where it starts, and says why.
+fn followed(cfg: &Config, endpoint: Endpoint, model: &Model, stream: bool, movable: Option<&super::parsed::ParsedBody>, body: Bytes) -> Followed {
+    // Only a Responses stream reads them; the cards' scan stays off every other request's path.
+    let facts = if endpoint == Endpoint::Responses && movable.is_some() {
+        track::ModelFacts { harmony: model.may_be_harmony(), max_model_len: model.shortest_context() }
+    } else {
+        track::ModelFacts::default()
+    };
+    let unfollowed = |body, pinned| Followed { tracker: None, body, pinned, translated: None };
+    match movable.map(|p| track::follow(endpoint, &body, &p.fields, facts)) {
+        Some(Ok(f)) => Followed { tracker: Some(f.tracker), body: f.body, pinned: None, translated: f.translated },
+        Some(Err(reason)) => unfollowed(body, Some(reason)),
+        None if movable_api(cfg, stream, endpoint) => unfollowed(body, Some(PinReason::Api)),
+        None => unfollowed(body, None),
+    }
 }

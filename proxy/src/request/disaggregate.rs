@@ -20,7 +20,7 @@
 
 use super::RequestState;
 use super::outcome::Outcome;
-use super::pd::Pd;
+use super::pd::{LegRole, Pd};
 use super::place;
 use crate::downstream::closed::client_closed;
 use crate::downstream::conn::ClientConn;
@@ -113,7 +113,7 @@ pub async fn run(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestS
             let now = Instant::now();
             gw.metrics.disagg.prefill_leg.with_label_values(&[req.model_name()]).observe(now.duration_since(sent).as_secs_f64());
             gw.metrics.disagg.requests.with_label_values(&[req.model_name(), "disaggregated", "prefilled"]).inc();
-            req.pd = Pd { prefill_leg: false, decode_body: decode, transferred: true, prefilled_at: Some(now) };
+            req.pd = Pd { decode_body: decode, transferred: true, prefilled_at: Some(now) };
             req.entry().receipt.lock().leg_ended(LegOutcome::Prefilled);
             Ok(())
         }
@@ -209,18 +209,11 @@ pub fn decode_body(request: &[u8], answer: &[u8]) -> Result<Option<Bytes>, Strin
     Ok(Some(Bytes::from(serde_json::to_vec(&Value::Object(o)).map_err(|e| e.to_string())?)))
 }
 
-/// Places the prefill leg among the prefill workers (booked there, then taken off the
-/// request's attempts: the decode leg's retries are its own).
+/// Places the prefill leg among the prefill workers (booked there; no attempt of the
+/// request's).
 fn place_prefill(gw: &Gateway, req: &mut RequestState) -> Result<Arc<Worker>, Fallback> {
-    req.pd.prefill_leg = true;
-    let placed = place::place_among(gw, req, place::Among::Except(&[]));
-    req.pd.prefill_leg = false;
-    req.predicted = None;
-    match placed {
-        Ok(w) => {
-            req.tried.pop();
-            Ok(w)
-        }
+    match place::place_leg(gw, req, place::Among::Except(&[]), LegRole::Prefill) {
+        Ok(w) => Ok(w),
         Err(GatewayError::AllBusy(_)) => Err(Fallback::PrefillBusy),
         Err(GatewayError::PluginRejected { .. }) => Err(Fallback::PrefillRefused),
         // Unhealthy, paused or serving another adapter: none can take it now.

@@ -77,26 +77,7 @@ fn scan(body: &[u8], ids: bool) -> Option<(RequestView, Option<PromptIds>)> {
                 s.i = start;
                 s.value(1)?;
             }
-            let raw = &body[start..s.i];
-            let field = match key {
-                b"model" => 1,
-                b"stream" => 2,
-                b"nvext" => 4,
-                b"stream_options" => 8,
-                _ => 0,
-            };
-            // A field given twice is an error to serde_json: its to report.
-            if seen & field != 0 {
-                return None;
-            }
-            seen |= field;
-            match field {
-                1 => view.model = model(raw).ok()?,
-                2 => view.stream = flag(raw).ok()?,
-                4 => view.nvext = serde_json::from_slice(raw).ok()?,
-                8 => view.stream_options = serde_json::from_slice(raw).ok()?,
-                _ => {}
-            }
+            take(&mut view, &mut seen, key, &body[start..s.i])?;
             s.ws();
             match s.next()? {
                 b',' => {}
@@ -108,6 +89,31 @@ fn scan(body: &[u8], ids: bool) -> Option<(RequestView, Option<PromptIds>)> {
     s.ws();
     // Two prompts: the last one wins, for the worker as for a parse; not worth reading twice.
     (s.i == body.len()).then_some((view, prompt.filter(|_| prompts == 1)))
+}
+
+/// Records member `key` (its value: `raw`) in `view` when the view reads it; `seen` marks the
+/// members read. `None` leaves the body to serde_json: a member given twice (an error, its to
+/// report) or a value not of the type the view holds.
+#[inline]
+fn take(view: &mut RequestView, seen: &mut u8, key: &[u8], raw: &[u8]) -> Option<()> {
+    let field = match key {
+        b"model" => 1,
+        b"stream" => 2,
+        b"nvext" => 4,
+        b"stream_options" => 8,
+        _ => return Some(()),
+    };
+    if *seen & field != 0 {
+        return None;
+    }
+    *seen |= field;
+    match field {
+        1 => view.model = model(raw).ok()?,
+        2 => view.stream = flag(raw).ok()?,
+        4 => view.nvext = serde_json::from_slice(raw).ok()?,
+        _ => view.stream_options = serde_json::from_slice(raw).ok()?,
+    }
+    Some(())
 }
 
 /// Where the first byte a string cannot simply hold (`"`, `\\` or a control character) is in

@@ -5,11 +5,20 @@ use bytes::Bytes;
 use kvgate_filters::route::Candidate;
 use std::time::Instant;
 
+/// The leg a placement is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LegRole {
+    /// The leg whose worker answers the client: an aggregated request's only leg, or a
+    /// disaggregated request's decode leg. It is one of the request's attempts.
+    Answer,
+    /// A disaggregated request's prefill leg: prefill workers only. It is not where the
+    /// request runs, so it is no attempt: the decode leg's retries are its own.
+    Prefill,
+}
+
 /// Where a request is in its two legs.
 #[derive(Debug, Default)]
 pub struct Pd {
-    /// The prefill leg is being placed: placement offers prefill workers only.
-    pub prefill_leg: bool,
     /// The decode leg's body: the request plus the transfer parameters the prefill worker
     /// returned (`None`: aggregated, or the parameters were null and the request goes as is).
     pub decode_body: Option<Bytes>,
@@ -34,8 +43,8 @@ impl Pd {
     /// (as in Dynamo's KV router), and once a prefill worker computed the prompt every decode worker will hold
     /// it (its `prompt_blocks` are transferred, not computed), so only the decode load tells them
     /// apart.
-    pub fn candidate(&self, mut c: Candidate, prompt_blocks: Option<u32>) -> Candidate {
-        if self.prefill_leg {
+    pub fn candidate(&self, role: LegRole, mut c: Candidate, prompt_blocks: Option<u32>) -> Candidate {
+        if role == LegRole::Prefill {
             c.active_blocks = 0;
         } else if self.transferred {
             c.overlap_blocks = prompt_blocks.unwrap_or(c.overlap_blocks);

@@ -5,11 +5,13 @@
 //! request's route receipt.
 
 use super::RequestState;
+use super::pd::LegRole;
 use crate::error::GatewayError;
 use crate::fleet::{Model, Worker};
 use crate::gateway::Gateway;
 use crate::receipt::{DecidedBy, Exclusion, OutputOutlook, Placement};
 use kvgate_filters::ledger::Footprint;
+use kvgate_filters::route::time::Prediction;
 use kvgate_filters::route::{Candidate, Decision, Policy, RequestSummary, Terms};
 use std::sync::Arc;
 use std::time::Duration;
@@ -39,36 +41,18 @@ pub fn place(gw: &Gateway, req: &mut RequestState) -> Result<Arc<Worker>, Gatewa
 
 /// [`place`] among the workers `among` allows.
 pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Result<Arc<Worker>, GatewayError> {
+    place_leg(gw, req, among, LegRole::Answer)
+}
+
+/// Places the leg of `role` among the workers `among` allows: the worker is booked and the
+/// decision written to the receipt; an answering leg is also one more attempt, the worker the
+/// request runs on.
+pub fn place_leg(gw: &Gateway, req: &mut RequestState, among: Among<'_>, role: LegRole) -> Result<Arc<Worker>, GatewayError> {
     let model = req.model.clone();
-    let adapter = crate::fleet::Fleet::adapter(&model, req.view.model.as_deref());
-    let prefill_leg = req.pd.prefill_leg;
-    let (eligible, mut excluded) = eligible(&model, among, adapter, prefill_leg);
-    if eligible.is_empty() {
-        // Paused workers come back: the request waits for them (phase 2) rather than failing.
-        if excluded.iter().any(|(_, e)| *e == Exclusion::Paused) {
-            return Err(GatewayError::Paused(model.cfg.name.clone()));
-        }
-        return Err(GatewayError::NoHealthyWorker(model.cfg.name.clone()));
-    }
-    let (eligible, busy) = match among {
-        Among::Except(_) => shed(gw, req, eligible, &mut excluded)?,
-        Among::Only(_) => (eligible, Vec::new()),
-    };
+    let Offer { eligible, busy, excluded } = offered(gw, req, among, role)?;
     let now = kvgate_filters::ledger::clock_us();
-    let candidates: Vec<Candidate> = eligible
-        .iter()
-        .map(|&i| {
-            let c = model.candidate(i, busy.contains(&i), now);
-            let c = match (&model.kv, &req.kv) {
-                (Some(kv), Some(inputs)) => kv.with_prefix(c, &inputs.cached, &inputs.booked),
-                _ => c,
-            };
-            req.pd.candidate(c, req.kv.as_ref().map(|k| k.chain.len() as u32))
-        })
-        .collect();
+    let candidates: Vec<Candidate> = eligible.iter().map(|&i| candidate(req, role, i, busy.contains(&i), now)).collect();
     let summary = summary(req, now).among(&candidates);
-    let best_overlap = summary.fleet_overlap_blocks;
-    let output = OutputOutlook::of(&summary);
     // A request pinned to one worker is not a routing decision: asking the policy would count
     // it, and advance a round robin's turn past the next request that is one.
     let (decision, decided_by) = match among {
@@ -80,45 +64,93 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
         Decision::Worker(_) => 0,
         Decision::Reject { status, message } => return Err(GatewayError::PluginRejected { status, message }),
     };
-    // The time cost's prediction for the chosen worker (its first token calibrates it).
-    req.predicted = model.kv.as_ref().and_then(|kv| match kv.policy.cost(&summary, &candidates[k]).1 {
-        Terms::Time(p) => Some(p),
-        Terms::Blocks { .. } => None,
-    });
-    if let (true, Some(p)) = (req.slo.is_set(), req.predicted) {
-        let met = req.slo.violation(p.ttft_ms(), p.tpot_ms) <= 0.0;
-        model.metrics(&gw.metrics).slo[usize::from(!met)].inc();
-    }
+    let predicted = predicted(gw, req, &summary, &candidates[k]);
     let idx = eligible[k];
     if model.disaggregates() {
         gw.metrics.disagg.decisions.with_label_values(&[model.cfg.name.as_str(), model.role(idx).label()]).inc();
     }
-    let worker = model.workers[idx].clone();
-    req.tried.push(idx);
     let by_plugin = matches!(decided_by, DecidedBy::Plugin(_) | DecidedBy::Fallback { .. });
-    book(gw, req, idx, &candidates[k], Decided { best_overlap, began: now, by_plugin, expected_output: output.expected_tokens });
-    let prompt = req.kv.as_ref().map_or((0, 0), |k| (k.tokens as u32, k.chain.len() as u32));
-    let kv = model.kv.as_ref().map(|k| k.policy.params());
-    let attempt = req.tried.len() as u32;
-    req.entry().receipt.lock().placements.push(Placement {
-        attempt,
+    let output = OutputOutlook::of(&summary);
+    let decided = Decided { best_overlap: summary.fleet_overlap_blocks, began: now, by_plugin, expected_output: output.expected_tokens, predicted, role };
+    book(gw, req, idx, &candidates[k], decided);
+    let placement = Placement {
+        attempt: req.tried.len() as u32 + 1,
         workers: model.workers.clone(),
         decided_by,
         candidates,
         excluded,
         chosen: Some(idx as u32),
-        kv,
-        prompt,
+        kv: model.kv.as_ref().map(|k| k.policy.params()),
+        prompt: req.kv.as_ref().map_or((0, 0), |k| (k.tokens as u32, k.chain.len() as u32)),
         output,
         slo: req.slo,
         outcome: None,
-    });
+    };
+    req.entry().receipt.lock().placements.push(placement);
+    let worker = model.workers[idx].clone();
     // A prefill leg is not where the request runs: the registry (and a move order) sees the
     // request on its decode worker only.
-    if !prefill_leg {
+    if role == LegRole::Answer {
+        // The time cost's prediction for the chosen worker: its first token calibrates it.
+        req.predicted = predicted;
+        req.tried.push(idx);
         req.entry().placed(&worker, req.prompt_tokens());
     }
     Ok(worker)
+}
+
+/// The workers a leg is offered.
+struct Offer {
+    /// Indices into the model's workers.
+    eligible: Vec<usize>,
+    /// Those of them over a busy threshold (offered because every one is).
+    busy: Vec<usize>,
+    /// The others, and why they are out.
+    excluded: Vec<(u32, Exclusion)>,
+}
+
+/// The workers to offer the leg. None eligible: paused workers come back, so the request
+/// waits for them (phase 2) rather than failing.
+fn offered(gw: &Gateway, req: &RequestState, among: Among<'_>, role: LegRole) -> Result<Offer, GatewayError> {
+    let model = &req.model;
+    let adapter = crate::fleet::Fleet::adapter(model, req.view.model.as_deref());
+    let (eligible, mut excluded) = eligible(model, among, adapter, role);
+    if eligible.is_empty() {
+        if excluded.iter().any(|(_, e)| *e == Exclusion::Paused) {
+            return Err(GatewayError::Paused(model.cfg.name.clone()));
+        }
+        return Err(GatewayError::NoHealthyWorker(model.cfg.name.clone()));
+    }
+    let (eligible, busy) = match among {
+        Among::Except(_) => shed(gw, req, role, eligible, &mut excluded)?,
+        Among::Only(_) => (eligible, Vec::new()),
+    };
+    Ok(Offer { eligible, busy, excluded })
+}
+
+/// Worker `i` as the routing policy sees it for this leg at `now`: its load, and in kv mode
+/// the prompt blocks it holds.
+fn candidate(req: &RequestState, role: LegRole, i: usize, busy: bool, now: u64) -> Candidate {
+    let c = req.model.candidate(i, busy, now);
+    let c = match (&req.model.kv, &req.kv) {
+        (Some(kv), Some(inputs)) => kv.with_prefix(c, &inputs.cached, &inputs.booked),
+        _ => c,
+    };
+    req.pd.candidate(role, c, req.kv.as_ref().map(|k| k.chain.len() as u32))
+}
+
+/// What the `time` cost predicts of the request on `chosen`, and whether that meets the
+/// request's latency objectives (counted, when it has some).
+fn predicted(gw: &Gateway, req: &RequestState, summary: &RequestSummary<'_>, chosen: &Candidate) -> Option<Prediction> {
+    let predicted = req.model.kv.as_ref().and_then(|kv| match kv.policy.cost(summary, chosen).1 {
+        Terms::Time(p) => Some(p),
+        Terms::Blocks { .. } => None,
+    });
+    if let (true, Some(p)) = (req.slo.is_set(), predicted) {
+        let met = req.slo.violation(p.ttft_ms(), p.tpot_ms) <= 0.0;
+        req.model.metrics(&gw.metrics).slo[usize::from(!met)].inc();
+    }
+    predicted
 }
 
 /// Whether every worker that could serve the request's answer (what [`place`]'s first attempt
@@ -128,7 +160,7 @@ pub fn answers_all_busy(gw: &Gateway, req: &RequestState) -> bool {
     let model = &req.model;
     let thresholds = gw.thresholds(&model.cfg.name);
     let adapter = crate::fleet::Fleet::adapter(model, req.view.model.as_deref());
-    let (serving, _) = eligible(model, Among::Except(&req.tried), adapter, false);
+    let (serving, _) = eligible(model, Among::Except(&req.tried), adapter, LegRole::Answer);
     thresholds.enabled() && !serving.is_empty() && serving.iter().all(|&i| model.busy(i, &thresholds))
 }
 
@@ -152,7 +184,7 @@ pub fn adopt_current_model(gw: &Gateway, req: &mut RequestState) {
 /// Healthy, unpaused workers `among` allows that serve `adapter` (when the request names a
 /// LoRA adapter) and the leg (prefill workers for a prefill leg, the others for an answer),
 /// and why the others are out.
-fn eligible(model: &Model, among: Among<'_>, adapter: Option<&str>, prefill_leg: bool) -> (Vec<usize>, Vec<(u32, Exclusion)>) {
+fn eligible(model: &Model, among: Among<'_>, adapter: Option<&str>, role: LegRole) -> (Vec<usize>, Vec<(u32, Exclusion)>) {
     let mut ok = Vec::with_capacity(model.workers.len());
     let mut out = Vec::new();
     for (i, w) in model.workers.iter().enumerate() {
@@ -162,7 +194,7 @@ fn eligible(model: &Model, among: Among<'_>, adapter: Option<&str>, prefill_leg:
         };
         if left_out {
             out.push((i as u32, if matches!(among, Among::Only(_)) { Exclusion::NotTheTarget } else { Exclusion::Tried }));
-        } else if model.role(i).answers() == prefill_leg {
+        } else if model.role(i).answers() != (role == LegRole::Answer) {
             out.push((i as u32, Exclusion::Role));
         } else if !w.is_healthy() {
             out.push((i as u32, Exclusion::Unhealthy));
@@ -179,11 +211,17 @@ fn eligible(model: &Model, among: Among<'_>, adapter: Option<&str>, prefill_leg:
 
 /// Drops busy workers while some are not; all busy on the first attempt refuses the request.
 /// Returns the workers to offer and which of them are busy.
-fn shed(gw: &Gateway, req: &RequestState, eligible: Vec<usize>, excluded: &mut Vec<(u32, Exclusion)>) -> Result<(Vec<usize>, Vec<usize>), GatewayError> {
+fn shed(
+    gw: &Gateway,
+    req: &RequestState,
+    role: LegRole,
+    eligible: Vec<usize>,
+    excluded: &mut Vec<(u32, Exclusion)>,
+) -> Result<(Vec<usize>, Vec<usize>), GatewayError> {
     let model = &req.model;
     let name = model.cfg.name.as_str();
-    let thresholds = match (req.pd.prefill_leg, model.cfg.disaggregation.prefill_shedding) {
-        (true, Some(t)) => t,
+    let thresholds = match (role, model.cfg.disaggregation.prefill_shedding) {
+        (LegRole::Prefill, Some(t)) => t,
         _ => gw.thresholds(name),
     };
     if !thresholds.enabled() {
@@ -194,7 +232,7 @@ fn shed(gw: &Gateway, req: &RequestState, eligible: Vec<usize>, excluded: &mut V
         gw.metrics.worker_busy.with_label_values(&[name, model.workers[i].label.as_str()]).set(i64::from(b));
         !b
     });
-    if free.is_empty() && req.pd.prefill_leg {
+    if free.is_empty() && role == LegRole::Prefill {
         // Not a refusal: the request runs aggregated instead (counted by the caller).
         return Err(GatewayError::AllBusy(name.to_string()));
     }
@@ -228,8 +266,8 @@ fn summary(req: &RequestState, now: u64) -> RequestSummary<'_> {
         mean_output_tokens: model.ledger.mean_output().unwrap_or(0.0),
         tpot_weight: req.slo.tpot_weight().or_else(|| model.ledger.tpot_weight()).unwrap_or(0.0),
         slo: req.slo,
-        headers: &req.plugin_headers,
-        nvext: req.plugin_nvext.as_deref(),
+        headers: req.plugin.as_ref().map_or(&[], |p| &p.headers[..]),
+        nvext: req.plugin.as_ref().and_then(|p| p.nvext.as_deref()),
     }
 }
 
@@ -256,7 +294,7 @@ fn decide(gw: &Gateway, req: &RequestState, summary: &RequestSummary<'_>, candid
         Some(k) => &k.policy,
         None => model.policy.as_ref(),
     };
-    let Some(p) = &req.plugin else {
+    let Some(p) = req.plugin.as_ref().map(|p| &p.plugin) else {
         return (builtin.choose(summary, candidates), DecidedBy::Builtin(builtin.name()));
     };
     let routed = kvgate_plugins::route(p, summary, candidates, builtin);
@@ -290,11 +328,15 @@ struct Decided {
     by_plugin: bool,
     /// The output tokens the request was routed as expected to generate (0: unknown).
     expected_output: f64,
+    /// What the `time` cost predicted of the request on the chosen worker.
+    predicted: Option<Prediction>,
+    /// The leg placed.
+    role: LegRole,
 }
 
 /// Moves (or makes) the request's booking onto worker `idx` and records the decision metrics.
 fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, decided: Decided) {
-    let Decided { best_overlap, began, by_plugin, expected_output } = decided;
+    let Decided { best_overlap, began, by_plugin, expected_output, predicted, role } = decided;
     let model = &req.model;
     // The booking is stamped with the decision's own clock read where the decision took
     // microseconds (round_robin, random); kv routing times itself and a plugin may take long,
@@ -311,8 +353,8 @@ fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, de
     // The time cost also counts a prefix being computed there as cached: book what it
     // predicted the worker computes, so a shared prefix is not booked once per follower.
     #[allow(clippy::cast_sign_loss, reason = "a token count clamped to 0 or more")]
-    let prefill_tokens = req.predicted.map_or(prompt_tokens - cached_tokens, |p| (p.new_tokens.max(0.0) as u64).min(prompt_tokens));
-    let prefill_time = req.predicted.map_or(Duration::ZERO, |p| Duration::from_secs_f64(p.own_ms.max(0.0) / 1000.0));
+    let prefill_tokens = predicted.map_or(prompt_tokens - cached_tokens, |p| (p.new_tokens.max(0.0) as u64).min(prompt_tokens));
+    let prefill_time = predicted.map_or(Duration::ZERO, |p| Duration::from_secs_f64(p.own_ms.max(0.0) / 1000.0));
     // Load shedding counts the blocks its output will fill.
     #[allow(clippy::cast_sign_loss, reason = "a token count clamped to 0 or more")]
     let output_estimate = expected_output.max(0.0) as u64;
@@ -320,7 +362,7 @@ fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, de
         // `/tokenize` and `/detokenize` compute nothing worth booking: only the request counts.
         _ if !req.endpoint.infers() => Footprint::default(),
         // A prefill worker holds no decode load (as in Dynamo's KV router: no active-block tracking there).
-        _ if req.pd.prefill_leg => Footprint { prefill_tokens, prompt_tokens, prefill_time, ..Footprint::default() },
+        _ if role == LegRole::Prefill => Footprint { prefill_tokens, prompt_tokens, prefill_time, ..Footprint::default() },
         Some(k) => {
             mm.overlap.observe(f64::from(chosen.overlap_blocks));
             mm.forgone.observe(f64::from(best_overlap.saturating_sub(chosen.overlap_blocks)));

@@ -51,6 +51,27 @@ impl Forward {
     }
 }
 
+/// The routing plugin a request is placed by, and what it may read of the request: taken at
+/// admission, so a hot swap never changes the policy mid-request.
+pub struct PluginInputs {
+    /// The plugin.
+    pub plugin: Arc<RoutingPlugin>,
+    /// Request headers it may see (lower-case names).
+    pub headers: Vec<(String, String)>,
+    /// The request's `nvext` as JSON text (serialized only for a plugin: other modes never
+    /// read it).
+    pub nvext: Option<String>,
+}
+
+impl PluginInputs {
+    /// The inputs of `plugin` for a request of `view` with `head`.
+    pub fn of(plugin: Arc<RoutingPlugin>, head: &RequestHead, view: &RequestView) -> Self {
+        let headers = plugin.headers().iter().filter_map(|name| head.header_str(name).map(|v| (name.clone(), v.to_string()))).collect();
+        let nvext = view.nvext.as_ref().map(ToString::to_string);
+        Self { plugin, headers, nvext }
+    }
+}
+
 /// One request, from admission to its record.
 pub struct RequestState {
     /// The configuration in force when it arrived (one load per request).
@@ -83,12 +104,8 @@ pub struct RequestState {
     pub model: Arc<Model>,
     /// Tokens, block hashes and per-worker overlaps, in kv mode.
     pub kv: Option<KvInputs>,
-    /// The routing plugin, taken once so a hot swap never changes the policy mid-request.
-    pub plugin: Option<Arc<RoutingPlugin>>,
-    /// Request headers the plugin may see (lower-case names), taken at admission.
-    pub plugin_headers: Vec<(String, String)>,
-    /// The request's `nvext` as JSON text, serialized only for a plugin.
-    pub plugin_nvext: Option<String>,
+    /// The model's routing plugin and what it may read of the request, when it has one.
+    pub plugin: Option<PluginInputs>,
     /// What it holds on its worker (moved from worker to worker on a retry).
     pub booking: Option<Booking>,
     /// Workers tried, in order (indices into the model's workers); the last one serves it now.
