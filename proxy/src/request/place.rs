@@ -28,15 +28,32 @@ pub enum Among<'a> {
 /// Chooses a worker for the next attempt (any healthy worker not tried yet) and books the
 /// request on it.
 pub fn place(gw: &Gateway, req: &mut RequestState) -> Result<Arc<Worker>, GatewayError> {
-    // A stored response is served by the worker that stored it, or by none: one attempt there.
-    if let Some(home) = req.stored.as_ref().and_then(|refs| super::stored::home(gw, &req.model, refs)) {
-        return match home? {
-            i if req.tried.contains(&i) => Err(GatewayError::NoHealthyWorker(req.model.cfg.name.clone())),
-            i => place_among(gw, req, Among::Only(i)),
-        };
-    }
     let tried = req.tried.clone();
-    place_among(gw, req, Among::Except(&tried))
+    match next_among(gw, req, &tried)? {
+        Some(among) => place_among(gw, req, among),
+        None => Err(GatewayError::NoHealthyWorker(req.model.cfg.name.clone())),
+    }
+}
+
+/// Who may take the request's next attempt: the worker that stored the response it refers to
+/// alone, and none once that one was tried (a stored response is served there or nowhere);
+/// else any worker not `tried` yet.
+fn next_among<'t>(gw: &Gateway, req: &RequestState, tried: &'t [usize]) -> Result<Option<Among<'t>>, GatewayError> {
+    match req.stored.as_ref().and_then(|refs| super::stored::home(gw, &req.model, refs)).transpose()? {
+        Some(i) if tried.contains(&i) => Ok(None),
+        Some(i) => Ok(Some(Among::Only(i))),
+        None => Ok(Some(Among::Except(tried))),
+    }
+}
+
+/// Whether the request's next placement would wait for a pause to end: of the workers that
+/// could take its next attempt, none is eligible, and one is out only because it is paused.
+/// The same predicate as [`place`]'s, so the two never disagree.
+pub fn held_by_pause(gw: &Gateway, req: &RequestState) -> bool {
+    let Ok(Some(among)) = next_among(gw, req, &req.tried) else { return false };
+    let adapter = crate::fleet::Fleet::adapter(&req.model, req.view.model.as_deref());
+    let (eligible, excluded) = eligible(&req.model, among, adapter, LegRole::Answer);
+    eligible.is_empty() && excluded.iter().any(|(_, e)| *e == Exclusion::Paused)
 }
 
 /// [`place`] among the workers `among` allows.

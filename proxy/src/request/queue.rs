@@ -53,9 +53,7 @@ pub async fn wait(gw: &Arc<Gateway>, session: &mut ClientConn, req: &RequestStat
 /// `routing.queue_max_len` requests wait (429), or the client leaves. `Ok(false)` at once when
 /// nothing that could take it is paused.
 pub async fn wait_resumed(gw: &Arc<Gateway>, session: &mut ClientConn, req: &RequestState) -> Result<bool, Outcome> {
-    let adapter = crate::fleet::Fleet::adapter(&req.model, req.view.model.as_deref());
-    let home = req.stored.as_ref().and_then(|refs| super::stored::home(gw, &req.model, refs)).and_then(Result::ok);
-    let held = || held_by_pause(&req.model, adapter, &req.tried, home);
+    let held = || super::place::held_by_pause(gw, req);
     if !held() {
         return Ok(false);
     }
@@ -95,18 +93,3 @@ pub async fn wait_resumed(gw: &Arc<Gateway>, session: &mut ClientConn, req: &Req
 
 /// How often a request waiting for a paused model looks again without being woken.
 const RECHECK: std::time::Duration = std::time::Duration::from_millis(500);
-
-/// Whether every worker of `model` that could take a request (serving answers, healthy,
-/// serving `adapter`, outside `tried`; only `home` when given) is paused, and one is.
-fn held_by_pause(model: &crate::fleet::Model, adapter: Option<&str>, tried: &[usize], home: Option<usize>) -> bool {
-    let mut serving = model
-        .workers
-        .iter()
-        .enumerate()
-        .filter(|(i, w)| {
-            home.is_none_or(|h| h == *i) && !tried.contains(i) && model.role(*i).answers() && w.is_healthy() && adapter.is_none_or(|a| w.has_adapter(a))
-        })
-        .map(|(_, w)| w)
-        .peekable();
-    serving.peek().is_some() && serving.all(|w| w.is_paused())
-}

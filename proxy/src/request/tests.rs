@@ -445,6 +445,28 @@ async fn requests_arriving_while_paused_wait_for_resume() {
     assert_clean(&short);
 }
 
+/// Whether a request waits for a pause is the placement's own question: a worker that is out
+/// for another reason (unhealthy here) neither holds the request nor lets it through, so the
+/// request waits for the paused one and then goes there.
+#[tokio::test]
+async fn a_request_waits_for_a_pause_exactly_when_its_placement_is_held_by_one() {
+    let (paused, sick) = (fake_worker(Script::Answer).await, fake_worker(Script::Answer).await);
+    let gw = gateway(&[&paused, &sick], "", false);
+    let workers = gw.fleet().model("m").cloned().unwrap().workers.clone();
+    workers[0].set_paused(true);
+    workers[1].observe_health(false, 1, 1);
+    let gw2 = gw.clone();
+    let held = tokio::spawn(async move { serve_one(&gw2, &post(r#"{"model":"m","prompt":"x"}"#)).await });
+    let queued = gw.metrics.queued.with_label_values(&["m"]);
+    until(|| queued.get() == 1).await;
+    workers[0].set_paused(false);
+    gw.resumed.send_modify(|n| *n += 1);
+    let (_, resp) = held.await.unwrap();
+    assert_eq!(status_of(&resp), 200, "{resp}");
+    assert_eq!((paused.requests.load(Ordering::SeqCst), sick.requests.load(Ordering::SeqCst)), (1, 0));
+    assert_clean(&gw);
+}
+
 /// A request naming a LoRA adapter goes only to the workers whose model cards list it; a name
 /// no worker lists is an unknown model.
 #[tokio::test]
