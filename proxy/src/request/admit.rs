@@ -2,6 +2,7 @@
 //! the fields routing reads, find the model, and register the request in the in-flight
 //! registry. Every refusal here is a [`GatewayError`] answered before any worker is involved.
 
+use super::attempts::Attempts;
 use super::outcome::Outcome;
 use super::state::{Forward, PluginInputs};
 use super::track;
@@ -119,12 +120,10 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
         model,
         kv: None,
         plugin,
-        booking: None,
-        tried: Vec::new(),
+        attempts: Attempts::default(),
         registered,
         track: followed.tracker,
         reply,
-        predicted: None,
         ttft: None,
         pd: Default::default(),
     })

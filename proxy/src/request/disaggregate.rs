@@ -106,7 +106,7 @@ pub async fn run(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestS
         a = prefill(req, &worker, &wire) => Some(a),
     };
     // The prefill booking ends with the leg; the decode placement books the request anew.
-    req.booking = None;
+    req.attempts.release();
     let Some(answer) = answer else { return Err(super::record::cancelled(gw, req)) };
     match answer.and_then(|a| decode_body(&req.body, &a)) {
         Ok(decode) => {

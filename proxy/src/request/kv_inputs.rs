@@ -32,10 +32,23 @@ impl KvInputs {
     pub fn of(model: &Model, kv: &KvRouting, adapter: Option<&str>, tokens: &[u32], salt: Option<u64>) -> Self {
         let t0 = Instant::now();
         let chain = kv.chain_for(tokens, salt, adapter);
-        // The blocks cost at weight 0 is pure load balancing: the cache is not consulted.
-        let cached = if model.cfg.routing.uses_cache() { kv.cached(&chain).to_dense(kv.rank_count()) } else { vec![0; kv.rank_count()] };
-        let booked = model.ledger.overlap(&chain).to_dense(model.workers.len());
+        let (cached, booked) = Self::overlaps(model, kv, &chain);
         Self { tokens: tokens.len(), chain, cached, booked, lookup_time: t0.elapsed(), salt }
+    }
+
+    /// The same prompt's inputs on a rebuilt `model` (a reload since the request arrived)
+    /// whose blocks are hashed as before: the chain carries over and the overlaps are looked
+    /// up again there.
+    pub fn rebased(self, model: &Model, kv: &KvRouting) -> Self {
+        let (cached, booked) = Self::overlaps(model, kv, &self.chain);
+        Self { cached, booked, ..self }
+    }
+
+    /// Per rank, the leading blocks of `chain` cached; per worker, those booked.
+    fn overlaps(model: &Model, kv: &KvRouting, chain: &[BlockHash]) -> (Vec<u32>, Vec<u32>) {
+        // The blocks cost at weight 0 is pure load balancing: the cache is not consulted.
+        let cached = if model.cfg.routing.uses_cache() { kv.cached(chain).to_dense(kv.rank_count()) } else { vec![0; kv.rank_count()] };
+        (cached, model.ledger.overlap(chain).to_dense(model.workers.len()))
     }
 
     /// The digest of a body's `cache_salt`: vLLM hashes a non-empty string salt into the first

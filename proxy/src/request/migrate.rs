@@ -219,7 +219,7 @@ async fn destination(
             Err(_) if aimed => continue,
             Err(e) => return Err(NotMoved::Refused(MoveRefused::Failed(e.to_string()))),
         };
-        let Some(idx) = req.tried.last().copied() else { return Err(NotMoved::Refused(MoveRefused::Failed("no placement".into()))) };
+        let Some(idx) = req.attempts.current() else { return Err(NotMoved::Refused(MoveRefused::Failed("no placement".into()))) };
         // The registry counts the client's prompt, not the continuation's (which holds the
         // generated tokens it counts already).
         let prompt_len = req.track.as_ref().map_or(0, |t| t.record.prompt_ids.len() as u64);

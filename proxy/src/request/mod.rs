@@ -18,6 +18,7 @@
 //! [`attempts`] (a retry, or a move ordered while waiting, is one more turn of it).
 
 pub mod admit;
+pub mod attempts;
 pub mod disaggregate;
 pub mod fields;
 pub mod kv_inputs;
@@ -123,7 +124,7 @@ async fn attempt(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestS
     let max = req.cfg.retries.max_attempts.max(1) as usize;
     let mut last: Option<LegError> = None;
     let mut order: Option<MoveOrder> = None;
-    while req.tried.len() < max || order.is_some() {
+    while req.attempts.count() < max || order.is_some() {
         let worker = match next_worker(gw, session, req, order.take()).await {
             Placed::On(w) => w,
             Placed::Again => continue,
@@ -131,7 +132,8 @@ async fn attempt(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestS
             Placed::NoneLeft => break,
             Placed::Over(outcome) => return outcome,
         };
-        let may_retry = req.tried.len() < max && req.tried.len() < req.model.answering_workers();
+        let tried = req.attempts.count();
+        let may_retry = tried < max && tried < req.model.answering_workers();
         match turn(gw, session, req, &worker, may_retry).await {
             Turn::Over(outcome) => return outcome,
             Turn::Retry(e) => last = Some(e),
@@ -159,13 +161,13 @@ enum Placed {
 /// Places the next attempt: where `order` says, or as the routing mode says (a retry after
 /// the first attempt).
 async fn next_worker(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestState, order: Option<MoveOrder>) -> Placed {
-    if !req.tried.is_empty() {
+    if req.attempts.count() > 0 {
         req.pd.decode_leg_spent();
     }
     if let Some(o) = order {
         return reroute(gw, req, o).map_or(Placed::Again, Placed::On);
     }
-    if !req.tried.is_empty() {
+    if req.attempts.count() > 0 {
         gw.metrics.retries.with_label_values(&[req.model_name()]).inc();
     }
     match place::place(gw, req) {
@@ -218,7 +220,7 @@ async fn turn(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestStat
 /// routing mode's choice among the others. `None` (the order refused) when no worker takes
 /// it; the caller then places it as a retry.
 fn reroute(gw: &Gateway, req: &mut RequestState, o: MoveOrder) -> Option<Arc<crate::fleet::Worker>> {
-    let leaving = req.tried.last().map(|&i| req.model.workers[i].clone());
+    let leaving = req.attempts.current().map(|i| req.model.workers[i].clone());
     let from = leaving.as_ref().map_or_else(String::new, |w| w.label.clone());
     place::adopt_current_model(gw, req);
     let from_idx = leaving.and_then(|l| req.model.workers.iter().position(|w| Arc::ptr_eq(w, &l)));
@@ -240,7 +242,7 @@ fn reroute(gw: &Gateway, req: &mut RequestState, o: MoveOrder) -> Option<Arc<cra
             counted("failed");
             o.answer(Err(MoveRefused::Failed(e.to_string())));
             // Nothing is running for it now: it is placed again as a retry would be.
-            req.tried.pop();
+            req.attempts.forget_current();
             None
         }
     }

@@ -28,7 +28,7 @@ pub enum Among<'a> {
 /// Chooses a worker for the next attempt (any healthy worker not tried yet) and books the
 /// request on it.
 pub fn place(gw: &Gateway, req: &mut RequestState) -> Result<Arc<Worker>, GatewayError> {
-    let tried = req.tried.clone();
+    let tried = req.attempts.tried().to_vec();
     match next_among(gw, req, &tried)? {
         Some(among) => place_among(gw, req, among),
         None => Err(GatewayError::NoHealthyWorker(req.model.cfg.name.clone())),
@@ -50,7 +50,7 @@ fn next_among<'t>(gw: &Gateway, req: &RequestState, tried: &'t [usize]) -> Resul
 /// could take its next attempt, none is eligible, and one is out only because it is paused.
 /// The same predicate as [`place`]'s, so the two never disagree.
 pub fn held_by_pause(gw: &Gateway, req: &RequestState) -> bool {
-    let Ok(Some(among)) = next_among(gw, req, &req.tried) else { return false };
+    let Ok(Some(among)) = next_among(gw, req, req.attempts.tried()) else { return false };
     let adapter = crate::fleet::Fleet::adapter(&req.model, req.view.model.as_deref());
     let (eligible, excluded) = eligible(&req.model, among, adapter, LegRole::Answer);
     eligible.is_empty() && excluded.iter().any(|(_, e)| *e == Exclusion::Paused)
@@ -91,7 +91,7 @@ pub fn place_leg(gw: &Gateway, req: &mut RequestState, among: Among<'_>, role: L
     let decided = Decided { best_overlap: summary.fleet_overlap_blocks, began: now, by_plugin, expected_output: output.expected_tokens, predicted, role };
     book(gw, req, idx, &candidates[k], decided);
     let placement = Placement {
-        attempt: req.tried.len() as u32 + 1,
+        attempt: req.attempts.count() as u32 + 1,
         workers: model.workers.clone(),
         decided_by,
         candidates,
@@ -108,9 +108,7 @@ pub fn place_leg(gw: &Gateway, req: &mut RequestState, among: Among<'_>, role: L
     // A prefill leg is not where the request runs: the registry (and a move order) sees the
     // request on its decode worker only.
     if role == LegRole::Answer {
-        // The time cost's prediction for the chosen worker: its first token calibrates it.
-        req.predicted = predicted;
-        req.tried.push(idx);
+        req.attempts.placed(idx, predicted);
         req.entry().placed(&worker, req.prompt_tokens());
     }
     Ok(worker)
@@ -177,15 +175,17 @@ pub fn answers_all_busy(gw: &Gateway, req: &RequestState) -> bool {
     let model = &req.model;
     let thresholds = gw.thresholds(&model.cfg.name);
     let adapter = crate::fleet::Fleet::adapter(model, req.view.model.as_deref());
-    let (serving, _) = eligible(model, Among::Except(&req.tried), adapter, LegRole::Answer);
+    let (serving, _) = eligible(model, Among::Except(req.attempts.tried()), adapter, LegRole::Answer);
     thresholds.enabled() && !serving.is_empty() && serving.iter().all(|&i| model.busy(i, &thresholds))
 }
 
 /// Moves `req` onto the fleet in force when a reload rebuilt its model since it arrived, so a
-/// move can reach workers added since: the workers tried are carried over by identity (those
-/// gone are dropped), and the booking is released from the old ledger, to be made again on the
-/// new one at the next placement (the counters belong to the workers, so nothing is counted
-/// twice).
+/// move can reach workers added since: its attempts are carried over ([`Attempts::rebase`]:
+/// the booking is made again at the next placement), and so are its KV inputs while the new
+/// model hashes blocks as the old one did; otherwise it routes without them, as a request
+/// whose prompt was not tokenized does.
+///
+/// [`Attempts::rebase`]: super::attempts::Attempts::rebase
 pub fn adopt_current_model(gw: &Gateway, req: &mut RequestState) {
     let fleet = gw.fleet();
     let Some(now) = fleet.models.get(req.model_name()).cloned() else { return };
@@ -193,9 +193,11 @@ pub fn adopt_current_model(gw: &Gateway, req: &mut RequestState) {
         return;
     }
     let old = std::mem::replace(&mut req.model, now);
-    req.tried = req.tried.iter().filter_map(|&i| req.model.workers.iter().position(|w| Arc::ptr_eq(w, &old.workers[i]))).collect();
-    req.booking = None;
-    req.kv = None;
+    req.attempts.rebase(&old.workers, &req.model.workers);
+    req.kv = match (req.kv.take(), &old.kv, &req.model.kv) {
+        (Some(inputs), Some(was), Some(kv)) if was.hasher == kv.hasher => Some(inputs.rebased(&req.model, kv)),
+        _ => None,
+    };
 }
 
 /// Healthy, unpaused workers `among` allows that serve `adapter` (when the request names a
@@ -253,7 +255,7 @@ fn shed(
         // Not a refusal: the request runs aggregated instead (counted by the caller).
         return Err(GatewayError::AllBusy(name.to_string()));
     }
-    if free.is_empty() && req.tried.is_empty() {
+    if free.is_empty() && req.attempts.count() == 0 {
         gw.metrics.rejections.with_label_values(&[name, req.endpoint.label()]).inc();
         gw.metrics.rejected.with_label_values(&[name, "busy"]).inc();
         return Err(GatewayError::AllBusy(name.to_string()));
@@ -397,8 +399,5 @@ fn book(gw: &Gateway, req: &mut RequestState, idx: usize, chosen: &Candidate, de
             ..Footprint::default()
         },
     };
-    match req.booking.as_mut() {
-        Some(b) => b.move_to(idx as u16, footprint),
-        None => req.booking = Some(model.ledger.book_at(idx as u16, footprint, now)),
-    }
+    req.attempts.book(&model.ledger, idx as u16, footprint, now);
 }

@@ -77,7 +77,7 @@ pub async fn relay(gw: &Gateway, session: &mut ClientConn, req: &mut RequestStat
 
 /// Tells approximate kv mode that the worker serving `req` took it on.
 fn record_decision(req: &RequestState) {
-    if let (Some(kv), Some(inputs), Some(idx)) = (&req.model.kv, &req.kv, req.tried.last().copied()) {
+    if let (Some(kv), Some(inputs), Some(idx)) = (&req.model.kv, &req.kv, req.attempts.current()) {
         kv.record_decision(idx, &inputs.chain);
     }
 }
@@ -97,7 +97,7 @@ async fn relay_legs(gw: &Gateway, session: &mut ClientConn, req: &mut RequestSta
     let mut progress = Progress::new(gw, req, status, leg.ex.sent_at);
     let mut warming: Option<Warming> = None;
     loop {
-        let source = req.tried.last().copied().unwrap_or(0);
+        let source = req.attempts.current().unwrap_or(0);
         let end = body(gw, session, req, &mut progress, *leg, &mut warming).await;
         if let Some(w) = warming.take() {
             w.order.answer(Err(MoveRefused::NotNow("the stream ended or its worker failed while the destination warmed up")));
@@ -555,7 +555,7 @@ impl Progress {
         let moved_in = fresh && self.last.is_some();
         if fresh {
             // The first token ends the request's prefill on the worker.
-            if let Some(b) = req.booking.as_mut() {
+            if let Some(b) = req.attempts.booking_mut() {
                 b.prefill_done(self.ttft.is_some());
             }
             req.entry().set_phase(Phase::Running);
@@ -576,7 +576,7 @@ impl Progress {
             events = n.max(1);
             req.entry().generated(n);
             // Output blocks are booked in kv mode only, where prompt blocks are real.
-            if let (Some(b), Some(_)) = (req.booking.as_ref(), &req.kv) {
+            if let (Some(b), Some(_)) = (req.attempts.booking(), &req.kv) {
                 b.generated(n);
             }
         }
@@ -611,7 +611,7 @@ fn calibrate_prefill(req: &RequestState, ttft: std::time::Duration) {
     if req.pd.transferred {
         return;
     }
-    let (Some(p), Some((_, w)), Some(priors)) = (req.predicted, req.serving(), req.model.time_priors()) else { return };
+    let (Some(p), Some((_, w)), Some(priors)) = (req.attempts.predicted(), req.serving(), req.model.time_priors()) else { return };
     let factor_then = p.ms_per_prefill_token / priors.ms_per_prefill_token;
     w.calibration.observe_prefill(ttft.as_secs_f64() * 1000.0 - p.join_ms, p.wait_ms + p.prefill_ms, p.steps_ms, factor_then);
 }

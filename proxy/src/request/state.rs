@@ -3,6 +3,7 @@
 //! and the workers tried, the request's registration in the in-flight registry, and the
 //! follower of a stream that may move.
 
+use super::attempts::Attempts;
 use super::kv_inputs::KvInputs;
 use super::track::Tracker;
 use super::view::RequestView;
@@ -14,7 +15,6 @@ use crate::inflight::{Registered, RequestEntry};
 use crate::kv_routing::KvRouting;
 use bytes::Bytes;
 use kvgate_filters::cancel::RequestContext;
-use kvgate_filters::ledger::Booking;
 use kvgate_filters::migrate::reply::Reply;
 use kvgate_plugins::RoutingPlugin;
 use std::borrow::Cow;
@@ -106,10 +106,8 @@ pub struct RequestState {
     pub kv: Option<KvInputs>,
     /// The model's routing plugin and what it may read of the request, when it has one.
     pub plugin: Option<PluginInputs>,
-    /// What it holds on its worker (moved from worker to worker on a retry).
-    pub booking: Option<Booking>,
-    /// Workers tried, in order (indices into the model's workers); the last one serves it now.
-    pub tried: Vec<usize>,
+    /// The workers it was placed on, the booking it holds and what was predicted there.
+    pub attempts: Attempts,
     /// Its entry in the in-flight registry.
     pub registered: Registered,
     /// The stream's follower while it may move to another worker (docs/migration.md).
@@ -117,9 +115,6 @@ pub struct RequestState {
     /// A Messages stream sent to its worker as chat: its answer, turned back into the
     /// Anthropic API's events (or error shape) for the client.
     pub reply: Option<Reply>,
-    /// What the `time` cost predicted on the worker it was placed on (its first token then
-    /// calibrates that worker).
-    pub predicted: Option<kvgate_filters::route::time::Prediction>,
     /// When the client was sent its first streamed token, after admission.
     pub ttft: Option<std::time::Duration>,
     /// Its legs on a model that disaggregates prefill from decode.
@@ -139,7 +134,7 @@ impl RequestState {
 
     /// The worker serving it now (the last one tried) and its index among the model's workers.
     pub fn serving(&self) -> Option<(usize, &Arc<Worker>)> {
-        let &i = self.tried.last()?;
+        let i = self.attempts.current()?;
         Some((i, self.model.workers.get(i)?))
     }
 
