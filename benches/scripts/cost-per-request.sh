@@ -24,19 +24,21 @@ THREADS=${4:-}
 OUT=${OUT:-$(mktemp -d)}
 . "$(dirname "$0")/fixed-upstream.sh"
 needs "apt-get install -y nginx wrk linux-perf iproute2 curl" nginx wrk perf nstat curl python3
-read -r UP GW ADMIN NG FL < <(free_ports 5)
-write_comparison "$UP" "$GW" "$ADMIN" "$NG" "${THREADS:+threads: $THREADS}"
-nginx -c "$OUT/upstream.conf"
-nginx -c "$OUT/nginx.conf"
-"$BIN" --config "$OUT/kvgate.yaml" >"$OUT/kvgate.log" 2>&1 &
-KV=$!
 FP=
-if [ -n "${FLOOR:-}" ]; then
-    "$(realpath "$FLOOR")" --listen "127.0.0.1:$FL" --upstream "127.0.0.1:$UP" ${THREADS:+--threads "$THREADS"} &
-    FP=$!
-fi
-cleanup() { kill "$KV" $FP "$(cat "$OUT/upstream.pid")" "$(cat "$OUT/nginx.pid")" 2>/dev/null || true; }
+cleanup() {
+    kill "${KV:-}" $FP 2>/dev/null || true
+    for pid in "$OUT/upstream.pid" "$OUT/nginx.pid"; do [ -f "$pid" ] && kill "$(cat "$pid")" 2>/dev/null || true; done
+}
 trap cleanup EXIT
+KVGATE_EXTRA="${THREADS:+threads: $THREADS}"
+start_comparison "$BIN"
+if [ -n "${FLOOR:-}" ]; then
+    # The floor proxy binds port 0 too and writes the port it got.
+    "$(realpath "$FLOOR")" --listen 127.0.0.1:0 --upstream "127.0.0.1:$UP" ${THREADS:+--threads "$THREADS"} --ports-file "$OUT/floor.ports" &
+    FP=$!
+    for _ in $(seq 600); do [ -s "$OUT/floor.ports" ] && break; sleep 0.1; done
+    FL=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["listen"].rsplit(":", 1)[1])' "$OUT/floor.ports")
+fi
 wait_ready "http://127.0.0.1:$GW/v1/completions"
 
 # One measured run against a proxy whose processes are $2 (comma-separated pids).

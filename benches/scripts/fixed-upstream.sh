@@ -11,12 +11,64 @@ needs() {
     done
 }
 
-# Prints $1 free loopback ports.
-free_ports() {
-    python3 -c 'import socket, sys
-s = [socket.socket() for _ in range(int(sys.argv[1]))]
-[x.bind(("127.0.0.1", 0)) for x in s]
-print(*[x.getsockname()[1] for x in s])' "$1"
+# Prints a loopback port below the kernel's ephemeral range: one the kernel never hands out by
+# itself (to an outgoing connection or a bind to port 0), so only a server told to bind it can
+# hold it. The server binds it once; a start that finds it taken is tried again on another
+# (start_nginx). Servers that can bind port 0 and say which port they got do that instead.
+reserved_port() {
+    local floor
+    floor=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
+    echo $(( 10000 + (RANDOM * 32768 + RANDOM) % (floor - 10000) ))
+}
+
+# Starts nginx from $OUT/$1.conf.in, its listen port (@PORT@ there) a reserved one, and prints
+# the port. nginx binds before it detaches and fails when the port is taken: then another is tried.
+start_nginx() {
+    local name=$1 port
+    for _ in $(seq 20); do
+        port=$(reserved_port)
+        sed "s/@PORT@/$port/g" "$OUT/$name.conf.in" >"$OUT/$name.conf"
+        if nginx -c "$OUT/$name.conf" 2>>"$OUT/$name-start.log"; then
+            echo "$port"
+            return 0
+        fi
+    done
+    echo "nginx $name did not start on any of 20 ports ($OUT/$name-start.log)" >&2
+    return 1
+}
+
+# Starts kvgate binary $1 on $OUT/kvgate.yaml in the background (extra arguments after it, e.g.
+# a wrapper's: KVGATE_WRAP="valgrind ..."); sets KV (its pid), GW and ADMIN (its ports). It binds
+# port 0 and writes the ports it got to --ports-file; a binary from before that option gets
+# reserved ports, and another pair when they were taken.
+start_kvgate() {
+    local bin=$1 try
+    if "$bin" --help 2>/dev/null | grep -q -- --ports-file; then
+        write_kvgate_conf 0 0 "$UP" "${KVGATE_EXTRA:-}"
+        rm -f "$OUT/kvgate.ports"
+        ${KVGATE_WRAP:-} "$bin" --config "$OUT/kvgate.yaml" --ports-file "$OUT/kvgate.ports" >"$OUT/kvgate.log" 2>&1 &
+        KV=$!
+        for _ in $(seq 600); do
+            [ -s "$OUT/kvgate.ports" ] && break
+            kill -0 "$KV" 2>/dev/null || { echo "kvgate exited: $(tail -5 "$OUT/kvgate.log")" >&2; return 1; }
+            sleep 0.1
+        done
+        read -r GW ADMIN < <(python3 -c 'import json, sys
+v = json.load(open(sys.argv[1]))
+print(v["listen"].rsplit(":", 1)[1], v["admin_listen"].rsplit(":", 1)[1])' "$OUT/kvgate.ports")
+        return 0
+    fi
+    for try in $(seq 10); do
+        GW=$(reserved_port) ADMIN=$(reserved_port)
+        write_kvgate_conf "$GW" "$ADMIN" "$UP" "${KVGATE_EXTRA:-}"
+        ${KVGATE_WRAP:-} "$bin" --config "$OUT/kvgate.yaml" >"$OUT/kvgate.log" 2>&1 &
+        KV=$!
+        wait_ready "http://127.0.0.1:$GW/v1/completions" 2>/dev/null && return 0
+        kill "$KV" 2>/dev/null || true
+        wait "$KV" 2>/dev/null || true
+    done
+    echo "kvgate did not start on any of 10 port pairs ($OUT/kvgate.log)" >&2
+    return 1
 }
 
 # Sets TYPE, ANSWER and STREAM for KIND (unary: one JSON completion; stream: 16 token events
@@ -33,10 +85,10 @@ fixed_answer() {
     fi
 }
 
-# Writes $OUT/$1.conf: one nginx worker (pid $OUT/$1.pid, no access log) serving the http
+# Writes $OUT/$1.conf.in: one nginx worker (pid $OUT/$1.pid, no access log) serving the http
 # block's contents $2.
 write_nginx_conf() {
-    cat >"$OUT/$1.conf" <<CONF
+    cat >"$OUT/$1.conf.in" <<CONF
 worker_processes 1;
 pid $OUT/$1.pid;
 error_log $OUT/$1-error.log;
@@ -48,11 +100,11 @@ $2
 CONF
 }
 
-# Writes $OUT/upstream.conf: nginx answering every request on port $1 with the fixed answer
-# (call fixed_answer first).
+# Writes $OUT/upstream.conf.in: nginx answering every request with the fixed answer (call
+# fixed_answer first), on the port start_nginx gives it.
 write_upstream_conf() {
     write_nginx_conf upstream "  server {
-    listen 127.0.0.1:$1;
+    listen 127.0.0.1:@PORT@;
     location / {
       default_type $TYPE;
       return 200 '$ANSWER';
@@ -60,12 +112,13 @@ write_upstream_conf() {
   }"
 }
 
-# Writes $OUT/nginx.conf: nginx as a reverse proxy on port $1 in front of the upstream on port
-# $2 (one worker, a keep-alive upstream pool, buffering off: the comparison kvgate is held to).
+# Writes $OUT/nginx.conf.in: nginx as a reverse proxy in front of the upstream on port $1 (one
+# worker, a keep-alive upstream pool, buffering off: the comparison kvgate is held to), on the
+# port start_nginx gives it.
 write_nginx_proxy_conf() {
-    write_nginx_conf nginx "  upstream up { server 127.0.0.1:$2; keepalive 128; }
+    write_nginx_conf nginx "  upstream up { server 127.0.0.1:$1; keepalive 128; }
   server {
-    listen 127.0.0.1:$1;
+    listen 127.0.0.1:@PORT@;
     location / { proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection \"\"; proxy_buffering off; }
   }"
 }
@@ -105,13 +158,18 @@ wait_ready() {
     return 1
 }
 
-# Writes every file a proxy comparison needs into $OUT: the fixed-answer upstream on port $1,
-# kvgate on port $2 (admin $3) with extra top-level lines $5, nginx as a proxy on port $4, and
+# Starts what a proxy comparison needs, each server on a port it bound itself: the
+# fixed-answer upstream (UP), kvgate binary $1 in front of it (KV, GW, ADMIN; extra top-level
+# config lines in KVGATE_EXTRA), and, unless $2 is "no-nginx", nginx as a proxy (NG); writes
 # the wrk request.
-write_comparison() {
+start_comparison() {
     fixed_answer
-    write_upstream_conf "$1"
-    write_kvgate_conf "$2" "$3" "$1" "${5:-}"
-    write_nginx_proxy_conf "$4" "$1"
+    write_upstream_conf
+    UP=$(start_nginx upstream)
+    start_kvgate "$1"
+    if [ "${2:-}" != no-nginx ]; then
+        write_nginx_proxy_conf "$UP"
+        NG=$(start_nginx nginx)
+    fi
     write_post_lua
 }

@@ -22,16 +22,11 @@ OUT=${OUT:-$(mktemp -d)}
 KIND=${KIND:-unary}
 . "$(dirname "$0")/fixed-upstream.sh"
 needs "apt-get install -y valgrind nginx wrk curl" valgrind callgrind_control nginx wrk curl python3
-read -r UP GW ADMIN < <(free_ports 3)
-fixed_answer
-write_upstream_conf "$UP"
-write_kvgate_conf "$GW" "$ADMIN" "$UP"
-write_post_lua
-nginx -c "$OUT/upstream.conf"
-valgrind --tool=callgrind --callgrind-out-file="$OUT/callgrind.out" --instr-atstart=no "$BIN" --config "$OUT/kvgate.yaml" >"$OUT/kvgate.log" 2>&1 &
-VG=$!
-cleanup() { kill "$VG" 2>/dev/null || true; kill "$(cat "$OUT/upstream.pid")" 2>/dev/null || true; }
+cleanup() { kill "${KV:-}" 2>/dev/null || true; [ -f "$OUT/upstream.pid" ] && kill "$(cat "$OUT/upstream.pid")" 2>/dev/null || true; }
 trap cleanup EXIT
+KVGATE_WRAP="valgrind --tool=callgrind --callgrind-out-file=$OUT/callgrind.out --instr-atstart=no"
+start_comparison "$BIN" no-nginx
+VG=$KV
 URL=http://127.0.0.1:$GW/v1/completions
 wait_ready "$URL"
 wrk -t1 -c"$CONNS" -d2s -s "$OUT/post.lua" "$URL" >/dev/null

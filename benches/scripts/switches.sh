@@ -25,18 +25,14 @@ THREADS=${4:-}
 OUT=${OUT:-$(mktemp -d)}
 . "$(dirname "$0")/fixed-upstream.sh"
 needs "apt-get install -y nginx wrk linux-perf curl" nginx wrk perf curl python3
-read -r UP GW ADMIN NG < <(free_ports 4)
-write_comparison "$UP" "$GW" "$ADMIN" "$NG" "${THREADS:+threads: $THREADS}"
-nginx -c "$OUT/upstream.conf"
-"$BIN" --config "$OUT/kvgate.yaml" >"$OUT/kvgate.log" 2>&1 &
-KV=$!
-[ -n "${WITH_NGINX:-}" ] && nginx -c "$OUT/nginx.conf"
 cleanup() {
-    kill "$KV" "$(cat "$OUT/upstream.pid")" 2>/dev/null || true
-    [ -f "$OUT/nginx.pid" ] && kill "$(cat "$OUT/nginx.pid")" 2>/dev/null || true
+    kill "${KV:-}" 2>/dev/null || true
+    for pid in "$OUT/upstream.pid" "$OUT/nginx.pid"; do [ -f "$pid" ] && kill "$(cat "$pid")" 2>/dev/null || true; done
     rm -f "$OUT/switches.data"
 }
 trap cleanup EXIT
+KVGATE_EXTRA="${THREADS:+threads: $THREADS}"
+start_comparison "$BIN" "$([ -n "${WITH_NGINX:-}" ] && echo with || echo no-nginx)"
 wait_ready "http://127.0.0.1:$GW/v1/completions"
 
 # Records and classifies the switches of processes $2 (comma-separated pids) under load on $3.
