@@ -40,9 +40,9 @@ pub struct Gateway {
     /// model watch it (phase 2).
     pub resumed: tokio::sync::watch::Sender<u64>,
     /// Each planner's state, for `GET /planner`.
-    pub planner_status: parking_lot::Mutex<serde_json::Value>,
+    pub planner_status: parking_lot::Mutex<Vec<crate::status::PlannerStatus>>,
     /// The rescheduler's last cycle, for `GET /rescheduling`.
-    pub rescheduling_last: parking_lot::Mutex<serde_json::Value>,
+    pub rescheduling_last: parking_lot::Mutex<Option<Vec<crate::status::CycleReport>>>,
     /// Workers added at run time (the planner's), by model; each rebuild of the fleet adds
     /// them to the file's, so they survive reloads.
     added: parking_lot::Mutex<crate::fleet::ByName<Vec<crate::config::WorkerConfig>>>,
@@ -88,8 +88,8 @@ impl Gateway {
             stored_responses,
             migrations: tokio::sync::Semaphore::new(max_moves),
             resumed: tokio::sync::watch::Sender::new(0),
-            rescheduling_last: parking_lot::Mutex::new(serde_json::Value::Null),
-            planner_status: parking_lot::Mutex::new(serde_json::Value::Array(Vec::new())),
+            rescheduling_last: parking_lot::Mutex::new(None),
+            planner_status: parking_lot::Mutex::new(Vec::new()),
             added: parking_lot::Mutex::new(Default::default()),
             applying: parking_lot::Mutex::new(()),
         }))

@@ -55,6 +55,7 @@ pub(crate) mod receipt;
 pub(crate) mod request;
 pub mod server;
 pub mod sse;
+pub(crate) mod status;
 pub(crate) mod tasks;
 pub mod tls;
 pub(crate) mod upstream;

@@ -39,7 +39,7 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut ClientConn, method: &str, pa
         ("POST", "/reload") => reload(gw, session).await,
         ("POST", "/migrate") => super::migrate::serve(gw, session).await,
         ("GET", "/rescheduling") => {
-            let last = gw.rescheduling_last.lock().clone();
+            let last = gw.rescheduling_last.lock().clone().map(|models| json!({"models": models}));
             respond_json(session, 200, &json!({"enabled": gw.config().rescheduling.enable_rescheduling, "last_cycle": last})).await
         }
         ("GET", "/planner") => {

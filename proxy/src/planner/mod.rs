@@ -248,22 +248,27 @@ impl ModelPlanner {
         }
     }
 
-    /// `GET /planner`'s view.
-    pub fn to_json(&self) -> serde_json::Value {
-        let last = self.last.map(|d| serde_json::json!({"change": record::change_label(d.decode.0), "reason": d.decode.1.label(), "kv_usage": d.decode_kv}));
-        let workers: Vec<_> = self
+    /// What `GET /planner` shows of it.
+    pub fn status(&self) -> crate::status::PlannerStatus {
+        let last_decision =
+            self.last.map(|d| crate::status::LastDecision { change: record::change_label(d.decode.0), reason: d.decode.1.label(), kv_usage: d.decode_kv });
+        let started_workers = self
             .connector
             .as_ref()
             .map(|c| c.list())
             .unwrap_or_default()
             .into_iter()
-            .map(|m| serde_json::json!({"name": m.name, "url": m.url.to_string(), "gpus": m.gpus}))
+            .map(|m| crate::status::StartedWorker { name: m.name, url: m.url.to_string(), gpus: m.gpus })
             .collect();
-        serde_json::json!({
-            "model": self.model, "mode": if self.cfg.rules.mode == PlanMode::Act { "act" } else { "observe_only" },
-            "connector": self.connector.as_ref().map(|c| c.kind()), "desired": self.desired,
-            "changing": self.change.is_some(), "last_decision": last, "started_workers": workers,
-        })
+        crate::status::PlannerStatus {
+            model: self.model.clone(),
+            mode: if self.cfg.rules.mode == PlanMode::Act { "act" } else { "observe_only" },
+            connector: self.connector.as_ref().map(|c| c.kind()),
+            desired: self.desired,
+            changing: self.change.is_some(),
+            last_decision,
+            started_workers,
+        }
     }
 }
 

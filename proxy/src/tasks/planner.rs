@@ -37,9 +37,9 @@ pub async fn run(gw: Arc<Gateway>) {
         for p in planners.values_mut() {
             p.tick(&gw).await;
         }
-        let mut status: Vec<_> = planners.values().map(ModelPlanner::to_json).collect();
-        status.sort_by(|a, b| a["model"].as_str().cmp(&b["model"].as_str()));
-        *gw.planner_status.lock() = serde_json::Value::Array(status);
+        let mut status: Vec<_> = planners.values().map(ModelPlanner::status).collect();
+        status.sort_by(|a, b| a.model.cmp(&b.model));
+        *gw.planner_status.lock() = status;
         tokio::time::sleep(TICK).await;
     }
 }

@@ -16,10 +16,10 @@ use crate::fleet::Model;
 use crate::gateway::Gateway;
 use crate::inflight::{Phase, RequestEntry};
 use crate::move_order::{MoveOrder, MoveReason};
+use crate::status::{CycleReport, MoveDone, PlannedPair};
 use kvgate_filters::reschedule::select::{Candidate, select};
 use kvgate_filters::reschedule::{Instance, Order, Pair, Rule, Take, validate};
 use kvgate_plugins::ReschedulingPlugin;
-use serde_json::{Value, json};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -39,9 +39,9 @@ pub async fn run(gw: Arc<Gateway>) {
         let mut report = Vec::new();
         for name in &fleet.order {
             let model = fleet.models[name].clone();
-            report.push(cycle(&gw, &model, r, wasm.clone(), &mut turn).await);
+            report.extend(cycle(&gw, &model, r, wasm.clone(), &mut turn).await);
         }
-        *gw.rescheduling_last.lock() = json!({"models": report});
+        *gw.rescheduling_last.lock() = Some(report);
     }
 }
 
@@ -87,8 +87,9 @@ impl PluginState {
 }
 
 /// One cycle for one model; returns what it decided and how it went.
-async fn cycle(gw: &Gateway, model: &Model, r: &Rescheduling, wasm: Option<Arc<ReschedulingPlugin>>, turn: &mut usize) -> Value {
-    let Ok(policies) = r.policies() else { return Value::Null };
+async fn cycle(gw: &Gateway, model: &Model, r: &Rescheduling, wasm: Option<Arc<ReschedulingPlugin>>, turn: &mut usize) -> Option<CycleReport> {
+    // Validated when the config loaded.
+    let policies = r.policies().ok()?;
     let live: Vec<Arc<RequestEntry>> = gw.requests.snapshot().into_iter().filter(|e| *e.model == *model.cfg.name).collect();
     let mut pairs = Vec::new();
     for c in &policies {
@@ -129,10 +130,10 @@ async fn cycle(gw: &Gateway, model: &Model, r: &Rescheduling, wasm: Option<Arc<R
         if outcome != "ok" {
             gw.metrics.rescheduling_failed.with_label_values(&[model.cfg.name.as_str(), policy]).inc();
         }
-        done.push(json!({"policy": policy, "from": src, "to": dst, "request_id": id, "outcome": outcome}));
+        done.push(MoveDone { policy, from: src, to: dst, request_id: id, outcome });
     }
-    let planned: Vec<Value> = pairs.iter().map(|p| json!({"policy": p.policy, "from": p.src, "to": p.dst})).collect();
-    json!({"model": model.cfg.name, "pairs": planned, "moves": done})
+    let planned = pairs.iter().map(|p| PlannedPair { policy: p.policy.clone(), from: p.src, to: p.dst }).collect();
+    Some(CycleReport { model: model.cfg.name.clone(), pairs: planned, moves: done })
 }
 
 /// Orders one request to `to` and waits for the answer until `until`.
