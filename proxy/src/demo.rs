@@ -155,7 +155,8 @@ async fn status(gw: &crate::gateway::Gateway) -> String {
     let (mut hits, mut queries) = (0.0, 0.0);
     let mut load = Vec::new();
     for (_, w) in gw.fleet().all_workers() {
-        let body = crate::upstream::get(gw, &w, "/metrics", std::time::Duration::from_secs(2), 8 << 20, true).await.map(|(_, b)| b).unwrap_or_default();
+        let body =
+            crate::upstream::get(&gw.config(), &w, "/metrics", std::time::Duration::from_secs(2), 8 << 20, true).await.map(|(_, b)| b).unwrap_or_default();
         let text = String::from_utf8_lossy(&body);
         let value = |name: &str| -> f64 { text.lines().filter(|l| l.starts_with(name)).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum() };
         hits += value("vllm:prefix_cache_hits_total");

@@ -185,7 +185,7 @@ async fn run(gw: &Arc<Gateway>, effect: Effect, order: &Order, target: &str, bod
         _ => {}
     }
     let calls = targets.iter().map(|(w, serving)| async move {
-        let answer = crate::upstream::call(gw, w, "POST", target, body, order.timeout, MAX_BODY).await;
+        let answer = crate::upstream::call(&gw.config(), w, "POST", target, body, order.timeout, MAX_BODY).await;
         let succeeded = matches!(&answer, Ok((s, b)) if (200..300).contains(s) && !reports_failure(b));
         after(gw, effect, order, w, serving, succeeded, answer.as_ref().ok().map(|(s, _)| *s)).await;
         let names: Vec<&str> = serving.iter().map(|(m, _)| m.cfg.name.as_str()).collect();

@@ -108,7 +108,7 @@ pub async fn ready(gw: &Gateway, m: &Managed, connector: &dyn Connector, within:
         if !connector.list().iter().any(|x| x.name == m.name) {
             return Err(format!("worker {} exited before it answered", m.name));
         }
-        if let Ok((200, _)) = crate::upstream::get(gw, &probe, &path, Duration::from_secs(2), 1 << 16, false).await {
+        if let Ok((200, _)) = crate::upstream::get(&gw.config(), &probe, &path, Duration::from_secs(2), 1 << 16, false).await {
             return Ok(());
         }
         if Instant::now() >= deadline {

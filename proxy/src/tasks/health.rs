@@ -29,7 +29,7 @@ pub async fn run(gw: Arc<Gateway>) {
             let timeout = Duration::from_millis(h.timeout_ms);
             let (fail_after, ok_after) = (h.unhealthy_threshold, h.healthy_threshold);
             checks.spawn(async move {
-                let ok = w.resolve().await.is_ok() && matches!(upstream::get(&gw, &w, &path, timeout, MAX_BODY, false).await, Ok((200, _)));
+                let ok = w.resolve().await.is_ok() && matches!(upstream::get(&gw.config(), &w, &path, timeout, MAX_BODY, false).await, Ok((200, _)));
                 match w.observe_health(ok, fail_after, ok_after) {
                     Some(true) => tracing::info!(worker = %w.url, model, "worker healthy again"),
                     Some(false) => {

@@ -100,7 +100,7 @@ pub async fn run(gw: Arc<Gateway>) {
 
 /// Reads `w`'s `GET /kv_event_sources` and records what it names.
 async fn read_sources(gw: Arc<Gateway>, w: Arc<Worker>) {
-    match crate::upstream::get(&gw, &w, "/kv_event_sources", DISCOVERY_TIMEOUT, 1 << 20, true).await {
+    match crate::upstream::get(&gw.config(), &w, "/kv_event_sources", DISCOVERY_TIMEOUT, 1 << 20, true).await {
         Ok((200, body)) => match parse_sources(&body, &w.url.authority) {
             Ok(found) => {
                 tracing::info!(worker = %w.url, sources = ?found.iter().map(|f| &f.endpoint).collect::<Vec<_>>(), "KV events: found through /kv_event_sources");

@@ -32,7 +32,7 @@ pub async fn run(gw: Arc<Gateway>) {
         for (_, w) in gw.fleet().all_workers() {
             let gw = gw.clone();
             polls.spawn(async move {
-                match upstream::get(&gw, &w, "/metrics", timeout, MAX_BODY, true).await {
+                match upstream::get(&gw.config(), &w, "/metrics", timeout, MAX_BODY, true).await {
                     Ok((200, body)) => {
                         w.set_reported(parse(&String::from_utf8_lossy(&body)));
                         if w.cards_age().is_none_or(|age| age >= CARDS_EVERY) {
@@ -59,7 +59,7 @@ fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
 
 /// Reads `w`'s `/v1/models` again; false when it gave no usable answer (the old cards stay).
 pub async fn refresh_cards(gw: &Gateway, w: &Worker, timeout: Duration) -> bool {
-    match upstream::get(gw, w, "/v1/models", timeout, MAX_BODY, true).await {
+    match upstream::get(&gw.config(), w, "/v1/models", timeout, MAX_BODY, true).await {
         Ok((200, body)) => match ModelCards::parse(&body) {
             Some(cards) => {
                 w.set_cards(cards);

@@ -19,7 +19,6 @@ use crate::config::Config;
 use crate::downstream::conn::{BadHeader as ClientBadHeader, RequestHead, ResponseHead};
 use crate::error::{LegError, LegErrorKind};
 use crate::fleet::Worker;
-use crate::gateway::Gateway;
 use bytes::{Bytes, BytesMut};
 use pool::IdlePool;
 use response::WorkerResponse;
@@ -345,16 +344,16 @@ pub enum ProbeError {
 /// `max_body` bytes of body. `keep_alive: false` asks for a fresh connection every time
 /// (`Connection: close`); otherwise the connection goes back to the probes' pool when the body
 /// was read whole.
-pub async fn get(gw: &Gateway, worker: &Worker, path: &str, timeout: Duration, max_body: usize, keep_alive: bool) -> Result<(u16, Bytes), ProbeError> {
+pub async fn get(cfg: &Config, worker: &Worker, path: &str, timeout: Duration, max_body: usize, keep_alive: bool) -> Result<(u16, Bytes), ProbeError> {
     let wire = probe_wire(worker, path, keep_alive).map_err(|e| ProbeError::Exchange(LegError::new(LegErrorKind::Send, &worker.url, e.to_string())))?;
-    probe(gw, worker, &wire, keep_alive, timeout, max_body).await
+    probe(cfg, worker, &wire, keep_alive, timeout, max_body).await
 }
 
 /// `method path` with a JSON `body` on `worker` within `timeout`, on a fresh connection that
 /// closes after it (fleet operations are rare, and one must never reuse a connection a pause
 /// or a sleep may have left in a strange state): the status and up to `max_body` bytes.
 pub async fn call(
-    gw: &Gateway,
+    cfg: &Config,
     worker: &Worker,
     method: &str,
     path: &str,
@@ -364,12 +363,12 @@ pub async fn call(
 ) -> Result<(u16, Bytes), ProbeError> {
     let wire =
         control_wire(worker, method, path, body, false).map_err(|e| ProbeError::Exchange(LegError::new(LegErrorKind::Send, &worker.url, e.to_string())))?;
-    probe(gw, worker, &wire, false, timeout, max_body).await
+    probe(cfg, worker, &wire, false, timeout, max_body).await
 }
 
 /// Sends `wire` over the probes' pool (`reuse`) or a fresh connection and reads the answer.
-async fn probe(gw: &Gateway, worker: &Worker, wire: &[u8], reuse: bool, timeout: Duration, max_body: usize) -> Result<(u16, Bytes), ProbeError> {
-    whole_answer(&gw.config(), worker, Outgoing::Probe { wire, reuse }, timeout, max_body).await
+async fn probe(cfg: &Config, worker: &Worker, wire: &[u8], reuse: bool, timeout: Duration, max_body: usize) -> Result<(u16, Bytes), ProbeError> {
+    whole_answer(cfg, worker, Outgoing::Probe { wire, reuse }, timeout, max_body).await
 }
 
 /// Sends `out` to `worker` and reads its whole answer within `timeout`: the status and up to
