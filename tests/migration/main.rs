@@ -683,7 +683,13 @@ async fn a_stream_too_long_for_a_workers_context_stays_put_and_says_why() {
     let mut c = Cluster::front(&[a.url(), b.url()], GatewayOpts { extra, ..GatewayOpts::default() }).await;
     c.sims = vec![a, b];
     wait_until(Duration::from_secs(3), || async { c.sim_metrics(1).await.has("vllm:num_requests_running") }).await;
-    tokio::time::sleep(Duration::from_millis(200)).await; // two polls: /v1/models was read
+    // The small worker's context is known once its /v1/models was read.
+    let known = wait_until(Duration::from_secs(10), || async {
+        let v: Value = c.http.get(c.admin("/workers")).send().await.unwrap().json().await.unwrap();
+        v["models"][0]["workers"][1]["max_model_len"] == 96
+    })
+    .await;
+    assert!(known.is_some(), "the gateway read the small worker's context length");
     let body = json!({"prompt": (0..100).map(|i| 100 + i).collect::<Vec<u32>>(), "max_tokens": 60, "ignore_eos": true, "stream": true});
     let r = c.http.post(c.url("/v1/completions")).header("x-request-id", "long").json(&body).send().await.unwrap();
     let mut s = r.bytes_stream();

@@ -81,7 +81,7 @@ async fn workers(gw: &Arc<Gateway>, session: &mut ClientConn) {
                     let id = i as u16;
                     let adapters = w.cards().map(|c| c.adapters.clone()).unwrap_or_default();
                     let origin = m.cfg.workers.get(i).map(|c| c.origin.label());
-                    json!({"id": i, "url": w.label, "origin": origin, "role": m.role(i).label(), "healthy": w.is_healthy(), "paused": w.is_paused(), "adapters": adapters, "in_flight": m.ledger.requests(id),
+                    json!({"id": i, "url": w.label, "origin": origin, "role": m.role(i).label(), "healthy": w.is_healthy(), "paused": w.is_paused(), "adapters": adapters, "max_model_len": w.max_model_len(), "in_flight": m.ledger.requests(id),
                            "booked_prefill_tokens": m.ledger.prefill_tokens(id), "booked_blocks": m.ledger.active_blocks(id), "expected_blocks": m.ledger.expected_blocks(id),
                            "queue_busy": m.queue_busy(i), "reported": reported})
                 })
