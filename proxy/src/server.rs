@@ -205,14 +205,11 @@ pub fn run(cfg: &Config, path: Option<PathBuf>, ports_file: Option<&std::path::P
         eprintln!("kvgate: {e}");
         std::process::exit(1);
     };
-    let mut cfg = cfg.clone();
     // A file left by an earlier run must not pass for this one's while it starts.
     if let Some(p) = ports_file {
         let _ = std::fs::remove_file(p);
     }
-    let bound = Listeners::bind(&cfg).unwrap_or_else(|e| fail(&e));
-    (cfg.listen, cfg.admin_listen) = bound.addrs().unwrap_or_else(|e| fail(&e));
-    let gw = Gateway::new(cfg.clone(), path).unwrap_or_else(|e| fail(&e));
+    let (gw, cfg, bound) = prepare(cfg.clone(), path).unwrap_or_else(|e| fail(&e));
     let (_tx, rx) = watch::channel(None);
     let (server, args) = build(gw.clone(), &cfg, bound, rx).unwrap_or_else(|e| fail(&e));
     if let Some(p) = ports_file {
@@ -220,6 +217,15 @@ pub fn run(cfg: &Config, path: Option<PathBuf>, ports_file: Option<&std::path::P
     }
     tracing::info!(listen = %cfg.listen, admin = %cfg.admin_listen, instance = gw.instance(), models = cfg.models.len(), "kvgate starting");
     server.run(args);
+}
+
+/// What both ways of starting share: the listeners bound, the addresses they got written into
+/// the config (port 0 read back), and the gateway's state built on that config.
+fn prepare(mut cfg: Config, path: Option<PathBuf>) -> std::io::Result<(Arc<Gateway>, Config, Listeners)> {
+    let bound = Listeners::bind(&cfg)?;
+    (cfg.listen, cfg.admin_listen) = bound.addrs()?;
+    let gw = Gateway::new(cfg.clone(), path).map_err(std::io::Error::other)?;
+    Ok((gw, cfg, bound))
 }
 
 /// The addresses bound and the instance id as JSON, written whole (to a temporary name, then
@@ -247,10 +253,8 @@ impl GatewayHandle {
     /// Starts a gateway; listen addresses with port 0 get a port of the system's choosing (see
     /// [`GatewayHandle::listen`]). Returns once this gateway answers `/health` on every plain
     /// HTTP listener with its own instance id, so a caller never mistakes another server for it.
-    pub fn spawn(mut cfg: Config, path: Option<PathBuf>) -> std::io::Result<Self> {
-        let bound = Listeners::bind(&cfg)?;
-        (cfg.listen, cfg.admin_listen) = bound.addrs()?;
-        let gw = Gateway::new(cfg.clone(), path).map_err(std::io::Error::other)?;
+    pub fn spawn(cfg: Config, path: Option<PathBuf>) -> std::io::Result<Self> {
+        let (gw, cfg, bound) = prepare(cfg, path)?;
         let (tx, rx) = watch::channel(None);
         // Pingora's server is not Send: build it on the thread that runs it.
         let (gw2, cfg2) = (gw.clone(), cfg.clone());
