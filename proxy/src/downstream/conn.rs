@@ -140,7 +140,7 @@ impl RequestHead {
 
     /// Whether the `Connection` headers list `token`.
     fn connection_has(&self, token: &[u8]) -> bool {
-        self.headers().filter(|(n, _)| n.eq_ignore_ascii_case(b"connection")).any(|(_, v)| crate::h1::list_has(v, token))
+        crate::h1::connection_has(self.headers(), token)
     }
 }
 

@@ -16,6 +16,20 @@ pub fn list_has(list: &[u8], token: &[u8]) -> bool {
     list.split(|&b| b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
 }
 
+/// Whether the `Connection` headers among `headers` (name, value; names in any case) list
+/// `token`: the one reading of `Connection` for request and response heads alike.
+pub fn connection_has<'a>(headers: impl IntoIterator<Item = (&'a [u8], &'a [u8])>, token: &[u8]) -> bool {
+    headers.into_iter().filter(|(n, _)| n.eq_ignore_ascii_case(b"connection")).any(|(_, v)| list_has(v, token))
+}
+
+/// Appends a request line, `method target HTTP/1.1`.
+pub fn put_request_line(w: &mut Vec<u8>, method: &str, target: &str) {
+    w.extend_from_slice(method.as_bytes());
+    w.push(b' ');
+    w.extend_from_slice(target.as_bytes());
+    w.extend_from_slice(b" HTTP/1.1\r\n");
+}
+
 /// A `Content-Length` value: decimal digits only (no sign, no spaces inside), else `None`.
 pub fn content_length(v: &[u8]) -> Option<u64> {
     // Read off the bytes: it runs on every request and response head (no UTF-8 pass, no str parse).

@@ -88,10 +88,7 @@ pub fn request_wire(client: &RequestHead, worker: &Worker, method: &str, path: &
         return Err(BadHeader("the request method"));
     }
     let mut w = Vec::with_capacity(256 + body.len());
-    w.extend_from_slice(method.as_bytes());
-    w.push(b' ');
-    w.extend_from_slice(path.as_bytes());
-    w.extend_from_slice(b" HTTP/1.1\r\n");
+    crate::h1::put_request_line(&mut w, method, path);
     let mut typed = false;
     let connection = naming(client.header("connection"));
     for (name, value) in client.headers() {
@@ -297,10 +294,7 @@ pub fn probe_wire(worker: &Worker, path: &str, keep_alive: bool) -> Result<Vec<u
 fn control_wire(worker: &Worker, method: &str, path: &str, body: Option<&[u8]>, keep_alive: bool) -> Result<Vec<u8>, BadHeader> {
     check_path(path)?;
     let mut w = Vec::with_capacity(128 + path.len() + body.map_or(0, <[u8]>::len));
-    w.extend_from_slice(method.as_bytes());
-    w.push(b' ');
-    w.extend_from_slice(path.as_bytes());
-    w.extend_from_slice(b" HTTP/1.1\r\n");
+    crate::h1::put_request_line(&mut w, method, path);
     line(&mut w, b"Host", worker.host_header.as_bytes());
     line(&mut w, b"User-Agent", b"kvgate");
     if !keep_alive {

@@ -259,7 +259,7 @@ fn framing(headers: &[httparse::Header<'_>], status: u16, head_request: bool, ht
 
 /// Whether a `Connection` header lists `token`.
 fn connection_has(headers: &[httparse::Header<'_>], token: &[u8]) -> bool {
-    headers.iter().filter(|h| h.name.eq_ignore_ascii_case("connection")).any(|h| crate::h1::list_has(h.value, token))
+    crate::h1::connection_has(headers.iter().map(|h| (h.name.as_bytes(), h.value)), token)
 }
 
 #[cfg(test)]
