@@ -94,7 +94,7 @@ impl ClientError {
         Self::new(
             431,
             "invalid_request_error",
-            format!("The request head is over {} bytes or {} headers.", crate::downstream::conn::MAX_HEAD, crate::downstream::conn::MAX_HEADERS),
+            format!("The request head is over {} bytes or {} headers.", crate::h1::request_head::MAX_HEAD, crate::h1::request_head::MAX_HEADERS),
             None,
         )
     }

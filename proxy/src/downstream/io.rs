@@ -1,8 +1,9 @@
 //! Small pieces of HTTP plumbing on the client's connection: reading a body with a cap and a
 //! deadline, and writing a complete local response.
 
-use super::conn::{BodyReadError, ClientConn, ResponseHead};
+use super::conn::{BodyReadError, ClientConn};
 use super::errors::ClientError;
+use crate::h1::response_head::ResponseHead;
 use bytes::{Bytes, BytesMut};
 use std::time::Duration;
 

@@ -1,13 +1,17 @@
-//! HTTP/1.1 wire pieces both sides of the gateway share: body framing and chunked coding, read
-//! as they arrive.
-//! The client side's connection is `downstream::conn`, the workers' responses
-//! `upstream::response`; both parse heads with `httparse` and build no header maps.
+//! HTTP/1.1 wire pieces both sides of the gateway share: the client's request head
+//! ([`request_head`]) and the response head written to it ([`response_head`]), body framing and
+//! chunked coding read as they arrive, and the small readers and writers every head uses
+//! (`Connection` lists, lengths, request lines). The connections keep only I/O and pooling:
+//! the client side's is `downstream::conn`, the workers' `upstream::response` and its pool.
+//! Heads are parsed with `httparse` into offsets; no header maps are built.
 
 // Parses bytes from outside: a narrowing cast here could truncate a peer's value.
 #![deny(clippy::cast_possible_truncation)]
 
 pub mod body;
 pub mod chunked;
+pub mod request_head;
+pub mod response_head;
 pub mod spare;
 
 /// Whether a comma-separated header value (`Connection: keep-alive, X-Hop`) lists `token`, in

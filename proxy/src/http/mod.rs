@@ -14,11 +14,12 @@ pub mod fleet_ops;
 pub mod local;
 pub mod migrate;
 
-use crate::downstream::conn::{ClientConn, HeadError};
+use crate::downstream::conn::ClientConn;
 use crate::downstream::errors::ClientError;
 use crate::downstream::io::respond_error;
 use crate::endpoint::{Endpoint, PathKind};
 use crate::gateway::Gateway;
+use crate::h1::request_head::HeadError;
 use async_trait::async_trait;
 use pingora::apps::ServerApp;
 use pingora::protocols::Stream;

@@ -16,9 +16,10 @@ pub mod pool;
 pub mod response;
 
 use crate::config::Config;
-use crate::downstream::conn::{BadHeader as ClientBadHeader, RequestHead, ResponseHead};
 use crate::error::{LegError, LegErrorKind};
 use crate::fleet::Worker;
+use crate::h1::request_head::RequestHead;
+use crate::h1::response_head::{BadHeader as ClientBadHeader, ResponseHead};
 use bytes::{Bytes, BytesMut};
 use pool::IdlePool;
 use response::WorkerResponse;
