@@ -20,9 +20,17 @@ def read(lines):
             continue
         m = re.match(r'\s*"([^"]+)"\s*\[label="([^"]*)"', line)
         if m:
-            nodes[m.group(1)] = m.group(2)
-    modules = {n for n, label in nodes.items() if re.search(r"\b(mod|crate)\b", label.split("|")[0])}
+            # A module and an item may share a path (`mod attempts` beside `fn attempts`): the
+            # module keeps the node, or the item's edges would land on the parent module.
+            if not is_module(nodes.get(m.group(1), "")):
+                nodes[m.group(1)] = m.group(2)
+    modules = {n for n, label in nodes.items() if is_module(label)}
     return modules, edges
+
+
+def is_module(label):
+    """Whether a node's label is a module's (or the crate's)."""
+    return bool(re.search(r"\b(mod|crate)\b", label.split("|")[0]))
 
 
 def module_of(item, modules):

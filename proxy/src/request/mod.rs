@@ -15,7 +15,8 @@
 //! 6. [`record`]: metrics, logs and the registry's final status.
 //!
 //! [`serve`] runs them; the loop over attempts before the first byte is explicit in
-//! [`attempts`] (a retry, or a move ordered while waiting, is one more turn of it).
+//! [`serve_attempts`] (a retry, or a move ordered while waiting, is one more turn of it; the
+//! request's [`attempts::Attempts`] keep where it went).
 
 pub mod admit;
 pub mod attempts;
@@ -95,7 +96,7 @@ async fn run(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestState
         Ok(()) => {
             prompt::prepare_kv(gw, req).await;
             match disaggregate::run(gw, session, req).await {
-                Ok(()) => attempts(gw, session, req).await,
+                Ok(()) => serve_attempts(gw, session, req).await,
                 Err(outcome) => outcome,
             }
         }
@@ -109,8 +110,8 @@ async fn run(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestState
 /// resends the request where the order says (the worker's copy is dropped with the leg); so
 /// does a worker failing before that first token, as a retry. A stream whose head went out and
 /// that no worker then answers is cut: no error answer can follow its head.
-async fn attempts(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestState) -> Outcome {
-    match attempt(gw, session, req).await {
+async fn serve_attempts(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestState) -> Outcome {
+    match attempt_loop(gw, session, req).await {
         Outcome::Refused(e) if session.head_sent() => {
             tracing::warn!(request_id = req.id(), error = %e, "no worker answered the stream after its head went out; cutting it");
             Outcome::Truncated(200)
@@ -119,8 +120,8 @@ async fn attempts(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut Request
     }
 }
 
-/// The loop of [`attempts`].
-async fn attempt(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestState) -> Outcome {
+/// The loop of [`serve_attempts`].
+async fn attempt_loop(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestState) -> Outcome {
     let max = req.cfg.retries.max_attempts.max(1) as usize;
     let mut last: Option<LegError> = None;
     let mut order: Option<MoveOrder> = None;
