@@ -76,7 +76,13 @@ fn with_allocator_defaults() {
         Ok(exe) => exe,
         Err(e) => return eprintln!("kvgate: cannot find its own binary ({e}); the allocator keeps its defaults"),
     };
-    let err = std::process::Command::new(exe).args(std::env::args_os().skip(1)).envs(missing).exec();
+    let mut args = std::env::args_os();
+    let mut again = std::process::Command::new(exe);
+    // The name it was started by stays its name (in `ps`, in a supervisor's view).
+    if let Some(name) = args.next() {
+        again.arg0(name);
+    }
+    let err = again.args(args).envs(missing).exec();
     eprintln!("kvgate: cannot run itself again with the allocator's settings ({err}); the allocator keeps its defaults");
 }
 
