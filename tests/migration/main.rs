@@ -648,6 +648,38 @@ async fn a_request_still_waiting_for_its_first_token_moves_by_resend() {
     bookings_are_zero(&c).await;
 }
 
+/// A move's destination that answers 5xx is passed over for the next one, even with
+/// `retries.on_5xx` off (the client has its head: no error answer can reach it), and its
+/// failure is counted as any leg's. The stream ends whole.
+#[tokio::test]
+async fn a_destination_answering_5xx_is_passed_over() {
+    let extra = "retries:\n  on_5xx: false\n".to_string();
+    let c = Cluster::sims(3, sim(1.0), GatewayOpts { extra, ..GatewayOpts::default() }).await;
+    let body = json!({"prompt": unique_text(20), "max_tokens": 60, "temperature": 0, "ignore_eos": true, "stream": true, "return_token_ids": true});
+    let (reference, _) = run(&c, "/v1/completions", &body, "ref", None).await;
+    let r = c.http.post(c.url("/v1/completions")).header("x-request-id", "aimed").json(&body).send().await.unwrap();
+    let serving = r.headers().get("x-kvgate-worker").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
+    let others: Vec<usize> = (0..3).filter(|&i| !same_url(&c.sims[i].url(), &serving)).collect();
+    let (failing, last) = (others[0], others[1]);
+    c.sims[failing].faults().set(vllm_sim::faults::FaultConfig { error_rate: 1.0, ..Default::default() }).unwrap();
+    let mut s = r.bytes_stream();
+    let mut raw = Vec::from(s.next().await.unwrap().unwrap().as_ref());
+    let r = c.http.post(c.admin("/migrate")).json(&json!({"request_id": "aimed", "to": c.sims[failing].url()})).send().await.unwrap();
+    let (status, report) = (r.status().as_u16(), r.json::<Value>().await.unwrap());
+    while let Some(chunk) = s.next().await {
+        raw.extend_from_slice(&chunk.expect("never cut"));
+    }
+    assert_eq!(status, 200, "{report}");
+    assert!(same_url(report["to"].as_str().unwrap_or_default(), &c.sims[last].url()), "passed over to the third worker: {report}");
+    assert_eq!(essence(&sse::parse(&String::from_utf8(raw).unwrap())), essence(&reference));
+    let m = c.gateway_metrics().await;
+    assert!(m.sum("kvgate_upstream_errors_total", &[("kind", "status_5xx")]) >= 1.0, "the destination's 5xx is counted");
+    let v: Value = c.http.get(c.admin("/requests/aimed")).send().await.unwrap().json().await.unwrap();
+    let outcomes: Vec<&str> = v["route_receipt"].as_array().unwrap().iter().filter_map(|l| l["outcome"].as_str()).collect();
+    assert!(outcomes.contains(&"status_5xx"), "the receipt says how the destination's leg ended: {v}");
+    bookings_are_zero(&c).await;
+}
+
 #[tokio::test]
 async fn a_stalled_worker_fails_over() {
     // A worker that stops sending past timeouts.upstream_read_idle_ms: its stream continues on
