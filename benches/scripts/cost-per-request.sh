@@ -34,10 +34,9 @@ KVGATE_EXTRA="${THREADS:+threads: $THREADS}"
 start_comparison "$BIN"
 if [ -n "${FLOOR:-}" ]; then
     # The floor proxy binds port 0 too and writes the port it got.
-    "$(realpath "$FLOOR")" --listen 127.0.0.1:0 --upstream "127.0.0.1:$UP" ${THREADS:+--threads "$THREADS"} --ports-file "$OUT/floor.ports" &
+    "$(realpath "$FLOOR")" --listen 127.0.0.1:0 --upstream "127.0.0.1:$UP" ${THREADS:+--threads "$THREADS"} --ports-file "$OUT/floor.ports" >"$OUT/floor.log" 2>&1 &
     FP=$!
-    for _ in $(seq 600); do [ -s "$OUT/floor.ports" ] && break; sleep 0.1; done
-    FL=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["listen"].rsplit(":", 1)[1])' "$OUT/floor.ports")
+    FL=$(ports_from_file "$OUT/floor.ports" "$FP" "$OUT/floor.log" listen)
 fi
 wait_ready "http://127.0.0.1:$GW/v1/completions"
 

@@ -37,6 +37,22 @@ start_nginx() {
     return 1
 }
 
+# Waits for the --ports-file $1 that process $2 writes once bound (our binaries write it whole,
+# by a rename) and prints the port of each listener named after them ("listen",
+# "admin_listen"). Fails when the process exits first (its log: $3).
+ports_from_file() {
+    local file=$1 pid=$2 log=$3
+    shift 3
+    for _ in $(seq 600); do
+        [ -s "$file" ] && break
+        kill -0 "$pid" 2>/dev/null || { echo "$pid exited before binding: $(tail -5 "$log" 2>/dev/null)" >&2; return 1; }
+        sleep 0.1
+    done
+    python3 -c 'import json, sys
+v = json.load(open(sys.argv[1]))
+print(*[v[k].rsplit(":", 1)[1] for k in sys.argv[2:]])' "$file" "$@"
+}
+
 # Starts kvgate binary $1 on $OUT/kvgate.yaml in the background (extra arguments after it, e.g.
 # a wrapper's: KVGATE_WRAP="valgrind ..."); sets KV (its pid), GW and ADMIN (its ports). It binds
 # port 0 and writes the ports it got to --ports-file; a binary from before that option gets
@@ -48,15 +64,9 @@ start_kvgate() {
         rm -f "$OUT/kvgate.ports"
         ${KVGATE_WRAP:-} "$bin" --config "$OUT/kvgate.yaml" --ports-file "$OUT/kvgate.ports" >"$OUT/kvgate.log" 2>&1 &
         KV=$!
-        for _ in $(seq 600); do
-            [ -s "$OUT/kvgate.ports" ] && break
-            kill -0 "$KV" 2>/dev/null || { echo "kvgate exited: $(tail -5 "$OUT/kvgate.log")" >&2; return 1; }
-            sleep 0.1
-        done
-        read -r GW ADMIN < <(python3 -c 'import json, sys
-v = json.load(open(sys.argv[1]))
-print(v["listen"].rsplit(":", 1)[1], v["admin_listen"].rsplit(":", 1)[1])' "$OUT/kvgate.ports")
-        return 0
+        read -r GW ADMIN < <(ports_from_file "$OUT/kvgate.ports" "$KV" "$OUT/kvgate.log" listen admin_listen)
+        [ -n "${ADMIN:-}" ]
+        return
     fi
     for try in $(seq 10); do
         GW=$(reserved_port) ADMIN=$(reserved_port)
