@@ -128,9 +128,7 @@ pub async fn continue_stream(
     let _permit = gw.migrations.acquire().await.map_err(|_| NotMoved::Refused(MoveRefused::NotNow("shutting down")))?;
     req.entry().moved();
     let leaving = req.model.workers[source].clone();
-    place::adopt_current_model(gw, req);
-    let source = req.model.workers.iter().position(|w| Arc::ptr_eq(w, &leaving));
-    let to = to.and_then(|t| req.model.workers.iter().position(|w| Arc::ptr_eq(w, &t)));
+    let (source, to) = place::adopt_for_move(gw, req, Some(&leaving), to.as_ref());
     if let Some(kv) = req.model.kv.clone() {
         // A continuation's prompt (the prompt and the ids generated) is salted as the first was.
         req.kv = Some(req.kv_inputs(&kv, &ids, req.kv.as_ref().and_then(|k| k.salt)));

@@ -223,9 +223,7 @@ async fn turn(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestStat
 fn reroute(gw: &Gateway, req: &mut RequestState, o: MoveOrder) -> Option<Arc<crate::fleet::Worker>> {
     let leaving = req.attempts.current().map(|i| req.model.workers[i].clone());
     let from = leaving.as_ref().map_or_else(String::new, |w| w.label.clone());
-    place::adopt_current_model(gw, req);
-    let from_idx = leaving.and_then(|l| req.model.workers.iter().position(|w| Arc::ptr_eq(w, &l)));
-    let to = o.to.as_ref().and_then(|t| req.model.workers.iter().position(|w| Arc::ptr_eq(w, t)));
+    let (from_idx, to) = place::adopt_for_move(gw, req, leaving.as_ref(), o.to.as_ref());
     let placed = match to {
         Some(t) => place::place_among(gw, req, Among::Only(t)),
         None => place::place_among(gw, req, Among::Except(&from_idx.into_iter().collect::<Vec<_>>())),

@@ -168,6 +168,14 @@ fn predicted(gw: &Gateway, req: &RequestState, summary: &RequestSummary<'_>, cho
     predicted
 }
 
+/// [`adopt_current_model`] for a move: where the worker it leaves (`leaving`) and the worker an
+/// order aims at (`to`) stand in the fleet in force (`None`: not in it).
+pub fn adopt_for_move(gw: &Gateway, req: &mut RequestState, leaving: Option<&Arc<Worker>>, to: Option<&Arc<Worker>>) -> (Option<usize>, Option<usize>) {
+    adopt_current_model(gw, req);
+    let at = |w: &Arc<Worker>| req.model.workers.iter().position(|x| Arc::ptr_eq(x, w));
+    (leaving.and_then(at), to.and_then(at))
+}
+
 /// Whether every worker that could serve the request's answer (what [`place`]'s first attempt
 /// would offer) is over the model's busy thresholds, so that the request would get the
 /// load-shedding 503 (a prefill leg for it would be wasted).
@@ -186,7 +194,7 @@ pub fn answers_all_busy(gw: &Gateway, req: &RequestState) -> bool {
 /// whose prompt was not tokenized does.
 ///
 /// [`Attempts::rebase`]: super::attempts::Attempts::rebase
-pub fn adopt_current_model(gw: &Gateway, req: &mut RequestState) {
+fn adopt_current_model(gw: &Gateway, req: &mut RequestState) {
     let fleet = gw.fleet();
     let Some(now) = fleet.models.get(req.model_name()).cloned() else { return };
     if Arc::ptr_eq(&now, &req.model) {
