@@ -6,6 +6,7 @@
 //! `shutdown.drain_timeout_s`, then the process stops. SIGINT stops at once.
 
 use crate::config::Config;
+use crate::downstream::accept::PlainListener;
 use crate::gateway::Gateway;
 use crate::http::{GatewayApp, Role};
 use async_trait::async_trait;
@@ -94,17 +95,6 @@ fn client_buffers() -> L4BufferSettings {
     L4BufferSettings::unbuffered()
 }
 
-/// A listener on `addr`, speaking TLS with `certs` when given. The socket is bound already
-/// ([`Listeners`]): socket options given here would not apply, as Pingora sets them only on a
-/// socket it binds itself.
-fn listener(addr: SocketAddr, certs: Option<&Arc<crate::tls::CertStore>>) -> ListenerConfig {
-    let l = ListenerConfig::tcp(addr.to_string()).l4_buffer(client_buffers());
-    match certs {
-        Some(c) => l.tls(c.settings()),
-        None => l,
-    }
-}
-
 /// The gateway's two listening sockets, bound before its server starts.
 ///
 /// A port is bound once, by the process that serves it: a taken address fails the start with
@@ -123,7 +113,7 @@ impl Listeners {
     pub(crate) fn bind(cfg: &Config) -> std::io::Result<Self> {
         let bind = |what: &str, addr: SocketAddr| {
             let l = TcpListener::bind(addr).map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {addr} ({what}): {e}")))?;
-            // Pingora's accept loop runs on tokio, which needs the socket non-blocking.
+            // The accept loops run on tokio, which needs the socket non-blocking.
             l.set_nonblocking(true)?;
             Ok::<_, std::io::Error>(l)
         };
@@ -136,7 +126,7 @@ impl Listeners {
     }
 }
 
-/// A Pingora listening service over a socket bound already: when the server starts it, the
+/// A Pingora listening service (TLS) over a socket bound already: when the server starts it, the
 /// socket's descriptor passes to Pingora in a table of its own (the way Pingora takes sockets
 /// inherited across an upgrade) instead of the server's, where Pingora would bind the address
 /// itself. A service the server never starts closes its socket when dropped.
@@ -169,32 +159,44 @@ impl<S: pingora::services::Service> pingora::services::Service for Prebound<S> {
 }
 
 fn build(gw: Arc<Gateway>, cfg: &Config, bound: Listeners, manual: watch::Receiver<Option<Stop>>) -> std::io::Result<(Server, RunArgs)> {
-    let (public_addr, admin_addr) = bound.addrs()?;
     let conf = ServerConf {
         threads: cfg.threads,
         // Draining happens in `Signals` before Pingora's shutdown starts; after it, stop promptly.
         grace_period_seconds: Some(0),
         graceful_shutdown_timeout_seconds: Some(1),
-        // Pingora bounds each accepted connection's handshake with its own timer, whose clock
-        // thread, once started, wakes every 10 ms for the life of the process; the gateway
-        // uses none of its timers otherwise. Every duration above 0 s goes to tokio's timer
-        // instead, which costs nothing when the handshake (plain TCP) is done at once.
+        // Pingora bounds each TLS handshake with its own timer, whose clock thread, once
+        // started, wakes every 10 ms for the life of the process; the gateway uses none of its
+        // timers otherwise. Every duration above 0 s goes to tokio's timer instead.
         fast_timeout_to_tokio_threshold_seconds: Some(0),
         ..ServerConf::default()
     };
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
-    let mut public = Service::new("kvgate".to_string(), GatewayApp::new(gw.clone(), Role::Public));
-    public.add_listener(listener(public_addr, gw.tls.public.as_ref()));
-    let mut admin = Service::new("kvgate-admin".to_string(), GatewayApp::new(gw.clone(), Role::Admin));
-    admin.threads = Some(1);
-    admin.add_listener(listener(admin_addr, gw.tls.admin.as_ref()));
-    server.add_service(Prebound { inner: public, socket: Some((public_addr, bound.public)) });
-    server.add_service(Prebound { inner: admin, socket: Some((admin_addr, bound.admin)) });
+    let public = GatewayApp::new(gw.clone(), Role::Public);
+    server.add_boxed_service(client_service("kvgate", public, bound.public, gw.tls.public.as_ref(), None)?);
+    let admin = GatewayApp::new(gw.clone(), Role::Admin);
+    server.add_boxed_service(client_service("kvgate-admin", admin, bound.admin, gw.tls.admin.as_ref(), Some(1))?);
     // Watching before the listeners open: an edit made once the gateway answers is never missed.
     let config_watch = gw.config_path().map(|p| crate::tasks::ConfigWatch::install(p));
     server.add_service(background_service("tasks", Background(gw.clone(), config_watch)));
     Ok((server, RunArgs { shutdown_signal: Box::new(Signals { gw, manual }) }))
+}
+
+/// The service answering clients on `socket`: the gateway's own accept loop for plain HTTP
+/// (`PlainListener`), Pingora's listening service where the listener speaks TLS.
+fn client_service(
+    name: &str,
+    app: GatewayApp,
+    socket: TcpListener,
+    certs: Option<&Arc<crate::tls::CertStore>>,
+    threads: Option<usize>,
+) -> std::io::Result<Box<dyn pingora::services::ServiceWithDependents>> {
+    let Some(certs) = certs else { return Ok(Box::new(PlainListener::new(name, app, socket, threads))) };
+    let addr = socket.local_addr()?;
+    let mut tls = Service::new(name.to_string(), app);
+    tls.threads = threads;
+    tls.add_listener(ListenerConfig::tcp(addr.to_string()).l4_buffer(client_buffers()).tls(certs.settings()));
+    Ok(Box::new(Prebound { inner: tls, socket: Some((addr, socket)) }))
 }
 
 /// Runs the gateway in this thread until it stops; exits the process when a listener cannot
