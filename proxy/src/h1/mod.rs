@@ -1,15 +1,18 @@
-//! HTTP/1.1 wire pieces both sides of the gateway share: the client's request head
-//! ([`request_head`]) and the response head written to it ([`response_head`]), body framing and
-//! chunked coding read as they arrive, and the small readers and writers every head uses
-//! (`Connection` lists, lengths, request lines). The connections keep only I/O and pooling:
-//! the client side's is `downstream::conn`, the workers' `upstream::response` and its pool.
-//! Heads are parsed with `httparse` into offsets; no header maps are built.
+//! HTTP/1.1 on the wire, for both sides of the gateway, as hyper's `proto/h1/role.rs` keeps it
+//! for both roles: request heads ([`request_head`]: a client's parsed, a worker's written),
+//! response heads ([`response_head`]: a worker's parsed, a client's written), which headers
+//! cross the gateway ([`hop`]), body framing and chunked coding read as they arrive, and the
+//! small readers and writers every head uses (`Connection` lists, lengths). The connections keep
+//! only I/O and pooling: the client side's is `downstream::conn`, the workers'
+//! `upstream::response` and its pool. Heads are parsed with `httparse` into offsets; no header
+//! maps are built.
 
 // Parses bytes from outside: a narrowing cast here could truncate a peer's value.
 #![deny(clippy::cast_possible_truncation)]
 
 pub mod body;
 pub mod chunked;
+pub mod hop;
 pub mod request_head;
 pub mod response_head;
 pub mod spare;
@@ -24,14 +27,6 @@ pub fn list_has(list: &[u8], token: &[u8]) -> bool {
 /// `token`: the one reading of `Connection` for request and response heads alike.
 pub fn connection_has<'a>(headers: impl IntoIterator<Item = (&'a [u8], &'a [u8])>, token: &[u8]) -> bool {
     headers.into_iter().filter(|(n, _)| n.eq_ignore_ascii_case(b"connection")).any(|(_, v)| list_has(v, token))
-}
-
-/// Appends a request line, `method target HTTP/1.1`.
-pub fn put_request_line(w: &mut Vec<u8>, method: &str, target: &str) {
-    w.extend_from_slice(method.as_bytes());
-    w.push(b' ');
-    w.extend_from_slice(target.as_bytes());
-    w.extend_from_slice(b" HTTP/1.1\r\n");
 }
 
 /// A `Content-Length` value: decimal digits only (no sign, no spaces inside), else `None`.

@@ -1,6 +1,8 @@
-//! A client's request head: parsed once with `httparse` into offsets over its bytes (no header
-//! maps), with the checks that refuse a head the gateway could misread (RFC 9112's target
-//! forms, no fragment, the size caps). The connection that reads it is `downstream::conn`.
+//! Request heads, both ways. A client's ([`RequestHead`]): parsed once with `httparse` into
+//! offsets over its bytes (no header maps), with the checks that refuse a head the gateway could
+//! misread (RFC 9112's target forms, no fragment, the size caps); the connection that reads it
+//! is `downstream::conn`. And the requests the gateway writes to workers: a client's request
+//! passed on ([`write_forwarded`]) and its own ([`write_own`]).
 
 // Parses bytes from outside: a narrowing cast here could truncate a peer's value.
 #![deny(clippy::cast_possible_truncation)]
@@ -187,6 +189,105 @@ fn path_of(t: &str) -> &str {
     t.split('?').next().unwrap_or(t)
 }
 
+/// A client's request written out for a worker whose `Host` is `host`: its head (the client's
+/// headers minus hop-by-hop ones, with the worker's `Host`, the body's length and the request
+/// id) and its body, in one buffer so that it goes out in one write. Written straight from the client's header: building
+/// a Pingora header first costs two header maps and a copy of every name and value per request
+/// (docs/architecture.md, "The hot path's allocations").
+pub fn write_forwarded(client: &RequestHead, host: &[u8], method: &str, path: &str, body: &[u8], request_id: &str) -> Result<Vec<u8>, Unwritable> {
+    check_path(path)?;
+    if request_id.bytes().any(forbidden) {
+        return Err(Unwritable("the request id"));
+    }
+    if method.is_empty() || !method.bytes().all(|c| c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&c)) {
+        return Err(Unwritable("the request method"));
+    }
+    let mut w = Vec::with_capacity(256 + body.len());
+    put_request_line(&mut w, method, path);
+    let mut typed = false;
+    let connection = super::hop::naming(client.header("connection"));
+    for (name, value) in client.headers() {
+        if super::hop::forwarded(name, connection) && !name.eq_ignore_ascii_case(b"x-request-id") {
+            typed |= name.eq_ignore_ascii_case(b"content-type");
+            line(&mut w, name, value);
+        }
+    }
+    if !typed {
+        line(&mut w, b"Content-Type", b"application/json");
+    }
+    line(&mut w, b"Host", host);
+    // A bodiless GET or DELETE goes out as the client sent it, without a length.
+    if !body.is_empty() || !matches!(method, "GET" | "DELETE" | "OPTIONS") {
+        super::put_content_length(&mut w, body.len() as u64);
+    }
+    line(&mut w, b"X-Request-Id", request_id.as_bytes());
+    w.extend_from_slice(b"\r\n");
+    w.extend_from_slice(body);
+    Ok(w)
+}
+
+/// A request to a worker that could not be written: the part that held a byte HTTP/1.1 forbids.
+#[derive(Debug, thiserror::Error)]
+#[error("{0} holds a byte HTTP/1.1 forbids there (NUL, CR, LF, or a space in the path)")]
+pub struct Unwritable(&'static str);
+
+/// A request target fit for the wire: not empty, no space, no byte that would split the head.
+fn check_path(path: &str) -> Result<(), Unwritable> {
+    if path.is_empty() || path.bytes().any(|c| c == b' ' || forbidden(c)) {
+        return Err(Unwritable("the request path"));
+    }
+    Ok(())
+}
+
+/// Whether no header value (nor request target) may carry byte `c`.
+fn forbidden(c: u8) -> bool {
+    matches!(c, 0 | b'\r' | b'\n')
+}
+
+/// Appends one `name: value` header line.
+fn line(w: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    w.extend_from_slice(name);
+    w.extend_from_slice(b": ");
+    w.extend_from_slice(value);
+    w.extend_from_slice(b"\r\n");
+}
+
+/// A request the gateway makes of a worker (whose `Host` is `host`) on its own account (a
+/// probe, a fleet operation): `method path`, with `body` as JSON when given.
+pub fn write_own(host: &[u8], method: &str, path: &str, body: Option<&[u8]>, keep_alive: bool) -> Result<Vec<u8>, Unwritable> {
+    check_path(path)?;
+    let mut w = Vec::with_capacity(128 + path.len() + body.map_or(0, <[u8]>::len));
+    put_request_line(&mut w, method, path);
+    line(&mut w, b"Host", host);
+    line(&mut w, b"User-Agent", b"kvgate");
+    if !keep_alive {
+        line(&mut w, b"Connection", b"close");
+    }
+    match body {
+        Some(b) => {
+            line(&mut w, b"Content-Type", b"application/json");
+            line(&mut w, b"Content-Length", b.len().to_string().as_bytes());
+            w.extend_from_slice(b"\r\n");
+            w.extend_from_slice(b);
+        }
+        // A bodiless POST still says so: some servers wait for a length otherwise.
+        None if method != "GET" => {
+            line(&mut w, b"Content-Length", b"0");
+            w.extend_from_slice(b"\r\n");
+        }
+        None => w.extend_from_slice(b"\r\n"),
+    }
+    Ok(w)
+}
+
+/// Appends a request line, `method target HTTP/1.1`.
+fn put_request_line(w: &mut Vec<u8>, method: &str, target: &str) {
+    w.extend_from_slice(method.as_bytes());
+    w.push(b' ');
+    w.extend_from_slice(target.as_bytes());
+    w.extend_from_slice(b" HTTP/1.1\r\n");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -243,5 +344,84 @@ mod tests {
         assert_eq!(origin("/v1/models?a=b"), "/v1/models?a=b");
         assert_eq!(origin("http://gw:8080/v1/completions?x"), "/v1/completions?x");
         assert_eq!(origin("http://gw:8080"), "/");
+    }
+
+    const HOST: &[u8] = b"10.0.0.7:8000";
+
+    fn client(headers: &[(&str, &str)]) -> RequestHead {
+        let lines: String = headers.iter().flat_map(|&(n, v)| [n, ": ", v, "\r\n"]).collect();
+        RequestHead::parse(format!("POST /v1/completions HTTP/1.1\r\n{lines}\r\n").into()).unwrap()
+    }
+
+    #[test]
+    fn a_worker_request_keeps_end_to_end_headers_and_replaces_the_hop_by_hop_ones() {
+        let c = client(&[
+            ("Authorization", "Bearer k"),
+            ("Connection", "keep-alive"),
+            ("Keep-Alive", "timeout=5"),
+            ("Host", "gateway.example"),
+            ("Content-Length", "999"),
+            ("Transfer-Encoding", "chunked"),
+            ("X-Request-Id", "from-client"),
+            ("X-Trace", "t1"),
+        ]);
+        let wire = write_forwarded(&c, HOST, "POST", "/v1/completions", b"{}", "req-1").unwrap();
+        let text = String::from_utf8(wire).unwrap();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap();
+        assert_eq!(body, "{}");
+        let mut lines = head.split("\r\n");
+        assert_eq!(lines.next(), Some("POST /v1/completions HTTP/1.1"));
+        let mut got: Vec<&str> = lines.collect();
+        got.sort_unstable();
+        let want =
+            ["Authorization: Bearer k", "Content-Length: 2", "Content-Type: application/json", "Host: 10.0.0.7:8000", "X-Request-Id: req-1", "X-Trace: t1"];
+        assert_eq!(got, want, "{head}");
+    }
+
+    #[test]
+    fn the_client_content_type_is_kept_and_not_doubled() {
+        let c = client(&[("content-type", "application/json; charset=utf-8")]);
+        let text = String::from_utf8(write_forwarded(&c, HOST, "POST", "/v1/chat/completions", b"{}", "r").unwrap()).unwrap();
+        assert_eq!(text.matches("ontent-").count(), 2, "content-type and content-length once each: {text}");
+        assert!(text.contains("content-type: application/json; charset=utf-8\r\n"), "{text}");
+    }
+
+    #[test]
+    fn headers_a_connection_header_names_and_other_hop_by_hop_ones_stay_behind() {
+        let c = client(&[
+            ("Connection", "keep-alive, X-Hop, x-other"),
+            ("X-Hop", "1"),
+            ("X-Other", "2"),
+            ("Proxy-Authorization", "Basic c2VjcmV0"),
+            ("Expect", "100-continue"),
+            ("TE", "trailers"),
+            ("Trailer", "X-T"),
+            ("Upgrade", "websocket"),
+            ("Proxy-Connection", "keep-alive"),
+            ("Accept", "a"),
+            ("Accept", "b"),
+        ]);
+        let text = String::from_utf8(write_forwarded(&c, HOST, "POST", "/v1/completions", b"{}", "r").unwrap()).unwrap();
+        let names: Vec<&str> = text.split("\r\n").skip(1).take_while(|l| !l.is_empty()).filter_map(|l| l.split_once(':')).map(|(n, _)| n).collect();
+        assert_eq!(names, ["Accept", "Accept", "Content-Type", "Host", "Content-Length", "X-Request-Id"], "{text}");
+        assert!(text.find("Accept: a").unwrap() < text.find("Accept: b").unwrap(), "repeated headers keep their order");
+    }
+
+    #[test]
+    fn header_names_go_out_as_the_client_wrote_them() {
+        let c = client(&[("x-trace", "t")]);
+        let text = String::from_utf8(write_forwarded(&c, HOST, "POST", "/v1/completions", b"{}", "r").unwrap()).unwrap();
+        assert!(text.contains("\r\nx-trace: t\r\n"), "{text}");
+    }
+
+    #[test]
+    fn a_request_id_or_path_that_would_split_the_head_is_refused() {
+        let c = client(&[]);
+        let refused = |path: &str, id: &str| write_forwarded(&c, HOST, "POST", path, b"{}", id).is_err();
+        assert!(refused("/v1/completions", "a\r\nX-Evil: 1"));
+        assert!(refused("/v1/completions", "a\0b"));
+        assert!(refused("/v1/x y", "r"));
+        assert!(refused("/v1/x\n", "r"));
+        assert!(!refused("/v1/completions", "r-1"));
     }
 }

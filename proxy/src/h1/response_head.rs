@@ -1,9 +1,23 @@
-//! A response head the gateway writes to its client: status line, header lines (checked so
-//! that none can split the head) and `Date`, written into the connection's buffer in one pass.
-//! Framing (`Content-Length`, `Transfer-Encoding`, `Connection`) is the connection's to add,
-//! since it alone knows the client's version and what the body will be.
+//! Response heads, both ways. The head the gateway writes to its client ([`ResponseHead`]):
+//! status line, header lines (checked so that none can split the head) and `Date`, written into
+//! the connection's buffer in one pass; framing (`Content-Length`, `Transfer-Encoding`,
+//! `Connection`) is the connection's to add, since it alone knows the client's version and what
+//! the body will be. And the head a worker sends ([`parse_received`]): parsed once into offsets,
+//! with what it says about the body's framing (RFC 9112 §6.3) and the connection's reuse.
 
-use super::spare::HeadLines;
+// Parses bytes from outside: a narrowing cast here could truncate a peer's value.
+#![deny(clippy::cast_possible_truncation)]
+
+use super::body::Framing;
+use super::chunked::Chunked;
+use super::spare::{HeadLines, HeaderSpans};
+use bytes::{Bytes, BytesMut};
+
+/// Most headers a worker's response head may carry.
+pub const MAX_RESPONSE_HEADERS: usize = 256;
+/// Header slots parsed into on the stack first: a worker's answer carries a handful, and every
+/// slot is initialised per parse.
+const FEW_HEADERS: usize = 16;
 
 /// A response head to write: status, headers, and the body's length when known (chunked
 /// coding otherwise). Framing headers (`Content-Length`, `Transfer-Encoding`, `Connection`) are
@@ -95,6 +109,112 @@ impl ResponseHead {
 /// The reason phrase for `status`.
 fn reason(status: u16) -> &'static str {
     pingora::http::StatusCode::from_u16(status).ok().and_then(|s| s.canonical_reason()).unwrap_or("Unknown")
+}
+
+/// A response head a worker sent, parsed, and what it says about the body and the connection.
+#[derive(Debug)]
+pub struct ReceivedHead {
+    /// The head as it came (status line and headers).
+    pub raw: Bytes,
+    /// Each header's name and value as offsets into `raw`.
+    pub headers: HeaderSpans,
+    /// The status code.
+    pub status: u16,
+    /// The rest of the body: the reader advances it as the body arrives.
+    pub body: Framing,
+    /// The body is framed by `Content-Length`.
+    pub by_length: bool,
+    /// Whether the connection may carry another request once the body is read.
+    pub keep_alive: bool,
+}
+
+/// Why a response head was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ReceivedHeadError {
+    /// Not valid HTTP/1.x, or framed in a way that cannot be trusted.
+    #[error("malformed response head: {0}")]
+    Malformed(String),
+    /// More than [`MAX_RESPONSE_HEADERS`] headers.
+    #[error("response head over {MAX_RESPONSE_HEADERS} headers")]
+    TooManyHeaders,
+}
+
+/// Parses the response head at the front of `buf` (`head_request`: the request was a `HEAD`,
+/// so no body follows) and takes it off; `None` while it is incomplete.
+pub fn parse_received(buf: &mut BytesMut, head_request: bool) -> Result<Option<ReceivedHead>, ReceivedHeadError> {
+    let mut few = [httparse::EMPTY_HEADER; FEW_HEADERS];
+    let parsed = match parse_into(buf, &mut few, head_request) {
+        Err(ReceivedHeadError::TooManyHeaders) => parse_into(buf, &mut vec![httparse::EMPTY_HEADER; MAX_RESPONSE_HEADERS], head_request),
+        parsed => parsed,
+    };
+    Ok(parsed?.map(|(len, p)| ReceivedHead { raw: buf.split_to(len).freeze(), ..p }))
+}
+
+/// [`parse_received`] with `slots` for the headers, leaving the head in `buf` (`raw` is empty):
+/// its length and what it says. [`ReceivedHeadError::TooManyHeaders`] when the slots are too few.
+fn parse_into<'b>(buf: &'b [u8], slots: &mut [httparse::Header<'b>], head_request: bool) -> Result<Option<(usize, ReceivedHead)>, ReceivedHeadError> {
+    let mut r = httparse::Response::new(slots);
+    let len = match r.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(httparse::Error::TooManyHeaders) => return Err(ReceivedHeadError::TooManyHeaders),
+        Err(e) => return Err(ReceivedHeadError::Malformed(e.to_string())),
+    };
+    let status = r.code.unwrap_or(0);
+    // Three digits, 100 to 999 (RFC 9110 §15): `020` is not a status, as hyper also says
+    // (the `h1_response` fuzz target's find, docs/fuzzing.md).
+    if status < 100 {
+        return Err(ReceivedHeadError::Malformed(format!("status code {status:03} out of range")));
+    }
+    let mut headers = HeaderSpans::take();
+    headers.extend(super::header_spans(buf, r.headers));
+    let http10 = r.version == Some(0);
+    let (framing, by_length, close) = framing(r.headers, status, head_request, http10)?;
+    let keep_alive = !close && if http10 { connection_has(r.headers, b"keep-alive") } else { !connection_has(r.headers, b"close") };
+    let keep_alive = keep_alive && !matches!(framing, Framing::UntilClose) && status != 101;
+    Ok(Some((len, ReceivedHead { raw: Bytes::new(), headers, status, body: framing, by_length, keep_alive })))
+}
+
+/// How the body is framed (RFC 9112 §6.3), whether by its `Content-Length`, and whether the
+/// connection must close after it (a message framed two ways is read by its transfer coding,
+/// and never trusted for reuse). HTTP/1.0 has no transfer codings: an HTTP/1.0 response that
+/// names one has faulty framing (RFC 9112 §6.1) and is refused, as hyper does (the
+/// `h1_response` fuzz target's find, docs/fuzzing.md).
+fn framing(headers: &[httparse::Header<'_>], status: u16, head_request: bool, http10: bool) -> Result<(Framing, bool, bool), ReceivedHeadError> {
+    if head_request || (100..200).contains(&status) || status == 204 || status == 304 {
+        return Ok((Framing::Done, false, false));
+    }
+    let mut length: Option<u64> = None;
+    let mut coding: Option<&[u8]> = None;
+    for h in headers {
+        if h.name.eq_ignore_ascii_case("transfer-encoding") {
+            coding = Some(h.value);
+        } else if h.name.eq_ignore_ascii_case("content-length") {
+            let n = super::content_length(h.value);
+            match (n, length) {
+                (None, _) => return Err(ReceivedHeadError::Malformed("invalid Content-Length".into())),
+                (Some(n), Some(before)) if n != before => return Err(ReceivedHeadError::Malformed("conflicting Content-Length headers".into())),
+                (Some(n), _) => length = Some(n),
+            }
+        }
+    }
+    if http10 && coding.is_some() {
+        return Err(ReceivedHeadError::Malformed("Transfer-Encoding in an HTTP/1.0 response".into()));
+    }
+    Ok(match (coding, length) {
+        (Some(c), _) => {
+            let chunked = c.rsplit(|&b| b == b',').next().is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+            (if chunked { Framing::Chunked(Chunked::default()) } else { Framing::UntilClose }, false, length.is_some())
+        }
+        (None, Some(0)) => (Framing::Done, true, false),
+        (None, Some(n)) => (Framing::Length(n), true, false),
+        (None, None) => (Framing::UntilClose, false, false),
+    })
+}
+
+/// Whether a `Connection` header lists `token`.
+fn connection_has(headers: &[httparse::Header<'_>], token: &[u8]) -> bool {
+    super::connection_has(headers.iter().map(|h| (h.name.as_bytes(), h.value)), token)
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! Talking HTTP/1.1 to workers: one exchange — connect (from a keep-alive pool when possible),
 //! send a request, read the response head — shared by the request path's legs and the
-//! background probes (health, worker metrics), plus the header rules for what crosses the
-//! gateway.
+//! background probes (health, worker metrics), and the client's head made from a worker's
+//! answer. The heads themselves are written and parsed in `crate::h1`.
 //!
 //! The gateway writes its requests and reads the responses itself ([`response`]): Pingora's
 //! proxy pipeline cannot forward a body over 64 KiB that was read before the upstream was
@@ -18,7 +18,8 @@ pub mod response;
 use crate::config::Config;
 use crate::error::{LegError, LegErrorKind};
 use crate::fleet::Worker;
-use crate::h1::request_head::RequestHead;
+use crate::h1::hop::{forwarded, naming};
+use crate::h1::request_head::Unwritable;
 use crate::h1::response_head::{BadHeader as ClientBadHeader, ResponseHead};
 use bytes::{Bytes, BytesMut};
 use pool::IdlePool;
@@ -27,41 +28,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::net::TcpStream;
-
-/// Whether a header named `name` crosses the gateway: not hop-by-hop, and not named by the
-/// message's own `Connection` header (`connection`, its value).
-fn forwarded(name: &[u8], connection: Option<&[u8]>) -> bool {
-    !hop_by_hop(name) && !connection.is_some_and(|list| crate::h1::list_has(list, name))
-}
-
-/// Whether header `name` (any case) describes one hop and is never forwarded, besides those a
-/// `Connection` header names: the hop-by-hop headers of RFC 9110 section 7.6.1 and their legacy
-/// kin. `Host` and `Content-Length` are the gateway's to write; the proxy credentials are the
-/// gateway's to read, never a worker's. The names' lengths are nearly all distinct, so the
-/// length picks the one or two to compare: this runs for every header of every request and
-/// response.
-fn hop_by_hop(name: &[u8]) -> bool {
-    let is = |h: &[u8]| name.eq_ignore_ascii_case(h);
-    match name.len() {
-        2 => is(b"te"),
-        4 => is(b"host"),
-        6 => is(b"expect"),
-        7 => is(b"trailer") || is(b"upgrade"),
-        10 => is(b"connection") || is(b"keep-alive"),
-        14 => is(b"content-length"),
-        16 => is(b"proxy-connection"),
-        17 => is(b"transfer-encoding"),
-        18 => is(b"proxy-authenticate"),
-        19 => is(b"proxy-authorization"),
-        _ => false,
-    }
-}
-
-/// The `Connection` value to look each header up in: `None` when it names no header beyond
-/// `keep-alive` and `close` (the usual case), so the per-header lookup is skipped.
-fn naming(connection: Option<&[u8]>) -> Option<&[u8]> {
-    connection.filter(|c| crate::h1::names_headers(c))
-}
 
 /// An upstream connection whose response head has arrived.
 pub struct Exchange {
@@ -73,69 +39,6 @@ pub struct Exchange {
     pub sent_at: Instant,
     /// The keep-alive pool the connection returns to.
     pub home: Arc<IdlePool>,
-}
-
-/// A worker request written out for the wire: its head (the client's headers minus hop-by-hop
-/// ones, with the worker's `Host`, the body's length and the request id) and its body, in one
-/// buffer so that it goes out in one write. Written straight from the client's header: building
-/// a Pingora header first costs two header maps and a copy of every name and value per request
-/// (docs/architecture.md, "The hot path's allocations").
-pub fn request_wire(client: &RequestHead, worker: &Worker, method: &str, path: &str, body: &[u8], request_id: &str) -> Result<Vec<u8>, BadHeader> {
-    check_path(path)?;
-    if request_id.bytes().any(forbidden) {
-        return Err(BadHeader("the request id"));
-    }
-    if method.is_empty() || !method.bytes().all(|c| c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&c)) {
-        return Err(BadHeader("the request method"));
-    }
-    let mut w = Vec::with_capacity(256 + body.len());
-    crate::h1::put_request_line(&mut w, method, path);
-    let mut typed = false;
-    let connection = naming(client.header("connection"));
-    for (name, value) in client.headers() {
-        if forwarded(name, connection) && !name.eq_ignore_ascii_case(b"x-request-id") {
-            typed |= name.eq_ignore_ascii_case(b"content-type");
-            line(&mut w, name, value);
-        }
-    }
-    if !typed {
-        line(&mut w, b"Content-Type", b"application/json");
-    }
-    line(&mut w, b"Host", worker.host_header.as_bytes());
-    // A bodiless GET or DELETE goes out as the client sent it, without a length.
-    if !body.is_empty() || !matches!(method, "GET" | "DELETE" | "OPTIONS") {
-        crate::h1::put_content_length(&mut w, body.len() as u64);
-    }
-    line(&mut w, b"X-Request-Id", request_id.as_bytes());
-    w.extend_from_slice(b"\r\n");
-    w.extend_from_slice(body);
-    Ok(w)
-}
-
-/// A worker request that could not be written: the part that held a byte HTTP/1.1 forbids.
-#[derive(Debug, thiserror::Error)]
-#[error("{0} holds a byte HTTP/1.1 forbids there (NUL, CR, LF, or a space in the path)")]
-pub struct BadHeader(&'static str);
-
-/// A request target fit for the wire: not empty, no space, no byte that would split the head.
-fn check_path(path: &str) -> Result<(), BadHeader> {
-    if path.is_empty() || path.bytes().any(|c| c == b' ' || forbidden(c)) {
-        return Err(BadHeader("the request path"));
-    }
-    Ok(())
-}
-
-/// Whether no header value (nor request target) may carry byte `c`.
-fn forbidden(c: u8) -> bool {
-    matches!(c, 0 | b'\r' | b'\n')
-}
-
-/// Appends one `name: value` header line.
-fn line(w: &mut Vec<u8>, name: &[u8], value: &[u8]) {
-    w.extend_from_slice(name);
-    w.extend_from_slice(b": ");
-    w.extend_from_slice(value);
-    w.extend_from_slice(b"\r\n");
 }
 
 /// The client's response head for a worker's answer: the worker's headers minus hop-by-hop
@@ -184,7 +87,7 @@ pub fn client_response_header(
 /// What an exchange sends; it also decides the pool the connection comes from.
 #[derive(Clone, Copy)]
 pub enum Outgoing<'a> {
-    /// A request leg's whole request ([`request_wire`]), over its worker's legs' pool.
+    /// A request leg's whole request ([`crate::h1::request_head::write_forwarded`]), over its worker's legs' pool.
     Leg(&'a [u8]),
     /// A request the gateway makes on its own account (a health or metrics probe, a fleet
     /// operation), over its worker's probes' pool (`reuse`) or a fresh connection: a probe never rides on a connection a request
@@ -286,36 +189,8 @@ async fn send(mut stream: TcpStream, wire: &[u8]) -> std::io::Result<TcpStream> 
 }
 
 /// A probe's `GET path` for the wire; `keep_alive: false` asks the worker to close after it.
-pub fn probe_wire(worker: &Worker, path: &str, keep_alive: bool) -> Result<Vec<u8>, BadHeader> {
-    control_wire(worker, "GET", path, None, keep_alive)
-}
-
-/// A request the gateway makes of a worker on its own account (a probe, a fleet operation):
-/// `method path`, with `body` as JSON when given.
-fn control_wire(worker: &Worker, method: &str, path: &str, body: Option<&[u8]>, keep_alive: bool) -> Result<Vec<u8>, BadHeader> {
-    check_path(path)?;
-    let mut w = Vec::with_capacity(128 + path.len() + body.map_or(0, <[u8]>::len));
-    crate::h1::put_request_line(&mut w, method, path);
-    line(&mut w, b"Host", worker.host_header.as_bytes());
-    line(&mut w, b"User-Agent", b"kvgate");
-    if !keep_alive {
-        line(&mut w, b"Connection", b"close");
-    }
-    match body {
-        Some(b) => {
-            line(&mut w, b"Content-Type", b"application/json");
-            line(&mut w, b"Content-Length", b.len().to_string().as_bytes());
-            w.extend_from_slice(b"\r\n");
-            w.extend_from_slice(b);
-        }
-        // A bodiless POST still says so: some servers wait for a length otherwise.
-        None if method != "GET" => {
-            line(&mut w, b"Content-Length", b"0");
-            w.extend_from_slice(b"\r\n");
-        }
-        None => w.extend_from_slice(b"\r\n"),
-    }
-    Ok(w)
+pub fn probe_wire(worker: &Worker, path: &str, keep_alive: bool) -> Result<Vec<u8>, Unwritable> {
+    crate::h1::request_head::write_own(worker.host_header.as_bytes(), "GET", path, None, keep_alive)
 }
 
 /// Why a probe got no usable answer.
@@ -356,8 +231,8 @@ pub async fn call(
     timeout: Duration,
     max_body: usize,
 ) -> Result<(u16, Bytes), ProbeError> {
-    let wire =
-        control_wire(worker, method, path, body, false).map_err(|e| ProbeError::Exchange(LegError::new(LegErrorKind::Send, &worker.url, e.to_string())))?;
+    let wire = crate::h1::request_head::write_own(worker.host_header.as_bytes(), method, path, body, false)
+        .map_err(|e| ProbeError::Exchange(LegError::new(LegErrorKind::Send, &worker.url, e.to_string())))?;
     probe(cfg, worker, &wire, false, timeout, max_body).await
 }
 
@@ -400,39 +275,10 @@ pub fn release(ex: Exchange) {
 mod tests {
     use super::*;
 
-    const HOP_BY_HOP: &[&str] = &[
-        "connection",
-        "keep-alive",
-        "proxy-connection",
-        "proxy-authorization",
-        "proxy-authenticate",
-        "transfer-encoding",
-        "te",
-        "trailer",
-        "upgrade",
-        "host",
-        "content-length",
-        "expect",
-    ];
-
-    #[test]
-    fn the_hop_by_hop_check_knows_exactly_the_listed_names() {
-        for h in HOP_BY_HOP {
-            assert!(hop_by_hop(h.as_bytes()) && hop_by_hop(h.to_ascii_uppercase().as_bytes()), "{h}");
-        }
-        for other in ["content-type", "x-request-id", "authorization", "tea", "hosts", "date", "", "connectio"] {
-            assert!(!hop_by_hop(other.as_bytes()), "{other}");
-        }
-    }
     use crate::config::UpstreamUrl;
 
     fn worker() -> Worker {
         Worker::new(UpstreamUrl::parse("http://10.0.0.7:8000").unwrap())
-    }
-
-    fn client(headers: &[(&str, &str)]) -> RequestHead {
-        let lines: String = headers.iter().flat_map(|&(n, v)| [n, ": ", v, "\r\n"]).collect();
-        RequestHead::parse(format!("POST /v1/completions HTTP/1.1\r\n{lines}\r\n").into()).unwrap()
     }
 
     /// The client's head for a worker answer `wire`, `rewritten` or not.
@@ -458,77 +304,5 @@ mod tests {
         assert_eq!(client_head(wire, true).await.body_length(), None);
         let chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n";
         assert_eq!(client_head(chunked, false).await.body_length(), None);
-    }
-
-    #[test]
-    fn a_worker_request_keeps_end_to_end_headers_and_replaces_the_hop_by_hop_ones() {
-        let c = client(&[
-            ("Authorization", "Bearer k"),
-            ("Connection", "keep-alive"),
-            ("Keep-Alive", "timeout=5"),
-            ("Host", "gateway.example"),
-            ("Content-Length", "999"),
-            ("Transfer-Encoding", "chunked"),
-            ("X-Request-Id", "from-client"),
-            ("X-Trace", "t1"),
-        ]);
-        let wire = request_wire(&c, &worker(), "POST", "/v1/completions", b"{}", "req-1").unwrap();
-        let text = String::from_utf8(wire).unwrap();
-        let (head, body) = text.split_once("\r\n\r\n").unwrap();
-        assert_eq!(body, "{}");
-        let mut lines = head.split("\r\n");
-        assert_eq!(lines.next(), Some("POST /v1/completions HTTP/1.1"));
-        let mut got: Vec<&str> = lines.collect();
-        got.sort_unstable();
-        let want =
-            ["Authorization: Bearer k", "Content-Length: 2", "Content-Type: application/json", "Host: 10.0.0.7:8000", "X-Request-Id: req-1", "X-Trace: t1"];
-        assert_eq!(got, want, "{head}");
-    }
-
-    #[test]
-    fn the_client_content_type_is_kept_and_not_doubled() {
-        let c = client(&[("content-type", "application/json; charset=utf-8")]);
-        let text = String::from_utf8(request_wire(&c, &worker(), "POST", "/v1/chat/completions", b"{}", "r").unwrap()).unwrap();
-        assert_eq!(text.matches("ontent-").count(), 2, "content-type and content-length once each: {text}");
-        assert!(text.contains("content-type: application/json; charset=utf-8\r\n"), "{text}");
-    }
-
-    #[test]
-    fn headers_a_connection_header_names_and_other_hop_by_hop_ones_stay_behind() {
-        let c = client(&[
-            ("Connection", "keep-alive, X-Hop, x-other"),
-            ("X-Hop", "1"),
-            ("X-Other", "2"),
-            ("Proxy-Authorization", "Basic c2VjcmV0"),
-            ("Expect", "100-continue"),
-            ("TE", "trailers"),
-            ("Trailer", "X-T"),
-            ("Upgrade", "websocket"),
-            ("Proxy-Connection", "keep-alive"),
-            ("Accept", "a"),
-            ("Accept", "b"),
-        ]);
-        let text = String::from_utf8(request_wire(&c, &worker(), "POST", "/v1/completions", b"{}", "r").unwrap()).unwrap();
-        let names: Vec<&str> = text.split("\r\n").skip(1).take_while(|l| !l.is_empty()).filter_map(|l| l.split_once(':')).map(|(n, _)| n).collect();
-        assert_eq!(names, ["Accept", "Accept", "Content-Type", "Host", "Content-Length", "X-Request-Id"], "{text}");
-        assert!(text.find("Accept: a").unwrap() < text.find("Accept: b").unwrap(), "repeated headers keep their order");
-    }
-
-    #[test]
-    fn header_names_go_out_as_the_client_wrote_them() {
-        let c = client(&[("x-trace", "t")]);
-        let text = String::from_utf8(request_wire(&c, &worker(), "POST", "/v1/completions", b"{}", "r").unwrap()).unwrap();
-        assert!(text.contains("\r\nx-trace: t\r\n"), "{text}");
-    }
-
-    #[test]
-    fn a_request_id_or_path_that_would_split_the_head_is_refused() {
-        let c = client(&[]);
-        let refused = |path: &str, id: &str| request_wire(&c, &worker(), "POST", path, b"{}", id).is_err();
-        assert!(refused("/v1/completions", "a\r\nX-Evil: 1"));
-        assert!(refused("/v1/completions", "a\0b"));
-        assert!(refused("/v1/x y", "r"));
-        assert!(refused("/v1/x\n", "r"));
-        assert!(!refused("/v1/completions", "r-1"));
     }
 }

@@ -9,20 +9,16 @@
 //! after it, so a read dropped by a `select!` or polled once and abandoned loses no byte.
 
 use crate::h1::body::Framing;
-use crate::h1::chunked::{ChunkError, Chunked};
-use crate::h1::spare::{HeaderSpans, READ_SIZE, ReadBuffer};
-use bytes::{Bytes, BytesMut};
+use crate::h1::chunked::ChunkError;
+use crate::h1::response_head::{MAX_RESPONSE_HEADERS, ReceivedHead, ReceivedHeadError, parse_received};
+use crate::h1::spare::{READ_SIZE, ReadBuffer};
+use bytes::Bytes;
 use std::future::Future;
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::net::TcpStream;
 
 /// Largest response head accepted (status line and headers).
 pub const MAX_HEAD: usize = 64 * 1024;
-/// Most headers a response head may carry.
-const MAX_HEADERS: usize = 256;
-/// Header slots parsed into on the stack first: a worker's answer carries a handful, and every
-/// slot is initialised per parse.
-const FEW_HEADERS: usize = 16;
 /// Why a worker's response could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum ResponseError {
@@ -35,12 +31,21 @@ pub enum ResponseError {
     /// The head is not valid HTTP/1.x.
     #[error("malformed response head: {0}")]
     Head(String),
-    /// The head is over [`MAX_HEAD`] bytes or [`MAX_HEADERS`] headers.
-    #[error("response head over {MAX_HEAD} bytes or {MAX_HEADERS} headers")]
+    /// The head is over [`MAX_HEAD`] bytes or [`MAX_RESPONSE_HEADERS`] headers.
+    #[error("response head over {MAX_HEAD} bytes or {MAX_RESPONSE_HEADERS} headers")]
     HeadTooLarge,
     /// The chunked body is malformed.
     #[error("chunked body: {0}")]
     Chunked(#[from] ChunkError),
+}
+
+impl From<ReceivedHeadError> for ResponseError {
+    fn from(e: ReceivedHeadError) -> Self {
+        match e {
+            ReceivedHeadError::Malformed(why) => Self::Head(why),
+            ReceivedHeadError::TooManyHeaders => Self::HeadTooLarge,
+        }
+    }
 }
 
 /// A response whose head has arrived, and its connection (a worker's socket; tests read from
@@ -50,7 +55,7 @@ pub struct WorkerResponse<S = TcpStream> {
     stream: S,
     // Before `buf`: fields drop in order, and the head shares the buffer's memory, which can
     // only go back to the spares once the head is gone.
-    head: Head,
+    head: ReceivedHead,
     /// Bytes read and not yet handed on.
     buf: ReadBuffer,
     /// The last read of the socket left room in `buf`: the socket was empty after it.
@@ -64,7 +69,7 @@ impl<S: AsyncRead + Unpin> WorkerResponse<S> {
         let mut buf = ReadBuffer::take();
         let mut drained = false;
         loop {
-            if let Some(parsed) = parse_head(&mut buf, head_request)? {
+            if let Some(parsed) = parse_received(&mut buf, head_request)? {
                 if (100..200).contains(&parsed.status) && parsed.status != 101 {
                     continue;
                 }
@@ -160,22 +165,6 @@ impl<S: AsyncRead + Unpin> WorkerResponse<S> {
     }
 }
 
-/// A parsed response head and what it says about the body and the connection.
-#[derive(Debug)]
-struct Head {
-    /// The head as it came (status line and headers).
-    raw: Bytes,
-    /// Each header's name and value as offsets into `raw`.
-    headers: HeaderSpans,
-    status: u16,
-    /// The rest of the body.
-    body: Framing,
-    /// The body is framed by `Content-Length`.
-    by_length: bool,
-    /// Whether the connection may carry another request once the body is read.
-    keep_alive: bool,
-}
-
 /// One read into `buf` after making room: the bytes read, and whether the read left room, so
 /// took everything the socket held at that moment (the socket is empty after it).
 async fn read_more<S: AsyncRead + Unpin>(stream: &mut S, buf: &mut ReadBuffer) -> std::io::Result<(usize, bool)> {
@@ -183,83 +172,6 @@ async fn read_more<S: AsyncRead + Unpin>(stream: &mut S, buf: &mut ReadBuffer) -
     let room = buf.capacity() - buf.len();
     let n = stream.read_buf(&mut **buf).await?;
     Ok((n, n < room))
-}
-
-/// Parses the head at the front of `buf` and takes it off; `None` while it is incomplete.
-fn parse_head(buf: &mut BytesMut, head_request: bool) -> Result<Option<Head>, ResponseError> {
-    let mut few = [httparse::EMPTY_HEADER; FEW_HEADERS];
-    let parsed = match parse_into(buf, &mut few, head_request) {
-        Err(ResponseError::HeadTooLarge) => parse_into(buf, &mut vec![httparse::EMPTY_HEADER; MAX_HEADERS], head_request),
-        parsed => parsed,
-    };
-    Ok(parsed?.map(|(len, p)| Head { raw: buf.split_to(len).freeze(), ..p }))
-}
-
-/// [`parse_head`] with `slots` for the headers, leaving the head in `buf` (`raw` is empty):
-/// its length and what it says. [`ResponseError::HeadTooLarge`] when the slots are too few.
-fn parse_into<'b>(buf: &'b [u8], slots: &mut [httparse::Header<'b>], head_request: bool) -> Result<Option<(usize, Head)>, ResponseError> {
-    let mut r = httparse::Response::new(slots);
-    let len = match r.parse(buf) {
-        Ok(httparse::Status::Complete(n)) => n,
-        Ok(httparse::Status::Partial) => return Ok(None),
-        Err(httparse::Error::TooManyHeaders) => return Err(ResponseError::HeadTooLarge),
-        Err(e) => return Err(ResponseError::Head(e.to_string())),
-    };
-    let status = r.code.unwrap_or(0);
-    // Three digits, 100 to 999 (RFC 9110 §15): `020` is not a status, as hyper also says
-    // (the `h1_response` fuzz target's find, docs/fuzzing.md).
-    if status < 100 {
-        return Err(ResponseError::Head(format!("status code {status:03} out of range")));
-    }
-    let mut headers = HeaderSpans::take();
-    headers.extend(crate::h1::header_spans(buf, r.headers));
-    let http10 = r.version == Some(0);
-    let (framing, by_length, close) = framing(r.headers, status, head_request, http10)?;
-    let keep_alive = !close && if http10 { connection_has(r.headers, b"keep-alive") } else { !connection_has(r.headers, b"close") };
-    let keep_alive = keep_alive && !matches!(framing, Framing::UntilClose) && status != 101;
-    Ok(Some((len, Head { raw: Bytes::new(), headers, status, body: framing, by_length, keep_alive })))
-}
-
-/// How the body is framed (RFC 9112 §6.3), whether by its `Content-Length`, and whether the
-/// connection must close after it (a message framed two ways is read by its transfer coding,
-/// and never trusted for reuse). HTTP/1.0 has no transfer codings: an HTTP/1.0 response that
-/// names one has faulty framing (RFC 9112 §6.1) and is refused, as hyper does (the
-/// `h1_response` fuzz target's find, docs/fuzzing.md).
-fn framing(headers: &[httparse::Header<'_>], status: u16, head_request: bool, http10: bool) -> Result<(Framing, bool, bool), ResponseError> {
-    if head_request || (100..200).contains(&status) || status == 204 || status == 304 {
-        return Ok((Framing::Done, false, false));
-    }
-    let mut length: Option<u64> = None;
-    let mut coding: Option<&[u8]> = None;
-    for h in headers {
-        if h.name.eq_ignore_ascii_case("transfer-encoding") {
-            coding = Some(h.value);
-        } else if h.name.eq_ignore_ascii_case("content-length") {
-            let n = crate::h1::content_length(h.value);
-            match (n, length) {
-                (None, _) => return Err(ResponseError::Head("invalid Content-Length".into())),
-                (Some(n), Some(before)) if n != before => return Err(ResponseError::Head("conflicting Content-Length headers".into())),
-                (Some(n), _) => length = Some(n),
-            }
-        }
-    }
-    if http10 && coding.is_some() {
-        return Err(ResponseError::Head("Transfer-Encoding in an HTTP/1.0 response".into()));
-    }
-    Ok(match (coding, length) {
-        (Some(c), _) => {
-            let chunked = c.rsplit(|&b| b == b',').next().is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
-            (if chunked { Framing::Chunked(Chunked::default()) } else { Framing::UntilClose }, false, length.is_some())
-        }
-        (None, Some(0)) => (Framing::Done, true, false),
-        (None, Some(n)) => (Framing::Length(n), true, false),
-        (None, None) => (Framing::UntilClose, false, false),
-    })
-}
-
-/// Whether a `Connection` header lists `token`.
-fn connection_has(headers: &[httparse::Header<'_>], token: &[u8]) -> bool {
-    crate::h1::connection_has(headers.iter().map(|h| (h.name.as_bytes(), h.value)), token)
 }
 
 #[cfg(test)]
@@ -382,7 +294,7 @@ mod tests {
         let r = WorkerResponse::read(ours, false).await.unwrap();
         assert_eq!((r.headers().count(), r.header("x-h99")), (101, Some(&b"v"[..])));
         let (ours, mut theirs) = tokio::io::duplex(1 << 16);
-        theirs.write_all(&head(MAX_HEADERS)).await.unwrap();
+        theirs.write_all(&head(MAX_RESPONSE_HEADERS)).await.unwrap();
         assert!(matches!(WorkerResponse::read(ours, false).await, Err(ResponseError::HeadTooLarge)));
     }
 
