@@ -111,12 +111,7 @@ pub(crate) struct Listeners {
 impl Listeners {
     /// Binds `listen` and `admin_listen`; an error names the address that failed.
     pub(crate) fn bind(cfg: &Config) -> std::io::Result<Self> {
-        let bind = |what: &str, addr: SocketAddr| {
-            let l = TcpListener::bind(addr).map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {addr} ({what}): {e}")))?;
-            // The accept loops run on tokio, which needs the socket non-blocking.
-            l.set_nonblocking(true)?;
-            Ok::<_, std::io::Error>(l)
-        };
+        let bind = |what: &str, addr: SocketAddr| listen(addr).map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {addr} ({what}): {e}")));
         Ok(Self { public: bind("listen", cfg.listen)?, admin: bind("admin_listen", cfg.admin_listen)? })
     }
 
@@ -124,6 +119,24 @@ impl Listeners {
     pub(crate) fn addrs(&self) -> std::io::Result<(SocketAddr, SocketAddr)> {
         Ok((self.public.local_addr()?, self.admin.local_addr()?))
     }
+}
+
+/// Connections the system may hold complete for a listener before the gateway accepts them:
+/// as many as it allows (it caps the figure at `net.core.somaxconn`), as Pingora asks for on
+/// the sockets it binds. A burst of clients beyond a short queue would have its handshakes
+/// dropped and completed only by the system's retries, seconds later.
+const BACKLOG: i32 = 65_535;
+
+/// A non-blocking TCP socket listening on `addr` (the accept loops run on tokio), with the
+/// address reusable at once after an earlier process's close, as std's `bind` sets it, and a
+/// backlog of [`BACKLOG`].
+fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM.nonblocking(), Some(Protocol::TCP))?;
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(BACKLOG)?;
+    Ok(socket.into())
 }
 
 /// A Pingora listening service (TLS) over a socket bound already: when the server starts it, the
@@ -368,4 +381,31 @@ fn answers_as(addr: SocketAddr, instance: &str) -> bool {
     let _ = s.take(64 * 1024).read_to_end(&mut answer);
     let body = answer.windows(4).position(|w| w == b"\r\n\r\n").map_or(&[][..], |at| &answer[at + 4..]);
     serde_json::from_slice::<serde_json::Value>(body).is_ok_and(|v| v["instance"] == instance)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The system's cap on a listener's backlog.
+    fn somaxconn() -> usize {
+        std::fs::read_to_string("/proc/sys/net/core/somaxconn").ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
+    }
+
+    #[test]
+    fn a_burst_of_clients_completes_its_handshakes_before_any_is_accepted() {
+        // Past std's 128: a queue that short would drop these handshakes.
+        let burst = 600;
+        if somaxconn() <= burst {
+            eprintln!("skipped: net.core.somaxconn is {} here", somaxconn());
+            return;
+        }
+        let l = listen("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = l.local_addr().unwrap();
+        let clients: Vec<TcpStream> =
+            (0..burst).map(|i| TcpStream::connect_timeout(&addr, Duration::from_secs(1)).unwrap_or_else(|e| panic!("connection {i}: {e}"))).collect();
+        // Each is in the queue, complete: accepting them now needs no wait.
+        let accepted = (0..burst).filter(|_| l.accept().is_ok()).count();
+        assert_eq!(accepted, clients.len());
+    }
 }
