@@ -1,6 +1,7 @@
-//! What routing can and cannot win on a trace. The *floor*: each request's time to first token
-//! with every prefix an earlier request computed already cached and nothing ahead of it, which
-//! no router beats. The *oracles*: what a clairvoyant router gets, one that knows every
+//! What routing can and cannot win on a trace, for the whole request: the first token, the
+//! time per output token and the end. The *floor*: each request alone, every prefix an earlier
+//! request computed already cached and nothing ahead of it or beside it in a batch, which no
+//! router beats. The *oracles*: what a clairvoyant router gets, one that knows every
 //! worker's cache and queue exactly, on workers that schedule as vLLM does (FCFS, steps of at
 //! most `max_num_batched_tokens`, decodes in every step; [`Worker`]). All of it runs on
 //! vllm-sim's own step model and flags, so the figures are those of the fleet `compare`
@@ -8,18 +9,19 @@
 //! cached from when its request is placed (vllm-sim finds only computed blocks), caches never
 //! evict, and neither `max_num_seqs` nor KV capacity limits a worker.
 //!
-//! A router's TTFT percentiles read against these say how much of a figure is the trace's own
-//! prefill, how much the engine's scheduling and how much routing. Two oracles, because vLLM's
+//! A router's percentiles read against these say how much of a figure is the trace's own
+//! work, how much the engine's scheduling and how much routing. Three oracles, because vLLM's
 //! scheduler lets a prompt arriving mid-prefill fill the room left in the last step of the
 //! prompt ahead, which lengthens that step by the newcomer's chunk and delays the first token
 //! ahead by as much: [`Oracle::Greedy`] takes the worker where its own first token comes first,
-//! [`Oracle::Considerate`] adds the delay it puts on the first tokens already queued there.
-//! Both are greedy, not optimal, and their caches never evict.
+//! [`Oracle::Considerate`] adds the delay it puts on the first tokens already queued there;
+//! and because a router tuned for the first token is not the one that ends requests first,
+//! [`Oracle::Finishing`] takes the worker where the request's own last token comes first. All
+//! are greedy, not optimal, and their caches never evict.
 
-use crate::percentile;
+use crate::load::report::Quantiles;
 use crate::trace::{TRACE_BLOCK, TraceRequest};
 use std::collections::HashMap;
-use std::time::Duration;
 use vllm_sim::timing::{StepShape, TimingModel};
 
 /// The engine constants the floor and the oracles are computed with.
@@ -39,10 +41,17 @@ impl Engine {
     /// The time, ms of wall time, to prefill `new` tokens on top of `cached` ones alone: a
     /// worker with nothing else to run ([`Worker`]), one step per chunk.
     pub fn prefill_ms(&self, cached: usize, new: usize) -> f64 {
+        self.alone(cached, new, 0).first
+    }
+
+    /// When a request with `cached` tokens of its prompt cached, `new` to compute and `decode`
+    /// output tokens after the first gets its first and its last token, ms of wall time, on a
+    /// worker running nothing else.
+    fn alone(&self, cached: usize, new: usize, decode: usize) -> Times {
         let mut alone = Worker::default();
-        let mut done = [0.0];
-        alone.arrive(0.0, Job { request: 0, ctx: cached, left: new, decode: 0 });
-        alone.prefill_all(self, &mut done);
+        let mut done = [Times::default()];
+        alone.arrive(0.0, Job { request: 0, ctx: cached, left: new, decode });
+        alone.finish_all(self, &mut done);
         done[0]
     }
 
@@ -101,9 +110,44 @@ fn replayed(r: &TraceRequest, max_isl: usize) -> (&[u64], usize) {
     (&r.hash_ids[..len.div_ceil(TRACE_BLOCK).min(r.hash_ids.len())], len)
 }
 
-/// Each request's floor, ms: its prefill alone with every prefix an earlier request of the
-/// trace computed already cached.
-pub fn floor_ms(requests: &[TraceRequest], max_isl: usize, engine: &Engine) -> Vec<f64> {
+/// When a request got its first and its last token, ms from an origin.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Times {
+    /// The first token.
+    pub first: f64,
+    /// The last token (the first, for a one-token answer).
+    pub last: f64,
+}
+
+/// What one request got, ms: time to first token, mean time per output token after the first
+/// (`None` for a one-token answer), and end to end.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Outcome {
+    /// Time to first token.
+    pub ttft: f64,
+    /// Mean gap between output tokens, as `compare` reports a request's TPOT.
+    pub tpot: Option<f64>,
+    /// Arrival to last token.
+    pub e2e: f64,
+}
+
+impl Outcome {
+    /// The outcome of a request that arrived at `at`, decoded `decode` tokens after its first
+    /// and got its tokens at `t`.
+    fn of(at: f64, t: Times, decode: usize) -> Self {
+        let tpot = (decode > 0).then(|| (t.last - t.first) / decode as f64);
+        Self { ttft: t.first - at, tpot, e2e: t.last - at }
+    }
+}
+
+/// Output tokens `r` decodes after its first, as replayed with outputs cut to `max_osl`.
+fn decodes(r: &TraceRequest, max_osl: usize) -> usize {
+    r.output_length.min(max_osl).saturating_sub(1)
+}
+
+/// Each request's floor: its prefill alone with every prefix an earlier request of the trace
+/// computed already cached, then its decode alone, one token a step.
+pub fn floor(requests: &[TraceRequest], (max_isl, max_osl): (usize, usize), engine: &Engine) -> Vec<Outcome> {
     let mut seen = Prefixes::default();
     requests
         .iter()
@@ -111,7 +155,8 @@ pub fn floor_ms(requests: &[TraceRequest], max_isl: usize, engine: &Engine) -> V
             let (ids, len) = replayed(r, max_isl);
             let cached = engine.reusable(seen.shared(ids, len), len);
             seen.insert(ids, len);
-            engine.prefill_ms(cached, len - cached)
+            let decode = decodes(r, max_osl);
+            Outcome::of(0.0, engine.alone(cached, (len - cached).max(1), decode), decode)
         })
         .collect()
 }
@@ -124,6 +169,8 @@ pub enum Oracle {
     /// Where its own first token plus the delay it puts on the first tokens of the requests
     /// already there (by taking the room in their last step) is least.
     Considerate,
+    /// Where the request's own last token comes first.
+    Finishing,
 }
 
 /// A request on a worker: the tokens of its prompt computed (or cached) so far and those left,
@@ -149,8 +196,8 @@ struct Worker {
 }
 
 impl Worker {
-    /// Runs every step that starts by `t`, recording first tokens in `done`.
-    fn run_until(&mut self, t: f64, engine: &Engine, done: &mut [f64]) {
+    /// Runs every step that starts by `t`, recording tokens in `done`.
+    fn run_until(&mut self, t: f64, engine: &Engine, done: &mut [Times]) {
         // A step starting at `t` exactly is formed with what arrives at `t`.
         while !self.running.is_empty() && self.step_end < t {
             self.step(engine, done);
@@ -158,16 +205,30 @@ impl Worker {
     }
 
     /// Runs steps until every prompt queued now has its first token (decodes go on after).
-    fn prefill_all(&mut self, engine: &Engine, done: &mut [f64]) {
+    fn prefill_all(&mut self, engine: &Engine, done: &mut [Times]) {
         while self.running.iter().any(|j| j.left > 0) {
             self.step(engine, done);
         }
     }
 
-    fn step(&mut self, engine: &Engine, done: &mut [f64]) {
+    /// Runs steps until every request queued now has its last token.
+    fn finish_all(&mut self, engine: &Engine, done: &mut [Times]) {
+        while !self.running.is_empty() {
+            self.step(engine, done);
+        }
+    }
+
+    /// Runs steps until request `r`, queued here, has its last token.
+    fn finish(&mut self, r: usize, engine: &Engine, done: &mut [Times]) {
+        while self.running.iter().any(|j| j.request == r) {
+            self.step(engine, done);
+        }
+    }
+
+    fn step(&mut self, engine: &Engine, done: &mut [Times]) {
         let mut budget = engine.chunk_tokens.max(1);
         let mut shape = StepShape::default();
-        let mut first = Vec::new();
+        let (mut first, mut last) = (Vec::new(), Vec::new());
         for job in &mut self.running {
             if budget == 0 {
                 break;
@@ -180,17 +241,26 @@ impl Worker {
                 budget -= n;
                 if job.left == 0 {
                     first.push(job.request);
+                    if job.decode == 0 {
+                        last.push(job.request);
+                    }
                 }
             } else {
                 job.ctx += 1;
                 shape.add_decode(job.ctx);
                 job.decode = job.decode.saturating_sub(1);
                 budget -= 1;
+                if job.decode == 0 {
+                    last.push(job.request);
+                }
             }
         }
         self.step_end += engine.timing.step_ms(&shape) / engine.time_scale;
         for r in first {
-            done[r] = self.step_end;
+            done[r].first = self.step_end;
+        }
+        for r in last {
+            done[r].last = self.step_end;
         }
         self.running.retain(|j| j.left > 0 || j.decode > 0);
     }
@@ -204,40 +274,45 @@ impl Worker {
     }
 
     /// What `job` arriving at `t` would cost here under `how`: when its first token comes, plus
-    /// (considerate) how much later the first tokens of the prompts already queued come.
-    fn cost(&self, t: f64, job: Job, how: Oracle, engine: &Engine, scratch: &mut [f64]) -> f64 {
+    /// (considerate) how much later the first tokens of the prompts already queued come, or
+    /// (finishing) when its last token comes.
+    fn cost(&self, t: f64, job: Job, how: Oracle, engine: &Engine, scratch: &mut [Times]) -> f64 {
         let mut with = self.clone();
         with.arrive(t, job);
+        if how == Oracle::Finishing {
+            with.finish(job.request, engine, scratch);
+            return scratch[job.request].last;
+        }
         with.prefill_all(engine, scratch);
-        let own = scratch[job.request];
+        let own = scratch[job.request].first;
         let queued: Vec<usize> = self.running.iter().filter(|j| j.left > 0).map(|j| j.request).collect();
         if how == Oracle::Greedy || queued.is_empty() {
             return own;
         }
-        let later: f64 = queued.iter().map(|&r| scratch[r]).sum();
+        let later: f64 = queued.iter().map(|&r| scratch[r].first).sum();
         let mut without = self.clone();
         without.prefill_all(engine, scratch);
-        own + later - queued.iter().map(|&r| scratch[r]).sum::<f64>()
+        own + later - queued.iter().map(|&r| scratch[r].first).sum::<f64>()
     }
 }
 
-/// Each request's time to first token, ms, when a router that knows every worker's cache and
-/// queue exactly places it (`how`) on one of `workers` workers that schedule as vLLM does
-/// ([`Worker`]), each request decoding its output (cut to `max_osl`) after its first token;
-/// arrivals `speedup` times faster than the trace's. A prefix counts as cached on a worker
-/// from when a request bringing it is placed there, and caches never evict.
-pub fn oracle_ms(requests: &[TraceRequest], (max_isl, max_osl): (usize, usize), engine: &Engine, workers: usize, speedup: f64, how: Oracle) -> Vec<f64> {
+/// What each request gets when a router that knows every worker's cache and queue exactly
+/// places it (`how`) on one of `workers` workers that schedule as vLLM does ([`Worker`]), each
+/// request decoding its output (cut to `max_osl`) after its first token; arrivals `speedup`
+/// times faster than the trace's. A prefix counts as cached on a worker from when a request
+/// bringing it is placed there, and caches never evict.
+pub fn oracle(requests: &[TraceRequest], (max_isl, max_osl): (usize, usize), engine: &Engine, workers: usize, speedup: f64, how: Oracle) -> Vec<Outcome> {
     let speedup = if speedup > 0.0 { speedup } else { 1.0 };
     let mut fleet: Vec<(Worker, Prefixes)> = (0..workers.max(1)).map(|_| Default::default()).collect();
-    let mut done = vec![0.0f64; requests.len()];
-    let mut scratch = vec![0.0f64; requests.len()];
+    let mut done = vec![Times::default(); requests.len()];
+    let mut scratch = vec![Times::default(); requests.len()];
     let at: Vec<f64> = requests.iter().map(|r| r.timestamp as f64 / speedup).collect();
     for (i, r) in requests.iter().enumerate() {
         let (ids, len) = replayed(r, max_isl);
         let job = |cache: &Prefixes| {
             let cached = engine.reusable(cache.shared(ids, len), len);
             // An empty prompt still computes a token to answer.
-            Job { request: i, ctx: cached, left: (len - cached).max(1), decode: r.output_length.min(max_osl).saturating_sub(1) }
+            Job { request: i, ctx: cached, left: (len - cached).max(1), decode: decodes(r, max_osl) }
         };
         let mut best: Option<(usize, f64, Job)> = None;
         for (w, (worker, cache)) in fleet.iter_mut().enumerate() {
@@ -254,34 +329,42 @@ pub fn oracle_ms(requests: &[TraceRequest], (max_isl, max_osl): (usize, usize), 
         cache.insert(ids, len);
     }
     for (worker, _) in &mut fleet {
-        worker.prefill_all(engine, &mut done);
+        worker.finish_all(engine, &mut done);
     }
-    done.iter().zip(&at).map(|(d, a)| d - a).collect()
+    requests.iter().zip(done.iter().zip(&at)).map(|(r, (&t, &a))| Outcome::of(a, t, decodes(r, max_osl))).collect()
+}
+
+/// The figures `compare` reports of a router, for a reference's outcomes: TTFT p50 / p90 / p99,
+/// TPOT p90, end to end p90 / p99.
+fn figures(outcomes: &[Outcome]) -> String {
+    let q = |f: &dyn Fn(&Outcome) -> Option<f64>| Quantiles::of(&mut outcomes.iter().filter_map(f).collect::<Vec<f64>>());
+    let (ttft, tpot, e2e) = (q(&|o| Some(o.ttft)), q(&|o| o.tpot), q(&|o| Some(o.e2e)));
+    format!(
+        "TTFT {:.0} / {:.0} / {:.0} ms, TPOT p90 {:.1} ms, E2E p90 / p99 {:.2} / {:.2} s",
+        ttft.p50,
+        ttft.p90,
+        ttft.p99,
+        tpot.p90,
+        e2e.p90 / 1000.0,
+        e2e.p99 / 1000.0
+    )
 }
 
 /// The line `compare` adds to its notes for a trace workload.
 pub fn note(requests: &[TraceRequest], cut: (usize, usize), engine: &Engine, workers: usize, speedup: f64) -> String {
     if requests.is_empty() {
-        return "TTFT floor: the trace has no requests.".into();
+        return "References: the trace has no requests.".into();
     }
     let workers = workers.max(1);
-    // The percentiles `compare` reports the routers' TTFT with.
-    let ps = |v: &[f64]| {
-        let mut d: Vec<Duration> = v.iter().map(|ms| Duration::from_secs_f64(ms.max(0.0) / 1000.0)).collect();
-        let [p50, p90, p99] = [0.5, 0.9, 0.99].map(|p| percentile(&mut d, p).as_millis());
-        format!("{p50} / {p90} / {p99} ms")
-    };
-    let floor = floor_ms(requests, cut.0, engine);
-    let greedy = oracle_ms(requests, cut, engine, workers, speedup, Oracle::Greedy);
-    let considerate = oracle_ms(requests, cut, engine, workers, speedup, Oracle::Considerate);
-    let floor = format!(
-        "TTFT from vllm-sim's step model (benches/src/trace_floor.rs), p50 / p90 / p99: the floor (each prompt alone, every earlier prefix cached) {}",
-        ps(&floor)
-    );
+    let of = |how| figures(&oracle(requests, cut, engine, workers, speedup, how));
     format!(
-        "{floor}; clairvoyant routers on {workers} workers scheduling as vLLM does (references, not bounds): earliest own first token {}, least own plus imposed delay {}.",
-        ps(&greedy),
-        ps(&considerate)
+        "References from vllm-sim's step model (benches/src/trace_floor.rs): the floor (each request alone, every earlier prefix cached) {}; \
+         clairvoyant routers on {workers} workers scheduling as vLLM does (references, not bounds): earliest own first token {}; \
+         least own first token plus imposed delay {}; earliest own last token {}.",
+        figures(&floor(requests, cut, engine)),
+        of(Oracle::Greedy),
+        of(Oracle::Considerate),
+        of(Oracle::Finishing)
     )
 }
 
@@ -295,6 +378,20 @@ mod tests {
 
     fn req(at: u64, len: usize, ids: &[u64]) -> TraceRequest {
         TraceRequest { timestamp: at, input_length: len, output_length: 1, hash_ids: ids.to_vec() }
+    }
+
+    const WHOLE: (usize, usize) = (usize::MAX, usize::MAX);
+
+    fn ttfts(v: &[Outcome]) -> Vec<f64> {
+        v.iter().map(|o| o.ttft).collect()
+    }
+
+    fn floor_ms(trace: &[TraceRequest], max_isl: usize, e: &Engine) -> Vec<f64> {
+        ttfts(&floor(trace, (max_isl, usize::MAX), e))
+    }
+
+    fn oracle_ms(trace: &[TraceRequest], cut: (usize, usize), e: &Engine, workers: usize, speedup: f64, how: Oracle) -> Vec<f64> {
+        ttfts(&oracle(trace, cut, e, workers, speedup, how))
     }
 
     #[test]
@@ -367,6 +464,44 @@ mod tests {
         assert!((considerate[0] - alone).abs() < 1e-9, "{considerate:?} against {alone}, greedy {greedy:?}");
         assert!(considerate[2] > greedy[2], "B pays for it: {considerate:?} {greedy:?}");
         assert!(note(&[], (1, 1), &e, 0, 1.0).contains("no requests"));
-        assert!(note(&trace, (usize::MAX, usize::MAX), &e, 0, 0.0).starts_with("TTFT from"), "no workers or speed-up: one worker, real time");
+        assert!(note(&trace, WHOLE, &e, 0, 0.0).starts_with("References from"), "no workers or speed-up: one worker, real time");
+    }
+
+    #[test]
+    fn a_requests_floor_is_its_prefill_then_one_decode_step_per_token_alone() {
+        let e = engine();
+        let mut r = req(0, 1024, &[1, 2]);
+        r.output_length = 11;
+        let [o] = floor(&[r.clone()], WHOLE, &e)[..] else { panic!("one outcome") };
+        assert!((o.ttft - e.prefill_ms(0, 1024)).abs() < 1e-9);
+        let step = |ctx: usize| {
+            let mut s = StepShape::default();
+            s.add_decode(ctx);
+            e.timing.step_ms(&s)
+        };
+        let decode: f64 = (1025..1035).map(step).sum();
+        assert!((o.e2e - o.ttft - decode).abs() < 1e-9, "{o:?} against {decode}");
+        assert!((o.tpot.unwrap() - decode / 10.0).abs() < 1e-9);
+        // Cut to one output token: no TPOT, the end is the first token.
+        let [one] = floor(&[r], (usize::MAX, 1), &e)[..] else { panic!("one outcome") };
+        assert_eq!((one.tpot, one.e2e), (None, one.ttft));
+    }
+
+    #[test]
+    fn the_finishing_oracle_prices_the_decode_the_first_token_oracles_ignore() {
+        let e = engine();
+        // Thirty long-context decodes: the next step soon, every step slow. Against an idle
+        // worker whose current step ends later.
+        let decoding = Worker { running: (0..30).map(|r| Job { request: r, ctx: 20_000, left: 0, decode: 1000 }).collect(), step_end: 50.0 };
+        let idle = Worker { running: Vec::new(), step_end: 100.0 };
+        let x = Job { request: 30, ctx: 0, left: 16, decode: 49 };
+        let mut scratch = vec![Times::default(); 31];
+        let cost = |w: &Worker, how, scratch: &mut [Times]| w.cost(0.0, x, how, &e, scratch);
+        assert!(cost(&decoding, Oracle::Greedy, &mut scratch) < cost(&idle, Oracle::Greedy, &mut scratch), "its first token comes first among the decodes");
+        assert!(
+            cost(&idle, Oracle::Finishing, &mut scratch) < cost(&decoding, Oracle::Finishing, &mut scratch),
+            "its last token comes first on the idle worker"
+        );
+        assert!(cost(&idle, Oracle::Finishing, &mut scratch) > cost(&idle, Oracle::Greedy, &mut scratch));
     }
 }

@@ -770,7 +770,7 @@ impl Common {
         Ok(apis)
     }
 
-    /// For a trace workload, the TTFT floor and clairvoyant references of its requests on
+    /// For a trace workload, the floor and clairvoyant references of its requests on
     /// `workers` workers started with `sim_args` ([`trace_floor`]); `None` for the other
     /// workloads.
     fn trace_bounds(&self, sim_args: &[String], workers: usize) -> Option<Result<String, String>> {
