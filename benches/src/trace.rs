@@ -3,7 +3,8 @@
 //! `hash_ids` are prefix-chained ids of 512-token blocks (equal ids = a shared prefix). A
 //! request becomes a token-id prompt the way vLLM's `timed_trace` dataset and aiperf build one:
 //! each hash id expands to a fixed pseudo-random block of token ids, so equal ids give equal
-//! tokens and a shared prefix stays shared.
+//! tokens and a shared prefix stays shared. Replayed as text (for a router that takes only
+//! text), each block is as many words, one token each in vllm-sim's built-in tokenizer.
 
 use crate::Rng;
 use serde::Deserialize;
@@ -53,7 +54,7 @@ pub fn prompt(r: &TraceRequest, vocab: u32, max_tokens: usize) -> Vec<u32> {
     let len = r.input_length.min(max_tokens);
     let mut out = Vec::with_capacity(len);
     for &id in &r.hash_ids {
-        let mut rng = Rng(id.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+        let mut rng = block_rng(id);
         for _ in 0..TRACE_BLOCK {
             if out.len() == len {
                 return out;
@@ -62,6 +63,11 @@ pub fn prompt(r: &TraceRequest, vocab: u32, max_tokens: usize) -> Vec<u32> {
         }
     }
     out
+}
+
+/// The generator a hash id's block is drawn from: the same for every request naming the id.
+pub fn block_rng(id: u64) -> Rng {
+    Rng(id.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
 }
 
 #[cfg(test)]

@@ -666,9 +666,10 @@ struct Common {
     /// Token ids are drawn below this (the target's vocabulary size).
     #[arg(long, default_value_t = 4000)]
     vocab: u32,
-    /// shared-prefix / mixed: token-id or text prompts (default text: every router accepts it;
-    /// a text prompt of n tokens is n words that are one token each in vllm-sim's built-in
-    /// tokenizer). The trace is token ids, chat is text.
+    /// shared-prefix / mixed / trace: token-id or text prompts (a text prompt of n tokens is
+    /// n words that are one token each in vllm-sim's built-in tokenizer; SMG takes only text).
+    /// Default text, but ids for the trace (its recorded figures were taken with ids). Chat
+    /// and agent are text.
     #[arg(long, value_enum)]
     prompts: Option<Prompts>,
     /// shared-prefix / chat / agent / mixed: seed of the texts, ids and arrivals.
@@ -750,7 +751,6 @@ impl Common {
     /// The prompt format: `--prompts`, or the workload's default.
     fn format(&self) -> Result<workload::PromptFormat, String> {
         let p = match (self.workload, self.prompts) {
-            (Kind::Trace, Some(Prompts::Text)) => return Err("--prompts text: the trace workload replays token ids".into()),
             (Kind::Chat | Kind::Agent, Some(Prompts::Ids)) => return Err("--prompts ids: the chat and agent workloads send text".into()),
             (Kind::Trace, _) => Prompts::Ids,
             (_, p) => p.unwrap_or(Prompts::Text),
@@ -795,12 +795,13 @@ impl Common {
         Ok(match self.workload {
             Kind::Trace => {
                 let t = trace::load(&self.trace)?;
-                let w = workload::from_trace(&t, self.speedup, self.max_requests, self.max_isl, self.max_osl, self.vocab);
+                let w = workload::from_trace(&t, format, self.speedup, (self.max_requests, self.max_isl, self.max_osl), self.vocab);
                 let note = format!(
-                    "Workload: {} requests of {} replayed at {}x speed (prompts cut to {} tokens, outputs to {}).",
+                    "Workload: {} requests of {} replayed at {}x speed as {} prompts (cut to {} tokens, outputs to {}).",
                     w.len(),
                     self.trace.display(),
                     self.speedup,
+                    as_text(format),
                     self.max_isl,
                     self.max_osl
                 );

@@ -372,7 +372,7 @@ fn poisson_gap(rng: &mut Rng, rate: f64) -> f64 {
 
 /// A trace replay: arrivals divided by `speedup`, at most `max_requests`, prompts cut to
 /// `max_isl` tokens and outputs to `max_osl`, token ids below `vocab`.
-pub fn from_trace(t: &[TraceRequest], speedup: f64, max_requests: usize, max_isl: usize, max_osl: usize, vocab: u32) -> Workload {
+pub fn from_trace(t: &[TraceRequest], format: PromptFormat, speedup: f64, (max_requests, max_isl, max_osl): (usize, usize, usize), vocab: u32) -> Workload {
     let speedup = if speedup > 0.0 { speedup } else { 1.0 };
     Workload::Open(
         t.iter()
@@ -380,10 +380,30 @@ pub fn from_trace(t: &[TraceRequest], speedup: f64, max_requests: usize, max_isl
             .map(|r| Job {
                 at: Duration::from_secs_f64(r.timestamp as f64 / 1000.0 / speedup),
                 path: "/v1/completions",
-                body: completion(json!(trace::prompt(r, vocab, max_isl)), r.output_length.min(max_osl)),
+                body: completion(trace_prompt(r, format, vocab, max_isl).into_json(), r.output_length.min(max_osl)),
             })
             .collect(),
     )
+}
+
+/// The prompt of trace request `r` in `format`, cut to `max_tokens`: token ids as
+/// [`trace::prompt`] builds them, or text where each hash id's block is as many words drawn
+/// from the same generator, so equal ids give equal text and a shared prefix stays shared.
+pub fn trace_prompt(r: &TraceRequest, format: PromptFormat, vocab: u32, max_tokens: usize) -> Prompt {
+    if format == PromptFormat::Ids {
+        return Prompt::Ids(trace::prompt(r, vocab, max_tokens));
+    }
+    let mut left = r.input_length.min(max_tokens);
+    let mut p = Prompt::new(format);
+    for &id in &r.hash_ids {
+        let n = left.min(trace::TRACE_BLOCK);
+        if n == 0 {
+            break;
+        }
+        p.draw(&mut trace::block_rng(id), n, vocab);
+        left -= n;
+    }
+    p
 }
 
 /// Shared-prefix traffic: `groups` prefixes of `prefix_tokens`, each request one of them
@@ -915,10 +935,26 @@ mod tests {
             TraceRequest { timestamp: 0, input_length: 700, output_length: 9, hash_ids: vec![1, 2] },
             TraceRequest { timestamp: 10_000, input_length: 600, output_length: 3000, hash_ids: vec![1, 3] },
         ];
-        let Workload::Open(jobs) = from_trace(&t, 10.0, 10, 512, 100, 5000) else { panic!() };
+        let Workload::Open(jobs) = from_trace(&t, PromptFormat::Ids, 10.0, (10, 512, 100), 5000) else { panic!() };
         assert_eq!(jobs[1].at, Duration::from_secs(1));
         assert_eq!(jobs[0].body["prompt"].as_array().unwrap().len(), 512);
         assert_eq!(jobs[1].body["max_tokens"], 100);
         assert_eq!(jobs[0].body["prompt"], jobs[1].body["prompt"], "same first block, cut to it");
+    }
+
+    #[test]
+    fn a_trace_replayed_as_text_keeps_its_lengths_and_shared_prefixes_in_tokens() {
+        let tok = kvgate_tokenize::tokenizer::ModelTokenizer::builtin();
+        let a = TraceRequest { timestamp: 0, input_length: 700, output_length: 9, hash_ids: vec![1, 2] };
+        let b = TraceRequest { timestamp: 0, input_length: 900, output_length: 9, hash_ids: vec![1, 3] };
+        let ids = |r: &TraceRequest, cut: usize| {
+            let Prompt::Text(text) = trace_prompt(r, PromptFormat::Text, 5000, cut) else { panic!("text") };
+            tok.encode(&text, false).unwrap()
+        };
+        let (ta, tb) = (ids(&a, usize::MAX), ids(&b, usize::MAX));
+        assert_eq!((ta.len(), tb.len()), (700, 900));
+        assert_eq!(ta[..512], tb[..512], "the shared first block");
+        assert_ne!(ta[512..700], tb[512..700]);
+        assert_eq!(ids(&a, 600), ta[..600], "cut to a prefix");
     }
 }
