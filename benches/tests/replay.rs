@@ -16,7 +16,7 @@ async fn a_short_trace_replay_through_kvgate_reports_consistent_figures() {
     let t = trace::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/mooncake_synthetic_trace.jsonl")).unwrap();
     // The first 120 requests (about 33 s of trace, a dozen of them reusing an earlier prefix) at
     // 40x, prompts cut to 2,048 tokens.
-    let w = workload::from_trace(&t, 40.0, 120, 2048, 16, 4000);
+    let w = workload::from_trace(&t, workload::PromptFormat::Ids, 40.0, (120, 2048, 16), 4000);
     let Workload::Open(jobs) = &w else { panic!("a trace is open loop") };
     assert_eq!(jobs.len(), 120);
     let sim = SimConfig { max_model_len: 4096, time_scale: 8.0, ..test_sim_config() };
