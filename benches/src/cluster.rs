@@ -151,15 +151,30 @@ pub struct Kvgate {
 /// `admin_listen` are best port 0) and answers `/health` as itself (any status: a planner's
 /// gateway starts with no worker).
 pub async fn spawn_kvgate(bin: &Path, config: &Path) -> Result<(Child, Kvgate), String> {
+    spawn_kvgate_logged(bin, config, None).await
+}
+
+/// [`spawn_kvgate`], its output written to `log` when given, at the level `KVGATE_LOG` names in
+/// the benchmark's own environment (warnings only when unset): `KVGATE_LOG=warn,kvgate=debug`
+/// keeps each routing decision's terms and each request's measured TTFT, joined by request id.
+pub async fn spawn_kvgate_logged(bin: &Path, config: &Path, log: Option<&Path>) -> Result<(Child, Kvgate), String> {
     let file = ports_file_path("kvgate");
+    let (out, err, level) = match log {
+        Some(path) => {
+            let f = std::fs::File::create(path).map_err(|e| format!("{}: {e}", path.display()))?;
+            let level = std::env::var("KVGATE_LOG").unwrap_or_else(|_| "warn".into());
+            (Stdio::from(f.try_clone().map_err(|e| e.to_string())?), Stdio::from(f), level)
+        }
+        None => (Stdio::null(), Stdio::null(), "warn".into()),
+    };
     let mut child = Command::new(bin)
         .arg("--config")
         .arg(config)
         .arg("--ports-file")
         .arg(&file)
-        .env("KVGATE_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .env("KVGATE_LOG", level)
+        .stdout(out)
+        .stderr(err)
         .spawn()
         .map_err(|e| format!("{}: {e}", bin.display()))?;
     let ready = async {
@@ -196,10 +211,17 @@ async fn wait_answering(base: &str, instance: &str) -> Result<(), String> {
     Err(format!("{base} did not answer as kvgate instance {instance}"))
 }
 
-/// Starts `kvgate` with `routing` (lines of a model's `routing:` section) in front of
-/// `workers`; returns once it is healthy and, in kv mode with events, has applied events from
-/// every worker.
-pub async fn start_kvgate(procs: &mut Procs, bin: &Path, model: &str, routing: &str, workers: &[SimWorker], extra_model: &str) -> Result<Kvgate, String> {
+/// Starts `kvgate` serving `model` with `routing` (lines of the model's `routing:` section) and
+/// `extra_model` (more lines of the model's entry) in front of `workers`, its output to `log`
+/// ([`spawn_kvgate_logged`]); returns once it is healthy and, in kv mode with events, has
+/// applied events from every worker.
+pub async fn start_kvgate(
+    procs: &mut Procs,
+    bin: &Path,
+    (model, routing, extra_model): (&str, &str, &str),
+    workers: &[SimWorker],
+    log: Option<&Path>,
+) -> Result<Kvgate, String> {
     let http = reqwest::Client::new();
     let mut list = String::new();
     for w in workers {
@@ -210,7 +232,7 @@ pub async fn start_kvgate(procs: &mut Procs, bin: &Path, model: &str, routing: &
     let config = format!("{LISTEN_ANY}models:\n  - name: {model}\n    routing:\n{routing}{extra}    workers:\n{list}");
     let path = ports_file_path("config").with_extension("yaml");
     std::fs::write(&path, config).map_err(|e| e.to_string())?;
-    let started = spawn_kvgate(bin, &path).await;
+    let started = spawn_kvgate_logged(bin, &path, log).await;
     let _ = std::fs::remove_file(&path);
     let (child, gw) = started?;
     procs.0.push(child);

@@ -1072,7 +1072,13 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
                     routing.push('\n');
                     routing.push_str(line.trim());
                 }
-                cluster::start_kvgate(&mut procs, kvgate_bin, &common.model, &routing, &workers, &kvgate_tokenizer)
+                // Its output, at the level KVGATE_LOG names (warnings only when unset).
+                let log = logs.join(format!("{}.log", t.replace(['/', ' ', ';', '@', '='], "_")));
+                if let Err(e) = std::fs::create_dir_all(&logs) {
+                    eprintln!("kvgate-bench: {}: {e}", logs.display());
+                    return 1;
+                }
+                cluster::start_kvgate(&mut procs, kvgate_bin, (&common.model, &routing, &kvgate_tokenizer), &workers, Some(&log))
                     .await
                     .map(|g| Some((g.url, Metrics::Gateway(g.admin))))
             }

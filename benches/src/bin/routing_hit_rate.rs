@@ -77,7 +77,7 @@ async fn run(args: &Args, setting: &str) -> Outcome {
     let sim_urls: Vec<String> = workers.iter().map(|w| w.url.clone()).collect();
     // kv settings wait until every worker's events reach the gateway: kv must not route blind.
     let routing = setting.replace(';', "\n");
-    let gw = cluster::start_kvgate(&mut procs, Path::new(&args.kvgate_bin), "sim-model", &routing, &workers, "").await.expect("kvgate starts");
+    let gw = cluster::start_kvgate(&mut procs, Path::new(&args.kvgate_bin), ("sim-model", &routing, ""), &workers, None).await.expect("kvgate starts");
     let base = gw.url.clone();
 
     let (hits_before, queries_before) = prefix_cache_counters(&http, &sim_urls).await.expect("worker metrics");
