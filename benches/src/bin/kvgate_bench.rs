@@ -752,7 +752,7 @@ impl Common {
     fn format(&self) -> Result<workload::PromptFormat, String> {
         let p = match (self.workload, self.prompts) {
             (Kind::Chat | Kind::Agent, Some(Prompts::Ids)) => return Err("--prompts ids: the chat and agent workloads send text".into()),
-            (Kind::Trace, _) => Prompts::Ids,
+            (Kind::Trace, p) => p.unwrap_or(Prompts::Ids),
             (_, p) => p.unwrap_or(Prompts::Text),
         };
         Ok(if p == Prompts::Ids { workload::PromptFormat::Ids } else { workload::PromptFormat::Text })
@@ -1428,4 +1428,23 @@ async fn start_peer(
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     Err(format!("{target} did not serve a completion (last answer: {last})"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn compare_format(args: &[&str]) -> Result<workload::PromptFormat, String> {
+        let cli = Cli::try_parse_from(["kvgate-bench", "compare"].iter().chain(args)).map_err(|e| e.to_string())?;
+        let Cmd::Compare { common, .. } = cli.cmd else { panic!("compare") };
+        common.format()
+    }
+
+    #[test]
+    fn the_trace_replays_token_ids_unless_text_is_asked_for() {
+        assert_eq!(compare_format(&[]), Ok(workload::PromptFormat::Ids));
+        assert_eq!(compare_format(&["--prompts", "text"]), Ok(workload::PromptFormat::Text));
+        assert_eq!(compare_format(&["--workload", "shared-prefix"]), Ok(workload::PromptFormat::Text));
+        assert!(compare_format(&["--workload", "chat", "--prompts", "ids"]).is_err());
+    }
 }
