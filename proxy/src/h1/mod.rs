@@ -29,6 +29,12 @@ pub fn connection_has<'a>(headers: impl IntoIterator<Item = (&'a [u8], &'a [u8])
     headers.into_iter().filter(|(n, _)| n.eq_ignore_ascii_case(b"connection")).any(|(_, v)| list_has(v, token))
 }
 
+/// Whether byte `c` would split a head if written into a header name or value or a request
+/// target (NUL, CR, LF): what the gateway checks before writing anything it did not parse.
+pub fn splits_head(c: u8) -> bool {
+    matches!(c, 0 | b'\r' | b'\n')
+}
+
 /// A `Content-Length` value: decimal digits only (no sign, no spaces inside), else `None`.
 pub fn content_length(v: &[u8]) -> Option<u64> {
     // Read off the bytes: it runs on every request and response head (no UTF-8 pass, no str parse).

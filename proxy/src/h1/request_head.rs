@@ -191,12 +191,12 @@ fn path_of(t: &str) -> &str {
 
 /// A client's request written out for a worker whose `Host` is `host`: its head (the client's
 /// headers minus hop-by-hop ones, with the worker's `Host`, the body's length and the request
-/// id) and its body, in one buffer so that it goes out in one write. Written straight from the client's header: building
-/// a Pingora header first costs two header maps and a copy of every name and value per request
-/// (docs/architecture.md, "The hot path's allocations").
+/// id) and its body, in one buffer so that it goes out in one write. Written straight from the
+/// client's header: building a Pingora header first costs two header maps and a copy of every
+/// name and value per request (docs/architecture.md, "The hot path's allocations").
 pub fn write_forwarded(client: &RequestHead, host: &[u8], method: &str, path: &str, body: &[u8], request_id: &str) -> Result<Vec<u8>, Unwritable> {
     check_path(path)?;
-    if request_id.bytes().any(forbidden) {
+    if request_id.bytes().any(super::splits_head) {
         return Err(Unwritable("the request id"));
     }
     if method.is_empty() || !method.bytes().all(|c| c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&c)) {
@@ -233,15 +233,10 @@ pub struct Unwritable(&'static str);
 
 /// A request target fit for the wire: not empty, no space, no byte that would split the head.
 fn check_path(path: &str) -> Result<(), Unwritable> {
-    if path.is_empty() || path.bytes().any(|c| c == b' ' || forbidden(c)) {
+    if path.is_empty() || path.bytes().any(|c| c == b' ' || super::splits_head(c)) {
         return Err(Unwritable("the request path"));
     }
     Ok(())
-}
-
-/// Whether no header value (nor request target) may carry byte `c`.
-fn forbidden(c: u8) -> bool {
-    matches!(c, 0 | b'\r' | b'\n')
 }
 
 /// Appends one `name: value` header line.
@@ -266,13 +261,13 @@ pub fn write_own(host: &[u8], method: &str, path: &str, body: Option<&[u8]>, kee
     match body {
         Some(b) => {
             line(&mut w, b"Content-Type", b"application/json");
-            line(&mut w, b"Content-Length", b.len().to_string().as_bytes());
+            super::put_content_length(&mut w, b.len() as u64);
             w.extend_from_slice(b"\r\n");
             w.extend_from_slice(b);
         }
         // A bodiless POST still says so: some servers wait for a length otherwise.
         None if method != "GET" => {
-            line(&mut w, b"Content-Length", b"0");
+            super::put_content_length(&mut w, 0);
             w.extend_from_slice(b"\r\n");
         }
         None => w.extend_from_slice(b"\r\n"),

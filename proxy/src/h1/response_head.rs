@@ -45,7 +45,7 @@ impl ResponseHead {
     pub fn header(&mut self, name: &[u8], value: &[u8]) -> Result<&mut Self, BadHeader> {
         // Plain loops: these are short (an id, a worker's label), where memchr's set-up costs
         // more than the scan.
-        let splits = |b: &[u8]| b.iter().any(|&c| matches!(c, 0 | b'\r' | b'\n'));
+        let splits = |b: &[u8]| b.iter().copied().any(super::splits_head);
         if name.is_empty() || splits(name) || name.iter().any(|&c| c == b':' || c == b' ') || splits(value) {
             return Err(BadHeader(String::from_utf8_lossy(name).into_owned()));
         }
