@@ -1073,11 +1073,13 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
                     routing.push_str(line.trim());
                 }
                 // Its output, at the level KVGATE_LOG names (warnings only when unset).
-                let log = logs.join(format!("{}.log", t.replace(['/', ' ', ';', '@', '='], "_")));
-                if let Err(e) = std::fs::create_dir_all(&logs) {
-                    eprintln!("kvgate-bench: {}: {e}", logs.display());
-                    return 1;
-                }
+                let log = match target_log(&logs, t) {
+                    Ok(log) => log,
+                    Err(e) => {
+                        eprintln!("kvgate-bench: {}: {e}", logs.display());
+                        return 1;
+                    }
+                };
                 cluster::start_kvgate(&mut procs, kvgate_bin, (&common.model, &routing, &kvgate_tokenizer), &workers, Some(&log))
                     .await
                     .map(|g| Some((g.url, Metrics::Gateway(g.admin))))
@@ -1347,6 +1349,12 @@ async fn kv_lookups(prom: &str) -> Option<String> {
     Some(format!("KV placement lookups (vllm_router_kv_placement_lookups_total): {}", if list.is_empty() { "none".into() } else { list.join(", ") }))
 }
 
+/// Where a target's output goes, `logs/<target>.log`, with `logs` made if need be.
+fn target_log(logs: &Path, target: &str) -> std::io::Result<PathBuf> {
+    std::fs::create_dir_all(logs)?;
+    Ok(logs.join(format!("{}.log", target.replace(['/', ' '], "_"))))
+}
+
 /// Starts a peer router; `Ok(None)` when it is not installed, else its URL, its Prometheus
 /// URL and the command line it was started with.
 ///
@@ -1392,7 +1400,7 @@ async fn start_peer(
     let line = format!("{} {}", bin.file_name().map(|f| f.to_string_lossy()).unwrap_or_default(), args.join(" "));
     let mut cmd = std::process::Command::new(bin);
     cmd.args(&args).stdout(std::process::Stdio::null());
-    let log = std::fs::create_dir_all(logs).and_then(|()| std::fs::File::create(logs.join(format!("{}.log", target.replace(['/', ' '], "_")))));
+    let log = target_log(logs, target).and_then(std::fs::File::create);
     cmd.stderr(match log {
         Ok(f) => std::process::Stdio::from(f),
         Err(_) => std::process::Stdio::null(),
