@@ -33,6 +33,7 @@
 pub mod booked_prefixes;
 pub mod decayed_mean;
 pub mod load_rate;
+pub mod peers;
 pub mod step_phase;
 
 use crate::route::Candidate;
@@ -90,9 +91,17 @@ pub struct WorkerCounters {
     /// not ended), in millionths: how much their times per output token grow per ms a step of
     /// theirs stalls (the candidate's `decode_sensitivity`).
     sensitivity_micro: AtomicU64,
+    /// What the other replicas of the deployment booked on it (zero without replicas).
+    peers: peers::PeerLoad,
 }
 
 impl WorkerCounters {
+    /// What the other replicas of the deployment booked on this worker: the cluster sets it,
+    /// the ledger adds it to its own bookings.
+    pub fn peers(&self) -> &peers::PeerLoad {
+        &self.peers
+    }
+
     /// [`Ledger::prefill_backlog_at`] of this worker with `prefill` tokens booked (read by the
     /// caller, who may need them too): nothing left once no prefill is booked.
     fn prefill_backlog_at(&self, prefill: u64, now: u64) -> Duration {
@@ -101,6 +110,11 @@ impl WorkerCounters {
         }
         Duration::from_micros(self.prefill_done_at.load(Ordering::Relaxed).saturating_sub(now))
     }
+}
+
+/// The peers' predicted prefill backlog on `l` as of `now`: it queues after this replica's.
+fn peer_backlog(l: &WorkerCounters, now: u64) -> Duration {
+    Duration::from_secs_f64(l.peers.prefill_backlog_ms(now) / 1000.0)
 }
 
 /// Microseconds since the first call in this process: the ledger's clock for predicted
@@ -369,9 +383,9 @@ impl Ledger {
         self.tracking
     }
 
-    /// Requests booked on `w`.
+    /// Requests booked on `w`, by this replica and its peers.
     pub fn requests(&self, w: WorkerId) -> u32 {
-        self.worker(w).map_or(0, |l| l.requests.load(Ordering::Relaxed))
+        self.worker(w).map_or(0, |l| l.requests.load(Ordering::Relaxed) + l.peers.requests())
     }
 
     /// Prefill tokens booked on `w` since its running engine step began: they share its next
@@ -401,12 +415,12 @@ impl Ledger {
 
     /// Requests booked on `w` whose prefill is outstanding (no first token yet).
     pub fn prefilling(&self, w: WorkerId) -> u32 {
-        self.worker(w).map_or(0, |l| l.prefilling.load(Ordering::Relaxed))
+        self.worker(w).map_or(0, |l| l.prefilling.load(Ordering::Relaxed) + l.peers.prefilling())
     }
 
     /// Prefill tokens booked on `w` and not started decoding.
     pub fn prefill_tokens(&self, w: WorkerId) -> u64 {
-        self.worker(w).map_or(0, |l| l.prefill.load(Ordering::Relaxed))
+        self.worker(w).map_or(0, |l| l.prefill.load(Ordering::Relaxed) + l.peers.prefill_tokens())
     }
 
     /// Predicted time until `w` has computed the prefill booked on it: each booking adds its
@@ -419,13 +433,13 @@ impl Ledger {
     /// [`Ledger::prefill_backlog`] as of `now` on [`clock_us`]'s clock (one clock read serves
     /// every worker of a decision).
     pub fn prefill_backlog_at(&self, w: WorkerId, now: u64) -> Duration {
-        self.worker(w).map_or(Duration::ZERO, |l| l.prefill_backlog_at(l.prefill.load(Ordering::Relaxed), now))
+        self.worker(w).map_or(Duration::ZERO, |l| l.prefill_backlog_at(l.prefill.load(Ordering::Relaxed), now) + peer_backlog(l, now))
     }
 
     /// How busy the prefill booked on `w` keeps it, as of `now` on [`clock_us`]'s clock: its
     /// predicted prefill time booked per second over the last few seconds (0.5: half the time).
     pub fn prefill_load_at(&self, w: WorkerId, now: u64) -> f64 {
-        self.worker(w).map_or(0.0, |l| l.prefill_load.at(now))
+        self.worker(w).map_or(0.0, |l| l.prefill_load.at(now) + l.peers.prefill_load())
     }
 
     /// A stream of the model finished: `tokens` output tokens, and its time to first token and
@@ -467,18 +481,37 @@ impl Ledger {
     pub fn candidate(&self, w: WorkerId, now: u64) -> Candidate {
         let Some(l) = self.worker(w) else { return Candidate { id: u32::from(w), ..Candidate::default() } };
         let prefill = l.prefill.load(Ordering::Relaxed);
+        let p = &l.peers;
         Candidate {
             id: u32::from(w),
-            in_flight: l.requests.load(Ordering::Relaxed),
-            active_prefill_tokens: prefill,
-            prefilling: l.prefilling.load(Ordering::Relaxed),
+            in_flight: l.requests.load(Ordering::Relaxed) + p.requests(),
+            active_prefill_tokens: prefill + p.prefill_tokens(),
+            prefilling: l.prefilling.load(Ordering::Relaxed) + p.prefilling(),
             next_step_tokens: l.step_phase.next_step_tokens(),
             since_step_ms: l.step_phase.since_step_ms(now),
+            prefill_backlog_ms: (l.prefill_backlog_at(prefill, now) + peer_backlog(l, now)).as_secs_f64() * 1000.0,
+            prefill_load: l.prefill_load.at(now) + p.prefill_load(),
+            active_blocks: self.active_blocks(w),
+            decode_sensitivity: l.sensitivity_micro.load(Ordering::Relaxed) as f64 / 1e6 + p.decode_sensitivity(),
+            ..Candidate::default()
+        }
+    }
+
+    /// What this replica itself booked on `w` as of `now` on [`clock_us`]'s clock, without its
+    /// peers': what it publishes to them (docs/replicas.md).
+    pub fn own(&self, w: WorkerId, now: u64) -> peers::OwnLoad {
+        let Some(l) = self.worker(w) else { return peers::OwnLoad::default() };
+        let prefill = l.prefill.load(Ordering::Relaxed);
+        let (prompt, tracked) = self.prompt_and_output_blocks(w, l);
+        peers::OwnLoad {
+            requests: l.requests.load(Ordering::Relaxed),
+            prefilling: l.prefilling.load(Ordering::Relaxed),
+            prefill_tokens: prefill,
+            active_blocks: prompt + tracked,
+            expected_blocks: prompt + l.reserved_blocks.load(Ordering::Relaxed).max(tracked),
+            decode_sensitivity: l.sensitivity_micro.load(Ordering::Relaxed) as f64 / 1e6,
             prefill_backlog_ms: l.prefill_backlog_at(prefill, now).as_secs_f64() * 1000.0,
             prefill_load: l.prefill_load.at(now),
-            active_blocks: self.active_blocks(w),
-            decode_sensitivity: l.sensitivity_micro.load(Ordering::Relaxed) as f64 / 1e6,
-            ..Candidate::default()
         }
     }
 
@@ -488,7 +521,7 @@ impl Ledger {
     pub fn active_blocks(&self, w: WorkerId) -> u64 {
         let Some(l) = self.worker(w) else { return 0 };
         let (prompt, output) = self.prompt_and_output_blocks(w, l);
-        prompt + output
+        prompt + output + l.peers.active_blocks()
     }
 
     /// Blocks `w` is expected to hold while the requests booked there run: their prompt blocks
@@ -501,7 +534,7 @@ impl Ledger {
     pub fn expected_blocks(&self, w: WorkerId) -> u64 {
         let Some(l) = self.worker(w) else { return 0 };
         let (prompt, tracked) = self.prompt_and_output_blocks(w, l);
-        prompt + l.reserved_blocks.load(Ordering::Relaxed).max(tracked)
+        prompt + l.reserved_blocks.load(Ordering::Relaxed).max(tracked) + l.peers.expected_blocks()
     }
 
     /// `w`'s booked prompt blocks (distinct ones, or all of them when shared prefixes are not
@@ -680,6 +713,34 @@ mod tests {
         assert_eq!(c.prefill_backlog_ms, s.prefill_backlog_at(1, now).as_secs_f64() * 1000.0);
         assert!(c.prefill_backlog_ms > 0.0 && c.prefill_load > 0.0 && c.prefill_load == s.prefill_load_at(1, now));
         assert_eq!(s.candidate(9, now), Candidate { id: 9, ..Candidate::default() }, "no such worker: nothing booked");
+    }
+
+    #[test]
+    fn the_peers_load_adds_to_every_view_but_what_this_replica_publishes() {
+        let counters: Vec<Arc<WorkerCounters>> = vec![Arc::default()];
+        let s = Ledger::over(counters.clone(), Tracking::default());
+        let _a = s.book(0, Footprint { prefill_tokens: 40, prefill_time: Duration::from_millis(3), ..prompt(40, vec![1, 2, 3]) });
+        let now = clock_us();
+        let own = s.own(0, now);
+        assert_eq!((own.requests, own.prefilling, own.prefill_tokens, own.active_blocks), (1, 1, 40, 3));
+        let theirs = peers::OwnLoad {
+            requests: 4,
+            prefilling: 2,
+            prefill_tokens: 1000,
+            active_blocks: 70,
+            expected_blocks: 90,
+            decode_sensitivity: 0.5,
+            prefill_backlog_ms: 200.0,
+            prefill_load: 0.3,
+        };
+        counters[0].peers().set(&theirs, now);
+        let c = s.candidate(0, now);
+        assert_eq!((c.in_flight, c.prefilling, c.active_prefill_tokens, c.active_blocks), (5, 3, 1040, 73));
+        assert_eq!((s.requests(0), s.prefilling(0), s.prefill_tokens(0), s.active_blocks(0)), (5, 3, 1040, 73));
+        assert_eq!(s.expected_blocks(0), own.expected_blocks + 90);
+        assert!(c.prefill_backlog_ms >= 200.0 && (c.decode_sensitivity - 0.5).abs() < 1e-9);
+        assert!((c.prefill_load - (own.prefill_load + 0.3)).abs() < 1e-9);
+        assert_eq!(s.own(0, now), own, "what it publishes is its own only");
     }
 
     #[test]

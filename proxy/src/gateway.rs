@@ -53,6 +53,8 @@ pub struct Gateway {
     pub tls: crate::tls::Certificates,
     /// Requests in flight per client, for `per_client.max_concurrent`.
     pub client_limits: crate::downstream::client_limit::ClientLimits,
+    /// This replica's part in its deployment (`cluster:`; empty without it).
+    pub cluster: crate::cluster::Cluster,
 }
 
 impl Gateway {
@@ -70,8 +72,11 @@ impl Gateway {
         let max_moves = cfg.migration.max_concurrent;
         let stored_responses = crate::fleet::StoredResponses::new(cfg.responses.remembered_ids);
         let tls = crate::tls::Certificates::load(&cfg)?;
+        let instance = new_instance_id();
+        let cluster = crate::cluster::Cluster::new(cfg.cluster.as_ref(), &instance, &metrics.cluster);
         Ok(Arc::new(Self {
-            instance: new_instance_id(),
+            instance,
+            cluster,
             tls,
             client_limits: Default::default(),
             thresholds: parking_lot::RwLock::new(thresholds),

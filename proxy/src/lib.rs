@@ -2,6 +2,7 @@
 //! whole; the modules:
 //!
 //! - [`config`]: the YAML configuration, validation, environment overrides;
+//! - [`cluster`]: replicas of one deployment acting as one router over NATS;
 //! - [`gateway`]: shared state (config and fleet swapped on reload, metrics, in-flight
 //!   registry, plugins, drain switch);
 //! - [`fleet`]: models and workers as routing sees them, and each model's booking ledger;
@@ -29,6 +30,7 @@
 //! - `demo` (feature `demo`): `kvgate demo` on in-process simulated workers;
 //! - `fuzzing` (feature `fuzzing`): entry points for the fuzz targets in `fuzz/`.
 
+pub mod cluster;
 pub mod config;
 pub(crate) mod connector;
 #[cfg(feature = "demo")]

@@ -2,6 +2,7 @@
 //! listeners. Where Dynamo's cancellation design names a metric
 //! (`dynamo_frontend_model_cancellation_total`), the kvgate equivalent keeps its labels.
 
+pub mod cluster;
 pub mod disaggregation;
 pub mod planner;
 
@@ -110,6 +111,8 @@ pub struct Metrics {
     pub planner: planner::PlannerMetrics,
     /// Prefill/decode disaggregation's (`kvgate_disagg_*`).
     pub disagg: disaggregation::DisaggMetrics,
+    /// Replicas' (`kvgate_cluster_*`).
+    pub cluster: cluster::ClusterMetrics,
     /// `kvgate_admin_unauthorized_total`: admin requests refused for a missing or wrong token.
     pub admin_unauthorized: IntCounter,
 }
@@ -258,6 +261,7 @@ impl Metrics {
             rejected: counter("kvgate_tasks_rejected_total", "Requests refused by shedding or the router queue.", &["model", "reason"]),
             planner: planner::PlannerMetrics::new(&registry),
             disagg: disaggregation::DisaggMetrics::new(&registry),
+            cluster: cluster::ClusterMetrics::new(&registry),
             admin_unauthorized: {
                 let c = IntCounter::new("kvgate_admin_unauthorized_total", "Admin requests refused with 401: no admin token, or a wrong one.")
                     .expect("valid metric");

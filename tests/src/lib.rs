@@ -8,6 +8,7 @@ pub mod events;
 pub mod fake_kube;
 pub mod guests;
 pub mod logs;
+pub mod nats;
 pub mod ports;
 pub mod prom;
 pub mod sse;

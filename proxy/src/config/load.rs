@@ -247,6 +247,9 @@ fn top_level(cfg: &Config) -> Result<(), Invalid> {
     if cfg.listen == cfg.admin_listen && cfg.listen.port() != 0 {
         return Err((format!("admin_listen must differ from listen ({})", cfg.listen), at("admin_listen".into(), 1)));
     }
+    if let Some(c) = &cfg.cluster {
+        c.validate().map_err(|e| (format!("cluster: {e}"), at("cluster".into(), 1)))?;
+    }
     if cfg.threads == 0 {
         return Err(("threads must be at least 1".into(), at("threads".into(), 1)));
     }

@@ -4,6 +4,7 @@
 //! Every key is documented in conf/kvgate.yaml. Unknown keys are errors.
 
 mod admin_token;
+pub mod cluster;
 mod disaggregation;
 pub mod load;
 mod passthrough;
@@ -114,6 +115,10 @@ pub struct Config {
     /// The Responses API's stored responses (which worker holds each).
     #[serde(default)]
     pub responses: ResponsesApi,
+    /// Replicas of one deployment acting as one router over NATS (docs/replicas.md); read at
+    /// start. Unset: this gateway runs alone.
+    #[serde(default)]
+    pub cluster: Option<cluster::Cluster>,
     /// WebAssembly routing policies models may use (`routing.mode: plugin`).
     #[serde(default)]
     pub plugins: Vec<PluginConfig>,

@@ -3,6 +3,8 @@
 //! recently finished, with its route receipt), `POST /migrate` (move a request to another
 //! worker; `super::migrate`), `GET /rescheduling` (the rescheduler's last cycle), `GET /planner`
 //! (each planner's mode, workers wanted, last decision and the workers it started),
+//! `GET /cluster` (this replica, its peers and the leader; docs/replicas.md), `GET
+//! /responses/{id}` (the worker that stored a Responses-API response),
 //! `POST /reload` (re-read the config file; a bad file is refused and the old config stays),
 //! `GET /busy_threshold` and `POST /busy_threshold` (Dynamo's shapes: read or set a model's
 //! busy thresholds at run time), `GET /plugins` and `POST /plugins/reload` (re-read every
@@ -36,12 +38,14 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut ClientConn, method: &str, pa
         ("GET", "/workers") => workers(gw, session).await,
         ("GET", "/requests") => requests(gw, session).await,
         ("GET", p) if p.starts_with("/requests/") => request(gw, session, &p["/requests/".len()..]).await,
+        ("GET", p) if p.starts_with("/responses/") => stored_response(gw, session, &p["/responses/".len()..]).await,
         ("POST", "/reload") => reload(gw, session).await,
         ("POST", "/migrate") => super::migrate::serve(gw, session).await,
         ("GET", "/rescheduling") => {
             let last = gw.rescheduling_last.lock().clone().map(|models| json!({"models": models}));
             respond_json(session, 200, &json!({"enabled": gw.config().rescheduling.enable_rescheduling, "last_cycle": last})).await
         }
+        ("GET", "/cluster") => respond_json(session, 200, &gw.cluster.view()).await,
         ("GET", "/planner") => {
             let planners = gw.planner_status.lock().clone();
             respond_json(session, 200, &json!({"planners": planners})).await
@@ -57,8 +61,8 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut ClientConn, method: &str, pa
         (_, p) if super::fleet_ops::OPERATIONS.contains(&p) => respond_error(session, &ClientError::method_not_allowed(method, path), &[]).await,
         (
             _,
-            "/metrics" | "/health" | "/workers" | "/requests" | "/reload" | "/migrate" | "/rescheduling" | "/planner" | "/busy_threshold" | "/plugins"
-            | "/plugins/reload",
+            "/metrics" | "/health" | "/workers" | "/requests" | "/reload" | "/migrate" | "/rescheduling" | "/planner" | "/cluster" | "/busy_threshold"
+            | "/plugins" | "/plugins/reload",
         ) => respond_error(session, &ClientError::method_not_allowed(method, path), &[]).await,
         _ => respond_error(session, &ClientError::not_found(path), &[]).await,
     }
@@ -81,7 +85,7 @@ async fn workers(gw: &Arc<Gateway>, session: &mut ClientConn) {
                     let id = i as u16;
                     let adapters = w.cards().map(|c| c.adapters.clone()).unwrap_or_default();
                     let origin = m.cfg.workers.get(i).map(|c| c.origin.label());
-                    json!({"id": i, "url": w.label, "origin": origin, "role": m.role(i).label(), "healthy": w.is_healthy(), "paused": w.is_paused(), "adapters": adapters, "max_model_len": w.max_model_len(), "in_flight": m.ledger.requests(id),
+                    json!({"id": i, "url": w.label, "origin": origin, "role": m.role(i).label(), "healthy": w.is_healthy(), "paused": w.is_paused(), "adapters": adapters, "max_model_len": w.max_model_len(), "in_flight": m.ledger.requests(id), "peer_in_flight": w.booked.peers().requests(),
                            "booked_prefill_tokens": m.ledger.prefill_tokens(id), "booked_blocks": m.ledger.active_blocks(id), "expected_blocks": m.ledger.expected_blocks(id),
                            "queue_busy": m.queue_busy(i), "reported": reported})
                 })
@@ -99,10 +103,23 @@ async fn requests(gw: &Arc<Gateway>, session: &mut ClientConn) {
 }
 
 /// One request with its route receipt; 404 when it is neither in flight nor kept as finished.
+/// In a cluster, a request another replica holds is asked of it (`super::forward`).
 async fn request(gw: &Arc<Gateway>, session: &mut ClientConn, id: &str) {
-    match gw.requests.find(id) {
-        Some(e) => respond_json(session, 200, &e.to_json(true)).await,
+    if let Some(e) = gw.requests.find(id) {
+        return respond_json(session, 200, &e.to_json(true)).await;
+    }
+    match super::forward::ask(gw, "request", id, b"", std::time::Duration::ZERO).await {
+        Some((status, body)) => crate::downstream::io::respond(session, status, "application/json", body.into(), &[]).await,
         None => respond_error(session, &ClientError::unknown_request(id), &[]).await,
+    }
+}
+
+/// Which worker stored a Responses-API response, as this replica knows it (it relayed it, or a
+/// peer shared it); 404 when it does not know.
+async fn stored_response(gw: &Arc<Gateway>, session: &mut ClientConn, id: &str) {
+    match gw.stored_responses.home_of(id) {
+        Some(url) => respond_json(session, 200, &json!({"id": id, "worker": url.to_string()})).await,
+        None => respond_error(session, &ClientError::not_found(&format!("/responses/{id}")), &[]).await,
     }
 }
 

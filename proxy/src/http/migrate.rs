@@ -4,14 +4,16 @@
 //! `{request_id, from, to, how, generated}`; 404 for an unknown request, 400 for an unknown
 //! worker or a bad body; 409 when the request cannot move (pinned, with the reason; queued or
 //! finished; limit reached; already there; another move pending); 502 when the move failed;
-//! 504 when it took too long.
+//! 504 when it took too long. In a cluster, a request another replica holds is moved by that
+//! replica (`super::forward`).
 
 use crate::downstream::conn::ClientConn;
 use crate::downstream::errors::ClientError;
-use crate::downstream::io::{read_body, respond_error, respond_json};
+use crate::downstream::io::{read_body, respond, respond_error};
 use crate::gateway::Gateway;
 use crate::inflight::{Phase, RequestEntry};
 use crate::move_order::{MoveOrder, MoveRefused};
+use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::json;
 use std::sync::Arc;
@@ -40,30 +42,43 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut ClientConn) {
             return;
         }
     };
-    let req: MoveBody = match serde_json::from_slice(&body) {
+    let (status, answer) = answer(gw, &body, true).await;
+    respond(session, status, "application/json", Bytes::from(answer), &[]).await;
+}
+
+/// The answer to a move order with body `body`, once the move is done (status and JSON body).
+/// `ask_peers`: a request this replica does not hold is asked of its peers (`super::forward`),
+/// as a replica asked by a peer does not.
+pub async fn answer(gw: &Arc<Gateway>, body: &[u8], ask_peers: bool) -> (u16, String) {
+    let req: MoveBody = match serde_json::from_slice(body) {
         Ok(r) => r,
-        Err(e) => {
-            return respond_error(session, &ClientError::bad_request(format!("expected {{\"request_id\": \"…\", \"to\": \"<worker url>\"?}}: {e}"), None), &[])
-                .await;
-        }
+        Err(e) => return error(&ClientError::bad_request(format!("expected {{\"request_id\": \"…\", \"to\": \"<worker url>\"?}}: {e}"), None)),
     };
+    if ask_peers
+        && gw.requests.find(&req.request_id).is_none()
+        && let Some(theirs) = super::forward::ask(gw, "migrate", &req.request_id, body, MOVE_DEADLINE).await
+    {
+        return theirs;
+    }
     let (entry, ticket, order_rx) = match order(gw, &req) {
         Ok(x) => x,
-        Err(ce) => return respond_error(session, &ce, &[]).await,
+        Err(ce) => return error(&ce),
     };
     match tokio::time::timeout(MOVE_DEADLINE, order_rx).await {
-        Ok(Ok(Ok(r))) => {
-            respond_json(session, 200, &json!({"request_id": entry.id(), "from": r.from, "to": r.to, "how": r.how, "generated": r.generated})).await
-        }
-        Ok(Ok(Err(MoveRefused::Failed(m)))) => respond_error(session, &ClientError::move_failed(m), &[]).await,
-        Ok(Ok(Err(why))) => respond_error(session, &ClientError::conflict(why.to_string()), &[]).await,
+        Ok(Ok(Ok(r))) => (200, json!({"request_id": entry.id(), "from": r.from, "to": r.to, "how": r.how, "generated": r.generated}).to_string()),
+        Ok(Ok(Err(MoveRefused::Failed(m)))) => error(&ClientError::move_failed(m)),
+        Ok(Ok(Err(why))) => error(&ClientError::conflict(why.to_string())),
         // The request ended before it read the order.
-        Ok(Err(_)) => respond_error(session, &ClientError::conflict("the request ended before it could move"), &[]).await,
+        Ok(Err(_)) => error(&ClientError::conflict("the request ended before it could move")),
         Err(_) => {
             entry.mailbox.withdraw(ticket, MoveRefused::NotNow("timed out"));
-            respond_error(session, &ClientError::move_timeout(MOVE_DEADLINE.as_secs()), &[]).await
+            error(&ClientError::move_timeout(MOVE_DEADLINE.as_secs()))
         }
     }
+}
+
+fn error(e: &ClientError) -> (u16, String) {
+    (e.status, e.body())
 }
 
 type Reply = tokio::sync::oneshot::Receiver<Result<crate::move_order::MoveReport, MoveRefused>>;

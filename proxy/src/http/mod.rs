@@ -11,6 +11,7 @@
 
 pub mod admin;
 pub mod fleet_ops;
+pub mod forward;
 pub mod local;
 pub mod migrate;
 

@@ -66,10 +66,12 @@ pub fn home(gw: &Gateway, model: &Model, refs: &StoredRefs) -> Option<Result<usi
     Some(model.workers.iter().position(|w| w.url == url).ok_or_else(|| GatewayError::StoredResponseGone { id: id.to_string(), worker: url.authority }))
 }
 
-/// Remembers the worker that answered a request making a stored response.
+/// Remembers the worker that answered a request making a stored response, and shares it with
+/// the deployment's other replicas.
 pub fn answered(gw: &Gateway, refs: Option<&StoredRefs>, worker: &crate::fleet::Worker, status: u16) {
     if let Some(id) = refs.and_then(|r| r.makes.as_deref()).filter(|_| status < 300) {
         gw.stored_responses.remember(id, &worker.url);
+        gw.cluster.share_response(id, &worker.url);
     }
 }
 

@@ -12,8 +12,10 @@
 //! - [`plugin_watch`]: plugin file polling → hot swap;
 //! - [`rescheduler`]: Llumnix's rescheduling loop (moves requests between workers);
 //! - [`planner`]: Dynamo's planner for every planned model (scales its fleet);
-//! - [`tls_reload`]: TLS certificate files read again when they change.
+//! - [`tls_reload`]: TLS certificate files read again when they change;
+//! - [`cluster`]: this replica's part in its deployment over NATS (`cluster:`).
 
+pub mod cluster;
 pub mod config_watch;
 pub mod health;
 pub mod kv_subscribers;
@@ -62,11 +64,13 @@ pub enum Task {
     Planner,
     /// [`tls_reload`].
     TlsReload,
+    /// [`cluster`].
+    Cluster,
 }
 
 impl Task {
     /// Every task, in start order.
-    pub const ALL: [Task; 10] = [
+    pub const ALL: [Task; 11] = [
         Task::Health,
         Task::WorkerMetrics,
         Task::KvSubscribers,
@@ -77,6 +81,7 @@ impl Task {
         Task::Rescheduler,
         Task::Planner,
         Task::TlsReload,
+        Task::Cluster,
     ];
 
     /// Name for logs.
@@ -92,6 +97,7 @@ impl Task {
             Task::Rescheduler => "rescheduler",
             Task::Planner => "planner",
             Task::TlsReload => "tls_reload",
+            Task::Cluster => "cluster",
         }
     }
 
@@ -108,6 +114,7 @@ impl Task {
             Task::PluginWatch => Box::pin(plugin_watch::run(gw)),
             Task::Planner => Box::pin(planner::run(gw)),
             Task::TlsReload => Box::pin(tls_reload::run(gw)),
+            Task::Cluster => Box::pin(cluster::run(gw)),
         };
         set.spawn(async move {
             if !delay.is_zero() {

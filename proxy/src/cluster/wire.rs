@@ -1,0 +1,189 @@
+//! What replicas say to each other, and on which subjects: JSON messages on core NATS
+//! subjects under `kvgate.<deployment>.` (docs/replicas.md, "On the wire").
+
+use kvgate_filters::ledger::peers::OwnLoad;
+use serde::{Deserialize, Serialize};
+
+/// The subjects and buckets of one deployment.
+#[derive(Debug, Clone)]
+pub struct Subjects {
+    /// Every replica's own bookings ([`LoadMessage`]).
+    pub load: String,
+    /// A replica that (re)joins asks its peers to publish all their bookings at once.
+    pub hello: String,
+    /// Admin requests forwarded to the replica that holds the request ([`Ask`]).
+    pub ask: String,
+    /// The key-value bucket of stored responses' workers.
+    pub affinity_bucket: String,
+    /// The key-value bucket holding the leader's lease.
+    pub lease_bucket: String,
+}
+
+impl Subjects {
+    /// The subjects of deployment `d` (a validated name: letters, digits, '-', '_').
+    pub fn of(d: &str) -> Self {
+        Self {
+            load: format!("kvgate.{d}.load"),
+            hello: format!("kvgate.{d}.hello"),
+            ask: format!("kvgate.{d}.ask"),
+            affinity_bucket: format!("kvgate_{d}_responses"),
+            lease_bucket: format!("kvgate_{d}_leader"),
+        }
+    }
+}
+
+/// One replica's own bookings, on the workers whose figures changed (`full`: on every worker
+/// it books on; those absent are idle). Sent when they change and, whole, every heartbeat.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct LoadMessage {
+    /// The sender's replica name.
+    pub replica: String,
+    /// The sender's process (fresh at every start): a replica restarted under the same name
+    /// replaces what its previous process booked.
+    pub instance: String,
+    /// Every worker it books on, not only those that changed.
+    pub full: bool,
+    /// When it was sent, µs since the Unix epoch (the lag metric).
+    pub sent_us: u64,
+    /// Its admin listener, for `GET /cluster`.
+    #[serde(default)]
+    pub admin: String,
+    /// Per worker, by URL.
+    pub workers: Vec<WorkerLoad>,
+}
+
+/// One replica's own bookings on one worker.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Default)]
+pub struct Load {
+    /// Requests in flight.
+    pub requests: u32,
+    /// Requests with their prefill outstanding.
+    pub prefilling: u32,
+    /// Prefill tokens booked.
+    pub prefill_tokens: u64,
+    /// Active KV blocks booked.
+    pub active_blocks: u64,
+    /// Blocks expected to be held while they run.
+    pub expected_blocks: u64,
+    /// Σ 1 / expected output tokens of its decoding requests.
+    pub decode_sensitivity: f64,
+    /// Predicted prefill backlog when sent, ms.
+    pub prefill_backlog_ms: f64,
+    /// Predicted prefill time booked per second.
+    pub prefill_load: f64,
+}
+
+/// [`Load`] on the worker at `url`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct WorkerLoad {
+    /// The worker's URL as configured (`http://host:port`).
+    pub url: String,
+    /// What the sender booked there.
+    #[serde(flatten)]
+    pub load: Load,
+}
+
+impl From<OwnLoad> for Load {
+    fn from(o: OwnLoad) -> Self {
+        Self {
+            requests: o.requests,
+            prefilling: o.prefilling,
+            prefill_tokens: o.prefill_tokens,
+            active_blocks: o.active_blocks,
+            expected_blocks: o.expected_blocks,
+            decode_sensitivity: o.decode_sensitivity,
+            prefill_backlog_ms: o.prefill_backlog_ms,
+            prefill_load: o.prefill_load,
+        }
+    }
+}
+
+impl From<Load> for OwnLoad {
+    fn from(l: Load) -> Self {
+        Self {
+            requests: l.requests,
+            prefilling: l.prefilling,
+            prefill_tokens: l.prefill_tokens,
+            active_blocks: l.active_blocks,
+            expected_blocks: l.expected_blocks,
+            decode_sensitivity: l.decode_sensitivity,
+            prefill_backlog_ms: l.prefill_backlog_ms,
+            prefill_load: l.prefill_load,
+        }
+    }
+}
+
+impl Load {
+    /// Whether `self` and `o` differ enough to publish: any count, or a figure by more than
+    /// rounding (the backlog runs down on its own; a change under a ms is not news).
+    pub fn differs(&self, o: &Load) -> bool {
+        (self.requests, self.prefilling, self.prefill_tokens, self.active_blocks, self.expected_blocks)
+            != (o.requests, o.prefilling, o.prefill_tokens, o.active_blocks, o.expected_blocks)
+            || (self.decode_sensitivity - o.decode_sensitivity).abs() > 1e-6
+            || (self.prefill_load - o.prefill_load).abs() > 0.01
+    }
+}
+
+/// An admin request asked of every peer: the one holding the request answers it, the others
+/// answer 404.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Ask {
+    /// The asking replica (it ignores its own ask).
+    pub from: String,
+    /// `request` (`GET /requests/{id}`) or `migrate` (`POST /migrate`).
+    pub what: String,
+    /// The request's id.
+    pub id: String,
+    /// The admin request's body (`migrate`'s).
+    #[serde(default)]
+    pub body: String,
+}
+
+/// A peer's answer to an [`Ask`]: the admin answer it would give itself.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Answer {
+    /// HTTP status.
+    pub status: u16,
+    /// The answer's JSON body.
+    pub body: String,
+    /// Who answered.
+    pub replica: String,
+}
+
+/// Microseconds since the Unix epoch, now.
+pub fn unix_us() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_load_message_round_trips_and_small_drifts_are_not_news() {
+        let l = Load {
+            requests: 3,
+            prefilling: 1,
+            prefill_tokens: 900,
+            active_blocks: 12,
+            expected_blocks: 20,
+            decode_sensitivity: 0.25,
+            prefill_backlog_ms: 40.0,
+            prefill_load: 0.5,
+        };
+        let m = LoadMessage {
+            replica: "a".into(),
+            instance: "i".into(),
+            full: true,
+            sent_us: 7,
+            admin: "127.0.0.1:1".into(),
+            workers: vec![WorkerLoad { url: "http://w:1".into(), load: l }],
+        };
+        let back: LoadMessage = serde_json::from_slice(&serde_json::to_vec(&m).unwrap()).unwrap();
+        assert_eq!(back, m);
+        assert_eq!(Load::from(OwnLoad::from(l)), l);
+        assert!(!l.differs(&Load { prefill_backlog_ms: 10.0, prefill_load: 0.505, ..l }), "the backlog runs down by itself");
+        assert!(l.differs(&Load { requests: 4, ..l }));
+        assert_eq!(Subjects::of("prod").load, "kvgate.prod.load");
+    }
+}

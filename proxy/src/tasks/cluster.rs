@@ -1,0 +1,339 @@
+//! The cluster task (docs/replicas.md): with `cluster:` set, connects to NATS and keeps this
+//! replica's part in its deployment, in four loops that end together (the supervisor then
+//! starts the task again):
+//!
+//! - load: publishes this replica's own bookings when they change and all of them every
+//!   heartbeat, applies its peers' to the ledger (`WorkerCounters::peers`), drops silent peers,
+//!   and after a reconnection asks every peer for its whole picture (a resync);
+//! - lease: takes or renews the leader's lease ([`crate::cluster::lease`]);
+//! - affinity: shares the stored responses this replica relayed and learns the peers';
+//! - asks: answers the admin requests peers forward about requests this replica holds.
+//!
+//! Without `cluster:` the task waits forever and costs nothing.
+
+use crate::cluster::wire::{Ask, Load, LoadMessage, WorkerLoad, unix_us};
+use crate::cluster::{Shared, affinity};
+use crate::gateway::Gateway;
+use async_nats::connection::State;
+use async_nats::jetstream::{self, kv};
+use futures_util::StreamExt;
+use kvgate_filters::ledger::clock_us;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Runs until the task is aborted, or until a loop ends (NATS refused a subscription).
+pub async fn run(gw: Arc<Gateway>) {
+    let Some(s) = gw.cluster.shared().cloned() else { return std::future::pending().await };
+    let client = match connect(&s).await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "cluster: cannot use nats_url");
+            return;
+        }
+    };
+    *s.client.lock() = Some(client.clone());
+    tokio::select! {
+        () = load(&gw, &s, &client) => {}
+        () = lease(&s, &client) => {}
+        () = share_affinity(&gw, &s, &client) => {}
+        () = answer_asks(&gw, &s, &client) => {}
+    }
+}
+
+/// A client that connects in the background and reconnects for ever, soon after NATS is back.
+async fn connect(s: &Shared) -> Result<async_nats::Client, async_nats::ConnectError> {
+    let servers: Vec<async_nats::ServerAddr> = s.cfg.servers().iter().filter_map(|u| u.parse().ok()).collect();
+    async_nats::ConnectOptions::new()
+        .name(format!("kvgate {}", s.replica))
+        .retry_on_initial_connect()
+        .max_reconnects(None)
+        .reconnect_delay_callback(|attempts| Duration::from_millis((100 * attempts as u64).min(1_000)))
+        .connect(servers)
+        .await
+}
+
+fn connected(client: &async_nats::Client) -> bool {
+    client.connection_state() == State::Connected
+}
+
+/// The load loop (module doc).
+async fn load(gw: &Arc<Gateway>, s: &Arc<Shared>, client: &async_nats::Client) {
+    let (Ok(mut loads), Ok(mut hellos)) = (client.subscribe(s.subjects.load.clone()).await, client.subscribe(s.subjects.hello.clone()).await) else {
+        return;
+    };
+    let heartbeat = Duration::from_millis(s.cfg.heartbeat_ms);
+    let mut tick = tokio::time::interval(Duration::from_millis(s.cfg.publish_interval_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut out = Outgoing { published: HashMap::new(), last_full: None, full_due: true, was_connected: false, ever_connected: false };
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                out.tick(gw, s, client, heartbeat).await;
+                expire(gw, s);
+            }
+            m = loads.next() => match m {
+                Some(m) => apply(gw, s, &m.payload),
+                None => return,
+            },
+            h = hellos.next() => match h {
+                Some(h) if *h.payload != *s.replica.as_bytes() => out.full_due = true,
+                Some(_) => {}
+                None => return,
+            },
+        }
+    }
+}
+
+/// What this replica has published of its own bookings.
+struct Outgoing {
+    /// Per worker URL, as last published.
+    published: HashMap<String, Load>,
+    last_full: Option<Instant>,
+    /// Publish everything at the next tick (a heartbeat, a peer's hello, a reconnection).
+    full_due: bool,
+    was_connected: bool,
+    ever_connected: bool,
+}
+
+impl Outgoing {
+    async fn tick(&mut self, gw: &Gateway, s: &Shared, client: &async_nats::Client, heartbeat: Duration) {
+        let up = connected(client);
+        s.metrics.connected.set(i64::from(up));
+        if up && !self.was_connected {
+            // Joined or back: every peer's whole picture, and ours to them.
+            if self.ever_connected {
+                s.metrics.resyncs.inc();
+            }
+            self.ever_connected = true;
+            self.full_due = true;
+            self.send(s, client, s.subjects.hello.clone(), s.replica.clone().into_bytes()).await;
+        }
+        self.was_connected = up;
+        if !up {
+            return;
+        }
+        if self.last_full.is_none_or(|t| t.elapsed() >= heartbeat) {
+            self.full_due = true;
+        }
+        let own = own_loads(gw);
+        let full = std::mem::take(&mut self.full_due);
+        let workers: Vec<WorkerLoad> = if full {
+            own.iter().filter(|(_, l)| **l != Load::default()).map(|(url, load)| WorkerLoad { url: url.clone(), load: *load }).collect()
+        } else {
+            let gone = self.published.keys().filter(|u| !own.contains_key(*u)).map(|url| WorkerLoad { url: url.clone(), load: Load::default() });
+            let changed =
+                own.iter().filter(|(u, l)| self.published.get(*u).is_none_or(|p| p.differs(l))).map(|(url, load)| WorkerLoad { url: url.clone(), load: *load });
+            gone.chain(changed).collect()
+        };
+        if !full && workers.is_empty() {
+            return;
+        }
+        let m = LoadMessage {
+            replica: s.replica.clone(),
+            instance: s.instance.clone(),
+            full,
+            sent_us: unix_us(),
+            admin: gw.config().admin_listen.to_string(),
+            workers,
+        };
+        let Ok(payload) = serde_json::to_vec(&m) else { return };
+        if self.send(s, client, s.subjects.load.clone(), payload).await {
+            self.published = own;
+            if full {
+                self.last_full = Some(Instant::now());
+            }
+        } else {
+            self.full_due = full;
+        }
+    }
+
+    /// Publishes without waiting long: a client whose buffer is full counts a failure.
+    async fn send(&self, s: &Shared, client: &async_nats::Client, subject: String, payload: Vec<u8>) -> bool {
+        let sent = tokio::time::timeout(Duration::from_millis(s.cfg.heartbeat_ms), client.publish(subject, payload.into())).await;
+        let ok = matches!(sent, Ok(Ok(())));
+        if !ok {
+            s.metrics.publish_failures.inc();
+        }
+        ok
+    }
+}
+
+/// This replica's own bookings per worker URL (a worker several models share counts once,
+/// with the first model's ledger).
+fn own_loads(gw: &Gateway) -> HashMap<String, Load> {
+    let fleet = gw.fleet();
+    let now = clock_us();
+    let mut own = HashMap::new();
+    for name in &fleet.order {
+        let m = &fleet.models[name];
+        for (i, w) in m.workers.iter().enumerate() {
+            own.entry(w.url.to_string()).or_insert_with(|| Load::from(m.ledger.own(i as u16, now)));
+        }
+    }
+    own
+}
+
+/// Applies a peer's load message.
+fn apply(gw: &Gateway, s: &Shared, payload: &[u8]) {
+    let Ok(m) = serde_json::from_slice::<LoadMessage>(payload) else { return };
+    if m.replica == s.replica {
+        if m.instance != s.instance {
+            tracing::warn!(replica = %m.replica, "cluster: another process uses this replica's name; names must differ");
+        }
+        return;
+    }
+    let lag = unix_us().saturating_sub(m.sent_us) as f64 / 1e6;
+    s.metrics.lag.observe(lag);
+    let changed = s.members.lock().apply(m, Instant::now());
+    set_sums(gw, s, &changed);
+}
+
+/// Drops silent peers, and every heartbeat sets every worker's sum again (workers a reload
+/// added, backlogs run down).
+fn expire(gw: &Gateway, s: &Shared) {
+    let now = Instant::now();
+    let (gone, urls) = s.members.lock().expire(Duration::from_millis(s.cfg.peer_timeout_ms), now);
+    if gone > 0 {
+        tracing::warn!(peers = gone, "cluster: peers fell silent; their bookings leave this replica's view");
+        s.metrics.expired.inc_by(gone as u64);
+        set_sums(gw, s, &urls);
+    }
+    s.metrics.peers.set(i64::try_from(s.members.lock().len()).unwrap_or(i64::MAX));
+}
+
+/// Sets, on every worker of the fleet whose URL is in `urls`, what the peers booked there.
+fn set_sums(gw: &Gateway, s: &Shared, urls: &HashSet<String>) {
+    if urls.is_empty() {
+        return;
+    }
+    let fleet = gw.fleet();
+    let members = s.members.lock();
+    let (now, at) = (Instant::now(), clock_us());
+    for name in &fleet.order {
+        for w in fleet.models[name].workers.iter() {
+            let url = w.url.to_string();
+            if urls.contains(&url) {
+                w.booked.peers().set(&members.sum(&url, now), at);
+            }
+        }
+    }
+}
+
+/// The lease loop (module doc).
+async fn lease(s: &Shared, client: &async_nats::Client) {
+    let js = jetstream::new(client.clone());
+    let max_age = Duration::from_millis(s.cfg.lease_ms);
+    let mut store = None;
+    let mut tick = tokio::time::interval(Duration::from_millis(s.cfg.heartbeat_ms));
+    loop {
+        tick.tick().await;
+        if !connected(client) {
+            s.lease.lock().drop_held();
+            store = None;
+        } else {
+            if store.is_none() {
+                store = bucket(&js, &s.subjects.lease_bucket, max_age).await.inspect_err(|e| tracing::warn!(error = %e, "cluster: lease bucket")).ok();
+            }
+            if let Some(kv) = &store {
+                let mut lease = s.lease.lock().clone();
+                lease.step(kv, &s.replica).await;
+                *s.lease.lock() = lease;
+            }
+        }
+        s.metrics.leader.set(i64::from(s.acts(Instant::now())));
+    }
+}
+
+/// The affinity loop (module doc).
+async fn share_affinity(gw: &Gateway, s: &Shared, client: &async_nats::Client) {
+    let mut outbox = s.inbox.lock().await;
+    let js = jetstream::new(client.clone());
+    let max_age = Duration::from_secs(s.cfg.affinity_ttl_s);
+    let pause = Duration::from_millis(s.cfg.heartbeat_ms);
+    loop {
+        let watched = match bucket(&js, &s.subjects.affinity_bucket, max_age).await {
+            Ok(kv) => kv.watch_with_history(">").await.map(|w| (kv, w)),
+            Err(e) => {
+                tracing::debug!(error = %e, "cluster: stored-responses bucket not ready");
+                tokio::time::sleep(pause).await;
+                continue;
+            }
+        };
+        let Ok((store, mut watch)) = watched else {
+            tokio::time::sleep(pause).await;
+            continue;
+        };
+        loop {
+            tokio::select! {
+                e = watch.next() => match e {
+                    Some(Ok(entry)) if entry.operation == kv::Operation::Put => learn(gw, &entry.key, &entry.value),
+                    Some(Ok(_)) => {}
+                    Some(Err(_)) | None => break,
+                },
+                Some((id, url)) = outbox.recv() => {
+                    let put = tokio::time::timeout(pause, store.put(affinity::key(&id), url.into_bytes().into())).await;
+                    if !matches!(put, Ok(Ok(_))) {
+                        s.metrics.publish_failures.inc();
+                    }
+                }
+            }
+        }
+        tokio::time::sleep(pause).await;
+    }
+}
+
+/// The key-value bucket `name` whose entries expire after `max_age`, made if missing. The
+/// stream is made as the client's `create_key_value` would make it (one entry per key, a
+/// rolled-up history, direct gets), without first asking for the account's details: the
+/// client reads those in a newer server's shape than the 2.9 servers Debian ships.
+async fn bucket(js: &jetstream::Context, name: &str, max_age: Duration) -> Result<kv::Store, async_nats::Error> {
+    let stream = jetstream::stream::Config {
+        name: format!("KV_{name}"),
+        subjects: vec![format!("$KV.{name}.>")],
+        max_messages_per_subject: 1,
+        max_age,
+        allow_rollup: true,
+        deny_delete: true,
+        allow_direct: true,
+        discard: jetstream::stream::DiscardPolicy::New,
+        num_replicas: 1,
+        ..Default::default()
+    };
+    js.get_or_create_stream(stream).await?;
+    Ok(js.get_key_value(name).await?)
+}
+
+/// A stored response a replica shared: remembered here as if this replica had relayed it.
+fn learn(gw: &Gateway, key: &str, value: &[u8]) {
+    let (Some(id), Ok(url)) = (affinity::id(key), std::str::from_utf8(value)) else { return };
+    if let Ok(url) = crate::config::UpstreamUrl::parse(url) {
+        gw.stored_responses.remember(&id, &url);
+    }
+}
+
+/// The asks loop (module doc): each ask is answered in its own task (a move takes a while),
+/// all of them ended with the loop.
+async fn answer_asks(gw: &Arc<Gateway>, s: &Shared, client: &async_nats::Client) {
+    let Ok(mut asks) = client.subscribe(s.subjects.ask.clone()).await else { return };
+    let mut running = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            m = asks.next() => {
+                let Some(m) = m else { return };
+                let (Some(reply), Ok(ask)) = (m.reply, serde_json::from_slice::<Ask>(&m.payload)) else { continue };
+                if ask.from == s.replica {
+                    continue;
+                }
+                let (gw, client) = (gw.clone(), client.clone());
+                running.spawn(async move {
+                    let answer = crate::http::forward::answer(&gw, ask).await;
+                    if let Ok(body) = serde_json::to_vec(&answer) {
+                        let _ = client.publish(reply, body.into()).await;
+                    }
+                });
+            }
+            Some(_) = running.join_next() => {}
+        }
+    }
+}
