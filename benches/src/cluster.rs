@@ -215,13 +215,22 @@ async fn wait_answering(base: &str, instance: &str) -> Result<(), String> {
 /// `extra_model` (more lines of the model's entry) in front of `workers`, its output to `log`
 /// ([`spawn_kvgate_logged`]); returns once it is healthy and, in kv mode with events, has
 /// applied events from every worker.
-pub async fn start_kvgate(
-    procs: &mut Procs,
+pub async fn start_kvgate(procs: &mut Procs, bin: &Path, model: (&str, &str, &str), workers: &[SimWorker], log: Option<&Path>) -> Result<Kvgate, String> {
+    let (child, gw) = spawn_kvgate_for(bin, "", model, workers, log).await?;
+    procs.0.push(child);
+    Ok(gw)
+}
+
+/// [`start_kvgate`] with `top` (more top-level lines of its config, e.g. a `cluster:`
+/// section), its process handed back rather than kept in a [`Procs`] (a benchmark that kills
+/// it).
+pub async fn spawn_kvgate_for(
     bin: &Path,
+    top: &str,
     (model, routing, extra_model): (&str, &str, &str),
     workers: &[SimWorker],
     log: Option<&Path>,
-) -> Result<Kvgate, String> {
+) -> Result<(Child, Kvgate), String> {
     let http = reqwest::Client::new();
     let mut list = String::new();
     for w in workers {
@@ -229,18 +238,25 @@ pub async fn start_kvgate(
     }
     let routing: String = routing.lines().flat_map(|l| ["      ", l.trim(), "\n"]).collect();
     let extra: String = extra_model.lines().flat_map(|l| ["    ", l, "\n"]).collect();
-    let config = format!("{LISTEN_ANY}models:\n  - name: {model}\n    routing:\n{routing}{extra}    workers:\n{list}");
+    let config = format!("{LISTEN_ANY}{top}models:\n  - name: {model}\n    routing:\n{routing}{extra}    workers:\n{list}");
     let path = ports_file_path("config").with_extension("yaml");
     std::fs::write(&path, config).map_err(|e| e.to_string())?;
     let started = spawn_kvgate_logged(bin, &path, log).await;
     let _ = std::fs::remove_file(&path);
-    let (child, gw) = started?;
-    procs.0.push(child);
-    wait_ok(&http, &format!("{}/health", gw.url), Duration::from_secs(30)).await?;
-    if routing.contains("mode: kv") && !routing.contains("kv_events: false") {
-        wait_for_events(&http, &format!("{}/metrics", gw.admin), model, workers).await?;
+    let (mut child, gw) = started?;
+    let ready = async {
+        wait_ok(&http, &format!("{}/health", gw.url), Duration::from_secs(30)).await?;
+        if routing.contains("mode: kv") && !routing.contains("kv_events: false") {
+            wait_for_events(&http, &format!("{}/metrics", gw.admin), model, workers).await?;
+        }
+        Ok::<_, String>(())
+    };
+    if let Err(e) = ready.await {
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err(e);
     }
-    Ok(gw)
+    Ok((child, gw))
 }
 
 /// The listener lines of a benchmark's kvgate config: both on loopback, ports of the system's

@@ -12,6 +12,7 @@ pub mod overload;
 pub mod peers;
 pub mod planner;
 pub mod procfs;
+pub mod replicas;
 pub mod reschedule;
 pub mod soak;
 pub mod trace;

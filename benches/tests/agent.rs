@@ -43,6 +43,7 @@ async fn agent_sessions_as_chat_and_as_messages_through_kvgate() {
             slo: Slo { ttft_ms: 5000.0, itl_ms: 200.0 },
             progress: false,
             api,
+            spread: None,
         };
         let r = run(&o, &w).await;
         assert_eq!(r.ok, 20, "{api:?}: every turn answered: {:?}", r.error_examples);

@@ -29,6 +29,7 @@ async fn a_short_trace_replay_through_kvgate_reports_consistent_figures() {
         slo: Slo { ttft_ms: 5000.0, itl_ms: 200.0 },
         progress: false,
         api: workload::Api::Chat,
+        spread: None,
     };
     let r = run(&o, &w).await;
     assert_eq!(r.requests, 120);

@@ -13,7 +13,7 @@ use kvgate_bench::load::report::{self, Report, Slo};
 use kvgate_bench::load::workload::{self, Api, Workload};
 use kvgate_bench::load::{RunOptions, run};
 use kvgate_bench::peers::{self, Peer};
-use kvgate_bench::{trace, trace_floor};
+use kvgate_bench::{replicas, trace, trace_floor};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -106,6 +106,31 @@ enum Cmd {
     /// Streaming clients at multiples of the fleet's capacity, without and with load shedding:
     /// answers by kind, TTFT of the accepted, memory, descriptors, bookings after.
     Overload(OverloadArgs),
+    /// Several kvgate replicas in front of one fleet, each request sent to one at random (an
+    /// L4 balancer): one replica, replicas sharing over NATS, replicas without, the leader
+    /// killed, NATS restarted (docs/replicas.md).
+    Replicas {
+        /// Workers in the cluster.
+        #[arg(long, default_value_t = 8)]
+        workers: usize,
+        /// Replicas in the multi-replica cases.
+        #[arg(long, default_value_t = 3)]
+        replicas: usize,
+        /// Cases, comma-separated: one, shared, unshared, kill, nats.
+        #[arg(long, value_delimiter = ',', default_value = "one,shared,unshared,kill,nats")]
+        cases: Vec<String>,
+        /// The vllm-sim binary.
+        #[arg(long, default_value = "target/release/vllm-sim")]
+        sim_bin: PathBuf,
+        /// The kvgate binary.
+        #[arg(long, default_value = "target/release/kvgate")]
+        kvgate_bin: PathBuf,
+        /// Extra vllm-sim arguments, space-separated.
+        #[arg(long, default_value = "", allow_hyphen_values = true)]
+        sim_args: String,
+        #[command(flatten)]
+        common: Common,
+    },
     /// A prefill-heavy workload through kvgate on aggregated workers, then on the same number
     /// split into prefill and decode workers: ITL, TTFT (with the transfer's share), e2e.
     Disagg(DisaggArgs),
@@ -940,6 +965,7 @@ async fn main() {
                         slo: common.slo(),
                         progress: !common.quiet,
                         api,
+                        spread: None,
                     };
                     reports.push(run(&o, &w).await);
                     runs.push((label.clone(), api));
@@ -965,6 +991,9 @@ async fn main() {
         Cmd::Connections(a) => connections(a).await,
         Cmd::Soak(a) => soak(a).await,
         Cmd::Overload(a) => overload(a).await,
+        Cmd::Replicas { workers, replicas, cases, sim_bin, kvgate_bin, sim_args, common } => {
+            replicas_cmd(workers, replicas, &cases, (&sim_bin, &kvgate_bin, &sim_args), &common).await
+        }
         Cmd::Disagg(a) => disagg(a).await,
     };
     std::process::exit(code);
@@ -1116,6 +1145,7 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
             slo: common.slo(),
             progress: !common.quiet,
             api,
+            spread: None,
         };
         reports.push(run(&o, &w).await);
         runs.push((t.clone(), api));
@@ -1135,6 +1165,59 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
     }
     finish(&reports, common, &notes.join("\n"));
     0
+}
+
+/// `kvgate-bench replicas` (`kvgate_bench::replicas`).
+async fn replicas_cmd(workers: usize, n: usize, cases: &[String], (sim_bin, kvgate_bin, sim_args): (&Path, &Path, &str), common: &Common) -> i32 {
+    let parsed: Result<Vec<replicas::Case>, String> = cases.iter().map(|c| replicas::Case::parse(c)).collect();
+    let ((w, note), api, cases) = match common.workload().and_then(|w| Ok((w, common.apis()?, parsed?))) {
+        Ok((w, apis, cases)) => (w, apis[0], cases),
+        Err(e) => {
+            eprintln!("kvgate-bench: {e}");
+            return 2;
+        }
+    };
+    let logs = common.out.join("logs");
+    if let Err(e) = std::fs::create_dir_all(&logs) {
+        eprintln!("kvgate-bench: {}: {e}", logs.display());
+        return 1;
+    }
+    let sims =
+        SimOptions { bin: sim_bin.to_path_buf(), model: common.model.clone(), args: sim_args.split_whitespace().map(String::from).collect(), env: Vec::new() };
+    let o = replicas::Options {
+        workers,
+        replicas: n,
+        sims,
+        kvgate_bin: kvgate_bin.to_path_buf(),
+        model: common.model.clone(),
+        model_extra: "tokenizer: builtin".into(),
+        slo: common.slo(),
+        progress: !common.quiet,
+        api,
+        logs,
+    };
+    let halfway = match &w {
+        Workload::Open(jobs) => jobs.last().map_or(Duration::from_secs(10), |j| j.at / 2),
+        Workload::Sessions(s) => s.iter().map(|s| s.start).max().unwrap_or_default() / 2 + Duration::from_secs(1),
+    };
+    match replicas::run_cases(&o, &cases, &w, halfway).await {
+        Ok((reports, notes)) => {
+            let mut all = vec![
+                note,
+                format!(
+                    "{workers} vllm-sim workers ({}), fresh for every case; requests spread at random over the replicas.",
+                    if sim_args.is_empty() { "defaults" } else { sim_args }
+                ),
+            ];
+            all.extend(notes);
+            finish(&reports, common, &all.join("\n"));
+            0
+        }
+        Err(e) => {
+            eprintln!("kvgate-bench: {e}");
+            1
+        }
+    }
 }
 
 /// kvgate's own counts after a run: its requests by endpoint and status, the Messages and

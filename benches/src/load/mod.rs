@@ -36,6 +36,61 @@ pub struct RunOptions {
     pub progress: bool,
     /// The API sessions are sent as (open-loop workloads carry their own paths).
     pub api: Api,
+    /// Base URLs each request is sent to one of, at random (an L4 balancer in front of
+    /// replicas); `url` when unset.
+    pub spread: Option<Arc<Spread>>,
+}
+
+/// Base URLs requests are spread over at random, one draw per request, as an L4 load balancer
+/// in front of gateway replicas does; a target taken out ([`Spread::remove`], a balancer's
+/// health check failing it) gets no more. Failed requests are counted per target.
+#[derive(Debug, Default)]
+pub struct Spread {
+    urls: parking_lot::RwLock<Vec<String>>,
+    draws: std::sync::atomic::AtomicU64,
+    failed: parking_lot::Mutex<std::collections::BTreeMap<String, usize>>,
+}
+
+impl Spread {
+    /// Over `urls`.
+    pub fn new(urls: Vec<String>) -> Arc<Self> {
+        Arc::new(Self { urls: parking_lot::RwLock::new(urls), ..Self::default() })
+    }
+
+    /// The next request's target.
+    pub fn pick(&self) -> String {
+        let n = self.draws.fetch_add(1, Ordering::Relaxed);
+        let urls = self.urls.read();
+        urls[(kvgate_kv::hash::mix(n ^ 0x5eed) % urls.len().max(1) as u64) as usize].clone()
+    }
+
+    /// Takes `url` out.
+    pub fn remove(&self, url: &str) {
+        self.urls.write().retain(|u| u != url);
+    }
+
+    /// A request sent to `url` failed.
+    pub fn failed_at(&self, url: &str) {
+        *self.failed.lock().entry(url.to_string()).or_default() += 1;
+    }
+
+    /// Failed requests per target.
+    pub fn failures(&self) -> std::collections::BTreeMap<String, usize> {
+        self.failed.lock().clone()
+    }
+}
+
+impl RunOptions {
+    /// The base URL of the next request.
+    fn base(&self) -> String {
+        self.spread.as_ref().map_or_else(|| self.url.clone(), |s| s.pick())
+    }
+
+    fn record(&self, base: &str, ok: bool) {
+        if let (Some(s), false) = (&self.spread, ok) {
+            s.failed_at(base);
+        }
+    }
 }
 
 /// Sums `vllm:prefix_cache_hits_total` and `vllm:prefix_cache_queries_total` over `urls`.
@@ -88,12 +143,14 @@ pub async fn run(o: &RunOptions, workload: &Workload) -> Report {
                 let due = start + job.at;
                 tokio::time::sleep_until(due.into()).await;
                 let Ok(permit) = limit.clone().acquire_owned().await else { break };
-                let (http, url, progress) = (http.clone(), format!("{}{}", o.url, job.path), progress.clone());
+                let base = o.base();
+                let (http, url, progress, o) = (http.clone(), format!("{base}{}", job.path), progress.clone(), o.clone());
                 let mut body = job.body.clone();
                 body["model"] = o.model.clone().into();
                 tasks.push(tokio::spawn(async move {
                     let mut s = client::send(&http, &url, &body, due).await;
                     s.due = due - start;
+                    o.record(&base, s.ok());
                     progress.tick(s.ok());
                     drop(permit);
                     s
@@ -137,7 +194,6 @@ pub async fn run(o: &RunOptions, workload: &Workload) -> Report {
 /// One session: each turn carries the whole history so far, sent as `o.api`.
 async fn converse(http: &reqwest::Client, o: &RunOptions, s: Session, start: Instant, progress: &Progress) -> Vec<Sample> {
     tokio::time::sleep_until((start + s.start).into()).await;
-    let url = format!("{}{}", o.url, o.api.path());
     let mut answers: Vec<String> = Vec::with_capacity(s.turns.len());
     let mut out = Vec::with_capacity(s.turns.len());
     for i in 0..s.turns.len() {
@@ -147,8 +203,10 @@ async fn converse(http: &reqwest::Client, o: &RunOptions, s: Session, start: Ins
         let mut body = s.request(o.api, &s.history(&answers));
         body["model"] = o.model.clone().into();
         let sent = Instant::now();
-        let mut sample = client::send(http, &url, &body, sent).await;
+        let base = o.base();
+        let mut sample = client::send(http, &format!("{base}{}", o.api.path()), &body, sent).await;
         sample.due = sent - start;
+        o.record(&base, sample.ok());
         progress.tick(sample.ok());
         answers.push(std::mem::take(&mut sample.text));
         let failed = !sample.ok();
