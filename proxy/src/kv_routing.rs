@@ -233,13 +233,16 @@ impl KvRouting {
         c
     }
 
-    /// Approximate mode: remember that `worker` will now cache `chain`.
-    pub fn record_decision(&self, worker: usize, chain: &[BlockHash]) {
+    /// Approximate mode: remember that `worker` will now cache `chain`; whether it did (false
+    /// with KV events, which say it themselves).
+    pub fn record_decision(&self, worker: usize, chain: &[BlockHash]) -> bool {
         if let Cache::Approx(a) = &self.cache
-            && let Some(&rank) = self.rank_ids[worker].first()
+            && let Some(&rank) = self.rank_ids.get(worker).and_then(|r| r.first())
         {
             a.record(rank, chain, Instant::now());
+            return true;
         }
+        false
     }
 
     /// Forgets every block `worker` holds (all ranks): its prefix cache was reset or dropped

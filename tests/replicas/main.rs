@@ -24,6 +24,11 @@ fn cluster_yaml(nats: &str, name: &str) -> String {
 }
 
 async fn replicas(n: usize, workers: usize, sim: SimConfig) -> Replicas {
+    replicas_with(n, workers, sim, GatewayOpts::default()).await
+}
+
+/// [`replicas`] whose gateways are configured as `base` says, besides their `cluster` section.
+async fn replicas_with(n: usize, workers: usize, sim: SimConfig, base: GatewayOpts) -> Replicas {
     let nats = NatsServer::start();
     let mut sims = Vec::new();
     for _ in 0..workers {
@@ -32,7 +37,7 @@ async fn replicas(n: usize, workers: usize, sim: SimConfig) -> Replicas {
     let urls: Vec<String> = sims.iter().map(SimServer::url).collect();
     let mut gws = Vec::new();
     for i in 0..n {
-        let opts = GatewayOpts { extra: cluster_yaml(&nats.url(), &format!("r{i}")), ..GatewayOpts::default() };
+        let opts = GatewayOpts { extra: format!("{}\n{}", base.extra, cluster_yaml(&nats.url(), &format!("r{i}"))), ..base.clone() };
         gws.push(Cluster::front(&urls, opts).await);
     }
     let r = Replicas { nats, _sims: sims, gws };
@@ -248,4 +253,26 @@ async fn the_request_path_never_waits_for_a_silent_nats() {
     let during = time_requests().await;
     r.nats.thaw();
     assert!(during < before * 3 + Duration::from_millis(20), "median {during:?} with NATS silent, {before:?} before");
+}
+
+#[tokio::test]
+async fn approximate_mode_learns_the_peers_routing_decisions() {
+    let base = GatewayOpts { mode: "kv".into(), routing_extra: "kv_events: false".into(), ..GatewayOpts::default() };
+    let r = replicas_with(2, 4, sim(8.0), base).await;
+    let (a, b) = (&r.gws[0], &r.gws[1]);
+    let worker = |resp: &reqwest::Response| resp.headers().get("x-kvgate-worker").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
+    for k in 0..6u32 {
+        // A prompt of its own: 16 blocks no other prompt shares.
+        let prompt: Vec<u32> = (0..256).map(|t| 100 + k * 256 + t).collect();
+        let body = json!({"model": "sim-model", "prompt": prompt, "max_tokens": 1});
+        let first = a.http.post(a.url("/v1/completions")).json(&body).send().await.unwrap();
+        assert_eq!(first.status(), 200);
+        let home = worker(&first);
+        let learned =
+            wait_until(Duration::from_secs(5), || async { b.gateway_metrics().await.sum("kvgate_cluster_decisions_applied_total", &[]) >= f64::from(k + 1) })
+                .await;
+        assert!(learned.is_some(), "replica b recorded replica a's decision {k}");
+        let again = b.http.post(b.url("/v1/completions")).json(&body).send().await.unwrap();
+        assert_eq!(worker(&again), home, "prompt {k}: replica b predicts the cache replica a filled");
+    }
 }

@@ -24,6 +24,10 @@ use tokio::sync::mpsc;
 /// (each replica still keeps its own).
 const AFFINITY_OUTBOX: usize = 4_096;
 
+/// Approximate mode's routing decisions waiting to be shared; past this many, new ones are
+/// dropped and counted.
+const DECISIONS_OUTBOX: usize = 4_096;
+
 /// This replica's part in its deployment; empty without `cluster:`.
 #[derive(Clone, Default)]
 pub struct Cluster {
@@ -51,6 +55,9 @@ pub struct Shared {
     outbox: mpsc::Sender<(String, String)>,
     /// The outbox's other end, held by the cluster task while it runs.
     pub inbox: tokio::sync::Mutex<mpsc::Receiver<(String, String)>>,
+    decisions: mpsc::Sender<wire::Decision>,
+    /// Approximate mode's decisions to share, held by the cluster task while it runs.
+    pub decisions_inbox: tokio::sync::Mutex<mpsc::Receiver<wire::Decision>>,
 }
 
 impl Cluster {
@@ -59,6 +66,7 @@ impl Cluster {
         let Some(cfg) = cfg else { return Self::default() };
         let replica = cfg.replica.clone().unwrap_or_else(|| default_name(instance));
         let (outbox, inbox) = mpsc::channel(AFFINITY_OUTBOX);
+        let (decisions, decisions_inbox) = mpsc::channel(DECISIONS_OUTBOX);
         let shared = Shared {
             subjects: wire::Subjects::of(&cfg.deployment),
             cfg: cfg.clone(),
@@ -70,6 +78,8 @@ impl Cluster {
             lease: Mutex::default(),
             outbox,
             inbox: tokio::sync::Mutex::new(inbox),
+            decisions,
+            decisions_inbox: tokio::sync::Mutex::new(decisions_inbox),
         };
         Self { shared: Some(Arc::new(shared)) }
     }
@@ -92,6 +102,17 @@ impl Cluster {
             && s.outbox.try_send((id.to_string(), worker.to_string())).is_err()
         {
             s.metrics.affinity_dropped.inc();
+        }
+    }
+
+    /// Shares approximate mode's decision that `worker` of `model` took on a prompt of block
+    /// hashes `chain` with the peers, without waiting: a full outbox drops it, counted.
+    pub fn share_decision(&self, model: &str, worker: &impl std::fmt::Display, chain: &[u64]) {
+        if let Some(s) = &self.shared {
+            let d = wire::Decision { model: model.to_string(), worker: worker.to_string(), chain: chain.to_vec() };
+            if s.decisions.try_send(d).is_err() {
+                s.metrics.decisions_dropped.inc();
+            }
         }
     }
 

@@ -13,6 +13,8 @@ pub struct Subjects {
     pub hello: String,
     /// Admin requests forwarded to the replica that holds the request ([`Ask`]).
     pub ask: String,
+    /// Approximate mode's routing decisions ([`Decisions`]).
+    pub decisions: String,
     /// The key-value bucket of stored responses' workers.
     pub affinity_bucket: String,
     /// The key-value bucket holding the leader's lease.
@@ -26,6 +28,7 @@ impl Subjects {
             load: format!("kvgate.{d}.load"),
             hello: format!("kvgate.{d}.hello"),
             ask: format!("kvgate.{d}.ask"),
+            decisions: format!("kvgate.{d}.decisions"),
             affinity_bucket: format!("kvgate_{d}_responses"),
             lease_bucket: format!("kvgate_{d}_leader"),
         }
@@ -122,6 +125,27 @@ impl Load {
             || (self.decode_sensitivity - o.decode_sensitivity).abs() > 1e-6
             || (self.prefill_load - o.prefill_load).abs() > 0.01
     }
+}
+
+/// Approximate mode's routing decisions of one replica, as they were made: its peers record
+/// them in their own predicted caches.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Decisions {
+    /// The sender's replica name.
+    pub replica: String,
+    /// The decisions, oldest first.
+    pub decisions: Vec<Decision>,
+}
+
+/// One routing decision: `worker` of `model` took on a prompt of block hashes `chain`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Decision {
+    /// The model's name.
+    pub model: String,
+    /// The worker's URL.
+    pub worker: String,
+    /// The prompt's chained block hashes.
+    pub chain: Vec<u64>,
 }
 
 /// An admin request asked of every peer: the one holding the request answers it, the others

@@ -33,6 +33,12 @@ pub struct ClusterMetrics {
     /// `kvgate_cluster_affinity_dropped_total`: stored responses not shared because the
     /// outbox to NATS was full.
     pub affinity_dropped: IntCounter,
+    /// `kvgate_cluster_decisions_dropped_total`: approximate mode's decisions not shared
+    /// because the outbox to NATS was full.
+    pub decisions_dropped: IntCounter,
+    /// `kvgate_cluster_decisions_applied_total`: peers' approximate-mode decisions recorded in
+    /// this replica's predicted cache.
+    pub decisions_applied: IntCounter,
 }
 
 impl ClusterMetrics {
@@ -70,6 +76,11 @@ impl ClusterMetrics {
             expired: counter("kvgate_cluster_peers_expired_total", "Peers dropped for silence, with their bookings."),
             forwarded,
             affinity_dropped: counter("kvgate_cluster_affinity_dropped_total", "Stored responses not shared: the outbox to NATS was full."),
+            decisions_dropped: counter("kvgate_cluster_decisions_dropped_total", "Approximate mode's decisions not shared: the outbox to NATS was full."),
+            decisions_applied: counter(
+                "kvgate_cluster_decisions_applied_total",
+                "Peers' approximate-mode decisions recorded in this replica's predicted cache.",
+            ),
         }
     }
 }

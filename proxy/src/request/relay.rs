@@ -53,7 +53,7 @@ pub async fn relay(gw: &Gateway, session: &mut ClientConn, req: &mut RequestStat
     // Approximate mode learns from requests the worker took on (2xx); a stream whose first
     // token is still to come, once it comes (a worker failing before it may be replaced).
     if (200..300).contains(&status) && matches!(leg.first, First::Read(_)) {
-        record_decision(req);
+        record_decision(gw, req);
     }
     // Only a stream that started is followed: an error answer passes as the worker sent it, or
     // reshaped for a client of another API.
@@ -76,10 +76,13 @@ pub async fn relay(gw: &Gateway, session: &mut ClientConn, req: &mut RequestStat
     relay_legs(gw, session, req, leg, status).await
 }
 
-/// Tells approximate kv mode that the worker serving `req` took it on.
-fn record_decision(req: &RequestState) {
-    if let (Some(kv), Some(inputs), Some(idx)) = (&req.model.kv, &req.kv, req.attempts.current()) {
-        kv.record_decision(idx, &inputs.chain);
+/// Tells approximate kv mode that the worker serving `req` took it on, and the deployment's
+/// other replicas with it.
+fn record_decision(gw: &Gateway, req: &RequestState) {
+    if let (Some(kv), Some(inputs), Some(idx)) = (&req.model.kv, &req.kv, req.attempts.current())
+        && kv.record_decision(idx, &inputs.chain)
+    {
+        gw.cluster.share_decision(&req.model.name, &req.model.workers[idx].url, &inputs.chain);
     }
 }
 
@@ -287,7 +290,7 @@ fn waited(gw: &Gateway, session: &ClientConn, req: &mut RequestState, r: &mut Re
         Next::Order(o) if awaited.is_some() => elsewhere(worker, o).map_or(Waited::Again, |o| Waited::End(BodyEnd::BeforeFirstByte(LegEnd::Reroute(o)))),
         Next::Chunk(c) => {
             if awaited.take().is_some() {
-                record_decision(req);
+                record_decision(gw, req);
             }
             Waited::Chunk(c)
         }

@@ -7,11 +7,12 @@
 //!   and after a reconnection asks every peer for its whole picture (a resync);
 //! - lease: takes or renews the leader's lease ([`crate::cluster::lease`]);
 //! - affinity: shares the stored responses this replica relayed and learns the peers';
-//! - asks: answers the admin requests peers forward about requests this replica holds.
+//! - asks: answers the admin requests peers forward about requests this replica holds;
+//! - decisions: shares approximate mode's routing decisions and records the peers'.
 //!
 //! Without `cluster:` the task waits forever and costs nothing.
 
-use crate::cluster::wire::{Ask, Load, LoadMessage, WorkerLoad, unix_us};
+use crate::cluster::wire::{Ask, Decisions, Load, LoadMessage, WorkerLoad, unix_us};
 use crate::cluster::{Shared, affinity};
 use crate::gateway::Gateway;
 use async_nats::connection::State;
@@ -38,6 +39,7 @@ pub async fn run(gw: Arc<Gateway>) {
         () = lease(&s, &client) => {}
         () = share_affinity(&gw, &s, &client) => {}
         () = answer_asks(&gw, &s, &client) => {}
+        () = share_decisions(&gw, &s, &client) => {}
     }
 }
 
@@ -334,6 +336,53 @@ async fn answer_asks(gw: &Arc<Gateway>, s: &Shared, client: &async_nats::Client)
                 });
             }
             Some(_) = running.join_next() => {}
+        }
+    }
+}
+
+/// Most decisions in one message.
+const DECISIONS_PER_MESSAGE: usize = 256;
+
+/// The decisions loop (module doc): what this replica decided goes out in batches of what has
+/// piled up; what the peers decided is recorded as if this replica had decided it.
+async fn share_decisions(gw: &Gateway, s: &Shared, client: &async_nats::Client) {
+    let Ok(mut theirs) = client.subscribe(s.subjects.decisions.clone()).await else { return };
+    let mut ours = s.decisions_inbox.lock().await;
+    let mut batch = Vec::with_capacity(DECISIONS_PER_MESSAGE);
+    loop {
+        tokio::select! {
+            n = ours.recv_many(&mut batch, DECISIONS_PER_MESSAGE) => {
+                if n == 0 {
+                    return;
+                }
+                let m = Decisions { replica: s.replica.clone(), decisions: std::mem::take(&mut batch) };
+                if connected(client)
+                    && let Ok(payload) = serde_json::to_vec(&m)
+                    && !matches!(tokio::time::timeout(Duration::from_millis(s.cfg.heartbeat_ms), client.publish(s.subjects.decisions.clone(), payload.into())).await, Ok(Ok(())))
+                {
+                    s.metrics.publish_failures.inc();
+                }
+            }
+            m = theirs.next() => match m {
+                Some(m) => record_decisions(gw, s, &m.payload),
+                None => return,
+            },
+        }
+    }
+}
+
+/// Records a peer's decisions in this replica's predicted caches.
+fn record_decisions(gw: &Gateway, s: &Shared, payload: &[u8]) {
+    let Ok(m) = serde_json::from_slice::<Decisions>(payload) else { return };
+    if m.replica == s.replica {
+        return;
+    }
+    let fleet = gw.fleet();
+    for d in m.decisions {
+        let Some(model) = fleet.models.get(d.model.as_str()) else { continue };
+        let (Some(kv), Some(i)) = (&model.kv, model.workers.iter().position(|w| w.url.to_string() == d.worker)) else { continue };
+        if kv.record_decision(i, &d.chain) {
+            s.metrics.decisions_applied.inc();
         }
     }
 }
