@@ -114,3 +114,55 @@ async fn the_kubernetes_connector_scales_the_deployment_and_follows_its_endpoint
     let change = log_lines(&dir.0).into_iter().find(|l| l["event"] == "change" && l["change"] == "down").unwrap();
     assert_eq!(change["ok"], true, "{change}");
 }
+
+/// The decisions a planner's log holds that it acted on.
+fn acted(dir: &Path) -> usize {
+    log_lines(dir).iter().filter(|l| l["event"] == "decision" && l["acted"] == true).count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn among_replicas_only_the_leader_scales_and_its_successor_does_not_scale_again() {
+    let dir = TempDir::new();
+    let kube = FakeKube::start(kvgate_tests::target::test_sim_config(), 1).await;
+    let kc = dir.0.join("kubeconfig");
+    kube.kubeconfig(&kc);
+    let nats = kvgate_tests::nats::NatsServer::start();
+    let mut gws = Vec::new();
+    let mut dirs = Vec::new();
+    for i in 0..3 {
+        let d = dir.0.join(format!("r{i}"));
+        std::fs::create_dir_all(&d).unwrap();
+        let cluster = format!("cluster:\n  nats_url: {}\n  replica: r{i}\n  heartbeat_ms: 200\n  peer_timeout_ms: 600\n  lease_ms: 800\n", nats.url());
+        gws.push(Cluster::front_yaml(format!("{cluster}{}", yaml(&d, &kc, &rules("act", 2)))).await);
+        dirs.push(d);
+    }
+    let scale_ups = || kube.requests().iter().filter(|(m, p, _)| m == "PATCH" && p.contains("/deployments/vllm/scale")).count();
+    // Below the minimum of 2: one replica scales, and every replica routes to both pods.
+    for c in &gws {
+        let two = wait_until(Duration::from_secs(30), || async { origins(c).await.len() == 2 }).await;
+        assert!(two.is_some(), "{:?}", origins(c).await);
+    }
+    assert_eq!(scale_ups(), 1, "one scale-up for one decision: {:?}", kube.requests());
+    let lead = |c: &Cluster| {
+        let (http, url) = (c.http.clone(), c.admin("/cluster"));
+        async move { http.get(url).send().await.unwrap().json::<Value>().await.unwrap()["leads"] == true }
+    };
+    let mut leader = None;
+    for (i, c) in gws.iter().enumerate() {
+        if lead(c).await {
+            leader = Some(i);
+        }
+    }
+    let leader = leader.expect("one replica leads");
+    for (i, d) in dirs.iter().enumerate() {
+        assert_eq!(acted(d) > 0, i == leader, "only the leader's planner acts, the others observe (replica {i}): {:?}", log_lines(d));
+    }
+    let mut gone = gws.remove(leader);
+    dirs.remove(leader);
+    gone.stop_gateway(kvgate::Stop::Fast).await;
+    // A successor leads and decides, on the fleet the first one scaled: nothing more to start.
+    let next = wait_until(Duration::from_secs(10), || async { dirs.iter().any(|d| acted(d) >= 3) }).await;
+    assert!(next.is_some(), "a successor's planner acts");
+    assert_eq!(scale_ups(), 1, "the successor did not scale again: {:?}", kube.requests());
+    assert_eq!(kube.replicas().await, 2);
+}

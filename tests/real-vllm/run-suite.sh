@@ -108,6 +108,9 @@ KVGATE_TARGET_URL_2="http://127.0.0.1:$port2" KVGATE_TARGET_LORA=tiny-lora KVGAT
 # Two servers: moves between them, then the test that kills the second one (last: it is gone after).
 export KVGATE_TARGET_URL_2="http://127.0.0.1:$port2"
 cargo test -p kvgate-tests --test migration -- --test-threads=1 --skip a_real_vllm_server_killed
+# Replicas over a real nats-server: a stored response's next turn, sent to another replica, lands
+# on the worker that stored it.
+cargo test -p kvgate-tests --test replicas -- --test-threads=1 a_stored_responses_next_turn
 KVGATE_TARGET_PID_2="$pid2" cargo test -p kvgate-tests --test migration -- --test-threads=1 a_real_vllm_server_killed
 # The planner's local connector starts a real vLLM from run.sh (the second server is gone, so
 # two still fit) and stops it after its streams moved to the first (#35).

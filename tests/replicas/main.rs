@@ -29,16 +29,21 @@ async fn replicas(n: usize, workers: usize, sim: SimConfig) -> Replicas {
 
 /// [`replicas`] whose gateways are configured as `base` says, besides their `cluster` section.
 async fn replicas_with(n: usize, workers: usize, sim: SimConfig, base: GatewayOpts) -> Replicas {
-    let nats = NatsServer::start();
     let mut sims = Vec::new();
     for _ in 0..workers {
         sims.push(SimServer::start(sim.clone()).await.expect("sim starts"));
     }
     let urls: Vec<String> = sims.iter().map(SimServer::url).collect();
+    replicas_over(n, sims, &urls, base).await
+}
+
+/// `n` replicas configured as `base` says in front of `urls` (served by `sims`, or real vLLM).
+async fn replicas_over(n: usize, sims: Vec<SimServer>, urls: &[String], base: GatewayOpts) -> Replicas {
+    let nats = NatsServer::start();
     let mut gws = Vec::new();
     for i in 0..n {
         let opts = GatewayOpts { extra: format!("{}\n{}", base.extra, cluster_yaml(&nats.url(), &format!("r{i}"))), ..base.clone() };
-        gws.push(Cluster::front(&urls, opts).await);
+        gws.push(Cluster::front(urls, opts).await);
     }
     let r = Replicas { nats, _sims: sims, gws };
     for g in &r.gws {
@@ -136,14 +141,27 @@ async fn a_silent_replicas_bookings_leave_the_others_views_within_the_peer_timeo
     assert!(m.sum("kvgate_cluster_peers_expired_total", &[]) >= 1.0);
 }
 
+/// The real-vLLM pair when the environment names one (tests/real-vllm/run-suite.sh, its servers
+/// started with VLLM_ENABLE_RESPONSES_API_STORE=1), else three simulators storing responses;
+/// and the model they serve.
+async fn storing_replicas() -> (Replicas, String) {
+    match (std::env::var("KVGATE_TARGET_URL"), std::env::var("KVGATE_TARGET_URL_2")) {
+        (Ok(a), Ok(b)) => {
+            let model = std::env::var("KVGATE_TARGET_MODEL").unwrap_or_else(|_| "tiny".into());
+            (replicas_over(2, Vec::new(), &[a, b], GatewayOpts::real_vllm(&model)).await, model)
+        }
+        _ => (replicas(2, 3, SimConfig { responses_store: true, ..test_sim_config() }).await, "sim-model".into()),
+    }
+}
+
 #[tokio::test]
 async fn a_stored_responses_next_turn_lands_on_its_worker_from_any_replica() {
-    let r = replicas(2, 3, SimConfig { responses_store: true, ..test_sim_config() }).await;
+    let (r, model) = storing_replicas().await;
     let worker = |resp: &reqwest::Response| resp.headers().get("x-kvgate-worker").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
     for turn in 0..6 {
         let (a, b) = (&r.gws[turn % 2], &r.gws[(turn + 1) % 2]);
-        let first =
-            a.http.post(a.url("/v1/responses")).json(&json!({"model": "sim-model", "input": unique_text(8), "max_output_tokens": 2})).send().await.unwrap();
+        let first = a.http.post(a.url("/v1/responses")).json(&json!({"model": model, "input": unique_text(8), "max_output_tokens": 2})).send().await.unwrap();
+        assert_eq!(first.status(), 200);
         let home = worker(&first);
         let v: Value = first.json().await.unwrap();
         let id = v["id"].as_str().expect("a response id").to_string();
@@ -155,7 +173,7 @@ async fn a_stored_responses_next_turn_lands_on_its_worker_from_any_replica() {
         })
         .await;
         assert!(knows.is_some_and(|t| t < Duration::from_secs(1)), "turn {turn}: replica b learned where {id} lives within a second ({knows:?})");
-        let body = json!({"model": "sim-model", "input": "and then?", "previous_response_id": id, "max_output_tokens": 2});
+        let body = json!({"model": model, "input": "and then?", "previous_response_id": id, "max_output_tokens": 2});
         let next = b.http.post(b.url("/v1/responses")).json(&body).send().await.unwrap();
         assert_eq!((next.status().as_u16(), worker(&next)), (200, home.clone()), "turn {turn}");
     }
@@ -275,4 +293,30 @@ async fn approximate_mode_learns_the_peers_routing_decisions() {
         let again = b.http.post(b.url("/v1/completions")).json(&body).send().await.unwrap();
         assert_eq!(worker(&again), home, "prompt {k}: replica b predicts the cache replica a filled");
     }
+}
+
+#[tokio::test]
+async fn a_replica_that_starts_late_gets_its_peers_bookings_at_once() {
+    // Heartbeats 10 s apart: what the late replica learns sooner, its peer sent on its hello.
+    let nats = NatsServer::start();
+    let mut sims = Vec::new();
+    for _ in 0..2 {
+        sims.push(SimServer::start(sim(1.0)).await.expect("sim starts"));
+    }
+    let urls: Vec<String> = sims.iter().map(SimServer::url).collect();
+    let slow = |name: &str| GatewayOpts {
+        extra: format!(
+            "cluster:\n  nats_url: {}\n  deployment: test\n  replica: {name}\n  heartbeat_ms: 10000\n  peer_timeout_ms: 30000\n  lease_ms: 20000\n",
+            nats.url()
+        ),
+        ..GatewayOpts::default()
+    };
+    let a = Cluster::front(&urls, slow("a")).await;
+    let up = wait_until(Duration::from_secs(5), || async { cluster(&a).await["connected"] == true }).await;
+    assert!(up.is_some(), "{}", cluster(&a).await);
+    let streams: Vec<_> = futures_util::future::join_all((0..3).map(|i| open_stream(&a, format!("early{i}"), 400))).await;
+    let b = Cluster::front(&urls, slow("b")).await;
+    let seen = wait_until(Duration::from_secs(5), || async { in_flight(&b).await.iter().sum::<u64>() == 3 }).await;
+    assert!(seen.is_some(), "the late replica sees its peer's three streams before a heartbeat: {:?}", in_flight(&b).await);
+    drop(streams);
 }

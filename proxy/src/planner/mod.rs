@@ -135,7 +135,10 @@ impl ModelPlanner {
     }
 
     /// One step: finish a change that ended, reap dead workers, pull and decide when due, act.
-    pub async fn tick(&mut self, gw: &Arc<Gateway>) {
+    /// `leads`: this gateway runs its deployment's fleet-wide decisions (alone, or holding the
+    /// replicas' lease); otherwise it observes, deciding as the leader would and acting on
+    /// nothing.
+    pub async fn tick(&mut self, gw: &Arc<Gateway>, leads: bool) {
         if self.change.as_ref().is_some_and(|h| h.is_finished()) {
             let outcome = match self.change.take().expect("checked").await {
                 Ok(o) => o,
@@ -162,7 +165,7 @@ impl ModelPlanner {
         if now >= self.next_adjust {
             self.next_adjust = now + secs(self.cfg.rules.adjustment_interval_s);
             if let Some(d) = self.rules.adjust(Workers { decode: running, prefill: 0 }, adjusting) {
-                let act = self.cfg.rules.mode == PlanMode::Act && self.connector.is_some();
+                let act = leads && self.cfg.rules.mode == PlanMode::Act && self.connector.is_some();
                 let wanted = match d.decode.0 {
                     Change::Up => running + 1,
                     Change::Down => running - 1,
@@ -180,7 +183,7 @@ impl ModelPlanner {
         }
         // A worker that died is replaced without waiting for a decision (a cluster's own
         // controller replaces those it runs).
-        let replaces = self.connector.as_ref().is_some_and(|c| !c.discovers());
+        let replaces = leads && self.connector.as_ref().is_some_and(|c| !c.discovers());
         if replaces
             && self.change.is_none()
             && now >= self.retry_at

@@ -34,11 +34,11 @@ pub async fn run(gw: Arc<Gateway>) {
             }
         }
         drop(cfg);
-        // In a cluster only the leader plans; the others take over when its lease lapses.
-        if gw.cluster.acts() {
-            for p in planners.values_mut() {
-                p.tick(&gw).await;
-            }
+        // In a cluster only the leader acts; the others observe, and take over when its lease
+        // lapses.
+        let leads = gw.cluster.acts();
+        for p in planners.values_mut() {
+            p.tick(&gw, leads).await;
         }
         let mut status: Vec<_> = planners.values().map(ModelPlanner::status).collect();
         status.sort_by(|a, b| a.model.cmp(&b.model));
