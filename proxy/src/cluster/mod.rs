@@ -52,6 +52,8 @@ pub struct Shared {
     pub members: Mutex<members::Members>,
     /// The leader's lease as this replica knows it.
     pub lease: Mutex<lease::Lease>,
+    /// Another process publishes under this replica's name (said once in the log).
+    pub name_clash: std::sync::atomic::AtomicBool,
     outbox: mpsc::Sender<(String, String)>,
     /// The outbox's other end, held by the cluster task while it runs.
     pub inbox: tokio::sync::Mutex<mpsc::Receiver<(String, String)>>,
@@ -76,6 +78,7 @@ impl Cluster {
             client: Mutex::new(None),
             members: Mutex::default(),
             lease: Mutex::default(),
+            name_clash: std::sync::atomic::AtomicBool::new(false),
             outbox,
             inbox: tokio::sync::Mutex::new(inbox),
             decisions,

@@ -180,8 +180,8 @@ fn own_loads(gw: &Gateway) -> HashMap<String, Load> {
 fn apply(gw: &Gateway, s: &Shared, payload: &[u8]) {
     let Ok(m) = serde_json::from_slice::<LoadMessage>(payload) else { return };
     if m.replica == s.replica {
-        if m.instance != s.instance {
-            tracing::warn!(replica = %m.replica, "cluster: another process uses this replica's name; names must differ");
+        if m.instance != s.instance && !s.name_clash.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            tracing::error!(replica = %m.replica, "cluster: another process publishes under this replica's name; its bookings are not counted (names must differ)");
         }
         return;
     }
