@@ -19,7 +19,7 @@ use async_nats::connection::State;
 use async_nats::jetstream::{self, kv};
 use futures_util::StreamExt;
 use kvgate_filters::ledger::clock_us;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -49,6 +49,8 @@ async fn connect(s: &Shared) -> Result<async_nats::Client, async_nats::ConnectEr
     async_nats::ConnectOptions::new()
         .name(format!("kvgate {}", s.replica))
         .retry_on_initial_connect()
+        // A replica's own messages are of no use to it: not sent back, not parsed.
+        .no_echo()
         .max_reconnects(None)
         .reconnect_delay_callback(|attempts| Duration::from_millis((100 * attempts as u64).min(1_000)))
         .connect(servers)
@@ -67,7 +69,16 @@ async fn load(gw: &Arc<Gateway>, s: &Arc<Shared>, client: &async_nats::Client) {
     let heartbeat = Duration::from_millis(s.cfg.heartbeat_ms);
     let mut tick = tokio::time::interval(Duration::from_millis(s.cfg.publish_interval_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-    let mut out = Outgoing { published: HashMap::new(), last_full: None, full_due: true, was_connected: false, ever_connected: false };
+    let mut out = Outgoing {
+        fleet: None,
+        workers: Vec::new(),
+        published: Vec::new(),
+        admin: gw.config().admin_listen.to_string(),
+        last_full: None,
+        full_due: true,
+        was_connected: false,
+        ever_connected: false,
+    };
     loop {
         tokio::select! {
             _ = tick.tick() => {
@@ -89,8 +100,15 @@ async fn load(gw: &Arc<Gateway>, s: &Arc<Shared>, client: &async_nats::Client) {
 
 /// What this replica has published of its own bookings.
 struct Outgoing {
-    /// Per worker URL, as last published.
-    published: HashMap<String, Load>,
+    /// The fleet `workers` was read from.
+    fleet: Option<Arc<crate::fleet::Fleet>>,
+    /// Each distinct worker URL of that fleet, the ledger it is read from and its index there
+    /// (a worker several models share counts once, with the first model's ledger).
+    workers: Vec<(String, Arc<kvgate_filters::ledger::Ledger>, u16)>,
+    /// Per entry of `workers`, as last published.
+    published: Vec<Load>,
+    /// This replica's admin listener, as its peers show it.
+    admin: String,
     last_full: Option<Instant>,
     /// Publish everything at the next tick (a heartbeat, a peer's hello, a reconnection).
     full_due: bool,
@@ -118,27 +136,23 @@ impl Outgoing {
         if self.last_full.is_none_or(|t| t.elapsed() >= heartbeat) {
             self.full_due = true;
         }
-        let own = own_loads(gw);
+        // A new fleet: what the peers hold of the old one is replaced by a whole picture.
+        self.full_due |= self.refresh(gw);
+        let now = clock_us();
+        let own: Vec<Load> = self.workers.iter().map(|(_, ledger, i)| Load::from(ledger.own(*i, now))).collect();
         let full = std::mem::take(&mut self.full_due);
-        let workers: Vec<WorkerLoad> = if full {
-            own.iter().filter(|(_, l)| **l != Load::default()).map(|(url, load)| WorkerLoad { url: url.clone(), load: *load }).collect()
-        } else {
-            let gone = self.published.keys().filter(|u| !own.contains_key(*u)).map(|url| WorkerLoad { url: url.clone(), load: Load::default() });
-            let changed =
-                own.iter().filter(|(u, l)| self.published.get(*u).is_none_or(|p| p.differs(l))).map(|(url, load)| WorkerLoad { url: url.clone(), load: *load });
-            gone.chain(changed).collect()
-        };
+        let workers: Vec<WorkerLoad> = self
+            .workers
+            .iter()
+            .zip(&own)
+            .zip(&self.published)
+            .filter(|((_, load), was)| if full { **load != Load::default() } else { load.differs(was) })
+            .map(|(((url, _, _), load), _)| WorkerLoad { url: url.clone(), load: *load })
+            .collect();
         if !full && workers.is_empty() {
             return;
         }
-        let m = LoadMessage {
-            replica: s.replica.clone(),
-            instance: s.instance.clone(),
-            full,
-            sent_us: unix_us(),
-            admin: gw.config().admin_listen.to_string(),
-            workers,
-        };
+        let m = LoadMessage { replica: s.replica.clone(), instance: s.instance.clone(), full, sent_us: unix_us(), admin: self.admin.clone(), workers };
         let Ok(payload) = serde_json::to_vec(&m) else { return };
         if self.send(s, client, s.subjects.load.clone(), payload).await {
             self.published = own;
@@ -150,6 +164,28 @@ impl Outgoing {
         }
     }
 
+    /// Reads the fleet's workers again when the fleet was replaced; whether it was.
+    fn refresh(&mut self, gw: &Gateway) -> bool {
+        let fleet = gw.fleet();
+        if self.fleet.as_ref().is_some_and(|f| Arc::ptr_eq(f, &fleet)) {
+            return false;
+        }
+        let mut seen = HashSet::new();
+        self.workers.clear();
+        for name in &fleet.order {
+            let m = &fleet.models[name];
+            for (i, w) in m.workers.iter().enumerate() {
+                let url = w.url.to_string();
+                if seen.insert(url.clone()) {
+                    self.workers.push((url, m.ledger.clone(), i as u16));
+                }
+            }
+        }
+        self.published = vec![Load::default(); self.workers.len()];
+        self.fleet = Some(fleet);
+        true
+    }
+
     /// Publishes without waiting long: a client whose buffer is full counts a failure.
     async fn send(&self, s: &Shared, client: &async_nats::Client, subject: String, payload: Vec<u8>) -> bool {
         let sent = tokio::time::timeout(Duration::from_millis(s.cfg.heartbeat_ms), client.publish(subject, payload.into())).await;
@@ -159,21 +195,6 @@ impl Outgoing {
         }
         ok
     }
-}
-
-/// This replica's own bookings per worker URL (a worker several models share counts once,
-/// with the first model's ledger).
-fn own_loads(gw: &Gateway) -> HashMap<String, Load> {
-    let fleet = gw.fleet();
-    let now = clock_us();
-    let mut own = HashMap::new();
-    for name in &fleet.order {
-        let m = &fleet.models[name];
-        for (i, w) in m.workers.iter().enumerate() {
-            own.entry(w.url.to_string()).or_insert_with(|| Load::from(m.ledger.own(i as u16, now)));
-        }
-    }
-    own
 }
 
 /// Applies a peer's load message.
