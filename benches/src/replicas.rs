@@ -7,6 +7,7 @@
 //! - `unshared`: the same replicas without `cluster:`, each seeing only its own bookings;
 //! - `kill`: `shared`, and halfway through the leader is killed (SIGKILL) and taken out of the
 //!   balancer;
+//! - `kill-follower`: the same with a replica that does not lead;
 //! - `nats`: `shared`, and halfway through `nats-server` is killed and started again 2 s later.
 //!
 //! While a shared case runs, every replica's view of each worker's requests in flight is
@@ -37,6 +38,8 @@ pub enum Case {
     Unshared,
     /// Shared; the leader killed halfway.
     Kill,
+    /// Shared; a replica that does not lead killed halfway.
+    KillFollower,
     /// Shared; NATS killed halfway and restarted.
     Nats,
 }
@@ -49,8 +52,9 @@ impl Case {
             "shared" => Case::Shared,
             "unshared" => Case::Unshared,
             "kill" => Case::Kill,
+            "kill-follower" => Case::KillFollower,
             "nats" => Case::Nats,
-            _ => return Err(format!("unknown case {s:?} (one, shared, unshared, kill, nats)")),
+            _ => return Err(format!("unknown case {s:?} (one, shared, unshared, kill, kill-follower, nats)")),
         })
     }
 
@@ -60,12 +64,13 @@ impl Case {
             Case::Shared => format!("{n} replicas, shared"),
             Case::Unshared => format!("{n} replicas, not shared"),
             Case::Kill => format!("{n} replicas, shared, leader killed"),
+            Case::KillFollower => format!("{n} replicas, shared, a follower killed"),
             Case::Nats => format!("{n} replicas, shared, NATS restarted"),
         }
     }
 
     fn shares(self) -> bool {
-        matches!(self, Case::Shared | Case::Kill | Case::Nats)
+        matches!(self, Case::Shared | Case::Kill | Case::KillFollower | Case::Nats)
     }
 }
 
@@ -258,7 +263,8 @@ async fn run_case(o: &Options, case: Case, w: &Workload, halfway: Duration) -> R
     let event = async {
         tokio::time::sleep(halfway).await;
         match case {
-            Case::Kill => Some(kill_leader(fleet_ref, &spread).await),
+            Case::Kill => Some(kill(fleet_ref, &spread, true).await),
+            Case::KillFollower => Some(kill(fleet_ref, &spread, false).await),
             Case::Nats => Some(restart_nats(fleet_ref).await),
             _ => None,
         }
@@ -339,17 +345,18 @@ fn p99_bucket(m: &Metrics, name: &str) -> Option<f64> {
     bounds.iter().find(|(_, c)| *c >= 0.99 * total).map(|(b, _)| *b)
 }
 
-/// Kills the leader with SIGKILL, takes it out of the balancer, and times how long its
-/// bookings stay in the others' views and how long until another replica leads.
-async fn kill_leader(fleet: &Fleet, spread: &Arc<Spread>) -> Result<String, String> {
+/// Kills the leader (`leader`) or a replica that does not lead with SIGKILL, takes it out of
+/// the balancer, and times how long its bookings stay in the others' views and how long until
+/// exactly one of the others leads.
+async fn kill(fleet: &Fleet, spread: &Arc<Spread>, leader: bool) -> Result<String, String> {
     let http = reqwest::Client::new();
-    let mut leader = None;
+    let mut chosen = None;
     for (i, r) in fleet.replicas.iter().enumerate() {
-        if get(&http, &format!("{}/cluster", r.admin)).await["leads"] == true {
-            leader = Some(i);
+        if (get(&http, &format!("{}/cluster", r.admin)).await["leads"] == true) == leader {
+            chosen = Some(i);
         }
     }
-    let i = leader.ok_or("no replica leads")?;
+    let i = chosen.ok_or("no such replica")?;
     let r = &fleet.replicas[i];
     let pid = r.child.as_ref().map(Child::id).ok_or("not running")?;
     let killed = Instant::now();
@@ -377,7 +384,13 @@ async fn kill_leader(fleet: &Fleet, spread: &Arc<Spread>) -> Result<String, Stri
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let ms = |d: Option<Duration>| d.map_or("never (30 s)".into(), |d| format!("{} ms", d.as_millis()));
-    Ok(format!("leader {} killed (SIGKILL) halfway: its bookings left the others' views after {}, another replica led after {}", r.name, ms(dropped), ms(led)))
+    let what = if leader { "leader" } else { "follower" };
+    Ok(format!(
+        "{what} {} killed (SIGKILL) halfway: its bookings left the others' views after {}, one of the others led after {}",
+        r.name,
+        ms(dropped),
+        ms(led)
+    ))
 }
 
 /// Kills `nats-server`, starts it again 2 s later on the same port, and times until every

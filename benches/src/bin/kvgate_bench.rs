@@ -116,8 +116,8 @@ enum Cmd {
         /// Replicas in the multi-replica cases.
         #[arg(long, default_value_t = 3)]
         replicas: usize,
-        /// Cases, comma-separated: one, shared, unshared, kill, nats.
-        #[arg(long, value_delimiter = ',', default_value = "one,shared,unshared,kill,nats")]
+        /// Cases, comma-separated: one, shared, unshared, kill, kill-follower, nats.
+        #[arg(long, value_delimiter = ',', default_value = "one,shared,unshared,kill,kill-follower,nats")]
         cases: Vec<String>,
         /// The vllm-sim binary.
         #[arg(long, default_value = "target/release/vllm-sim")]
