@@ -127,6 +127,13 @@ pub fn clock_us() -> u64 {
 /// Per-worker load booked by the gateway for one model.
 pub struct Ledger {
     booked: booked_prefixes::BookedPrefixes,
+    /// The chains the replica's peers booked on this model's workers (credit only: their blocks
+    /// reach this replica as the peers' load).
+    peer_booked: booked_prefixes::BookedPrefixes,
+    /// How many chains `peer_booked` holds: none, and placements skip it.
+    peer_chains: AtomicU64,
+    /// Where this replica's booked chains go to reach its peers (set once, with replicas).
+    sink: std::sync::OnceLock<Arc<dyn peers::ChainSink>>,
     workers: Box<[Arc<WorkerCounters>]>,
     tracking: Tracking,
     next_id: AtomicU64,
@@ -156,6 +163,8 @@ type LiveShard = Mutex<HashMap<u64, (u64, Arc<Release>), kvgate_kv::hash::BuildI
 /// What a booking holds, released once (by the guard or by expiry).
 struct Release {
     worker: WorkerId,
+    /// The key its chain is shared with the replica's peers under (0: no chain).
+    chain_key: u64,
     prefill: u64,
     /// Its prompt's chain as booked (none unless reuse is assumed and the chain is not empty).
     chain: Option<Arc<[BlockHash]>>,
@@ -243,6 +252,9 @@ impl Ledger {
         let workers: Box<[Arc<WorkerCounters>]> = if workers.is_empty() { vec![Arc::default()].into() } else { workers.into() };
         Arc::new(Self {
             booked: booked_prefixes::BookedPrefixes::new(workers.len()),
+            peer_booked: booked_prefixes::BookedPrefixes::new(workers.len()),
+            peer_chains: AtomicU64::new(0),
+            sink: std::sync::OnceLock::new(),
             workers,
             tracking,
             next_id: AtomicU64::new(1),
@@ -341,6 +353,9 @@ impl Ledger {
         }
         if let Some(chain) = &r.chain {
             self.booked.remove(r.worker, chain);
+            if let Some(sink) = self.sink.get() {
+                sink.released(r.chain_key, r.worker);
+            }
         }
     }
 
@@ -545,9 +560,41 @@ impl Ledger {
         (chained + l.private_blocks.load(Ordering::Relaxed), (output + 500) / 1000)
     }
 
-    /// How many leading blocks of `chain` are already booked, per worker.
+    /// How many leading blocks of `chain` are already booked, per worker, by this replica or
+    /// one of its peers.
     pub fn overlap(&self, chain: &[BlockHash]) -> Matches {
-        if self.tracking.assume_kv_reuse { self.booked.overlap(chain) } else { Matches::default() }
+        if !self.tracking.assume_kv_reuse {
+            return Matches::default();
+        }
+        if self.peer_chains.load(Ordering::Relaxed) == 0 {
+            return self.booked.overlap(chain);
+        }
+        let mut best = vec![0u32; self.workers.len()];
+        self.booked.overlap_into(chain, &mut best);
+        self.peer_booked.overlap_into(chain, &mut best);
+        Matches { scores: best.iter().enumerate().filter(|&(_, &b)| b > 0).map(|(w, &b)| (w as WorkerId, b)).collect() }
+    }
+
+    /// Sends every chain this ledger books from now on, and its release, to `sink` (the
+    /// replica's peers); false when a sink was set already.
+    pub fn share_chains(&self, sink: Arc<dyn peers::ChainSink>) -> bool {
+        self.sink.set(sink).is_ok()
+    }
+
+    /// A peer booked `chain` on `w`: it counts for [`Ledger::overlap`] until
+    /// [`Ledger::remove_peer_chain`].
+    pub fn add_peer_chain(&self, w: WorkerId, chain: &Arc<[BlockHash]>) {
+        if self.tracking.assume_kv_reuse && !chain.is_empty() && self.worker(w).is_some() {
+            self.peer_booked.add(w, chain);
+            self.peer_chains.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A peer released its booking of `chain` on `w`.
+    pub fn remove_peer_chain(&self, w: WorkerId, chain: &[BlockHash]) {
+        if self.peer_booked.remove(w, chain) {
+            self.peer_chains.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 
     /// Books `load` on `w`, until the returned guard drops.
@@ -608,11 +655,18 @@ impl Ledger {
         // Without reuse assumed, no two requests share blocks: the count per request
         // (`raw_blocks`) is all there is to book.
         let chain: Option<Arc<[BlockHash]>> = (self.tracking.assume_kv_reuse && !chain.is_empty()).then(|| chain.into());
+        // Unique in the process: the key a peer knows the chain by until it is released.
+        static CHAIN_KEYS: AtomicU64 = AtomicU64::new(1);
+        let chain_key = if chain.is_some() { CHAIN_KEYS.fetch_add(1, Ordering::Relaxed) } else { 0 };
         if let Some(chain) = &chain {
             self.booked.add(w, chain);
+            if let Some(sink) = self.sink.get() {
+                sink.booked(chain_key, w, chain);
+            }
         }
         Arc::new(Release {
             worker: w,
+            chain_key,
             prefill: prefill_tokens,
             chain,
             raw_blocks,
@@ -741,6 +795,40 @@ mod tests {
         assert!(c.prefill_backlog_ms >= 200.0 && (c.decode_sensitivity - 0.5).abs() < 1e-9);
         assert!((c.prefill_load - (own.prefill_load + 0.3)).abs() < 1e-9);
         assert_eq!(s.own(0, now), own, "what it publishes is its own only");
+    }
+
+    #[test]
+    fn a_peers_chain_counts_as_booked_until_released_and_its_own_go_to_the_sink() {
+        #[derive(Default)]
+        struct Seen(Mutex<Vec<(u64, WorkerId, bool)>>);
+        impl peers::ChainSink for Seen {
+            fn booked(&self, key: u64, w: WorkerId, _: &Arc<[BlockHash]>) {
+                self.0.lock().push((key, w, true));
+            }
+            fn released(&self, key: u64, w: WorkerId) {
+                self.0.lock().push((key, w, false));
+            }
+        }
+        let s = Ledger::new(2, Tracking::default());
+        let theirs: Arc<[BlockHash]> = vec![1, 2, 3].into();
+        s.add_peer_chain(1, &theirs);
+        let own = s.book(0, prompt(16, vec![1, 2]));
+        assert_eq!((s.overlap(&[1, 2, 3, 4]).get(0), s.overlap(&[1, 2, 3, 4]).get(1)), (2, 3), "own and peers' bookings both count");
+        assert_eq!(s.active_blocks(1), 0, "a peer's blocks reach this replica as its load, not here");
+        s.remove_peer_chain(1, &theirs);
+        s.remove_peer_chain(1, &theirs);
+        assert_eq!(s.overlap(&[1, 2, 3]).get(1), 0);
+        drop(own);
+        let seen = Arc::new(Seen::default());
+        assert!(s.share_chains(seen.clone()));
+        assert!(!s.share_chains(seen.clone()), "set once");
+        let b = s.book(1, prompt(16, vec![7, 8]));
+        drop(b);
+        let _unchained = s.book(0, prompt(16, Vec::new()));
+        let got = seen.0.lock().clone();
+        assert_eq!(got.len(), 2, "a chain booked and released, nothing for a request without one: {got:?}");
+        assert_eq!((got[0].1, got[0].2, got[1].1, got[1].2), (1, true, 1, false));
+        assert_eq!(got[0].0, got[1].0, "under one key");
     }
 
     #[test]

@@ -3,6 +3,8 @@
 //! replica, admin requests answered by the replica holding the request, one leader and its
 //! successor, a NATS restart, and a request path that never waits for NATS.
 
+#![allow(clippy::float_cmp, reason = "tests compare exact metric values, counts the gateway reports as floats")]
+
 use futures_util::StreamExt;
 use kvgate_tests::cluster::{Cluster, GatewayOpts, wait_until};
 use kvgate_tests::nats::NatsServer;
@@ -319,4 +321,32 @@ async fn a_replica_that_starts_late_gets_its_peers_bookings_at_once() {
     let seen = wait_until(Duration::from_secs(5), || async { in_flight(&b).await.iter().sum::<u64>() == 3 }).await;
     assert!(seen.is_some(), "the late replica sees its peer's three streams before a heartbeat: {:?}", in_flight(&b).await);
     drop(streams);
+}
+
+#[tokio::test]
+async fn a_prefix_a_peers_request_is_computing_counts_as_booked() {
+    let base = GatewayOpts { mode: "kv".into(), routing_extra: "kv_events: false".into(), ..GatewayOpts::default() };
+    let r = replicas_with(2, 3, sim(1.0), base).await;
+    let (a, b) = (&r.gws[0], &r.gws[1]);
+    let chains = |g: &Cluster| {
+        let (http, url) = (g.http.clone(), g.admin("/metrics"));
+        async move { kvgate_tests::prom::Metrics::parse(&http.get(url).send().await.unwrap().text().await.unwrap()).sum("kvgate_cluster_peer_chains", &[]) }
+    };
+    let prompt: Vec<u32> = (0..512).map(|t| 200 + t).collect();
+    let body = json!({"model": "sim-model", "prompt": prompt, "max_tokens": 400, "ignore_eos": true, "stream": true});
+    let running = a.http.post(a.url("/v1/completions")).json(&body).send().await.unwrap();
+    let home = running.headers().get("x-kvgate-worker").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
+    let shared = wait_until(Duration::from_secs(5), || async { chains(b).await >= 1.0 }).await;
+    assert!(shared.is_some(), "replica b holds replica a's booked chain");
+    let probe = json!({"model": "sim-model", "prompt": prompt, "max_tokens": 1});
+    let done = b.http.post(b.url("/v1/completions")).header("x-request-id", "probe").json(&probe).send().await.unwrap();
+    assert_eq!(done.status(), 200);
+    let v = get(b, "/requests/probe").await;
+    let candidates = v["route_receipt"][0]["candidates"].as_array().cloned().unwrap_or_default();
+    let at_home =
+        candidates.iter().find(|c| c["url"].as_str().is_some_and(|u| u.trim_end_matches('/') == home.trim_end_matches('/'))).cloned().unwrap_or_default();
+    assert_eq!(at_home["active_overlap_blocks"], 32, "the 32 blocks replica a's request books on {home} count on replica b: {v}");
+    drain(running).await;
+    let released = wait_until(Duration::from_secs(5), || async { chains(b).await == 0.0 }).await;
+    assert!(released.is_some(), "released with the request");
 }

@@ -349,12 +349,12 @@ impl BookedPrefixes {
         distinct.fetch_add((chain.len() - held) as u64, Ordering::Relaxed);
     }
 
-    /// Releases one booking of `chain` on `w`; nothing if there is none.
-    pub fn remove(&self, w: WorkerId, chain: &[BlockHash]) {
-        let Some(distinct) = self.distinct.get(w as usize).filter(|_| !chain.is_empty()) else { return };
-        if let Some(held) = self.tree.lock().remove(chain, w) {
-            distinct.fetch_sub((chain.len() - held) as u64, Ordering::Relaxed);
-        }
+    /// Releases one booking of `chain` on `w`; nothing if there is none. Whether there was.
+    pub fn remove(&self, w: WorkerId, chain: &[BlockHash]) -> bool {
+        let Some(distinct) = self.distinct.get(w as usize).filter(|_| !chain.is_empty()) else { return false };
+        let Some(held) = self.tree.lock().remove(chain, w) else { return false };
+        distinct.fetch_sub((chain.len() - held) as u64, Ordering::Relaxed);
+        true
     }
 
     /// Per worker, the most leading blocks of `chain` one of its bookings shares (workers
@@ -364,8 +364,16 @@ impl BookedPrefixes {
             return Matches::default();
         }
         let mut best = vec![0u32; self.distinct.len()];
-        self.tree.lock().overlap(chain, &mut best);
+        self.overlap_into(chain, &mut best);
         Matches { scores: best.iter().enumerate().filter(|&(_, &b)| b > 0).map(|(w, &b)| (w as WorkerId, b)).collect() }
+    }
+
+    /// [`BookedPrefixes::overlap`] into `best` (one slot per worker), raising a slot only
+    /// where this tree's bookings share more: several trees' overlaps merge into one.
+    pub fn overlap_into(&self, chain: &[BlockHash], best: &mut [u32]) {
+        if !chain.is_empty() {
+            self.tree.lock().overlap(chain, best);
+        }
     }
 
     /// Distinct blocks booked on `w`.

@@ -6,7 +6,21 @@
 //! worker's load (routing candidates, shedding, the router queue, the admin API), so a worker's
 //! load as any replica sees it is the sum over all of them. Without replicas it stays zero.
 
+use kvgate_kv::hash::BlockHash;
+use kvgate_kv::index::WorkerId;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+/// Where a ledger sends the prompt chains it books, to reach the replica's peers: a prefix a
+/// request in flight is computing is as good as cached to a request that shares it, whichever
+/// replica placed either ([`super::Ledger::share_chains`]). Called on the request path: it must
+/// not wait.
+pub trait ChainSink: Send + Sync {
+    /// `chain` was booked on worker `w` under `key` (unique in this process).
+    fn booked(&self, key: u64, w: WorkerId, chain: &Arc<[BlockHash]>);
+    /// The booking `key` on worker `w` was released.
+    fn released(&self, key: u64, w: WorkerId);
+}
 
 /// One replica's own bookings on one worker, or a sum of several replicas'.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]

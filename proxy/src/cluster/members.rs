@@ -93,6 +93,11 @@ impl Members {
         self.peers.values().flat_map(|p| p.loads.keys().cloned()).collect()
     }
 
+    /// Whether `replica` is a peer heard from.
+    pub fn contains(&self, replica: &str) -> bool {
+        self.peers.contains_key(replica)
+    }
+
     /// How many peers.
     pub fn len(&self) -> usize {
         self.peers.len()

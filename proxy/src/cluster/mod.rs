@@ -9,6 +9,7 @@
 //! waiting. Without `cluster:` the handle is empty and every check is one branch.
 
 pub mod affinity;
+pub mod chains;
 pub mod lease;
 pub mod members;
 pub mod wire;
@@ -58,6 +59,10 @@ pub struct Shared {
     /// The outbox's other end, held by the cluster task while it runs.
     pub inbox: tokio::sync::Mutex<mpsc::Receiver<(String, String)>>,
     decisions: mpsc::Sender<wire::Decision>,
+    /// The booked chains to share ([`chains::Sink`]'s outbox).
+    pub chains: mpsc::Sender<chains::Op>,
+    /// Their other end, held by the cluster task while it runs.
+    pub chains_inbox: tokio::sync::Mutex<mpsc::Receiver<chains::Op>>,
     /// Approximate mode's decisions to share, held by the cluster task while it runs.
     pub decisions_inbox: tokio::sync::Mutex<mpsc::Receiver<wire::Decision>>,
 }
@@ -69,6 +74,7 @@ impl Cluster {
         let replica = cfg.replica.clone().unwrap_or_else(|| default_name(instance));
         let (outbox, inbox) = mpsc::channel(AFFINITY_OUTBOX);
         let (decisions, decisions_inbox) = mpsc::channel(DECISIONS_OUTBOX);
+        let (chains, chains_inbox) = mpsc::channel(chains::OUTBOX);
         let shared = Shared {
             subjects: wire::Subjects::of(&cfg.deployment),
             cfg: cfg.clone(),
@@ -83,6 +89,8 @@ impl Cluster {
             inbox: tokio::sync::Mutex::new(inbox),
             decisions,
             decisions_inbox: tokio::sync::Mutex::new(decisions_inbox),
+            chains,
+            chains_inbox: tokio::sync::Mutex::new(chains_inbox),
         };
         Self { shared: Some(Arc::new(shared)) }
     }

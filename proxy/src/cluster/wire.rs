@@ -15,6 +15,8 @@ pub struct Subjects {
     pub ask: String,
     /// Approximate mode's routing decisions ([`Decisions`]).
     pub decisions: String,
+    /// The prompt chains each replica books and releases ([`Chains`]).
+    pub chains: String,
     /// The key-value bucket of stored responses' workers.
     pub affinity_bucket: String,
     /// The key-value bucket holding the leader's lease.
@@ -29,6 +31,7 @@ impl Subjects {
             hello: format!("kvgate.{d}.hello"),
             ask: format!("kvgate.{d}.ask"),
             decisions: format!("kvgate.{d}.decisions"),
+            chains: format!("kvgate.{d}.chains"),
             affinity_bucket: format!("kvgate_{d}_responses"),
             lease_bucket: format!("kvgate_{d}_leader"),
         }
@@ -146,6 +149,30 @@ pub struct Decision {
     pub worker: String,
     /// The prompt's chained block hashes.
     pub chain: Vec<u64>,
+}
+
+/// Prompt chains one replica booked on workers, and released, in the order it did: its peers
+/// count a prefix a request in flight is computing as cached for the requests sharing it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Chains {
+    /// The sender's replica name.
+    pub replica: String,
+    /// Bookings and releases, oldest first.
+    pub ops: Vec<ChainOp>,
+}
+
+/// A chain booked (`chain` given) or released (`chain` absent) on `worker` of `model`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ChainOp {
+    /// The booking's key, unique in the sender's process.
+    pub key: u64,
+    /// The model's name.
+    pub model: String,
+    /// The worker's URL.
+    pub worker: String,
+    /// The prompt's chained block hashes, when booked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chain: Option<Vec<u64>>,
 }
 
 /// An admin request asked of every peer: the one holding the request answers it, the others

@@ -1,11 +1,10 @@
 //! Admin requests about a request another replica holds (docs/replicas.md, "Any replica
 //! answers"): `GET /requests/{id}` and `POST /migrate` for a request not in this replica's
 //! registry are asked of every peer over NATS (request-reply on the deployment's `ask`
-//! subject); the peer holding it answers as it would itself, the others answer 404. [`answer`]
-//! is a peer's side, run by the cluster task.
+//! subject); the peer holding it answers as it would itself, the others answer 404
+//! (`super::asks`, run by the cluster task).
 
 use crate::cluster::wire::{Answer, Ask};
-use crate::downstream::errors::ClientError;
 use crate::gateway::Gateway;
 use futures_util::StreamExt;
 use std::sync::Arc;
@@ -45,18 +44,4 @@ pub async fn ask(gw: &Arc<Gateway>, what: &str, id: &str, body: &[u8], wait: Dur
     }
     s.metrics.forwarded.with_label_values(&[what, "not_found"]).inc();
     None
-}
-
-/// A peer's `ask`, answered as this replica would answer it on its own admin listener (404
-/// for a request it does not hold).
-pub async fn answer(gw: &Arc<Gateway>, ask: Ask) -> Answer {
-    let replica = gw.cluster.shared().map(|s| s.replica.clone()).unwrap_or_default();
-    let unknown = || (404, ClientError::unknown_request(&ask.id).body());
-    let (status, body) = match ask.what.as_str() {
-        "request" => gw.requests.find(&ask.id).map_or_else(unknown, |e| (200, e.to_json(true).to_string())),
-        "migrate" if gw.requests.find(&ask.id).is_some() => super::migrate::answer(gw, ask.body.as_bytes(), false).await,
-        "migrate" => unknown(),
-        other => (400, ClientError::bad_request(format!("unknown ask {other:?}"), None).body()),
-    };
-    Answer { status, body, replica }
 }

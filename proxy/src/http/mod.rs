@@ -10,6 +10,7 @@
 //! (docs/architecture.md, "The hot path's allocations").
 
 pub mod admin;
+pub mod asks;
 pub mod fleet_ops;
 pub mod forward;
 pub mod local;

@@ -39,6 +39,12 @@ pub struct ClusterMetrics {
     /// `kvgate_cluster_decisions_applied_total`: peers' approximate-mode decisions recorded in
     /// this replica's predicted cache.
     pub decisions_applied: IntCounter,
+    /// `kvgate_cluster_peer_chains`: prompt chains the peers have booked and not released, as
+    /// this replica holds them.
+    pub peer_chains: IntGauge,
+    /// `kvgate_cluster_chains_dropped_total`: booked chains not shared because the outbox to
+    /// NATS was full.
+    pub chains_dropped: IntCounter,
 }
 
 impl ClusterMetrics {
@@ -81,6 +87,8 @@ impl ClusterMetrics {
                 "kvgate_cluster_decisions_applied_total",
                 "Peers' approximate-mode decisions recorded in this replica's predicted cache.",
             ),
+            peer_chains: gauge("kvgate_cluster_peer_chains", "Prompt chains the peers booked and have not released, as this replica holds them."),
+            chains_dropped: counter("kvgate_cluster_chains_dropped_total", "Booked prompt chains not shared: the outbox to NATS was full."),
         }
     }
 }

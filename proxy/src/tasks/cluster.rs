@@ -8,12 +8,14 @@
 //! - lease: takes or renews the leader's lease ([`crate::cluster::lease`]);
 //! - affinity: shares the stored responses this replica relayed and learns the peers';
 //! - asks: answers the admin requests peers forward about requests this replica holds;
-//! - decisions: shares approximate mode's routing decisions and records the peers'.
+//! - decisions: shares approximate mode's routing decisions and records the peers';
+//! - chains: shares the prompt chains this replica books and releases, and applies the peers'
+//!   to each model's ledger ([`crate::cluster::chains`]).
 //!
 //! Without `cluster:` the task waits forever and costs nothing.
 
-use crate::cluster::wire::{Ask, Decisions, Load, LoadMessage, WorkerLoad, unix_us};
-use crate::cluster::{Shared, affinity};
+use crate::cluster::wire::{Ask, Chains, Decisions, Load, LoadMessage, WorkerLoad, unix_us};
+use crate::cluster::{Shared, affinity, chains};
 use crate::gateway::Gateway;
 use async_nats::connection::State;
 use async_nats::jetstream::{self, kv};
@@ -40,6 +42,7 @@ pub async fn run(gw: Arc<Gateway>) {
         () = share_affinity(&gw, &s, &client) => {}
         () = answer_asks(&gw, &s, &client) => {}
         () = share_decisions(&gw, &s, &client) => {}
+        () = share_chains(&gw, &s, &client) => {}
     }
 }
 
@@ -137,7 +140,7 @@ impl Outgoing {
             self.full_due = true;
         }
         // A new fleet: what the peers hold of the old one is replaced by a whole picture.
-        self.full_due |= self.refresh(gw);
+        self.full_due |= self.refresh(gw, s);
         let now = clock_us();
         let own: Vec<Load> = self.workers.iter().map(|(_, ledger, i)| Load::from(ledger.own(*i, now))).collect();
         let full = std::mem::take(&mut self.full_due);
@@ -164,8 +167,9 @@ impl Outgoing {
         }
     }
 
-    /// Reads the fleet's workers again when the fleet was replaced; whether it was.
-    fn refresh(&mut self, gw: &Gateway) -> bool {
+    /// Reads the fleet's workers again when the fleet was replaced, and has each model's
+    /// ledger share the chains it books; whether the fleet was replaced.
+    fn refresh(&mut self, gw: &Gateway, s: &Shared) -> bool {
         let fleet = gw.fleet();
         if self.fleet.as_ref().is_some_and(|f| Arc::ptr_eq(f, &fleet)) {
             return false;
@@ -174,6 +178,13 @@ impl Outgoing {
         self.workers.clear();
         for name in &fleet.order {
             let m = &fleet.models[name];
+            let sink = chains::Sink {
+                model: m.name.clone(),
+                workers: m.workers.iter().map(|w| Arc::from(w.url.to_string())).collect(),
+                outbox: s.chains.clone(),
+                dropped: s.metrics.chains_dropped.clone(),
+            };
+            m.ledger.share_chains(Arc::new(sink));
             for (i, w) in m.workers.iter().enumerate() {
                 let url = w.url.to_string();
                 if seen.insert(url.clone()) {
@@ -350,7 +361,7 @@ async fn answer_asks(gw: &Arc<Gateway>, s: &Shared, client: &async_nats::Client)
                 }
                 let (gw, client) = (gw.clone(), client.clone());
                 running.spawn(async move {
-                    let answer = crate::http::forward::answer(&gw, ask).await;
+                    let answer = crate::http::asks::answer(&gw, ask).await;
                     if let Ok(body) = serde_json::to_vec(&answer) {
                         let _ = client.publish(reply, body.into()).await;
                     }
@@ -405,5 +416,64 @@ fn record_decisions(gw: &Gateway, s: &Shared, payload: &[u8]) {
         if kv.record_decision(i, &d.chain) {
             s.metrics.decisions_applied.inc();
         }
+    }
+}
+
+/// Most chain bookings and releases in one message.
+const CHAIN_OPS_PER_MESSAGE: usize = 256;
+
+/// The chains loop (module doc): what this replica booked and released goes out in batches of
+/// what has piled up; what the peers did is applied to the ledgers; every heartbeat, the chains
+/// of peers gone and those held past the model's `booking_max_age_s` are let go.
+async fn share_chains(gw: &Gateway, s: &Shared, client: &async_nats::Client) {
+    let Ok(mut theirs) = client.subscribe(s.subjects.chains.clone()).await else { return };
+    let mut ours = s.chains_inbox.lock().await;
+    let mut batch = Vec::with_capacity(CHAIN_OPS_PER_MESSAGE);
+    let mut held = chains::Held::default();
+    let mut sweep = tokio::time::interval(Duration::from_millis(s.cfg.heartbeat_ms));
+    loop {
+        tokio::select! {
+            n = ours.recv_many(&mut batch, CHAIN_OPS_PER_MESSAGE) => {
+                if n == 0 {
+                    return;
+                }
+                let m = Chains { replica: s.replica.clone(), ops: batch.drain(..).map(|o| o.wire()).collect() };
+                if connected(client)
+                    && let Ok(payload) = serde_json::to_vec(&m)
+                    && !matches!(tokio::time::timeout(Duration::from_millis(s.cfg.heartbeat_ms), client.publish(s.subjects.chains.clone(), payload.into())).await, Ok(Ok(())))
+                {
+                    s.metrics.publish_failures.inc();
+                }
+            }
+            m = theirs.next() => match m {
+                Some(m) => apply_chains(gw, s, &mut held, &m.payload),
+                None => return,
+            },
+            _ = sweep.tick() => {
+                let max_age = gw.config().models.iter().map(|m| m.routing.booking_max_age_s).max().unwrap_or(600);
+                let members = s.members.lock();
+                held.sweep(&|r| members.contains(r), Duration::from_millis(s.cfg.peer_timeout_ms), Duration::from_secs(max_age));
+                drop(members);
+                s.metrics.peer_chains.set(i64::try_from(held.len()).unwrap_or(i64::MAX));
+            }
+        }
+    }
+}
+
+/// Applies a peer's chain bookings and releases to the ledgers of the fleet in force.
+fn apply_chains(gw: &Gateway, s: &Shared, held: &mut chains::Held, payload: &[u8]) {
+    let Ok(m) = serde_json::from_slice::<Chains>(payload) else { return };
+    if m.replica == s.replica {
+        return;
+    }
+    let fleet = gw.fleet();
+    for op in m.ops {
+        // A release needs no target: it undoes what its booking was applied to.
+        let target = op.chain.as_ref().and_then(|_| {
+            let model = fleet.models.get(op.model.as_str())?;
+            let w = model.workers.iter().position(|w| w.url.to_string() == op.worker)?;
+            Some((model.ledger.clone(), u16::try_from(w).ok()?))
+        });
+        held.apply(&m.replica, op, target);
     }
 }
