@@ -89,7 +89,7 @@ impl PeerLoad {
         self.active_blocks.store(sum.active_blocks, Ordering::Relaxed);
         self.expected_blocks.store(sum.expected_blocks, Ordering::Relaxed);
         self.decode_sensitivity.store(micro(sum.decode_sensitivity), Ordering::Relaxed);
-        self.prefill_done_at.store(now + micro(sum.prefill_backlog_ms / 1000.0), Ordering::Relaxed);
+        self.prefill_done_at.store(now.saturating_add(micro(sum.prefill_backlog_ms / 1000.0)), Ordering::Relaxed);
         self.prefill_load.store(micro(sum.prefill_load), Ordering::Relaxed);
     }
 
@@ -152,7 +152,8 @@ impl PeerLoad {
     }
 }
 
-/// `x` in millionths, rounded; negative figures are taken as zero.
+/// `x` in millionths, rounded; negative figures (and NaN) are taken as zero, those past
+/// `u64::MAX` as its maximum.
 fn micro(x: f64) -> u64 {
     #[allow(clippy::cast_sign_loss, reason = "clamped to 0 or more first")]
     let m = (x.max(0.0) * 1e6).round() as u64;

@@ -78,19 +78,25 @@ struct Applied {
     since: Instant,
 }
 
-/// The peers' chains this replica applied, by replica and key.
+/// The peers' chains this replica applied, by replica and key. Kept by the cluster's shared
+/// state, so that a restarted cluster task still releases what it applied.
 #[derive(Default)]
 pub struct Held {
     chains: HashMap<(String, u64), Applied>,
-    /// When each replica's chains were first heard of.
-    first: HashMap<String, Instant>,
+    /// Each replica's process, and when its chains were first heard of.
+    first: HashMap<String, (String, Instant)>,
 }
 
 impl Held {
     /// Applies `op` from `replica`: a booking to `ledger`'s worker `worker`, or the release of
     /// one applied before.
-    pub fn apply(&mut self, replica: &str, op: ChainOp, target: Option<(Arc<Ledger>, WorkerId)>) {
-        self.first.entry(replica.to_string()).or_insert_with(Instant::now);
+    pub fn apply(&mut self, (replica, instance): (&str, &str), op: ChainOp, target: Option<(Arc<Ledger>, WorkerId)>) {
+        let known = self.first.get(replica).map(|(i, _)| i.as_str());
+        if known.is_some_and(|i| i != instance) {
+            // The replica restarted: what its previous process booked ended with it.
+            self.forget(replica);
+        }
+        self.first.entry(replica.to_string()).or_insert_with(|| (instance.to_string(), Instant::now()));
         match op.chain {
             Some(chain) => {
                 let Some((ledger, worker)) = target else { return };
@@ -113,12 +119,24 @@ impl Held {
     /// for gone), and those held longer than `max_age` (a release that never came).
     pub fn sweep(&mut self, alive: &dyn Fn(&str) -> bool, grace: Duration, max_age: Duration) {
         let now = Instant::now();
-        let gone: Vec<String> = self.first.iter().filter(|(r, t)| !alive(r) && now.duration_since(**t) > grace).map(|(r, _)| r.clone()).collect();
+        let gone: Vec<String> = self.first.iter().filter(|(r, (_, t))| !alive(r) && now.duration_since(*t) > grace).map(|(r, _)| r.clone()).collect();
         for r in &gone {
             self.first.remove(r);
         }
         self.chains.retain(|(r, _), a| {
             let keep = !gone.contains(r) && now.duration_since(a.since) <= max_age;
+            if !keep {
+                a.ledger.remove_peer_chain(a.worker, &a.chain);
+            }
+            keep
+        });
+    }
+
+    /// Releases every chain of `replica`.
+    fn forget(&mut self, replica: &str) {
+        self.first.remove(replica);
+        self.chains.retain(|(r, _), a| {
+            let keep = r != replica;
             if !keep {
                 a.ledger.remove_peer_chain(a.worker, &a.chain);
             }
@@ -134,5 +152,26 @@ impl Held {
     /// Whether none is.
     pub fn is_empty(&self) -> bool {
         self.chains.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvgate_filters::ledger::Tracking;
+
+    #[test]
+    fn a_peer_restarted_under_its_name_takes_its_old_chains_with_it() {
+        let ledger = Ledger::new(2, Tracking::default());
+        let mut held = Held::default();
+        let add = |key| ChainOp { key, model: "m".into(), worker: "w".into(), chain: Some(vec![1, 2, 3]) };
+        held.apply(("a", "1"), add(1), Some((ledger.clone(), 1)));
+        assert_eq!(ledger.overlap(&[1, 2, 3]).get(1), 3);
+        held.apply(("a", "2"), add(7), Some((ledger.clone(), 0)));
+        assert_eq!(ledger.overlap(&[1, 2, 3]).get(1), 0, "the old process's chain went with it");
+        assert_eq!((ledger.overlap(&[1, 2, 3]).get(0), held.len()), (3, 1));
+        held.apply(("a", "2"), ChainOp { chain: None, ..add(7) }, None);
+        assert!(held.is_empty());
+        assert_eq!(ledger.overlap(&[1, 2, 3]).get(0), 0, "released");
     }
 }

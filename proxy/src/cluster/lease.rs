@@ -36,11 +36,15 @@ impl Lease {
     }
 
     /// One turn: renew the lease if held, else try to take it; otherwise learn who holds it.
-    pub async fn step(&mut self, kv: &Store, me: &str) {
+    /// False when the bucket could not be read at all (it may be gone).
+    pub async fn step(&mut self, kv: &Store, me: &str) -> bool {
         let sent = Instant::now();
         if let Some(rev) = self.revision {
             match kv.update(KEY, me.to_string().into(), rev).await {
-                Ok(r) => return self.held(r, sent, me),
+                Ok(r) => {
+                    self.held(r, sent, me);
+                    return true;
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "cluster: lost the leader's lease");
                     self.revision = None;
@@ -52,14 +56,19 @@ impl Lease {
             Ok(r) => {
                 self.taken += 1;
                 tracing::info!(replica = me, "cluster: this replica leads");
-                self.held(r, sent, me)
+                self.held(r, sent, me);
+                true
             }
-            Err(_) => {
-                self.leader = match kv.get(KEY).await {
-                    Ok(Some(v)) => Some(String::from_utf8_lossy(&v).into_owned()),
-                    _ => None,
+            Err(_) => match kv.get(KEY).await {
+                Ok(v) => {
+                    self.leader = v.map(|v| String::from_utf8_lossy(&v).into_owned());
+                    true
                 }
-            }
+                Err(_) => {
+                    self.leader = None;
+                    false
+                }
+            },
         }
     }
 

@@ -63,6 +63,8 @@ pub struct Shared {
     pub chains: mpsc::Sender<chains::Op>,
     /// Their other end, held by the cluster task while it runs.
     pub chains_inbox: tokio::sync::Mutex<mpsc::Receiver<chains::Op>>,
+    /// The peers' chains applied to the ledgers.
+    pub held_chains: Mutex<chains::Held>,
     /// Approximate mode's decisions to share, held by the cluster task while it runs.
     pub decisions_inbox: tokio::sync::Mutex<mpsc::Receiver<wire::Decision>>,
 }
@@ -91,6 +93,7 @@ impl Cluster {
             decisions_inbox: tokio::sync::Mutex::new(decisions_inbox),
             chains,
             chains_inbox: tokio::sync::Mutex::new(chains_inbox),
+            held_chains: Mutex::default(),
         };
         Self { shared: Some(Arc::new(shared)) }
     }

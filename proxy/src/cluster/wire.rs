@@ -157,6 +157,9 @@ pub struct Decision {
 pub struct Chains {
     /// The sender's replica name.
     pub replica: String,
+    /// The sender's process: a replica restarted under the same name books afresh.
+    #[serde(default)]
+    pub instance: String,
     /// Bookings and releases, oldest first.
     pub ops: Vec<ChainOp>,
 }

@@ -135,10 +135,10 @@ impl ModelPlanner {
     }
 
     /// One step: finish a change that ended, reap dead workers, pull and decide when due, act.
-    /// `leads`: this gateway runs its deployment's fleet-wide decisions (alone, or holding the
-    /// replicas' lease); otherwise it observes, deciding as the leader would and acting on
-    /// nothing.
-    pub async fn tick(&mut self, gw: &Arc<Gateway>, leads: bool) {
+    /// A gateway that is one of several replicas acts only while it holds their lease, asked
+    /// at the moment it would act (the steps before await); otherwise it observes, deciding as
+    /// the leader would and acting on nothing.
+    pub async fn tick(&mut self, gw: &Arc<Gateway>) {
         if self.change.as_ref().is_some_and(|h| h.is_finished()) {
             let outcome = match self.change.take().expect("checked").await {
                 Ok(o) => o,
@@ -165,7 +165,7 @@ impl ModelPlanner {
         if now >= self.next_adjust {
             self.next_adjust = now + secs(self.cfg.rules.adjustment_interval_s);
             if let Some(d) = self.rules.adjust(Workers { decode: running, prefill: 0 }, adjusting) {
-                let act = leads && self.cfg.rules.mode == PlanMode::Act && self.connector.is_some();
+                let act = self.cfg.rules.mode == PlanMode::Act && self.connector.is_some() && gw.cluster.acts();
                 let wanted = match d.decode.0 {
                     Change::Up => running + 1,
                     Change::Down => running - 1,
@@ -183,7 +183,7 @@ impl ModelPlanner {
         }
         // A worker that died is replaced without waiting for a decision (a cluster's own
         // controller replaces those it runs).
-        let replaces = leads && self.connector.as_ref().is_some_and(|c| !c.discovers());
+        let replaces = self.connector.as_ref().is_some_and(|c| !c.discovers()) && gw.cluster.acts();
         if replaces
             && self.change.is_none()
             && now >= self.retry_at

@@ -158,9 +158,16 @@ impl Outgoing {
         let m = LoadMessage { replica: s.replica.clone(), instance: s.instance.clone(), full, sent_us: unix_us(), admin: self.admin.clone(), workers };
         let Ok(payload) = serde_json::to_vec(&m) else { return };
         if self.send(s, client, s.subjects.load.clone(), payload).await {
-            self.published = own;
             if full {
+                self.published = own;
                 self.last_full = Some(Instant::now());
+            } else {
+                // Only what went out: a drift below the threshold adds up until it is news.
+                for (was, now) in self.published.iter_mut().zip(own) {
+                    if now.differs(was) {
+                        *was = now;
+                    }
+                }
             }
         } else {
             self.full_due = full;
@@ -271,8 +278,12 @@ async fn lease(s: &Shared, client: &async_nats::Client) {
             }
             if let Some(kv) = &store {
                 let mut lease = s.lease.lock().clone();
-                lease.step(kv, &s.replica).await;
+                let reached = lease.step(kv, &s.replica).await;
                 *s.lease.lock() = lease;
+                if !reached {
+                    // The bucket is gone (a NATS without storage restarted): make it again.
+                    store = None;
+                }
             }
         }
         s.metrics.leader.set(i64::from(s.acts(Instant::now())));
@@ -334,7 +345,12 @@ async fn bucket(js: &jetstream::Context, name: &str, max_age: Duration) -> Resul
         num_replicas: 1,
         ..Default::default()
     };
-    js.get_or_create_stream(stream).await?;
+    let made = js.get_or_create_stream(stream.clone()).await?;
+    // A bucket made earlier with another age (another lease_ms) takes this one: the lease's
+    // safety rests on it.
+    if made.cached_info().config.max_age != max_age {
+        js.update_stream(stream).await?;
+    }
     Ok(js.get_key_value(name).await?)
 }
 
@@ -387,12 +403,8 @@ async fn share_decisions(gw: &Gateway, s: &Shared, client: &async_nats::Client) 
                 if n == 0 {
                     return;
                 }
-                let m = Decisions { replica: s.replica.clone(), decisions: std::mem::take(&mut batch) };
-                if connected(client)
-                    && let Ok(payload) = serde_json::to_vec(&m)
-                    && !matches!(tokio::time::timeout(Duration::from_millis(s.cfg.heartbeat_ms), client.publish(s.subjects.decisions.clone(), payload.into())).await, Ok(Ok(())))
-                {
-                    s.metrics.publish_failures.inc();
+                for part in by_size(std::mem::take(&mut batch), |d| 96 + 21 * d.chain.len()) {
+                    publish(s, client, &s.subjects.decisions, &Decisions { replica: s.replica.clone(), decisions: part }).await;
                 }
             }
             m = theirs.next() => match m {
@@ -429,7 +441,6 @@ async fn share_chains(gw: &Gateway, s: &Shared, client: &async_nats::Client) {
     let Ok(mut theirs) = client.subscribe(s.subjects.chains.clone()).await else { return };
     let mut ours = s.chains_inbox.lock().await;
     let mut batch = Vec::with_capacity(CHAIN_OPS_PER_MESSAGE);
-    let mut held = chains::Held::default();
     let mut sweep = tokio::time::interval(Duration::from_millis(s.cfg.heartbeat_ms));
     loop {
         tokio::select! {
@@ -437,36 +448,69 @@ async fn share_chains(gw: &Gateway, s: &Shared, client: &async_nats::Client) {
                 if n == 0 {
                     return;
                 }
-                let m = Chains { replica: s.replica.clone(), ops: batch.drain(..).map(|o| o.wire()).collect() };
-                if connected(client)
-                    && let Ok(payload) = serde_json::to_vec(&m)
-                    && !matches!(tokio::time::timeout(Duration::from_millis(s.cfg.heartbeat_ms), client.publish(s.subjects.chains.clone(), payload.into())).await, Ok(Ok(())))
-                {
-                    s.metrics.publish_failures.inc();
+                let ops: Vec<_> = batch.drain(..).map(|o| o.wire()).collect();
+                for part in by_size(ops, |o| 96 + 21 * o.chain.as_ref().map_or(0, Vec::len)) {
+                    let m = Chains { replica: s.replica.clone(), instance: s.instance.clone(), ops: part };
+                    publish(s, client, &s.subjects.chains, &m).await;
                 }
             }
             m = theirs.next() => match m {
-                Some(m) => apply_chains(gw, s, &mut held, &m.payload),
+                Some(m) => apply_chains(gw, s, &m.payload),
                 None => return,
             },
             _ = sweep.tick() => {
                 let max_age = gw.config().models.iter().map(|m| m.routing.booking_max_age_s).max().unwrap_or(600);
                 let members = s.members.lock();
+                let mut held = s.held_chains.lock();
                 held.sweep(&|r| members.contains(r), Duration::from_millis(s.cfg.peer_timeout_ms), Duration::from_secs(max_age));
-                drop(members);
                 s.metrics.peer_chains.set(i64::try_from(held.len()).unwrap_or(i64::MAX));
             }
         }
     }
 }
 
+/// Most bytes of one message of batched chains or decisions, well under NATS's default
+/// `max_payload` (1 MiB), which the client refuses to exceed (the whole message is lost).
+const MESSAGE_BYTES: usize = 256 * 1024;
+
+/// `items` cut into runs whose estimated JSON (`size` each) stays under [`MESSAGE_BYTES`].
+fn by_size<T>(items: Vec<T>, size: impl Fn(&T) -> usize) -> Vec<Vec<T>> {
+    let mut parts = vec![Vec::new()];
+    let mut bytes = 0;
+    for item in items {
+        let n = size(&item);
+        if bytes + n > MESSAGE_BYTES && parts.last().is_some_and(|p| !p.is_empty()) {
+            parts.push(Vec::new());
+            bytes = 0;
+        }
+        bytes += n;
+        parts.last_mut().expect("one part at least").push(item);
+    }
+    parts
+}
+
+/// Publishes `m` on `subject` without waiting long; skipped while NATS is unreachable. A message
+/// not handed over counts as a publish failure.
+async fn publish(s: &Shared, client: &async_nats::Client, subject: &str, m: &impl serde::Serialize) {
+    let sent = match serde_json::to_vec(m) {
+        Ok(payload) if connected(client) => {
+            matches!(tokio::time::timeout(Duration::from_millis(s.cfg.heartbeat_ms), client.publish(subject.to_string(), payload.into())).await, Ok(Ok(())))
+        }
+        _ => false,
+    };
+    if !sent {
+        s.metrics.publish_failures.inc();
+    }
+}
+
 /// Applies a peer's chain bookings and releases to the ledgers of the fleet in force.
-fn apply_chains(gw: &Gateway, s: &Shared, held: &mut chains::Held, payload: &[u8]) {
+fn apply_chains(gw: &Gateway, s: &Shared, payload: &[u8]) {
     let Ok(m) = serde_json::from_slice::<Chains>(payload) else { return };
     if m.replica == s.replica {
         return;
     }
     let fleet = gw.fleet();
+    let mut held = s.held_chains.lock();
     for op in m.ops {
         // A release needs no target: it undoes what its booking was applied to.
         let target = op.chain.as_ref().and_then(|_| {
@@ -474,6 +518,19 @@ fn apply_chains(gw: &Gateway, s: &Shared, held: &mut chains::Held, payload: &[u8
             let w = model.workers.iter().position(|w| w.url.to_string() == op.worker)?;
             Some((model.ledger.clone(), u16::try_from(w).ok()?))
         });
-        held.apply(&m.replica, op, target);
+        held.apply((&m.replica, &m.instance), op, target);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_are_cut_under_the_message_size_and_keep_their_order() {
+        let parts = by_size((0..10).collect(), |_| MESSAGE_BYTES / 3);
+        assert_eq!(parts, vec![vec![0, 1, 2], vec![3, 4, 5], vec![6, 7, 8], vec![9]]);
+        assert_eq!(by_size(vec![1], |_| 2 * MESSAGE_BYTES), vec![vec![1]], "an item too large alone still goes");
+        assert_eq!(by_size(Vec::<u8>::new(), |_| 1), vec![Vec::<u8>::new()]);
     }
 }

@@ -34,11 +34,10 @@ pub async fn run(gw: Arc<Gateway>) {
             }
         }
         drop(cfg);
-        // In a cluster only the leader acts; the others observe, and take over when its lease
-        // lapses.
-        let leads = gw.cluster.acts();
+        // In a cluster only the leader acts (each planner asks as it would act); the others
+        // observe, and take over when its lease lapses.
         for p in planners.values_mut() {
-            p.tick(&gw, leads).await;
+            p.tick(&gw).await;
         }
         let mut status: Vec<_> = planners.values().map(ModelPlanner::status).collect();
         status.sort_by(|a, b| a.model.cmp(&b.model));
