@@ -22,8 +22,9 @@ pub trait ChainSink: Send + Sync {
     fn released(&self, key: u64, w: WorkerId);
 }
 
-/// One replica's own bookings on one worker, or a sum of several replicas'.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+/// One replica's own bookings on one worker, or a sum of several replicas'; as published, the
+/// backlog is the one predicted when it was sent.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct OwnLoad {
     /// Requests in flight.
     pub requests: u32,
@@ -55,6 +56,15 @@ impl OwnLoad {
         self.decode_sensitivity += o.decode_sensitivity;
         self.prefill_backlog_ms += o.prefill_backlog_ms;
         self.prefill_load += o.prefill_load;
+    }
+
+    /// Whether `self` and `o` differ enough to publish: any count, or a figure by more than
+    /// rounding (the backlog runs down on its own; a change under a ms is not news).
+    pub fn differs(&self, o: &OwnLoad) -> bool {
+        (self.requests, self.prefilling, self.prefill_tokens, self.active_blocks, self.expected_blocks)
+            != (o.requests, o.prefilling, o.prefill_tokens, o.active_blocks, o.expected_blocks)
+            || (self.decode_sensitivity - o.decode_sensitivity).abs() > 1e-6
+            || (self.prefill_load - o.prefill_load).abs() > 0.01
     }
 
     /// Nothing booked.

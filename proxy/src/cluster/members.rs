@@ -2,7 +2,7 @@
 //! [`LoadMessage`]s, summed per worker for the ledger ([`Members::sum`]), dropped with their
 //! bookings once silent for `peer_timeout_ms` ([`Members::expire`]).
 
-use super::wire::{Load, LoadMessage};
+use super::wire::LoadMessage;
 use kvgate_filters::ledger::peers::OwnLoad;
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -15,7 +15,7 @@ struct Peer {
     last_seen: Instant,
     /// Per worker URL: its bookings there and when they arrived (the backlog runs down from
     /// then).
-    loads: HashMap<String, (Load, Instant)>,
+    loads: HashMap<String, (OwnLoad, Instant)>,
 }
 
 /// A peer as `GET /cluster` shows it.
@@ -53,7 +53,7 @@ impl Members {
         peer.admin = m.admin;
         for w in m.workers {
             changed.insert(w.url.clone());
-            if w.load == Load::default() {
+            if w.load == OwnLoad::default() {
                 peer.loads.remove(&w.url);
             } else {
                 peer.loads.insert(w.url, (w.load, now));
@@ -80,7 +80,7 @@ impl Members {
         let mut sum = OwnLoad::default();
         for p in self.peers.values() {
             if let Some((load, at)) = p.loads.get(url) {
-                let mut o = OwnLoad::from(*load);
+                let mut o = *load;
                 o.prefill_backlog_ms = (o.prefill_backlog_ms - now.duration_since(*at).as_secs_f64() * 1000.0).max(0.0);
                 sum.add(&o);
             }
@@ -133,7 +133,7 @@ mod tests {
     fn msg(replica: &str, instance: &str, full: bool, loads: &[(&str, u32)]) -> LoadMessage {
         let workers = loads
             .iter()
-            .map(|&(url, requests)| WorkerLoad { url: url.into(), load: Load { requests, prefill_tokens: u64::from(requests) * 100, ..Load::default() } })
+            .map(|&(url, requests)| WorkerLoad { url: url.into(), load: OwnLoad { requests, prefill_tokens: u64::from(requests) * 100, ..OwnLoad::default() } })
             .collect();
         LoadMessage { replica: replica.into(), instance: instance.into(), full, sent_us: 0, admin: String::new(), workers }
     }

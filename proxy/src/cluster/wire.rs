@@ -58,76 +58,14 @@ pub struct LoadMessage {
     pub workers: Vec<WorkerLoad>,
 }
 
-/// One replica's own bookings on one worker.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Default)]
-pub struct Load {
-    /// Requests in flight.
-    pub requests: u32,
-    /// Requests with their prefill outstanding.
-    pub prefilling: u32,
-    /// Prefill tokens booked.
-    pub prefill_tokens: u64,
-    /// Active KV blocks booked.
-    pub active_blocks: u64,
-    /// Blocks expected to be held while they run.
-    pub expected_blocks: u64,
-    /// Σ 1 / expected output tokens of its decoding requests.
-    pub decode_sensitivity: f64,
-    /// Predicted prefill backlog when sent, ms.
-    pub prefill_backlog_ms: f64,
-    /// Predicted prefill time booked per second.
-    pub prefill_load: f64,
-}
-
-/// [`Load`] on the worker at `url`.
+/// What one replica booked on the worker at `url`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct WorkerLoad {
     /// The worker's URL as configured (`http://host:port`).
     pub url: String,
     /// What the sender booked there.
     #[serde(flatten)]
-    pub load: Load,
-}
-
-impl From<OwnLoad> for Load {
-    fn from(o: OwnLoad) -> Self {
-        Self {
-            requests: o.requests,
-            prefilling: o.prefilling,
-            prefill_tokens: o.prefill_tokens,
-            active_blocks: o.active_blocks,
-            expected_blocks: o.expected_blocks,
-            decode_sensitivity: o.decode_sensitivity,
-            prefill_backlog_ms: o.prefill_backlog_ms,
-            prefill_load: o.prefill_load,
-        }
-    }
-}
-
-impl From<Load> for OwnLoad {
-    fn from(l: Load) -> Self {
-        Self {
-            requests: l.requests,
-            prefilling: l.prefilling,
-            prefill_tokens: l.prefill_tokens,
-            active_blocks: l.active_blocks,
-            expected_blocks: l.expected_blocks,
-            decode_sensitivity: l.decode_sensitivity,
-            prefill_backlog_ms: l.prefill_backlog_ms,
-            prefill_load: l.prefill_load,
-        }
-    }
-}
-
-impl Load {
-    /// Whether `self` and `o` differ enough to publish: any count, or a figure by more than
-    /// rounding (the backlog runs down on its own; a change under a ms is not news).
-    pub fn differs(&self, o: &Load) -> bool {
-        (self.requests, self.prefilling, self.prefill_tokens, self.active_blocks, self.expected_blocks)
-            != (o.requests, o.prefilling, o.prefill_tokens, o.active_blocks, o.expected_blocks)
-            || (self.decode_sensitivity - o.decode_sensitivity).abs() > 1e-6
-            || (self.prefill_load - o.prefill_load).abs() > 0.01
-    }
+    pub load: OwnLoad,
 }
 
 /// Approximate mode's routing decisions of one replica, as they were made: its peers record
@@ -215,7 +153,7 @@ mod tests {
 
     #[test]
     fn a_load_message_round_trips_and_small_drifts_are_not_news() {
-        let l = Load {
+        let l = OwnLoad {
             requests: 3,
             prefilling: 1,
             prefill_tokens: 900,
@@ -235,9 +173,8 @@ mod tests {
         };
         let back: LoadMessage = serde_json::from_slice(&serde_json::to_vec(&m).unwrap()).unwrap();
         assert_eq!(back, m);
-        assert_eq!(Load::from(OwnLoad::from(l)), l);
-        assert!(!l.differs(&Load { prefill_backlog_ms: 10.0, prefill_load: 0.505, ..l }), "the backlog runs down by itself");
-        assert!(l.differs(&Load { requests: 4, ..l }));
+        assert!(!l.differs(&OwnLoad { prefill_backlog_ms: 10.0, prefill_load: 0.505, ..l }), "the backlog runs down by itself");
+        assert!(l.differs(&OwnLoad { requests: 4, ..l }));
         assert_eq!(Subjects::of("prod").load, "kvgate.prod.load");
     }
 }

@@ -46,6 +46,12 @@ impl UpstreamUrl {
         }
         Ok(Self { authority: authority.to_string(), host: host.trim_start_matches('[').trim_end_matches(']').to_string(), port })
     }
+
+    /// Whether `url` is this URL as it is written (`Display`: `http://` and the authority), as
+    /// peers name workers on the wire; without writing it out.
+    pub fn is(&self, url: &str) -> bool {
+        url.strip_prefix("http://") == Some(self.authority.as_str())
+    }
 }
 
 /// Whether `host` is a host name (letters, digits, `.`, `-`, `_`) or an IPv6 literal in
@@ -159,6 +165,7 @@ mod tests {
         let u = UpstreamUrl::parse("http://10.0.0.1:8000/").unwrap();
         assert_eq!((u.host.as_str(), u.port, u.authority.as_str()), ("10.0.0.1", 8000, "10.0.0.1:8000"));
         assert_eq!(u.to_string(), "http://10.0.0.1:8000");
+        assert!(u.is(&u.to_string()) && !u.is("http://10.0.0.1:8001") && !u.is("10.0.0.1:8000"));
         assert!(UpstreamUrl::parse("https://x:1").unwrap_err().contains("https"));
         assert!(UpstreamUrl::parse("http://x").is_err());
         assert!(UpstreamUrl::parse("http://x:0").is_err());

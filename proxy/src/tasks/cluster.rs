@@ -14,13 +14,14 @@
 //!
 //! Without `cluster:` the task waits forever and costs nothing.
 
-use crate::cluster::wire::{Ask, Chains, Decisions, Load, LoadMessage, WorkerLoad, unix_us};
+use crate::cluster::wire::{Ask, Chains, Decisions, LoadMessage, WorkerLoad, unix_us};
 use crate::cluster::{Shared, affinity, chains};
 use crate::gateway::Gateway;
 use async_nats::connection::State;
 use async_nats::jetstream::{self, kv};
 use futures_util::StreamExt;
 use kvgate_filters::ledger::clock_us;
+use kvgate_filters::ledger::peers::OwnLoad;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -109,7 +110,7 @@ struct Outgoing {
     /// (a worker several models share counts once, with the first model's ledger).
     workers: Vec<(String, Arc<kvgate_filters::ledger::Ledger>, u16)>,
     /// Per entry of `workers`, as last published.
-    published: Vec<Load>,
+    published: Vec<OwnLoad>,
     /// This replica's admin listener, as its peers show it.
     admin: String,
     last_full: Option<Instant>,
@@ -130,7 +131,7 @@ impl Outgoing {
             }
             self.ever_connected = true;
             self.full_due = true;
-            self.send(s, client, s.subjects.hello.clone(), s.replica.clone().into_bytes()).await;
+            send(s, client, &s.subjects.hello, s.replica.clone().into_bytes()).await;
         }
         self.was_connected = up;
         if !up {
@@ -142,14 +143,14 @@ impl Outgoing {
         // A new fleet: what the peers hold of the old one is replaced by a whole picture.
         self.full_due |= self.refresh(gw, s);
         let now = clock_us();
-        let own: Vec<Load> = self.workers.iter().map(|(_, ledger, i)| Load::from(ledger.own(*i, now))).collect();
+        let own: Vec<OwnLoad> = self.workers.iter().map(|(_, ledger, i)| ledger.own(*i, now)).collect();
         let full = std::mem::take(&mut self.full_due);
         let workers: Vec<WorkerLoad> = self
             .workers
             .iter()
             .zip(&own)
             .zip(&self.published)
-            .filter(|((_, load), was)| if full { **load != Load::default() } else { load.differs(was) })
+            .filter(|((_, load), was)| if full { **load != OwnLoad::default() } else { load.differs(was) })
             .map(|(((url, _, _), load), _)| WorkerLoad { url: url.clone(), load: *load })
             .collect();
         if !full && workers.is_empty() {
@@ -157,7 +158,7 @@ impl Outgoing {
         }
         let m = LoadMessage { replica: s.replica.clone(), instance: s.instance.clone(), full, sent_us: unix_us(), admin: self.admin.clone(), workers };
         let Ok(payload) = serde_json::to_vec(&m) else { return };
-        if self.send(s, client, s.subjects.load.clone(), payload).await {
+        if send(s, client, &s.subjects.load, payload).await {
             if full {
                 self.published = own;
                 self.last_full = Some(Instant::now());
@@ -199,19 +200,9 @@ impl Outgoing {
                 }
             }
         }
-        self.published = vec![Load::default(); self.workers.len()];
+        self.published = vec![OwnLoad::default(); self.workers.len()];
         self.fleet = Some(fleet);
         true
-    }
-
-    /// Publishes without waiting long: a client whose buffer is full counts a failure.
-    async fn send(&self, s: &Shared, client: &async_nats::Client, subject: String, payload: Vec<u8>) -> bool {
-        let sent = tokio::time::timeout(Duration::from_millis(s.cfg.heartbeat_ms), client.publish(subject, payload.into())).await;
-        let ok = matches!(sent, Ok(Ok(())));
-        if !ok {
-            s.metrics.publish_failures.inc();
-        }
-        ok
     }
 }
 
@@ -424,7 +415,7 @@ fn record_decisions(gw: &Gateway, s: &Shared, payload: &[u8]) {
     let fleet = gw.fleet();
     for d in m.decisions {
         let Some(model) = fleet.models.get(d.model.as_str()) else { continue };
-        let (Some(kv), Some(i)) = (&model.kv, model.workers.iter().position(|w| w.url.to_string() == d.worker)) else { continue };
+        let (Some(kv), Some(i)) = (&model.kv, model.workers.iter().position(|w| w.url.is(&d.worker))) else { continue };
         if kv.record_decision(i, &d.chain) {
             s.metrics.decisions_applied.inc();
         }
@@ -489,18 +480,25 @@ fn by_size<T>(items: Vec<T>, size: impl Fn(&T) -> usize) -> Vec<Vec<T>> {
     parts
 }
 
-/// Publishes `m` on `subject` without waiting long; skipped while NATS is unreachable. A message
-/// not handed over counts as a publish failure.
+/// Publishes `m` as JSON on `subject` ([`send`]).
 async fn publish(s: &Shared, client: &async_nats::Client, subject: &str, m: &impl serde::Serialize) {
-    let sent = match serde_json::to_vec(m) {
-        Ok(payload) if connected(client) => {
-            matches!(tokio::time::timeout(Duration::from_millis(s.cfg.heartbeat_ms), client.publish(subject.to_string(), payload.into())).await, Ok(Ok(())))
+    match serde_json::to_vec(m) {
+        Ok(payload) => {
+            send(s, client, subject, payload).await;
         }
-        _ => false,
-    };
+        Err(_) => s.metrics.publish_failures.inc(),
+    }
+}
+
+/// Publishes `payload` on `subject` without waiting long; skipped while NATS is unreachable.
+/// Whether it was handed over; a message that was not counts as a publish failure.
+async fn send(s: &Shared, client: &async_nats::Client, subject: &str, payload: Vec<u8>) -> bool {
+    let sent = connected(client)
+        && matches!(tokio::time::timeout(Duration::from_millis(s.cfg.heartbeat_ms), client.publish(subject.to_string(), payload.into())).await, Ok(Ok(())));
     if !sent {
         s.metrics.publish_failures.inc();
     }
+    sent
 }
 
 /// Applies a peer's chain bookings and releases to the ledgers of the fleet in force.
@@ -515,7 +513,7 @@ fn apply_chains(gw: &Gateway, s: &Shared, payload: &[u8]) {
         // A release needs no target: it undoes what its booking was applied to.
         let target = op.chain.as_ref().and_then(|_| {
             let model = fleet.models.get(op.model.as_str())?;
-            let w = model.workers.iter().position(|w| w.url.to_string() == op.worker)?;
+            let w = model.workers.iter().position(|w| w.url.is(&op.worker))?;
             Some((model.ledger.clone(), u16::try_from(w).ok()?))
         });
         held.apply((&m.replica, &m.instance), op, target);
