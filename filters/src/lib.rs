@@ -9,6 +9,8 @@
 //! - [`plan`]: the planner's scaling decisions (Dynamo's planner) from the load it pulls;
 //! - [`reschedule`]: the rescheduler's policies (Llumnix's), pair validation and request
 //!   selection;
+//! - [`tenant`]: what each tenant may use (rate limits, concurrency) and its fair share of
+//!   the router queue;
 //! - [`shed`]: busy detection (Dynamo's load shedding) and the 503 body sent when every worker
 //!   is busy.
 //!
@@ -21,3 +23,4 @@ pub mod plan;
 pub mod reschedule;
 pub mod route;
 pub mod shed;
+pub mod tenant;

@@ -113,6 +113,15 @@ pub(crate) enum GatewayError {
     /// The router queue is full.
     #[error("queue of {0} full")]
     QueueFull(String),
+    /// A request of a higher priority band took the request's place in a full router queue.
+    #[error("shed from the queue of {0} for a higher band")]
+    QueueShed(String),
+    /// No tenant: a missing (`true`) or unknown key where keys are required.
+    #[error("no valid API key (missing: {0})")]
+    Unauthorized(bool),
+    /// A tenant's limit refused the request.
+    #[error("tenant {} over its {} limit", .0.0, .0.1.dimension.label())]
+    RateLimited(Box<(String, kvgate_filters::tenant::Exceeded)>),
     /// The request waited in the router queue past `routing.queue_max_wait_ms`.
     #[error("queue wait of {0} timed out")]
     QueueTimeout(String),
@@ -166,7 +175,9 @@ impl GatewayError {
             Self::BodyTimeout => ClientError::body_timeout(),
             Self::UnknownModel { name, served } => ClientError::unknown_model(name, served),
             Self::ClientLimit(max) => ClientError::client_limit(*max),
-            Self::QueueFull(model) => ClientError::queue_full(model),
+            Self::QueueFull(model) | Self::QueueShed(model) => ClientError::queue_full(model),
+            Self::Unauthorized(missing) => ClientError::invalid_key(*missing),
+            Self::RateLimited(r) => ClientError::rate_limited(&r.0, &r.1),
             Self::QueueTimeout(model) => ClientError::queue_timeout(model),
             Self::AllBusy(_) => ClientError::all_busy(),
             Self::NoHealthyWorker(model) => ClientError::no_healthy_worker(model),
@@ -215,6 +226,8 @@ mod tests {
             (GatewayError::BodyTimeout, 408),
             (GatewayError::UnknownModel { name: "a".into(), served: vec!["b".into()] }, 404),
             (GatewayError::QueueFull("m".into()), 429),
+            (GatewayError::QueueShed("m".into()), 429),
+            (GatewayError::Unauthorized(true), 401),
             (GatewayError::QueueTimeout("m".into()), 503),
             (GatewayError::AllBusy("m".into()), 503),
             (GatewayError::NoHealthyWorker("m".into()), 503),

@@ -55,6 +55,8 @@ pub struct Gateway {
     pub client_limits: crate::downstream::client_limit::ClientLimits,
     /// This replica's part in its deployment (`cluster:`; empty without it).
     pub cluster: crate::cluster::Cluster,
+    /// The tenants in force and their accounts (kept across reloads).
+    pub tenants: crate::tenants::Registry,
 }
 
 impl Gateway {
@@ -74,8 +76,11 @@ impl Gateway {
         let tls = crate::tls::Certificates::load(&cfg)?;
         let instance = new_instance_id();
         let cluster = crate::cluster::Cluster::new(cfg.cluster.as_ref(), &instance, &metrics.cluster);
+        let tenants = crate::tenants::Registry::default();
+        tenants.apply(cfg.tenants.as_ref());
         Ok(Arc::new(Self {
             instance,
+            tenants,
             cluster,
             tls,
             client_limits: Default::default(),
@@ -169,6 +174,7 @@ impl Gateway {
         }
         let fleet = Arc::new(fleet);
         self.fleet.store(fleet.clone());
+        self.tenants.apply(cfg.tenants.as_ref());
         self.config.store(Arc::new(cfg));
         self.plugins.commit(slots);
         // After the swap (so no request can still enter them), replaced queues release their

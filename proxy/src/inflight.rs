@@ -203,7 +203,14 @@ impl RequestEntry {
             "status": self.status(), "moves": self.moves(), "pinned": self.pinned(),
         });
         if with_receipt {
-            v["route_receipt"] = self.receipt.lock().to_json();
+            let r = self.receipt.lock();
+            v["route_receipt"] = r.to_json();
+            if let Some(t) = &r.tenant {
+                v["tenant"] = t.as_str().into();
+            }
+            if let Some(q) = &r.queued {
+                v["queue"] = q.to_json();
+            }
         }
         v
     }

@@ -59,6 +59,7 @@ pub mod server;
 pub mod sse;
 pub(crate) mod status;
 pub(crate) mod tasks;
+pub(crate) mod tenants;
 pub mod tls;
 pub(crate) mod upstream;
 

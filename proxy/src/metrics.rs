@@ -3,6 +3,7 @@
 //! (`dynamo_frontend_model_cancellation_total`), the kvgate equivalent keeps its labels.
 
 pub mod cluster;
+pub mod tenants;
 pub mod disaggregation;
 pub mod planner;
 
@@ -113,6 +114,8 @@ pub struct Metrics {
     pub disagg: disaggregation::DisaggMetrics,
     /// Replicas' (`kvgate_cluster_*`).
     pub cluster: cluster::ClusterMetrics,
+    /// Tenants' (`kvgate_tenant_*`).
+    pub tenants: tenants::TenantMetrics,
     /// `kvgate_admin_unauthorized_total`: admin requests refused for a missing or wrong token.
     pub admin_unauthorized: IntCounter,
 }
@@ -262,6 +265,7 @@ impl Metrics {
             planner: planner::PlannerMetrics::new(&registry),
             disagg: disaggregation::DisaggMetrics::new(&registry),
             cluster: cluster::ClusterMetrics::new(&registry),
+            tenants: tenants::TenantMetrics::new(&registry),
             admin_unauthorized: {
                 let c = IntCounter::new("kvgate_admin_unauthorized_total", "Admin requests refused with 401: no admin token, or a wrong one.")
                     .expect("valid metric");

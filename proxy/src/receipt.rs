@@ -134,9 +134,47 @@ impl OutputOutlook {
     }
 }
 
+/// A request's wait in the router queue, before its first placement.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Queued {
+    /// How long it waited.
+    pub waited: std::time::Duration,
+    /// Its priority band.
+    pub band: u8,
+    /// Its tenant, when the gateway has tenants.
+    pub tenant: Option<String>,
+    /// How the wait ended: released (`Some(None)`), refused (`Some(Some(why))`), or the client
+    /// left (`None`).
+    pub ended: Option<Option<kvgate_filters::route::QueueError>>,
+}
+
+impl Queued {
+    /// JSON for the admin API.
+    pub fn to_json(&self) -> Value {
+        let ended = match self.ended {
+            None => "client_left",
+            Some(None) => "released",
+            Some(Some(kvgate_filters::route::QueueError::Full)) => "full",
+            Some(Some(kvgate_filters::route::QueueError::TimedOut)) => "timed_out",
+            Some(Some(kvgate_filters::route::QueueError::Shed)) => "shed_for_a_higher_band",
+        };
+        json!({
+            "why": "every worker was past routing.queue_threshold",
+            "waited_ms": self.waited.as_secs_f64() * 1000.0,
+            "band": self.band,
+            "tenant": self.tenant,
+            "ended": ended,
+        })
+    }
+}
+
 /// Every placement of one request.
 #[derive(Debug, Clone, Default)]
 pub struct RouteReceipt {
+    /// Its tenant, when the gateway has tenants.
+    pub tenant: Option<String>,
+    /// Its wait in the router queue, when it had to wait.
+    pub queued: Option<Queued>,
     /// In attempt order.
     pub placements: Vec<Placement>,
 }

@@ -14,7 +14,7 @@ pub mod time;
 
 pub use kv::{Cost, KvParams, KvPolicy, Terms};
 pub use policy::{Candidate, Decision, Policy, RequestSummary};
-pub use queue::{QueueError, RouterQueue};
+pub use queue::{QueueError, RouterQueue, Ticket};
 pub use random::Random;
 pub use round_robin::RoundRobin;
 pub use slo::Slo;

@@ -27,6 +27,7 @@ const TOP_LEVEL_KEYS: &[&str] = &[
     "migration",
     "rescheduling",
     "plugins",
+    "tenants",
     "models",
 ];
 
@@ -71,6 +72,7 @@ pub fn load_str(text: &str, origin: &str, env: impl IntoIterator<Item = (String,
     })?;
 
     let env: Vec<(String, String)> = env.into_iter().collect();
+    let env_all = env.clone();
     let token_var = env.iter().find(|(k, _)| k == "KVGATE_ADMIN_TOKEN").map(|(_, v)| v.clone());
     let overrides: Vec<(String, Vec<String>, String)> = env
         .into_iter()
@@ -107,6 +109,12 @@ pub fn load_str(text: &str, origin: &str, env: impl IntoIterator<Item = (String,
         }
         false => ConfigError { origin: "environment variable KVGATE_ADMIN_TOKEN".into(), line: None, column: None, message: msg },
     })?;
+    if let Some(t) = cfg.tenants.as_mut() {
+        t.load_keys(&env_all).map_err(|e| {
+            let (line, column) = locate(text, &("tenants".to_string(), 1)).map(|(l, c)| (Some(l), Some(c))).unwrap_or((None, None));
+            err(line, column, format!("tenants: {e}"))
+        })?;
+    }
     Ok(cfg)
 }
 
@@ -249,6 +257,9 @@ fn top_level(cfg: &Config) -> Result<(), Invalid> {
     }
     if let Some(c) = &cfg.cluster {
         c.validate().map_err(|e| (format!("cluster: {e}"), at("cluster".into(), 1)))?;
+    }
+    if let Some(t) = &cfg.tenants {
+        t.validate().map_err(|e| (format!("tenants: {e}"), at("tenants".into(), 1)))?;
     }
     if cfg.threads == 0 {
         return Err(("threads must be at least 1".into(), at("threads".into(), 1)));

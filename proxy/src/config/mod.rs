@@ -10,6 +10,7 @@ pub mod load;
 mod passthrough;
 mod planner;
 mod rescheduling;
+pub mod tenants;
 mod values;
 
 pub use admin_token::AdminToken;
@@ -119,6 +120,10 @@ pub struct Config {
     /// start. Unset: this gateway runs alone.
     #[serde(default)]
     pub cluster: Option<cluster::Cluster>,
+    /// Tenants: client API keys, their limits and their share of the router queue
+    /// (docs/tenants.md). Unset: no key is read and nothing is limited per tenant.
+    #[serde(default)]
+    pub tenants: Option<tenants::Tenants>,
     /// WebAssembly routing policies models may use (`routing.mode: plugin`).
     #[serde(default)]
     pub plugins: Vec<PluginConfig>,

@@ -22,11 +22,18 @@ pub struct ClientError {
     fixed_body: Option<&'static str>,
     /// Written in the Anthropic API's error shape (a `/v1/messages` client's SDK reads that).
     anthropic: bool,
+    /// A tenant's limits, shown as the API's rate-limit headers.
+    limits: Option<Box<kvgate_filters::tenant::Snapshot>>,
+    /// Whether the client should not retry (`x-should-retry: false`): nothing will change by
+    /// waiting.
+    final_: bool,
+    /// The exact wait behind `retry_after`, ms (`retry-after-ms`), when a limit gave one.
+    wait_ms: Option<u64>,
 }
 
 impl ClientError {
     fn new(status: u16, kind: &'static str, message: impl Into<String>, param: Option<&'static str>) -> Self {
-        Self { status, kind, message: message.into(), param, retry_after: None, fixed_body: None, anthropic: false }
+        Self { status, kind, message: message.into(), param, retry_after: None, fixed_body: None, anthropic: false, limits: None, final_: false, wait_ms: None }
     }
 
     /// 400: the body is not a JSON object or a field has the wrong type.
@@ -157,6 +164,73 @@ impl ClientError {
         );
         e.retry_after = Some(1);
         e
+    }
+
+    /// 401: no API key, or one no tenant has, where keys are required. The key is never
+    /// repeated.
+    pub fn invalid_key(missing: bool) -> Self {
+        let message = if missing {
+            "You didn't provide an API key: send it as `Authorization: Bearer <key>` or `x-api-key: <key>`."
+        } else {
+            "Incorrect API key provided."
+        };
+        Self::new(401, "invalid_request_error", message, None)
+    }
+
+    /// 429: a tenant's limit refuses the request, with the limits' state as rate-limit headers
+    /// and the wait until it would fit as `Retry-After`; a request larger than the limit itself
+    /// is told not to retry.
+    pub fn rate_limited(tenant: &str, e: &kvgate_filters::tenant::Exceeded) -> Self {
+        use kvgate_filters::tenant::Dimension;
+        let what = match e.dimension {
+            Dimension::Requests => "requests per minute",
+            Dimension::InputTokens => "input tokens per minute",
+            Dimension::OutputTokens => "output tokens per minute",
+            Dimension::Concurrent => "concurrent requests",
+        };
+        let limit = match e.dimension {
+            Dimension::Requests => e.snapshot.requests.map(|l| (l.limit, l.remaining)),
+            Dimension::InputTokens => e.snapshot.input.map(|l| (l.limit, l.remaining)),
+            Dimension::OutputTokens => e.snapshot.output.map(|l| (l.limit, l.remaining)),
+            Dimension::Concurrent => Some((u64::from(e.snapshot.concurrent.1), u64::from(e.snapshot.concurrent.1.saturating_sub(e.snapshot.concurrent.0)))),
+        };
+        let (limit, remaining) = limit.unwrap_or_default();
+        let when = match e.retry_after {
+            Some(d) => format!("Please try again in {}.", super::rate_limit::go_duration(d)),
+            None => "The request is larger than the limit and will not fit; make it smaller.".to_string(),
+        };
+        let mut ce = Self::new(
+            429,
+            "rate_limit_exceeded",
+            format!("Rate limit reached for tenant `{tenant}` on {what}: Limit {limit}, Remaining {remaining}, Requested {}. {when}", e.requested),
+            None,
+        );
+        // Whole seconds, rounded up, as `Retry-After` allows; `retry-after-ms` (which both SDKs
+        // prefer) says it exactly.
+        ce.retry_after = e.retry_after.map(|d| d.as_secs_f64().ceil().max(1.0) as u32);
+        ce.final_ = e.retry_after.is_none();
+        ce.wait_ms = e.retry_after.map(|d| d.as_millis() as u64 + 1);
+        ce.limits = Some(Box::new(e.snapshot));
+        ce
+    }
+
+    /// The headers that go with the body: `retry-after`, the rate-limit headers in the API's
+    /// form, `x-should-retry`.
+    pub fn headers(&self) -> Vec<(&'static str, String)> {
+        let mut h = Vec::new();
+        if let Some(s) = self.retry_after {
+            h.push(("retry-after", s.to_string()));
+        }
+        if let Some(limits) = &self.limits {
+            if let Some(ms) = self.wait_ms {
+                h.push(("retry-after-ms", ms.to_string()));
+            }
+            h.extend(if self.anthropic { super::rate_limit::anthropic(limits, std::time::SystemTime::now()) } else { super::rate_limit::openai(limits) });
+        }
+        if self.final_ {
+            h.push(("x-should-retry", "false".into()));
+        }
+        h
     }
 
     /// 429: the router queue of the model is full.

@@ -91,16 +91,11 @@ pub async fn respond(session: &mut ClientConn, status: u16, content_type: &str, 
     }
 }
 
-/// Sends an OpenAI-shaped error.
+/// Sends an OpenAI-shaped error (or Anthropic's, as the error says) with its headers.
 pub async fn respond_error(session: &mut ClientConn, e: &ClientError, extra: &[(&str, String)]) {
-    match e.retry_after {
-        Some(s) => {
-            let mut all = extra.to_vec();
-            all.push(("retry-after", s.to_string()));
-            respond(session, e.status, "application/json", Bytes::from(e.body()), &all).await;
-        }
-        None => respond(session, e.status, "application/json", Bytes::from(e.body()), extra).await,
-    }
+    let mut all = extra.to_vec();
+    all.extend(e.headers());
+    respond(session, e.status, "application/json", Bytes::from(e.body()), &all).await;
 }
 
 /// Sends JSON.

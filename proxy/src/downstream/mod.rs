@@ -12,3 +12,4 @@ pub mod closed;
 pub mod conn;
 pub mod errors;
 pub mod io;
+pub mod rate_limit;

@@ -85,7 +85,7 @@ impl WorkerRegistry {
             order.push(m.name.clone());
             let queue = regrouped(m).and_then(|o| o.queue.clone()).or_else(|| {
                 m.routing.queue_threshold.map(|_| {
-                    Arc::new(kvgate_filters::route::RouterQueue::new(m.routing.queue_max_len, std::time::Duration::from_millis(m.routing.queue_max_wait_ms)))
+                    Arc::new(kvgate_filters::route::RouterQueue::new(m.routing.queue_max_len))
                 })
             });
             let policy: Arc<dyn Policy> = Arc::from(m.routing.builtin().policy());

@@ -193,8 +193,9 @@ fn path_of(t: &str) -> &str {
 /// headers minus hop-by-hop ones, with the worker's `Host`, the body's length and the request
 /// id) and its body, in one buffer so that it goes out in one write. Written straight from the
 /// client's header: building a Pingora header first costs two header maps and a copy of every
-/// name and value per request (docs/architecture.md, "The hot path's allocations").
-pub fn write_forwarded(client: &RequestHead, host: &[u8], method: &str, path: &str, body: &[u8], request_id: &str) -> Result<Vec<u8>, Unwritable> {
+/// name and value per request (docs/architecture.md, "The hot path's allocations"). Without
+/// `keep_key`, the client's API key (`Authorization`, `x-api-key`) stays at the gateway.
+pub fn write_forwarded(client: &RequestHead, host: &[u8], method: &str, path: &str, body: &[u8], request_id: &str, keep_key: bool) -> Result<Vec<u8>, Unwritable> {
     check_path(path)?;
     if request_id.bytes().any(super::splits_head) {
         return Err(Unwritable("the request id"));
@@ -207,7 +208,7 @@ pub fn write_forwarded(client: &RequestHead, host: &[u8], method: &str, path: &s
     let mut typed = false;
     let connection = super::hop::naming(client.header("connection"));
     for (name, value) in client.headers() {
-        if super::hop::forwarded(name, connection) && !name.eq_ignore_ascii_case(b"x-request-id") {
+        if super::hop::forwarded(name, connection) && !name.eq_ignore_ascii_case(b"x-request-id") && (keep_key || !is_key(name)) {
             typed |= name.eq_ignore_ascii_case(b"content-type");
             line(&mut w, name, value);
         }
@@ -224,6 +225,11 @@ pub fn write_forwarded(client: &RequestHead, host: &[u8], method: &str, path: &s
     w.extend_from_slice(b"\r\n");
     w.extend_from_slice(body);
     Ok(w)
+}
+
+/// Whether header `name` carries a client's API key.
+fn is_key(name: &[u8]) -> bool {
+    name.eq_ignore_ascii_case(b"authorization") || name.eq_ignore_ascii_case(b"x-api-key")
 }
 
 /// A request to a worker that could not be written: the part that held a byte HTTP/1.1 forbids.
@@ -360,7 +366,7 @@ mod tests {
             ("X-Request-Id", "from-client"),
             ("X-Trace", "t1"),
         ]);
-        let wire = write_forwarded(&c, HOST, "POST", "/v1/completions", b"{}", "req-1").unwrap();
+        let wire = write_forwarded(&c, HOST, "POST", "/v1/completions", b"{}", "req-1", true).unwrap();
         let text = String::from_utf8(wire).unwrap();
         let (head, body) = text.split_once("\r\n\r\n").unwrap();
         assert_eq!(body, "{}");
@@ -376,7 +382,7 @@ mod tests {
     #[test]
     fn the_client_content_type_is_kept_and_not_doubled() {
         let c = client(&[("content-type", "application/json; charset=utf-8")]);
-        let text = String::from_utf8(write_forwarded(&c, HOST, "POST", "/v1/chat/completions", b"{}", "r").unwrap()).unwrap();
+        let text = String::from_utf8(write_forwarded(&c, HOST, "POST", "/v1/chat/completions", b"{}", "r", true).unwrap()).unwrap();
         assert_eq!(text.matches("ontent-").count(), 2, "content-type and content-length once each: {text}");
         assert!(text.contains("content-type: application/json; charset=utf-8\r\n"), "{text}");
     }
@@ -396,23 +402,32 @@ mod tests {
             ("Accept", "a"),
             ("Accept", "b"),
         ]);
-        let text = String::from_utf8(write_forwarded(&c, HOST, "POST", "/v1/completions", b"{}", "r").unwrap()).unwrap();
+        let text = String::from_utf8(write_forwarded(&c, HOST, "POST", "/v1/completions", b"{}", "r", true).unwrap()).unwrap();
         let names: Vec<&str> = text.split("\r\n").skip(1).take_while(|l| !l.is_empty()).filter_map(|l| l.split_once(':')).map(|(n, _)| n).collect();
         assert_eq!(names, ["Accept", "Accept", "Content-Type", "Host", "Content-Length", "X-Request-Id"], "{text}");
         assert!(text.find("Accept: a").unwrap() < text.find("Accept: b").unwrap(), "repeated headers keep their order");
     }
 
     #[test]
+    fn the_clients_api_key_stays_at_the_gateway_unless_it_is_kept() {
+        let c = client(&[("Authorization", "Bearer sk-secret"), ("X-Api-Key", "sk-secret"), ("x-trace", "t")]);
+        let dropped = String::from_utf8(write_forwarded(&c, HOST, "POST", "/v1/completions", b"{}", "r", false).unwrap()).unwrap();
+        assert!(!dropped.contains("sk-secret") && dropped.contains("x-trace: t"), "{dropped}");
+        let kept = String::from_utf8(write_forwarded(&c, HOST, "POST", "/v1/completions", b"{}", "r", true).unwrap()).unwrap();
+        assert!(kept.contains("Authorization: Bearer sk-secret") && kept.contains("X-Api-Key: sk-secret"), "{kept}");
+    }
+
+    #[test]
     fn header_names_go_out_as_the_client_wrote_them() {
         let c = client(&[("x-trace", "t")]);
-        let text = String::from_utf8(write_forwarded(&c, HOST, "POST", "/v1/completions", b"{}", "r").unwrap()).unwrap();
+        let text = String::from_utf8(write_forwarded(&c, HOST, "POST", "/v1/completions", b"{}", "r", true).unwrap()).unwrap();
         assert!(text.contains("\r\nx-trace: t\r\n"), "{text}");
     }
 
     #[test]
     fn a_request_id_or_path_that_would_split_the_head_is_refused() {
         let c = client(&[]);
-        let refused = |path: &str, id: &str| write_forwarded(&c, HOST, "POST", path, b"{}", id).is_err();
+        let refused = |path: &str, id: &str| write_forwarded(&c, HOST, "POST", path, b"{}", id, true).is_err();
         assert!(refused("/v1/completions", "a\r\nX-Evil: 1"));
         assert!(refused("/v1/completions", "a\0b"));
         assert!(refused("/v1/x y", "r"));

@@ -4,7 +4,8 @@
 //! worker; `super::migrate`), `GET /rescheduling` (the rescheduler's last cycle), `GET /planner`
 //! (each planner's mode, workers wanted, last decision and the workers it started),
 //! `GET /cluster` (this replica, its peers and the leader; docs/replicas.md), `GET
-//! /responses/{id}` (the worker that stored a Responses-API response),
+//! /responses/{id}` (the worker that stored a Responses-API response), `GET /tenants` (each
+//! tenant's limits, what is left of them and what it used; docs/tenants.md),
 //! `POST /reload` (re-read the config file; a bad file is refused and the old config stays),
 //! `GET /busy_threshold` and `POST /busy_threshold` (Dynamo's shapes: read or set a model's
 //! busy thresholds at run time), `GET /plugins` and `POST /plugins/reload` (re-read every
@@ -46,6 +47,7 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut ClientConn, method: &str, pa
             respond_json(session, 200, &json!({"enabled": gw.config().rescheduling.enable_rescheduling, "last_cycle": last})).await
         }
         ("GET", "/cluster") => respond_json(session, 200, &gw.cluster.view()).await,
+        ("GET", "/tenants") => respond_json(session, 200, &tenants(gw)).await,
         ("GET", "/planner") => {
             let planners = gw.planner_status.lock().clone();
             respond_json(session, 200, &json!({"planners": planners})).await
@@ -62,10 +64,39 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut ClientConn, method: &str, pa
         (
             _,
             "/metrics" | "/health" | "/workers" | "/requests" | "/reload" | "/migrate" | "/rescheduling" | "/planner" | "/cluster" | "/busy_threshold"
-            | "/plugins" | "/plugins/reload",
+            | "/plugins" | "/plugins/reload" | "/tenants",
         ) => respond_error(session, &ClientError::method_not_allowed(method, path), &[]).await,
         _ => respond_error(session, &ClientError::not_found(path), &[]).await,
     }
+}
+
+/// `GET /tenants`: each tenant's limits, what is left of each now, its requests in flight and
+/// what its requests used (this replica's), and its fair-share counter. Never a key.
+fn tenants(gw: &Gateway) -> serde_json::Value {
+    let Some(table) = gw.tenants.table() else { return json!({"enabled": false, "tenants": []}) };
+    let level = |l: Option<kvgate_filters::tenant::Level>| l.map(|l| json!({"limit": l.limit, "remaining": l.remaining, "reset_ms": l.reset.as_millis() as u64}));
+    let list: Vec<_> = table
+        .all
+        .iter()
+        .map(|t| {
+            let a = &t.account;
+            let s = a.snapshot();
+            let (requests, input, output) = a.totals();
+            json!({
+                "name": t.name, "priority": t.band, "weight": a.fair().weight(),
+                "queue_max_wait_ms": t.max_wait.map(|d| d.as_millis() as u64),
+                "limits": {
+                    "requests_per_minute": level(s.requests), "input_tokens_per_minute": level(s.input),
+                    "output_tokens_per_minute": level(s.output),
+                    "max_concurrent": (s.concurrent.1 > 0).then_some(s.concurrent.1),
+                },
+                "in_flight": a.in_flight(), "in_flight_with_peers": s.concurrent.0,
+                "used": {"requests": requests, "input_tokens": input, "output_tokens": output, "input_tokens_corrected": a.input_corrected()},
+                "fair_share": {"served_tokens": a.fair().served(), "virtual_tokens": a.fair().virtual_tokens()},
+            })
+        })
+        .collect();
+    json!({"enabled": true, "forward_key": table.forward_key, "tenants": list})
 }
 
 async fn workers(gw: &Arc<Gateway>, session: &mut ClientConn) {

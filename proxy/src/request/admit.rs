@@ -5,6 +5,7 @@
 use super::attempts::Attempts;
 use super::outcome::Outcome;
 use super::state::{Forward, PluginInputs};
+use super::tenancy::TenantUse;
 use super::track;
 use super::view::RequestView;
 use super::{RequestState, record};
@@ -77,6 +78,8 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
         return Err(Outcome::Refused(GatewayError::Draining));
     }
     let cfg = gw.config();
+    // Before the body is read: a request without a valid key costs no more than its head.
+    let (tenant, forward_key) = tenant(gw, session)?;
     let body = body(session, &cfg).await?;
     let fleet = gw.fleet();
     // A completion's prompt of token ids is read on the way when the body may be parsed whole
@@ -99,6 +102,9 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
     let (stored, body) = if reply.is_some() { (None, followed.body) } else { super::stored::read(endpoint, session.req().path(), followed.body) };
     let entry = RequestEntry::new(model.name.clone(), endpoint.label(), stream, view.priority_jump(), ctx.clone(), start);
     let registered = gw.requests.register(entry);
+    if let Some(t) = &tenant {
+        registered.entry().receipt.lock().tenant = Some(t.tenant.name.clone());
+    }
     if let Some(reason) = followed.pinned {
         record::pinned(gw, registered.entry(), &model.cfg.name, reason);
     }
@@ -126,7 +132,23 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
         reply,
         ttft: None,
         pd: Default::default(),
+        tenant,
+        prompt: None,
+        forward_key,
     })
+}
+
+/// The request's tenant (none without tenants) and whether its key goes on to the workers;
+/// 401 without a valid key where keys are required.
+fn tenant(gw: &Gateway, session: &ClientConn) -> Result<(Option<TenantUse>, bool), Outcome> {
+    let Some(table) = gw.tenants.table() else { return Ok((None, true)) };
+    match table.identify(session.req()) {
+        Ok(t) => Ok((Some(TenantUse::new(t)), table.forward_key)),
+        Err(why) => {
+            gw.metrics.tenants.unauthorized.inc();
+            Err(Outcome::Refused(GatewayError::Unauthorized(why == crate::tenants::Unauthorized::Missing)))
+        }
+    }
 }
 
 /// The method and target the request is forwarded with, and the translation of its answer.

@@ -57,3 +57,12 @@ impl KvInputs {
         fields.get("cache_salt").and_then(serde_json::Value::as_str).filter(|s| !s.is_empty()).map(kvgate_kv::hash::salt_digest)
     }
 }
+
+/// A prompt's token ids (as the worker will see them, or a fallback's pseudo-tokens) and its
+/// `cache_salt`'s digest: what the KV inputs are made of.
+pub struct PromptTokens {
+    /// The ids.
+    pub tokens: Vec<u32>,
+    /// The salt's digest, when the request has one.
+    pub salt: Option<u64>,
+}

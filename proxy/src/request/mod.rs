@@ -3,7 +3,9 @@
 //!
 //! 1. [`admit`]: draining, the body (capped), the fields routing reads, the model → the state,
 //!    registered in the in-flight registry;
-//! 2. [`queue`]: the router queue, while every worker is past the queue threshold;
+//!    then [`limit`]: the tenant's limits, once the prompt is tokenized;
+//! 2. [`queue`]: the router queue, while every worker is past the queue threshold (tenants
+//!    served fairly within priority bands);
 //! 3. [`place`]: shedding (busy workers), then routing (built-in mode or plugin) → a worker,
 //!    a route receipt and the booking moved onto it; on a model with prefill workers,
 //!    [`disaggregate`] first runs the prefill leg there, and the placement then picks the
@@ -24,6 +26,7 @@ pub mod disaggregate;
 pub mod fields;
 pub mod kv_inputs;
 pub mod leg;
+pub mod limit;
 pub mod migrate;
 pub mod outcome;
 pub mod parsed;
@@ -35,6 +38,7 @@ pub mod record;
 pub mod relay;
 pub mod state;
 pub mod stored;
+pub mod tenancy;
 pub mod track;
 pub mod view;
 
@@ -91,10 +95,16 @@ async fn run(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestState
     let model = req.model.clone();
     let gauge = &model.metrics(&gw.metrics).requests_in_flight;
     gauge.inc();
-    let outcome = match queue::wait(gw, session, req).await {
+    prompt::tokenize(gw, req).await;
+    let admitted = match limit::admit(gw, req) {
+        Ok(()) => queue::wait(gw, session, req).await,
+        Err(outcome) => Err(outcome),
+    };
+    let outcome = match admitted {
         Err(outcome) => outcome,
         Ok(()) => {
-            prompt::prepare_kv(gw, req).await;
+            limit::serving(req);
+            prompt::prepare_kv(req);
             match disaggregate::run(gw, session, req).await {
                 Ok(()) => serve_attempts(gw, session, req).await,
                 Err(outcome) => outcome,

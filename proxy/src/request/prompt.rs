@@ -11,7 +11,7 @@
 //!   match them; use it with approximate mode (`kv_events: false`).
 
 use super::RequestState;
-use super::kv_inputs::KvInputs;
+use super::kv_inputs::{KvInputs, PromptTokens};
 use super::parsed::ParsedBody;
 use crate::endpoint::Endpoint;
 use crate::gateway::Gateway;
@@ -20,20 +20,30 @@ use kvgate_tokenize::{SegmentCache, dialect};
 use serde_json::Value;
 use std::sync::Arc;
 
-/// Fills `req.kv` when the model routes on the KV cache. A Messages or Responses prompt that
-/// cannot be rendered exactly is placed by load alone (no prefix), and counted
-/// (`kvgate_render_fallback_total{endpoint,reason}`).
-pub async fn prepare_kv(gw: &Gateway, req: &mut RequestState) {
+/// Tokenizes the prompt when the model routes on the KV cache: as far as routing reads it, or
+/// whole when the request's tenant is limited by input tokens (which are counted from it). A
+/// Messages or Responses prompt that cannot be rendered exactly is placed by load alone (no
+/// prefix), and counted (`kvgate_render_fallback_total{endpoint,reason}`).
+pub async fn tokenize(gw: &Gateway, req: &mut RequestState) {
     let (Some(kv), Some(body)) = (req.model.kv.clone(), req.parsed.take()) else { return };
+    let whole = req.tenant.as_ref().is_some_and(|t| t.tenant.account.limits().input_tokens_per_minute > 0);
+    let cap = if whole { usize::MAX } else { kv.max_tokens() };
     let salt = KvInputs::salt_of(&body.fields);
     let tokens = match req.endpoint {
-        Endpoint::Messages | Endpoint::Responses => dialect_tokens(body.fields, req.endpoint, &kv).await.unwrap_or_else(|reason| {
+        Endpoint::Messages | Endpoint::Responses => dialect_tokens(body.fields, req.endpoint, &kv, cap).await.unwrap_or_else(|reason| {
             gw.metrics.render_fallback.with_label_values(&[req.endpoint.label(), reason]).inc();
             Vec::new()
         }),
-        ep => tokens(body, ep == Endpoint::Chat, kv.tokenizer.as_ref(), kv.max_tokens()).await.unwrap_or_default(),
+        ep => tokens(body, ep == Endpoint::Chat, kv.tokenizer.as_ref(), cap).await.unwrap_or_default(),
     };
-    req.kv = Some(req.kv_inputs(&kv, &tokens, salt));
+    req.prompt = Some(PromptTokens { tokens, salt });
+}
+
+/// Fills `req.kv` from the prompt's tokens when the model routes on the KV cache: after the
+/// router queue, so the overlaps and bookings are those of the moment it is placed.
+pub fn prepare_kv(req: &mut RequestState) {
+    let (Some(kv), Some(p)) = (req.model.kv.clone(), req.prompt.take()) else { return };
+    req.kv = Some(req.kv_inputs(&kv, &p.tokens, p.salt));
 }
 
 /// Extracts the routing tokens from a parsed request body, which it consumes (a prompt's ids
@@ -100,14 +110,13 @@ pub async fn tokens(parsed: ParsedBody, chat: bool, tokenizer: Option<&Arc<Segme
 /// vLLM renders it and tokenized without special tokens, on the blocking pool (agents' requests
 /// carry long tool lists). `Err` names why it cannot be rendered exactly (an image, a stored
 /// conversation the gateway does not hold, …): the request is then placed by load alone.
-pub async fn dialect_tokens(body: Value, endpoint: Endpoint, kv: &KvRouting) -> Result<Vec<u32>, &'static str> {
+pub async fn dialect_tokens(body: Value, endpoint: Endpoint, kv: &KvRouting, max_tokens: usize) -> Result<Vec<u32>, &'static str> {
     let chat = match endpoint {
         Endpoint::Messages => dialect::messages::to_chat(&body, &kv.messages),
         Endpoint::Responses => dialect::responses::to_chat(&body, None),
         _ => return Err("endpoint"),
     }
     .map_err(|e| e.reason())?;
-    let max_tokens = kv.max_tokens();
     let Some(tok) = kv.tokenizer.clone() else {
         // Approximate mode: the conversation's text in character blocks, as for chat.
         let parsed = ParsedBody { fields: chat, prompt_ids: None };

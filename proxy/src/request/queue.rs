@@ -1,6 +1,8 @@
 //! Phase 2, the router queue: while every worker of the model is past the queue threshold, the
-//! request waits (highest priority first) until capacity frees, the queue refuses it (full →
-//! 429, waited too long → 503), or the client leaves. While every worker that could take it is
+//! request waits until capacity frees (a higher tenant band first, the least-served tenant of
+//! a band next, the highest priority of a tenant's requests first), the queue refuses it (full
+//! → 429, shed for a higher band → 429, waited too long → 503), or the client leaves. How long
+//! it waited, in which band and for which tenant, goes to its route receipt. While every worker that could take it is
 //! paused by a fleet operation (`POST /pause` on the admin listener), it first waits for
 //! `/resume`, whether or not the model has a queue: an RL trainer's pause → weight update →
 //! resume costs clients time, not errors.
@@ -11,7 +13,7 @@ use crate::downstream::closed::client_closed;
 use crate::downstream::conn::ClientConn;
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
-use kvgate_filters::route::QueueError;
+use kvgate_filters::route::{QueueError, Ticket};
 use std::sync::Arc;
 
 /// Waits in the queue when it must; `Err` when the request ends here.
@@ -25,16 +27,28 @@ pub async fn wait(gw: &Arc<Gateway>, session: &mut ClientConn, req: &RequestStat
     let name = req.model_name();
     let depth = gw.metrics.queued.with_label_values(&[name]);
     depth.inc();
+    let began = std::time::Instant::now();
+    let ticket = ticket(req);
+    let band = ticket.band;
     let r = tokio::select! {
-        r = queue.wait(req.view.priority_jump()) => Some(r),
+        r = queue.wait(ticket) => Some(r),
         _ = client_closed(session) => None,
     };
     depth.dec();
+    let tenant = req.tenant.as_ref().map(|t| t.tenant.name.as_str());
+    req.entry().receipt.lock().queued = Some(crate::receipt::Queued { waited: began.elapsed(), band, tenant: tenant.map(str::to_owned), ended: r.map(|r| r.err()) });
+    if let Some(t) = tenant {
+        gw.metrics.tenants.queue_wait.with_label_values(&[t]).observe(began.elapsed().as_secs_f64());
+    }
     match r {
         None => Err(super::record::cancelled(gw, req)),
         Some(Ok(waited)) => {
             gw.metrics.queue_wait.with_label_values(&[name]).observe(waited.as_secs_f64());
             Ok(())
+        }
+        Some(Err(QueueError::Shed)) => {
+            gw.metrics.rejected.with_label_values(&[name, "queue_shed"]).inc();
+            Err(Outcome::Refused(GatewayError::QueueShed(name.to_string())))
         }
         Some(Err(QueueError::Full)) => {
             gw.metrics.rejected.with_label_values(&[name, "queue_full"]).inc();
@@ -44,6 +58,18 @@ pub async fn wait(gw: &Arc<Gateway>, session: &mut ClientConn, req: &RequestStat
             gw.metrics.rejected.with_label_values(&[name, "queue_timeout"]).inc();
             Err(Outcome::Refused(GatewayError::QueueTimeout(name.to_string())))
         }
+    }
+}
+
+/// How `req` waits: its tenant's band, share and band's wait (else the model's).
+fn ticket(req: &RequestState) -> Ticket {
+    let tenant = req.tenant.as_ref().map(|t| &t.tenant);
+    let model_wait = std::time::Duration::from_millis(req.model.cfg.routing.queue_max_wait_ms);
+    Ticket {
+        priority_jump: req.view.priority_jump(),
+        band: tenant.map_or(0, |t| t.band),
+        share: tenant.map(|t| t.account.fair().clone()),
+        max_wait: tenant.and_then(|t| t.max_wait).unwrap_or(model_wait),
     }
 }
 

@@ -22,6 +22,7 @@ pub fn refused_early(gw: &Gateway, endpoint: Endpoint, outcome: &Outcome) {
 
 /// An admitted request ended.
 pub fn finished(gw: &Gateway, req: &mut RequestState, outcome: &Outcome) {
+    super::limit::settle(gw, req);
     let status = outcome.status();
     let elapsed = req.start.elapsed();
     req.registered.set_status(status, elapsed);

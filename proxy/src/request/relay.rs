@@ -574,11 +574,17 @@ impl Progress {
         {
             req.model.ledger.step_ended(i as u16);
         }
+        if let Some(t) = req.tenant.as_mut() {
+            t.scan(bytes);
+        }
         let mut events = 1;
         if let Some(counter) = self.events.as_mut() {
             let n = counter.feed(bytes);
             events = n.max(1);
             req.entry().generated(n);
+            if let Some(t) = req.tenant.as_mut() {
+                t.streamed(n);
+            }
             // Output blocks are booked in kv mode only, where prompt blocks are real.
             if let (Some(b), Some(_)) = (req.attempts.booking(), &req.kv) {
                 b.generated(n);

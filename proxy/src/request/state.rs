@@ -119,6 +119,12 @@ pub struct RequestState {
     pub ttft: Option<std::time::Duration>,
     /// Its legs on a model that disaggregates prefill from decode.
     pub pd: super::pd::Pd,
+    /// Its tenant and what it was charged, when the gateway has tenants.
+    pub tenant: Option<super::tenancy::TenantUse>,
+    /// The prompt's tokens, from tokenizing until the KV inputs are made of them.
+    pub prompt: Option<super::kv_inputs::PromptTokens>,
+    /// Whether the client's API key goes on to the workers (always, without tenants).
+    pub forward_key: bool,
 }
 
 impl RequestState {
