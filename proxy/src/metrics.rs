@@ -3,9 +3,9 @@
 //! (`dynamo_frontend_model_cancellation_total`), the kvgate equivalent keeps its labels.
 
 pub mod cluster;
-pub mod tenants;
 pub mod disaggregation;
 pub mod planner;
+pub mod tenants;
 
 use prometheus::{Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 

@@ -143,20 +143,31 @@ pub struct Queued {
     pub band: u8,
     /// Its tenant, when the gateway has tenants.
     pub tenant: Option<String>,
-    /// How the wait ended: released (`Some(None)`), refused (`Some(Some(why))`), or the client
-    /// left (`None`).
-    pub ended: Option<Option<kvgate_filters::route::QueueError>>,
+    /// How the wait ended.
+    pub ended: QueueEnd,
+}
+
+/// How a wait in the router queue ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueueEnd {
+    /// Released to be placed.
+    Released,
+    /// Refused by the queue.
+    Refused(kvgate_filters::route::QueueError),
+    /// The client left.
+    ClientLeft,
 }
 
 impl Queued {
     /// JSON for the admin API.
     pub fn to_json(&self) -> Value {
+        use kvgate_filters::route::QueueError;
         let ended = match self.ended {
-            None => "client_left",
-            Some(None) => "released",
-            Some(Some(kvgate_filters::route::QueueError::Full)) => "full",
-            Some(Some(kvgate_filters::route::QueueError::TimedOut)) => "timed_out",
-            Some(Some(kvgate_filters::route::QueueError::Shed)) => "shed_for_a_higher_band",
+            QueueEnd::ClientLeft => "client_left",
+            QueueEnd::Released => "released",
+            QueueEnd::Refused(QueueError::Full) => "full",
+            QueueEnd::Refused(QueueError::TimedOut) => "timed_out",
+            QueueEnd::Refused(QueueError::Shed) => "shed_for_a_higher_band",
         };
         json!({
             "why": "every worker was past routing.queue_threshold",

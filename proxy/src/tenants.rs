@@ -78,7 +78,8 @@ impl Registry {
                 max_concurrent: t.max_concurrent,
             });
             let (limits, weight, band) = (limits.unwrap_or_default(), t.map_or(1.0, |t| t.weight), t.map_or(0, |t| t.priority));
-            let account = accounts.entry(name.clone()).and_modify(|a| a.update(limits, weight)).or_insert_with(|| Arc::new(Account::new(limits, weight))).clone();
+            let account =
+                accounts.entry(name.clone()).and_modify(|a| a.update(limits, weight)).or_insert_with(|| Arc::new(Account::new(limits, weight))).clone();
             let max_wait = cfg.bands.get(&band).map(|b| Duration::from_millis(b.queue_max_wait_ms));
             Arc::new(Tenant { name, account, band, max_wait })
         };

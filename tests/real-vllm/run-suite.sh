@@ -102,9 +102,9 @@ export KVGATE_TARGET_URL="http://127.0.0.1:$port" KVGATE_TARGET_MODEL=tiny KVGAT
        KVGATE_TARGET_ZMQ="tcp://127.0.0.1:$zport" KVGATE_TARGET_REPLAY="tcp://127.0.0.1:$((zport+1))"
 cd "$root"
 # The second server is named for the drop-in test that needs two (stored responses' affinity);
-# the venv's Python runs the Anthropic and OpenAI SDKs.
+# the venv's Python runs the Anthropic and OpenAI SDKs (drop-in, and their retries on a tenant's 429).
 KVGATE_TARGET_URL_2="http://127.0.0.1:$port2" KVGATE_TARGET_LORA=tiny-lora KVGATE_VLLM_PYTHON="${KVGATE_VLLM_HOME:-$HOME/.cache/kvgate-real-vllm}/venv/bin/python" \
-  cargo test -p kvgate-tests --test conformance --test gateway --test kv_index -- --test-threads=1
+  cargo test -p kvgate-tests --test conformance --test gateway --test kv_index --test tenants -- --test-threads=1
 # Two servers: moves between them, then the test that kills the second one (last: it is gone after).
 export KVGATE_TARGET_URL_2="http://127.0.0.1:$port2"
 cargo test -p kvgate-tests --test migration -- --test-threads=1 --skip a_real_vllm_server_killed

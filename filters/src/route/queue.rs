@@ -139,7 +139,14 @@ pub struct RouterQueue {
 impl RouterQueue {
     /// A queue holding at most `max_len` requests.
     pub fn new(max_len: usize) -> Self {
-        Self { bands: Mutex::new(BTreeMap::new()), epoch: Instant::now(), seq: Default::default(), waiting: Default::default(), closed: Default::default(), max_len }
+        Self {
+            bands: Mutex::new(BTreeMap::new()),
+            epoch: Instant::now(),
+            seq: Default::default(),
+            waiting: Default::default(),
+            closed: Default::default(),
+            max_len,
+        }
     }
 
     /// Requests waiting (not counting ones that gave up or whose client left).

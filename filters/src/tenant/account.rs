@@ -138,7 +138,7 @@ impl Account {
     }
 
     /// Admits a request of `input_tokens` prompt tokens, or says which limit refuses it.
-    pub fn admit(&self, input_tokens: u64) -> Result<Admitted, Exceeded> {
+    pub fn admit(&self, input_tokens: u64) -> Result<Admitted, Box<Exceeded>> {
         let limits = self.limits();
         let now = Instant::now();
         let mut guard = self.buckets.lock();
@@ -156,20 +156,22 @@ impl Account {
             // A slot frees when a request ends: no time can be promised, a second is a fair guess.
             consider(Dimension::Concurrent, 1, Some(Duration::from_secs(1)));
         }
-        for (d, bucket, n) in [(Dimension::Requests, &mut b.requests, 1), (Dimension::InputTokens, &mut b.input, input_tokens), (Dimension::OutputTokens, &mut b.output, 1)] {
+        for (d, bucket, n) in
+            [(Dimension::Requests, &mut b.requests, 1), (Dimension::InputTokens, &mut b.input, input_tokens), (Dimension::OutputTokens, &mut b.output, 1)]
+        {
             if let Some(bucket) = bucket {
                 consider(d, n, bucket.wait_for(n, now));
             }
         }
         if let Some((dimension, requested, retry_after)) = worst {
             let snapshot = self.snapshot_locked(b, now);
-            return Err(Exceeded { dimension, requested, retry_after, snapshot });
+            return Err(Box::new(Exceeded { dimension, requested, retry_after, snapshot }));
         }
         if let Some(r) = b.requests.as_mut() {
-            r.charge(1, now);
+            r.charge(1.0, now);
         }
         if let Some(i) = b.input.as_mut() {
-            i.charge(input_tokens as i64, now);
+            i.charge(input_tokens as f64, now);
         }
         drop(guard);
         self.totals.requests.fetch_add(1, Ordering::Relaxed);
@@ -184,7 +186,7 @@ impl Account {
             return;
         }
         if let Some(o) = self.buckets.lock().output.as_mut() {
-            o.charge(n as i64, Instant::now());
+            o.charge(n as f64, Instant::now());
         }
         self.totals.output_tokens.fetch_add(n, Ordering::Relaxed);
         self.fair.serve(n);
@@ -198,10 +200,10 @@ impl Account {
         }
         self.totals.input_corrected.fetch_add(delta.unsigned_abs(), Ordering::Relaxed);
         if let Some(i) = self.buckets.lock().input.as_mut() {
-            i.charge(delta, Instant::now());
+            i.charge(delta as f64, Instant::now());
         }
         if delta > 0 {
-            self.totals.input_tokens.fetch_add(delta as u64, Ordering::Relaxed);
+            self.totals.input_tokens.fetch_add(delta.unsigned_abs(), Ordering::Relaxed);
         } else {
             self.totals.input_tokens.fetch_sub(delta.unsigned_abs().min(self.totals.input_tokens.load(Ordering::Relaxed)), Ordering::Relaxed);
         }
@@ -210,10 +212,10 @@ impl Account {
     /// Corrects the output tokens charged as they streamed to what the worker counted.
     pub fn correct_output(&self, delta: i64) {
         if delta > 0 {
-            self.charge_output(delta as u64);
+            self.charge_output(delta.unsigned_abs());
         } else if delta < 0 {
             if let Some(o) = self.buckets.lock().output.as_mut() {
-                o.charge(delta, Instant::now());
+                o.charge(delta as f64, Instant::now());
             }
             self.totals.output_tokens.fetch_sub(delta.unsigned_abs().min(self.totals.output_tokens.load(Ordering::Relaxed)), Ordering::Relaxed);
         }
@@ -227,7 +229,7 @@ impl Account {
         let b = &mut *guard;
         for (bucket, n) in [(&mut b.requests, requests), (&mut b.input, input_tokens), (&mut b.output, output_tokens)] {
             if let (Some(bucket), true) = (bucket.as_mut(), n > 0) {
-                bucket.charge(n as i64, now);
+                bucket.charge(n as f64, now);
             }
         }
     }

@@ -69,12 +69,13 @@ impl Bucket {
     }
 
     /// Takes `n` whatever the level (a charge for what was already served).
-    pub fn charge(&mut self, n: i64, now: Instant) {
+    pub fn charge(&mut self, n: f64, now: Instant) {
         self.refill(now);
-        self.level = (self.level - n as f64).min(self.capacity);
+        self.level = (self.level - n).min(self.capacity);
     }
 
     /// The state the headers show.
+    #[allow(clippy::cast_sign_loss, reason = "the capacity is a u64 and the level is clamped to 0 or more")]
     pub fn level(&mut self, now: Instant) -> Level {
         self.refill(now);
         let rate = self.rate_per_sec();
@@ -96,7 +97,7 @@ mod tests {
         let t0 = Instant::now();
         let mut b = Bucket::new(600, t0);
         assert_eq!(b.wait_for(600, t0), Some(Duration::ZERO));
-        b.charge(600, t0);
+        b.charge(600.0, t0);
         assert_eq!(b.level(t0).remaining, 0);
         // 600 a minute is 10 a second: 5 more need half a second.
         let w = b.wait_for(5, t0).unwrap();
@@ -110,7 +111,7 @@ mod tests {
     fn charges_may_go_below_zero_and_a_new_limit_keeps_what_was_used() {
         let t0 = Instant::now();
         let mut b = Bucket::new(60, t0);
-        b.charge(90, t0);
+        b.charge(90.0, t0);
         assert_eq!(b.level(t0).remaining, 0);
         assert_eq!(b.wait_for(1, t0), Some(Duration::from_secs(31)));
         let mut c = b.with_limit(120, t0);

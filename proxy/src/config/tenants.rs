@@ -130,14 +130,16 @@ impl Tenants {
                         continue;
                     }
                     let d = match line.strip_prefix("sha256:") {
-                        Some(hex) => digest_hex(hex).ok_or_else(|| format!("tenant {:?}: keys_file {} line {}: not 64 hex digits after sha256:", t.name, path.display(), n + 1))?,
+                        Some(hex) => digest_hex(hex)
+                            .ok_or_else(|| format!("tenant {:?}: keys_file {} line {}: not 64 hex digits after sha256:", t.name, path.display(), n + 1))?,
                         None => digest_of(line.as_bytes()),
                     };
                     digests.push(d);
                 }
             }
             if let Some(var) = &t.keys_env {
-                let value = env.iter().find(|(k, _)| k == var).map(|(_, v)| v.as_str()).ok_or_else(|| format!("tenant {:?}: keys_env {var} is not set", t.name))?;
+                let value =
+                    env.iter().find(|(k, _)| k == var).map(|(_, v)| v.as_str()).ok_or_else(|| format!("tenant {:?}: keys_env {var} is not set", t.name))?;
                 digests.extend(value.split(',').map(str::trim).filter(|k| !k.is_empty()).map(|k| digest_of(k.as_bytes())));
             }
             for d in &digests {
@@ -157,6 +159,15 @@ impl Tenants {
 pub fn digest_of(key: &[u8]) -> [u8; 32] {
     use sha2::Digest;
     sha2::Sha256::digest(key).into()
+}
+
+/// A digest as the 64 lower-case hex digits `keys_sha256` takes.
+pub fn to_hex(d: &[u8; 32]) -> String {
+    use std::fmt::Write;
+    d.iter().fold(String::with_capacity(64), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
 }
 
 /// 64 hex digits as a digest.
@@ -185,9 +196,9 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("kvgate-keys-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("keys");
-        let b_hex: String = digest_of(b"key-b2").iter().map(|b| format!("{b:02x}")).collect();
+        let b_hex = to_hex(&digest_of(b"key-b2"));
         std::fs::write(&file, format!("# team b\nkey-b1\nsha256:{b_hex}  # rotated\n\n")).unwrap();
-        let a_hex: String = digest_of(b"key-a").iter().map(|b| format!("{b:02x}")).collect();
+        let a_hex = to_hex(&digest_of(b"key-a"));
         let mut t = tenants(&format!("list:\n- {{name: a, keys_sha256: [{a_hex}]}}\n- {{name: b, keys_file: {}, keys_env: B_KEYS}}\n", file.display()));
         t.validate().unwrap();
         t.load_keys(&[("B_KEYS".into(), "key-b3, key-b4".into())]).unwrap();

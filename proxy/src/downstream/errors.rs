@@ -207,9 +207,9 @@ impl ClientError {
         );
         // Whole seconds, rounded up, as `Retry-After` allows; `retry-after-ms` (which both SDKs
         // prefer) says it exactly.
-        ce.retry_after = e.retry_after.map(|d| d.as_secs_f64().ceil().max(1.0) as u32);
+        ce.retry_after = e.retry_after.map(|d| u32::try_from(d.as_secs() + u64::from(d.subsec_nanos() > 0)).unwrap_or(u32::MAX).max(1));
         ce.final_ = e.retry_after.is_none();
-        ce.wait_ms = e.retry_after.map(|d| d.as_millis() as u64 + 1);
+        ce.wait_ms = e.retry_after.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX).saturating_add(1));
         ce.limits = Some(Box::new(e.snapshot));
         ce
     }

@@ -63,7 +63,7 @@ pub fn go_duration(d: Duration) -> String {
 pub fn rfc3339(t: SystemTime) -> String {
     let secs = t.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let (days, rem) = (secs / 86_400, secs % 86_400);
-    let (y, mo, d) = civil(days as i64);
+    let (y, mo, d) = civil(i64::try_from(days).unwrap_or(0));
     format!("{y:04}-{mo:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem / 60 % 60, rem % 60)
 }
 
@@ -75,8 +75,8 @@ fn civil(days: i64) -> (i64, u32, u32) {
     let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
     let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
     let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let d = u32::try_from(doy - (153 * mp + 2) / 5 + 1).unwrap_or(1);
+    let m = u32::try_from(if mp < 10 { mp + 3 } else { mp - 9 }).unwrap_or(1);
     (yoe + era * 400 + i64::from(m <= 2), m, d)
 }
 
@@ -99,7 +99,10 @@ mod tests {
         let l = Level { limit: 10_000, remaining: 2_500, reset: Duration::from_secs(45) };
         let s = Snapshot { input: Some(l), ..Snapshot::default() };
         let o = openai(&s);
-        assert_eq!(o, vec![("x-ratelimit-limit-tokens", "10000".into()), ("x-ratelimit-remaining-tokens", "2500".into()), ("x-ratelimit-reset-tokens", "45s".into())]);
+        assert_eq!(
+            o,
+            vec![("x-ratelimit-limit-tokens", "10000".into()), ("x-ratelimit-remaining-tokens", "2500".into()), ("x-ratelimit-reset-tokens", "45s".into())]
+        );
         let a = anthropic(&s, SystemTime::UNIX_EPOCH);
         assert!(a.contains(&("anthropic-ratelimit-input-tokens-reset", "1970-01-01T00:00:45Z".into())));
         assert!(a.contains(&("anthropic-ratelimit-tokens-remaining", "2500".into())));

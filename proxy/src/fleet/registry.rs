@@ -83,11 +83,9 @@ impl WorkerRegistry {
                 .collect::<Vec<_>>()
                 .into();
             order.push(m.name.clone());
-            let queue = regrouped(m).and_then(|o| o.queue.clone()).or_else(|| {
-                m.routing.queue_threshold.map(|_| {
-                    Arc::new(kvgate_filters::route::RouterQueue::new(m.routing.queue_max_len))
-                })
-            });
+            let queue = regrouped(m)
+                .and_then(|o| o.queue.clone())
+                .or_else(|| m.routing.queue_threshold.map(|_| Arc::new(kvgate_filters::route::RouterQueue::new(m.routing.queue_max_len))));
             let policy: Arc<dyn Policy> = Arc::from(m.routing.builtin().policy());
             let ledger = Model::new_ledger(m, &workers);
             models.insert(

@@ -195,7 +195,15 @@ fn path_of(t: &str) -> &str {
 /// client's header: building a Pingora header first costs two header maps and a copy of every
 /// name and value per request (docs/architecture.md, "The hot path's allocations"). Without
 /// `keep_key`, the client's API key (`Authorization`, `x-api-key`) stays at the gateway.
-pub fn write_forwarded(client: &RequestHead, host: &[u8], method: &str, path: &str, body: &[u8], request_id: &str, keep_key: bool) -> Result<Vec<u8>, Unwritable> {
+pub fn write_forwarded(
+    client: &RequestHead,
+    host: &[u8],
+    method: &str,
+    path: &str,
+    body: &[u8],
+    request_id: &str,
+    keep_key: bool,
+) -> Result<Vec<u8>, Unwritable> {
     check_path(path)?;
     if request_id.bytes().any(super::splits_head) {
         return Err(Unwritable("the request id"));

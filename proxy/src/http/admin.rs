@@ -74,7 +74,8 @@ pub async fn serve(gw: &Arc<Gateway>, session: &mut ClientConn, method: &str, pa
 /// what its requests used (this replica's), and its fair-share counter. Never a key.
 fn tenants(gw: &Gateway) -> serde_json::Value {
     let Some(table) = gw.tenants.table() else { return json!({"enabled": false, "tenants": []}) };
-    let level = |l: Option<kvgate_filters::tenant::Level>| l.map(|l| json!({"limit": l.limit, "remaining": l.remaining, "reset_ms": l.reset.as_millis() as u64}));
+    let level =
+        |l: Option<kvgate_filters::tenant::Level>| l.map(|l| json!({"limit": l.limit, "remaining": l.remaining, "reset_ms": l.reset.as_millis() as u64}));
     let list: Vec<_> = table
         .all
         .iter()

@@ -32,12 +32,15 @@ impl TenantMetrics {
             registry.register(Box::new(c.clone())).expect("unique metric");
             c
         };
-        let unauthorized = IntCounter::new("kvgate_tenant_unauthorized_total", "Requests refused with 401: no key, or an unknown one, under require_key").expect("valid metric");
+        let unauthorized = IntCounter::new("kvgate_tenant_unauthorized_total", "Requests refused with 401: no key, or an unknown one, under require_key")
+            .expect("valid metric");
         registry.register(Box::new(unauthorized.clone())).expect("unique metric");
-        let in_flight = IntGaugeVec::new(Opts::new("kvgate_tenant_in_flight", "Requests in flight on this replica per tenant"), &["tenant"]).expect("valid metric");
+        let in_flight =
+            IntGaugeVec::new(Opts::new("kvgate_tenant_in_flight", "Requests in flight on this replica per tenant"), &["tenant"]).expect("valid metric");
         registry.register(Box::new(in_flight.clone())).expect("unique metric");
         let queue_wait = HistogramVec::new(
-            HistogramOpts::new("kvgate_tenant_queue_wait_seconds", "Time spent in a router queue per tenant").buckets(vec![0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]),
+            HistogramOpts::new("kvgate_tenant_queue_wait_seconds", "Time spent in a router queue per tenant")
+                .buckets(vec![0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]),
             &["tenant"],
         )
         .expect("valid metric");

@@ -135,8 +135,9 @@ fn prefill_leg(gw: &Gateway, session: &ClientConn, req: &mut RequestState) -> Re
     let worker = place_prefill(gw, req)?;
     // The client's headers go with both legs, as with any leg; so does its request id
     // (vLLM's example proxy sends both legs under one `X-Request-Id`).
-    let wire = crate::h1::request_head::write_forwarded(session.req(), worker.host_header.as_bytes(), "POST", &req.forward.target, &body, req.id(), req.forward_key)
-        .map_err(|_| Fallback::PrefillFailed)?;
+    let wire =
+        crate::h1::request_head::write_forwarded(session.req(), worker.host_header.as_bytes(), "POST", &req.forward.target, &body, req.id(), req.forward_key)
+            .map_err(|_| Fallback::PrefillFailed)?;
     Ok((worker, wire))
 }
 

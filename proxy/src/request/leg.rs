@@ -151,7 +151,15 @@ impl<'a> Outbound<'a> {
 /// turned into a retryable error (when `retries.on_5xx`) instead of being passed on.
 pub async fn run(session: &mut ClientConn, req: &RequestState, worker: &Arc<Worker>, out: &Outbound<'_>, may_retry: bool) -> LegEnd {
     let cfg = &req.cfg;
-    let wire = match crate::h1::request_head::write_forwarded(session.req(), worker.host_header.as_bytes(), out.method, out.path, out.body, &out.request_id, req.forward_key) {
+    let wire = match crate::h1::request_head::write_forwarded(
+        session.req(),
+        worker.host_header.as_bytes(),
+        out.method,
+        out.path,
+        out.body,
+        &out.request_id,
+        req.forward_key,
+    ) {
         Ok(w) => w,
         // Built from the client's own headers: another worker would fail the same way.
         Err(e) => return LegEnd::Failed(LegError::new(LegErrorKind::Send, &worker.url, e.to_string()).final_()),

@@ -29,7 +29,7 @@ pub fn admit(gw: &Gateway, req: &mut RequestState) -> Result<(), Outcome> {
         Err(exceeded) => {
             m.limited.with_label_values(&[name, exceeded.dimension.label()]).inc();
             tracing::debug!(request_id = req.ctx.id(), tenant = name, limit = exceeded.dimension.label(), "tenant limit reached");
-            Err(Outcome::Refused(GatewayError::RateLimited(Box::new((name.to_string(), exceeded)))))
+            Err(Outcome::Refused(GatewayError::RateLimited(Box::new((name.to_string(), *exceeded)))))
         }
     }
 }

@@ -64,9 +64,15 @@ pub fn warm_up(req: &RequestState, session: &ClientConn, to: &Arc<Worker>, order
     let ids = r.context_ids();
     let model = req.view.model.clone().unwrap_or_else(|| req.model_name().to_string());
     let body = Bytes::from(serde_json::json!({"model": model, "prompt": ids, "max_tokens": 1, "add_special_tokens": false}).to_string());
-    let Ok(wire) =
-        crate::h1::request_head::write_forwarded(session.req(), to.host_header.as_bytes(), "POST", "/v1/completions", &body, &format!("{}-warm", req.id()), req.forward_key)
-    else {
+    let Ok(wire) = crate::h1::request_head::write_forwarded(
+        session.req(),
+        to.host_header.as_bytes(),
+        "POST",
+        "/v1/completions",
+        &body,
+        &format!("{}-warm", req.id()),
+        req.forward_key,
+    ) else {
         return Err(order);
     };
     let (cfg, to) = (req.cfg.clone(), to.clone());

@@ -13,6 +13,7 @@ use crate::downstream::closed::client_closed;
 use crate::downstream::conn::ClientConn;
 use crate::error::GatewayError;
 use crate::gateway::Gateway;
+use crate::receipt::{QueueEnd, Queued};
 use kvgate_filters::route::{QueueError, Ticket};
 use std::sync::Arc;
 
@@ -36,7 +37,12 @@ pub async fn wait(gw: &Arc<Gateway>, session: &mut ClientConn, req: &RequestStat
     };
     depth.dec();
     let tenant = req.tenant.as_ref().map(|t| t.tenant.name.as_str());
-    req.entry().receipt.lock().queued = Some(crate::receipt::Queued { waited: began.elapsed(), band, tenant: tenant.map(str::to_owned), ended: r.map(|r| r.err()) });
+    let ended = match r {
+        None => QueueEnd::ClientLeft,
+        Some(Ok(_)) => QueueEnd::Released,
+        Some(Err(e)) => QueueEnd::Refused(e),
+    };
+    req.entry().receipt.lock().queued = Some(Queued { waited: began.elapsed(), band, tenant: tenant.map(str::to_owned), ended });
     if let Some(t) = tenant {
         gw.metrics.tenants.queue_wait.with_label_values(&[t]).observe(began.elapsed().as_secs_f64());
     }

@@ -61,13 +61,13 @@ impl TenantUse {
         let account = &self.tenant.account;
         let input = match self.usage.prompt {
             Some(p) => {
-                account.correct_input(p as i64 - admitted.input_tokens as i64);
+                account.correct_input(p.cast_signed().saturating_sub(admitted.input_tokens.cast_signed()));
                 p
             }
             None => admitted.input_tokens,
         };
         if let Some(c) = self.usage.completion {
-            account.correct_output(c as i64 - self.output as i64);
+            account.correct_output(c.cast_signed().saturating_sub(self.output.cast_signed()));
             self.output = c;
         }
         (input, self.output)
