@@ -161,7 +161,7 @@ async fn keys_name_tenants_and_limits_answer_in_each_apis_shape_without_a_trace_
 async fn input_tokens_are_counted_as_the_worker_counts_them_and_refused_at_the_limit() {
     logs();
     let t = Target::start().await;
-    let extra = "tenants:\n  list:\n    - name: default\n      input_tokens_per_minute: 600\n".to_string();
+    let extra = "tenants:\n  list:\n    - name: default\n      input_tokens_per_minute: 10000\n".to_string();
     let model_extra = format!("tokenizer: {}\n", tokenizer(&t));
     let c = Cluster::front(
         std::slice::from_ref(&t.url),
@@ -176,7 +176,7 @@ async fn input_tokens_are_counted_as_the_worker_counts_them_and_refused_at_the_l
     )
     .await;
     let body = |i: usize, chat: bool| {
-        let text = format!("{} {}", kvgate_tests::target::unique_text(40 + i * 7), i);
+        let text = format!("{} {}", kvgate_tests::target::unique_text(400 + i * 37), i);
         if chat {
             ("/v1/chat/completions", json!({"model": t.model, "max_tokens": 1, "messages": [{"role": "user", "content": text}]}))
         } else {
@@ -186,7 +186,7 @@ async fn input_tokens_are_counted_as_the_worker_counts_them_and_refused_at_the_l
     let started = Instant::now();
     let mut served = 0;
     let mut refused = None;
-    for i in 0..40 {
+    for i in 0..60 {
         let (path, b) = body(i, i % 2 == 1);
         let a = send(&c.http, &c.url(path), &[], &b).await;
         match a.status {
@@ -211,9 +211,9 @@ async fn input_tokens_are_counted_as_the_worker_counts_them_and_refused_at_the_l
     assert_eq!(number("Requested "), worker_count, "{message}");
     // It did not fit, and everything before it did: the limit plus what refilled meanwhile.
     assert!(number("Remaining ") < worker_count, "{message}");
-    let refilled = started.elapsed().as_secs_f64() * 600.0 / 60.0;
-    assert!(served as f64 <= 600.0 + refilled + 1.0 && served + worker_count > 600, "served {served}, then {worker_count}, refill {refilled:.0}");
-    assert_eq!(header(&a, "x-ratelimit-limit-tokens"), "600");
+    let refilled = started.elapsed().as_secs_f64() * 10_000.0 / 60.0;
+    assert!(served as f64 <= 10_000.0 + refilled + 1.0 && served + worker_count > 10_000, "served {served}, then {worker_count}, refill {refilled:.0}");
+    assert_eq!(header(&a, "x-ratelimit-limit-tokens"), "10000");
 }
 
 /// The OpenAI and Anthropic SDKs, with their default retries, meet a 429, wait the

@@ -12,7 +12,7 @@ base, model = sys.argv[1], sys.argv[2]
 LIMIT = 6  # requests per minute of each tenant
 
 
-def hooked():
+def hooked(httpx=httpx):
     seen = []
     client = httpx.Client(event_hooks={"response": [lambda r: seen.append((time.monotonic(), r.status_code, r.headers.get("retry-after-ms")))]})
     return client, seen
@@ -39,7 +39,12 @@ oc_http, oc_seen = hooked()
 oc = openai.OpenAI(base_url=base + "/v1", api_key="sk-openai-sdk", http_client=oc_http)
 check("openai", lambda: oc.completions.create(model=model, prompt="hi", max_tokens=1), oc_seen)
 
-ac_http, ac_seen = hooked()
+try:
+    # Newer Anthropic SDKs ship their own fork of httpx and refuse a client of the other.
+    import httpx2 as anthropic_httpx
+except ImportError:
+    anthropic_httpx = httpx
+ac_http, ac_seen = hooked(anthropic_httpx)
 ac = anthropic.Anthropic(base_url=base, api_key="sk-anthropic-sdk", http_client=ac_http)
 check("anthropic", lambda: ac.messages.create(model=model, max_tokens=1, messages=[{"role": "user", "content": "hi"}]), ac_seen)
 print("all checks passed")

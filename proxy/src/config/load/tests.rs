@@ -195,3 +195,21 @@ fn latency_objectives_per_model_are_checked_with_their_place() {
     let e = load(&GOOD.replace("    workers:\n", "    slo:\n      ttft: 800\n    workers:\n")).unwrap_err();
     assert!(e.message.contains("ttft") && e.line.is_some(), "an unknown key names its line: {e}");
 }
+
+#[test]
+fn tenants_are_checked_with_the_tenant_named_and_keys_never_shown() {
+    let with = |t: &str| format!("{t}{GOOD}");
+    let c = load(&with(
+        "tenants:\n  list:\n    - name: a\n      keys_sha256: [5e884898da28047151d0e56f8dc6292773603d0d6aabbdd62a11ef721d1542d8]\n      weight: 2\n",
+    ))
+    .unwrap();
+    let t = c.tenants.unwrap();
+    assert_eq!((t.list[0].digests.len(), t.list[0].weight), (1, 2.0));
+    let e = load(&with("tenants:\n  list:\n    - name: a\n      weight: -1\n")).unwrap_err();
+    assert_eq!(e.line, Some(1), "{e}");
+    assert!(e.message.contains("tenant \"a\": weight"), "{e}");
+    let e = load(&with("tenants:\n  list:\n    - name: a\n      keys_env: KVGATE_TEST_NO_SUCH_VARIABLE\n")).unwrap_err();
+    assert!(e.message.contains("KVGATE_TEST_NO_SUCH_VARIABLE is not set"), "{e}");
+    let e = load(&with("tenants:\n  list:\n    - name: a\n      key: sk-plain\n")).unwrap_err();
+    assert!(e.message.contains("unknown field `key`") && e.line == Some(4), "a plain key has no place in the config: {e}");
+}
