@@ -14,8 +14,9 @@
 //!   seconds earlier. The jump comes from `nvext.agent_hints.priority` (≥ 0), else
 //!   `latency_sensitivity`.
 //!
-//! Bounded: a full queue refuses at once (unless it can shed a lower band), and a request
-//! waiting past its ticket's `max_wait` gives up.
+//! Bounded: a full queue makes room for an arrival by shedding the newest request of a lower
+//! band, else of a tenant of its own band that has been served more than the arrival's, and
+//! otherwise refuses it at once; a request waiting past its ticket's `max_wait` gives up.
 
 use crate::tenant::FairShare;
 use parking_lot::Mutex;
@@ -168,7 +169,7 @@ impl RouterQueue {
             if self.closed.load(Ordering::Acquire) {
                 return Ok(Duration::ZERO);
             }
-            if self.len() >= self.max_len && !shed_below(&mut bands, t.band) {
+            if self.len() >= self.max_len && !shed_below(&mut bands, t.band) && !shed_heavier(&mut bands, t.band, t.share.as_ref()) {
                 return Err(QueueError::Full);
             }
             let flows = bands.entry(t.band).or_default();
@@ -205,7 +206,11 @@ impl RouterQueue {
         let mut bands = self.bands.lock();
         for flows in bands.values_mut().rev() {
             loop {
-                let next = flows.iter_mut().filter(|f| f.waiting() && !f.heap.is_empty()).min_by(|a, b| a.counter().total_cmp(&b.counter()));
+                // Among equal counters (a tenant lifted to another's), the lighter backlog first.
+                let next = flows
+                    .iter_mut()
+                    .filter(|f| f.waiting() && !f.heap.is_empty())
+                    .min_by(|a, b| a.counter().total_cmp(&b.counter()).then(a.live.load(Ordering::Relaxed).cmp(&b.live.load(Ordering::Relaxed))));
                 let Some(flow) = next else { break };
                 if flow.send_next(Ok(())) {
                     return true;
@@ -249,6 +254,17 @@ fn shed_below(bands: &mut BTreeMap<u8, Vec<Flow>>, band: u8) -> bool {
         }
     }
     false
+}
+
+/// Sheds the newest waiter of the most-served tenant of `band` when it has been served more
+/// than the arriving tenant (`share`): a full queue keeps the requests of those who got least.
+/// False when the arriving tenant is the most served.
+fn shed_heavier(bands: &mut BTreeMap<u8, Vec<Flow>>, band: u8, share: Option<&Arc<FairShare>>) -> bool {
+    let Some(flows) = bands.get_mut(&band) else { return false };
+    // The arrival's counter as it stands, before any lift: what it has actually been served.
+    let mine = flows.iter().find(|f| f.is(share)).map_or_else(|| share.map_or(0.0, |s| s.virtual_tokens()), Flow::counter);
+    let heaviest = flows.iter_mut().filter(|f| f.waiting() && !f.is(share)).max_by(|a, b| a.counter().total_cmp(&b.counter()));
+    heaviest.is_some_and(|f| f.counter() > mine && f.shed_newest())
 }
 
 /// Counts a waiter while it waits, whatever way it stops waiting.
@@ -357,6 +373,29 @@ mod tests {
             t.await.unwrap().unwrap();
         }
         assert_eq!(*order.lock(), vec!["a1", "b1", "b2"]);
+    }
+
+    #[tokio::test]
+    async fn a_full_queue_sheds_the_most_served_tenant_for_one_served_less() {
+        let q = Arc::new(RouterQueue::new(2));
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let (heavy, light) = (Arc::new(FairShare::new(1.0)), Arc::new(FairShare::new(1.0)));
+        let t = |s: &Arc<FairShare>| Ticket { share: Some(s.clone()), ..ticket(0.0) };
+        let h1 = enqueue(&q, &order, "h1", t(&heavy));
+        settle(&q, 1).await;
+        let h2 = enqueue(&q, &order, "h2", t(&heavy));
+        settle(&q, 2).await;
+        // The heavy tenant is served while its requests wait; the light one arrives to a full
+        // queue and takes the place of its newest.
+        heavy.serve(5_000);
+        assert_eq!(q.wait(t(&heavy)).await, Err(QueueError::Full), "the most served is refused, not shed for itself");
+        let l1 = enqueue(&q, &order, "l1", t(&light));
+        assert_eq!(h2.await.unwrap(), Err(QueueError::Shed));
+        settle(&q, 2).await;
+        assert!(q.release() && q.release());
+        l1.await.unwrap().unwrap();
+        h1.await.unwrap().unwrap();
+        assert_eq!(order.lock()[0], "h2");
     }
 
     #[tokio::test]
