@@ -15,6 +15,7 @@ pub mod procfs;
 pub mod replicas;
 pub mod reschedule;
 pub mod soak;
+pub mod tenants;
 pub mod trace;
 pub mod trace_floor;
 

@@ -106,6 +106,10 @@ enum Cmd {
     /// Streaming clients at multiples of the fleet's capacity, without and with load shedding:
     /// answers by kind, TTFT of the accepted, memory, descriptors, bookings after.
     Overload(OverloadArgs),
+    /// Many users on one fleet: a tenant's steady load alone, beside a flooding one through
+    /// the FIFO queue and through fair queuing, and two flooding tenants of weights 1 and 3
+    /// (docs/tenants.md).
+    Tenants(TenantsArgs),
     /// Several kvgate replicas in front of one fleet, each request sent to one at random (an
     /// L4 balancer): one replica, replicas sharing over NATS, replicas without, the leader
     /// killed, NATS restarted (docs/replicas.md).
@@ -279,6 +283,100 @@ async fn overload(a: OverloadArgs) -> i32 {
             1
         }
     }
+}
+
+#[derive(Args)]
+struct TenantsArgs {
+    /// The vllm-sim binary.
+    #[arg(long, default_value = "target/release/vllm-sim")]
+    sim_bin: PathBuf,
+    /// The kvgate binary.
+    #[arg(long, default_value = "target/release/kvgate")]
+    kvgate_bin: PathBuf,
+    /// Where the configs and the JSON go.
+    #[arg(long, default_value = "benches/out/tenants")]
+    out: PathBuf,
+    /// Workers.
+    #[arg(long, default_value_t = 4)]
+    workers: usize,
+    /// Whole streams each worker's KV cache holds.
+    #[arg(long, default_value_t = 16)]
+    streams_per_worker: usize,
+    /// Prompt tokens per request.
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    /// Output tokens per request.
+    #[arg(long, default_value_t = 64)]
+    output_tokens: usize,
+    /// vllm-sim's --time-scale.
+    #[arg(long, default_value_t = 0.25)]
+    time_scale: f64,
+    /// Seconds of load per case.
+    #[arg(long, default_value_t = 40.0)]
+    seconds: f64,
+    /// Seconds at the start of each case left out of the figures.
+    #[arg(long, default_value_t = 8.0)]
+    warmup: f64,
+    /// B's steady rate, requests per second.
+    #[arg(long, default_value_t = 12.0)]
+    b_rps: f64,
+    /// A's flood, requests per second.
+    #[arg(long, default_value_t = 75.0)]
+    a_rps: f64,
+    /// C's and D's flood each, requests per second.
+    #[arg(long, default_value_t = 60.0)]
+    weights_rps: f64,
+    /// The model's routing.queue_threshold.
+    #[arg(long, default_value_t = 0.125)]
+    queue_threshold: f64,
+    /// Cases, comma-separated: alone, fifo, fair, weights.
+    #[arg(long, value_delimiter = ',', default_value = "alone,fifo,fair,weights")]
+    cases: Vec<String>,
+    /// Seconds after which a request with no answer counts as failed.
+    #[arg(long, default_value_t = 90.0)]
+    timeout_s: f64,
+}
+
+async fn tenants(a: TenantsArgs) -> i32 {
+    let o = kvgate_bench::tenants::Options {
+        sim_bin: a.sim_bin,
+        kvgate_bin: a.kvgate_bin,
+        out: a.out,
+        workers: a.workers,
+        streams_per_worker: a.streams_per_worker,
+        prompt_tokens: a.prompt_tokens,
+        output_tokens: a.output_tokens,
+        time_scale: a.time_scale,
+        seconds: a.seconds,
+        warmup: a.warmup,
+        b_rps: a.b_rps,
+        a_rps: a.a_rps,
+        weights_rps: a.weights_rps,
+        queue_threshold: a.queue_threshold,
+        cases: a.cases,
+        timeout: Duration::from_secs_f64(a.timeout_s),
+    };
+    println!("{}", kvgate_bench::tenants::Case::HEAD);
+    let cases = match kvgate_bench::tenants::run(&o).await {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("kvgate-bench tenants: {e}");
+            return 1;
+        }
+    };
+    let _ = std::fs::write(o.out.join("tenants.json"), serde_json::to_string_pretty(&cases).unwrap_or_default());
+    let p99 = |case: &str| cases.iter().find(|c| c.name == case).and_then(|c| c.tenant("b")).map(|b| b.ttft_ms[2]);
+    if let (Some(alone), Some(fair)) = (p99("alone"), p99("fair")) {
+        println!("B's TTFT p99: fair {fair:.0} ms against alone {alone:.0} ms ({:.2}x)", fair / alone);
+        if let Some(fifo) = p99("fifo") {
+            println!("B's TTFT p99 under FIFO: {fifo:.0} ms ({:.2}x alone)", fifo / alone);
+        }
+    }
+    if let Some(w) = cases.iter().find(|c| c.name == "weights") {
+        let served = |t: &str| w.tenant(t).and_then(|x| x.served_tokens).unwrap_or(0) as f64;
+        println!("served tokens D/C: {:.3} (weights 3/1)", served("d") / served("c").max(1.0));
+    }
+    0
 }
 
 #[derive(Args)]
@@ -991,6 +1089,7 @@ async fn main() {
         Cmd::Connections(a) => connections(a).await,
         Cmd::Soak(a) => soak(a).await,
         Cmd::Overload(a) => overload(a).await,
+        Cmd::Tenants(a) => tenants(a).await,
         Cmd::Replicas { workers, replicas, cases, sim_bin, kvgate_bin, sim_args, common } => {
             replicas_cmd(workers, replicas, &cases, (&sim_bin, &kvgate_bin, &sim_args), &common).await
         }
