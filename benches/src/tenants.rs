@@ -78,6 +78,12 @@ pub struct TenantFigures {
     /// Tokens the gateway served it between the warm-up and the end of the load (its fair-share
     /// counter's growth; `None` without tenants).
     pub served_tokens: Option<u64>,
+    /// Its first few refusals and failures, as the client saw them.
+    pub errors: Vec<String>,
+    /// Its three slowest first tokens: TTFT (ms) and request id.
+    pub slowest: Vec<(f64, String)>,
+    /// Their route receipts (`GET /requests/{id}`), fetched before the gateway stops.
+    pub receipts: Vec<Value>,
 }
 
 /// One case.
@@ -183,6 +189,13 @@ async fn run_case(o: &Options, name: &str, loads: &[Load], with_tenants: bool) -
         t.served_tokens = with_tenants.then(|| after.get(l.name).copied().unwrap_or(0).saturating_sub(before.get(l.name).copied().unwrap_or(0)));
         tenants.push(t);
     }
+    for t in &mut tenants {
+        for (_, id) in &t.slowest {
+            if let Ok(r) = http.get(format!("{}/requests/{id}", at.admin)).send().await {
+                t.receipts.push(r.json().await.unwrap_or_default());
+            }
+        }
+    }
     let _ = std::process::Command::new("kill").arg("-TERM").arg(gw.id().to_string()).status();
     let _ = gw.wait();
     drop(procs);
@@ -213,7 +226,12 @@ async fn generate(o: Options, url: String, tenant: &'static str, rps: f64, seed:
         let words = prompt(&mut rng, o.prompt_tokens);
         let body = json!({"model": "sim-model", "prompt": format!("{tenant} {n} {words}"), "max_tokens": o.output_tokens, "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}});
         let (http, url, timeout, counted) = (http.clone(), format!("{url}/v1/completions"), o.timeout, next >= warm);
-        tasks.push(tokio::spawn(async move { (counted, tokio::time::timeout(timeout, client::send(&http, &url, &body, Instant::now())).await.ok()) }));
+        let id = format!("{tenant}-{n}");
+        tasks.push(tokio::spawn(async move {
+            let header = [("x-request-id", id.as_str())];
+            let answer = tokio::time::timeout(timeout, client::send_with(&http, &url, &body, Instant::now(), &header)).await.ok();
+            (counted, id.clone(), answer)
+        }));
         // Exponential gaps: a Poisson arrival process at `rps`.
         let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
         next += Duration::from_secs_f64(-(1.0 - u).ln() / rps);
@@ -221,20 +239,31 @@ async fn generate(o: Options, url: String, tenant: &'static str, rps: f64, seed:
     let mut f = TenantFigures { name: tenant.to_string(), ..TenantFigures::default() };
     let mut ttfts = Vec::new();
     for t in tasks {
-        let Ok((true, answer)) = t.await else { continue };
+        let Ok((true, id, answer)) = t.await else { continue };
         f.sent += 1;
         match answer {
             Some(s) if s.status == 200 && s.ok() && s.output_tokens as usize == o.output_tokens => {
                 f.whole += 1;
                 ttfts.push(s.ttft.unwrap_or_default());
+                f.slowest.push((s.ttft.unwrap_or_default().as_secs_f64() * 1000.0, id));
             }
-            Some(s) if s.status == 429 => f.limited += 1,
-            Some(s) if s.status == 503 => f.unavailable += 1,
-            _ => f.failed += 1,
+            Some(s) => {
+                match s.status {
+                    429 => f.limited += 1,
+                    503 => f.unavailable += 1,
+                    _ => f.failed += 1,
+                }
+                if f.errors.len() < 3 {
+                    f.errors.push(format!("{id}: {}", s.error.unwrap_or_default()));
+                }
+            }
+            None => f.failed += 1,
         }
     }
     let mut ms = |p: f64| if ttfts.is_empty() { f64::NAN } else { percentile(&mut ttfts, p).as_secs_f64() * 1000.0 };
     f.ttft_ms = [ms(0.5), ms(0.9), ms(0.99)];
+    f.slowest.sort_by(|a, b| b.0.total_cmp(&a.0));
+    f.slowest.truncate(3);
     f
 }
 

@@ -350,3 +350,36 @@ async fn a_prefix_a_peers_request_is_computing_counts_as_booked() {
     let released = wait_until(Duration::from_secs(5), || async { chains(b).await == 0.0 }).await;
     assert!(released.is_some(), "released with the request");
 }
+
+/// Two replicas hold a tenant to one limit: its requests, sent to each in turn, are refused at
+/// the total one replica alone refuses at (20 a minute; one more may have refilled while the
+/// test ran), and not at twice it.
+#[tokio::test]
+async fn a_tenants_limit_holds_across_replicas() {
+    let key = "sk-shared-tenant";
+    let digest = kvgate::config::tenants::to_hex(&kvgate::config::tenants::digest_of(key.as_bytes()));
+    let extra = format!("tenants:\n  require_key: true\n  list:\n    - name: shared\n      keys_sha256: [{digest}]\n      requests_per_minute: 20\n");
+    let r = replicas_with(2, 1, sim(1.0), GatewayOpts { extra, ..GatewayOpts::default() }).await;
+    let body = json!({"model": "sim-model", "prompt": unique_text(8), "max_tokens": 16, "ignore_eos": true});
+    let (mut admitted, mut per_replica) = (0, [0; 2]);
+    for i in 0..60 {
+        let g = &r.gws[i % 2];
+        let resp = g.http.post(g.url("/v1/completions")).bearer_auth(key).json(&body).send().await.expect("sent");
+        match resp.status().as_u16() {
+            200 => {
+                admitted += 1;
+                per_replica[i % 2] += 1;
+            }
+            429 => break,
+            s => panic!("status {s}: {}", resp.text().await.unwrap_or_default()),
+        }
+    }
+    assert!((20..=21).contains(&admitted), "admitted {admitted} ({per_replica:?}) against a limit of 20 a minute");
+    assert!(per_replica.iter().all(|&n| n >= 9), "{per_replica:?}");
+    // Each replica's view: what it used itself, the limit nearly spent by both.
+    for g in &r.gws {
+        let t = get(g, "/tenants").await;
+        let remaining = t["tenants"][0]["limits"]["requests_per_minute"]["remaining"].as_u64().unwrap();
+        assert!(remaining <= 1, "{t}");
+    }
+}

@@ -41,9 +41,19 @@ impl Sample {
 /// count from `scheduled`, when the request was due: a request that left late (the generator
 /// was at its in-flight bound) is not flattered by its delay.
 pub async fn send(http: &reqwest::Client, url: &str, body: &serde_json::Value, scheduled: Instant) -> Sample {
+    send_with(http, url, body, scheduled, &[]).await
+}
+
+/// [`send`] with extra request headers (an `x-request-id` to find the request's route receipt
+/// by, say).
+pub async fn send_with(http: &reqwest::Client, url: &str, body: &serde_json::Value, scheduled: Instant, headers: &[(&str, &str)]) -> Sample {
     let start = scheduled.min(Instant::now());
     let mut s = Sample::default();
-    let mut resp = match http.post(url).json(body).send().await {
+    let mut req = http.post(url).json(body);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let mut resp = match req.send().await {
         Ok(r) => r,
         Err(e) => {
             s.error = Some(format!("request failed: {e}"));
@@ -130,7 +140,9 @@ pub async fn send(http: &reqwest::Client, url: &str, body: &serde_json::Value, s
         s.error = Some("stream ended without [DONE] or message_stop".into());
     }
     if s.status != 200 && s.error.is_none() {
-        s.error = Some(format!("HTTP {}", s.status));
+        // An error answer is one JSON body, left whole in the buffer: its start says why.
+        let why = String::from_utf8_lossy(&buf[..buf.len().min(200)]).to_string();
+        s.error = Some(format!("HTTP {}: {why}", s.status));
     }
     s
 }

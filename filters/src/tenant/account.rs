@@ -223,12 +223,12 @@ impl Account {
 
     /// What other replicas' requests of this tenant used since they last said (taken from the
     /// buckets whatever their level: it was already served).
-    pub fn charge_peer(&self, requests: u64, input_tokens: u64, output_tokens: u64) {
+    pub fn charge_peer(&self, requests: i64, input_tokens: i64, output_tokens: i64) {
         let now = Instant::now();
         let mut guard = self.buckets.lock();
         let b = &mut *guard;
         for (bucket, n) in [(&mut b.requests, requests), (&mut b.input, input_tokens), (&mut b.output, output_tokens)] {
-            if let (Some(bucket), true) = (bucket.as_mut(), n > 0) {
+            if let (Some(bucket), true) = (bucket.as_mut(), n != 0) {
                 bucket.charge(n as f64, now);
             }
         }

@@ -2,7 +2,8 @@
 //! holds what the rest of the gateway reads of the cluster ([`Cluster`]: whether this replica
 //! may act as leader, the peers, the outbox of stored responses to share) and the pieces the
 //! cluster task (`tasks::cluster`) runs: the messages ([`wire`]), the peers and their bookings
-//! ([`members`]), the leader's lease ([`lease`]) and the stored responses' keys ([`affinity`]).
+//! ([`members`]), the leader's lease ([`lease`]), the stored responses' keys ([`affinity`]) and
+//! the tenants' usage ([`tenants`]).
 //!
 //! Nothing here is on the request path: a request reads the ledger, where the task has summed
 //! the peers' bookings, and at most hands a stored response to a bounded outbox without
@@ -12,6 +13,7 @@ pub mod affinity;
 pub mod chains;
 pub mod lease;
 pub mod members;
+pub mod tenants;
 pub mod wire;
 
 use crate::config::cluster::Cluster as ClusterConfig;

@@ -17,6 +17,8 @@ pub struct Subjects {
     pub decisions: String,
     /// The prompt chains each replica books and releases ([`Chains`]).
     pub chains: String,
+    /// Each replica's tenants' usage (`super::tenants::TenantsMessage`).
+    pub tenants: String,
     /// The key-value bucket of stored responses' workers.
     pub affinity_bucket: String,
     /// The key-value bucket holding the leader's lease.
@@ -32,6 +34,7 @@ impl Subjects {
             ask: format!("kvgate.{d}.ask"),
             decisions: format!("kvgate.{d}.decisions"),
             chains: format!("kvgate.{d}.chains"),
+            tenants: format!("kvgate.{d}.tenants"),
             affinity_bucket: format!("kvgate_{d}_responses"),
             lease_bucket: format!("kvgate_{d}_leader"),
         }

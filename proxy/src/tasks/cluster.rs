@@ -10,7 +10,9 @@
 //! - asks: answers the admin requests peers forward about requests this replica holds;
 //! - decisions: shares approximate mode's routing decisions and records the peers';
 //! - chains: shares the prompt chains this replica books and releases, and applies the peers'
-//!   to each model's ledger ([`crate::cluster::chains`]).
+//!   to each model's ledger ([`crate::cluster::chains`]);
+//! - tenants: shares what this replica's tenants used and hold, and charges the peers' to the
+//!   tenants' accounts ([`crate::cluster::tenants`]).
 //!
 //! Without `cluster:` the task waits forever and costs nothing.
 
@@ -44,6 +46,7 @@ pub async fn run(gw: Arc<Gateway>) {
         () = answer_asks(&gw, &s, &client) => {}
         () = share_decisions(&gw, &s, &client) => {}
         () = share_chains(&gw, &s, &client) => {}
+        () = share_tenants(&gw, &s, &client) => {}
     }
 }
 
@@ -456,6 +459,41 @@ async fn share_chains(gw: &Gateway, s: &Shared, client: &async_nats::Client) {
                 held.sweep(&|r| members.contains(r), Duration::from_millis(s.cfg.peer_timeout_ms), Duration::from_secs(max_age));
                 s.metrics.peer_chains.set(i64::try_from(held.len()).unwrap_or(i64::MAX));
             }
+        }
+    }
+}
+
+/// The tenants loop (module doc): this replica's tenants' usage goes out when it changes (looked
+/// at every `publish_interval_ms`) and whole every heartbeat; the peers' is charged here.
+async fn share_tenants(gw: &Gateway, s: &Shared, client: &async_nats::Client) {
+    let Ok(mut theirs) = client.subscribe(s.subjects.tenants.clone()).await else { return };
+    let mut out = crate::cluster::tenants::Outgoing::default();
+    let mut peers = crate::cluster::tenants::PeerTenants::default();
+    let mut tick = tokio::time::interval(Duration::from_millis(s.cfg.publish_interval_ms.max(1)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut beat = tokio::time::interval(Duration::from_millis(s.cfg.heartbeat_ms));
+    loop {
+        let whole = tokio::select! {
+            _ = tick.tick() => false,
+            _ = beat.tick() => true,
+            m = theirs.next() => {
+                let Some(m) = m else { return };
+                if let (Some(table), Ok(m)) = (gw.tenants.table(), serde_json::from_slice::<crate::cluster::tenants::TenantsMessage>(&m.payload))
+                    && m.replica != s.replica
+                {
+                    peers.apply(m, &table, Instant::now());
+                }
+                continue;
+            }
+        };
+        let Some(table) = gw.tenants.table() else { continue };
+        if whole {
+            peers.expire(&table, Duration::from_millis(s.cfg.peer_timeout_ms), Instant::now());
+        }
+        let usage = out.usage(&table, whole);
+        if !usage.is_empty() {
+            let m = crate::cluster::tenants::TenantsMessage { replica: s.replica.clone(), instance: s.instance.clone(), tenants: usage };
+            publish(s, client, &s.subjects.tenants, &m).await;
         }
     }
 }
