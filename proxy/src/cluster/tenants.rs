@@ -135,7 +135,7 @@ mod tests {
         let (here, there) = (table(), table());
         let mut out = Outgoing::default();
         assert!(out.usage(&here, false).is_empty(), "nothing used yet");
-        assert_eq!(out.usage(&here, true).len(), 1, "a heartbeat reports every tenant");
+        assert_eq!(out.usage(&here, true).len(), 2, "a heartbeat reports every tenant (`default` too)");
         let held = here.all[0].account.admit(5).unwrap();
         let msg = TenantsMessage { replica: "r1".into(), instance: "i1".into(), tenants: out.usage(&here, false) };
         assert_eq!((msg.tenants[0].requests, msg.tenants[0].input_tokens, msg.tenants[0].in_flight), (1, 5, 1));
