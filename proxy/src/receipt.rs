@@ -145,6 +145,10 @@ pub struct Queued {
     pub tenant: Option<String>,
     /// How the wait ended.
     pub ended: QueueEnd,
+    /// When it ended, each tenant of its band with requests waiting (and its own): counter
+    /// (tokens served over weight, as the queue orders by it), requests waiting, whether it is
+    /// the request's tenant.
+    pub standing: Vec<(f64, usize, bool)>,
 }
 
 /// How a wait in the router queue ended.
@@ -175,6 +179,7 @@ impl Queued {
             "band": self.band,
             "tenant": self.tenant,
             "ended": ended,
+            "band_standing": self.standing.iter().map(|(c, n, own)| json!({"counter": c, "waiting": n, "own": own})).collect::<Vec<_>>(),
         })
     }
 }

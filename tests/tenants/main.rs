@@ -243,3 +243,36 @@ async fn the_sdks_wait_the_retry_after_they_are_given_and_then_succeed() {
         assert!(metrics.contains(&format!("kvgate_tenant_rate_limited_total{{limit=\"requests\",tenant=\"{tenant}\"}} 1")), "one 429 each: {metrics}");
     }
 }
+
+/// Keys and limits change on reload without dropping a request: a stream admitted under the
+/// old key ends whole, the old key is refused after, the new one admitted, and the tenant's
+/// usage carries over.
+#[tokio::test]
+async fn a_reload_changes_keys_and_limits_without_dropping_a_request() {
+    logs();
+    let dir = TempDir::new();
+    let keys = dir.0.join("team.keys");
+    std::fs::write(&keys, "sk-reload-old\n").unwrap();
+    let tenants =
+        |rpm: u32| format!("tenants:\n  require_key: true\n  list:\n    - name: team\n      keys_file: {}\n      requests_per_minute: {rpm}\n", keys.display());
+    let sim = vllm_sim::SimConfig { time_scale: 1.0, ..kvgate_tests::target::test_sim_config() };
+    let c = Cluster::sims(1, sim, GatewayOpts { extra: tenants(100), ..GatewayOpts::default() }).await;
+    let body = json!({"model": "sim-model", "prompt": "reload", "max_tokens": 60, "ignore_eos": true, "stream": true});
+    let stream = c.http.post(c.url("/v1/completions")).bearer_auth("sk-reload-old").json(&body).send().await.unwrap();
+    assert_eq!(stream.status(), 200);
+    std::fs::write(&keys, "sk-reload-new\n").unwrap();
+    let config = std::fs::read_to_string(&c.config_path).unwrap().replace("requests_per_minute: 100", "requests_per_minute: 50");
+    std::fs::write(&c.config_path, config).unwrap();
+    let r = c.http.post(c.admin("/reload")).send().await.unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+    let text = stream.text().await.unwrap();
+    assert!(text.trim_end().ends_with("data: [DONE]") && text.matches("\"text\"").count() >= 60, "the stream ended whole: {text}");
+    let unary = json!({"model": "sim-model", "prompt": "reload", "max_tokens": 2});
+    let old = c.http.post(c.url("/v1/completions")).bearer_auth("sk-reload-old").json(&unary).send().await.unwrap();
+    assert_eq!(old.status(), 401);
+    let new = c.http.post(c.url("/v1/completions")).bearer_auth("sk-reload-new").json(&unary).send().await.unwrap();
+    assert_eq!(new.status(), 200);
+    let t: Value = c.http.get(c.admin("/tenants")).send().await.unwrap().json().await.unwrap();
+    let team = &t["tenants"][0];
+    assert_eq!((team["used"]["requests"].as_u64(), team["limits"]["requests_per_minute"]["limit"].as_u64()), (Some(2), Some(50)), "{t}");
+}

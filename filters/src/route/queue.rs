@@ -135,11 +135,16 @@ pub struct RouterQueue {
     /// Set when the queue is replaced: later arrivals pass straight through.
     closed: AtomicBool,
     max_len: usize,
+    /// Tokens of head start a tenant that starts waiting again keeps over those already waiting.
+    credit: f64,
 }
 
 impl RouterQueue {
-    /// A queue holding at most `max_len` requests.
-    pub fn new(max_len: usize) -> Self {
+    /// A queue holding at most `max_len` requests, where a tenant that starts waiting again is
+    /// lifted to `credit` tokens below the least-served tenant waiting (VTC's lift, less a
+    /// bounded head start: a light tenant's burst of up to `credit` tokens goes before a
+    /// flooding one's backlog, and idle time earns no more than that).
+    pub fn new(max_len: usize, credit: f64) -> Self {
         Self {
             bands: Mutex::new(BTreeMap::new()),
             epoch: Instant::now(),
@@ -147,6 +152,7 @@ impl RouterQueue {
             waiting: Default::default(),
             closed: Default::default(),
             max_len,
+            credit: credit.max(0.0),
         }
     }
 
@@ -173,7 +179,7 @@ impl RouterQueue {
                 return Err(QueueError::Full);
             }
             let flows = bands.entry(t.band).or_default();
-            let i = join(flows, t.share.as_ref());
+            let i = join(flows, t.share.as_ref(), self.credit);
             let flow = &mut flows[i];
             // Abandoned entries are dropped once they are as many as the queue may hold.
             if flow.heap.len() >= self.max_len {
@@ -189,6 +195,14 @@ impl RouterQueue {
             Ok(Ok(Err(e))) => Err(e),
             _ => Err(QueueError::TimedOut),
         }
+    }
+
+    /// Each flow of band `band` that has requests waiting: its tenant's counter as the queue
+    /// orders by it (lift included), how many of its requests wait, and whether it is `share`'s.
+    pub fn standing(&self, band: u8, share: Option<&Arc<FairShare>>) -> Vec<(f64, usize, bool)> {
+        let bands = self.bands.lock();
+        let Some(flows) = bands.get(&band) else { return Vec::new() };
+        flows.iter().filter(|f| f.waiting() || f.is(share)).map(|f| (f.counter(), f.live.load(Ordering::Relaxed), f.is(share))).collect()
     }
 
     /// Releases everybody and lets later arrivals through (the queue is being replaced).
@@ -222,8 +236,9 @@ impl RouterQueue {
 }
 
 /// The flow of `share` among `flows` (made when new). A tenant that starts waiting is lifted
-/// to the smallest counter of those already waiting (VTC's lift).
-fn join(flows: &mut Vec<Flow>, share: Option<&Arc<FairShare>>) -> usize {
+/// to `credit` below the smallest counter of those already waiting (VTC's lift, with a bounded
+/// head start).
+fn join(flows: &mut Vec<Flow>, share: Option<&Arc<FairShare>>, credit: f64) -> usize {
     let i = match flows.iter().position(|f| f.is(share)) {
         Some(i) => i,
         None => {
@@ -233,10 +248,10 @@ fn join(flows: &mut Vec<Flow>, share: Option<&Arc<FairShare>>) -> usize {
     };
     if !flows[i].waiting() {
         let least = flows.iter().filter(|f| f.waiting()).map(Flow::counter).min_by(f64::total_cmp);
-        if let Some(least) = least {
+        if let Some(floor) = least.map(|l| l - credit) {
             let own = flows[i].counter();
-            if least > own {
-                flows[i].lift += least - own;
+            if floor > own {
+                flows[i].lift += floor - own;
             }
         }
     }
@@ -320,7 +335,7 @@ mod tests {
 
     #[tokio::test]
     async fn higher_priority_overtakes_and_bounds_hold() {
-        let q = Arc::new(RouterQueue::new(3));
+        let q = Arc::new(RouterQueue::new(3, 0.0));
         let order = Arc::new(Mutex::new(Vec::new()));
         let mut tasks = Vec::new();
         for (i, (name, jump)) in [("low1", 0.0), ("low2", 0.0), ("high", 10.0)].into_iter().enumerate() {
@@ -338,7 +353,7 @@ mod tests {
 
     #[tokio::test]
     async fn waits_are_bounded_and_abandoned_places_are_skipped() {
-        let q = Arc::new(RouterQueue::new(8));
+        let q = Arc::new(RouterQueue::new(8, 0.0));
         let short = Ticket { max_wait: Duration::from_millis(20), ..ticket(0.0) };
         assert_eq!(q.wait(short).await, Err(QueueError::TimedOut));
         let q2 = q.clone();
@@ -352,7 +367,7 @@ mod tests {
 
     #[tokio::test]
     async fn tenants_are_served_by_their_counters_and_a_newcomer_is_lifted_not_credited() {
-        let q = Arc::new(RouterQueue::new(16));
+        let q = Arc::new(RouterQueue::new(16, 0.0));
         let order = Arc::new(Mutex::new(Vec::new()));
         let (a, b) = (Arc::new(FairShare::new(1.0)), Arc::new(FairShare::new(1.0)));
         // A has been served 1,000 tokens while B was idle.
@@ -376,8 +391,35 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_tenant_back_from_idle_keeps_only_its_credit_as_a_head_start() {
+        let q = Arc::new(RouterQueue::new(16, 500.0));
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let (a, b) = (Arc::new(FairShare::new(1.0)), Arc::new(FairShare::new(1.0)));
+        a.serve(10_000);
+        let t = |s: &Arc<FairShare>| Ticket { share: Some(s.clone()), ..ticket(0.0) };
+        let a1 = enqueue(&q, &order, "a1", t(&a));
+        settle(&q, 1).await;
+        // B was idle while A was served 10,000 tokens: it is lifted to 9,500, not left at 0.
+        let b1 = enqueue(&q, &order, "b1", t(&b));
+        settle(&q, 2).await;
+        let standing = q.standing(0, Some(&b));
+        assert!(standing.iter().any(|&(c, _, own)| own && c == 9_500.0), "{standing:?}");
+        release_each(&q, &order, 1).await;
+        assert_eq!(order.lock()[0], "b1", "inside its credit, B goes first");
+        // B is served 600 tokens: past A's counter now, so A goes next.
+        b.serve(600);
+        let b3 = enqueue(&q, &order, "b3", t(&b));
+        settle(&q, 2).await;
+        release_each(&q, &order, 2).await;
+        assert_eq!(order.lock()[1], "a1");
+        for h in [a1, b1, b3] {
+            h.await.unwrap().unwrap();
+        }
+    }
+
+    #[tokio::test]
     async fn a_full_queue_sheds_the_most_served_tenant_for_one_served_less() {
-        let q = Arc::new(RouterQueue::new(2));
+        let q = Arc::new(RouterQueue::new(2, 0.0));
         let order = Arc::new(Mutex::new(Vec::new()));
         let (heavy, light) = (Arc::new(FairShare::new(1.0)), Arc::new(FairShare::new(1.0)));
         let t = |s: &Arc<FairShare>| Ticket { share: Some(s.clone()), ..ticket(0.0) };
@@ -400,7 +442,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_higher_band_goes_first_and_sheds_a_lower_one_from_a_full_queue() {
-        let q = Arc::new(RouterQueue::new(2));
+        let q = Arc::new(RouterQueue::new(2, 0.0));
         let order = Arc::new(Mutex::new(Vec::new()));
         let low1 = enqueue(&q, &order, "low1", ticket(0.0));
         settle(&q, 1).await;

@@ -58,13 +58,23 @@ impl Model {
         Ledger::over(workers.iter().map(|w| w.booked.clone()).collect(), tracking)
     }
 
-    /// Whether worker `i` is past the queue threshold (its booked prefill over
-    /// `queue_threshold × max_num_batched_tokens`).
+    /// Whether worker `i` is past the queue threshold: its booked prefill over
+    /// `queue_threshold × max_num_batched_tokens`, or its KV cache fully booked (the blocks its
+    /// requests hold and are expected to fill, against the blocks it reports). A request sent to
+    /// a full worker would wait inside it, behind whoever came first; held in the router queue,
+    /// it goes to the first worker with room, in the queue's order (bands, tenants' fair shares,
+    /// priority).
     pub fn queue_busy(&self, i: usize) -> bool {
         match (self.cfg.routing.queue_threshold, self.cfg.shedding.max_num_batched_tokens) {
-            (Some(q), Some(budget)) => self.ledger.prefill_tokens(i as u16) as f64 > q * budget as f64,
+            (Some(q), Some(budget)) => self.ledger.prefill_tokens(i as u16) as f64 > q * budget as f64 || self.kv_fully_booked(i),
             _ => false,
         }
+    }
+
+    /// Whether worker `i`'s reported KV blocks are all booked (never, before it reported them).
+    fn kv_fully_booked(&self, i: usize) -> bool {
+        let total = self.workers[i].reported_summary().total_blocks;
+        total > 0 && self.ledger.expected_blocks(i as u16) >= total
     }
 
     /// Whether the model is, or may be, a Harmony model (gpt-oss), whose Responses vLLM renders

@@ -30,7 +30,7 @@ pub async fn wait(gw: &Arc<Gateway>, session: &mut ClientConn, req: &RequestStat
     depth.inc();
     let began = std::time::Instant::now();
     let ticket = ticket(req);
-    let band = ticket.band;
+    let (band, share) = (ticket.band, ticket.share.clone());
     let r = tokio::select! {
         r = queue.wait(ticket) => Some(r),
         _ = client_closed(session) => None,
@@ -42,7 +42,8 @@ pub async fn wait(gw: &Arc<Gateway>, session: &mut ClientConn, req: &RequestStat
         Some(Ok(_)) => QueueEnd::Released,
         Some(Err(e)) => QueueEnd::Refused(e),
     };
-    req.entry().receipt.lock().queued = Some(Queued { waited: began.elapsed(), band, tenant: tenant.map(str::to_owned), ended });
+    let standing = if share.is_some() { queue.standing(band, share.as_ref()) } else { Vec::new() };
+    req.entry().receipt.lock().queued = Some(Queued { waited: began.elapsed(), band, tenant: tenant.map(str::to_owned), ended, standing });
     if let Some(t) = tenant {
         gw.metrics.tenants.queue_wait.with_label_values(&[t]).observe(began.elapsed().as_secs_f64());
     }
