@@ -85,7 +85,12 @@ impl WorkerRegistry {
             order.push(m.name.clone());
             let queue = regrouped(m)
                 .and_then(|o| o.queue.clone())
-                .or_else(|| m.routing.queue_threshold.map(|_| Arc::new(kvgate_filters::route::RouterQueue::new(m.routing.queue_max_len))));
+                // A tenant back from idle may go ahead of a backlog by one engine step's tokens.
+                .or_else(|| {
+                    m.routing.queue_threshold.map(|_| {
+                        Arc::new(kvgate_filters::route::RouterQueue::new(m.routing.queue_max_len, m.shedding.max_num_batched_tokens.unwrap_or(0) as f64))
+                    })
+                });
             let policy: Arc<dyn Policy> = Arc::from(m.routing.builtin().policy());
             let ledger = Model::new_ledger(m, &workers);
             models.insert(
