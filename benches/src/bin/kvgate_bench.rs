@@ -312,19 +312,20 @@ struct TenantsArgs {
     #[arg(long, default_value_t = 0.25)]
     time_scale: f64,
     /// Seconds of load per case.
-    #[arg(long, default_value_t = 40.0)]
+    #[arg(long, default_value_t = 30.0)]
     seconds: f64,
     /// Seconds at the start of each case left out of the figures.
     #[arg(long, default_value_t = 8.0)]
     warmup: f64,
-    /// B's steady rate, requests per second.
-    #[arg(long, default_value_t = 12.0)]
+    /// B's steady rate, requests per second (the fleet serves about 20 of these requests a
+    /// second: B's is 0.6 of its fair share).
+    #[arg(long, default_value_t = 6.0)]
     b_rps: f64,
-    /// A's flood, requests per second.
-    #[arg(long, default_value_t = 75.0)]
+    /// A's flood, requests per second (5× its fair share of about 10).
+    #[arg(long, default_value_t = 50.0)]
     a_rps: f64,
-    /// C's and D's flood each, requests per second.
-    #[arg(long, default_value_t = 60.0)]
+    /// C's and D's flood each, requests per second (each 1.5× the fleet's capacity).
+    #[arg(long, default_value_t = 30.0)]
     weights_rps: f64,
     /// The model's routing.queue_threshold.
     #[arg(long, default_value_t = 0.125)]
