@@ -217,38 +217,18 @@ impl RouterQueue {
     /// Releases the next waiting request: the highest band's least-served tenant's first.
     /// Returns false when nobody was waiting.
     pub fn release(&self) -> bool {
-        self.release_for(false)
-    }
-
-    /// [`RouterQueue::release`] of the last place free: kept for a tenant that is not the most
-    /// served of its band, when the band has more than one tenant, so that a light tenant's
-    /// request starts at once instead of waiting for the next place a flooding tenant's
-    /// backlog would take. False when nobody may have it.
-    pub fn release_reserved(&self) -> bool {
-        self.release_for(true)
-    }
-
-    fn release_for(&self, reserved: bool) -> bool {
         let mut bands = self.bands.lock();
         for flows in bands.values_mut().rev() {
-            let most = flows.iter().filter(|f| f.waiting()).map(Flow::counter).max_by(f64::total_cmp);
-            let shared = flows.iter().filter(|f| f.share.is_some()).count() > 1;
             loop {
                 // Among equal counters (a tenant lifted to another's), the lighter backlog first.
                 let next = flows
                     .iter_mut()
                     .filter(|f| f.waiting() && !f.heap.is_empty())
-                    .filter(|f| !reserved || !shared || most.is_some_and(|m| f.counter() < m))
                     .min_by(|a, b| a.counter().total_cmp(&b.counter()).then(a.live.load(Ordering::Relaxed).cmp(&b.live.load(Ordering::Relaxed))));
                 let Some(flow) = next else { break };
                 if flow.send_next(Ok(())) {
                     return true;
                 }
-            }
-            if reserved && shared {
-                // The band's most-served tenant does not take the reserved place, nor does a
-                // lower band.
-                return false;
             }
         }
         false
@@ -435,38 +415,6 @@ mod tests {
         for h in [a1, b1, b3] {
             h.await.unwrap().unwrap();
         }
-    }
-
-    #[tokio::test]
-    async fn the_reserved_place_goes_to_a_tenant_that_is_not_the_most_served() {
-        let q = Arc::new(RouterQueue::new(16, 0.0));
-        let order = Arc::new(Mutex::new(Vec::new()));
-        let (a, b) = (Arc::new(FairShare::new(1.0)), Arc::new(FairShare::new(1.0)));
-        let t = |s: &Arc<FairShare>| Ticket { share: Some(s.clone()), ..ticket(0.0) };
-        let none = enqueue(&q, &order, "none", ticket(0.0));
-        settle(&q, 1).await;
-        assert!(q.release_reserved(), "without tenants sharing a band nothing is reserved");
-        none.await.unwrap().unwrap();
-        let a1 = enqueue(&q, &order, "a1", t(&a));
-        settle(&q, 1).await;
-        let a2 = enqueue(&q, &order, "a2", t(&a));
-        settle(&q, 2).await;
-        let b1 = enqueue(&q, &order, "b1", t(&b));
-        settle(&q, 3).await;
-        assert!(q.release(), "a tie: the lighter backlog, B's");
-        b1.await.unwrap().unwrap();
-        b.serve(100);
-        // Only A waits, and A is the band's most served: it does not take the reserved place.
-        assert!(!q.release_reserved());
-        let b2 = enqueue(&q, &order, "b2", t(&b));
-        settle(&q, 3).await;
-        a.serve(1_000);
-        assert!(q.release_reserved(), "B, the less served, takes it");
-        b2.await.unwrap().unwrap();
-        assert!(q.release() && q.release());
-        a1.await.unwrap().unwrap();
-        a2.await.unwrap().unwrap();
-        assert_eq!(*order.lock(), ["none", "b1", "b2", "a1", "a2"]);
     }
 
     #[tokio::test]

@@ -173,10 +173,11 @@ impl Account {
         if let Some(i) = b.input.as_mut() {
             i.charge(input_tokens as f64, now);
         }
+        // Counted before the lock is let go: another admission checks concurrency under it.
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
         drop(guard);
         self.totals.requests.fetch_add(1, Ordering::Relaxed);
         self.totals.input_tokens.fetch_add(input_tokens, Ordering::Relaxed);
-        self.in_flight.fetch_add(1, Ordering::Relaxed);
         Ok(Admitted { in_flight: self.in_flight.clone(), input_tokens })
     }
 
@@ -207,6 +208,24 @@ impl Account {
         } else {
             self.totals.input_tokens.fetch_sub(delta.unsigned_abs().min(self.totals.input_tokens.load(Ordering::Relaxed)), Ordering::Relaxed);
         }
+    }
+
+    /// Gives back what a request that was never served took at admission (one request and
+    /// its prompt tokens): refused by the queue, or its client gone before a worker took it.
+    pub fn refund(&self, input_tokens: u64) {
+        let now = Instant::now();
+        let mut guard = self.buckets.lock();
+        let b = &mut *guard;
+        if let Some(r) = b.requests.as_mut() {
+            r.charge(-1.0, now);
+        }
+        if let Some(i) = b.input.as_mut() {
+            i.charge(-(input_tokens as f64), now);
+        }
+        drop(guard);
+        let t = &self.totals;
+        t.requests.fetch_sub(1.min(t.requests.load(Ordering::Relaxed)), Ordering::Relaxed);
+        t.input_tokens.fetch_sub(input_tokens.min(t.input_tokens.load(Ordering::Relaxed)), Ordering::Relaxed);
     }
 
     /// Corrects the output tokens charged as they streamed to what the worker counted.
@@ -319,6 +338,10 @@ mod tests {
         let _two = a.admit(3_900).unwrap();
         assert_eq!(a.admit(10_001).unwrap_err().retry_after, None, "larger than the limit never fits");
         assert_eq!(a.totals(), (2, 9_900, 0));
+        // A request that was never served gets its prompt tokens back.
+        a.refund(3_900);
+        assert_eq!(a.totals(), (1, 6_000, 0));
+        assert!(a.admit(3_900).is_ok());
     }
 
     #[test]

@@ -65,4 +65,7 @@ pub struct PromptTokens {
     pub tokens: Vec<u32>,
     /// The salt's digest, when the request has one.
     pub salt: Option<u64>,
+    /// Whether the ids are the whole prompt, as the worker counts it (not cut at routing's
+    /// limit, and not the first of a batch of prompts).
+    pub whole: bool,
 }

@@ -29,6 +29,8 @@ pub async fn tokenize(gw: &Gateway, req: &mut RequestState) {
     let whole = req.tenant.as_ref().is_some_and(|t| t.tenant.account.limits().input_tokens_per_minute > 0);
     let cap = if whole { usize::MAX } else { kv.max_tokens() };
     let salt = KvInputs::salt_of(&body.fields);
+    // A batch of prompts is routed on its first; the worker counts them all.
+    let batch = matches!(body.fields.get("prompt"), Some(Value::Array(items)) if items.len() > 1 && !items[0].is_number());
     let tokens = match req.endpoint {
         Endpoint::Messages | Endpoint::Responses => dialect_tokens(body.fields, req.endpoint, &kv, cap).await.unwrap_or_else(|reason| {
             gw.metrics.render_fallback.with_label_values(&[req.endpoint.label(), reason]).inc();
@@ -36,7 +38,8 @@ pub async fn tokenize(gw: &Gateway, req: &mut RequestState) {
         }),
         ep => tokens(body, ep == Endpoint::Chat, kv.tokenizer.as_ref(), cap).await.unwrap_or_default(),
     };
-    req.prompt = Some(PromptTokens { tokens, salt });
+    let whole = tokens.len() < cap && !batch;
+    req.prompt = Some(PromptTokens { tokens, salt, whole });
 }
 
 /// Fills `req.kv` from the prompt's tokens when the model routes on the KV cache: after the

@@ -14,6 +14,8 @@ pub struct TenantUse {
     admitted: Option<Admitted>,
     /// Output tokens charged so far.
     output: u64,
+    /// Whether it left the router queue to be served (else what admission took is given back).
+    served: bool,
     /// What the worker's `usage` said, when it said it.
     usage: UsageScan,
 }
@@ -21,7 +23,7 @@ pub struct TenantUse {
 impl TenantUse {
     /// A request of `tenant`, not admitted yet.
     pub fn new(tenant: Arc<Tenant>) -> Self {
-        Self { tenant, admitted: None, output: 0, usage: UsageScan::default() }
+        Self { tenant, admitted: None, output: 0, served: false, usage: UsageScan::default() }
     }
 
     /// The request passed its tenant's limits.
@@ -34,9 +36,12 @@ impl TenantUse {
         self.admitted.is_some()
     }
 
-    /// Prompt tokens charged at admission (0 before).
-    pub fn input(&self) -> u64 {
-        self.admitted.as_ref().map_or(0, |a| a.input_tokens)
+    /// The request starts being served: its prompt counts towards its tenant's fair share.
+    pub fn serving(&mut self) {
+        if let Some(a) = &self.admitted {
+            self.served = true;
+            self.tenant.account.fair().serve(a.input_tokens);
+        }
     }
 
     /// `n` tokens streamed to the client.
@@ -55,10 +60,15 @@ impl TenantUse {
     }
 
     /// Settles the charges with the worker's counts (when it gave them) and gives back the
-    /// request's place. Returns the prompt and output tokens finally charged.
+    /// request's place; a request never served gets back what admission took. Returns the
+    /// prompt and output tokens finally charged.
     pub fn settle(&mut self) -> (u64, u64) {
         let Some(admitted) = self.admitted.take() else { return (0, 0) };
         let account = &self.tenant.account;
+        if !self.served {
+            account.refund(admitted.input_tokens);
+            return (0, 0);
+        }
         let input = match self.usage.prompt {
             Some(p) => {
                 account.correct_input(p.cast_signed().saturating_sub(admitted.input_tokens.cast_signed()));
@@ -125,8 +135,8 @@ impl UsageScan {
 fn last_count(b: &[u8], key: &[u8]) -> Option<u64> {
     let mut found = None;
     for at in memchr::memmem::find_iter(b, key) {
-        let rest = &b[at + key.len()..];
-        let rest = rest.trim_ascii_start().strip_prefix(b":")?.trim_ascii_start();
+        let Some(rest) = b[at + key.len()..].trim_ascii_start().strip_prefix(b":") else { continue };
+        let rest = rest.trim_ascii_start();
         let digits = rest.iter().take_while(|c| c.is_ascii_digit()).count();
         if digits > 0 && digits < rest.len() {
             found = std::str::from_utf8(&rest[..digits]).ok()?.parse().ok().or(found);
@@ -149,6 +159,9 @@ mod tests {
         let mut a = UsageScan::default();
         a.feed(b"event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"input_tokens\": 30, \"output_tokens\": 7}}\n\n");
         assert_eq!((a.prompt, a.completion), (Some(30), Some(7)));
+        let mut schema = UsageScan::default();
+        schema.feed(br#"{"tools":[{"required":["output_tokens"]}],"usage":{"input_tokens":5,"output_tokens":3}}"#);
+        assert_eq!((schema.prompt, schema.completion), (Some(5), Some(3)), "a key named in a list is skipped, not the scan");
         let mut cut = UsageScan::default();
         cut.feed(br#"{"usage":{"completion_tokens":12"#);
         assert_eq!(cut.completion, None, "a count cut at the chunk's end is not whole yet");

@@ -1,9 +1,5 @@
 //! Releases router-queue waiters as capacity frees: every few milliseconds, one per worker that
 //! is under the queue threshold (each released request books its prefill before the next tick).
-//! The last free place goes only to a tenant that is not the most served of its band
-//! ([`kvgate_filters::route::RouterQueue::release_reserved`]): with tenants sharing a band, a
-//! flooding tenant's backlog does not take every place the moment it frees, and a light
-//! tenant's request starts at once.
 
 use crate::gateway::Gateway;
 use std::sync::Arc;
@@ -23,10 +19,8 @@ pub async fn run(gw: Arc<Gateway>) {
         for m in fleet.models.values() {
             let Some(q) = &m.queue else { continue };
             queues = true;
-            let free = m.queue_free_workers();
-            for k in 0..free {
-                let released = if k + 1 == free { q.release_reserved() } else { q.release() };
-                if !released {
+            for _ in 0..m.queue_free_workers() {
+                if !q.release() {
                     break;
                 }
             }
