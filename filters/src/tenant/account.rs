@@ -206,7 +206,7 @@ impl Account {
         if delta > 0 {
             self.totals.input_tokens.fetch_add(delta.unsigned_abs(), Ordering::Relaxed);
         } else {
-            self.totals.input_tokens.fetch_sub(delta.unsigned_abs().min(self.totals.input_tokens.load(Ordering::Relaxed)), Ordering::Relaxed);
+            take_back(&self.totals.input_tokens, delta.unsigned_abs());
         }
     }
 
@@ -224,8 +224,8 @@ impl Account {
         }
         drop(guard);
         let t = &self.totals;
-        t.requests.fetch_sub(1.min(t.requests.load(Ordering::Relaxed)), Ordering::Relaxed);
-        t.input_tokens.fetch_sub(input_tokens.min(t.input_tokens.load(Ordering::Relaxed)), Ordering::Relaxed);
+        take_back(&t.requests, 1);
+        take_back(&t.input_tokens, input_tokens);
     }
 
     /// Corrects the output tokens charged as they streamed to what the worker counted.
@@ -236,7 +236,7 @@ impl Account {
             if let Some(o) = self.buckets.lock().output.as_mut() {
                 o.charge(delta as f64, Instant::now());
             }
-            self.totals.output_tokens.fetch_sub(delta.unsigned_abs().min(self.totals.output_tokens.load(Ordering::Relaxed)), Ordering::Relaxed);
+            take_back(&self.totals.output_tokens, delta.unsigned_abs());
         }
     }
 
@@ -301,6 +301,11 @@ impl Buckets {
             output: one(limits.output_tokens_per_minute, old.and_then(|o| o.output.as_ref())),
         }
     }
+}
+
+/// Takes `n` back from a total, down to 0 at most, in one atomic step.
+fn take_back(total: &AtomicU64, n: u64) {
+    let _ = total.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| Some(v.saturating_sub(n)));
 }
 
 /// An admitted request's place in its tenant's concurrency, given back when it is dropped.
