@@ -303,10 +303,7 @@ fn yaml(workers: &[SimWorker], loads: &[Load], with_tenants: bool, queue_thresho
     let tenants = if with_tenants {
         let mut t = String::from("tenants:\n  list:\n");
         for l in loads {
-            let digest = <sha2::Sha256 as sha2::Digest>::digest(key(l.name).as_bytes()).iter().fold(String::new(), |mut s, b| {
-                let _ = write!(s, "{b:02x}");
-                s
-            });
+            let digest = kvgate::config::tenants::to_hex(&kvgate::config::tenants::digest_of(key(l.name).as_bytes()));
             let _ = write!(t, "    - name: {}\n      keys_sha256: [{digest}]\n      weight: {}\n", l.name, l.weight);
         }
         t
