@@ -356,7 +356,11 @@ def grafana_to_promql(expr):
 
 
 def main():
-    kvgate_bin, sim_bin, prom_bin = sys.argv[1:4]
+    kvgate_bin, sim_bin, prom_bin, promtool = sys.argv[1:5]
+    started = time.time()
+    for args, what in (([promtool, "check", "rules", RULES], "promtool check rules"), ([promtool, "test", "rules", RULES.replace(".yml", ".test.yml")], "promtool test rules")):
+        r = subprocess.run(args, capture_output=True, text=True)
+        check(r.returncode == 0, what + ("" if r.returncode == 0 else ":\n" + r.stdout + r.stderr))
     tmp = tempfile.mkdtemp(prefix="kvgate-obs-")
     procs = Procs()
     interrupted = []
@@ -367,7 +371,6 @@ def main():
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    started = time.time()
     try:
         run(kvgate_bin, sim_bin, prom_bin, tmp, procs)
     except KeyboardInterrupt:

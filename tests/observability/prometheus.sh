@@ -8,7 +8,8 @@
 # the binary is run directly, not the service), and built binaries:
 #   KVGATE_BIN   (default target/debug/kvgate:   cargo build -p kvgate --bin kvgate)
 #   VLLM_SIM_BIN (default target/debug/vllm-sim: cargo build -p vllm-sim --bin vllm-sim)
-#   PROMETHEUS_BIN (default: prometheus on PATH)
+#   PROMETHEUS_BIN, PROMTOOL_BIN (default: prometheus and promtool on PATH; the rules are
+#   checked with `promtool check rules` and `promtool test rules` first)
 # KVGATE_OBS_KEEP=1 keeps the temporary directory (logs, configs, the TSDB).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,11 +17,12 @@ target="${CARGO_TARGET_DIR:-target}"
 kvgate="${KVGATE_BIN:-$target/debug/kvgate}"
 sim="${VLLM_SIM_BIN:-$target/debug/vllm-sim}"
 prom="${PROMETHEUS_BIN:-$(command -v prometheus || true)}"
-for b in "$kvgate" "$sim" "$prom"; do
+promtool="${PROMTOOL_BIN:-$(command -v promtool || true)}"
+for b in "$kvgate" "$sim" "$prom" "$promtool"; do
   if [[ -z "$b" || ! -x "$b" ]]; then
     echo "FAIL missing binary: ${b:-prometheus} (see the header of $0)"
     echo "0 passed, 1 failed"
     exit 1
   fi
 done
-exec python3 tests/observability/live_check.py "$kvgate" "$sim" "$prom"
+exec python3 tests/observability/live_check.py "$kvgate" "$sim" "$prom" "$promtool"
