@@ -57,6 +57,8 @@ pub struct Gateway {
     pub cluster: crate::cluster::Cluster,
     /// The tenants in force and their accounts (kept across reloads).
     pub tenants: crate::tenants::Registry,
+    /// The trace exporter in force (`tracing:`), if any.
+    pub traces: crate::traces::Exporter,
 }
 
 impl Gateway {
@@ -78,9 +80,12 @@ impl Gateway {
         let cluster = crate::cluster::Cluster::new(cfg.cluster.as_ref(), &instance, &metrics.cluster);
         let tenants = crate::tenants::Registry::default();
         tenants.apply(cfg.tenants.as_ref());
+        let traces = crate::traces::Exporter::default();
+        traces.apply(cfg.tracing.as_ref())?;
         Ok(Arc::new(Self {
             instance,
             tenants,
+            traces,
             cluster,
             tls,
             client_limits: Default::default(),
@@ -172,6 +177,7 @@ impl Gateway {
             }
             *th = next;
         }
+        self.traces.apply(cfg.tracing.as_ref())?;
         let fleet = Arc::new(fleet);
         self.fleet.store(fleet.clone());
         self.tenants.apply(cfg.tenants.as_ref());

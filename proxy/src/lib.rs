@@ -27,6 +27,7 @@
 //! - [`connector`]: how the planner starts and stops workers (`local` processes);
 //! - [`plugins`]: loaded WebAssembly routing policies;
 //! - [`server`]: starting and stopping (drain on SIGTERM);
+//! - [`traces`]: OpenTelemetry spans of each request, exported over OTLP;
 //! - `demo` (feature `demo`): `kvgate demo` on in-process simulated workers;
 //! - `fuzzing` (feature `fuzzing`): entry points for the fuzz targets in `fuzz/`.
 
@@ -61,6 +62,7 @@ pub(crate) mod status;
 pub(crate) mod tasks;
 pub(crate) mod tenants;
 pub mod tls;
+pub(crate) mod traces;
 pub(crate) mod upstream;
 
 pub use gateway::Gateway;

@@ -162,17 +162,24 @@ pub enum QueueEnd {
     ClientLeft,
 }
 
+impl QueueEnd {
+    /// Its name in receipts and spans.
+    pub fn label(self) -> &'static str {
+        use kvgate_filters::route::QueueError;
+        match self {
+            Self::ClientLeft => "client_left",
+            Self::Released => "released",
+            Self::Refused(QueueError::Full) => "full",
+            Self::Refused(QueueError::TimedOut) => "timed_out",
+            Self::Refused(QueueError::Shed) => "shed_for_a_higher_band",
+        }
+    }
+}
+
 impl Queued {
     /// JSON for the admin API.
     pub fn to_json(&self) -> Value {
-        use kvgate_filters::route::QueueError;
-        let ended = match self.ended {
-            QueueEnd::ClientLeft => "client_left",
-            QueueEnd::Released => "released",
-            QueueEnd::Refused(QueueError::Full) => "full",
-            QueueEnd::Refused(QueueError::TimedOut) => "timed_out",
-            QueueEnd::Refused(QueueError::Shed) => "shed_for_a_higher_band",
-        };
+        let ended = self.ended.label();
         json!({
             "why": "every worker was past routing.queue_threshold",
             "waited_ms": self.waited.as_secs_f64() * 1000.0,

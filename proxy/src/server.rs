@@ -67,6 +67,9 @@ impl ShutdownSignalWatch for Signals {
         } else {
             tracing::info!("drained");
         }
+        // The last requests' spans go out before the process does.
+        let gw = self.gw.clone();
+        let _ = tokio::time::timeout(Duration::from_secs(5), tokio::task::spawn_blocking(move || gw.traces.shutdown())).await;
         ShutdownSignal::GracefulTerminate
     }
 }

@@ -9,6 +9,7 @@ pub mod fake_kube;
 pub mod guests;
 pub mod logs;
 pub mod nats;
+pub mod otlp;
 pub mod ports;
 pub mod prom;
 pub mod sse;

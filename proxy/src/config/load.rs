@@ -28,6 +28,7 @@ const TOP_LEVEL_KEYS: &[&str] = &[
     "rescheduling",
     "plugins",
     "tenants",
+    "tracing",
     "models",
 ];
 
@@ -260,6 +261,9 @@ fn top_level(cfg: &Config) -> Result<(), Invalid> {
     }
     if let Some(t) = &cfg.tenants {
         t.validate().map_err(|e| (format!("tenants: {e}"), at("tenants".into(), 1)))?;
+    }
+    if let Some(t) = &cfg.tracing {
+        t.validate().map_err(|e| (format!("tracing: {e}"), at("tracing".into(), 1)))?;
     }
     if cfg.threads == 0 {
         return Err(("threads must be at least 1".into(), at("threads".into(), 1)));

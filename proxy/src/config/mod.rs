@@ -11,6 +11,7 @@ mod passthrough;
 mod planner;
 mod rescheduling;
 pub mod tenants;
+pub mod tracing;
 mod values;
 
 pub use admin_token::AdminToken;
@@ -124,6 +125,10 @@ pub struct Config {
     /// (docs/tenants.md). Unset: no key is read and nothing is limited per tenant.
     #[serde(default)]
     pub tenants: Option<tenants::Tenants>,
+    /// OpenTelemetry traces of requests, exported over OTLP/HTTP (docs/operations.md). Unset:
+    /// no spans.
+    #[serde(default)]
+    pub tracing: Option<tracing::Tracing>,
     /// WebAssembly routing policies models may use (`routing.mode: plugin`).
     #[serde(default)]
     pub plugins: Vec<PluginConfig>,

@@ -193,8 +193,8 @@ fn path_of(t: &str) -> &str {
 /// headers minus hop-by-hop ones, with the worker's `Host`, the body's length and the request
 /// id) and its body, in one buffer so that it goes out in one write. Written straight from the
 /// client's header: building a Pingora header first costs two header maps and a copy of every
-/// name and value per request (docs/architecture.md, "The hot path's allocations"). Without
-/// `keep_key`, the client's API key (`Authorization`, `x-api-key`) stays at the gateway.
+/// name and value per request (docs/architecture.md, "The hot path's allocations"). What else
+/// is kept or replaced, [`Passed`] says.
 pub fn write_forwarded(
     client: &RequestHead,
     host: &[u8],
@@ -202,7 +202,7 @@ pub fn write_forwarded(
     path: &str,
     body: &[u8],
     request_id: &str,
-    keep_key: bool,
+    passed: Passed<'_>,
 ) -> Result<Vec<u8>, Unwritable> {
     check_path(path)?;
     if request_id.bytes().any(super::splits_head) {
@@ -215,8 +215,13 @@ pub fn write_forwarded(
     put_request_line(&mut w, method, path);
     let mut typed = false;
     let connection = super::hop::naming(client.header("connection"));
+    let own_trace = passed.traceparent.is_some();
     for (name, value) in client.headers() {
-        if super::hop::forwarded(name, connection) && !name.eq_ignore_ascii_case(b"x-request-id") && (keep_key || !is_key(name)) {
+        if super::hop::forwarded(name, connection)
+            && !name.eq_ignore_ascii_case(b"x-request-id")
+            && (passed.keep_key || !is_key(name))
+            && !(own_trace && name.eq_ignore_ascii_case(b"traceparent"))
+        {
             typed |= name.eq_ignore_ascii_case(b"content-type");
             line(&mut w, name, value);
         }
@@ -230,9 +235,21 @@ pub fn write_forwarded(
         super::put_content_length(&mut w, body.len() as u64);
     }
     line(&mut w, b"X-Request-Id", request_id.as_bytes());
+    if let Some(t) = passed.traceparent {
+        line(&mut w, b"traceparent", t.as_bytes());
+    }
     w.extend_from_slice(b"\r\n");
     w.extend_from_slice(body);
     Ok(w)
+}
+
+/// What a forwarded request keeps of the client's headers, or replaces.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Passed<'a> {
+    /// Keep the client's API key (`Authorization`, `x-api-key`); else it stays at the gateway.
+    pub keep_key: bool,
+    /// The leg's own `traceparent` (W3C), in place of the client's; `tracestate` is passed on.
+    pub traceparent: Option<&'a str>,
 }
 
 /// Whether header `name` carries a client's API key.
@@ -300,6 +317,11 @@ fn put_request_line(w: &mut Vec<u8>, method: &str, target: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The client's key kept or not, its trace context passed on as it came.
+    fn keep(keep_key: bool) -> Passed<'static> {
+        Passed { keep_key, traceparent: None }
+    }
 
     #[test]
     fn a_target_that_is_neither_a_path_nor_a_url_is_refused() {
@@ -374,7 +396,7 @@ mod tests {
             ("X-Request-Id", "from-client"),
             ("X-Trace", "t1"),
         ]);
-        let wire = write_forwarded(&c, HOST, "POST", "/v1/completions", b"{}", "req-1", true).unwrap();
+        let wire = write_forwarded(&c, HOST, "POST", "/v1/completions", b"{}", "req-1", keep(true)).unwrap();
         let text = String::from_utf8(wire).unwrap();
         let (head, body) = text.split_once("\r\n\r\n").unwrap();
         assert_eq!(body, "{}");
@@ -390,7 +412,7 @@ mod tests {
     #[test]
     fn the_client_content_type_is_kept_and_not_doubled() {
         let c = client(&[("content-type", "application/json; charset=utf-8")]);
-        let text = String::from_utf8(write_forwarded(&c, HOST, "POST", "/v1/chat/completions", b"{}", "r", true).unwrap()).unwrap();
+        let text = String::from_utf8(write_forwarded(&c, HOST, "POST", "/v1/chat/completions", b"{}", "r", keep(true)).unwrap()).unwrap();
         assert_eq!(text.matches("ontent-").count(), 2, "content-type and content-length once each: {text}");
         assert!(text.contains("content-type: application/json; charset=utf-8\r\n"), "{text}");
     }
@@ -410,7 +432,7 @@ mod tests {
             ("Accept", "a"),
             ("Accept", "b"),
         ]);
-        let text = String::from_utf8(write_forwarded(&c, HOST, "POST", "/v1/completions", b"{}", "r", true).unwrap()).unwrap();
+        let text = String::from_utf8(write_forwarded(&c, HOST, "POST", "/v1/completions", b"{}", "r", keep(true)).unwrap()).unwrap();
         let names: Vec<&str> = text.split("\r\n").skip(1).take_while(|l| !l.is_empty()).filter_map(|l| l.split_once(':')).map(|(n, _)| n).collect();
         assert_eq!(names, ["Accept", "Accept", "Content-Type", "Host", "Content-Length", "X-Request-Id"], "{text}");
         assert!(text.find("Accept: a").unwrap() < text.find("Accept: b").unwrap(), "repeated headers keep their order");
@@ -419,23 +441,35 @@ mod tests {
     #[test]
     fn the_clients_api_key_stays_at_the_gateway_unless_it_is_kept() {
         let c = client(&[("Authorization", "Bearer sk-secret"), ("X-Api-Key", "sk-secret"), ("x-trace", "t")]);
-        let dropped = String::from_utf8(write_forwarded(&c, HOST, "POST", "/v1/completions", b"{}", "r", false).unwrap()).unwrap();
+        let dropped = String::from_utf8(write_forwarded(&c, HOST, "POST", "/v1/completions", b"{}", "r", keep(false)).unwrap()).unwrap();
         assert!(!dropped.contains("sk-secret") && dropped.contains("x-trace: t"), "{dropped}");
-        let kept = String::from_utf8(write_forwarded(&c, HOST, "POST", "/v1/completions", b"{}", "r", true).unwrap()).unwrap();
+        let kept = String::from_utf8(write_forwarded(&c, HOST, "POST", "/v1/completions", b"{}", "r", keep(true)).unwrap()).unwrap();
         assert!(kept.contains("Authorization: Bearer sk-secret") && kept.contains("X-Api-Key: sk-secret"), "{kept}");
+    }
+
+    #[test]
+    fn a_legs_own_traceparent_replaces_the_clients_and_tracestate_passes_on() {
+        let c = client(&[("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"), ("tracestate", "vendor=x")]);
+        let own = "00-0af7651916cd43dd8448eb211c80319c-00f067aa0ba902b7-01";
+        let passed = Passed { keep_key: false, traceparent: Some(own) };
+        let text = String::from_utf8(write_forwarded(&c, HOST, "POST", "/v1/completions", b"{}", "r", passed).unwrap()).unwrap();
+        assert_eq!(text.matches("traceparent").count(), 1, "{text}");
+        assert!(text.contains(&format!("traceparent: {own}\r\n")) && text.contains("tracestate: vendor=x\r\n"), "{text}");
+        let untraced = String::from_utf8(write_forwarded(&c, HOST, "POST", "/v1/completions", b"{}", "r", keep(false)).unwrap()).unwrap();
+        assert!(untraced.contains("b7ad6b7169203331"), "without tracing the client's trace goes on as it came: {untraced}");
     }
 
     #[test]
     fn header_names_go_out_as_the_client_wrote_them() {
         let c = client(&[("x-trace", "t")]);
-        let text = String::from_utf8(write_forwarded(&c, HOST, "POST", "/v1/completions", b"{}", "r", true).unwrap()).unwrap();
+        let text = String::from_utf8(write_forwarded(&c, HOST, "POST", "/v1/completions", b"{}", "r", keep(true)).unwrap()).unwrap();
         assert!(text.contains("\r\nx-trace: t\r\n"), "{text}");
     }
 
     #[test]
     fn a_request_id_or_path_that_would_split_the_head_is_refused() {
         let c = client(&[]);
-        let refused = |path: &str, id: &str| write_forwarded(&c, HOST, "POST", path, b"{}", id, true).is_err();
+        let refused = |path: &str, id: &str| write_forwarded(&c, HOST, "POST", path, b"{}", id, keep(true)).is_err();
         assert!(refused("/v1/completions", "a\r\nX-Evil: 1"));
         assert!(refused("/v1/completions", "a\0b"));
         assert!(refused("/v1/x y", "r"));

@@ -110,6 +110,10 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
     }
     // Taken once and kept for the whole request (retries included).
     let plugin = model.plugin.as_ref().map(|slot| PluginInputs::of(slot.current(), session.req(), &view));
+    let trace = gw.traces.start(session.req(), start);
+    if let Some(t) = &trace {
+        t.describe(describe(ctx.id(), &model.cfg.name, endpoint, stream, tenant.as_ref()));
+    }
     Ok(RequestState {
         cfg,
         endpoint,
@@ -135,7 +139,23 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
         tenant,
         prompt: None,
         forward_key,
+        trace,
     })
+}
+
+/// The root span's attributes: what the request is.
+fn describe(id: &str, model: &str, endpoint: Endpoint, stream: bool, tenant: Option<&TenantUse>) -> Vec<opentelemetry::KeyValue> {
+    use opentelemetry::KeyValue;
+    let mut attrs = vec![
+        KeyValue::new("kvgate.request_id", id.to_string()),
+        KeyValue::new("gen_ai.request.model", model.to_string()),
+        KeyValue::new("kvgate.endpoint", endpoint.label()),
+        KeyValue::new("kvgate.stream", stream),
+    ];
+    if let Some(t) = tenant {
+        attrs.push(KeyValue::new("kvgate.tenant", t.tenant.name.clone()));
+    }
+    attrs
 }
 
 /// The request's tenant (none without tenants) and whether its key goes on to the workers;

@@ -115,11 +115,17 @@ pub async fn run(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestS
             gw.metrics.disagg.requests.with_label_values(&[req.model_name(), "disaggregated", "prefilled"]).inc();
             req.pd = Pd { decode_body: decode, transferred: true, prefilled_at: Some(now) };
             req.entry().receipt.lock().leg_ended(LegOutcome::Prefilled);
+            if let Some(t) = &req.trace {
+                t.leg_ended("prefilled", false);
+            }
             Ok(())
         }
         Err(detail) => {
             tracing::warn!(request_id = req.id(), worker = %worker.url, detail = detail.as_str(), "prefill leg failed; serving the request aggregated");
             req.entry().receipt.lock().leg_ended(LegOutcome::PrefillFailed);
+            if let Some(t) = &req.trace {
+                t.leg_ended("prefill_failed", true);
+            }
             aggregated(gw, req, Fallback::PrefillFailed);
             Ok(())
         }
@@ -135,9 +141,10 @@ fn prefill_leg(gw: &Gateway, session: &ClientConn, req: &mut RequestState) -> Re
     let worker = place_prefill(gw, req)?;
     // The client's headers go with both legs, as with any leg; so does its request id
     // (vLLM's example proxy sends both legs under one `X-Request-Id`).
-    let wire =
-        crate::h1::request_head::write_forwarded(session.req(), worker.host_header.as_bytes(), "POST", &req.forward.target, &body, req.id(), req.forward_key)
-            .map_err(|_| Fallback::PrefillFailed)?;
+    let traceparent = req.trace.as_ref().map(|t| t.leg("prefill", &worker.label, 0));
+    let passed = req.passed(traceparent.as_deref());
+    let wire = crate::h1::request_head::write_forwarded(session.req(), worker.host_header.as_bytes(), "POST", &req.forward.target, &body, req.id(), passed)
+        .map_err(|_| Fallback::PrefillFailed)?;
     Ok((worker, wire))
 }
 

@@ -89,6 +89,11 @@ impl LegEnd {
             end => end,
         };
         let ended = |outcome| req.entry().receipt.lock().leg_ended(outcome);
+        let traced = |outcome: &'static str, failed: bool| {
+            if let Some(t) = &req.trace {
+                t.leg_ended(outcome, failed);
+            }
+        };
         match end {
             Self::Answered(leg) => {
                 ended(LegOutcome::Answered);
@@ -96,11 +101,13 @@ impl LegEnd {
             }
             Self::Reroute(order) => {
                 ended(LegOutcome::Moved);
+                traced("moved", false);
                 Step::Move(order)
             }
             Self::ClientGone => Step::ClientGone,
             Self::Failed(e) => {
                 ended(LegOutcome::Failed(e.kind));
+                traced(e.kind.label(), true);
                 record::leg_failed(gw, req, worker, &e);
                 if e.retryable { Step::Retry(e) } else { Step::Refuse(e) }
             }
@@ -151,6 +158,8 @@ impl<'a> Outbound<'a> {
 /// turned into a retryable error (when `retries.on_5xx`) instead of being passed on.
 pub async fn run(session: &mut ClientConn, req: &RequestState, worker: &Arc<Worker>, out: &Outbound<'_>, may_retry: bool) -> LegEnd {
     let cfg = &req.cfg;
+    let kind = if out.orders { "attempt" } else { "continuation" };
+    let traceparent = req.trace.as_ref().map(|t| t.leg(kind, &worker.label, req.attempts.count()));
     let wire = match crate::h1::request_head::write_forwarded(
         session.req(),
         worker.host_header.as_bytes(),
@@ -158,7 +167,7 @@ pub async fn run(session: &mut ClientConn, req: &RequestState, worker: &Arc<Work
         out.path,
         out.body,
         &out.request_id,
-        req.forward_key,
+        req.passed(traceparent.as_deref()),
     ) {
         Ok(w) => w,
         // Built from the client's own headers: another worker would fail the same way.

@@ -71,7 +71,7 @@ pub fn warm_up(req: &RequestState, session: &ClientConn, to: &Arc<Worker>, order
         "/v1/completions",
         &body,
         &format!("{}-warm", req.id()),
-        req.forward_key,
+        req.passed(None),
     ) else {
         return Err(order);
     };
@@ -136,6 +136,9 @@ pub async fn continue_stream(
     let _permit = gw.migrations.acquire().await.map_err(|_| NotMoved::Refused(MoveRefused::NotNow("shutting down")))?;
     req.entry().moved();
     let leaving = req.model.workers[source].clone();
+    if let Some(t) = &req.trace {
+        t.moving(&leaving.label, to.as_ref().map_or("(routed)", |w| w.label.as_str()), reason.label());
+    }
     let (source, to) = place::adopt_for_move(gw, req, Some(&leaving), to.as_ref());
     if let Some(kv) = req.model.kv.clone() {
         // A continuation's prompt (the prompt and the ids generated) is salted as the first was.

@@ -96,6 +96,9 @@ async fn run(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestState
     let gauge = &model.metrics(&gw.metrics).requests_in_flight;
     gauge.inc();
     prompt::tokenize(gw, req).await;
+    if let Some(t) = &req.trace {
+        t.phase("kvgate.admit", req.start, Vec::new());
+    }
     let admitted = match limit::admit(gw, req) {
         Ok(()) => queue::wait(gw, session, req).await,
         Err(outcome) => Err(outcome),
@@ -244,6 +247,9 @@ fn reroute(gw: &Gateway, req: &mut RequestState, o: MoveOrder) -> Option<Arc<cra
         Ok(w) => {
             counted("ok");
             req.entry().moved();
+            if let Some(t) = &req.trace {
+                t.moving(&from, &w.label, reason.label());
+            }
             o.answer(Ok(MoveReport { from, to: w.label.clone(), how: "resend", generated: 0 }));
             Some(w)
         }

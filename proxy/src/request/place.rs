@@ -46,6 +46,27 @@ fn next_among<'t>(gw: &Gateway, req: &RequestState, tried: &'t [usize]) -> Resul
     }
 }
 
+/// A placement's summary, as its span shows it (the receipt has the whole).
+fn placement_attrs(p: &Placement, worker: &str) -> Vec<opentelemetry::KeyValue> {
+    use opentelemetry::KeyValue;
+    let decided_by = match &p.decided_by {
+        DecidedBy::Builtin(mode) => (*mode).to_string(),
+        DecidedBy::Plugin(name) => format!("plugin:{name}"),
+        DecidedBy::Fallback { mode, .. } => format!("fallback:{mode}"),
+        DecidedBy::Pinned => "pinned".to_string(),
+    };
+    let chosen = p.chosen.and_then(|c| p.candidates.iter().find(|x| x.id == c));
+    vec![
+        KeyValue::new("kvgate.attempt", i64::from(p.attempt)),
+        KeyValue::new("kvgate.worker", worker.to_string()),
+        KeyValue::new("kvgate.decided_by", decided_by),
+        KeyValue::new("kvgate.candidates", i64::try_from(p.candidates.len()).unwrap_or(i64::MAX)),
+        KeyValue::new("kvgate.prompt_tokens", i64::from(p.prompt.0)),
+        KeyValue::new("kvgate.overlap_blocks", chosen.map_or(0, |c| i64::from(c.overlap_blocks))),
+        KeyValue::new("kvgate.worker_in_flight", chosen.map_or(0, |c| i64::from(c.in_flight))),
+    ]
+}
+
 /// Whether the request's next placement would wait for a pause to end: of the workers that
 /// could take its next attempt, none is eligible, and one is out only because it is paused.
 /// The same predicate as [`place`]'s, so the two never disagree.
@@ -66,6 +87,7 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
 /// request runs on.
 pub fn place_leg(gw: &Gateway, req: &mut RequestState, among: Among<'_>, role: LegRole) -> Result<Arc<Worker>, GatewayError> {
     let model = req.model.clone();
+    let began = std::time::Instant::now();
     let Offer { eligible, busy, excluded } = offered(gw, req, among, role)?;
     let now = kvgate_filters::ledger::clock_us();
     let candidates: Vec<Candidate> = eligible.iter().map(|&i| candidate(req, role, i, busy.contains(&i), now)).collect();
@@ -103,6 +125,9 @@ pub fn place_leg(gw: &Gateway, req: &mut RequestState, among: Among<'_>, role: L
         slo: req.slo,
         outcome: None,
     };
+    if let Some(t) = &req.trace {
+        t.phase("kvgate.place", began, placement_attrs(&placement, &model.workers[idx].label));
+    }
     req.entry().receipt.lock().placements.push(placement);
     let worker = model.workers[idx].clone();
     // A prefill leg is not where the request runs: the registry (and a move order) sees the

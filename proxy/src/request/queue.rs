@@ -47,6 +47,14 @@ pub async fn wait(gw: &Arc<Gateway>, session: &mut ClientConn, req: &RequestStat
     if let Some(t) = tenant {
         gw.metrics.tenants.queue_wait.with_label_values(&[t]).observe(began.elapsed().as_secs_f64());
     }
+    if let Some(t) = &req.trace {
+        let ended = req.entry().receipt.lock().queued.as_ref().map_or("", |q| q.ended.label());
+        t.phase(
+            "kvgate.queue",
+            began,
+            vec![opentelemetry::KeyValue::new("kvgate.queue.band", i64::from(band)), opentelemetry::KeyValue::new("kvgate.queue.ended", ended)],
+        );
+    }
     match r {
         None => Err(super::record::cancelled(gw, req)),
         Some(Ok(waited)) => {

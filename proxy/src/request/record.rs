@@ -24,6 +24,13 @@ pub fn refused_early(gw: &Gateway, endpoint: Endpoint, outcome: &Outcome) {
 pub fn finished(gw: &Gateway, req: &mut RequestState, outcome: &Outcome) {
     super::limit::settle(gw, req);
     let status = outcome.status();
+    if let Some(t) = req.trace.take() {
+        let error = match outcome {
+            Outcome::Refused(e) => Some(e.to_string()),
+            _ => None,
+        };
+        t.finish(status, error.as_deref());
+    }
     let elapsed = req.start.elapsed();
     req.registered.set_status(status, elapsed);
     let (name, endpoint) = (req.model_name(), req.endpoint.label());

@@ -125,9 +125,17 @@ pub struct RequestState {
     pub prompt: Option<super::kv_inputs::PromptTokens>,
     /// Whether the client's API key goes on to the workers (always, without tenants).
     pub forward_key: bool,
+    /// Its spans, when tracing is on.
+    pub trace: Option<crate::traces::RequestTrace>,
 }
 
 impl RequestState {
+    /// What a leg to a worker passes on of the client's headers, with `traceparent` its own
+    /// when traced.
+    pub fn passed<'a>(&self, traceparent: Option<&'a str>) -> crate::h1::request_head::Passed<'a> {
+        crate::h1::request_head::Passed { keep_key: self.forward_key, traceparent }
+    }
+
     /// The request id.
     pub fn id(&self) -> &str {
         self.ctx.id()
