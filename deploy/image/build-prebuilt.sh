@@ -2,11 +2,11 @@
 # Builds kvgate's image from a binary built on this machine, with Dockerfile.prebuilt:
 #   deploy/image/build-prebuilt.sh [BINARY] [TAG]
 # BINARY defaults to target/release/kvgate (`cargo build --release -p kvgate
-# --no-default-features`), TAG to kvgate:dev. The builder is $BUILDER, else docker (when its daemon answers),
-# podman or buildah, the first found; buildah runs with chroot isolation and, unless
-# STORAGE_DRIVER says otherwise, vfs storage, which work inside an unprivileged container.
-# The binary must be built for a glibc no newer than the host's (its libraries are copied
-# from the host).
+# --no-default-features`), TAG to kvgate:dev. The builder is $BUILDER, else docker (when its
+# daemon answers), podman or buildah, the first found; buildah runs with chroot isolation and,
+# unless STORAGE_DRIVER says otherwise, vfs storage, which work inside an unprivileged
+# container. The libraries are copied from this machine: the binary must have been built
+# against a glibc no newer than its own.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/../.." && pwd)

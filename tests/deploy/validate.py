@@ -10,7 +10,8 @@ and exits 1 on any failure, 0 otherwise.
   closed (unknown fields are errors), plus the models' own validation.
 - Any other kind: a failure (nothing in an overlay goes unvalidated).
 - Then what no schema sees: the kinds the overlay must hold, Services, PodDisruptionBudgets
-  and the ServiceMonitor select the pods and ports that exist, the ConfigMap is mounted as a
+  and the ServiceMonitor select the pods and ports that exist, the ServiceMonitor's samples get
+  the job label the Prometheus rules in deploy/prometheus expect, the ConfigMap is mounted as a
   directory (no subPath: kvgate's reload on change needs the kubelet's symlink swap), the
   grace period covers the preStop pause and kvgate's drain, the config's listeners match the
   container's ports, the ServiceAccount and Role the pod and its RoleBinding name exist.
@@ -137,6 +138,12 @@ def main():
         services = [s for s in by_kind.get("Service", []) if matches(sm["spec"]["selector"].get("matchLabels"), s["metadata"].get("labels", {}))]
         if not services:
             fail(f"{name_of(sm)}: its selector matches no Service")
+        # The job label Prometheus gives the samples: the Service's jobLabel label, else its
+        # name. deploy/prometheus/kvgate-rules.yml reads up{job="kvgate"}.
+        for s in services:
+            job = s["metadata"].get("labels", {}).get(sm["spec"].get("jobLabel", ""), s["metadata"]["name"])
+            if job != "kvgate":
+                fail(f"{name_of(sm)}: the samples of {name_of(s)} would get job={job!r}, the rules expect job='kvgate'")
         for ep in sm["spec"]["endpoints"]:
             if not all(ep.get("port") in {p.get("name") for p in s["spec"]["ports"]} for s in services):
                 fail(f"{name_of(sm)}: port {ep.get('port')} is not a port of the Services it selects")
