@@ -7,12 +7,14 @@
 //! instead of starting new ones. Without a state file, the workers are stopped with the
 //! gateway.
 
+use super::output::Output;
 use super::{Connector, ConnectorError, Managed};
 use crate::config::{LocalConnector, UpstreamUrl};
 use nix::sys::signal::{Signal, kill, killpg};
 use nix::unistd::Pid;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
 use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
@@ -25,7 +27,19 @@ struct Proc {
     saved: Saved,
     /// Our child, when we started it (an adopted worker is not).
     child: Option<tokio::process::Child>,
+    /// Where its output can be read back.
+    output: Output,
 }
+
+/// A worker that exited on its own: how, and its last lines.
+struct Exited {
+    name: String,
+    how: String,
+    lines: Vec<String>,
+}
+
+/// Exits remembered for [`Connector::last_words`].
+const EXITS_KEPT: usize = 16;
 
 /// A worker as the state file records it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -48,6 +62,8 @@ pub struct Local {
     model: String,
     gpus_per_worker: u32,
     procs: Mutex<Vec<Proc>>,
+    /// The latest workers that exited on their own, newest last.
+    exited: Mutex<VecDeque<Exited>>,
 }
 
 impl Local {
@@ -57,8 +73,10 @@ impl Local {
         for s in &adopted {
             tracing::info!(model, worker = %s.name, pid = s.pid, port = s.port, "planner: adopted a running worker from the state file");
         }
-        let me =
-            Self { cfg, model: model.to_string(), gpus_per_worker, procs: Mutex::new(adopted.into_iter().map(|saved| Proc { saved, child: None }).collect()) };
+        // An adopted worker's output is where the gateway that started it sent it.
+        let output = |s: &Saved| cfg.log_dir.as_ref().map_or(Output::Lost, |d| Output::File(d.join(format!("{}.log", s.name))));
+        let procs: Vec<Proc> = adopted.into_iter().map(|saved| Proc { output: output(&saved), saved, child: None }).collect();
+        let me = Self { cfg, model: model.to_string(), gpus_per_worker, procs: Mutex::new(procs), exited: Mutex::new(VecDeque::new()) };
         me.save();
         me
     }
@@ -96,25 +114,50 @@ impl Local {
             .replace("{model}", &self.model)
     }
 
-    fn spawn(&self, s: &Saved) -> std::io::Result<tokio::process::Child> {
+    /// Starts `s`'s process, its output to its log file, else kept from its pipes when it stops
+    /// with the gateway (no state file), else dropped.
+    fn spawn(&self, s: &Saved) -> std::io::Result<(tokio::process::Child, Output)> {
         let mut cmd = tokio::process::Command::new("sh");
         // exec: the worker itself is the group's leader, so its exit is what we wait for.
         cmd.arg("-c").arg(format!("exec {}", self.render(s))).process_group(0).stdin(Stdio::null());
-        match &self.cfg.log_dir {
+        let piped = self.cfg.log_dir.is_none() && self.cfg.state_file.is_none();
+        let output = match &self.cfg.log_dir {
             Some(dir) => {
                 std::fs::create_dir_all(dir)?;
-                let log = std::fs::File::create(dir.join(format!("{}.log", s.name)))?;
+                let path = dir.join(format!("{}.log", s.name));
+                let log = std::fs::File::create(&path)?;
                 cmd.stdout(log.try_clone()?).stderr(log);
+                Output::File(path)
+            }
+            None if piped => {
+                cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+                Output::Lost
             }
             None => {
                 cmd.stdout(Stdio::null()).stderr(Stdio::null());
+                Output::Lost
             }
-        }
+        };
         if !s.gpus.is_empty() {
             let gpus: Vec<String> = s.gpus.iter().map(u32::to_string).collect();
             cmd.env("CUDA_VISIBLE_DEVICES", gpus.join(","));
         }
-        cmd.spawn()
+        let mut child = cmd.spawn()?;
+        let output = if piped { Output::keep(child.stdout.take(), child.stderr.take()) } else { output };
+        Ok((child, output))
+    }
+
+    /// Remembers that `p` exited on its own.
+    fn remember_exit(&self, p: &mut Proc) {
+        let how = match p.child.as_mut().map(tokio::process::Child::try_wait) {
+            Some(Ok(Some(status))) => status.to_string(),
+            _ => "exited".to_string(),
+        };
+        let mut exited = self.exited.lock();
+        if exited.len() == EXITS_KEPT {
+            exited.pop_front();
+        }
+        exited.push_back(Exited { name: p.saved.name.clone(), how, lines: p.output.last_lines() });
     }
 
     /// Writes the running workers to the state file (atomically: a crash mid-write leaves the
@@ -192,12 +235,12 @@ impl Connector for Local {
         let mut procs = self.procs.lock();
         let (port, kv_port, gpus) = self.claim(&procs)?;
         let mut saved = Saved { name: format!("{}-{port}", sanitize(&self.model)), port, kv_port, gpus, pid: 0, started: 0 };
-        let child = self.spawn(&saved).map_err(ConnectorError::Start)?;
+        let (child, output) = self.spawn(&saved).map_err(ConnectorError::Start)?;
         saved.pid = child.id().and_then(|p| i32::try_from(p).ok()).unwrap_or(0);
         saved.started = start_time(saved.pid).unwrap_or(0);
         tracing::info!(model = %self.model, worker = %saved.name, pid = saved.pid, command = %self.render(&saved), "planner: worker started");
         let m = self.managed(&saved);
-        procs.push(Proc { saved, child: Some(child) });
+        procs.push(Proc { saved, child: Some(child), output });
         drop(procs);
         self.save();
         Ok(m)
@@ -210,7 +253,7 @@ impl Connector for Local {
             procs.remove(i)
         };
         self.save();
-        let Proc { saved, child } = p;
+        let Proc { saved, child, .. } = p;
         signal_group(saved.pid, Signal::SIGTERM);
         let grace = Duration::from_secs_f64(self.cfg.stop_timeout_s);
         let exited = match child {
@@ -245,6 +288,7 @@ impl Connector for Local {
             };
             if exited {
                 signal_group(p.saved.pid, Signal::SIGKILL);
+                self.remember_exit(p);
                 gone.push(p.saved.clone());
             }
             !exited
@@ -257,6 +301,20 @@ impl Connector for Local {
 
     fn ready_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.cfg.ready_timeout_s)
+    }
+
+    fn last_words(&self, name: &str) -> Option<String> {
+        let exited = self.exited.lock();
+        let e = exited.iter().rev().find(|e| e.name == name)?;
+        let lines = if e.lines.is_empty() {
+            match &self.cfg.log_dir {
+                None if self.cfg.state_file.is_some() => "; its output was not kept (set log_dir to keep it)".to_string(),
+                _ => "; it wrote nothing".to_string(),
+            }
+        } else {
+            format!("; its last lines:\n{}", e.lines.join("\n"))
+        };
+        Some(format!("{}{lines}", e.how))
     }
 }
 
@@ -302,6 +360,48 @@ mod tests {
         let yaml = format!("{{command: '{command}', ports_from: 21000, state_file: {}, {extra}}}", state.display());
         let cfg: LocalConnector = serde_yaml::from_str(&yaml).unwrap();
         (Local::new(cfg, "org/model", 1), dir)
+    }
+
+    /// Reaps `c` until a worker is gone.
+    async fn reaped(c: &Local) -> Vec<Managed> {
+        for _ in 0..200 {
+            let gone = c.reap();
+            if !gone.is_empty() {
+                return gone;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Vec::new()
+    }
+
+    #[tokio::test]
+    async fn a_worker_that_exits_at_once_leaves_its_last_lines_and_exit_status() {
+        // Without a state file nor a log folder: its output is kept from its pipes.
+        let cfg: LocalConnector =
+            serde_yaml::from_str("{command: \"sh -c 'echo starting {port}; echo no such model >&2; exit 3'\", ports_from: 21500}").unwrap();
+        let c = Local::new(cfg, "m", 1);
+        let w = c.add().await.unwrap();
+        assert_eq!(reaped(&c).await, vec![w.clone()]);
+        // Its pipes may still be read a moment after its exit.
+        let mut words = String::new();
+        for _ in 0..100 {
+            words = c.last_words(&w.name).unwrap();
+            if words.contains("no such model") {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(words.contains("exit status: 3") && words.contains("starting 2150") && words.contains("no such model"), "{words}");
+        assert_eq!(c.last_words("another"), None);
+        // With a log folder, the lines are read back from its log.
+        let dir = std::env::temp_dir().join(format!("kvgate-local-words-{}", std::process::id()));
+        let yaml = format!("{{command: \"sh -c 'echo cannot bind; exit 1'\", ports_from: 21600, log_dir: {}}}", dir.display());
+        let c = Local::new(serde_yaml::from_str(&yaml).unwrap(), "m", 1);
+        let w = c.add().await.unwrap();
+        assert_eq!(reaped(&c).await, vec![w.clone()]);
+        let words = c.last_words(&w.name).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(words.contains("exit status: 1") && words.contains("cannot bind"), "{words}");
     }
 
     #[test]

@@ -9,6 +9,7 @@
 
 pub mod kubernetes;
 pub mod local;
+pub mod output;
 
 use crate::config::{ConnectorConfig, Origin, UpstreamUrl};
 
@@ -81,6 +82,10 @@ pub trait Connector: Send + Sync {
     }
     /// Seconds a new worker has to come up.
     fn ready_timeout(&self) -> std::time::Duration;
+    /// How worker `name`, which exited on its own, ended, and what it last wrote, when known.
+    fn last_words(&self, _name: &str) -> Option<String> {
+        None
+    }
 }
 
 /// The connector a planned model's section asks for.

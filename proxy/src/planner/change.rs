@@ -106,7 +106,8 @@ pub async fn ready(gw: &Gateway, m: &Managed, connector: &dyn Connector, within:
     let deadline = Instant::now() + within;
     loop {
         if !connector.list().iter().any(|x| x.name == m.name) {
-            return Err(format!("worker {} exited before it answered", m.name));
+            let why = connector.last_words(&m.name).map(|w| format!(" ({w})")).unwrap_or_default();
+            return Err(format!("worker {} exited before it answered{why}", m.name));
         }
         if let Ok((200, _)) = crate::upstream::get(&gw.config(), &probe, &path, Duration::from_secs(2), 1 << 16, false).await {
             return Ok(());
