@@ -87,9 +87,17 @@ cleanup() {
   wait 2>/dev/null || true
 }
 trap cleanup EXIT
+# The OTLP receiver the first server and the traces tests' kvgate both export to (tests/traces:
+# vLLM's spans under kvgate's leg, in one trace).
+otlp_dir=$(mktemp -d -t kvgate-otlp.XXXXXX)
+setsid "${KVGATE_VLLM_HOME:-$HOME/.cache/kvgate-real-vllm}/venv/bin/python" "$here/otlp_receiver.py" "$otlp_dir/port" "$otlp_dir/spans.jsonl" > "$otlp_dir/receiver.log" 2>&1 &
+pids="$pids $!"
+for _ in $(seq 1 100); do [ -s "$otlp_dir/port" ] && break; sleep 0.1; done
+[ -s "$otlp_dir/port" ] || { echo "the OTLP receiver did not start:"; cat "$otlp_dir/receiver.log"; exit 1; }
+otlp_url="http://127.0.0.1:$(cat "$otlp_dir/port")"
 # The two start one after the other: on 2 cores two concurrent start-ups take as long as two
-# serial ones, and a failure is then attributable to one server.
-launch "$(mktemp -t real-vllm.XXXXXX.log)"; port1=$port; pid1=$pid
+# serial ones, and a failure is then attributable to one server. The first exports its traces.
+OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf launch "$(mktemp -t real-vllm.XXXXXX.log)" --otlp-traces-endpoint "$otlp_url/v1/traces"; port1=$port; pid1=$pid
 # The second serves the tiny LoRA adapter setup.sh made, so the fleet test sees an adapter on
 # one worker only (#34).
 lora_dir="${KVGATE_VLLM_HOME:-$HOME/.cache/kvgate-real-vllm}/tiny-lora"
@@ -104,7 +112,8 @@ cd "$root"
 # The second server is named for the drop-in test that needs two (stored responses' affinity);
 # the venv's Python runs the Anthropic and OpenAI SDKs (drop-in, and their retries on a tenant's 429).
 KVGATE_TARGET_URL_2="http://127.0.0.1:$port2" KVGATE_TARGET_LORA=tiny-lora KVGATE_VLLM_PYTHON="${KVGATE_VLLM_HOME:-$HOME/.cache/kvgate-real-vllm}/venv/bin/python" \
-  cargo test -p kvgate-tests --test conformance --test gateway --test kv_index --test tenants -- --test-threads=1
+  KVGATE_OTLP_URL="$otlp_url" KVGATE_OTLP_SPANS="$otlp_dir/spans.jsonl" \
+  cargo test -p kvgate-tests --test conformance --test gateway --test kv_index --test tenants --test traces -- --test-threads=1
 # Two servers: moves between them, then the test that kills the second one (last: it is gone after).
 export KVGATE_TARGET_URL_2="http://127.0.0.1:$port2"
 cargo test -p kvgate-tests --test migration -- --test-threads=1 --skip a_real_vllm_server_killed
@@ -124,7 +133,7 @@ kill -TERM -- "-$pid1" 2>/dev/null || true
 for _ in $(seq 1 40); do kill -0 -- "-$pid1" 2>/dev/null || break; sleep 0.25; done
 kill -KILL -- "-$pid1" 2>/dev/null || true
 pd_store=$(mktemp -d -t kvgate-pd.XXXXXX)
-trap 'cleanup; rm -rf "$pd_store"' EXIT
+trap 'cleanup; rm -rf "$pd_store" "$otlp_dir"' EXIT
 suite_flags=(--max-num-batched-tokens 4096)
 kv_cfg="{\"kv_connector\":\"ExampleConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"shared_storage_path\":\"$pd_store\"}}"
 launch "$(mktemp -t real-vllm.XXXXXX.log)" --kv-transfer-config "$kv_cfg"; pd1=$port

@@ -213,3 +213,18 @@ fn tenants_are_checked_with_the_tenant_named_and_keys_never_shown() {
     let e = load(&with("tenants:\n  list:\n    - name: a\n      key: sk-plain\n")).unwrap_err();
     assert!(e.message.contains("unknown field `key`") && e.line == Some(4), "a plain key has no place in the config: {e}");
 }
+
+#[test]
+fn tracing_is_off_unless_an_endpoint_is_named_and_a_bad_one_is_refused_where_it_is() {
+    let with = |t: &str| format!("{t}{GOOD}");
+    assert_eq!(load(GOOD).unwrap().tracing, None);
+    let c = load(&with("tracing:\n  otlp_endpoint: http://collector:4318\n")).unwrap();
+    let t = c.tracing.unwrap();
+    assert_eq!((t.traces_url().unwrap().as_str(), t.sample_ratio, t.service_name.as_str()), ("http://collector:4318/v1/traces", 1.0, "kvgate"));
+    let e = load(&with("tracing:\n  otlp_endpoint: https://collector:4318\n")).unwrap_err();
+    assert!(e.message.contains("tracing: otlp_endpoint must be an http:// URL") && e.line == Some(1), "{e}");
+    let e = load(&with("tracing:\n  otlp_endpoint: http://c:4318\n  sample_ratio: 2\n")).unwrap_err();
+    assert!(e.message.contains("sample_ratio"), "{e}");
+    let e = load(&with("tracing:\n  endpoint: http://c:4318\n")).unwrap_err();
+    assert!(e.message.contains("unknown field `endpoint`") && e.line == Some(2), "{e}");
+}
