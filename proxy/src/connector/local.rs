@@ -35,7 +35,8 @@ struct Proc {
 struct Exited {
     name: String,
     how: String,
-    lines: Vec<String>,
+    /// Read when asked: its pipes may still be read a moment after it exited.
+    output: Output,
 }
 
 /// Exits remembered for [`Connector::last_words`].
@@ -157,7 +158,7 @@ impl Local {
         if exited.len() == EXITS_KEPT {
             exited.pop_front();
         }
-        exited.push_back(Exited { name: p.saved.name.clone(), how, lines: p.output.last_lines() });
+        exited.push_back(Exited { name: p.saved.name.clone(), how, output: p.output.clone() });
     }
 
     /// Writes the running workers to the state file (atomically: a crash mid-write leaves the
@@ -306,13 +307,14 @@ impl Connector for Local {
     fn last_words(&self, name: &str) -> Option<String> {
         let exited = self.exited.lock();
         let e = exited.iter().rev().find(|e| e.name == name)?;
-        let lines = if e.lines.is_empty() {
+        let last = e.output.last_lines();
+        let lines = if last.is_empty() {
             match &self.cfg.log_dir {
                 None if self.cfg.state_file.is_some() => "; its output was not kept (set log_dir to keep it)".to_string(),
                 _ => "; it wrote nothing".to_string(),
             }
         } else {
-            format!("; its last lines:\n{}", e.lines.join("\n"))
+            format!("; its last lines:\n{}", last.join("\n"))
         };
         Some(format!("{}{lines}", e.how))
     }
@@ -386,7 +388,7 @@ mod tests {
         let mut words = String::new();
         for _ in 0..100 {
             words = c.last_words(&w.name).unwrap();
-            if words.contains("no such model") {
+            if words.contains("no such model") && words.contains("starting") {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
