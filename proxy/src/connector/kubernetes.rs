@@ -7,7 +7,7 @@
 //! Which pod a scale-down removes is the controller's choice: a StatefulSet removes its highest
 //! ordinal (so only that one is offered as the victim); for a Deployment the victim is marked
 //! with `controller.kubernetes.io/pod-deletion-cost` first, so the ReplicaSet removes it. The
-//! RBAC it needs is in deploy/kubernetes/rbac.yaml.
+//! RBAC it needs is in deploy/kubernetes/rbac/rbac.yaml.
 
 use super::{Connector, ConnectorError, Managed};
 use crate::config::{KubernetesConnector, Origin, UpstreamUrl, WorkloadKind};
