@@ -87,7 +87,8 @@ pub fn place_among(gw: &Gateway, req: &mut RequestState, among: Among<'_>) -> Re
 /// request runs on.
 pub fn place_leg(gw: &Gateway, req: &mut RequestState, among: Among<'_>, role: LegRole) -> Result<Arc<Worker>, GatewayError> {
     let model = req.model.clone();
-    let began = std::time::Instant::now();
+    // Read only for the trace: the clock is not free.
+    let began = req.trace.is_some().then(std::time::Instant::now);
     let Offer { eligible, busy, excluded } = offered(gw, req, among, role)?;
     let now = kvgate_filters::ledger::clock_us();
     let candidates: Vec<Candidate> = eligible.iter().map(|&i| candidate(req, role, i, busy.contains(&i), now)).collect();
@@ -125,7 +126,7 @@ pub fn place_leg(gw: &Gateway, req: &mut RequestState, among: Among<'_>, role: L
         slo: req.slo,
         outcome: None,
     };
-    if let Some(t) = &req.trace {
+    if let (Some(t), Some(began)) = (&req.trace, began) {
         t.phase("kvgate.place", began, placement_attrs(&placement, &model.workers[idx].label));
     }
     req.entry().receipt.lock().placements.push(placement);

@@ -126,7 +126,7 @@ pub struct RequestState {
     /// Whether the client's API key goes on to the workers (always, without tenants).
     pub forward_key: bool,
     /// Its spans, when tracing is on.
-    pub trace: Option<crate::traces::RequestTrace>,
+    pub trace: Option<Box<crate::traces::RequestTrace>>,
 }
 
 impl RequestState {

@@ -15,6 +15,7 @@ use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider, Tracer};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 /// How long one export may take.
@@ -24,6 +25,8 @@ const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Default)]
 pub struct Exporter {
     current: ArcSwapOption<Pipeline>,
+    /// Whether `current` holds one: what a request reads when tracing is off.
+    on: AtomicBool,
 }
 
 /// One configuration's provider and tracer.
@@ -43,6 +46,7 @@ impl Exporter {
             return Ok(());
         }
         let next = want.map(build).transpose()?.map(Arc::new);
+        self.on.store(next.is_some(), Ordering::Release);
         if let Some(old) = self.current.swap(next) {
             retire(old);
         }
@@ -51,14 +55,18 @@ impl Exporter {
 
     /// A trace for a request that arrived at `arrived` with `client`'s headers, when tracing
     /// is on.
-    pub fn start(&self, client: &RequestHead, arrived: Instant) -> Option<RequestTrace> {
+    pub fn start(&self, client: &RequestHead, arrived: Instant) -> Option<Box<RequestTrace>> {
+        if !self.on.load(Ordering::Acquire) {
+            return None;
+        }
         let p = self.current.load();
-        p.as_ref().map(|p| RequestTrace::start(&p.tracer, client, arrived))
+        p.as_ref().map(|p| Box::new(RequestTrace::start(&p.tracer, client, arrived)))
     }
 
     /// Exports what is still buffered and stops (the gateway is stopping). Blocks until the
     /// collector took the spans or the export timed out: call it off the async workers.
     pub fn shutdown(&self) {
+        self.on.store(false, Ordering::Release);
         if let Some(p) = self.current.swap(None)
             && let Err(e) = p.provider.shutdown()
         {

@@ -8,7 +8,8 @@
 //!   OTLP/HTTP client it posts with, off the request path;
 //! - [`request`]: one request's spans while it runs.
 //!
-//! Off (no `otlp_endpoint`), a request costs one atomic load and carries no trace.
+//! Off (no `otlp_endpoint`), a request costs one atomic load and carries no trace (a `None`
+//! where its state would hold one).
 
 pub mod export;
 pub mod request;
