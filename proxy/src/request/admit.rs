@@ -112,7 +112,7 @@ pub async fn admit(gw: &Arc<Gateway>, session: &mut ClientConn, endpoint: Endpoi
     let plugin = model.plugin.as_ref().map(|slot| PluginInputs::of(slot.current(), session.req(), &view));
     let trace = gw.traces.start(session.req(), start);
     if let Some(t) = &trace {
-        t.describe(describe(ctx.id(), &model.cfg.name, endpoint, stream, tenant.as_ref()));
+        t.describe(|| describe(ctx.id(), &model.cfg.name, endpoint, stream, tenant.as_ref()));
     }
     Ok(RequestState {
         cfg,

@@ -97,7 +97,7 @@ async fn run(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestState
     gauge.inc();
     prompt::tokenize(gw, req).await;
     if let Some(t) = &req.trace {
-        t.phase("kvgate.admit", req.start, Vec::new());
+        t.phase("kvgate.admit", req.start, Vec::new);
     }
     let admitted = match limit::admit(gw, req) {
         Ok(()) => queue::wait(gw, session, req).await,

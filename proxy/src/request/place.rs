@@ -127,7 +127,7 @@ pub fn place_leg(gw: &Gateway, req: &mut RequestState, among: Among<'_>, role: L
         outcome: None,
     };
     if let (Some(t), Some(began)) = (&req.trace, began) {
-        t.phase("kvgate.place", began, placement_attrs(&placement, &model.workers[idx].label));
+        t.phase("kvgate.place", began, || placement_attrs(&placement, &model.workers[idx].label));
     }
     req.entry().receipt.lock().placements.push(placement);
     let worker = model.workers[idx].clone();

@@ -49,11 +49,9 @@ pub async fn wait(gw: &Arc<Gateway>, session: &mut ClientConn, req: &RequestStat
     }
     if let Some(t) = &req.trace {
         let ended = req.entry().receipt.lock().queued.as_ref().map_or("", |q| q.ended.label());
-        t.phase(
-            "kvgate.queue",
-            began,
-            vec![opentelemetry::KeyValue::new("kvgate.queue.band", i64::from(band)), opentelemetry::KeyValue::new("kvgate.queue.ended", ended)],
-        );
+        t.phase("kvgate.queue", began, || {
+            vec![opentelemetry::KeyValue::new("kvgate.queue.band", i64::from(band)), opentelemetry::KeyValue::new("kvgate.queue.ended", ended)]
+        });
     }
     match r {
         None => Err(super::record::cancelled(gw, req)),

@@ -12,11 +12,14 @@ use opentelemetry_sdk::trace::{Span, Tracer};
 use parking_lot::Mutex;
 use std::time::{Instant, SystemTime};
 
-/// A request's spans.
+/// A request's spans. A request the sampler left out keeps its root's context only, to pass
+/// on (unsampled) to its workers, and makes no other span.
 pub struct RequestTrace {
     tracer: Tracer,
     /// The context holding the root span: the parent of every other.
     root: Context,
+    /// Whether the root span records (the request is sampled).
+    recording: bool,
     /// Legs and moves not ended yet.
     open: Mutex<Vec<(Part, Span)>>,
 }
@@ -41,6 +44,11 @@ impl Extractor for Head<'_> {
     }
 }
 
+/// The W3C `traceparent` naming the span of `sc`.
+fn traceparent(sc: &opentelemetry::trace::SpanContext) -> String {
+    format!("00-{:032x}-{:016x}-{:02x}", sc.trace_id(), sc.span_id(), sc.trace_flags().to_u8())
+}
+
 /// When `at` was, on the wall clock.
 fn wall(at: Instant) -> SystemTime {
     SystemTime::now().checked_sub(at.elapsed()).unwrap_or_else(SystemTime::now)
@@ -52,34 +60,43 @@ impl RequestTrace {
     pub(super) fn start(tracer: &Tracer, client: &RequestHead, arrived: Instant) -> Self {
         let parent = TraceContextPropagator::new().extract(&Head(client));
         let root = tracer.span_builder("kvgate.request").with_kind(SpanKind::Server).with_start_time(wall(arrived)).start_with_context(tracer, &parent);
-        Self { tracer: tracer.clone(), root: parent.with_span(root), open: Mutex::new(Vec::new()) }
+        let recording = root.is_recording();
+        Self { tracer: tracer.clone(), root: parent.with_span(root), recording, open: Mutex::new(Vec::new()) }
     }
 
-    /// Adds attributes to the request's own span.
-    pub fn describe(&self, attrs: impl IntoIterator<Item = KeyValue>) {
+    /// Adds the attributes `attrs` makes to the request's own span (made only when sampled).
+    pub fn describe(&self, attrs: impl FnOnce() -> Vec<KeyValue>) {
+        if !self.recording {
+            return;
+        }
         let span = self.root.span();
-        for kv in attrs {
+        for kv in attrs() {
             span.set_attribute(kv);
         }
     }
 
-    /// A phase that began at `began` and ends now.
-    pub fn phase(&self, name: &'static str, began: Instant, attrs: Vec<KeyValue>) {
-        let mut span = self.child(name, SpanKind::Internal, wall(began), attrs);
+    /// A phase that began at `began` and ends now, with the attributes `attrs` makes.
+    pub fn phase(&self, name: &'static str, began: Instant, attrs: impl FnOnce() -> Vec<KeyValue>) {
+        if !self.recording {
+            return;
+        }
+        let mut span = self.child(name, SpanKind::Internal, wall(began), attrs());
         span.end();
     }
 
     /// A leg to `worker` begins (`kind`: `attempt`, `continuation`, `prefill`): the `traceparent`
     /// it carries, naming its span. Ends the legs and moves still open.
     pub fn leg(&self, kind: &'static str, worker: &str, attempt: usize) -> String {
+        if !self.recording {
+            return traceparent(&self.root.span().span_context().clone());
+        }
         let attrs = vec![
             KeyValue::new("kvgate.leg", kind),
             KeyValue::new("server.address", worker.to_string()),
             KeyValue::new("kvgate.attempt", i64::try_from(attempt).unwrap_or(i64::MAX)),
         ];
         let span = self.child("kvgate.leg", SpanKind::Client, SystemTime::now(), attrs);
-        let sc = span.span_context();
-        let header = format!("00-{:032x}-{:016x}-{:02x}", sc.trace_id(), sc.span_id(), sc.trace_flags().to_u8());
+        let header = traceparent(span.span_context());
         let mut open = self.open.lock();
         for (_, mut s) in open.drain(..) {
             s.end();
@@ -103,6 +120,9 @@ impl RequestTrace {
     /// The request moves from worker `from` to `to`; the move's span ends when the next leg
     /// begins.
     pub fn moving(&self, from: &str, to: &str, how: &'static str) {
+        if !self.recording {
+            return;
+        }
         let attrs =
             vec![KeyValue::new("kvgate.move.from", from.to_string()), KeyValue::new("kvgate.move.to", to.to_string()), KeyValue::new("kvgate.move.how", how)];
         let span = self.child("kvgate.move", SpanKind::Internal, SystemTime::now(), attrs);
