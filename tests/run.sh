@@ -3,6 +3,8 @@
 #   1. formatting (rustfmt.toml) and clippy with every warning denied; no import circle in the
 #      gateway or the simulator (tests/acyclic.sh: installs cargo-modules on first use);
 #   2. every crate's unit and integration tests (vllm-sim workers in-process, ephemeral ports);
+#   2a. the metrics reference, the dashboard and rules against a real Prometheus, the
+#       Kubernetes manifests (tests/observability/, tests/deploy/);
 #   2b. every fuzz target (fuzz/, docs/fuzzing.md) for FUZZ_SECONDS (15) on its seeds
 #       (tests/fuzz-smoke.sh: installs the nightly toolchain and cargo-fuzz on first use);
 #   3. the real-vLLM suite (tests/real-vllm/run-suite.sh: installs the CPU build of vLLM and a
@@ -44,6 +46,14 @@ bash tests/acyclic.sh
 suite_start=$(date +%s)
 cargo test --workspace --all-targets 2>&1 | timed
 echo "cargo test took $(( $(date +%s) - suite_start )) s"
+# The operator's kit: docs/metrics.md against the code; the dashboard and alert rules against a
+# real Prometheus scraping kvgate under load (promtool checks and unit tests first); the
+# Kubernetes overlays rendered and validated (tests/deploy/check.sh installs kubectl and the
+# validators into a virtualenv of its own on first use).
+cargo build -p kvgate --bin kvgate -p vllm-sim --bin vllm-sim
+bash tests/observability/metrics-reference.sh
+bash tests/observability/prometheus.sh
+KVGATE_BIN="${CARGO_TARGET_DIR:-target}/debug/kvgate" bash tests/deploy/check.sh
 if [ "${KVGATE_SKIP_FUZZ:-0}" = 1 ]; then
   echo "KVGATE_SKIP_FUZZ=1: fuzz smoke skipped"
 else
