@@ -1,13 +1,22 @@
 #!/usr/bin/env python3
 """Live check of the dashboard and the rules against a real Prometheus scraping a real kvgate.
 
-Starts vllm-sim workers and a kvgate in front of them (every port of the system's choosing,
-read back from --ports-file, or for Prometheus from /proc), drives traffic that exercises
-what the dashboard shows, lets Prometheus scrape kvgate's admin /metrics every second with
+Starts vllm-sim workers, a nats-server and two kvgate replicas of one deployment on it (every
+port of the system's choosing, read back from --ports-file, or for Prometheus and NATS from
+/proc; the local connector's ports from a free run found at start), drives traffic that
+exercises what the dashboard shows, lets Prometheus scrape both admin /metrics every second with
 deploy/prometheus/kvgate-rules.yml loaded, then evaluates every target of every panel of
 deploy/grafana/kvgate.json through Prometheus's HTTP API. A target fails when its query errors
 or returns nothing but NaN or no series. Also checked: the scrape target is up, every rule
 evaluates without error, and KvgateWorkerUnhealthy goes pending for the worker killed.
+
+What makes the less common panels' data: the replicas' heartbeats (peer lag) and an admin
+request for an id no replica holds (asked of the peer); a model with a prefill and a decode
+worker (disaggregation); a model whose planner acts through the local connector, whose worker
+is killed (an exit), whose replacement's start script refuses once (a failed change) before
+one starts (a change's time), and whose minimum then drops by a reload (a scale-down that
+moves a stream); on the second replica, the rescheduler moving a stream to a worker whose
+context is too short for it (a failed move).
 
 Run by tests/observability/prometheus.sh (which names the binaries). Every process it starts
 runs in a process group of its own and is stopped by that group's id, on success, failure
@@ -37,29 +46,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DASHBOARD = os.path.join(ROOT, "deploy/grafana/kvgate.json")
 RULES = os.path.join(ROOT, "deploy/prometheus/kvgate-rules.yml")
 
-# Targets whose data needs a setup this check does not build; their query is checked for
-# validity only (it must parse and evaluate), and each is printed as such. Kept small:
-#  - replicas: kvgate_cluster_lag_seconds and kvgate_cluster_forwarded_total need several
-#    gateways on a NATS server (their other gauges and counters are exported, as 0, by any
-#    gateway, and are checked for data);
-#  - the planner acting: a change's time, failed changes, worker exits and scale-down moves
-#    need a connector that starts workers (here the planner observes: its gauges and
-#    decisions are checked for data);
-#  - disaggregation: needs prefill and decode workers with a KV connector;
-#  - the rescheduler's failures: need the rescheduler on and a move of its that fails.
-VALID_ONLY = {
-    "Peer lag p99": "needs replicas on NATS",
-    "Admin requests asked of peers /s": "needs replicas on NATS",
-    "Fleet change time p90": "needs a planner that acts through a connector",
-    "Failed changes, worker exits, scale-down moves /15m": "needs a planner that acts through a connector",
-    "Requests by path and reason /s": "needs prefill/decode workers",
-    "Prefill leg and decode first token p90": "needs prefill/decode workers",
-    "Placements by role /s": "needs prefill/decode workers",
-    "Rescheduler failures /s": "needs the rescheduler and a failed move",
-}
+# Targets whose query is checked for validity only (it must parse and evaluate), each printed
+# as such, with the reason. None: the setup builds everything the dashboard shows (replicas on
+# NATS, a planner that acts through the local connector, prefill/decode workers, a rescheduler
+# whose moves fail). A panel put here must say why its data cannot be produced in this check.
+VALID_ONLY = {}
 
 MODEL = "live"
 TIGHT = "tight"
+PD = "pd"  # a prefill and a decode worker (docs/disaggregation.md)
+SCALED = "scaled"  # a planner acting through the local connector (docs/planner.md)
+MOVED = "moved"  # on the second replica: a rescheduler whose moves fail (docs/migration.md)
 KEYS = {"team-a": "key-a-0123456789", "team-b": "key-b-0123456789"}
 
 results = []  # (ok, line)
@@ -247,6 +244,14 @@ def drive(gw, victim):
         statuses += parallel(fns)
     log(f"traffic: {len(statuses)} requests, statuses {sorted(set(statuses))}")
 
+    # 1b. The disaggregated model: streams and unary requests in two legs (prefill, decode).
+    fns = [lambda i=i: gw.request("/v1/chat/completions", chat(PD, f"disaggregated {i}", 16, stream=i % 3 != 2)) for i in range(6)]
+    log(f"disaggregated: statuses {parallel(fns)}")
+
+    # 1c. A request id no replica holds: asked of the peer (kvgate_cluster_forwarded_total).
+    st, _ = http_json("GET", gw.admin + f"/requests/obs-nowhere-{next(UNIQUE)}")
+    log(f"request held by no replica: {st}")
+
     # 2. A client that leaves mid-stream.
     s = gw.request("/v1/chat/completions", chat(MODEL, "a long answer please", 400), read_chunks=4)
     log(f"cancel: stream read 4 lines then disconnected (status {s})")
@@ -341,11 +346,11 @@ def prom_query(base, expr):
 
 
 def scraped_after(prom, t, timeout=20):
-    """Waits until Prometheus has scraped kvgate twice after `t`."""
+    """Waits until Prometheus has scraped both replicas twice after `t`."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         r, _ = prom_query(prom, 'timestamp(up{job="kvgate"})')
-        if r and float(r[0]["value"][1]) > t + 1.5:
+        if r and min(float(x["value"][1]) for x in r) > t + 1.5:
             return
         time.sleep(0.25)
     raise RuntimeError(f"prometheus did not scrape kvgate within {timeout} s")
@@ -388,16 +393,176 @@ def main():
     return 1 if failed or not passed else 0
 
 
+def free_run(n):
+    """The first of `n` consecutive ports below the system's ephemeral range that nothing
+    listens on (the local connector takes its ports from such a run: the kernel never hands
+    them out for port 0). A random start, so two checks at once do not race for one run."""
+    import random
+
+    try:
+        floor = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        floor = 32768
+    for _ in range(200):
+        start = random.randrange(20000, max(20001, floor - n - 1))
+        ok = True
+        for port in range(start, start + n):
+            with socket.socket() as sk:
+                try:
+                    sk.bind(("127.0.0.1", port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return start
+    raise RuntimeError(f"no run of {n} free ports below {floor}")
+
+
+def metric_sum(gw, name, labels=""):
+    """The sum of a metric's samples on a gateway's /metrics whose labels contain `labels`."""
+    _, body = http_json("GET", gw.admin + "/metrics")
+    total = 0.0
+    for line in body.decode().splitlines():
+        if line.startswith(name) and (line[len(name)] in " {") and labels in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_for(what, cond, timeout=20, every=0.1):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(every)
+    raise RuntimeError(f"{what}: not within {timeout} s")
+
+
+def planner_workers(gw):
+    """The workers of `scaled` that its planner started (GET /workers)."""
+    _, body = http_json("GET", gw.admin + "/workers")
+    models = json.loads(body).get("models", [])
+    return [w for m in models if m.get("model") == SCALED for w in m.get("workers", []) if str(w.get("origin", "")).startswith("planner:")]
+
+
+def hold_stream(gw, model, prompt, stop, max_tokens=3000):
+    """A stream held open until `stop` is set, then dropped by the client."""
+    c = gw.conn()
+    try:
+        c.request("POST", "/v1/completions", json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}), {"content-type": "application/json"})
+        r = c.getresponse()
+        c.sock.settimeout(0.2)  # a stream that goes quiet does not keep `stop` waiting
+        while not stop.is_set():
+            try:
+                if not r.fp.readline():
+                    break
+            except TimeoutError:
+                continue
+        c.sock.shutdown(socket.SHUT_RDWR)
+        return r.status
+    except (OSError, http.client.HTTPException):
+        return 0
+    finally:
+        c.close()
+
+
+def planner_flow(gw, prom, tmp, flag, write_config):
+    """The planner of `scaled` acting through the local connector (min 2 workers: the configured
+    one and one it starts): its worker is killed (an exit), its replacement fails to start (a
+    failed change: the start script refuses while `flag` exists), the next one starts (a
+    change's time, after Prometheus has seen the first), then the minimum drops to 1 (a reload)
+    and the scale-down moves the streams running on the removed worker."""
+    first = wait_for("the planner's first worker joined", lambda: planner_workers(gw), 30)[0]
+    log(f"planner: started {first['url']}")
+    scraped_after(prom, time.time())
+    port = first["url"].rstrip("/").rsplit(":", 1)[1]
+    pid = int(open(os.path.join(tmp, f"planner-{port}.pid")).read())
+    open(flag, "w").close()
+    os.killpg(pid, signal.SIGKILL)
+    wait_for("the killed worker counted as an exit", lambda: metric_sum(gw, "kvgate_planner_worker_exits_total", f'model="{SCALED}"') >= 1)
+    wait_for("a failed start counted", lambda: metric_sum(gw, "kvgate_planner_changes_failed_total", f'model="{SCALED}"') >= 1)
+    os.unlink(flag)
+    # The replacement takes the lowest free port again, often the killed worker's: it is told
+    # apart by the count of changes that ended in routing.
+    wait_for("the planner's replacement joined", lambda: metric_sum(gw, "kvgate_planner_change_seconds_count", f'change="up",model="{SCALED}"') + metric_sum(gw, "kvgate_planner_change_seconds_count", f'model="{SCALED}",change="up"') >= 2, 30)
+    second = wait_for("the planner's replacement in routing", lambda: [w for w in planner_workers(gw) if w.get("healthy")], 10)[0]
+    log(f"planner: killed {first['url']} (exit), a start refused (failed change), replaced by {second['url']}")
+    # Streams until one runs on the planner's worker; then the scale-down moves it.
+    stop = threading.Event()
+    threads = []
+    try:
+
+        def on_second():
+            _, body = http_json("GET", gw.admin + "/requests")
+            return second["url"].rstrip("/").encode() in body and b"running" in body
+
+        for i in range(8):
+            t = threading.Thread(target=hold_stream, args=(gw, SCALED, f"scaled stream {i} {next(UNIQUE)}", stop, 400))
+            t.start()
+            threads.append(t)
+            try:
+                wait_for("a stream on the planner's worker", on_second, 1.0)
+                break
+            except RuntimeError:
+                continue
+        wait_for("a stream on the planner's worker", on_second, 5)
+        write_config(1)
+        st, _ = http_json("POST", gw.admin + "/reload", {})
+        wait_for("the scale-down moved a stream", lambda: metric_sum(gw, "kvgate_planner_moved_requests_total", f'model="{SCALED}"') >= 1, 30)
+        log(f"planner: reload to min 1 ({st}), scaled down with a stream moved")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+
+
+def rescheduler_flow(gw2, prom, write_config2, refusing):
+    """On the second replica, twice (a scrape apart, so the counter's rate is more than 0): a
+    stream on `moved`'s only worker, then a reload adds a worker whose context is too short
+    for the stream's continuation: the rescheduler's decode_load policy pairs the loaded worker
+    with the idle one, and the move fails (the destination answers 400, which ends the move
+    and cuts the stream). A reload takes the refusing worker out again."""
+    for attempt in range(2):
+        before = metric_sum(gw2, "kvgate_rescheduling_failed_total", f'model="{MOVED}"')
+        stop = threading.Event()
+        prompt = f"moved {next(UNIQUE)}: " + " ".join(WORDS[j % len(WORDS)] for j in range(300))
+        t = threading.Thread(target=hold_stream, args=(gw2, MOVED, prompt, stop, 1500))
+        t.start()
+        try:
+            wait_for("the stream runs on the second replica", lambda: b"running" in http_json("GET", gw2.admin + "/requests")[1], 10)
+            write_config2(True)
+            st, _ = http_json("POST", gw2.admin + "/reload", {})
+            wait_for("a failed rescheduler move", lambda: metric_sum(gw2, "kvgate_rescheduling_failed_total", f'model="{MOVED}"') > before, 20)
+        finally:
+            stop.set()
+            t.join()
+            write_config2(False)
+            st2, _ = http_json("POST", gw2.admin + "/reload", {})
+        log(f"rescheduler: reload adding {refusing} ({st}), a move failed, reload without it ({st2})")
+        scraped_after(prom, time.time())
+
+
 def run(kvgate_bin, sim_bin, prom_bin, tmp, procs):
-    # Workers: three for `live`, one with a small KV cache for `tight`.
+    # Workers: three for `live`, one with a small KV cache for `tight`, a prefill and a decode
+    # worker for `pd`, the configured worker of `scaled`, and for the second replica's `moved`
+    # a worker with a small KV cache and one with a context too short for its streams.
+    kv = '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:0","replay_endpoint":"tcp://*:0","topic":""}'
+    nixl = '{{"kv_connector":"NixlConnector","kv_role":"{}"}}'
+    specs = [
+        (MODEL, []),
+        (MODEL, []),
+        (MODEL, []),
+        (TIGHT, ["--num-gpu-blocks-override", "64", "--max-model-len", "1000"]),
+        (PD, ["--kv-transfer-config", nixl.format("kv_producer")]),
+        (PD, ["--kv-transfer-config", nixl.format("kv_consumer")]),
+        (SCALED, ["--num-gpu-blocks-override", "200", "--max-model-len", "2048"]),
+        (MOVED, ["--num-gpu-blocks-override", "128", "--max-model-len", "2000"]),
+        (MOVED, ["--max-model-len", "64"]),
+    ]
     sims = []
-    for i in range(4):
+    for i, (model, extra) in enumerate(specs):
         pf = os.path.join(tmp, f"sim{i}.json")
-        model = MODEL if i < 3 else TIGHT
-        kv = '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:0","replay_endpoint":"tcp://*:0","topic":""}'
-        args = [sim_bin, "--model", model, "--host", "127.0.0.1", "--port", "0", "--seed", str(i + 1), "--kv-events-config", kv, "--ports-file", pf]
-        if model == TIGHT:
-            args += ["--num-gpu-blocks-override", "64", "--max-model-len", "1000"]
+        args = [sim_bin, "--model", model, "--host", "127.0.0.1", "--port", "0", "--seed", str(i + 1), "--kv-events-config", kv, "--ports-file", pf] + extra
         p = procs.start(args, open(os.path.join(tmp, f"sim{i}.log"), "w"))
         sims.append((p, pf))
     workers = []
@@ -408,15 +573,47 @@ def run(kvgate_bin, sim_bin, prom_bin, tmp, procs):
         wait_ok(w["url"] + "/health")
     log("workers: " + " ".join(w["url"] for w in workers))
 
-    def worker_yaml(ws):
-        return "".join(f"      - url: {w['url']}\n        kv_events: {w['kv_events']}\n        replay: {w['replay']}\n" for w in ws)
+    # NATS (JetStream) for the two replicas, on a port of the system's choosing.
+    os.makedirs(os.path.join(tmp, "nats"))
+    np_ = procs.start(["nats-server", "-a", "127.0.0.1", "-p", "-1", "-js", "-sd", os.path.join(tmp, "nats")], open(os.path.join(tmp, "nats.log"), "w"))
+    nats = f"nats://127.0.0.1:{listening_port(np_.pid)}"
+    log(f"nats: {nats}")
+
+    def worker_yaml(ws, roles=None):
+        return "".join(f"      - url: {w['url']}\n        kv_events: {w['kv_events']}\n        replay: {w['replay']}\n" + (f"        role: {roles[i]}\n" if roles else "") for i, w in enumerate(ws))
+
+    # The local connector's workers: a start script that refuses while `flag` exists, and
+    # records its pid (it execs vllm-sim, so the pid is the worker's and its process group's).
+    flag = os.path.join(tmp, "refuse-start")
+    script = os.path.join(tmp, "planner-worker.sh")
+    pkv = '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:\'"$2"\'","topic":""}'
+    open(script, "w").write(
+        f"""#!/bin/sh
+# $1: the HTTP port, $2: the KV events port (the local connector's {{port}} and {{kv_port}}).
+if [ -e '{flag}' ]; then echo "refusing to start: {flag} exists"; exit 1; fi
+echo $$ > '{tmp}/planner-'"$1"'.pid'
+exec '{sim_bin}' --model {SCALED} --host 127.0.0.1 --port "$1" --num-gpu-blocks-override 200 --max-model-len 2048 --kv-events-config '{pkv}'
+"""
+    )
+    ports_from, kv_ports_from = free_run(6), None
+    while kv_ports_from is None or abs(kv_ports_from - ports_from) < 6:
+        kv_ports_from = free_run(6)
 
     digest = {t: hashlib.sha256(k.encode()).hexdigest() for t, k in KEYS.items()}
-    config = f"""listen: 127.0.0.1:0
+    cfg = os.path.join(tmp, "kvgate.yaml")
+
+    def write_config(min_workers):
+        config = f"""listen: 127.0.0.1:0
 admin_listen: 127.0.0.1:0
 health:
   interval_ms: 300
   unhealthy_threshold: 1
+load:
+  interval_ms: 200
+cluster:
+  nats_url: {nats}
+  deployment: obs
+  replica: gw-a
 tenants:
   list:
     - name: team-a
@@ -450,9 +647,44 @@ models:
     shedding:
       max_num_batched_tokens: 8192
     workers:
-{worker_yaml(workers[3:])}"""
-    cfg = os.path.join(tmp, "kvgate.yaml")
-    open(cfg, "w").write(config)
+{worker_yaml(workers[3:4])}  - name: {PD}
+    tokenizer: builtin
+    routing:
+      mode: kv
+    disaggregation:
+      min_prefill_tokens: 0
+    workers:
+{worker_yaml(workers[4:6], ["prefill", "decode"])}  - name: {SCALED}
+    tokenizer: builtin
+    routing:
+      mode: kv
+    planner:
+      enabled: true
+      mode: act
+      metric_pulling_interval_s: 0.25
+      adjustment_interval_s: 1
+      min_gpu_budget: {min_workers}
+      max_gpu_budget: 2
+      decode_kv_scale_up_threshold: 0.99
+      decode_kv_scale_down_threshold: 0.9
+      new_decode_worker_grace_period: 0
+      drain_timeout_s: 20
+      log: {tmp}/planner.jsonl
+      connector:
+        kind: local
+        command: "sh {script} {{port}} {{kv_port}}"
+        ports_from: {ports_from}
+        kv_ports_from: {kv_ports_from}
+        log_dir: {tmp}/planner-workers
+        ready_timeout_s: 20
+        stop_timeout_s: 5
+    workers:
+{worker_yaml(workers[6:7])}"""
+        tmpf = cfg + ".new"
+        open(tmpf, "w").write(config)
+        os.replace(tmpf, cfg)
+
+    write_config(2)
     pf = os.path.join(tmp, "kvgate.json")
     env_log = open(os.path.join(tmp, "kvgate.log"), "w")
     gwp = subprocess.Popen([kvgate_bin, "--config", cfg, "--ports-file", pf], stdout=env_log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "KVGATE_LOG": "warn"})
@@ -461,8 +693,56 @@ models:
     gw = Gateway(b["listen"], b["admin_listen"])
     wait_ok(gw.admin + "/metrics")
     log(f"kvgate: public {b['listen']}, admin {b['admin_listen']}")
+    # It leads (holds the lease) before the second replica starts: its planner acts.
+    wait_for("the first replica leads", lambda: re.search(rb'"leads":\s*true', http_json("GET", gw.admin + "/cluster")[1]), 20)
 
-    # Prometheus on a port of the system's choosing, scraping the admin listener every second.
+    # The second replica: the same deployment on the same NATS, its own model, the rescheduler.
+    cfg2 = os.path.join(tmp, "kvgate2.yaml")
+
+    def write_config2(with_refusing):
+        config = f"""listen: 127.0.0.1:0
+admin_listen: 127.0.0.1:0
+health:
+  interval_ms: 300
+  unhealthy_threshold: 1
+load:
+  interval_ms: 200
+cluster:
+  nats_url: {nats}
+  deployment: obs
+  replica: gw-b
+rescheduling:
+  enable_rescheduling: true
+  rescheduling_policies: decode_load
+  rescheduling_interval_ms: 300
+  rescheduling_decode_load_metric: kv_cache_usage_ratio
+  rescheduling_decode_load_threshold: 0.05
+  rescheduling_req_select_rule: NUM_REQ
+  rescheduling_req_select_value: 1
+  llumlet_grpc_timeout_seconds: 2
+models:
+  - name: {MOVED}
+    tokenizer: builtin
+    routing:
+      mode: kv
+    workers:
+{worker_yaml(workers[7:9] if with_refusing else workers[7:8])}"""
+        tmpf = cfg2 + ".new"
+        open(tmpf, "w").write(config)
+        os.replace(tmpf, cfg2)
+
+    write_config2(False)
+    pf2 = os.path.join(tmp, "kvgate2.json")
+    gwp2 = subprocess.Popen([kvgate_bin, "--config", cfg2, "--ports-file", pf2], stdout=open(os.path.join(tmp, "kvgate2.log"), "w"), stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "KVGATE_LOG": "warn"})
+    procs.procs.append(gwp2)
+    b2 = wait_file(pf2, gwp2, "kvgate (second replica)")
+    gw2 = Gateway(b2["listen"], b2["admin_listen"])
+    wait_ok(gw2.admin + "/metrics")
+    wait_for("the replicas see each other", lambda: metric_sum(gw, "kvgate_cluster_peers") >= 1 and metric_sum(gw2, "kvgate_cluster_peers") >= 1, 20)
+    log(f"kvgate (second replica): public {b2['listen']}, admin {b2['admin_listen']}")
+
+    # Prometheus on a port of the system's choosing, scraping both admin listeners every second,
+    # as one job (replicas of one deployment are, for KvgateClusterNoLeader).
     prom_cfg = os.path.join(tmp, "prometheus.yml")
     open(prom_cfg, "w").write(
         f"""global:
@@ -473,7 +753,7 @@ rule_files:
 scrape_configs:
   - job_name: kvgate
     static_configs:
-      - targets: ['{gw.admin[len("http://"):]}']
+      - targets: ['{gw.admin[len("http://"):]}', '{gw2.admin[len("http://"):]}']
 """
     )
     pp = procs.start(
@@ -484,6 +764,23 @@ scrape_configs:
     wait_ok(prom + "/-/ready", timeout=60)
     log(f"prometheus: {prom}")
 
+    # The planner's and the rescheduler's sequences run beside the load.
+    flows = {}
+
+    def flow(name, fn, *args):
+        try:
+            fn(*args)
+            flows[name] = None
+        except Exception as e:  # reported as a failed check below
+            flows[name] = str(e)
+
+    side = [
+        threading.Thread(target=flow, args=("planner", planner_flow, gw, prom, tmp, flag, write_config)),
+        threading.Thread(target=flow, args=("rescheduler", rescheduler_flow, gw2, prom, write_config2, workers[8]["url"])),
+    ]
+    for t in side:
+        t.start()
+
     # The load runs twice, a scrape apart, with a worker killed at the end of each round: rate()
     # and increase() only count what a series gained after Prometheus first saw it, so an event
     # that happens once, creating its series, shows in no rate (as in production a series that
@@ -493,9 +790,14 @@ scrape_configs:
         log(f"round {rnd + 1}")
         drive(gw, victim)
         scraped_after(prom, time.time())
+    for t in side:
+        t.join()
+    for name, err in flows.items():
+        check(err is None, f"{name} sequence" + (f": {err}" if err else " done"))
+    scraped_after(prom, time.time())
 
     r, err = prom_query(prom, 'up{job="kvgate"}')
-    check(bool(r) and r[0]["value"][1] == "1", "prometheus scrapes kvgate's admin /metrics (up == 1)")
+    check(len(r or []) == 2 and all(x["value"][1] == "1" for x in r), f"prometheus scrapes both replicas' admin /metrics (up == 1: {len(r or [])} targets)")
     r, err = prom_query(prom, 'count(count_over_time(up{job="kvgate"}[5m]))')
     r2, _ = prom_query(prom, 'sum(count_over_time(up{job="kvgate"}[5m]))')
     scrapes = int(float(r2[0]["value"][1])) if r2 else 0
