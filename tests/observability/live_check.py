@@ -55,6 +55,7 @@ VALID_ONLY = {}
 MODEL = "live"
 TIGHT = "tight"
 PD = "pd"  # a prefill and a decode worker (docs/disaggregation.md)
+RETRIED = "retried"  # round robin over a worker that answers every request 500 and one that serves
 SCALED = "scaled"  # a planner acting through the local connector (docs/planner.md)
 MOVED = "moved"  # on the second replica: a rescheduler whose moves fail (docs/migration.md)
 KEYS = {"team-a": "key-a-0123456789", "team-b": "key-b-0123456789"}
@@ -247,6 +248,11 @@ def drive(gw, victim):
     # 1b. The disaggregated model: streams and unary requests in two legs (prefill, decode).
     fns = [lambda i=i: gw.request("/v1/chat/completions", chat(PD, f"disaggregated {i}", 16, stream=i % 3 != 2)) for i in range(6)]
     log(f"disaggregated: statuses {parallel(fns)}")
+
+    # 1b'. Retries, deterministically: round robin sends every other request first to the worker
+    # that answers 500 (`retries.on_5xx`), and the other serves it.
+    fns = [lambda i=i: gw.request("/v1/completions", {"model": RETRIED, "prompt": f"retried {i}", "max_tokens": 4}) for i in range(4)]
+    log(f"retried: statuses {parallel(fns)}")
 
     # 1c. A request id no replica holds: asked of the peer (kvgate_cluster_forwarded_total).
     st, _ = http_json("GET", gw.admin + f"/requests/obs-nowhere-{next(UNIQUE)}")
@@ -545,7 +551,8 @@ def rescheduler_flow(gw2, prom, write_config2, refusing):
 def run(kvgate_bin, sim_bin, prom_bin, tmp, procs):
     # Workers: three for `live`, one with a small KV cache for `tight`, a prefill and a decode
     # worker for `pd`, the configured worker of `scaled`, and for the second replica's `moved`
-    # a worker with a small KV cache and one with a context too short for its streams.
+    # a worker with a small KV cache and one with a context too short for its streams; for
+    # `retried`, one that serves and one that answers every request 500 (retries).
     kv = '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:0","replay_endpoint":"tcp://*:0","topic":""}'
     nixl = '{{"kv_connector":"NixlConnector","kv_role":"{}"}}'
     specs = [
@@ -558,6 +565,8 @@ def run(kvgate_bin, sim_bin, prom_bin, tmp, procs):
         (SCALED, ["--num-gpu-blocks-override", "200", "--max-model-len", "2048"]),
         (MOVED, ["--num-gpu-blocks-override", "128", "--max-model-len", "2000"]),
         (MOVED, ["--max-model-len", "64"]),
+        (RETRIED, []),
+        (RETRIED, ["--fail-error-rate", "1.0"]),
     ]
     sims = []
     for i, (model, extra) in enumerate(specs):
@@ -679,7 +688,10 @@ models:
         ready_timeout_s: 20
         stop_timeout_s: 5
     workers:
-{worker_yaml(workers[6:7])}"""
+{worker_yaml(workers[6:7])}  - name: {RETRIED}
+    tokenizer: builtin
+    workers:
+{worker_yaml(workers[9:11])}"""
         tmpf = cfg + ".new"
         open(tmpf, "w").write(config)
         os.replace(tmpf, cfg)
