@@ -153,6 +153,7 @@ impl Gateway {
         let old_fleet = self.fleet();
         let slots = self.plugins.prepare(&cfg.plugins)?;
         let fleet = self.registry.build(&self.with_added(&cfg), Some(&old_fleet), &slots)?;
+        let traces = self.traces.prepare(cfg.tracing.as_ref())?;
 
         let after: std::collections::HashSet<String> = fleet.all_workers().iter().map(|(m, w)| format!("{m}@{}", w.url)).collect();
         for added in after.difference(&before) {
@@ -177,7 +178,7 @@ impl Gateway {
             }
             *th = next;
         }
-        self.traces.apply(cfg.tracing.as_ref())?;
+        self.traces.commit(traces);
         let fleet = Arc::new(fleet);
         self.fleet.store(fleet.clone());
         self.tenants.apply(cfg.tenants.as_ref());

@@ -99,10 +99,12 @@ fn from_json(v: &Value) -> Received {
     }
 }
 
-async fn take(State(spans): State<Arc<Mutex<Vec<Received>>>>, body: Bytes) -> &'static str {
-    let Ok(req) = ExportTraceServiceRequest::decode(body) else { return "" };
+async fn take(State(spans): State<Arc<Mutex<Vec<Received>>>>, body: Bytes) -> (axum::http::StatusCode, &'static str) {
+    // A body that is not an export request is answered 400, as a collector answers it: a
+    // change in what kvgate sends shows in its log, not as spans that never arrive.
+    let Ok(req) = ExportTraceServiceRequest::decode(body) else { return (axum::http::StatusCode::BAD_REQUEST, "not an ExportTraceServiceRequest") };
     spans.lock().extend(decode(&req));
-    ""
+    (axum::http::StatusCode::OK, "")
 }
 
 /// Every span of an export request.

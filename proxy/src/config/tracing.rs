@@ -49,9 +49,23 @@ impl Tracing {
         let Some(rest) = url.strip_prefix("http://") else {
             return Err(format!("otlp_endpoint must be an http:// URL (an OTLP/HTTP receiver such as a local collector), got `{url}`"));
         };
-        let host = rest.split('/').next().unwrap_or("");
-        if host.is_empty() || url.bytes().any(|b| b.is_ascii_whitespace() || b.is_ascii_control()) {
-            return Err(format!("otlp_endpoint `{url}` is not a valid URL"));
+        let authority = rest.split('/').next().unwrap_or("");
+        let (host, port) = match authority.strip_prefix('[') {
+            // An IPv6 address: `[addr]` or `[addr]:port`.
+            Some(v6) => match v6.split_once(']') {
+                Some((h, "")) => (h, None),
+                Some((h, tail)) => (h, Some(tail.strip_prefix(':').unwrap_or("?"))),
+                None => ("", None),
+            },
+            None => match authority.rsplit_once(':') {
+                Some((h, p)) => (h, Some(p)),
+                None => (authority, None),
+            },
+        };
+        let port_ok = port.is_none_or(|p| p.parse::<u16>().is_ok_and(|n| n > 0));
+        let clean = !url.bytes().any(|b| b.is_ascii_whitespace() || b.is_ascii_control() || b"?#@\\".contains(&b));
+        if host.is_empty() || !port_ok || !clean {
+            return Err(format!("otlp_endpoint `{url}` is not a valid URL (http://host[:port][/path], without a query, fragment or user)"));
         }
         Ok(())
     }
@@ -80,6 +94,14 @@ mod tests {
         assert!(with("c:4318").validate().is_err());
         assert!(with("http://").validate().is_err());
         assert!(with("http://c:43 18").validate().is_err());
+        assert!(with("http://c:abc").validate().is_err(), "a port that is not a number");
+        assert!(with("http://c:0").validate().is_err());
+        assert!(with("http://c:4318?x=1").validate().is_err(), "a query would end up before /v1/traces");
+        assert!(with("http://user@c:4318").validate().is_err());
+        assert!(with("http://[::1]:4318").validate().is_ok());
+        assert!(with("http://[::1]").validate().is_ok());
+        assert!(with("http://[::1]x").validate().is_err());
+        assert!(with("http://collector.monitoring.svc/v1/traces").validate().is_ok());
         assert!(Tracing { sample_ratio: 1.5, ..with("http://c") }.validate().unwrap_err().contains("sample_ratio"));
         assert!(Tracing { sample_ratio: f64::NAN, ..with("http://c") }.validate().is_err());
     }

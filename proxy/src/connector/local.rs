@@ -305,9 +305,9 @@ impl Connector for Local {
     }
 
     fn last_words(&self, name: &str) -> Option<String> {
-        let exited = self.exited.lock();
-        let e = exited.iter().rev().find(|e| e.name == name)?;
-        let last = e.output.last_lines();
+        // Read outside the lock: a log file's tail is a read of the disk.
+        let (how, output) = self.exited.lock().iter().rev().find(|e| e.name == name).map(|e| (e.how.clone(), e.output.clone()))?;
+        let last = output.last_lines();
         let lines = if last.is_empty() {
             match &self.cfg.log_dir {
                 None if self.cfg.state_file.is_some() => "; its output was not kept (set log_dir to keep it)".to_string(),
@@ -316,7 +316,7 @@ impl Connector for Local {
         } else {
             format!("; its last lines:\n{}", last.join("\n"))
         };
-        Some(format!("{}{lines}", e.how))
+        Some(format!("{how}{lines}"))
     }
 }
 

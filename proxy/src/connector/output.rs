@@ -7,7 +7,7 @@ use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
+use tokio::io::{AsyncRead, AsyncReadExt};
 
 /// Lines kept.
 pub const LINES: usize = 20;
@@ -48,15 +48,30 @@ impl Output {
     }
 }
 
-async fn follow(pipe: impl AsyncRead + Unpin, lines: Arc<Mutex<VecDeque<String>>>) {
-    let mut reader = BufReader::new(pipe);
-    let mut buf = Vec::new();
-    while let Ok(n) = reader.read_until(b'\n', &mut buf).await {
-        if n == 0 {
-            break;
+/// Reads `pipe` to its end, keeping its last lines. A line ends at `\n` or `\r` (progress bars
+/// redraw a line with `\r` and may never end it): the line being read is never held past
+/// `LINE_BYTES`, whatever the worker writes.
+async fn follow(mut pipe: impl AsyncRead + Unpin, lines: Arc<Mutex<VecDeque<String>>>) {
+    let mut chunk = [0u8; 4096];
+    let mut line = Vec::with_capacity(LINE_BYTES);
+    loop {
+        let n = match pipe.read(&mut chunk).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        for &b in &chunk[..n] {
+            if b == b'\n' || b == b'\r' {
+                if !line.is_empty() {
+                    push(&mut lines.lock(), &line);
+                    line.clear();
+                }
+            } else if line.len() < LINE_BYTES {
+                line.push(b);
+            }
         }
-        push(&mut lines.lock(), &buf);
-        buf.clear();
+    }
+    if !line.is_empty() {
+        push(&mut lines.lock(), &line);
     }
 }
 
@@ -102,6 +117,21 @@ mod tests {
         assert_eq!(got.len(), LINES);
         assert_eq!(got[0], "line 11");
         assert_eq!(got[LINES - 1].len(), LINE_BYTES);
+    }
+
+    #[tokio::test]
+    async fn a_progress_bar_redrawn_with_carriage_returns_is_lines_not_one_growing_buffer() {
+        let text: String = (0..=100).map(|p| ["\rloading ", &p.to_string(), "%"].concat()).collect::<String>() + "\nready\n";
+        let out = Output::keep(Some(std::io::Cursor::new(text.into_bytes())), None::<tokio::io::Empty>);
+        let got = loop {
+            let got = out.last_lines();
+            if got.last().is_some_and(|l| l == "ready") {
+                break got;
+            }
+            tokio::task::yield_now().await;
+        };
+        assert_eq!(got.len(), LINES);
+        assert_eq!(got[LINES - 2], "loading 100%");
     }
 
     #[test]

@@ -27,6 +27,7 @@ pub fn finished(gw: &Gateway, req: &mut RequestState, outcome: &Outcome) {
     if let Some(t) = req.trace.take() {
         let error = match outcome {
             Outcome::Refused(e) => Some(e.to_string()),
+            Outcome::Truncated(_) => Some("the stream was cut: no worker could continue it".to_string()),
             _ => None,
         };
         t.finish(status, error.as_deref());

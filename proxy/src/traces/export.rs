@@ -27,30 +27,62 @@ pub struct Exporter {
     current: ArcSwapOption<Pipeline>,
     /// Whether `current` holds one: what a request reads when tracing is off.
     on: AtomicBool,
+    /// Set at shutdown: a reload after it builds nothing that would never be flushed.
+    stopped: AtomicBool,
+}
+
+/// What a configuration changes, built and not yet in force ([`Exporter::prepare`]).
+pub enum Prepared {
+    /// Nothing: the exporter in force is the one asked for (or the gateway is stopping).
+    Same,
+    /// Tracing off.
+    Off,
+    /// This exporter.
+    On(Arc<Pipeline>),
 }
 
 /// One configuration's provider and tracer.
-struct Pipeline {
+pub struct Pipeline {
     cfg: Tracing,
     provider: SdkTracerProvider,
     tracer: Tracer,
 }
 
 impl Exporter {
-    /// Puts `cfg` in force: builds a new provider when it changed (the old one flushes what it
-    /// holds and stops on a thread of its own), none when tracing is off.
+    /// Puts `cfg` in force ([`Exporter::prepare`] then [`Exporter::commit`]).
     pub fn apply(&self, cfg: Option<&Tracing>) -> Result<(), String> {
+        let prepared = self.prepare(cfg)?;
+        self.commit(prepared);
+        Ok(())
+    }
+
+    /// Builds what `cfg` asks for when it differs from what is in force (nothing when tracing
+    /// is off or the gateway is stopping): the fallible half of a reload, done before anything
+    /// else changes.
+    pub fn prepare(&self, cfg: Option<&Tracing>) -> Result<Prepared, String> {
         let want = cfg.filter(|c| c.otlp_endpoint.is_some());
         let current = self.current.load();
-        if current.as_ref().map(|p| &p.cfg) == want {
-            return Ok(());
+        if current.as_ref().map(|p| &p.cfg) == want || self.stopped.load(Ordering::Acquire) {
+            return Ok(Prepared::Same);
         }
-        let next = want.map(build).transpose()?.map(Arc::new);
+        Ok(match want {
+            Some(cfg) => Prepared::On(Arc::new(build(cfg)?)),
+            None => Prepared::Off,
+        })
+    }
+
+    /// Puts a prepared exporter in force; the one it replaces flushes what it holds and stops
+    /// on a thread of its own.
+    pub fn commit(&self, prepared: Prepared) {
+        let next = match prepared {
+            Prepared::Same => return,
+            Prepared::Off => None,
+            Prepared::On(p) => Some(p),
+        };
         self.on.store(next.is_some(), Ordering::Release);
         if let Some(old) = self.current.swap(next) {
             retire(old);
         }
-        Ok(())
     }
 
     /// A trace for a request that arrived at `arrived` with `client`'s headers, when tracing
@@ -66,6 +98,7 @@ impl Exporter {
     /// Exports what is still buffered and stops (the gateway is stopping). Blocks until the
     /// collector took the spans or the export timed out: call it off the async workers.
     pub fn shutdown(&self) {
+        self.stopped.store(true, Ordering::Release);
         self.on.store(false, Ordering::Release);
         if let Some(p) = self.current.swap(None)
             && let Err(e) = p.provider.shutdown()
@@ -144,5 +177,31 @@ impl Drop for OwnRuntime {
         if let Some(rt) = self.runtime.take() {
             rt.shutdown_background();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(endpoint: &str) -> Tracing {
+        Tracing { otlp_endpoint: Some(endpoint.into()), sample_ratio: 1.0, service_name: "kvgate".into() }
+    }
+
+    #[test]
+    fn a_reload_builds_only_what_changed_and_nothing_after_shutdown() {
+        let e = Exporter::default();
+        assert!(matches!(e.prepare(None).unwrap(), Prepared::Same), "off and asked off");
+        e.apply(Some(&cfg("http://127.0.0.1:4318"))).unwrap();
+        assert!(e.on.load(Ordering::Acquire));
+        assert!(matches!(e.prepare(Some(&cfg("http://127.0.0.1:4318"))).unwrap(), Prepared::Same));
+        assert!(matches!(e.prepare(Some(&cfg("http://127.0.0.1:4319"))).unwrap(), Prepared::On(_)));
+        // A prepared change that is not committed changes nothing (a reload that failed later).
+        assert!(e.current.load().as_ref().is_some_and(|p| p.cfg == cfg("http://127.0.0.1:4318")));
+        e.apply(None).unwrap();
+        assert!(!e.on.load(Ordering::Acquire) && e.current.load().is_none());
+        e.shutdown();
+        e.apply(Some(&cfg("http://127.0.0.1:4318"))).unwrap();
+        assert!(!e.on.load(Ordering::Acquire), "a reload after shutdown starts no exporter");
     }
 }
