@@ -611,8 +611,10 @@ exec '{sim_bin}' --model {SCALED} --host 127.0.0.1 --port "$1" --num-gpu-blocks-
     digest = {t: hashlib.sha256(k.encode()).hexdigest() for t, k in KEYS.items()}
     cfg = os.path.join(tmp, "kvgate.yaml")
 
-    def write_config(min_workers):
-        config = f"""listen: 127.0.0.1:0
+    def replica_head(replica):
+        """What both replicas' configs begin with: listeners of the system's choosing, quick
+        health and load polling, and the one deployment on the NATS above."""
+        return f"""listen: 127.0.0.1:0
 admin_listen: 127.0.0.1:0
 health:
   interval_ms: 300
@@ -622,8 +624,11 @@ load:
 cluster:
   nats_url: {nats}
   deployment: obs
-  replica: gw-a
-tenants:
+  replica: {replica}
+"""
+
+    def write_config(min_workers):
+        config = f"""{replica_head("gw-a")}tenants:
   list:
     - name: team-a
       keys_sha256: [{digest['team-a']}]
@@ -712,18 +717,7 @@ models:
     cfg2 = os.path.join(tmp, "kvgate2.yaml")
 
     def write_config2(with_refusing):
-        config = f"""listen: 127.0.0.1:0
-admin_listen: 127.0.0.1:0
-health:
-  interval_ms: 300
-  unhealthy_threshold: 1
-load:
-  interval_ms: 200
-cluster:
-  nats_url: {nats}
-  deployment: obs
-  replica: gw-b
-rescheduling:
+        config = f"""{replica_head("gw-b")}rescheduling:
   enable_rescheduling: true
   rescheduling_policies: decode_load
   rescheduling_interval_ms: 300

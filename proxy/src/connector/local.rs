@@ -75,7 +75,7 @@ impl Local {
             tracing::info!(model, worker = %s.name, pid = s.pid, port = s.port, "planner: adopted a running worker from the state file");
         }
         // An adopted worker's output is where the gateway that started it sent it.
-        let output = |s: &Saved| cfg.log_dir.as_ref().map_or(Output::Lost, |d| Output::File(d.join(format!("{}.log", s.name))));
+        let output = |s: &Saved| log_path(&cfg, &s.name).map_or(Output::Lost, Output::File);
         let procs: Vec<Proc> = adopted.into_iter().map(|saved| Proc { output: output(&saved), saved, child: None }).collect();
         let me = Self { cfg, model: model.to_string(), gpus_per_worker, procs: Mutex::new(procs), exited: Mutex::new(VecDeque::new()) };
         me.save();
@@ -122,29 +122,28 @@ impl Local {
         // exec: the worker itself is the group's leader, so its exit is what we wait for.
         cmd.arg("-c").arg(format!("exec {}", self.render(s))).process_group(0).stdin(Stdio::null());
         let piped = self.cfg.log_dir.is_none() && self.cfg.state_file.is_none();
-        let output = match &self.cfg.log_dir {
-            Some(dir) => {
+        let log = log_path(&self.cfg, &s.name);
+        if let Some(path) = &log {
+            if let Some(dir) = path.parent() {
                 std::fs::create_dir_all(dir)?;
-                let path = dir.join(format!("{}.log", s.name));
-                let log = std::fs::File::create(&path)?;
-                cmd.stdout(log.try_clone()?).stderr(log);
-                Output::File(path)
             }
-            None if piped => {
-                cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-                Output::Lost
-            }
-            None => {
-                cmd.stdout(Stdio::null()).stderr(Stdio::null());
-                Output::Lost
-            }
-        };
+            let file = std::fs::File::create(path)?;
+            cmd.stdout(file.try_clone()?).stderr(file);
+        } else if piped {
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        } else {
+            cmd.stdout(Stdio::null()).stderr(Stdio::null());
+        }
         if !s.gpus.is_empty() {
             let gpus: Vec<String> = s.gpus.iter().map(u32::to_string).collect();
             cmd.env("CUDA_VISIBLE_DEVICES", gpus.join(","));
         }
         let mut child = cmd.spawn()?;
-        let output = if piped { Output::keep(child.stdout.take(), child.stderr.take()) } else { output };
+        let output = match log {
+            Some(path) => Output::File(path),
+            None if piped => Output::keep(child.stdout.take(), child.stderr.take()),
+            None => Output::Lost,
+        };
         Ok((child, output))
     }
 
@@ -329,6 +328,11 @@ impl Drop for Local {
             }
         }
     }
+}
+
+/// Worker `name`'s log file, when workers keep logs (`log_dir`).
+fn log_path(cfg: &LocalConnector, name: &str) -> Option<std::path::PathBuf> {
+    cfg.log_dir.as_ref().map(|d| d.join(format!("{name}.log")))
 }
 
 /// A model name as a worker name: letters, digits, `-` and `_`; anything else becomes `_`.

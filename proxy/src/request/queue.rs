@@ -48,7 +48,7 @@ pub async fn wait(gw: &Arc<Gateway>, session: &mut ClientConn, req: &RequestStat
         gw.metrics.tenants.queue_wait.with_label_values(&[t]).observe(began.elapsed().as_secs_f64());
     }
     if let Some(t) = &req.trace {
-        let ended = req.entry().receipt.lock().queued.as_ref().map_or("", |q| q.ended.label());
+        let ended = ended.label();
         t.phase("kvgate.queue", began, || {
             vec![opentelemetry::KeyValue::new("kvgate.queue.band", i64::from(band)), opentelemetry::KeyValue::new("kvgate.queue.ended", ended)]
         });
