@@ -334,38 +334,91 @@ pub fn oracle(requests: &[TraceRequest], (max_isl, max_osl): (usize, usize), eng
     requests.iter().zip(done.iter().zip(&at)).map(|(r, (&t, &a))| Outcome::of(a, t, decodes(r, max_osl))).collect()
 }
 
-/// The figures `compare` reports of a router, for a reference's outcomes: TTFT p50 / p90 / p99,
-/// TPOT p90, end to end p90 / p99.
-fn figures(outcomes: &[Outcome]) -> String {
-    let q = |f: &dyn Fn(&Outcome) -> Option<f64>| Quantiles::of(&mut outcomes.iter().filter_map(f).collect::<Vec<f64>>());
-    let (ttft, tpot, e2e) = (q(&|o| Some(o.ttft)), q(&|o| o.tpot), q(&|o| Some(o.e2e)));
-    format!(
-        "TTFT {:.0} / {:.0} / {:.0} ms, TPOT p90 {:.1} ms, E2E p90 / p99 {:.2} / {:.2} s",
-        ttft.p50,
-        ttft.p90,
-        ttft.p99,
-        tpot.p90,
-        e2e.p90 / 1000.0,
-        e2e.p99 / 1000.0
-    )
+/// The figures `compare` holds a router to, ms: TTFT p50 / p90 / p99, TPOT p90, end to end p90
+/// / p99.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Figures(pub [f64; 6]);
+
+impl Figures {
+    /// Their names, in order.
+    pub const NAMES: [&'static str; 6] = ["TTFT p50", "TTFT p90", "TTFT p99", "TPOT p90", "E2E p90", "E2E p99"];
+
+    /// Of a reference's outcomes.
+    pub fn of(outcomes: &[Outcome]) -> Self {
+        let q = |f: &dyn Fn(&Outcome) -> Option<f64>| Quantiles::of(&mut outcomes.iter().filter_map(f).collect::<Vec<f64>>());
+        Self::from_quantiles(&q(&|o| Some(o.ttft)), &q(&|o| o.tpot), &q(&|o| Some(o.e2e)))
+    }
+
+    /// Of a router's measured quantiles.
+    pub fn from_quantiles(ttft: &Quantiles, tpot: &Quantiles, e2e: &Quantiles) -> Self {
+        Self([ttft.p50, ttft.p90, ttft.p99, tpot.p90, e2e.p90, e2e.p99])
+    }
+
+    /// Each figure's least over `all`.
+    pub fn best(all: &[Figures]) -> Option<Self> {
+        let first = *all.first()?;
+        Some(Self(std::array::from_fn(|i| all.iter().map(|f| f.0[i]).fold(first.0[i], f64::min))))
+    }
+
+    /// Each of these over `reference`'s: how far a router is from it (1 = level).
+    pub fn over(&self, reference: &Figures) -> [f64; 6] {
+        std::array::from_fn(|i| if reference.0[i] > 0.0 { self.0[i] / reference.0[i] } else { f64::NAN })
+    }
 }
 
-/// The line `compare` adds to its notes for a trace workload.
-pub fn note(requests: &[TraceRequest], cut: (usize, usize), engine: &Engine, workers: usize, speedup: f64) -> String {
-    if requests.is_empty() {
-        return "References: the trace has no requests.".into();
+impl std::fmt::Display for Figures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let [t50, t90, t99, tpot, e90, e99] = self.0;
+        write!(f, "TTFT {t50:.0} / {t90:.0} / {t99:.0} ms, TPOT p90 {tpot:.1} ms, E2E p90 / p99 {:.2} / {:.2} s", e90 / 1000.0, e99 / 1000.0)
     }
-    let workers = workers.max(1);
-    let of = |how| figures(&oracle(requests, cut, engine, workers, speedup, how));
-    format!(
-        "References from vllm-sim's step model (benches/src/trace_floor.rs): the floor (each request alone, every earlier prefix cached) {}; \
-         clairvoyant routers on {workers} workers scheduling as vLLM does (references, not bounds): earliest own first token {}; \
-         least own first token plus imposed delay {}; earliest own last token {}.",
-        figures(&floor(requests, cut, engine)),
-        of(Oracle::Greedy),
-        of(Oracle::Considerate),
-        of(Oracle::Finishing)
-    )
+}
+
+/// A trace's references on a fleet: the floor and the three clairvoyant routers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct References {
+    /// Each request alone, every earlier prefix cached.
+    pub floor: Figures,
+    /// The clairvoyant routers, named, in [`Oracle`] order.
+    pub clairvoyant: Vec<(&'static str, Figures)>,
+}
+
+impl References {
+    /// The references of `requests` on `workers` workers of `engine`, replayed `speedup` times
+    /// faster with prompts and outputs cut to `cut`.
+    pub fn of(requests: &[TraceRequest], cut: (usize, usize), engine: &Engine, workers: usize, speedup: f64) -> Self {
+        let workers = workers.max(1);
+        let of = |how| Figures::of(&oracle(requests, cut, engine, workers, speedup, how));
+        Self {
+            floor: Figures::of(&floor(requests, cut, engine)),
+            clairvoyant: vec![
+                ("earliest own first token", of(Oracle::Greedy)),
+                ("least own first token plus imposed delay", of(Oracle::Considerate)),
+                ("earliest own last token", of(Oracle::Finishing)),
+            ],
+        }
+    }
+
+    /// Each figure's best among the clairvoyant routers.
+    pub fn best_clairvoyant(&self) -> Option<Figures> {
+        Figures::best(&self.clairvoyant.iter().map(|(_, f)| *f).collect::<Vec<_>>())
+    }
+
+    /// The line `compare` adds to its notes.
+    pub fn note(&self, workers: usize) -> String {
+        let oracles = self.clairvoyant.iter().map(|(name, f)| format!("{name} {f}")).collect::<Vec<_>>().join("; ");
+        format!(
+            "References from vllm-sim's step model (benches/src/trace_floor.rs): the floor (each request alone, every earlier prefix cached) {}; \
+             clairvoyant routers on {workers} workers scheduling as vLLM does (references, not bounds): {oracles}.",
+            self.floor
+        )
+    }
+
+    /// How far `measured` is from the best clairvoyant figure of each kind, as a line of notes.
+    pub fn distance(&self, label: &str, measured: &Figures) -> Option<String> {
+        let best = self.best_clairvoyant()?;
+        let parts: Vec<String> = Figures::NAMES.iter().zip(measured.over(&best)).map(|(name, r)| format!("{name} {r:.2}x")).collect();
+        Some(format!("{label}: over the best clairvoyant reference: {}", parts.join(", ")))
+    }
 }
 
 #[cfg(test)]
@@ -463,8 +516,23 @@ mod tests {
         let considerate = oracle_ms(&trace, (usize::MAX, usize::MAX), &e, 2, 1.0, Oracle::Considerate);
         assert!((considerate[0] - alone).abs() < 1e-9, "{considerate:?} against {alone}, greedy {greedy:?}");
         assert!(considerate[2] > greedy[2], "B pays for it: {considerate:?} {greedy:?}");
-        assert!(note(&[], (1, 1), &e, 0, 1.0).contains("no requests"));
-        assert!(note(&trace, WHOLE, &e, 0, 0.0).starts_with("References from"), "no workers or speed-up: one worker, real time");
+        let refs = References::of(&trace, WHOLE, &e, 0, 0.0);
+        assert!(refs.note(1).starts_with("References from"), "no workers or speed-up: one worker, real time");
+    }
+
+    #[test]
+    fn a_routers_distance_is_each_figure_over_the_best_clairvoyant_one() {
+        let refs = References {
+            floor: Figures([1.0; 6]),
+            clairvoyant: vec![("a", Figures([100.0, 200.0, 300.0, 10.0, 1000.0, 2000.0])), ("b", Figures([50.0, 400.0, 300.0, 20.0, 500.0, 4000.0]))],
+        };
+        assert_eq!(refs.best_clairvoyant(), Some(Figures([50.0, 200.0, 300.0, 10.0, 500.0, 2000.0])));
+        let line = refs.distance("r", &Figures([100.0, 200.0, 600.0, 15.0, 500.0, 3000.0])).unwrap();
+        assert_eq!(
+            line,
+            "r: over the best clairvoyant reference: TTFT p50 2.00x, TTFT p90 1.00x, TTFT p99 2.00x, TPOT p90 1.50x, E2E p90 1.00x, E2E p99 1.50x"
+        );
+        assert_eq!(References { floor: Figures([0.0; 6]), clairvoyant: Vec::new() }.distance("r", &Figures([1.0; 6])), None);
     }
 
     #[test]

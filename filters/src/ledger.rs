@@ -476,6 +476,16 @@ impl Ledger {
         Some(self.ttft.get()? / self.tpot.get()?)
     }
 
+    /// How many ms of time to first token one ms of end-to-end time is worth to the model's
+    /// requests: their recent mean time to first token over their mean end to end (first
+    /// token, then the mean output at the mean time per output token; `None` before a stream
+    /// was timed).
+    pub fn e2e_weight(&self) -> Option<f64> {
+        let ttft = self.ttft.get()?;
+        let e2e = ttft + self.output.get()? * self.tpot.get()?;
+        (e2e > 0.0).then(|| ttft / e2e)
+    }
+
     /// The output tokens of the model's streams, on average of the recent ones (`None` before
     /// the first finished).
     pub fn mean_output(&self) -> Option<f64> {

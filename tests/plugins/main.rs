@@ -41,6 +41,7 @@ fn request<'a>(headers: &'a [(String, String)]) -> RequestSummary<'a> {
         expected_output_tokens: 0.0,
         mean_output_tokens: 0.0,
         tpot_weight: 0.0,
+        e2e_weight: 0.0,
         slo: Default::default(),
         headers,
         nvext: None,

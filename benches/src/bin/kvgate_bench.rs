@@ -897,7 +897,7 @@ impl Common {
     /// For a trace workload, the floor and clairvoyant references of its requests on
     /// `workers` workers started with `sim_args` ([`trace_floor`]); `None` for the other
     /// workloads.
-    fn trace_bounds(&self, sim_args: &[String], workers: usize) -> Option<Result<String, String>> {
+    fn trace_references(&self, sim_args: &[String], workers: usize) -> Option<Result<trace_floor::References, String>> {
         if !matches!(self.workload, Kind::Trace) {
             return None;
         }
@@ -909,7 +909,10 @@ impl Common {
                 trace_floor::Engine { timing: cfg.timing, chunk_tokens: cfg.max_num_batched_tokens, block_size: cfg.block_size, time_scale: cfg.time_scale };
             let t = trace::load(&self.trace)?;
             let t = &t[..t.len().min(self.max_requests)];
-            Ok(trace_floor::note(t, (self.max_isl, self.max_osl), &engine, workers, self.speedup))
+            if t.is_empty() {
+                return Err(format!("{}: no requests to replay", self.trace.display()));
+            }
+            Ok(trace_floor::References::of(t, (self.max_isl, self.max_osl), &engine, workers, self.speedup))
         })())
     }
 
@@ -1139,14 +1142,17 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
     let mut runs = Vec::new();
     let fresh = if apis.len() > 1 { "fresh for every target and API" } else { "fresh for every target" };
     let mut notes = vec![note, format!("Cluster: {n} vllm-sim workers ({}), {fresh}.", if sim_args.is_empty() { "defaults" } else { sim_args })];
-    match common.trace_bounds(&base.args, n) {
-        Some(Ok(line)) => notes.push(line),
+    let references = match common.trace_references(&base.args, n) {
+        Some(Ok(r)) => {
+            notes.push(r.note(n));
+            Some(r)
+        }
         Some(Err(e)) => {
             eprintln!("kvgate-bench: {e}");
             return 2;
         }
-        None => {}
-    }
+        None => None,
+    };
     // The workers' own tokenizer (vllm-sim's built-in one), so text prompts hash to the blocks
     // the workers cache; the agent workload's adds a chat template that prints tools, written
     // next to the results and given to the workers and kvgate alike.
@@ -1262,6 +1268,14 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
     }
     if let Some(t) = by_api(&runs, &reports) {
         notes.push(t);
+    }
+    // Each router's distance to what is possible, beside its figures.
+    for r in references
+        .iter()
+        .flat_map(|refs| reports.iter().filter_map(|r| refs.distance(&r.label, &trace_floor::Figures::from_quantiles(&r.ttft_ms, &r.tpot_ms, &r.e2e_ms))))
+    {
+        eprintln!("kvgate-bench: {r}");
+        notes.push(r);
     }
     finish(&reports, common, &notes.join("\n"));
     0

@@ -81,6 +81,7 @@ fn main() {
         expected_output_tokens: 256.0,
         mean_output_tokens: 256.0,
         tpot_weight: 20.0,
+        e2e_weight: 0.05,
         slo: Slo { ttft_ms: Some(500.0), tpot_ms: Some(20.0) },
         ..summary(blocks)
     };

@@ -73,6 +73,11 @@ pub struct KvParams {
     pub block_size: u32,
     /// Count decode load at all (`false` for prefill-only workers: cost = weighted prefill).
     pub track_active_blocks: bool,
+    /// `time`: the most predicted time to first token a request gives up for what it saves
+    /// others, as a share of the least among the candidates (0: no bound).
+    pub ttft_trade_ratio: f64,
+    /// `time`: the bound's least slack, ms.
+    pub ttft_trade_floor_ms: f64,
 }
 
 impl Default for KvParams {
@@ -85,6 +90,8 @@ impl Default for KvParams {
             temperature: 0.0,
             block_size: 16,
             track_active_blocks: true,
+            ttft_trade_ratio: 0.5,
+            ttft_trade_floor_ms: 200.0,
         }
     }
 }
@@ -160,12 +167,19 @@ impl Policy for KvPolicy {
         let req = &self.sized(&req.among(candidates));
         let debug = tracing::enabled!(tracing::Level::DEBUG);
         let held = req.slo.is_set() && self.params.cost == Cost::Time;
-        let costs: Vec<f64> = candidates
+        let mut least_ttft = f64::MAX;
+        let mut ttfts: Vec<f64> = Vec::new();
+        let bounded = self.params.ttft_trade_ratio > 0.0 && self.params.cost == Cost::Time;
+        let mut costs: Vec<f64> = candidates
             .iter()
             .map(|c| {
                 let (cost, terms) = self.priced(req, c);
                 if debug {
                     tracing::debug!(request_id = req.request_id, worker = c.id, overlap = c.overlap_blocks, ?terms, cost, "kv routing");
+                }
+                if let (true, Terms::Time(p)) = (bounded, terms) {
+                    least_ttft = least_ttft.min(p.ttft_ms());
+                    ttfts.push(p.ttft_ms());
                 }
                 match (held, terms) {
                     (true, Terms::Time(p)) => cost + req.slo.excess_ms(p.ttft_ms(), p.tpot_ms, req.tpot_weight),
@@ -173,6 +187,14 @@ impl Policy for KvPolicy {
                 }
             })
             .collect();
+        if bounded {
+            let limit = least_ttft + (least_ttft * self.params.ttft_trade_ratio).max(self.params.ttft_trade_floor_ms);
+            for (cost, t) in costs.iter_mut().zip(&ttfts) {
+                if *t > limit {
+                    *cost = f64::INFINITY;
+                }
+            }
+        }
         match self.params.temperature {
             t if t > 0.0 => self.sample(&costs, t).unwrap_or_else(|| self.cheapest(candidates, &costs)),
             _ => self.cheapest(candidates, &costs),
@@ -439,5 +461,22 @@ mod tests {
         // A wait longer than a prefill there plus the copy's price sends it elsewhere anyway.
         let swamped = Candidate { prefill_backlog_ms: 600.0, ..cand(0, 192, 30_000, 0) };
         assert_eq!(p.choose(&r, &[swamped, empty]), Decision::Worker(1));
+    }
+
+    #[test]
+    fn a_request_gives_up_at_most_its_bound_of_first_token_for_the_stall_it_saves() {
+        let unbounded = KvPolicy::new(KvParams { ttft_trade_ratio: 0.0, ..KvParams::default() });
+        let bounded = KvPolicy::new(KvParams::default());
+        let r = RequestSummary { tpot_weight: 20.0, ..req(16_384) };
+        // An idle worker whose prefill would stall eight short answers, and one whose prefill
+        // backlog is a full second longer but where nothing decodes.
+        let stalling = Candidate { in_flight: 8, decode_sensitivity: 8.0 / 20.0, ..cand(0, 0, 0, 0) };
+        let queued = Candidate { prefill_backlog_ms: 1000.0, prefilling: 1, ..cand(1, 0, 16_384, 0) };
+        let c = [stalling, queued];
+        assert_eq!(unbounded.choose(&r, &c), Decision::Worker(1), "the stall priced past a second of its own wait");
+        assert_eq!(bounded.choose(&r, &c), Decision::Worker(0), "a second is more than half of its least first token");
+        // Within the bound the trade stands: half a second more than its least is allowed.
+        let near = Candidate { prefill_backlog_ms: 300.0, prefilling: 1, ..cand(1, 0, 16_384, 0) };
+        assert_eq!(bounded.choose(&r, &[c[0].clone(), near]), Decision::Worker(1));
     }
 }

@@ -36,6 +36,10 @@ pub struct RequestSummary<'a> {
     /// mean time to first token over its mean time per output token (the ledger's
     /// `tpot_weight`). The `slowdown` term prices a stall at it.
     pub tpot_weight: f64,
+    /// How many ms of time to first token one ms of end-to-end time is worth (0: unknown): the
+    /// model's recent mean time to first token over its mean end to end (the ledger's
+    /// `e2e_weight`).
+    pub e2e_weight: f64,
     /// Its latency objectives (the model's, or its own): the `time` cost adds each worker's
     /// predicted miss of them.
     pub slo: super::Slo,

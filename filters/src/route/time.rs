@@ -215,13 +215,17 @@ pub struct Pricing {
     /// Its decode there and the step time it adds to the decodes running there (`decode`,
     /// `imposed`).
     pub decode: bool,
+    /// The stall weighs more on a worker prefill keeps busier than the fleet's mean.
+    pub stall_share: bool,
+    /// The stall is priced in the stalled requests' end to end as well.
+    pub stall_e2e: bool,
 }
 
 impl Default for Pricing {
     fn default() -> Self {
         // `decode` is off until it wins the first token too. `slowdown`, priced in the stalled
         // requests' time per output token, wins TPOT and goodput at the same TTFT.
-        Self { credit_booked: true, slowdown: true, queue: true, duplicates: true, decode: false }
+        Self { credit_booked: true, slowdown: true, queue: true, duplicates: true, decode: false, stall_share: true, stall_e2e: false }
     }
 }
 
@@ -278,7 +282,9 @@ impl TimePriors {
         let next_step = if stepping.is_some() { c.next_step_tokens.min(c.active_prefill_tokens) as f64 } else { 0.0 };
         let wait_ms = c.prefill_backlog_ms.min(a * queued).max(a * next_step);
         let own_ms = prefill_ms + (new / chunk).ceil().max(1.0) * step;
-        let slowdown_ms = if pricing.slowdown { prefill_ms * req.tpot_weight * c.decode_sensitivity } else { 0.0 };
+        let share = if pricing.stall_share { (decoding_share(req.fleet_prefill_load) / decoding_share(c.prefill_load)).powi(2) } else { 1.0 };
+        let decoding = if pricing.stall_e2e { f64::from(c.in_flight.saturating_sub(c.prefilling)) * req.e2e_weight } else { 0.0 };
+        let slowdown_ms = if pricing.slowdown { prefill_ms * (req.tpot_weight * c.decode_sensitivity + decoding) * share } else { 0.0 };
         // Prefill put on a busy fleet delays more than the requests waiting now (module doc).
         let busy = busy_period(req.fleet_prefill_load);
         let arriving = req.arrivals_per_worker_s * join_ms / 1000.0;
@@ -286,6 +292,7 @@ impl TimePriors {
         let duplicate_ms = if pricing.duplicates { a * evicting_tokens(req, c, prompt, bs) * busy } else { 0.0 };
         let delta = self.added_step_ms(req, c, prompt);
         let (decode_ms, imposed_ms) = if pricing.decode { decode_terms(req, c, step, delta) } else { (0.0, 0.0) };
+        let tpot_ms = per_output_token(step, c, req.fleet_prefill_load) + delta;
         Prediction {
             new_tokens: new,
             wait_ms,
@@ -299,7 +306,7 @@ impl TimePriors {
             ms_per_prefill_token: a,
             decode_ms,
             imposed_ms,
-            tpot_ms: per_output_token(step, c, req.fleet_prefill_load) + delta,
+            tpot_ms,
         }
     }
 
@@ -371,7 +378,7 @@ mod tests {
 
     /// The priced terms the tests below were written for: credit, slowdown, no queue, no
     /// duplicates, no decode.
-    const ON: Pricing = Pricing { credit_booked: true, slowdown: true, queue: false, duplicates: false, decode: false };
+    const ON: Pricing = Pricing { credit_booked: true, slowdown: true, queue: false, duplicates: false, decode: false, stall_share: false, stall_e2e: false };
 
     fn req(tokens: u32) -> RequestSummary<'static> {
         RequestSummary { prompt_tokens: tokens, prompt_blocks: tokens / 16, block_size: 16, ..Default::default() }
@@ -591,5 +598,29 @@ mod tests {
         assert!((short.slowdown_ms - 2.0 * short.prefill_ms).abs() < 1e-6, "{short:?}");
         // Nothing measured yet: no exchange rate, no price.
         assert_eq!(p.predict(&req(20_000), &running, ON).slowdown_ms, 0.0);
+    }
+
+    #[test]
+    fn a_stall_weighs_more_where_prefill_keeps_the_worker_busier_than_the_fleet() {
+        let p = TimePriors::default();
+        let share = Pricing { stall_share: true, ..ON };
+        let r = RequestSummary { tpot_weight: 16.0, fleet_prefill_load: 0.5, ..req(8_000) };
+        let decoding = |load| Candidate { in_flight: 4, decode_sensitivity: 4.0 / 100.0, prefill_load: load, ..Default::default() };
+        let plain = p.predict(&r, &decoding(0.5), ON).slowdown_ms;
+        assert!((p.predict(&r, &decoding(0.5), share).slowdown_ms - plain).abs() < 1e-9, "at the fleet's mean: unchanged");
+        // Busy three quarters of the time against the fleet's half: each stall weighs (0.5 / 0.25)².
+        assert!((p.predict(&r, &decoding(0.75), share).slowdown_ms - 4.0 * plain).abs() < 1e-6);
+        assert!(p.predict(&r, &decoding(0.0), share).slowdown_ms < plain, "an idle worker's decodes are rarely stalled");
+    }
+
+    #[test]
+    fn the_stall_counts_every_decoding_requests_end_to_end_at_its_weight() {
+        let p = TimePriors::default();
+        let e2e = Pricing { stall_e2e: true, ..ON };
+        let r = RequestSummary { tpot_weight: 16.0, e2e_weight: 0.1, ..req(8_000) };
+        // Ten in flight, two of them still prefilling: eight decode and are stalled.
+        let c = Candidate { in_flight: 10, prefilling: 2, decode_sensitivity: 8.0 / 400.0, ..Default::default() };
+        let x = p.predict(&r, &c, e2e);
+        assert!((x.slowdown_ms - x.prefill_ms * (16.0 * 8.0 / 400.0 + 0.8)).abs() < 1e-6, "{x:?}");
     }
 }

@@ -384,6 +384,16 @@ pub struct Routing {
     /// kv, `time` cost: add the request's own decode there and the step time it adds to the
     /// requests decoding there (by its expected output length).
     pub price_decode: bool,
+    /// kv, `time` cost: weigh the stall by how busy prefill keeps the worker against the
+    /// fleet's mean.
+    pub price_stall_share: bool,
+    /// kv, `time` cost: price the stall in the stalled requests' end to end as well.
+    pub price_stall_e2e: bool,
+    /// kv, `time` cost: the most predicted time to first token a request gives up for the
+    /// time it saves others, as a share of the least among the workers (0: no bound).
+    pub ttft_trade_ratio: f64,
+    /// kv, `time` cost: the bound's least slack, ms.
+    pub ttft_trade_floor_ms: f64,
     /// kv, `blocks` cost: weight of the prefill term; 0 = ignore the cache (pure load
     /// balancing).
     #[serde(alias = "router_kv_overlap_score_weight", alias = "kv_overlap_score_weight")]
@@ -457,6 +467,10 @@ impl Default for Routing {
             price_queue: pricing.queue,
             price_duplicates: pricing.duplicates,
             price_decode: pricing.decode,
+            price_stall_share: pricing.stall_share,
+            price_stall_e2e: pricing.stall_e2e,
+            ttft_trade_ratio: kvgate_filters::route::KvParams::default().ttft_trade_ratio,
+            ttft_trade_floor_ms: kvgate_filters::route::KvParams::default().ttft_trade_floor_ms,
             overlap_score_weight: 1.0,
             temperature: 0.0,
             kv_events: true,

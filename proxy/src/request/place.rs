@@ -318,6 +318,7 @@ fn summary(req: &RequestState, now: u64) -> RequestSummary<'_> {
         expected_output_tokens: expected_output(req),
         mean_output_tokens: model.ledger.mean_output().unwrap_or(0.0),
         tpot_weight: req.slo.tpot_weight().or_else(|| model.ledger.tpot_weight()).unwrap_or(0.0),
+        e2e_weight: model.ledger.e2e_weight().unwrap_or(0.0),
         slo: req.slo,
         headers: req.plugin.as_ref().map_or(&[], |p| &p.headers[..]),
         nvext: req.plugin.as_ref().and_then(|p| p.nvext.as_deref()),
