@@ -12,6 +12,10 @@
 //! is counted once in its decode load. `overlap_score_weight = 0` ignores the cache (pure load
 //! balancing); `track_active_blocks = false` drops the decode term (prefill-only workers).
 //!
+//! Under the `time` cost, a worker whose predicted time to first token is past the trade bound
+//! (`ttft_trade_ratio` of the least any worker offers, at least `ttft_trade_floor_ms` more) is
+//! not chosen, however much its other terms say it saves others.
+//!
 //! Temperature 0: the lowest cost; ties go to the worker with fewer requests in flight, then
 //! uniformly at random (no fixed order, so equal workers share traffic). Temperature T > 0:
 //! softmax over costs normalized by their range, `p ∝ exp(−(cost / (max − min)) / T)`; equal
@@ -165,36 +169,14 @@ impl Policy for KvPolicy {
 
     fn choose(&self, req: &RequestSummary<'_>, candidates: &[Candidate]) -> Decision {
         let req = &self.sized(&req.among(candidates));
-        let debug = tracing::enabled!(tracing::Level::DEBUG);
-        let held = req.slo.is_set() && self.params.cost == Cost::Time;
-        let mut least_ttft = f64::MAX;
-        let mut ttfts: Vec<f64> = Vec::new();
-        let bounded = self.params.ttft_trade_ratio > 0.0 && self.params.cost == Cost::Time;
-        let mut costs: Vec<f64> = candidates
-            .iter()
-            .map(|c| {
-                let (cost, terms) = self.priced(req, c);
-                if debug {
-                    tracing::debug!(request_id = req.request_id, worker = c.id, overlap = c.overlap_blocks, ?terms, cost, "kv routing");
-                }
-                if let (true, Terms::Time(p)) = (bounded, terms) {
-                    least_ttft = least_ttft.min(p.ttft_ms());
-                    ttfts.push(p.ttft_ms());
-                }
-                match (held, terms) {
-                    (true, Terms::Time(p)) => cost + req.slo.excess_ms(p.ttft_ms(), p.tpot_ms, req.tpot_weight),
-                    _ => cost,
-                }
-            })
-            .collect();
-        if bounded {
-            let limit = least_ttft + (least_ttft * self.params.ttft_trade_ratio).max(self.params.ttft_trade_floor_ms);
-            for (cost, t) in costs.iter_mut().zip(&ttfts) {
-                if *t > limit {
-                    *cost = f64::INFINITY;
-                }
-            }
+        let mut costs = Vec::with_capacity(candidates.len());
+        let mut ttfts = Vec::with_capacity(candidates.len());
+        for c in candidates {
+            let (cost, ttft) = self.held_cost(req, c);
+            costs.push(cost);
+            ttfts.push(ttft);
         }
+        self.bound_trades(&mut costs, &ttfts);
         match self.params.temperature {
             t if t > 0.0 => self.sample(&costs, t).unwrap_or_else(|| self.cheapest(candidates, &costs)),
             _ => self.cheapest(candidates, &costs),
@@ -203,6 +185,38 @@ impl Policy for KvPolicy {
 }
 
 impl KvPolicy {
+    /// One candidate's cost, with its predicted miss of the request's objectives added when
+    /// any are set, and its predicted time to first token (`time` cost; `None` for `blocks`).
+    fn held_cost(&self, req: &RequestSummary<'_>, c: &Candidate) -> (f64, Option<f64>) {
+        let (cost, terms) = self.priced(req, c);
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            tracing::debug!(request_id = req.request_id, worker = c.id, overlap = c.overlap_blocks, ?terms, cost, "kv routing");
+        }
+        match terms {
+            Terms::Time(p) if req.slo.is_set() => (cost + req.slo.excess_ms(p.ttft_ms(), p.tpot_ms, req.tpot_weight), Some(p.ttft_ms())),
+            Terms::Time(p) => (cost, Some(p.ttft_ms())),
+            Terms::Blocks { .. } => (cost, None),
+        }
+    }
+
+    /// Rules out (at an infinite cost) each worker whose predicted time to first token is past
+    /// what the request may give up for others: `ttft_trade_ratio` of the least any worker
+    /// offers, and at least `ttft_trade_floor_ms`. The stall, queue and copy terms price time
+    /// other requests lose; summed, they can outweigh seconds of the request's own wait, and
+    /// those trades make the first-token tail.
+    fn bound_trades(&self, costs: &mut [f64], ttfts: &[Option<f64>]) {
+        if self.params.ttft_trade_ratio <= 0.0 {
+            return;
+        }
+        let least = ttfts.iter().flatten().copied().fold(f64::INFINITY, f64::min);
+        let limit = least + (least * self.params.ttft_trade_ratio).max(self.params.ttft_trade_floor_ms);
+        for (cost, ttft) in costs.iter_mut().zip(ttfts) {
+            if ttft.is_some_and(|t| t > limit) {
+                *cost = f64::INFINITY;
+            }
+        }
+    }
+
     /// A softmax draw over the normalised costs at temperature `t`; `None` when every cost is
     /// the same.
     fn sample(&self, costs: &[f64], t: f64) -> Option<Decision> {
