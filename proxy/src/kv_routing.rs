@@ -172,7 +172,6 @@ impl KvRouting {
                     decode: r.price_decode,
                     stall_share: r.price_stall_share,
                     stall_e2e: r.price_stall_e2e,
-                    own_e2e: r.price_own_decode,
                 },
                 overlap_score_weight: r.overlap_score_weight,
                 temperature: r.temperature,

@@ -264,7 +264,6 @@ impl Placement {
                             v["behind_ms"] = json!(t.behind_ms);
                             v["decode_ms"] = json!(t.decode_ms);
                             v["imposed_ms"] = json!(t.imposed_ms);
-                            v["own_decode_ms"] = json!(t.own_decode_ms);
                             v["tpot_ms"] = json!(t.tpot_ms);
                             if self.slo.is_set() {
                                 v["slo_violation"] = json!(self.slo.violation(t.ttft_ms(), t.tpot_ms));

@@ -23,7 +23,9 @@
 //! room      = free tokens in its KV cache less its booked prefill and this prompt's own new tokens
 //! held      = the fraction of its KV cache its blocks fill (room 0 and held 1 when unknown)
 //! ρ         = the candidates' mean prefill utilisation (≤ 0.75)
-//! slowdown = prefill · w · Σ_j 1/out_j · share                       its chunks stall the running decodes
+//! slowdown = prefill · (w · Σ_j 1/out_j + v · decoding) · share      its chunks stall the running decodes
+//! v        = the model's mean TTFT / mean E2E                           what a ms of E2E is worth in TTFT
+//! decoding = in_flight − prefilling                                    the requests decoding there
 //! share    = ((1 − ρ) / (1 − ρ_w))²                                 more often where prefill keeps it busier
 //! ρ_w      = the worker's own prefill utilisation (its `prefill_load`)
 //! out_j    = the expected output of each request decoding there (first token sent, not ended)
@@ -180,9 +182,6 @@ pub struct Prediction {
     /// What its decode costs the requests decoding there: each step of theirs it overlaps is
     /// longer by its sequence and context.
     pub imposed_ms: f64,
-    /// Its own decode there, its expected output at its predicted time per output token,
-    /// priced at what a ms of end to end is worth in time to first token (`e2e_weight`).
-    pub own_decode_ms: f64,
     /// Its predicted time per output token there, what a `tpot_ms` objective is held to
     /// ([`TimePriors::tpot_of`]) with its own sequence and context added (Δ): the worker's
     /// measured step, whose gaps already hold the stalls of the prefill chunks it runs; before
@@ -202,7 +201,7 @@ impl Prediction {
     /// requests (those running there, those queuing behind it, those a duplicated prefix
     /// evicts), ms.
     pub fn cost_ms(&self) -> f64 {
-        self.ttft_ms() + self.slowdown_ms + self.behind_ms + self.duplicate_ms + self.decode_ms + self.imposed_ms + self.own_decode_ms
+        self.ttft_ms() + self.slowdown_ms + self.behind_ms + self.duplicate_ms + self.decode_ms + self.imposed_ms
     }
 }
 
@@ -225,18 +224,17 @@ pub struct Pricing {
     /// workers where only long answers decode, whose stalled answers then make the end-to-end
     /// tail.
     pub stall_share: bool,
-    /// The stall is priced in the stalled requests' end to end as well.
+    /// The stall is priced in the stalled requests' end to end as well (`v · decoding`): a
+    /// long answer's time per output token barely moves for one stall, but its stalls add up
+    /// to the end-to-end tail.
     pub stall_e2e: bool,
-    /// Its own decode there at its predicted time per output token, priced in end to end
-    /// (`own`).
-    pub own_e2e: bool,
 }
 
 impl Default for Pricing {
     fn default() -> Self {
         // `decode` is off until it wins the first token too. `slowdown`, priced in the stalled
         // requests' time per output token, wins TPOT and goodput at the same TTFT.
-        Self { credit_booked: true, slowdown: true, queue: true, duplicates: true, decode: false, stall_share: true, stall_e2e: false, own_e2e: false }
+        Self { credit_booked: true, slowdown: true, queue: true, duplicates: true, decode: false, stall_share: true, stall_e2e: true }
     }
 }
 
@@ -304,7 +302,6 @@ impl TimePriors {
         let delta = self.added_step_ms(req, c, prompt);
         let (decode_ms, imposed_ms) = if pricing.decode { decode_terms(req, c, step, delta) } else { (0.0, 0.0) };
         let tpot_ms = per_output_token(step, c, req.fleet_prefill_load) + delta;
-        let own_decode_ms = if pricing.own_e2e { req.e2e_weight * req.expected_output_tokens.max(0.0) * tpot_ms } else { 0.0 };
         Prediction {
             new_tokens: new,
             wait_ms,
@@ -318,7 +315,6 @@ impl TimePriors {
             ms_per_prefill_token: a,
             decode_ms,
             imposed_ms,
-            own_decode_ms,
             tpot_ms,
         }
     }
@@ -391,8 +387,7 @@ mod tests {
 
     /// The priced terms the tests below were written for: credit, slowdown, no queue, no
     /// duplicates, no decode.
-    const ON: Pricing =
-        Pricing { credit_booked: true, slowdown: true, queue: false, duplicates: false, decode: false, stall_share: false, stall_e2e: false, own_e2e: false };
+    const ON: Pricing = Pricing { credit_booked: true, slowdown: true, queue: false, duplicates: false, decode: false, stall_share: false, stall_e2e: false };
 
     fn req(tokens: u32) -> RequestSummary<'static> {
         RequestSummary { prompt_tokens: tokens, prompt_blocks: tokens / 16, block_size: 16, ..Default::default() }
@@ -636,21 +631,5 @@ mod tests {
         let c = Candidate { in_flight: 10, prefilling: 2, decode_sensitivity: 8.0 / 400.0, ..Default::default() };
         let x = p.predict(&r, &c, e2e);
         assert!((x.slowdown_ms - x.prefill_ms * (16.0 * 8.0 / 400.0 + 0.8)).abs() < 1e-6, "{x:?}");
-    }
-
-    #[test]
-    fn a_long_answer_prices_its_own_decode_where_tokens_come_slowly() {
-        let p = TimePriors::default();
-        let own = Pricing { own_e2e: true, ..ON };
-        let long = RequestSummary { e2e_weight: 0.1, expected_output_tokens: 800.0, ..req(100) };
-        let slow = Candidate { step_ms: 40.0, ..Default::default() };
-        let fast = Candidate { step_ms: 20.0, ..Default::default() };
-        let (s, f) = (p.predict(&long, &slow, own), p.predict(&long, &fast, own));
-        // 800 tokens, 20 ms each slower (and its own share of each step with them), a ms of end
-        // to end worth a tenth of a ms of TTFT.
-        assert!((s.own_decode_ms - f.own_decode_ms - 0.1 * 800.0 * 20.0).abs() < 20.0, "{s:?} {f:?}");
-        let short = RequestSummary { expected_output_tokens: 8.0, ..long };
-        assert!(p.predict(&short, &slow, own).own_decode_ms < 0.1 * 8.0 * 41.0, "a short answer barely cares");
-        assert_eq!(p.predict(&long, &slow, ON).own_decode_ms, 0.0);
     }
 }

@@ -389,9 +389,6 @@ pub struct Routing {
     pub price_stall_share: bool,
     /// kv, `time` cost: price the stall in the stalled requests' end to end as well.
     pub price_stall_e2e: bool,
-    /// kv, `time` cost: add the request's own decode there (its expected output at its
-    /// predicted time per output token), priced in end to end.
-    pub price_own_decode: bool,
     /// kv, `time` cost: the most predicted time to first token a request gives up for the
     /// time it saves others, as a share of the least among the workers (0: no bound).
     pub ttft_trade_ratio: f64,
@@ -472,7 +469,6 @@ impl Default for Routing {
             price_decode: pricing.decode,
             price_stall_share: pricing.stall_share,
             price_stall_e2e: pricing.stall_e2e,
-            price_own_decode: pricing.own_e2e,
             ttft_trade_ratio: kvgate_filters::route::KvParams::default().ttft_trade_ratio,
             ttft_trade_floor_ms: kvgate_filters::route::KvParams::default().ttft_trade_floor_ms,
             overlap_score_weight: 1.0,
