@@ -125,12 +125,19 @@ pub struct OutputOutlook {
     pub mean_tokens: f64,
     /// What a ms of time per output token weighed, in ms of time to first token.
     pub tpot_weight: f64,
+    /// What a ms of end to end weighed, in ms of time to first token.
+    pub e2e_weight: f64,
 }
 
 impl OutputOutlook {
     /// The outlook `summary` carries.
     pub fn of(summary: &RequestSummary<'_>) -> Self {
-        Self { expected_tokens: summary.expected_output_tokens, mean_tokens: summary.mean_output_tokens, tpot_weight: summary.tpot_weight }
+        Self {
+            expected_tokens: summary.expected_output_tokens,
+            mean_tokens: summary.mean_output_tokens,
+            tpot_weight: summary.tpot_weight,
+            e2e_weight: summary.e2e_weight,
+        }
     }
 }
 
@@ -226,6 +233,7 @@ impl Placement {
             expected_output_tokens: self.output.expected_tokens,
             mean_output_tokens: self.output.mean_tokens,
             tpot_weight: self.output.tpot_weight,
+            e2e_weight: self.output.e2e_weight,
             slo: self.slo,
             ..RequestSummary::default()
         }
@@ -260,6 +268,8 @@ impl Placement {
                             v["cache_room_blocks"] = json!(c.cache_room_blocks);
                             v["duplicate_ms"] = json!(t.duplicate_ms);
                             v["slowdown_ms"] = json!(t.slowdown_ms);
+                            v["stall_share"] = json!(t.stall_share);
+                            v["ttft_ms"] = json!(t.ttft_ms());
                             v["decode_sensitivity"] = json!(c.decode_sensitivity);
                             v["behind_ms"] = json!(t.behind_ms);
                             v["decode_ms"] = json!(t.decode_ms);
@@ -275,6 +285,15 @@ impl Placement {
                 v
             })
             .collect();
+        // The trade bound the choice was made under: a candidate whose `ttft_ms` is past it was
+        // not chosen, whatever its cost.
+        let ttft_limit = policy.as_ref().and_then(|p| {
+            let ttft = |c| match p.cost(&req, c).1 {
+                Terms::Time(t) => Some(t.ttft_ms()),
+                Terms::Blocks { .. } => None,
+            };
+            p.ttft_limit(self.candidates.iter().filter_map(ttft).fold(f64::INFINITY, f64::min))
+        });
         let excluded: Vec<Value> = self.excluded.iter().map(|(id, why)| json!({"worker": id, "url": url(*id), "reason": why.name()})).collect();
         let decided_by = match &self.decided_by {
             DecidedBy::Builtin(mode) => json!({"mode": mode}),
@@ -285,7 +304,7 @@ impl Placement {
         json!({
             "attempt": self.attempt, "decided_by": decided_by, "prompt_tokens": self.prompt.0, "prompt_blocks": self.prompt.1,
             "expected_output_tokens": self.output.expected_tokens, "mean_output_tokens": self.output.mean_tokens,
-            "tpot_weight": self.output.tpot_weight,
+            "tpot_weight": self.output.tpot_weight, "e2e_weight": self.output.e2e_weight, "ttft_limit_ms": ttft_limit,
             "candidates": candidates, "excluded": excluded,
             "chosen": self.chosen.map(|id| json!({"worker": id, "url": url(id)})), "outcome": self.outcome.map(LegOutcome::label),
         })
@@ -312,7 +331,7 @@ mod tests {
             chosen: Some(0),
             kv: Some(KvParams { block_size: 16, cost: kvgate_filters::route::Cost::Blocks, ..KvParams::default() }),
             prompt: (64, 4),
-            output: OutputOutlook { expected_tokens: 64.0, mean_tokens: 200.0, tpot_weight: 12.5 },
+            output: OutputOutlook { expected_tokens: 64.0, mean_tokens: 200.0, tpot_weight: 12.5, e2e_weight: 0.05 },
             slo: Slo::default(),
             outcome: None,
         });
@@ -325,5 +344,13 @@ mod tests {
         assert_eq!(v[0]["candidates"][0]["cost"], 4.0, "cached prompt: only its 4 decode blocks");
         assert_eq!(v[0]["candidates"][1]["cost"], 12.0, "8 prefill blocks (64 booked + 64 new) + 4 decode");
         assert_eq!(v[0]["outcome"], "ok");
+        assert_eq!(v[0]["e2e_weight"], 0.05, "what a ms of end to end weighed");
+        assert!(v[0]["ttft_limit_ms"].is_null(), "the blocks cost has no trade bound");
+        // Under the time cost, each candidate's predicted TTFT beside the bound it was chosen under.
+        r.placements[0].kv = Some(KvParams { block_size: 16, ..KvParams::default() });
+        let v = r.to_json();
+        let least = (0..2).map(|i| v[0]["candidates"][i]["ttft_ms"].as_f64().unwrap()).fold(f64::INFINITY, f64::min);
+        assert!((v[0]["ttft_limit_ms"].as_f64().unwrap() - (least + (least * 0.5).max(200.0))).abs() < 1e-9, "{v}");
+        assert_eq!(v[0]["candidates"][0]["stall_share"], 1.0, "an idle fleet: no worker busier than the rest");
     }
 }

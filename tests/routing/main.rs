@@ -715,7 +715,11 @@ async fn a_long_prompt_is_priced_for_the_short_answer_it_would_stall() {
     let cands = v["candidates"].as_array().cloned().unwrap_or_default();
     let term = |id: u64, k: &str| cands.iter().find(|x| x["worker"] == id).map_or(f64::NAN, |x| x[k].as_f64().unwrap_or(f64::NAN));
     assert!((term(on, "decode_sensitivity") - 1.0 / 8.0).abs() < 1e-3, "{v}");
-    let expected = term(on, "prefill_ms") * w / 8.0;
+    // Its TPOT share (1/8 of the stall at the TPOT rate) and its end to end (the whole stall at
+    // the end-to-end rate), weighed by the worker's prefill share against the fleet's.
+    let e2e = v["e2e_weight"].as_f64().unwrap();
+    assert!(e2e > 0.0 && e2e < 1.0, "{v}");
+    let expected = term(on, "prefill_ms") * (w / 8.0 + e2e) * term(on, "stall_share");
     assert!(expected > 0.0 && (term(on, "slowdown_ms") - expected).abs() < 1e-6 * expected.max(1.0), "{v}");
     assert_eq!(term(1 - on, "slowdown_ms"), 0.0, "nothing decodes on the other worker: {v}");
     assert_eq!(v["chosen"]["worker"], 1 - on, "the long prompt leaves the short answer alone: {v}");

@@ -205,16 +205,21 @@ impl KvPolicy {
     /// other requests lose; summed, they can outweigh seconds of the request's own wait, and
     /// those trades make the first-token tail.
     fn bound_trades(&self, costs: &mut [f64], ttfts: &[Option<f64>]) {
-        if self.params.ttft_trade_ratio <= 0.0 {
+        let Some(limit) = self.ttft_limit(ttfts.iter().flatten().copied().fold(f64::INFINITY, f64::min)) else {
             return;
-        }
-        let least = ttfts.iter().flatten().copied().fold(f64::INFINITY, f64::min);
-        let limit = least + (least * self.params.ttft_trade_ratio).max(self.params.ttft_trade_floor_ms);
+        };
         for (cost, ttft) in costs.iter_mut().zip(ttfts) {
             if ttft.is_some_and(|t| t > limit) {
                 *cost = f64::INFINITY;
             }
         }
+    }
+
+    /// The latest predicted time to first token a worker may offer and still be chosen, when
+    /// the least any offers is `least_ms` (`None`: no bound).
+    pub fn ttft_limit(&self, least_ms: f64) -> Option<f64> {
+        (self.params.ttft_trade_ratio > 0.0 && self.params.cost == Cost::Time)
+            .then(|| least_ms + (least_ms * self.params.ttft_trade_ratio).max(self.params.ttft_trade_floor_ms))
     }
 
     /// A softmax draw over the normalised costs at temperature `t`; `None` when every cost is

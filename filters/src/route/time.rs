@@ -166,6 +166,8 @@ pub struct Prediction {
     /// to first token (`RequestSummary::tpot_weight`). A stall costs a short answer far more
     /// than a long one: one chunk in its few steps multiplies its time per output token.
     pub slowdown_ms: f64,
+    /// What the stall weighed there against the fleet (`share`; 1 when not priced by it).
+    pub stall_share: f64,
     /// What its prefill costs the requests that will queue behind it there: those queued now
     /// and those that arrive before the queue empties (`1 / (1 − ρ)` per queued one), each
     /// waiting its prefill time longer.
@@ -310,6 +312,7 @@ impl TimePriors {
             join_ms,
             own_ms,
             slowdown_ms,
+            stall_share: share,
             behind_ms,
             duplicate_ms,
             ms_per_prefill_token: a,
