@@ -477,12 +477,12 @@ impl Ledger {
     }
 
     /// How many ms of time to first token one ms of end-to-end time is worth to the model's
-    /// requests: their recent mean time to first token over their mean end to end (first
-    /// token, then the mean output at the mean time per output token; `None` before a stream
-    /// was timed).
+    /// requests: their recent mean time to first token over their mean end to end (the first
+    /// token, then each further token of the mean output at the mean time per output token;
+    /// `None` before a stream was timed).
     pub fn e2e_weight(&self) -> Option<f64> {
         let ttft = self.ttft.get()?;
-        let e2e = ttft + self.output.get()? * self.tpot.get()?;
+        let e2e = ttft + (self.output.get()? - 1.0).max(0.0) * self.tpot.get()?;
         (e2e > 0.0).then(|| ttft / e2e)
     }
 
@@ -1216,5 +1216,14 @@ mod tests {
         let _b = s.book(0, fp(100));
         let left = s.prefill_backlog(0);
         assert!(left > Duration::from_millis(90) && left <= Duration::from_millis(100), "{left:?}");
+    }
+
+    #[test]
+    fn the_end_to_end_rate_is_the_mean_first_token_over_the_mean_whole_answer() {
+        let s = Ledger::new(1, Tracking::default());
+        assert_eq!(s.e2e_weight(), None, "nothing timed yet");
+        // 11 tokens: the first after 100 ms, ten more 10 ms apart, 200 ms in all.
+        s.stream_finished(11, Some((100.0, 10.0)));
+        assert!((s.e2e_weight().unwrap() - 0.5).abs() < 1e-9, "{:?}", s.e2e_weight());
     }
 }

@@ -287,12 +287,16 @@ impl Placement {
             .collect();
         // The trade bound the choice was made under: a candidate whose `ttft_ms` is past it was
         // not chosen, whatever its cost.
-        let ttft_limit = policy.as_ref().and_then(|p| {
+        let kv_decided = match &self.decided_by {
+            DecidedBy::Builtin(mode) | DecidedBy::Fallback { mode, .. } => *mode == "kv",
+            DecidedBy::Plugin(_) | DecidedBy::Pinned => false,
+        };
+        let ttft_limit = policy.as_ref().filter(|_| kv_decided).and_then(|p| {
             let ttft = |c| match p.cost(&req, c).1 {
                 Terms::Time(t) => Some(t.ttft_ms()),
                 Terms::Blocks { .. } => None,
             };
-            p.ttft_limit(self.candidates.iter().filter_map(ttft).fold(f64::INFINITY, f64::min))
+            p.ttft_limit(&req, self.candidates.iter().filter_map(ttft).fold(f64::INFINITY, f64::min))
         });
         let excluded: Vec<Value> = self.excluded.iter().map(|(id, why)| json!({"worker": id, "url": url(*id), "reason": why.name()})).collect();
         let decided_by = match &self.decided_by {

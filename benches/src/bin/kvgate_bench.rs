@@ -1269,7 +1269,8 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
     if let Some(t) = by_api(&runs, &reports) {
         notes.push(t);
     }
-    // Each router's distance to what is possible, beside its figures.
+    // Beside the peers, what routing could get: a figure level with the best peer's may still
+    // be far from what a router knowing every queue gets.
     for r in references
         .iter()
         .flat_map(|refs| reports.iter().filter_map(|r| refs.distance(&r.label, &trace_floor::Figures::from_quantiles(&r.ttft_ms, &r.tpot_ms, &r.e2e_ms))))

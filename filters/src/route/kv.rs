@@ -169,14 +169,15 @@ impl Policy for KvPolicy {
 
     fn choose(&self, req: &RequestSummary<'_>, candidates: &[Candidate]) -> Decision {
         let req = &self.sized(&req.among(candidates));
+        let debug = tracing::enabled!(tracing::Level::DEBUG);
         let mut costs = Vec::with_capacity(candidates.len());
         let mut ttfts = Vec::with_capacity(candidates.len());
         for c in candidates {
-            let (cost, ttft) = self.held_cost(req, c);
+            let (cost, ttft) = self.held_cost(req, c, debug);
             costs.push(cost);
             ttfts.push(ttft);
         }
-        self.bound_trades(&mut costs, &ttfts);
+        self.bound_trades(req, &mut costs, &ttfts);
         match self.params.temperature {
             t if t > 0.0 => self.sample(&costs, t).unwrap_or_else(|| self.cheapest(candidates, &costs)),
             _ => self.cheapest(candidates, &costs),
@@ -187,9 +188,9 @@ impl Policy for KvPolicy {
 impl KvPolicy {
     /// One candidate's cost, with its predicted miss of the request's objectives added when
     /// any are set, and its predicted time to first token (`time` cost; `None` for `blocks`).
-    fn held_cost(&self, req: &RequestSummary<'_>, c: &Candidate) -> (f64, Option<f64>) {
+    fn held_cost(&self, req: &RequestSummary<'_>, c: &Candidate, debug: bool) -> (f64, Option<f64>) {
         let (cost, terms) = self.priced(req, c);
-        if tracing::enabled!(tracing::Level::DEBUG) {
+        if debug {
             tracing::debug!(request_id = req.request_id, worker = c.id, overlap = c.overlap_blocks, ?terms, cost, "kv routing");
         }
         match terms {
@@ -203,9 +204,10 @@ impl KvPolicy {
     /// what the request may give up for others: `ttft_trade_ratio` of the least any worker
     /// offers, and at least `ttft_trade_floor_ms`. The stall, queue and copy terms price time
     /// other requests lose; summed, they can outweigh seconds of the request's own wait, and
-    /// those trades make the first-token tail.
-    fn bound_trades(&self, costs: &mut [f64], ttfts: &[Option<f64>]) {
-        let Some(limit) = self.ttft_limit(ttfts.iter().flatten().copied().fold(f64::INFINITY, f64::min)) else {
+    /// those trades make the first-token tail. A TTFT objective the request holds widens the
+    /// bound to it: a worker meeting both of its objectives is never ruled out for its TPOT.
+    fn bound_trades(&self, req: &RequestSummary<'_>, costs: &mut [f64], ttfts: &[Option<f64>]) {
+        let Some(limit) = self.ttft_limit(req, ttfts.iter().flatten().copied().fold(f64::INFINITY, f64::min)) else {
             return;
         };
         for (cost, ttft) in costs.iter_mut().zip(ttfts) {
@@ -215,17 +217,19 @@ impl KvPolicy {
         }
     }
 
-    /// The latest predicted time to first token a worker may offer and still be chosen, when
-    /// the least any offers is `least_ms` (`None`: no bound).
-    pub fn ttft_limit(&self, least_ms: f64) -> Option<f64> {
-        (self.params.ttft_trade_ratio > 0.0 && self.params.cost == Cost::Time)
-            .then(|| least_ms + (least_ms * self.params.ttft_trade_ratio).max(self.params.ttft_trade_floor_ms))
+    /// The latest predicted time to first token a worker may offer `req` and still be chosen,
+    /// when the least any offers is `least_ms` (`None`: no bound); never under the request's
+    /// TTFT objective.
+    pub fn ttft_limit(&self, req: &RequestSummary<'_>, least_ms: f64) -> Option<f64> {
+        let limit = least_ms + (least_ms * self.params.ttft_trade_ratio).max(self.params.ttft_trade_floor_ms);
+        (self.params.ttft_trade_ratio > 0.0 && self.params.cost == Cost::Time).then(|| req.slo.ttft_ms.map_or(limit, |bound| limit.max(bound)))
     }
 
     /// A softmax draw over the normalised costs at temperature `t`; `None` when every cost is
     /// the same.
     fn sample(&self, costs: &[f64], t: f64) -> Option<Decision> {
-        // A cost that is not finite (a prediction gone wrong) is never drawn.
+        // A cost that is not finite (a prediction gone wrong, or a worker past the trade bound)
+        // is never drawn.
         let (min, max) = costs.iter().filter(|c| c.is_finite()).fold((f64::MAX, f64::MIN), |(lo, hi), &c| (lo.min(c), hi.max(c)));
         let range = max - min;
         if range <= 0.0 {
@@ -497,5 +501,11 @@ mod tests {
         // Within the bound the trade stands: half a second more than its least is allowed.
         let near = Candidate { prefill_backlog_ms: 300.0, prefilling: 1, ..cand(1, 0, 16_384, 0) };
         assert_eq!(bounded.choose(&r, &[c[0].clone(), near]), Decision::Worker(1));
+        // A TTFT objective widens the bound to itself, and a draw at a temperature never takes
+        // a worker past the bound.
+        let held = RequestSummary { slo: Slo { ttft_ms: Some(5000.0), tpot_ms: None }, ..r.clone() };
+        assert_eq!(bounded.choose(&held, &c), Decision::Worker(1), "within its own objective the trade stands");
+        let warm = KvPolicy::new(KvParams { temperature: 1.0, ..KvParams::default() });
+        assert!((0..200).all(|_| warm.choose(&r, &c) == Decision::Worker(0)));
     }
 }

@@ -320,6 +320,9 @@ fn routing(cfg: &Config, m: &ModelConfig) -> Result<(), Invalid> {
     if !non_negative(r.overlap_score_weight) || !non_negative(r.temperature) {
         return Err((format!("model {:?}: routing.overlap_score_weight and temperature must be >= 0", m.name), at("routing".into(), 1)));
     }
+    if !non_negative(r.ttft_trade_ratio) || !non_negative(r.ttft_trade_floor_ms) {
+        return Err((format!("model {:?}: routing.ttft_trade_ratio and ttft_trade_floor_ms must be numbers >= 0", m.name), at("routing".into(), 1)));
+    }
     let ratio_ok = r.prune_target_ratio > 0.0 && r.prune_target_ratio <= 1.0;
     if r.ttl_secs.is_nan() || r.ttl_secs <= 0.0 || r.max_tree_size == 0 || !ratio_ok || r.max_prefix_blocks == 0 {
         return Err((

@@ -48,6 +48,19 @@ fn dynamo_routing_flags_map_or_say_why_not() {
 }
 
 #[test]
+fn a_trade_bound_must_be_a_number_of_zero_or_more() {
+    let with = |routing: &str| GOOD.replace("    workers:\n", &format!("    routing:\n{routing}    workers:\n"));
+    let c = load(GOOD).unwrap();
+    assert_eq!((c.models[0].routing.ttft_trade_ratio, c.models[0].routing.ttft_trade_floor_ms), (0.5, 200.0), "on by default");
+    assert!(load(&with("      ttft_trade_ratio: 0\n")).unwrap().models[0].routing.ttft_trade_ratio.abs() < f64::EPSILON, "0 turns it off");
+    for bad in ["      ttft_trade_ratio: -0.5\n", "      ttft_trade_floor_ms: .nan\n", "      ttft_trade_floor_ms: .inf\n"] {
+        let e = load(&with(bad)).unwrap_err();
+        assert!(e.message.contains("ttft_trade_ratio and ttft_trade_floor_ms must be numbers >= 0"), "{bad}: {e}");
+        assert!(e.line.is_some(), "{e}");
+    }
+}
+
+#[test]
 fn bad_values_point_at_the_value() {
     let e = load(&GOOD.replace("http://10.0.0.2:8000", "https://10.0.0.2:8000")).unwrap_err();
     assert_eq!(e.line, Some(8), "{e}");
