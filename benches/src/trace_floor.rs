@@ -354,10 +354,9 @@ impl Figures {
         Self([ttft.p50, ttft.p90, ttft.p99, tpot.p90, e2e.p90, e2e.p99])
     }
 
-    /// Each figure's least over `all`.
-    pub fn best(all: &[Figures]) -> Option<Self> {
-        let first = *all.first()?;
-        Some(Self(std::array::from_fn(|i| all.iter().map(|f| f.0[i]).fold(first.0[i], f64::min))))
+    /// Each figure's least over `all` (`None` when empty).
+    pub fn best(all: impl IntoIterator<Item = Figures>) -> Option<Self> {
+        all.into_iter().reduce(|a, b| Self(std::array::from_fn(|i| a.0[i].min(b.0[i]))))
     }
 
     /// Each of these over `reference`'s: how far a router is from it (1 = level).
@@ -400,7 +399,7 @@ impl References {
 
     /// Each figure's best among the clairvoyant routers.
     pub fn best_clairvoyant(&self) -> Option<Figures> {
-        Figures::best(&self.clairvoyant.iter().map(|(_, f)| *f).collect::<Vec<_>>())
+        Figures::best(self.clairvoyant.iter().map(|(_, f)| *f))
     }
 
     /// The line `compare` adds to its notes.

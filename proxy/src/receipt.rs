@@ -238,17 +238,19 @@ impl Placement {
             ..RequestSummary::default()
         }
         .among(&self.candidates);
+        // Each candidate priced once: its terms and the trade bound below read the same prediction.
+        let priced: Vec<Option<(f64, Terms)>> = self.candidates.iter().map(|c| policy.as_ref().map(|p| p.cost(&req, c))).collect();
         let candidates: Vec<Value> = self
             .candidates
             .iter()
-            .map(|c| {
+            .zip(&priced)
+            .map(|(c, priced)| {
                 let mut v = json!({
                     "worker": c.id, "url": url(c.id), "in_flight": c.in_flight, "overlap_blocks": c.overlap_blocks,
                     "active_overlap_blocks": c.active_overlap_blocks, "active_prefill_tokens": c.active_prefill_tokens,
                     "active_blocks": c.active_blocks, "kv_usage": c.kv_usage, "waiting": c.waiting, "busy": c.busy,
                 });
-                if let Some(p) = &policy {
-                    let (cost, terms) = p.cost(&req, c);
+                if let Some((cost, terms)) = priced {
                     match terms {
                         Terms::Blocks { prefill_blocks, decode_blocks } => {
                             v["prefill_blocks"] = json!(prefill_blocks);
@@ -280,7 +282,7 @@ impl Placement {
                             }
                         }
                     }
-                    v["cost"] = json!(cost);
+                    v["cost"] = json!(*cost);
                 }
                 v
             })
@@ -291,13 +293,8 @@ impl Placement {
             DecidedBy::Builtin(mode) | DecidedBy::Fallback { mode, .. } => *mode == "kv",
             DecidedBy::Plugin(_) | DecidedBy::Pinned => false,
         };
-        let ttft_limit = policy.as_ref().filter(|_| kv_decided).and_then(|p| {
-            let ttft = |c| match p.cost(&req, c).1 {
-                Terms::Time(t) => Some(t.ttft_ms()),
-                Terms::Blocks { .. } => None,
-            };
-            p.ttft_limit(&req, self.candidates.iter().filter_map(ttft).fold(f64::INFINITY, f64::min))
-        });
+        let ttfts = priced.iter().flatten().filter_map(|(_, terms)| terms.ttft_ms());
+        let ttft_limit = policy.as_ref().filter(|_| kv_decided).and_then(|p| p.ttft_limit(&req, ttfts));
         let excluded: Vec<Value> = self.excluded.iter().map(|(id, why)| json!({"worker": id, "url": url(*id), "reason": why.name()})).collect();
         let decided_by = match &self.decided_by {
             DecidedBy::Builtin(mode) => json!({"mode": mode}),

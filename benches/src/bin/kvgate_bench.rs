@@ -1271,12 +1271,13 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
     }
     // Beside the peers, what routing could get: a figure level with the best peer's may still
     // be far from what a router knowing every queue gets.
-    for r in references
-        .iter()
-        .flat_map(|refs| reports.iter().filter_map(|r| refs.distance(&r.label, &trace_floor::Figures::from_quantiles(&r.ttft_ms, &r.tpot_ms, &r.e2e_ms))))
-    {
-        eprintln!("kvgate-bench: {r}");
-        notes.push(r);
+    if let Some(refs) = &references {
+        for r in &reports {
+            if let Some(line) = refs.distance(&r.label, &trace_floor::Figures::from_quantiles(&r.ttft_ms, &r.tpot_ms, &r.e2e_ms)) {
+                eprintln!("kvgate-bench: {line}");
+                notes.push(line);
+            }
+        }
     }
     finish(&reports, common, &notes.join("\n"));
     0

@@ -60,6 +60,16 @@ pub enum Terms {
     Time(Prediction),
 }
 
+impl Terms {
+    /// The predicted time to first token (`time` cost only).
+    pub fn ttft_ms(&self) -> Option<f64> {
+        match self {
+            Terms::Time(p) => Some(p.ttft_ms()),
+            Terms::Blocks { .. } => None,
+        }
+    }
+}
+
 /// Parameters of the cost.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KvParams {
@@ -194,9 +204,8 @@ impl KvPolicy {
             tracing::debug!(request_id = req.request_id, worker = c.id, overlap = c.overlap_blocks, ?terms, cost, "kv routing");
         }
         match terms {
-            Terms::Time(p) if req.slo.is_set() => (cost + req.slo.excess_ms(p.ttft_ms(), p.tpot_ms, req.tpot_weight), Some(p.ttft_ms())),
-            Terms::Time(p) => (cost, Some(p.ttft_ms())),
-            Terms::Blocks { .. } => (cost, None),
+            Terms::Time(p) if req.slo.is_set() => (cost + req.slo.excess_ms(p.ttft_ms(), p.tpot_ms, req.tpot_weight), terms.ttft_ms()),
+            _ => (cost, terms.ttft_ms()),
         }
     }
 
@@ -207,7 +216,7 @@ impl KvPolicy {
     /// those trades make the first-token tail. A TTFT objective the request holds widens the
     /// bound to it: a worker meeting both of its objectives is never ruled out for its TPOT.
     fn bound_trades(&self, req: &RequestSummary<'_>, costs: &mut [f64], ttfts: &[Option<f64>]) {
-        let Some(limit) = self.ttft_limit(req, ttfts.iter().flatten().copied().fold(f64::INFINITY, f64::min)) else {
+        let Some(limit) = self.ttft_limit(req, ttfts.iter().flatten().copied()) else {
             return;
         };
         for (cost, ttft) in costs.iter_mut().zip(ttfts) {
@@ -218,11 +227,15 @@ impl KvPolicy {
     }
 
     /// The latest predicted time to first token a worker may offer `req` and still be chosen,
-    /// when the least any offers is `least_ms` (`None`: no bound); never under the request's
+    /// given the candidates' predicted `ttfts` (`None`: no bound); never under the request's
     /// TTFT objective.
-    pub fn ttft_limit(&self, req: &RequestSummary<'_>, least_ms: f64) -> Option<f64> {
-        let limit = least_ms + (least_ms * self.params.ttft_trade_ratio).max(self.params.ttft_trade_floor_ms);
-        (self.params.ttft_trade_ratio > 0.0 && self.params.cost == Cost::Time).then(|| req.slo.ttft_ms.map_or(limit, |bound| limit.max(bound)))
+    pub fn ttft_limit(&self, req: &RequestSummary<'_>, ttfts: impl IntoIterator<Item = f64>) -> Option<f64> {
+        if self.params.ttft_trade_ratio <= 0.0 || self.params.cost != Cost::Time {
+            return None;
+        }
+        let least = ttfts.into_iter().fold(f64::INFINITY, f64::min);
+        let limit = least + (least * self.params.ttft_trade_ratio).max(self.params.ttft_trade_floor_ms);
+        Some(req.slo.ttft_ms.map_or(limit, |bound| limit.max(bound)))
     }
 
     /// A softmax draw over the normalised costs at temperature `t`; `None` when every cost is
