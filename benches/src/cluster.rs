@@ -239,10 +239,15 @@ pub async fn spawn_kvgate_for(
     let routing: String = routing.lines().flat_map(|l| ["      ", l.trim(), "\n"]).collect();
     let extra: String = extra_model.lines().flat_map(|l| ["    ", l, "\n"]).collect();
     let config = format!("{LISTEN_ANY}{top}models:\n  - name: {model}\n    routing:\n{routing}{extra}    workers:\n{list}");
-    let path = ports_file_path("config").with_extension("yaml");
-    std::fs::write(&path, config).map_err(|e| e.to_string())?;
+    // kvgate watches its config file, and one removed under it is an error in its log: a
+    // logged run keeps the config beside the log (what each target ran with), an unlogged one
+    // removes it from the temporary directory once started.
+    let path = log.map_or_else(|| ports_file_path("config").with_extension("yaml"), |l| l.with_extension("yaml"));
+    std::fs::write(&path, config).map_err(|e| format!("{}: {e}", path.display()))?;
     let started = spawn_kvgate_logged(bin, &path, log).await;
-    let _ = std::fs::remove_file(&path);
+    if log.is_none() {
+        let _ = std::fs::remove_file(&path);
+    }
     let (mut child, gw) = started?;
     let ready = async {
         wait_ok(&http, &format!("{}/health", gw.url), Duration::from_secs(30)).await?;

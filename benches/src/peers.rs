@@ -91,6 +91,12 @@ impl Peer {
         Ok(Some(Peer { router, policy: policy.to_string(), args }))
     }
 
+    /// Whether it answers token-id prompts with an error (SMG: HTTP 422), so a token-id run
+    /// sends it the same prompts as text.
+    pub fn refuses_token_ids(&self) -> bool {
+        self.router == Router::Smg
+    }
+
     /// Environment variables the workers need for this peer. vllm-router's `kv_aware` documents
     /// its worker contract as sha256_cbor block hashes published as full 32-byte digests
     /// (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`) with `PYTHONHASHSEED=0`, block size 16.
@@ -129,6 +135,7 @@ mod tests {
         assert_eq!(p.args, ["--cache-threshold", "0.5", "--balance-abs-threshold", "32", "--dp-aware"]);
         let s = Peer::parse("smg-cache_aware").unwrap().unwrap();
         assert_eq!((s.router, s.policy.as_str(), s.args.len()), (Router::Smg, "cache_aware", 0));
+        assert!(s.refuses_token_ids() && !p.refuses_token_ids());
         assert!(Peer::parse("nginx").is_err());
         assert!(Peer::parse("smg-").is_err());
         assert!(Peer::parse("smg-cache_aware@bad key=1").is_err());

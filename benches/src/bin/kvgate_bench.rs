@@ -917,7 +917,12 @@ impl Common {
     }
 
     fn workload(&self) -> Result<(Workload, String), String> {
-        let format = self.format()?;
+        self.workload_as(self.format()?)
+    }
+
+    /// The workload with its prompts in `format` (the same requests either way: a text prompt
+    /// has its id form's tokens on the workers).
+    fn workload_as(&self, format: workload::PromptFormat) -> Result<(Workload, String), String> {
         let as_text = |f| if f == workload::PromptFormat::Text { "text" } else { "token-id" };
         Ok(match self.workload {
             Kind::Trace => {
@@ -1136,6 +1141,17 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
             return 2;
         }
     };
+    // A target that refuses token ids (SMG) is sent the same prompts as text, in the same run.
+    let as_text = match common.format() {
+        Ok(workload::PromptFormat::Ids) if parsed.iter().flatten().any(Peer::refuses_token_ids) => match common.workload_as(workload::PromptFormat::Text) {
+            Ok((w, _)) => Some(w),
+            Err(e) => {
+                eprintln!("kvgate-bench: {e}");
+                return 2;
+            }
+        },
+        _ => None,
+    };
     let mut base =
         SimOptions { bin: sim_bin.to_path_buf(), model: common.model.clone(), args: sim_args.split_whitespace().map(String::from).collect(), env: Vec::new() };
     let mut reports = Vec::new();
@@ -1253,7 +1269,14 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
             api,
             spread: None,
         };
-        reports.push(run(&o, &w).await);
+        let jobs = match (&as_text, peer) {
+            (Some(text), Some(p)) if p.refuses_token_ids() => {
+                notes.push(format!("{t}: sent the same prompts as text (it refuses token ids; each word is one token on the workers)."));
+                text
+            }
+            _ => &w,
+        };
+        reports.push(run(&o, jobs).await);
         runs.push((t.clone(), api));
         let lines = match (peer, &prom) {
             (Some(Peer { router: peers::Router::VllmRouter, policy, .. }), Metrics::Peer(prom)) if policy == "kv_aware" => vec![kv_lookups(prom).await],
