@@ -71,6 +71,10 @@ pub struct WorkerCounters {
     /// Requests booked with prefill outstanding (no first token yet).
     prefilling: AtomicU32,
     prefill: AtomicU64,
+    /// Prefill tokens booked on it since its prefill queue was last empty: vLLM packs them into
+    /// steps of a whole chunk each, so their sum says how much room the last of them leaves in
+    /// its last step for the next prompt (the candidate's `queued_since_idle`).
+    queued_since_idle: AtomicU64,
     /// Chain blocks booked without dedup (used when `assume_kv_reuse` is off).
     raw_blocks: AtomicU64,
     /// Estimated blocks of requests booked without a chain.
@@ -511,6 +515,7 @@ impl Ledger {
             id: u32::from(w),
             in_flight: l.requests.load(Ordering::Relaxed) + p.requests(),
             active_prefill_tokens: prefill + p.prefill_tokens(),
+            queued_since_idle: if prefill > 0 { l.queued_since_idle.load(Ordering::Relaxed) } else { 0 },
             prefilling: l.prefilling.load(Ordering::Relaxed) + p.prefilling(),
             next_step_tokens: l.step_phase.next_step_tokens(),
             since_step_ms: l.step_phase.since_step_ms(now),
@@ -652,7 +657,12 @@ impl Ledger {
                 l.step_phase.starts(prefill_tokens, now);
             }
             if prefill_tokens > 0 {
-                l.prefilling.fetch_add(1, Ordering::Relaxed);
+                // The first prefill booked on an empty queue starts its steps afresh.
+                if l.prefilling.fetch_add(1, Ordering::Relaxed) == 0 {
+                    l.queued_since_idle.store(prefill_tokens, Ordering::Relaxed);
+                } else {
+                    l.queued_since_idle.fetch_add(prefill_tokens, Ordering::Relaxed);
+                }
                 if running > 0 {
                     l.step_phase.booked(prefill_tokens, now);
                 }
@@ -1191,6 +1201,27 @@ mod tests {
         let _c = s.book(0, fp(Duration::from_millis(40)));
         std::thread::sleep(Duration::from_millis(20));
         assert!(s.prefill_backlog(0) <= Duration::from_millis(21), "{:?}", s.prefill_backlog(0));
+    }
+
+    #[test]
+    fn the_prefill_queued_since_a_worker_was_idle_adds_up_until_its_queue_empties() {
+        let s = Ledger::new(1, Tracking::default());
+        let fp = |tokens| Footprint { prefill_tokens: tokens, prefill_time: Duration::from_millis(100), ..Footprint::default() };
+        let queued = |s: &Ledger| s.candidate(0, clock_us()).queued_since_idle;
+        let mut a = s.book(0, fp(16_384));
+        let mut b = s.book(0, fp(3_000));
+        assert_eq!(queued(&s), 19_384);
+        // The first prompt's first token: the second still stands where the two packed it.
+        a.prefill_done(true);
+        assert_eq!(queued(&s), 19_384);
+        // Nothing left to prefill, then a new queue: its steps start afresh.
+        b.prefill_done(true);
+        assert_eq!(queued(&s), 0);
+        let _c = s.book(0, fp(500));
+        assert_eq!(queued(&s), 500);
+        // A request with nothing to prefill queues nothing.
+        let _d = s.book(0, fp(0));
+        assert_eq!(queued(&s), 500);
     }
 
     #[test]

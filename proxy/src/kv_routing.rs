@@ -172,6 +172,7 @@ impl KvRouting {
                     decode: r.price_decode,
                     stall_share: r.price_stall_share,
                     stall_e2e: r.price_stall_e2e,
+                    shared_step: r.price_shared_step,
                 },
                 overlap_score_weight: r.overlap_score_weight,
                 temperature: r.temperature,

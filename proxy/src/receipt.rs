@@ -274,6 +274,7 @@ impl Placement {
                             v["ttft_ms"] = json!(t.ttft_ms());
                             v["decode_sensitivity"] = json!(c.decode_sensitivity);
                             v["behind_ms"] = json!(t.behind_ms);
+                            v["ahead_ms"] = json!(t.ahead_ms);
                             v["decode_ms"] = json!(t.decode_ms);
                             v["imposed_ms"] = json!(t.imposed_ms);
                             v["tpot_ms"] = json!(t.tpot_ms);

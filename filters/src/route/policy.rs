@@ -78,6 +78,11 @@ pub struct Candidate {
     pub active_prefill_tokens: u64,
     /// Requests booked on it still waiting for their first token.
     pub prefilling: u32,
+    /// Prefill tokens this gateway booked on it since its prefill queue was last empty (0: none
+    /// booked now). vLLM computes a queue of prompts in steps of a whole chunk, so the last
+    /// one's last step has `⌈q / chunk⌉ · chunk − q` tokens of room, which the next prompt
+    /// fills and the last one's first token waits for.
+    pub queued_since_idle: u64,
     /// Prefill tokens booked on it since its running engine step began (since it last
     /// delivered a token): they run in its next step, as this request would.
     pub next_step_tokens: u64,

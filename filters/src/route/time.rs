@@ -6,7 +6,7 @@
 //! documents alike (docs/routing.md, "The time cost").
 //!
 //! ```text
-//! cost      = ttft + slowdown + behind + duplicate (+ decode + imposed, off by default)
+//! cost      = ttft + slowdown + behind + duplicate (+ ahead, decode + imposed, off by default)
 //! decode    = shared · step + out · Δ                          its own tokens, one step each, in the batch it joins
 //! imposed   = in_flight · Δ · shared                           the step time it adds to the requests decoding there
 //! shared    = min(out, remaining)                              the steps it shares with the batch there now
@@ -17,6 +17,9 @@
 //! k         = the worker's calibrated step over its prior (1 until measured)
 //! behind    = prefill · (prefilling + arriving) / (1 − ρ)          the requests that share its step or queue behind it
 //! arriving  = prefills booked per second per worker · join          those booked before its step begins
+//! ahead     = a · min(new, ⌈q / b⌉ · b − q)                        the first token ahead, whose last step it fills
+//! q         = prefill booked since the worker's queue was last empty  (`price_shared_step`)
+//! b         = chunk_tokens less one per decoding request
 //! duplicate = a · evicting / (1 − ρ)                               a second copy of a prefix another worker holds
 //! evicting  = cold + max(0, hot − room) + min(hot, room) · held     the copy's blocks that cost a recompute
 //! copy      = fleet_cached − cached;  hot: its part requests in flight share;  cold = copy − hot
@@ -172,6 +175,9 @@ pub struct Prediction {
     /// and those that arrive before the queue empties (`1 / (1 − ρ)` per queued one), each
     /// waiting its prefill time longer.
     pub behind_ms: f64,
+    /// What its prefill delays the first token of the prompt queued last there, whose last
+    /// step it fills (`ahead`; 0 when not priced).
+    pub ahead_ms: f64,
     /// What a second copy of a prefix another worker holds costs the fleet's caches: its
     /// prefill time, paid again later by the requests whose blocks it evicts.
     pub duplicate_ms: f64,
@@ -203,7 +209,7 @@ impl Prediction {
     /// requests (those running there, those queuing behind it, those a duplicated prefix
     /// evicts), ms.
     pub fn cost_ms(&self) -> f64 {
-        self.ttft_ms() + self.slowdown_ms + self.behind_ms + self.duplicate_ms + self.decode_ms + self.imposed_ms
+        self.ttft_ms() + self.slowdown_ms + self.behind_ms + self.ahead_ms + self.duplicate_ms + self.decode_ms + self.imposed_ms
     }
 }
 
@@ -230,13 +236,16 @@ pub struct Pricing {
     /// long answer's time per output token barely moves for one stall, but its stalls add up
     /// to the end-to-end tail.
     pub stall_e2e: bool,
+    /// The delay to the first token queued ahead: the room left in that one's last step, which
+    /// the request's first chunk fills (`ahead`).
+    pub shared_step: bool,
 }
 
 impl Default for Pricing {
     fn default() -> Self {
         // `decode` is off until it wins the first token too. `slowdown`, priced in the stalled
         // requests' time per output token, wins TPOT and goodput at the same TTFT.
-        Self { credit_booked: true, slowdown: true, queue: true, duplicates: true, decode: false, stall_share: true, stall_e2e: true }
+        Self { credit_booked: true, slowdown: true, queue: true, duplicates: true, decode: false, stall_share: true, stall_e2e: true, shared_step: false }
     }
 }
 
@@ -300,6 +309,9 @@ impl TimePriors {
         let busy = busy_period(req.fleet_prefill_load);
         let arriving = req.arrivals_per_worker_s * join_ms / 1000.0;
         let behind_ms = if pricing.queue { prefill_ms * (f64::from(c.prefilling) + arriving) * busy } else { 0.0 };
+        // Its first chunk rides in the last step of the prompt queued last, unless that step is
+        // the one running now.
+        let ahead_ms = if pricing.queue && pricing.shared_step && wait_ms > join_ms { a * room_taken(c, new, chunk) } else { 0.0 };
         let duplicate_ms = if pricing.duplicates { a * evicting_tokens(req, c, prompt, bs) * busy } else { 0.0 };
         let delta = self.added_step_ms(req, c, prompt);
         let (decode_ms, imposed_ms) = if pricing.decode { decode_terms(req, c, step, delta) } else { (0.0, 0.0) };
@@ -314,6 +326,7 @@ impl TimePriors {
             slowdown_ms,
             stall_share: share,
             behind_ms,
+            ahead_ms,
             duplicate_ms,
             ms_per_prefill_token: a,
             decode_ms,
@@ -361,6 +374,19 @@ fn decode_terms(req: &RequestSummary<'_>, c: &Candidate, step: f64, delta: f64) 
     (shared * step + out * delta, f64::from(c.in_flight) * delta * shared)
 }
 
+/// How many of `new` prefill tokens fill the last step of the prompt queued last on `c`
+/// (`ahead`, module doc): steps of `chunk` tokens, less one per request decoding there, hold
+/// the queue's prompts back to back from when it was last empty.
+#[inline]
+fn room_taken(c: &Candidate, new: f64, chunk: f64) -> f64 {
+    let queued = c.queued_since_idle as f64;
+    if queued <= 0.0 {
+        return 0.0;
+    }
+    let budget = (chunk - f64::from(c.in_flight.saturating_sub(c.prefilling))).max(chunk / 2.0);
+    ((queued / budget).ceil() * budget - queued).min(new)
+}
+
 /// The tokens of the copy of a prefix that `c` would make (`duplicate`, module doc) that cost a
 /// recompute, `prompt` tokens long in blocks of `bs`.
 #[inline]
@@ -390,7 +416,16 @@ mod tests {
 
     /// The priced terms the tests below were written for: credit, slowdown, no queue, no
     /// duplicates, no decode.
-    const ON: Pricing = Pricing { credit_booked: true, slowdown: true, queue: false, duplicates: false, decode: false, stall_share: false, stall_e2e: false };
+    const ON: Pricing = Pricing {
+        credit_booked: true,
+        slowdown: true,
+        queue: false,
+        duplicates: false,
+        decode: false,
+        stall_share: false,
+        stall_e2e: false,
+        shared_step: false,
+    };
 
     fn req(tokens: u32) -> RequestSummary<'static> {
         RequestSummary { prompt_tokens: tokens, prompt_blocks: tokens / 16, block_size: 16, ..Default::default() }
@@ -500,6 +535,31 @@ mod tests {
         // About to step: nobody else arrives before it.
         let due = p.predict(&r, &Candidate { since_step_ms: Some(100.0), ..c }, pricing);
         assert!((due.behind_ms - due.prefill_ms * 2.0).abs() < 1e-9, "{due:?}");
+    }
+
+    #[test]
+    fn a_prompt_delays_the_first_token_ahead_by_the_room_it_fills_in_that_ones_last_step() {
+        let p = TimePriors { chunk_tokens: 8192.0, ..TimePriors::default() };
+        let pricing = Pricing { shared_step: true, ..Pricing::default() };
+        // A 16k prompt queued on an otherwise idle worker: its last step holds 0 of 8,192.
+        let queued =
+            |q: u64| Candidate { prefilling: 1, in_flight: 1, active_prefill_tokens: q, queued_since_idle: q, prefill_backlog_ms: 500.0, ..Default::default() };
+        let full = p.predict(&req(16384), &queued(16384), pricing);
+        assert_eq!(full.ahead_ms, 0.0);
+        // One of 10,000 tokens leaves 6,384 tokens of room: a long prompt fills it, a short
+        // one only its own length.
+        let long = p.predict(&req(16384), &queued(10_000), pricing);
+        assert!((long.ahead_ms - 6384.0 * long.ms_per_prefill_token).abs() < 1e-9, "{long:?}");
+        let short = p.predict(&req(1024), &queued(10_000), pricing);
+        assert!((short.ahead_ms - 1024.0 * short.ms_per_prefill_token).abs() < 1e-9, "{short:?}");
+        // Decoding requests take a token each of every step's budget.
+        let decoding = p.predict(&req(16384), &Candidate { in_flight: 101, ..queued(10_000) }, pricing);
+        assert!((decoding.ahead_ms - (2.0 * 8092.0 - 10_000.0) * decoding.ms_per_prefill_token).abs() < 1e-9, "{decoding:?}");
+        // Nothing queued, or the last step ahead already running: nobody to delay.
+        assert_eq!(p.predict(&req(16384), &Candidate::default(), pricing).ahead_ms, 0.0);
+        let running = Candidate { since_step_ms: Some(0.0), running_step_ms: Some(400.0), step_ms: 400.0, prefill_backlog_ms: 300.0, ..queued(10_000) };
+        assert_eq!(p.predict(&req(16384), &running, pricing).ahead_ms, 0.0);
+        assert_eq!(p.predict(&req(16384), &queued(10_000), Pricing::default()).ahead_ms, 0.0);
     }
 
     #[test]
