@@ -329,6 +329,10 @@ impl Ledger {
             l.prefill_done_at.store(now, Ordering::Relaxed);
             return;
         }
+        if !computed {
+            // Never computed (or computed elsewhere): its tokens no longer fill the queue's steps.
+            let _ = l.queued_since_idle.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |q| Some(q.saturating_sub(r.prefill)));
+        }
         let (due, time) = r.prefill_due;
         if time == 0 {
             return;
@@ -645,11 +649,16 @@ impl Ledger {
         let time = if prefill_tokens > 0 { prefill_time.as_micros() as u64 } else { 0 };
         let mut due = 0;
         if let Some(l) = self.worker(w) {
+            // Whether the prefill booked before is predicted done: the worker's queue has run dry
+            // even if its last first token has not reached the gateway yet.
+            let mut drained = true;
             if time > 0 {
                 let before = l.prefill_done_at.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |at| Some(at.max(now) + time));
                 l.prefill_load.add(time, now);
                 self.arrivals.add(1_000_000, now);
-                due = before.unwrap_or(now).max(now) + time;
+                let before = before.unwrap_or(now);
+                drained = before <= now;
+                due = before.max(now) + time;
             }
             let running = l.requests.fetch_add(1, Ordering::Relaxed);
             // On an idle worker it starts a step at once instead of waiting for the next.
@@ -657,8 +666,10 @@ impl Ledger {
                 l.step_phase.starts(prefill_tokens, now);
             }
             if prefill_tokens > 0 {
-                // The first prefill booked on an empty queue starts its steps afresh.
-                if l.prefilling.fetch_add(1, Ordering::Relaxed) == 0 {
+                // The first prefill booked on an empty queue starts its steps afresh. Two bookings
+                // racing onto an empty queue may lose one's tokens from the sum: an estimate of
+                // where the queue's last step stands tolerates that, and it never blocks.
+                if l.prefilling.fetch_add(1, Ordering::Relaxed) == 0 || drained {
                     l.queued_since_idle.store(prefill_tokens, Ordering::Relaxed);
                 } else {
                     l.queued_since_idle.fetch_add(prefill_tokens, Ordering::Relaxed);
@@ -1206,7 +1217,7 @@ mod tests {
     #[test]
     fn the_prefill_queued_since_a_worker_was_idle_adds_up_until_its_queue_empties() {
         let s = Ledger::new(1, Tracking::default());
-        let fp = |tokens| Footprint { prefill_tokens: tokens, prefill_time: Duration::from_millis(100), ..Footprint::default() };
+        let fp = |tokens| Footprint { prefill_tokens: tokens, prefill_time: Duration::from_secs(100), ..Footprint::default() };
         let queued = |s: &Ledger| s.candidate(0, clock_us()).queued_since_idle;
         let mut a = s.book(0, fp(16_384));
         let mut b = s.book(0, fp(3_000));
@@ -1214,14 +1225,26 @@ mod tests {
         // The first prompt's first token: the second still stands where the two packed it.
         a.prefill_done(true);
         assert_eq!(queued(&s), 19_384);
+        // One cancelled before its first token no longer fills the queue's steps.
+        let c = s.book(0, fp(1_000));
+        assert_eq!(queued(&s), 20_384);
+        drop(c);
+        assert_eq!(queued(&s), 19_384);
         // Nothing left to prefill, then a new queue: its steps start afresh.
         b.prefill_done(true);
         assert_eq!(queued(&s), 0);
-        let _c = s.book(0, fp(500));
+        let _d = s.book(0, fp(500));
         assert_eq!(queued(&s), 500);
         // A request with nothing to prefill queues nothing.
-        let _d = s.book(0, fp(0));
+        let _e = s.book(0, fp(0));
         assert_eq!(queued(&s), 500);
+        // A queue predicted done has run dry in the engine even before its first token reaches
+        // the gateway: the next prompt starts its steps afresh.
+        let t = Ledger::new(1, Tracking::default());
+        let _f = t.book(0, Footprint { prefill_tokens: 2_000, prefill_time: Duration::from_millis(1), ..Footprint::default() });
+        std::thread::sleep(Duration::from_millis(5));
+        let _g = t.book(0, fp(700));
+        assert_eq!(queued(&t), 700);
     }
 
     #[test]

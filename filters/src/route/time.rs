@@ -19,7 +19,8 @@
 //! arriving  = prefills booked per second per worker · join          those booked before its step begins
 //! ahead     = a · min(new, ⌈q / b⌉ · b − q)                        the first token ahead, whose last step it fills
 //! q         = prefill booked since the worker's queue was last empty  (`price_shared_step`)
-//! b         = chunk_tokens less one per decoding request
+//! b         = chunk_tokens less one per decoding request, at least half of it
+//!             (`ahead` is priced with `price_queue` on; q counts this replica's bookings only)
 //! duplicate = a · evicting / (1 − ρ)                               a second copy of a prefix another worker holds
 //! evicting  = cold + max(0, hot − room) + min(hot, room) · held     the copy's blocks that cost a recompute
 //! copy      = fleet_cached − cached;  hot: its part requests in flight share;  cold = copy − hot
@@ -550,6 +551,8 @@ mod tests {
         // one only its own length.
         let long = p.predict(&req(16384), &queued(10_000), pricing);
         assert!((long.ahead_ms - 6384.0 * long.ms_per_prefill_token).abs() < 1e-9, "{long:?}");
+        let unpriced = p.predict(&req(16384), &queued(10_000), Pricing::default());
+        assert!((long.cost_ms() - unpriced.cost_ms() - long.ahead_ms).abs() < 1e-9, "{long:?}");
         let short = p.predict(&req(1024), &queued(10_000), pricing);
         assert!((short.ahead_ms - 1024.0 * short.ms_per_prefill_token).abs() < 1e-9, "{short:?}");
         // Decoding requests take a token each of every step's budget.
@@ -559,7 +562,9 @@ mod tests {
         assert_eq!(p.predict(&req(16384), &Candidate::default(), pricing).ahead_ms, 0.0);
         let running = Candidate { since_step_ms: Some(0.0), running_step_ms: Some(400.0), step_ms: 400.0, prefill_backlog_ms: 300.0, ..queued(10_000) };
         assert_eq!(p.predict(&req(16384), &running, pricing).ahead_ms, 0.0);
-        assert_eq!(p.predict(&req(16384), &queued(10_000), Pricing::default()).ahead_ms, 0.0);
+        assert_eq!(unpriced.ahead_ms, 0.0);
+        // A delay to others is priced with the queue, or not at all.
+        assert_eq!(p.predict(&req(16384), &queued(10_000), Pricing { queue: false, ..pricing }).ahead_ms, 0.0);
     }
 
     #[test]
