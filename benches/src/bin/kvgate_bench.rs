@@ -1142,7 +1142,7 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
         }
     };
     // A target that refuses token ids (SMG) is sent the same prompts as text, in the same run.
-    let as_text = match common.format() {
+    let text_form = match common.format() {
         Ok(workload::PromptFormat::Ids) if parsed.iter().flatten().any(Peer::refuses_token_ids) => match common.workload_as(workload::PromptFormat::Text) {
             Ok((w, _)) => Some(w),
             Err(e) => {
@@ -1269,7 +1269,7 @@ async fn compare(n: usize, targets: &[String], sim_bin: &Path, kvgate_bin: &Path
             api,
             spread: None,
         };
-        let jobs = match (&as_text, peer) {
+        let jobs = match (&text_form, peer) {
             (Some(text), Some(p)) if p.refuses_token_ids() => {
                 notes.push(format!("{t}: sent the same prompts as text (it refuses token ids; each word is one token on the workers)."));
                 text

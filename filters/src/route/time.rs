@@ -304,8 +304,8 @@ impl TimePriors {
         let wait_ms = c.prefill_backlog_ms.min(a * queued).max(a * next_step);
         let own_ms = prefill_ms + (new / chunk).ceil().max(1.0) * step;
         let share = if pricing.stall_share { (decoding_share(req.fleet_prefill_load) / decoding_share(c.prefill_load)).powi(2) } else { 1.0 };
-        let decoding = if pricing.stall_e2e { f64::from(c.in_flight.saturating_sub(c.prefilling)) * req.e2e_weight } else { 0.0 };
-        let slowdown_ms = if pricing.slowdown { prefill_ms * (req.tpot_weight * c.decode_sensitivity + decoding) * share } else { 0.0 };
+        let stalled_e2e = if pricing.stall_e2e { decoding(c) * req.e2e_weight } else { 0.0 };
+        let slowdown_ms = if pricing.slowdown { prefill_ms * (req.tpot_weight * c.decode_sensitivity + stalled_e2e) * share } else { 0.0 };
         // Prefill put on a busy fleet delays more than the requests waiting now (module doc).
         let busy = busy_period(req.fleet_prefill_load);
         let arriving = req.arrivals_per_worker_s * join_ms / 1000.0;
@@ -375,6 +375,13 @@ fn decode_terms(req: &RequestSummary<'_>, c: &Candidate, step: f64, delta: f64) 
     (shared * step + out * delta, f64::from(c.in_flight) * delta * shared)
 }
 
+/// The requests decoding on `c` (`decoding`, module doc): those in flight with their first
+/// token out.
+#[inline]
+fn decoding(c: &Candidate) -> f64 {
+    f64::from(c.in_flight.saturating_sub(c.prefilling))
+}
+
 /// How many of `new` prefill tokens fill the last step of the prompt queued last on `c`
 /// (`ahead`, module doc): steps of `chunk` tokens, less one per request decoding there, hold
 /// the queue's prompts back to back from when it was last empty.
@@ -384,7 +391,7 @@ fn room_taken(c: &Candidate, new: f64, chunk: f64) -> f64 {
     if queued <= 0.0 {
         return 0.0;
     }
-    let budget = (chunk - f64::from(c.in_flight.saturating_sub(c.prefilling))).max(chunk / 2.0);
+    let budget = (chunk - decoding(c)).max(chunk / 2.0);
     ((queued / budget).ceil() * budget - queued).min(new)
 }
 
