@@ -34,6 +34,7 @@ pub mod booked_prefixes;
 pub mod decayed_mean;
 pub mod load_rate;
 pub mod peers;
+pub mod prefill_gate;
 pub mod step_phase;
 
 use crate::route::Candidate;
@@ -97,6 +98,8 @@ pub struct WorkerCounters {
     sensitivity_micro: AtomicU64,
     /// What the other replicas of the deployment booked on it (zero without replicas).
     peers: peers::PeerLoad,
+    /// Long prompts sent to it one at a time ([`prefill_gate`]).
+    gate: Arc<prefill_gate::PrefillGate>,
 }
 
 impl WorkerCounters {
@@ -179,6 +182,8 @@ struct Release {
     reserved_blocks: u64,
     prompt_tokens: u64,
     expected_output: Option<u64>,
+    /// Output tokens it is expected to generate, hinted or estimated (0: unknown).
+    output_estimate: u64,
     /// 1 / its expected output tokens, in millionths (0: not known): what it adds to the
     /// worker's `sensitivity_micro` while it decodes.
     sensitivity_micro: u64,
@@ -431,14 +436,21 @@ impl Ledger {
 
     /// `w` delivered a token: an engine step of it ended now.
     pub fn step_ended(&self, w: WorkerId) {
-        if let Some(l) = self.worker(w) {
-            l.step_phase.step_ended(clock_us());
+        if let Some(l) = self.worker(w)
+            && l.step_phase.step_ended(clock_us())
+        {
+            l.gate.step_began();
         }
     }
 
     /// Requests booked on `w` whose prefill is outstanding (no first token yet).
     pub fn prefilling(&self, w: WorkerId) -> u32 {
         self.worker(w).map_or(0, |l| l.prefilling.load(Ordering::Relaxed) + l.peers.prefilling())
+    }
+
+    /// Long prompts held at `w`'s prefill gate ([`prefill_gate`]).
+    pub fn gate_waiting(&self, w: WorkerId) -> usize {
+        self.worker(w).map_or(0, |l| l.gate.waiting())
     }
 
     /// Prefill tokens booked on `w` and not started decoding.
@@ -626,7 +638,7 @@ impl Ledger {
     pub fn book_at(self: &Arc<Self>, w: WorkerId, load: Footprint, now: u64) -> Booking {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let release = self.reserve_live(id, w, load, now);
-        Booking { ledger: self.clone(), id, release }
+        Booking { ledger: self.clone(), id, release, pass: None }
     }
 
     fn live_shard(&self, id: u64) -> &LiveShard {
@@ -705,6 +717,7 @@ impl Ledger {
             reserved_blocks,
             prompt_tokens,
             expected_output,
+            output_estimate,
             sensitivity_micro: 1_000_000u64.checked_div(output_estimate).unwrap_or(0),
             output: Mutex::new(Output::default()),
             prefill_released: AtomicBool::new(false),
@@ -720,6 +733,8 @@ pub struct Booking {
     ledger: Arc<Ledger>,
     id: u64,
     release: Arc<Release>,
+    /// Its pass through the worker's prefill gate, held until its first token.
+    pass: Option<prefill_gate::GatePass>,
 }
 
 impl Booking {
@@ -729,6 +744,36 @@ impl Booking {
     /// predicted time is only taken out of what is left.
     pub fn prefill_done(&mut self, first_token: bool) {
         self.ledger.release_prefill(&self.release, first_token);
+        self.pass = None;
+    }
+
+    /// Enters its worker's prefill gate ([`prefill_gate`]); `None` for a worker the ledger
+    /// does not know.
+    ///
+    /// `shelters`: the next long prompt waits for this one's last step; `steps`: the engine
+    /// steps its prefill takes.
+    pub fn enter_gate(&self, shelters: bool, steps: u64) -> Option<prefill_gate::Entry> {
+        self.ledger.worker(self.release.worker).map(|l| l.gate.enter(shelters, steps))
+    }
+
+    /// Holds `pass` until its prefill is over (its first token, a move or its end).
+    pub fn hold(&mut self, pass: prefill_gate::GatePass) {
+        self.pass = Some(pass);
+    }
+
+    /// Output tokens it is expected to generate, hinted or estimated (0: unknown).
+    pub fn output_estimate(&self) -> u64 {
+        self.release.output_estimate
+    }
+
+    /// Prompt tokens booked for its worker to compute.
+    pub fn prefill_tokens(&self) -> u64 {
+        self.release.prefill
+    }
+
+    /// The predicted time its prefill takes once it starts (zero: not predicted).
+    pub fn prefill_time(&self) -> Duration {
+        Duration::from_micros(self.release.prefill_due.1)
     }
 
     /// Whether [`Booking::generated`] does anything (output blocks are tracked).
@@ -754,6 +799,7 @@ impl Booking {
     /// is released and `load` is booked on `to`, under the same guard (booked afresh if expiry
     /// had released it).
     pub fn move_to(&mut self, to: WorkerId, load: Footprint) {
+        self.pass = None;
         let next = self.ledger.reserve_live(self.id, to, load, clock_us());
         let old = std::mem::replace(&mut self.release, next);
         self.ledger.release(&old);
@@ -780,6 +826,25 @@ mod tests {
 
     fn with_output(block_size: u32) -> Arc<Ledger> {
         Ledger::new(1, Tracking { output_blocks: true, block_size, ..Tracking::default() })
+    }
+
+    #[test]
+    fn a_gate_pass_goes_with_its_bookings_first_token_or_its_move() {
+        let s = Ledger::new(2, Tracking::default());
+        let long = || prompt(4096, Vec::new());
+        let mut a = s.book(0, long());
+        let Some(prefill_gate::Entry::Pass(p)) = a.enter_gate(true, 1) else { panic!("the first long prompt goes at once") };
+        a.hold(p);
+        let mut b = s.book(0, long());
+        let Some(prefill_gate::Entry::Wait(mut rx)) = b.enter_gate(true, 1) else { panic!("the next waits") };
+        assert_eq!((s.gate_waiting(0), s.gate_waiting(1)), (1, 0));
+        a.prefill_done(true);
+        b.hold(rx.try_recv().expect("the first token hands the pass over"));
+        let c = s.book(0, long());
+        let Some(prefill_gate::Entry::Wait(mut rx)) = c.enter_gate(true, 1) else { panic!("the next waits") };
+        b.move_to(1, long());
+        assert!(rx.try_recv().is_ok(), "a move elsewhere hands it over too");
+        assert_eq!(s.gate_waiting(0), 0);
     }
 
     #[test]

@@ -75,6 +75,8 @@ pub struct Metrics {
     pub queued: IntGaugeVec,
     /// `kvgate_queue_wait_seconds{model}`.
     pub queue_wait: HistogramVec,
+    /// `kvgate_prefill_gate_wait_seconds{model}`.
+    pub gate_wait: HistogramVec,
     /// `kvgate_tasks_rejected_total{model,reason}` (reason: busy | queue_full | queue_timeout).
     pub rejected: IntCounterVec,
     /// `kvgate_migrations_total{model,reason,outcome}`: moves of running or waiting requests
@@ -261,6 +263,12 @@ impl Metrics {
             worker_busy: gauge("kvgate_worker_busy", "1 if the worker was over a busy threshold at the last decision.", &["model", "worker"]),
             queued: gauge("kvgate_queued_requests", "Requests held in the router queue.", &["model"]),
             queue_wait: hist("kvgate_queue_wait_seconds", "Time requests spent in the router queue.", LATENCY_BUCKETS, &["model"]),
+            gate_wait: hist(
+                "kvgate_prefill_gate_wait_seconds",
+                "Time long prompts were held at their worker's prefill gate for the last step or first token of the one ahead.",
+                LATENCY_BUCKETS,
+                &["model"],
+            ),
             rejected: counter("kvgate_tasks_rejected_total", "Requests refused by shedding or the router queue.", &["model", "reason"]),
             planner: planner::PlannerMetrics::new(&registry),
             disagg: disaggregation::DisaggMetrics::new(&registry),

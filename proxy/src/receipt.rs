@@ -83,8 +83,29 @@ pub struct Placement {
     /// The request's latency objectives (the `time` cost priced each worker's predicted miss of
     /// them).
     pub slo: Slo,
+    /// Its pass through the chosen worker's prefill gate, when it went through one.
+    pub gate: Option<GateWait>,
     /// How the leg to the chosen worker ended.
     pub outcome: Option<LegOutcome>,
+}
+
+/// How a long prompt passed its worker's prefill gate (`routing.prefill_gate`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GateWait {
+    /// How long it was held.
+    pub waited: std::time::Duration,
+    /// Whether it got its pass (else it went when its wait ran out, or the gate held no pass
+    /// for it).
+    pub passed: bool,
+    /// Whether the next long prompt waits for its last step or first token (its expected output
+    /// carries the room of its last step).
+    pub keeps_last_step: bool,
+}
+
+impl GateWait {
+    fn to_json(self) -> Value {
+        json!({"waited_ms": self.waited.as_secs_f64() * 1000.0, "passed": self.passed, "keeps_last_step": self.keeps_last_step})
+    }
 }
 
 /// How a placement's leg ended, as its receipt shows it.
@@ -308,7 +329,8 @@ impl Placement {
             "expected_output_tokens": self.output.expected_tokens, "mean_output_tokens": self.output.mean_tokens,
             "tpot_weight": self.output.tpot_weight, "e2e_weight": self.output.e2e_weight, "ttft_limit_ms": ttft_limit,
             "candidates": candidates, "excluded": excluded,
-            "chosen": self.chosen.map(|id| json!({"worker": id, "url": url(id)})), "outcome": self.outcome.map(LegOutcome::label),
+            "chosen": self.chosen.map(|id| json!({"worker": id, "url": url(id)})), "prefill_gate": self.gate.map(GateWait::to_json),
+            "outcome": self.outcome.map(LegOutcome::label),
         })
     }
 }
@@ -335,6 +357,7 @@ mod tests {
             prompt: (64, 4),
             output: OutputOutlook { expected_tokens: 64.0, mean_tokens: 200.0, tpot_weight: 12.5, e2e_weight: 0.05 },
             slo: Slo::default(),
+            gate: None,
             outcome: None,
         });
         r.leg_ended(LegOutcome::Answered);

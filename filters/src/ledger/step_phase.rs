@@ -56,32 +56,37 @@ pub struct StepLengths {
 impl StepPhase {
     /// A token was delivered at `now`: a step ended and the next one began. The first token
     /// of a step's burst (one with bookings waiting for it, or one well after the token before)
-    /// closes the step that ran until now into the averages.
-    pub fn step_ended(&self, now: u64) {
+    /// closes the step that ran until now into the averages. `true` when the token came well
+    /// after the one before (or is the first): a step surely ended. A token soon after another
+    /// with bookings waiting also closes the step for the averages, but may be a late token of
+    /// the same burst, which a count of steps must not take for a new one.
+    pub fn step_ended(&self, now: u64) -> bool {
         let now = now.max(1);
         let pending = self.counting();
         let seen = self.step_seen_us.swap(now, Ordering::Relaxed);
         let mean = self.mean_step_us.get();
         #[allow(clippy::cast_sign_loss, reason = "a mean of step durations: not negative")]
         let gap = ((mean.unwrap_or(0.0) / 4.0) as u64).clamp(MIN_STEP_GAP_US, MAX_STEP_GAP_US);
-        if !(pending || seen == 0 || now.saturating_sub(seen) > gap) {
-            return;
+        let boundary = seen == 0 || now.saturating_sub(seen) > gap;
+        if !(pending || boundary) {
+            return false;
         }
         let began = self.began_us.swap(now, Ordering::Relaxed);
         let tokens = if pending { self.next_step_tokens.load(Ordering::Relaxed) } else { 0 };
         let ran = self.running_tokens.swap(tokens, Ordering::Relaxed);
         if began == 0 || seen == 0 {
-            return;
+            return boundary;
         }
         // Two first tokens racing, or a booking landing mid-burst, time a step of nothing.
         if now.saturating_sub(began) < MIN_STEP_GAP_US {
-            return;
+            return boundary;
         }
         // A step that began after an idle spell started late: at most a few means long.
         let len = now.saturating_sub(began) as f64;
         let len = mean.map_or(len, |mean| len.min(3.0 * mean));
         self.mean_step_us.observe(len, STEP_WEIGHT);
         self.mean_step_tokens.observe(ran as f64, STEP_WEIGHT);
+        boundary
     }
 
     /// Its steps so far, once one has been timed.
@@ -154,7 +159,7 @@ mod tests {
         let p = StepPhase::default();
         let ms = 1_000;
         // Steps of 100 ms, each delivering three tokens within a millisecond.
-        let burst = |at: u64| (0..3).for_each(|i| p.step_ended(at + i * 300));
+        let burst = |at: u64| (0..3).for_each(|i| _ = p.step_ended(at + i * 300));
         burst(10 * ms);
         assert_eq!(p.lengths(), None, "one boundary times nothing yet");
         burst(110 * ms);
@@ -208,5 +213,16 @@ mod tests {
             p.step_ended(2_501 * ms + i * 60 * ms);
         }
         assert!(p.lengths().unwrap().mean_ms < 100.0, "{:?}", p.lengths());
+    }
+
+    #[test]
+    fn only_a_token_well_after_the_one_before_surely_ends_a_step() {
+        let p = StepPhase::default();
+        let ms = 1_000;
+        assert!(p.step_ended(10 * ms), "the first token");
+        assert!(!p.step_ended(10 * ms + 200), "the same burst");
+        assert!(p.step_ended(110 * ms), "the next burst");
+        p.booked(128, 110 * ms + 100);
+        assert!(!p.step_ended(110 * ms + 300), "a late token of that burst, a booking waiting");
     }
 }

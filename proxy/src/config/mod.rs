@@ -392,6 +392,10 @@ pub struct Routing {
     /// kv, `time` cost: price the delay to the first token queued ahead by the room left in
     /// that one's last engine step, which the request's first chunk fills.
     pub price_shared_step: bool,
+    /// kv, `time` cost: send each worker one long streamed prompt at a time, holding the next
+    /// at the gateway until the one ahead has begun its last engine step or produced its first
+    /// token.
+    pub prefill_gate: bool,
     /// kv, `time` cost: the most predicted time to first token a request gives up for the
     /// time it saves others, as a share of the least among the workers (0: no bound).
     pub ttft_trade_ratio: f64,
@@ -473,6 +477,7 @@ impl Default for Routing {
             price_stall_share: pricing.stall_share,
             price_stall_e2e: pricing.stall_e2e,
             price_shared_step: pricing.shared_step,
+            prefill_gate: false,
             ttft_trade_ratio: kvgate_filters::route::KvParams::default().ttft_trade_ratio,
             ttft_trade_floor_ms: kvgate_filters::route::KvParams::default().ttft_trade_floor_ms,
             overlap_score_weight: 1.0,

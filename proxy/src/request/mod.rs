@@ -10,6 +10,8 @@
 //!    a route receipt and the booking moved onto it; on a model with prefill workers,
 //!    [`disaggregate`] first runs the prefill leg there, and the placement then picks the
 //!    decode worker;
+//!    then [`hold`]: with `routing.prefill_gate`, a long streamed prompt waits for the long
+//!    prompt ahead on its worker to begin its last step or produce its first token;
 //! 4. [`leg`]: one upstream attempt, up to its first body byte under one deadline;
 //! 5. [`relay`]: the response streamed to the client while watching for a disconnect; a
 //!    stream whose worker fails or that an operator moves continues elsewhere ([`migrate`],
@@ -24,6 +26,7 @@ pub mod admit;
 pub mod attempts;
 pub mod disaggregate;
 pub mod fields;
+pub mod hold;
 pub mod kv_inputs;
 pub mod leg;
 pub mod limit;
@@ -211,6 +214,9 @@ enum Turn {
 /// One attempt on `worker`: its leg and, once the worker answers, the relay. A leg's end, and
 /// a stream's before its first byte, go through [`leg::LegEnd::step`].
 async fn turn(gw: &Arc<Gateway>, session: &mut ClientConn, req: &mut RequestState, worker: &Arc<crate::fleet::Worker>, may_retry: bool) -> Turn {
+    if let Err(outcome) = hold::hold(gw, session, req).await {
+        return Turn::Over(outcome);
+    }
     let out = leg::Outbound::original(req);
     let mut end = leg::run(session, req, worker, &out, may_retry).await;
     loop {

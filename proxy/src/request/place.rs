@@ -124,6 +124,7 @@ pub fn place_leg(gw: &Gateway, req: &mut RequestState, among: Among<'_>, role: L
         prompt: req.kv.as_ref().map_or((0, 0), |k| (k.tokens as u32, k.chain.len() as u32)),
         output,
         slo: req.slo,
+        gate: None,
         outcome: None,
     };
     if let (Some(t), Some(began)) = (&req.trace, began) {

@@ -526,3 +526,64 @@ fn shown(gw: &Gateway, url: &str) -> String {
     assert!(w.name.starts_with("w-"), "{}", w.name);
     w.name.clone()
 }
+
+/// A worker that answers each request with a stream only once the test adds a permit to the
+/// returned semaphore (one per request, in the order they came).
+async fn worker_awaiting_first_tokens() -> (FakeWorker, Arc<tokio::sync::Semaphore>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (requests, connections) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let permits = Arc::new(tokio::sync::Semaphore::new(0));
+    let (count, first_tokens) = (requests.clone(), permits.clone());
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let (count, first_tokens) = (count.clone(), first_tokens.clone());
+            tokio::spawn(async move {
+                while read_request(&mut sock).await {
+                    count.fetch_add(1, Ordering::SeqCst);
+                    first_tokens.acquire().await.unwrap().forget();
+                    if !answer(&mut sock, Script::Stream(2)).await {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (FakeWorker { url, requests, connections }, permits)
+}
+
+/// With `prefill_gate`, a long streamed prompt waits at the gateway while the long prompt sent
+/// ahead of it to the same worker has no first token, and is sent when that token comes; a
+/// short prompt is sent at once.
+#[tokio::test]
+async fn a_long_prompt_waits_for_the_prompt_ahead_on_its_worker() {
+    let (w, first_tokens) = worker_awaiting_first_tokens().await;
+    let routing = "    routing:\n      mode: kv\n      kv_events: false\n      prefill_gate: true\n";
+    let yaml = format!("models:\n  - name: m\n{routing}    workers:\n      - url: {}\n", w.url);
+    let gw = Gateway::new(load_str(&yaml, "test", Vec::new()).unwrap(), None).unwrap();
+    let ledger = gw.fleet().model("m").unwrap().ledger.clone();
+    let stream = |tokens: u32, first: u32| {
+        let ids: Vec<String> = (first..first + tokens).map(|t| t.to_string()).collect();
+        post(&format!(r#"{{"model":"m","prompt":[{}],"stream":true,"max_tokens":64}}"#, ids.join(",")))
+    };
+    let send = |request: String| {
+        let gw = gw.clone();
+        tokio::spawn(async move { serve_one(&gw, &request).await })
+    };
+    let a = send(stream(2048, 1));
+    until(|| w.requests.load(Ordering::SeqCst) == 1).await;
+    let b = send(stream(2048, 10_000));
+    until(|| ledger.gate_waiting(0) == 1).await;
+    let short = send(stream(16, 20_000));
+    until(|| w.requests.load(Ordering::SeqCst) == 2).await;
+    assert_eq!(ledger.gate_waiting(0), 1, "the long prompt is still held; the short one went");
+    first_tokens.add_permits(1);
+    until(|| w.requests.load(Ordering::SeqCst) == 3).await;
+    assert_eq!(ledger.gate_waiting(0), 0);
+    first_tokens.add_permits(2);
+    for r in [a, b, short] {
+        let (aborted, out) = r.await.unwrap();
+        assert!(!aborted && status_of(&out) == 200, "{out}");
+    }
+    assert_clean(&gw);
+}
