@@ -35,7 +35,9 @@ pub struct PrefillGate {
     state: Mutex<GateState>,
     /// Engine steps the worker began, as its streamed tokens showed them.
     steps: AtomicU64,
-    /// The step count at which the tail's last step has begun (`u64::MAX`: none awaited).
+    /// The step count at which the tail's last step has begun (`u64::MAX`: none awaited); kept
+    /// beside the state so that a step's beginning, seen on every token burst, reads it without
+    /// the lock.
     tail_last_step: AtomicU64,
 }
 

@@ -273,6 +273,13 @@ impl TimePriors {
         per_output_token(self.step_of(c, block_size), c, rho)
     }
 
+    /// Prefill tokens one engine step takes on a worker where `decoding` requests decode: the
+    /// chunk less a token for each of them, at least half of it (`b`, module doc).
+    pub fn step_budget(&self, decoding: f64) -> f64 {
+        let chunk = self.chunk_tokens.max(1.0);
+        (chunk - decoding).max(chunk / 2.0)
+    }
+
     /// `c`'s prefill time per uncached token, ms: its calibrated figure once measured, else the
     /// prior.
     pub fn ms_per_prefill_token(&self, c: &Candidate) -> f64 {
@@ -312,7 +319,7 @@ impl TimePriors {
         let behind_ms = if pricing.queue { prefill_ms * (f64::from(c.prefilling) + arriving) * busy } else { 0.0 };
         // Its first chunk rides in the last step of the prompt queued last, unless that step is
         // the one running now.
-        let ahead_ms = if pricing.queue && pricing.shared_step && wait_ms > join_ms { a * room_taken(c, new, chunk) } else { 0.0 };
+        let ahead_ms = if pricing.queue && pricing.shared_step && wait_ms > join_ms { a * room_taken(c, new, self.step_budget(decoding(c))) } else { 0.0 };
         let duplicate_ms = if pricing.duplicates { a * evicting_tokens(req, c, prompt, bs) * busy } else { 0.0 };
         let delta = self.added_step_ms(req, c, prompt);
         let (decode_ms, imposed_ms) = if pricing.decode { decode_terms(req, c, step, delta) } else { (0.0, 0.0) };
@@ -383,15 +390,14 @@ fn decoding(c: &Candidate) -> f64 {
 }
 
 /// How many of `new` prefill tokens fill the last step of the prompt queued last on `c`
-/// (`ahead`, module doc): steps of `chunk` tokens, less one per request decoding there, hold
-/// the queue's prompts back to back from when it was last empty.
+/// (`ahead`, module doc): steps of `budget` tokens hold the queue's prompts back to back from
+/// when it was last empty.
 #[inline]
-fn room_taken(c: &Candidate, new: f64, chunk: f64) -> f64 {
+fn room_taken(c: &Candidate, new: f64, budget: f64) -> f64 {
     let queued = c.queued_since_idle as f64;
     if queued <= 0.0 {
         return 0.0;
     }
-    let budget = (chunk - decoding(c)).max(chunk / 2.0);
     ((queued / budget).ceil() * budget - queued).min(new)
 }
 

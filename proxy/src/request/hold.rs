@@ -74,16 +74,14 @@ async fn wait_for_pass(
     }
 }
 
-/// The engine steps `tokens` of prefill take on worker `w`: chunks of the step's token budget
-/// (the `time` cost's, from `shedding.max_num_batched_tokens`) less a token per request decoding
-/// there, as that cost counts them.
+/// The engine steps `tokens` of prefill take on worker `w`, in the `time` cost's step budget
+/// for the requests decoding there.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss, reason = "a step count from token counts")]
 fn chunks(req: &RequestState, w: u16, tokens: u64) -> u64 {
     let Some(priors) = req.model.time_priors() else { return 1 };
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, reason = "a token count, at least 1")]
-    let chunk = priors.chunk_tokens.max(1.0) as u64;
     let ledger = &req.model.ledger;
-    let decoding = u64::from(ledger.requests(w).saturating_sub(ledger.prefilling(w)));
-    tokens.div_ceil(chunk.saturating_sub(decoding).max(chunk / 2).max(1))
+    let budget = priors.step_budget(f64::from(ledger.requests(w).saturating_sub(ledger.prefilling(w))));
+    (tokens as f64 / budget).ceil() as u64
 }
 
 /// Whether the next long prompt on the worker waits for this one's last step: its expected
@@ -92,8 +90,7 @@ fn chunks(req: &RequestState, w: u16, tokens: u64) -> u64 {
 /// its output: worth it when the TTFT saved outweighs the TPOT added, at the rate the `time`
 /// cost prices a stall (what a ms of TPOT is worth in TTFT).
 fn keeps_last_step(req: &RequestState, expected_output: u64) -> bool {
-    let tpot_weight = req.slo.tpot_weight().or_else(|| req.model.ledger.tpot_weight()).unwrap_or(0.0);
     #[allow(clippy::cast_precision_loss, reason = "a token count")]
     let decode_steps = expected_output.saturating_sub(1) as f64;
-    decode_steps > tpot_weight
+    decode_steps > req.tpot_weight()
 }

@@ -318,7 +318,7 @@ fn summary(req: &RequestState, now: u64) -> RequestSummary<'_> {
         arrivals_per_worker_s: model.ledger.arrivals_per_worker_at(now),
         expected_output_tokens: expected_output(req),
         mean_output_tokens: model.ledger.mean_output().unwrap_or(0.0),
-        tpot_weight: req.slo.tpot_weight().or_else(|| model.ledger.tpot_weight()).unwrap_or(0.0),
+        tpot_weight: req.tpot_weight(),
         e2e_weight: model.ledger.e2e_weight().unwrap_or(0.0),
         slo: req.slo,
         headers: req.plugin.as_ref().map_or(&[], |p| &p.headers[..]),

@@ -152,6 +152,12 @@ impl RequestState {
         Some((i, self.model.workers.get(i)?))
     }
 
+    /// What a ms of time per output token is worth in time to first token to it: its latency
+    /// objectives' ratio, else its model's measured one (0 before a stream was timed).
+    pub fn tpot_weight(&self) -> f64 {
+        self.slo.tpot_weight().or_else(|| self.model.ledger.tpot_weight()).unwrap_or(0.0)
+    }
+
     /// Its registry entry.
     pub fn entry(&self) -> &Arc<RequestEntry> {
         self.registered.entry()
