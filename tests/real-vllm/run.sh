@@ -3,6 +3,11 @@
 # ZMQ_PORT, replay ROUTER on ZMQ_PORT+1, topic "kv"), dev endpoints (/reset_prefix_cache) on.
 #   tests/real-vllm/run.sh PORT ZMQ_PORT [extra vllm args...]
 # Model name "tiny"; block size 32 (the CPU attention backend needs a multiple of 32).
+# Served in float32, not the weights' bfloat16: the tests compare a greedy stream moved to the
+# other server with the unmoved one, and in bfloat16 the destination's prefill of the prompt and
+# the tokens so far rounds differently from the source's decode, often enough to pick another
+# token at a near-tie (seen with vLLM alone, no gateway between); float32's rounding is too fine
+# for the tiny model's ties.
 # Start-up takes 60-90 s on 2 cores; poll GET /health.
 set -euo pipefail
 home=${KVGATE_VLLM_HOME:-$HOME/.cache/kvgate-real-vllm}
@@ -21,6 +26,6 @@ export VLLM_CPU_OMP_THREADS_BIND=$cpus
 pin=(taskset -c "$cpus")
 command -v taskset >/dev/null || pin=()
 exec "${pin[@]}" "$home/venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$home/tiny-llama" \
-  --host 127.0.0.1 --port "$port" --served-model-name tiny --max-model-len 4096 --block-size 32 \
+  --host 127.0.0.1 --port "$port" --served-model-name tiny --max-model-len 4096 --block-size 32 --dtype float32 \
   --kv-events-config "{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:$zport\",\"replay_endpoint\":\"tcp://*:$((zport+1))\",\"topic\":\"kv\"}" \
   "$@"
