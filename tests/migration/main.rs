@@ -5,7 +5,8 @@
 //! The identity tests run on two in-process vllm-sim workers (deterministic: the next token is
 //! a function of the context) and, under tests/real-vllm/run-suite.sh, on two real vLLM servers
 //! (`KVGATE_TARGET_URL`, `KVGATE_TARGET_URL_2`; greedy sampling). The real-vLLM kill test runs
-//! only when `KVGATE_TARGET_PID_2` names the second server's process.
+//! only when `KVGATE_TARGET_PID_2` names the second server's process group (the suite starts
+//! each server in its own).
 
 #![allow(clippy::float_cmp, reason = "tests compare exact metric values, counts the target reports as floats")]
 
@@ -330,7 +331,10 @@ async fn a_real_vllm_server_killed_mid_stream_loses_no_stream() {
         }
         assert!(tries < 3, "the second server's three streams were never seen running together: {}", streaming.unwrap_err());
     };
-    let killed = std::process::Command::new("kill").args(["-9", &pid]).status().unwrap();
+    // The whole server dies, as when its machine does: its process group, engine core and
+    // worker included. Killing only the API server leaves its engine finishing the three
+    // streams for nobody, a core busy for the tests after this one.
+    let killed = std::process::Command::new("kill").args(["-9", "--", &format!("-{pid}")]).status().unwrap();
     assert!(killed.success());
     for (i, h) in handles {
         let got = h.await.unwrap();

@@ -120,6 +120,7 @@ cargo test -p kvgate-tests --test migration -- --test-threads=1 --skip a_real_vl
 # Replicas over a real nats-server: a stored response's next turn, sent to another replica, lands
 # on the worker that stored it.
 cargo test -p kvgate-tests --test replicas -- --test-threads=1 a_stored_responses_next_turn
+# The kill test kills the second server's process group (its pid is the group's id).
 KVGATE_TARGET_PID_2="$pid2" cargo test -p kvgate-tests --test migration -- --test-threads=1 a_real_vllm_server_killed
 # The planner's local connector starts a real vLLM from run.sh (the second server is gone, so
 # two still fit) and stops it after its streams moved to the first (#35).
