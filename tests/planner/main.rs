@@ -157,10 +157,10 @@ async fn a_real_vllm_worker_started_by_the_local_connector_joins_and_leaves_clea
             "      metric_pulling_interval_s: 0.5\n      adjustment_interval_s: 2\n      min_gpu_budget: {min}\n      max_gpu_budget: 2\n      decode_kv_scale_up_threshold: 0.99\n      decode_kv_scale_down_threshold: 0.9\n      new_decode_worker_grace_period: 0\n      drain_timeout_s: 120\n"
         )
     };
-    // Health checks patient enough for this host: the servers share one core with the four
-    // streams, and the first server's API answered no check for the 15 s that three 5 s
-    // timeouts allow (seen twice in the suite), so the gateway took it for dead and its streams
-    // and the moves to it had nowhere to go. What this test checks is the planner.
+    // Health checks patient enough for this host, where both servers share one core with the
+    // four streams: with three failed 5 s checks in a row allowed, the gateway twice took the
+    // first server for dead in the suite (while it went on streaming), and the streams had
+    // nowhere to go when the started worker stopped. What this test checks is the planner.
     let yaml = |min: u32| {
         format!(
             "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nthreads: 2\nload:\n  interval_ms: 200\nhealth:\n  interval_ms: 500\n  timeout_ms: 20000\n  unhealthy_threshold: 6\n  healthy_threshold: 1\n\
