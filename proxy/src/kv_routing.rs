@@ -180,6 +180,7 @@ impl KvRouting {
                 track_active_blocks: r.track_active_blocks,
                 ttft_trade_ratio: r.ttft_trade_ratio,
                 ttft_trade_floor_ms: r.ttft_trade_floor_ms,
+                tie_steps: r.tie_steps,
             }),
             max_prefix_blocks: r.max_prefix_blocks,
         })

@@ -17,9 +17,10 @@
 //! not chosen, however much its other terms say it saves others.
 //!
 //! Temperature 0: the lowest cost; ties go to the worker with fewer requests in flight, then
-//! uniformly at random (no fixed order, so equal workers share traffic). Temperature T > 0:
-//! softmax over costs normalized by their range, `p ∝ exp(−(cost / (max − min)) / T)`; equal
-//! costs give a uniform choice.
+//! uniformly at random (no fixed order, so equal workers share traffic). Under the `time` cost a
+//! cost within `tie_steps` of the cheapest worker's decode steps of the least ties with it.
+//! Temperature T > 0: softmax over costs normalized by their range,
+//! `p ∝ exp(−(cost / (max − min)) / T)`; equal costs give a uniform choice.
 
 use super::time::{Prediction, Pricing, TimePriors};
 use super::{Candidate, Decision, Policy, RequestSummary};
@@ -92,6 +93,10 @@ pub struct KvParams {
     pub ttft_trade_ratio: f64,
     /// `time`: the bound's least slack, ms.
     pub ttft_trade_floor_ms: f64,
+    /// `time`: costs within this many of the cheapest worker's decode steps of its cost are
+    /// taken as equal, and the fewest requests in flight decides among them (0: only equal
+    /// costs tie).
+    pub tie_steps: f64,
 }
 
 impl Default for KvParams {
@@ -106,6 +111,7 @@ impl Default for KvParams {
             track_active_blocks: true,
             ttft_trade_ratio: 0.5,
             ttft_trade_floor_ms: 200.0,
+            tie_steps: 0.2,
         }
     }
 }
@@ -262,14 +268,29 @@ impl KvPolicy {
     /// The cheapest candidate; among equal costs the one with the fewest requests in flight,
     /// and among those a uniform pick (no allocation: it runs on every request).
     fn cheapest(&self, candidates: &[Candidate], costs: &[f64]) -> Decision {
-        let best = costs.iter().copied().fold(f64::MAX, f64::min);
-        let tied = |i: &usize| costs[*i] <= best + 1e-9;
+        let (at, best) = costs.iter().copied().enumerate().fold((0, f64::MAX), |m, (i, c)| if c < m.1 { (i, c) } else { m });
+        let slack = self.tie_slack(candidates.get(at));
+        let tied = |i: &usize| costs[*i] <= best + slack;
         let least = (0..costs.len()).filter(tied).map(|i| candidates[i].in_flight).min().unwrap_or(0);
         let pool = || (0..costs.len()).filter(tied).filter(|&i| candidates[i].in_flight == least);
         let n = pool().count().max(1);
         #[allow(clippy::cast_sign_loss, reason = "a uniform draw in [0, 1) times a count: not negative")]
         let k = (self.uniform() * n as f64) as usize % n;
         Decision::Worker(pool().nth(k).unwrap_or(0))
+    }
+
+    /// How far above the least cost a cost still ties with it: `tie_steps` of the `cheapest`
+    /// worker's decode step under the `time` cost. The prediction places a request at a step
+    /// boundary it can only estimate to within a part of a step, so costs closer than that are
+    /// not told apart; among them the worker with the fewest requests in flight gives the
+    /// request, and every request it joins, the smaller batch.
+    fn tie_slack(&self, cheapest: Option<&Candidate>) -> f64 {
+        match cheapest {
+            Some(c) if self.params.cost == Cost::Time && self.params.tie_steps > 0.0 => {
+                (self.params.tie_steps * self.params.priors.step_of(c, self.params.block_size)).max(1e-9)
+            }
+            _ => 1e-9,
+        }
     }
 }
 
@@ -298,6 +319,33 @@ mod tests {
 
     fn cand(id: u32, overlap: u32, prefill: u64, active: u64) -> Candidate {
         Candidate { id, overlap_blocks: overlap, active_prefill_tokens: prefill, active_blocks: active, ..Default::default() }
+    }
+
+    #[test]
+    fn costs_within_a_fifth_of_a_step_go_to_the_worker_with_fewer_requests_in_flight() {
+        let r = req(1024);
+        // Both workers step every 40 ms (measured); worker 1 holds more of the prompt, so it
+        // is cheaper, but it runs five requests against worker 0's one.
+        let c = |id, overlap, in_flight| Candidate { step_ms: 40.0, in_flight, ..cand(id, overlap, 0, 0) };
+        let time = |tie_steps| KvPolicy::new(KvParams { tie_steps, ..KvParams::default() });
+        let costs = |p: &KvPolicy, cs: &[Candidate]| cs.iter().map(|c| p.cost(&r, c).0).collect::<Vec<_>>();
+        let near = [c(0, 60, 1), c(1, 62, 5)];
+        let gap = costs(&time(0.0), &near);
+        assert!(gap[1] < gap[0] && gap[0] - gap[1] < 8.0, "{gap:?}");
+        assert_eq!(time(0.0).choose(&r, &near), Decision::Worker(1), "only equal costs tie");
+        assert_eq!(KvParams::default().tie_steps, 0.2, "a fifth of a step by default");
+        assert_eq!(time(0.2).choose(&r, &near), Decision::Worker(0), "within a fifth of a step: fewer in flight");
+        // Further apart than a fifth of a step, the cheaper worker wins whatever it runs.
+        let far = [c(0, 0, 1), c(1, 62, 5)];
+        let gap = costs(&time(0.0), &far);
+        assert!(gap[0] - gap[1] > 8.0, "{gap:?}");
+        assert_eq!(time(0.2).choose(&r, &far), Decision::Worker(1));
+        // A worker ruled out (an infinite cost) never ties, and the `blocks` cost ties only
+        // equal costs.
+        assert_eq!(time(0.2).cheapest(&near, &[10.0, f64::INFINITY]), Decision::Worker(0));
+        let blocks = KvPolicy::new(KvParams { block_size: 1, ..blocks() });
+        let by_blocks = [Candidate { in_flight: 5, ..cand(0, 0, 100, 0) }, Candidate { in_flight: 1, ..cand(1, 0, 101, 0) }];
+        assert_eq!(blocks.choose(&RequestSummary { prompt_tokens: 0, prompt_blocks: 0, ..req(0) }, &by_blocks), Decision::Worker(0));
     }
 
     #[test]

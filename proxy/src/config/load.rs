@@ -320,6 +320,9 @@ fn routing(cfg: &Config, m: &ModelConfig) -> Result<(), Invalid> {
     if !non_negative(r.overlap_score_weight) || !non_negative(r.temperature) {
         return Err((format!("model {:?}: routing.overlap_score_weight and temperature must be >= 0", m.name), at("routing".into(), 1)));
     }
+    if !non_negative(r.tie_steps) {
+        return Err((format!("model {:?}: routing.tie_steps must be a number >= 0", m.name), at("routing".into(), 1)));
+    }
     if !non_negative(r.ttft_trade_ratio) || !non_negative(r.ttft_trade_floor_ms) {
         return Err((format!("model {:?}: routing.ttft_trade_ratio and ttft_trade_floor_ms must be numbers >= 0", m.name), at("routing".into(), 1)));
     }

@@ -401,6 +401,9 @@ pub struct Routing {
     pub ttft_trade_ratio: f64,
     /// kv, `time` cost: the bound's least slack, ms.
     pub ttft_trade_floor_ms: f64,
+    /// kv, `time` cost: costs within this many of the cheapest worker's decode steps of the
+    /// least are equal; the fewest requests in flight decides among them.
+    pub tie_steps: f64,
     /// kv, `blocks` cost: weight of the prefill term; 0 = ignore the cache (pure load
     /// balancing).
     #[serde(alias = "router_kv_overlap_score_weight", alias = "kv_overlap_score_weight")]
@@ -480,6 +483,7 @@ impl Default for Routing {
             prefill_gate: false,
             ttft_trade_ratio: kvgate_filters::route::KvParams::default().ttft_trade_ratio,
             ttft_trade_floor_ms: kvgate_filters::route::KvParams::default().ttft_trade_floor_ms,
+            tie_steps: kvgate_filters::route::KvParams::default().tie_steps,
             overlap_score_weight: 1.0,
             temperature: 0.0,
             kv_events: true,

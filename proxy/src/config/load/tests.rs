@@ -48,6 +48,18 @@ fn dynamo_routing_flags_map_or_say_why_not() {
 }
 
 #[test]
+fn the_tie_band_must_be_a_number_of_zero_or_more() {
+    let with = |routing: &str| GOOD.replace("    workers:\n", &format!("    routing:\n{routing}    workers:\n"));
+    assert!((load(GOOD).unwrap().models[0].routing.tie_steps - 0.2).abs() < f64::EPSILON, "a fifth of a step by default");
+    assert!(load(&with("      tie_steps: 0\n")).unwrap().models[0].routing.tie_steps.abs() < f64::EPSILON, "0: only equal costs tie");
+    for bad in ["      tie_steps: -1\n", "      tie_steps: .nan\n", "      tie_steps: .inf\n"] {
+        let e = load(&with(bad)).unwrap_err();
+        assert!(e.message.contains("routing.tie_steps must be a number >= 0"), "{bad}: {e}");
+        assert!(e.line.is_some(), "{e}");
+    }
+}
+
+#[test]
 fn a_trade_bound_must_be_a_number_of_zero_or_more() {
     let with = |routing: &str| GOOD.replace("    workers:\n", &format!("    routing:\n{routing}    workers:\n"));
     let c = load(GOOD).unwrap();
