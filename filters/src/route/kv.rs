@@ -265,8 +265,9 @@ impl KvPolicy {
         Some(Decision::Worker(weights.len() - 1))
     }
 
-    /// The cheapest candidate; among equal costs the one with the fewest requests in flight,
-    /// and among those a uniform pick (no allocation: it runs on every request).
+    /// The cheapest candidate; among the costs that tie with the least ([`Self::tie_slack`])
+    /// the one with the fewest requests in flight, and among those a uniform pick (no
+    /// allocation: it runs on every request).
     fn cheapest(&self, candidates: &[Candidate], costs: &[f64]) -> Decision {
         let (at, best) = costs.iter().copied().enumerate().fold((0, f64::MAX), |m, (i, c)| if c < m.1 { (i, c) } else { m });
         let slack = self.tie_slack(candidates.get(at));
