@@ -18,7 +18,7 @@
 //!
 //! Temperature 0: the lowest cost; ties go to the worker with fewer requests in flight, then
 //! uniformly at random (no fixed order, so equal workers share traffic). Under the `time` cost a
-//! cost within `tie_steps` of the cheapest worker's decode steps of the least ties with it.
+//! cost at most `tie_steps` times the cheapest worker's decode step above the least ties with it.
 //! Temperature T > 0: softmax over costs normalized by their range,
 //! `p ∝ exp(−(cost / (max − min)) / T)`; equal costs give a uniform choice.
 
@@ -93,8 +93,8 @@ pub struct KvParams {
     pub ttft_trade_ratio: f64,
     /// `time`: the bound's least slack, ms.
     pub ttft_trade_floor_ms: f64,
-    /// `time`: costs within this many of the cheapest worker's decode steps of its cost are
-    /// taken as equal, and the fewest requests in flight decides among them (0: only equal
+    /// `time`: costs at most this many times the cheapest worker's decode step above the least
+    /// are taken as equal, and the fewest requests in flight decides among them (0: only equal
     /// costs tie).
     pub tie_steps: f64,
 }

@@ -401,8 +401,8 @@ pub struct Routing {
     pub ttft_trade_ratio: f64,
     /// kv, `time` cost: the bound's least slack, ms.
     pub ttft_trade_floor_ms: f64,
-    /// kv, `time` cost: costs within this many of the cheapest worker's decode steps of the
-    /// least are equal; the fewest requests in flight decides among them.
+    /// kv, `time` cost: costs at most this many times the cheapest worker's decode step above
+    /// the least are equal; the fewest requests in flight decides among them.
     pub tie_steps: f64,
     /// kv, `blocks` cost: weight of the prefill term; 0 = ignore the cache (pure load
     /// balancing).
