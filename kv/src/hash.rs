@@ -1,11 +1,14 @@
 //! kvgate's block hash: 64-bit, chained, over full blocks of u32 token ids.
 //!
-//! `h_i = link(h_{i-1}, xxh3_64(tokens[i·bs..(i+1)·bs], seed'))` with `h_{-1} = seed'` and
-//! `link(p, c) = (rotl(p, 32) ^ c) · φ` (φ the odd golden-ratio constant), over the tokens'
-//! in-memory bytes (u32, native endian; hashes never leave the process), and
-//! `seed' = seed ^ xxh3_64(lora_name)` for an adapter (the base model uses `seed`). Each
-//! block's content hash is independent of the others, so the CPU overlaps them; only the cheap
-//! `link` is serial. A partial tail block is ignored. Because each hash covers its whole prefix,
+//! `h_i = link(h_{i-1}, content(tokens[i·bs..(i+1)·bs], seed'))` with `h_{-1} = seed'` and
+//! `link(p, c) = (rotl(p, 32) ^ c) · φ` (φ the odd golden-ratio constant), and
+//! `seed' = seed ^ xxh3_64(lora_name)` for an adapter (the base model uses `seed`). `content`
+//! ([`content`]) folds each pair of 64-bit words (four tokens) through one 64×64→128-bit
+//! multiply with seeded keys and the sum through one more: the structure of xxh3's 16-byte mix,
+//! without the length dispatch and secret arithmetic of a general-purpose hash, which was most of
+//! the routing decision's hashing. Hashes never leave the kvgate version that made them (a
+//! replica's peers run the same build). Each block's content hash is independent of the others,
+//! so the CPU overlaps them; only the cheap `link` is serial. A partial tail block is ignored. Because each hash covers its whole prefix,
 //! one lookup per block answers "does this worker hold the prefix up to here".
 //!
 //! Requests and event `token_ids` go through this same function, so kvgate never depends on
@@ -62,8 +65,7 @@ impl Hasher {
     #[inline]
     pub fn block(&self, parent: Option<BlockHash>, tokens: &[u32]) -> BlockHash {
         debug_assert_eq!(tokens.len(), self.block_size);
-        let content = xxh3_64_with_seed(bytemuck::cast_slice(tokens), self.seed);
-        let h = link(parent.unwrap_or(self.seed), content);
+        let h = link(parent.unwrap_or(self.seed), content(tokens, self.seed));
         // 0 is reserved for "empty"; the remap costs nothing measurable.
         if h == 0 { 1 } else { h }
     }
@@ -74,8 +76,7 @@ impl Hasher {
     pub fn block_with(&self, parent: Option<BlockHash>, tokens: &[u32], extra: Option<u64>) -> BlockHash {
         let Some(extra) = extra else { return self.block(parent, tokens) };
         debug_assert_eq!(tokens.len(), self.block_size);
-        let content = xxh3_64_with_seed(bytemuck::cast_slice(tokens), self.seed ^ mix(extra));
-        let h = link(parent.unwrap_or(self.seed), content);
+        let h = link(parent.unwrap_or(self.seed), content(tokens, self.seed ^ mix(extra)));
         if h == 0 { 1 } else { h }
     }
 
@@ -134,10 +135,59 @@ pub fn opaque_digest(encoded_keys: &[u8]) -> u64 {
     xxh3_64_with_seed(encoded_keys, 0x4f70_6171) | 1
 }
 
+/// Odd 64-bit keys of [`content`], one per word of a pair, cycled over longer blocks; the last
+/// pair keys the final fold.
+const KEYS: [u64; 10] = [
+    0xa076_1d64_78bd_642f,
+    0xe703_7ed1_a0b4_28db,
+    0x8ebc_6af0_9c88_c6e3,
+    0x5899_65cc_7537_4cc3,
+    0x1d8e_4e27_c47d_124f,
+    0xb2ad_e2d1_0be9_5b8b,
+    0x2d35_8dcc_aa6c_78a5,
+    0x4b33_a62e_d433_d4a3,
+    0x9e37_79b9_7f4a_7c15,
+    0xbf58_476d_1ce4_e5b9,
+];
+
+/// The 128-bit product of `a` and `b`, its halves folded by xor: every input bit reaches the
+/// middle bits of the result, and the fold carries them to both ends.
+#[inline(always)]
+fn fold_mul(a: u64, b: u64) -> u64 {
+    let r = u128::from(a) * u128::from(b);
+    #[allow(clippy::cast_possible_truncation, reason = "the product's two halves, folded")]
+    let (lo, hi) = (r as u64, (r >> 64) as u64);
+    lo ^ hi
+}
+
+/// The content hash of one block of `tokens` under `seed` (module doc): each four tokens, as
+/// two little-endian 64-bit words, xored with seeded keys and folded through one multiply; the
+/// sum, with the block's length, through one more. A block of 16 tokens (vLLM's default
+/// `block_size`) is four independent multiplies and the fold, which the compiler unrolls.
+#[inline(always)]
+pub fn content(tokens: &[u32], seed: u64) -> u64 {
+    if tokens.len() == 16 {
+        return content_of(&tokens[..16], seed);
+    }
+    content_of(tokens, seed)
+}
+
+/// [`content`] for any length (the caller's length check lets the compiler unroll a fixed one).
+#[inline(always)]
+fn content_of(tokens: &[u32], seed: u64) -> u64 {
+    let word = |q: &[u32], i: usize| u64::from(q.get(i).copied().unwrap_or(0)) | (u64::from(q.get(i + 1).copied().unwrap_or(0)) << 32);
+    let mut acc = 0u64;
+    for (i, q) in tokens.chunks(4).enumerate() {
+        let k = (2 * i) % 8;
+        acc = acc.wrapping_add(fold_mul(word(q, 0) ^ KEYS[k].wrapping_add(seed), word(q, 2) ^ KEYS[k + 1].wrapping_sub(seed)));
+    }
+    fold_mul(acc ^ KEYS[8], (tokens.len() as u64) ^ seed ^ KEYS[9])
+}
+
 /// One link of the chain: a bijection of the parent for a fixed block and of the block for a
 /// fixed parent, so prefixes that differ once stay different whatever follows. It is the only
 /// serial step of [`Hasher::chain`]: a rotate, an xor and one multiply, a fraction of a full
-/// finaliser's latency. `content` is already an avalanche-complete xxh3, so the product needs
+/// finaliser's latency. `content` already ends in a full multiply fold, so the product needs
 /// no finaliser; the rotation feeds the parent's well-mixed high bits into the product's low
 /// bits, which the flat index reads first.
 #[inline]
@@ -268,5 +318,50 @@ mod tests {
         }
         let mean = seen.len() as f64 / 64.0;
         assert!(buckets.iter().all(|&b| (f64::from(b) - mean).abs() < mean * 0.15), "{buckets:?}");
+    }
+
+    #[test]
+    fn every_token_bit_reaches_about_half_the_content_hash() {
+        // Flipping any one bit of any token of a 16-token block changes about half of the
+        // content hash's bits, over many random blocks and seeds.
+        let mut next = sequence(7);
+        let (mut flipped, mut trials) = (0u64, 0u64);
+        let mut least = u32::MAX;
+        for _ in 0..200 {
+            let seed = next();
+            let block: Vec<u32> = (0..16).map(|_| next() as u32).collect();
+            let base = content(&block, seed);
+            for t in 0..16 {
+                for bit in 0..32 {
+                    let mut b = block.clone();
+                    b[t] ^= 1 << bit;
+                    let d = (content(&b, seed) ^ base).count_ones();
+                    least = least.min(d);
+                    flipped += u64::from(d);
+                    trials += 1;
+                }
+            }
+        }
+        let mean = flipped as f64 / trials as f64;
+        assert!((mean - 32.0).abs() < 0.5, "mean bits changed {mean}");
+        assert!(least >= 8, "a one-bit change moved only {least} bits");
+    }
+
+    #[test]
+    fn other_block_sizes_hash_every_token_and_their_length() {
+        let seed = DEFAULT_SEED;
+        for len in [1usize, 3, 5, 7, 16, 17, 32, 33, 128] {
+            let t: Vec<u32> = (0..len as u32).map(|x| x * 7 + 1).collect();
+            for i in 0..len {
+                let mut u = t.clone();
+                u[i] += 1;
+                assert_ne!(content(&t, seed), content(&u, seed), "len {len} token {i}");
+            }
+            // A trailing zero token is not padding.
+            let mut z = t.clone();
+            z.push(0);
+            assert_ne!(content(&t, seed), content(&z, seed), "len {len}");
+            assert_ne!(content(&t, seed), content(&t, seed ^ 1));
+        }
     }
 }

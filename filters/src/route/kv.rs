@@ -186,17 +186,20 @@ impl Policy for KvPolicy {
     fn choose(&self, req: &RequestSummary<'_>, candidates: &[Candidate]) -> Decision {
         let req = &self.sized(&req.among(candidates));
         let debug = tracing::enabled!(tracing::Level::DEBUG);
-        let mut costs = Vec::with_capacity(candidates.len());
-        let mut ttfts = Vec::with_capacity(candidates.len());
-        for c in candidates {
-            let (cost, ttft) = self.held_cost(req, c, debug);
-            costs.push(cost);
-            ttfts.push(ttft);
+        // Both columns in one allocation: it runs on every request. A cost without a predicted
+        // time to first token (`blocks`) has −∞ there, which no bound rules out.
+        let n = candidates.len();
+        let mut priced = vec![0.0; 2 * n];
+        let (costs, ttfts) = priced.split_at_mut(n);
+        for ((c, cost), ttft) in candidates.iter().zip(costs.iter_mut()).zip(ttfts.iter_mut()) {
+            let (k, t) = self.held_cost(req, c, debug);
+            *cost = k;
+            *ttft = t.unwrap_or(f64::NEG_INFINITY);
         }
-        self.bound_trades(req, &mut costs, &ttfts);
+        self.bound_trades(req, costs, ttfts);
         match self.params.temperature {
-            t if t > 0.0 => self.sample(&costs, t).unwrap_or_else(|| self.cheapest(candidates, &costs)),
-            _ => self.cheapest(candidates, &costs),
+            t if t > 0.0 => self.sample(costs, t).unwrap_or_else(|| self.cheapest(candidates, costs)),
+            _ => self.cheapest(candidates, costs),
         }
     }
 }
@@ -221,12 +224,12 @@ impl KvPolicy {
     /// other requests lose; summed, they can outweigh seconds of the request's own wait, and
     /// those trades make the first-token tail. A TTFT objective the request holds widens the
     /// bound to it: a worker meeting both of its objectives is never ruled out for its TPOT.
-    fn bound_trades(&self, req: &RequestSummary<'_>, costs: &mut [f64], ttfts: &[Option<f64>]) {
-        let Some(limit) = self.ttft_limit(req, ttfts.iter().flatten().copied()) else {
+    fn bound_trades(&self, req: &RequestSummary<'_>, costs: &mut [f64], ttfts: &[f64]) {
+        let Some(limit) = self.ttft_limit(req, ttfts.iter().copied().filter(|t| t.is_finite())) else {
             return;
         };
-        for (cost, ttft) in costs.iter_mut().zip(ttfts) {
-            if ttft.is_some_and(|t| t > limit) {
+        for (cost, &ttft) in costs.iter_mut().zip(ttfts) {
+            if ttft > limit {
                 *cost = f64::INFINITY;
             }
         }
@@ -272,9 +275,14 @@ impl KvPolicy {
         let (at, best) = costs.iter().copied().enumerate().fold((0, f64::MAX), |m, (i, c)| if c < m.1 { (i, c) } else { m });
         let slack = self.tie_slack(candidates.get(at));
         let tied = |i: &usize| costs[*i] <= best + slack;
-        let least = (0..costs.len()).filter(tied).map(|i| candidates[i].in_flight).min().unwrap_or(0);
+        // The fewest requests in flight among the tied costs, and how many tied costs have it.
+        let (least, n) = (0..costs.len()).filter(tied).fold((u32::MAX, 0usize), |(least, n), i| match candidates[i].in_flight {
+            f if f < least => (f, 1),
+            f if f == least => (least, n + 1),
+            _ => (least, n),
+        });
         let pool = || (0..costs.len()).filter(tied).filter(|&i| candidates[i].in_flight == least);
-        let n = pool().count().max(1);
+        let n = n.max(1);
         #[allow(clippy::cast_sign_loss, reason = "a uniform draw in [0, 1) times a count: not negative")]
         let k = (self.uniform() * n as f64) as usize % n;
         Decision::Worker(pool().nth(k).unwrap_or(0))
