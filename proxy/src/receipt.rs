@@ -298,6 +298,7 @@ impl Placement {
                             v["ahead_ms"] = json!(t.ahead_ms);
                             v["decode_ms"] = json!(t.decode_ms);
                             v["imposed_ms"] = json!(t.imposed_ms);
+                            v["decode_weight"] = json!(t.decode_weight);
                             v["tpot_ms"] = json!(t.tpot_ms);
                             if self.slo.is_set() {
                                 v["slo_violation"] = json!(self.slo.violation(t.ttft_ms(), t.tpot_ms));

@@ -387,9 +387,14 @@ mod tests {
         let p = KvPolicy::new(KvParams { pricing: Pricing { decode: true, ..Pricing::default() }, ..KvParams::default() });
         let crowded = Candidate { id: 0, overlap_blocks: 128, in_flight: 24, active_blocks: 24 * 128, ..Default::default() };
         let idle = Candidate { id: 1, ..Default::default() };
-        let asking = |out: f64| RequestSummary { expected_output_tokens: out, mean_output_tokens: 200.0, ..req(2048) };
+        // A ms of end to end worth half a ms of first token (`v`: the model's mean TTFT over
+        // its mean end to end).
+        let asking = |out: f64| RequestSummary { expected_output_tokens: out, mean_output_tokens: 200.0, e2e_weight: 0.5, ..req(2048) };
         assert_eq!(p.choose(&asking(16.0), &[crowded.clone(), idle.clone()]), Decision::Worker(0), "a short answer goes where its prefix is");
         assert_eq!(p.choose(&asking(1000.0), &[crowded.clone(), idle.clone()]), Decision::Worker(1), "a long one leaves the crowded batch");
+        // Where the end to end is worth far less than the first token, the long one stays too.
+        let cheap = RequestSummary { e2e_weight: 0.05, ..asking(1000.0) };
+        assert_eq!(p.choose(&cheap, &[crowded.clone(), idle.clone()]), Decision::Worker(0), "its decode is worth less than the prefill it saves");
         assert_eq!(p.choose(&asking(0.0), &[crowded.clone(), idle.clone()]), Decision::Worker(0), "an unknown length prices no decode");
         let off = KvPolicy::new(KvParams::default());
         assert_eq!(off.choose(&asking(1000.0), &[crowded, idle]), Decision::Worker(0), "price_decode off (the default for now) is #14's cost");

@@ -6,7 +6,7 @@
 //! documents alike (docs/routing.md, "The time cost").
 //!
 //! ```text
-//! cost      = ttft + slowdown + behind + duplicate (+ ahead, decode + imposed, off by default)
+//! cost      = ttft + slowdown + behind + duplicate (+ ahead, v · (decode + imposed), off by default)
 //! decode    = shared · step + out · Δ                          its own tokens, one step each, in the batch it joins
 //! imposed   = in_flight · Δ · shared                           the step time it adds to the requests decoding there
 //! shared    = min(out, remaining)                              the steps it shares with the batch there now
@@ -95,7 +95,11 @@
 //! requests in it last (`remaining`); after that it is whoever arrives, alike on every worker,
 //! so only the steps shared with the batch there now tell workers apart. The weight grows with
 //! the expected output up to that, so a short answer still goes where its prefix is and a long
-//! one leaves a crowded batch.
+//! one leaves a crowded batch. Both are end-to-end time, so they are priced as the stall's
+//! end-to-end part is, at `v` (a ms of end to end is worth the model's mean TTFT over its mean
+//! end to end in TTFT): counted in full, a long answer's seconds of decode outweighed any first
+//! token, and the median TTFT doubled; at `v` they decide among workers whose first tokens are
+//! close and leave the first token where it is best.
 //!
 //! Priors ([`TimePriors::default`]) are Llama-3.1-8B on one H100 under vLLM (about 28k prefill
 //! tokens/s, 6 ms per step, KV reads of 128 KiB per context token at 3 TB/s). The gateway
@@ -191,6 +195,10 @@ pub struct Prediction {
     /// What its decode costs the requests decoding there: each step of theirs it overlaps is
     /// longer by its sequence and context.
     pub imposed_ms: f64,
+    /// What a ms of `decode_ms` and `imposed_ms` is worth in time to first token: `v`, the
+    /// model's mean TTFT over its mean end to end (`RequestSummary::e2e_weight`), the rate the
+    /// stall's end-to-end part is priced at (0 before a stream was timed).
+    pub decode_weight: f64,
     /// Its predicted time per output token there, what a `tpot_ms` objective is held to
     /// ([`TimePriors::tpot_of`]) with its own sequence and context added (Δ): the worker's
     /// measured step, whose gaps already hold the stalls of the prefill chunks it runs; before
@@ -210,7 +218,7 @@ impl Prediction {
     /// requests (those running there, those queuing behind it, those a duplicated prefix
     /// evicts), ms.
     pub fn cost_ms(&self) -> f64 {
-        self.ttft_ms() + self.slowdown_ms + self.behind_ms + self.ahead_ms + self.duplicate_ms + self.decode_ms + self.imposed_ms
+        self.ttft_ms() + self.slowdown_ms + self.behind_ms + self.ahead_ms + self.duplicate_ms + self.decode_weight * (self.decode_ms + self.imposed_ms)
     }
 }
 
@@ -339,6 +347,7 @@ impl TimePriors {
             ms_per_prefill_token: a,
             decode_ms,
             imposed_ms,
+            decode_weight: req.e2e_weight,
             tpot_ms,
         }
     }
@@ -499,7 +508,13 @@ mod tests {
         let delta = 0.03 + 4.0e-5 * (1000.0 + 50.0);
         assert!((got.decode_ms - (50.0 * step + 100.0 * delta)).abs() < 1e-9, "the batch there now for the 50 steps it has left: {got:?}");
         assert!((got.imposed_ms - 10.0 * delta * 50.0).abs() < 1e-9, "each running request loses delta for the 50 steps it has left");
-        assert!((got.cost_ms() - got.ttft_ms() - got.behind_ms - got.duplicate_ms - got.decode_ms - got.imposed_ms).abs() < 1e-9);
+        // Priced at what a ms of end to end is worth in TTFT, and not before one was measured.
+        assert_eq!(got.decode_weight, 0.0);
+        assert!((got.cost_ms() - got.ttft_ms() - got.behind_ms - got.duplicate_ms).abs() < 1e-9);
+        let weighed = p.predict(&RequestSummary { e2e_weight: 0.05, ..r.clone() }, &c, pricing);
+        assert_eq!((weighed.decode_ms, weighed.imposed_ms), (got.decode_ms, got.imposed_ms));
+        let rest = weighed.ttft_ms() + weighed.behind_ms + weighed.duplicate_ms + weighed.slowdown_ms;
+        assert!((weighed.cost_ms() - rest - 0.05 * (got.decode_ms + got.imposed_ms)).abs() < 1e-9, "{weighed:?}");
         // A worker measured twice as slow as the prior steps twice as long, this request's
         // share too.
         let slow = p.predict(&r, &Candidate { step_ms: 2.0 * step, ..c.clone() }, pricing);
