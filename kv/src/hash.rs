@@ -2,14 +2,15 @@
 //!
 //! `h_i = link(h_{i-1}, content(tokens[i·bs..(i+1)·bs], seed'))` with `h_{-1} = seed'` and
 //! `link(p, c) = (rotl(p, 32) ^ c) · φ` (φ the odd golden-ratio constant), and
-//! `seed' = seed ^ xxh3_64(lora_name)` for an adapter (the base model uses `seed`). `content`
-//! ([`content`]) folds each pair of 64-bit words (four tokens) through one 64×64→128-bit
-//! multiply with seeded keys and the sum through one more: the structure of xxh3's 16-byte mix,
-//! without the length dispatch and secret arithmetic of a general-purpose hash, which was most of
-//! the routing decision's hashing. Hashes never leave the kvgate version that made them (a
-//! replica's peers run the same build). Each block's content hash is independent of the others,
-//! so the CPU overlaps them; only the cheap `link` is serial. A partial tail block is ignored. Because each hash covers its whole prefix,
-//! one lookup per block answers "does this worker hold the prefix up to here".
+//! `seed' = seed ^ xxh3_64(lora_name)` for an adapter (the base model uses `seed`). [`content`]
+//! folds each pair of 64-bit words (four tokens) through one 64×64→128-bit multiply with seeded
+//! keys and the sum through one more: the structure of xxh3's 16-byte mix, without the length
+//! dispatch and secret arithmetic of a general-purpose hash, which were most of the routing
+//! decision's hashing. Hashes are compared only with hashes of the same kvgate build (a
+//! replica's peers included: docs/replicas.md). Each block's content hash is independent of the
+//! others, so the CPU overlaps them; only the cheap `link` is serial. A partial tail block is
+//! ignored. Because each hash covers its whole prefix, one lookup per block answers "does this
+//! worker hold the prefix up to here".
 //!
 //! Requests and event `token_ids` go through this same function, so kvgate never depends on
 //! vLLM's hash algorithm or `PYTHONHASHSEED`: engine hashes are only ids for parent links and
@@ -23,8 +24,8 @@
 //! the seed `seed ^ mix(extra)` ([`Hasher::chain_with`]). A salt's digest is the same from a
 //! request's `cache_salt` and from a `BlockStored` event's `extra_keys`, so salted prefixes
 //! match only requests with the same salt; opaque digests are odd and salt digests even, so a
-//! multimodal or embeddings block never matches a text request. Blocks without extra keys hash
-//! exactly as before ([`Hasher::chain`]).
+//! multimodal or embeddings block never matches a text request. Blocks without extra keys are
+//! hashed with the seed alone ([`Hasher::chain`]).
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -161,9 +162,10 @@ fn fold_mul(a: u64, b: u64) -> u64 {
 }
 
 /// The content hash of one block of `tokens` under `seed` (module doc): each four tokens, as
-/// two little-endian 64-bit words, xored with seeded keys and folded through one multiply; the
-/// sum, with the block's length, through one more. A block of 16 tokens (vLLM's default
-/// `block_size`) is four independent multiplies and the fold, which the compiler unrolls.
+/// two 64-bit words (little-endian pairs of token ids), xored with keys that depend on the seed
+/// and on their position and folded through one multiply; the sum, with the block's length,
+/// through one more. A block of 16 tokens (vLLM's default `block_size`) is four independent
+/// multiplies and the fold, which the compiler unrolls.
 #[inline(always)]
 pub fn content(tokens: &[u32], seed: u64) -> u64 {
     if tokens.len() == 16 {
@@ -173,15 +175,18 @@ pub fn content(tokens: &[u32], seed: u64) -> u64 {
 }
 
 /// [`content`] for any length (the caller's length check lets the compiler unroll a fixed one).
+/// The keys cycle every 16 tokens, offset by a golden-ratio step per cycle, so groups of four
+/// tokens that trade places anywhere in a longer block hash differently.
 #[inline(always)]
 fn content_of(tokens: &[u32], seed: u64) -> u64 {
     let word = |q: &[u32], i: usize| u64::from(q.get(i).copied().unwrap_or(0)) | (u64::from(q.get(i + 1).copied().unwrap_or(0)) << 32);
     let mut acc = 0u64;
     for (i, q) in tokens.chunks(4).enumerate() {
-        let k = (2 * i) % 8;
-        acc = acc.wrapping_add(fold_mul(word(q, 0) ^ KEYS[k].wrapping_add(seed), word(q, 2) ^ KEYS[k + 1].wrapping_sub(seed)));
+        let (k, cycle) = ((2 * i) % 8, (i / 4) as u64);
+        let offset = seed.wrapping_add(cycle.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        acc = acc.wrapping_add(fold_mul(word(q, 0) ^ KEYS[k].wrapping_add(offset), word(q, 2) ^ KEYS[k + 1].wrapping_sub(offset)));
     }
-    fold_mul(acc ^ KEYS[8], (tokens.len() as u64) ^ seed ^ KEYS[9])
+    fold_mul(acc ^ seed ^ KEYS[8], (tokens.len() as u64) ^ KEYS[9])
 }
 
 /// One link of the chain: a bijection of the parent for a fixed block and of the block for a
@@ -362,6 +367,20 @@ mod tests {
             z.push(0);
             assert_ne!(content(&t, seed), content(&z, seed), "len {len}");
             assert_ne!(content(&t, seed), content(&t, seed ^ 1));
+        }
+        // Groups of four tokens a whole key cycle (16 tokens) apart, swapped, differ too.
+        for len in [32usize, 64, 128] {
+            let t: Vec<u32> = (0..len as u32).map(|x| x * 7 + 1).collect();
+            for (a, b) in [(0, 16), (4, 20), (0, 48), (12, 124)] {
+                if b + 4 > len {
+                    continue;
+                }
+                let mut u = t.clone();
+                for j in 0..4 {
+                    u.swap(a + j, b + j);
+                }
+                assert_ne!(content(&t, seed), content(&u, seed), "len {len}: groups at {a} and {b} swapped");
+            }
         }
     }
 }
