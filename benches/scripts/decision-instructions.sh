@@ -17,6 +17,7 @@ BIN=${1:-target/release/routing-decision}
 [ -x "$BIN" ] || { echo "no routing-decision binary at $BIN (cargo build --release -p kvgate-bench)" >&2; exit 2; }
 BIN=$(realpath "$BIN")
 OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
 command -v valgrind >/dev/null || { echo "needs valgrind (apt-get install -y valgrind)" >&2; exit 2; }
 if ! valgrind --tool=callgrind --callgrind-out-file="$OUT/callgrind.out" "$BIN" > "$OUT/run.log" 2>&1; then
     tail -20 "$OUT/run.log" >&2
