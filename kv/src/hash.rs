@@ -136,6 +136,11 @@ pub fn opaque_digest(encoded_keys: &[u8]) -> u64 {
     xxh3_64_with_seed(encoded_keys, 0x4f70_6171) | 1
 }
 
+/// φ: 2^64 over the golden ratio, rounded to odd. Stepping by it visits every 64-bit value
+/// with consecutive steps far apart, and multiplying by it spreads low bits upward: the chain's
+/// link, [`mix`]'s counter and [`content`]'s key offsets all use it.
+const PHI: u64 = 0x9e37_79b9_7f4a_7c15;
+
 /// Odd 64-bit keys of [`content`], one per word of a pair, cycled over longer blocks; the last
 /// pair keys the final fold.
 const KEYS: [u64; 10] = [
@@ -147,7 +152,7 @@ const KEYS: [u64; 10] = [
     0xb2ad_e2d1_0be9_5b8b,
     0x2d35_8dcc_aa6c_78a5,
     0x4b33_a62e_d433_d4a3,
-    0x9e37_79b9_7f4a_7c15,
+    PHI,
     0xbf58_476d_1ce4_e5b9,
 ];
 
@@ -183,7 +188,7 @@ fn content_of(tokens: &[u32], seed: u64) -> u64 {
     let mut acc = 0u64;
     for (i, q) in tokens.chunks(4).enumerate() {
         let (k, cycle) = ((2 * i) % 8, (i / 4) as u64);
-        let offset = seed.wrapping_add(cycle.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let offset = seed.wrapping_add(cycle.wrapping_mul(PHI));
         acc = acc.wrapping_add(fold_mul(word(q, 0) ^ KEYS[k].wrapping_add(offset), word(q, 2) ^ KEYS[k + 1].wrapping_sub(offset)));
     }
     fold_mul(acc ^ seed ^ KEYS[8], (tokens.len() as u64) ^ KEYS[9])
@@ -197,14 +202,14 @@ fn content_of(tokens: &[u32], seed: u64) -> u64 {
 /// bits, which the flat index reads first.
 #[inline]
 fn link(parent: BlockHash, content: u64) -> BlockHash {
-    (parent.rotate_left(32) ^ content).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    (parent.rotate_left(32) ^ content).wrapping_mul(PHI)
 }
 
 /// splitmix64 (golden-ratio step + finaliser): a fast bijection with full avalanche. Also the
 /// gateway's source of cheap well-mixed numbers (random routing, tie-breaks, request ids).
 #[inline]
 pub fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = z.wrapping_add(PHI);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
@@ -215,7 +220,7 @@ pub fn mix(mut z: u64) -> u64 {
 pub fn sequence(seed: u64) -> impl FnMut() -> u64 {
     let mut state = seed;
     move || {
-        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        state = state.wrapping_add(PHI);
         mix(state)
     }
 }
