@@ -134,7 +134,7 @@ fn clients(
     (0..n)
         .map(|i| {
             let (http, url, stop) = (gw.http.clone(), format!("{}/v1/completions", gw.url), stop.clone());
-            let mut rng = Rng(0x5eed ^ (seed * 1000 + i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            let mut rng = Rng(0x5eed ^ (seed * 1000 + i as u64).wrapping_mul(kvgate_kv::hash::PHI));
             let prompt_tokens = o.prompt_tokens;
             tokio::spawn(async move {
                 let mut out = Vec::new();
@@ -293,7 +293,7 @@ pub async fn drain(o: &Options, mode: &str) -> Result<Drain, String> {
     let one_each: Vec<_> = (0..o.drain_streams)
         .map(|i| {
             let (http, url) = (gw.http.clone(), format!("{}/v1/completions", gw.url));
-            let mut rng = Rng(0xd4a1 ^ (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            let mut rng = Rng(0xd4a1 ^ (i as u64 + 1).wrapping_mul(kvgate_kv::hash::PHI));
             let prompt: Vec<u32> = (0..o.prompt_tokens).map(|_| 100 + (rng.next_u64() % 3000) as u32).collect();
             let body = json!({"model": "sim-model", "prompt": prompt, "max_tokens": o.drain_tokens, "ignore_eos": true, "stream": true,
                               "stream_options": {"include_usage": true}});

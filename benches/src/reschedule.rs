@@ -89,7 +89,7 @@ async fn burst(o: &Options, workers: &[SimWorker], rescheduling: &str, seed: u64
     procs.0.push(gw);
     let (url, admin) = (at.url, at.admin);
     wait_ok(&http, &format!("{url}/health"), Duration::from_secs(30)).await?;
-    let mut rng = Rng(0x5eed ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let mut rng = Rng(0x5eed ^ seed.wrapping_mul(kvgate_kv::hash::PHI));
     let started = Instant::now();
     let tasks: Vec<_> = (0..o.requests)
         .map(|_| {

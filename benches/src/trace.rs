@@ -67,7 +67,7 @@ pub fn prompt(r: &TraceRequest, vocab: u32, max_tokens: usize) -> Vec<u32> {
 
 /// The generator a hash id's block is drawn from: the same for every request naming the id.
 pub fn block_rng(id: u64) -> Rng {
-    Rng(id.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    Rng(id.wrapping_mul(kvgate_kv::hash::PHI) | 1)
 }
 
 #[cfg(test)]

@@ -138,8 +138,9 @@ pub fn opaque_digest(encoded_keys: &[u8]) -> u64 {
 
 /// φ: 2^64 over the golden ratio, rounded to odd. Stepping by it visits every 64-bit value
 /// with consecutive steps far apart, and multiplying by it spreads low bits upward: the chain's
-/// link, [`mix`]'s counter and [`content`]'s key offsets all use it.
-const PHI: u64 = 0x9e37_79b9_7f4a_7c15;
+/// link, [`mix`]'s counter and [`content`]'s key offsets all use it, and the workspace's
+/// seeded counters step by it.
+pub const PHI: u64 = 0x9e37_79b9_7f4a_7c15;
 
 /// Odd 64-bit keys of [`content`], one per word of a pair, cycled over longer blocks; the last
 /// pair keys the final fold.

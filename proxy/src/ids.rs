@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub fn fresh_bits() -> u64 {
     static N: AtomicU64 = AtomicU64::new(0);
     let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
-    kvgate_kv::hash::mix(t ^ N.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed))
+    kvgate_kv::hash::mix(t ^ N.fetch_add(kvgate_kv::hash::PHI, Ordering::Relaxed))
 }
 
 /// `prefix` and `bits` as 16 hex digits, written without the formatting machinery (a request

@@ -155,7 +155,7 @@ impl Faults {
     }
 
     fn uniform(&self) -> f64 {
-        let z = crate::sampler::mix(self.rng.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed));
+        let z = crate::sampler::mix(self.rng.fetch_add(crate::sampler::PHI, Ordering::Relaxed));
         (z >> 11) as f64 / (1u64 << 53) as f64
     }
 }

@@ -5,7 +5,7 @@ pub fn random_id() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
-    format!("{:016x}", crate::sampler::mix(t ^ COUNTER.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed)))
+    format!("{:016x}", crate::sampler::mix(t ^ COUNTER.fetch_add(crate::sampler::PHI, Ordering::Relaxed)))
 }
 
 /// A random version-4 UUID string, as Python's `str(uuid.uuid4())` (vLLM's default

@@ -23,7 +23,7 @@ impl ContextHash {
 
     /// Folds one more token into the context.
     pub fn push(self, token: u32) -> Self {
-        Self(mix(self.0 ^ (u64::from(token) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)))
+        Self(mix(self.0 ^ (u64::from(token) + 1).wrapping_mul(PHI)))
     }
 
     /// Folds a slice of tokens.
@@ -31,6 +31,9 @@ impl ContextHash {
         tokens.iter().fold(self, |h, &t| h.push(t))
     }
 }
+
+/// 2^64 over the golden ratio, rounded to odd: the step of the simulator's seeded counters.
+pub(crate) const PHI: u64 = 0x9e37_79b9_7f4a_7c15;
 
 /// splitmix64's finaliser: a fast, well-mixed 64-bit bijection (the simulator's one copy).
 pub(crate) fn mix(mut z: u64) -> u64 {

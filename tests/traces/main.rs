@@ -40,7 +40,7 @@ async fn gateway(r: &Receiver, ratio: f64) -> (Cluster, String, bool) {
 /// A fresh W3C trace id and span id (the "client's" span).
 fn client_ids(tag: u64) -> (String, String) {
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
-    (format!("{:032x}", nanos ^ u128::from(tag) << 64), format!("{:016x}", tag.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1))
+    (format!("{:032x}", nanos ^ u128::from(tag) << 64), format!("{:016x}", tag.wrapping_mul(kvgate_kv::hash::PHI) | 1))
 }
 
 fn named<'a>(spans: &'a [Received], name: &str) -> Vec<&'a Received> {

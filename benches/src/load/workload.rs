@@ -439,7 +439,7 @@ pub fn shared_prefix(w: SharedPrefix) -> Workload {
         .map(|_| {
             let g = (rng.next_u64() % u64::from(groups.max(1))) as u32;
             let mut prompt = Prompt::new(format);
-            prompt.draw(&mut Rng(u64::from(g).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1), prefix_tokens, vocab);
+            prompt.draw(&mut Rng(u64::from(g).wrapping_mul(kvgate_kv::hash::PHI) | 1), prefix_tokens, vocab);
             prompt.draw(&mut rng, suffix_tokens, vocab);
             at += poisson_gap(&mut rng, rate);
             Job { at: Duration::from_secs_f64(at), path: "/v1/completions", body: completion(prompt.into_json(), output_tokens) }

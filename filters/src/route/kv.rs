@@ -173,7 +173,7 @@ impl KvPolicy {
     }
 
     fn uniform(&self) -> f64 {
-        let z = kvgate_kv::hash::mix(self.rng.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed));
+        let z = kvgate_kv::hash::mix(self.rng.fetch_add(kvgate_kv::hash::PHI, Ordering::Relaxed));
         (z >> 11) as f64 / (1u64 << 53) as f64
     }
 }

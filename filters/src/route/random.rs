@@ -24,7 +24,7 @@ impl Random {
 
     fn next(&self) -> u64 {
         // splitmix64 over an atomic counter: lock-free and well distributed.
-        kvgate_kv::hash::mix(self.state.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed))
+        kvgate_kv::hash::mix(self.state.fetch_add(kvgate_kv::hash::PHI, Ordering::Relaxed))
     }
 }
 

@@ -287,7 +287,7 @@ mod tests {
             // the largest land in the last home slots and spill into the tail.
             let key = match x % 4 {
                 0 => (x >> 8) % 3000 + 1,
-                1 => ((x >> 8) % 3000 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                1 => ((x >> 8) % 3000 + 1).wrapping_mul(crate::hash::PHI),
                 _ => spread(u64::MAX - (x >> 8) % 40),
             };
             if x.is_multiple_of(3) {

@@ -237,7 +237,7 @@ mod tests {
             // Fill every slot: a full table refuses a new key and still finds the old ones.
             let mut k = 1u64;
             while t.live().count() < cap {
-                if let Some((slot, true)) = t.slot_for(k.wrapping_mul(0x9e37_79b9_7f4a_7c15)) {
+                if let Some((slot, true)) = t.slot_for(k.wrapping_mul(crate::hash::PHI)) {
                     t.set_bit(slot, 0);
                 }
                 k += 1;

@@ -81,7 +81,7 @@ fn apply(idx: &dyn KvIndex, op: &Op) -> Result<(), IndexError> {
 #[test]
 fn flat_index_matches_the_reference_on_random_interleavings() {
     for case in 0..300u64 {
-        let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ case.wrapping_mul(0x1000_0001));
+        let mut rng = Rng(crate::hash::PHI ^ case.wrapping_mul(0x1000_0001));
         let workers = [1, 3, 8, 70, 200][case as usize % 5];
         let cs = chains(&mut rng, 12, 2 + (case as usize % 3));
         let reference = ReferenceTree::new();
