@@ -27,6 +27,7 @@
 //! multimodal or embeddings block never matches a text request. Blocks without extra keys are
 //! hashed with the seed alone ([`Hasher::chain`]).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// A chained block hash (never 0: 0 marks empty slots in the flat index).
@@ -226,6 +227,12 @@ pub fn sequence(seed: u64) -> impl FnMut() -> u64 {
     }
 }
 
+/// The next number of a [`sequence`] shared by threads through `counter`, without a lock: the
+/// gateway's cheap draws (random routing, tie-breaks), each stepping the counter once.
+pub fn next_shared(counter: &AtomicU64) -> u64 {
+    mix(counter.fetch_add(PHI, Ordering::Relaxed))
+}
+
 /// Hashes for maps keyed by the gateway's own `u64` ids (request registrations, bookings): one
 /// [`mix`] instead of SipHash, which guards against keys an attacker picks and costs several
 /// times more; these keys come from a counter.
@@ -253,6 +260,16 @@ pub type BuildIdHasher = std::hash::BuildHasherDefault<IdHasher>;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_shared_counter_draws_the_sequence_of_its_start() {
+        let counter = AtomicU64::new(7);
+        let mut seq = sequence(7);
+        // The counter's first draw mixes its start; the sequence steps before its first.
+        assert_eq!(next_shared(&counter), mix(7));
+        assert_eq!([next_shared(&counter), next_shared(&counter)], [seq(), seq()]);
+        assert_eq!(counter.load(Ordering::Relaxed), 7u64.wrapping_add(3u64.wrapping_mul(PHI)));
+    }
 
     #[test]
     fn chained_partial_tail_ignored_and_deterministic() {

@@ -32,7 +32,8 @@ impl ContextHash {
     }
 }
 
-/// 2^64 over the golden ratio, rounded to odd: the step of the simulator's seeded counters.
+/// 2^64 over the golden ratio, rounded to odd: the step of the simulator's counters and the
+/// multiplier of its context hash.
 pub(crate) const PHI: u64 = 0x9e37_79b9_7f4a_7c15;
 
 /// splitmix64's finaliser: a fast, well-mixed 64-bit bijection (the simulator's one copy).

@@ -24,7 +24,7 @@
 
 use super::time::{Prediction, Pricing, TimePriors};
 use super::{Candidate, Decision, Policy, RequestSummary};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 
 /// Which cost `kv` mode minimizes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -173,7 +173,7 @@ impl KvPolicy {
     }
 
     fn uniform(&self) -> f64 {
-        let z = kvgate_kv::hash::mix(self.rng.fetch_add(kvgate_kv::hash::PHI, Ordering::Relaxed));
+        let z = kvgate_kv::hash::next_shared(&self.rng);
         (z >> 11) as f64 / (1u64 << 53) as f64
     }
 }

@@ -1,7 +1,7 @@
 //! `random`: a uniformly random candidate (xorshift per policy; no shared lock).
 
 use super::{Candidate, Decision, Policy, RequestSummary};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 
 /// Picks uniformly at random.
 #[derive(Debug)]
@@ -23,8 +23,7 @@ impl Random {
     }
 
     fn next(&self) -> u64 {
-        // splitmix64 over an atomic counter: lock-free and well distributed.
-        kvgate_kv::hash::mix(self.state.fetch_add(kvgate_kv::hash::PHI, Ordering::Relaxed))
+        kvgate_kv::hash::next_shared(&self.state)
     }
 }
 
