@@ -63,6 +63,8 @@ pub fn finished(gw: &Gateway, req: &mut RequestState, outcome: &Outcome) {
         stream = req.stream,
         elapsed_ms = elapsed.as_millis() as u64,
         ttft_ms = req.ttft.map(|t| t.as_millis() as u64),
+        worker = req.attempts.current(),
+        predicted_ttft_ms = req.attempts.predicted().map(|p| p.ttft_ms().round()),
         "request done"
     );
 }
