@@ -91,7 +91,9 @@ def main():
         least.append(ttft_of(best))
         measured.append(outcome[0])
     for _, cands, outcome in rows:
-        errors.append(outcome[0] - ttft_of(chosen(cands, outcome)))
+        # The prediction kvgate logged for the serving worker; logs without it: the chosen one's.
+        predicted = outcome[2] if outcome[2] is not None else ttft_of(chosen(cands, outcome))
+        errors.append(outcome[0] - predicted)
     n = len(tail)
     print(f"placed more than {a.trade_ms:g} ms past their least predicted first token: {traded} of {n}")
     print(f"predicted TTFT at the chosen worker {statistics.mean(pred):.0f} ms, at the least one {statistics.mean(least):.0f} ms, measured {statistics.mean(measured):.0f} ms (means over the tail)")
