@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""How likely a router is to pass "each of N runs within X% of the best peer on every figure",
+read from the runs already measured.
+
+An acceptance of that form is a statement about noise as much as about routing: each figure of
+each router moves from run to run, and the best peer on a figure is the least of several noisy
+draws. This script reads `kvgate-bench compare` results (`results.json` of each run), and for
+one router against the others in those runs prints:
+
+- each router's mean and relative spread (sample standard deviation over mean) per figure;
+- the runs that hold every router: which figures the router passed in each;
+- the odds that one run, and N runs, pass, drawing each router's figures from its own measured
+  runs (a bootstrap: one whole measured run per router per draw, so a router's figures move
+  together as they did), as measured and with the router's figures scaled down by a lead.
+
+    benches/scripts/acceptance-odds.py benches/out/e*/results.json --router kvgate-kv \\
+        --peers vllm-router-kv_aware,vllm-router-cache_aware,smg-cache_aware --runs 3
+
+Runs whose router is missing, or that served fewer requests than the most any run served for
+that router, are left out (a failed or shortened run is not a draw of the same experiment).
+"""
+import argparse
+import json
+import random
+import statistics
+import sys
+
+FIGURES = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("ttft_ms", "p99"), ("tpot_ms", "p90"), ("e2e_ms", "p90"), ("e2e_ms", "p99"))
+NAMES = ("TTFT p50", "TTFT p90", "TTFT p99", "TPOT p90", "E2E p90", "E2E p99")
+
+
+def load(paths, labels):
+    """Each run's figures per router label, for the labels asked for."""
+    runs = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                results = json.load(f)
+        except (OSError, ValueError) as e:
+            print(f"{path}: skipped ({e})", file=sys.stderr)
+            continue
+        run = {}
+        for r in results:
+            if r.get("label") in labels and r.get("errors", 0) == 0:
+                run[r["label"]] = (r["ok"], [float(r[a][b]) for a, b in FIGURES])
+        if run:
+            runs.append((path, run))
+    # A run that served fewer requests than the router's fullest run is not the same experiment.
+    most = {lab: max((run[lab][0] for _, run in runs if lab in run), default=0) for lab in labels}
+    return [(p, {lab: v[1] for lab, v in run.items() if v[0] == most[lab]}) for p, run in runs]
+
+
+def passes(mine, peers, tolerance):
+    """Per figure: whether `mine` is within `tolerance` of the least of `peers`."""
+    return [mine[i] <= (1.0 + tolerance) * min(p[i] for p in peers) for i in range(len(FIGURES))]
+
+
+def odds(draws, router, peers, tolerance, lead, trials, rng):
+    """The share of simulated runs that pass every figure, and each figure's share, with the
+    router's figures scaled by `1 - lead`."""
+    every, each = 0, [0] * len(FIGURES)
+    for _ in range(trials):
+        mine = [x * (1.0 - lead) for x in rng.choice(draws[router])]
+        ok = passes(mine, [rng.choice(draws[p]) for p in peers], tolerance)
+        every += all(ok)
+        each = [n + o for n, o in zip(each, ok)]
+    return every / trials, [n / trials for n in each]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", nargs="+", help="results.json files of `kvgate-bench compare` runs of one workload")
+    ap.add_argument("--router", default="kvgate-kv", help="the router judged (a target label)")
+    ap.add_argument("--peers", default="vllm-router-kv_aware,vllm-router-cache_aware,smg-cache_aware", help="comma-separated peer labels")
+    ap.add_argument("--tolerance", type=float, default=0.02, help="how far behind the best peer a figure may be (0.02: 2%%)")
+    ap.add_argument("--runs", type=int, default=3, help="runs that must each pass")
+    ap.add_argument("--trials", type=int, default=20000)
+    ap.add_argument("--seed", type=int, default=1)
+    a = ap.parse_args()
+    peers = [p for p in a.peers.split(",") if p]
+    labels = [a.router, *peers]
+    runs = load(a.results, set(labels))
+    draws = {lab: [run[lab] for _, run in runs if lab in run] for lab in labels}
+    missing = [lab for lab, d in draws.items() if len(d) < 2]
+    if missing:
+        sys.exit(f"fewer than two runs for {', '.join(missing)}: no spread to read")
+
+    print(f"{'router':28s} runs " + " ".join(f"{n:>17s}" for n in NAMES))
+    for lab in labels:
+        d = draws[lab]
+        cells = []
+        for i in range(len(FIGURES)):
+            xs = [r[i] for r in d]
+            m = statistics.mean(xs)
+            cells.append(f"{m:9.1f} ±{100 * statistics.stdev(xs) / m:4.1f}%")
+        print(f"{lab:28s} {len(d):4d} " + " ".join(f"{c:>17s}" for c in cells))
+
+    full = [(p, run) for p, run in runs if all(lab in run for lab in labels)]
+    print(f"\nruns holding every router: {len(full)}")
+    for p, run in full:
+        ok = passes(run[a.router], [run[q] for q in peers], a.tolerance)
+        missed = [n for n, o in zip(NAMES, ok) if not o]
+        print(f"  {p}: {'passes' if all(ok) else 'misses ' + ', '.join(missed)}")
+
+    rng = random.Random(a.seed)
+    print(f"\nodds of passing, each router's figures drawn from its measured runs ({a.trials} draws):")
+    for lead in (0.0, 0.02, 0.05, 0.07, 0.10):
+        one, each = odds(draws, a.router, peers, a.tolerance, lead, a.trials, rng)
+        label = "as measured" if lead == 0.0 else f"{100 * lead:.0f}% lower on every figure"
+        per = ", ".join(f"{n} {100 * x:.0f}%" for n, x in zip(NAMES, each))
+        print(f"  {label:28s} one run {100 * one:5.1f}%, {a.runs} runs {100 * one ** a.runs:5.1f}% ({per})")
+
+
+if __name__ == "__main__":
+    main()

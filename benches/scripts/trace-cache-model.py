@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""How much of a Mooncake trace's prefix reuse placement alone can keep in the workers' caches.
+
+A model, not the simulator: each worker is an LRU cache of the trace's 512-token blocks (a
+block of a request that is still running cannot be evicted; at its end its blocks join the LRU
+list), and a prefill queue that computes a request's uncached tokens at vllm-sim's single-prompt
+speed, one request after another. Requests end their prefill plus their output at a fixed time
+per token later. Placement rules are replayed over the trace's arrivals, and the model prints
+the share of prompt tokens found cached (the hit rate the bench reports) and, as a rough guide
+only, the queue's first-token p90.
+
+The rules:
+- `greedy`: the least predicted first token (queue plus uncached prefill), ties drawn at random
+  (kvgate's cost without its other terms);
+- `cache_aware`: vllm-router's rule in outline (the best prefix match above half the prompt,
+  else the worker that has stored the fewest tokens, unless the requests in flight are out of
+  balance);
+- `least_written`: `greedy`, ties to the worker that has stored the fewest tokens;
+- `evict_aware`: `greedy` plus the prefill time of the blocks the request would evict that were
+  used within the last `--young` seconds;
+- `oracle`: `greedy` plus the prefill time of the evicted blocks some later request uses (it
+  knows the future, so no router does better by eviction alone).
+
+    benches/scripts/trace-cache-model.py benches/traces/mooncake_synthetic_trace.jsonl \\
+        --requests 800 --speedup 5 --seeds 3
+
+Its defaults are `compare`'s for the trace: 8 workers, 16,384 blocks of 16 tokens each, prompts
+cut to 16,384 tokens.
+"""
+import argparse
+import heapq
+import json
+import random
+from collections import OrderedDict
+
+BLOCK = 512  # the trace's hash block, tokens
+
+
+def load(path, requests, cut):
+    """The first `requests` of the trace: (arrival s, prompt tokens, output tokens, blocks)."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            n = min(r["input_length"], cut)
+            rows.append((r["timestamp"], n, r["output_length"], r["hash_ids"][: (n + BLOCK - 1) // BLOCK]))
+            if len(rows) == requests:
+                break
+    t0 = rows[0][0]
+    return [((t - t0) / 1000.0, n, out, blocks) for t, n, out, blocks in rows]
+
+
+class Fleet:
+    """The workers' caches and prefill queues."""
+
+    def __init__(self, workers, capacity):
+        self.capacity = capacity
+        self.free = [OrderedDict() for _ in range(workers)]  # evictable block -> last use, LRU first
+        self.pinned = [{} for _ in range(workers)]  # block -> requests running with it
+        self.busy = [0.0] * workers  # when each queue empties, s
+        self.written = [0] * workers
+        self.in_flight = [0] * workers
+        self.ends = []  # (end s, worker, blocks)
+
+    def advance(self, t):
+        while self.ends and self.ends[0][0] <= t:
+            end, w, blocks = heapq.heappop(self.ends)
+            self.in_flight[w] -= 1
+            for b in blocks:
+                self.pinned[w][b] -= 1
+                if self.pinned[w][b] == 0:
+                    del self.pinned[w][b]
+                    self.free[w][b] = end
+
+    def cached(self, w, blocks, tokens):
+        """Tokens of the prompt cached on `w`: whole blocks of its prefix, never the last token."""
+        k = 0
+        for b in blocks:
+            if b not in self.free[w] and b not in self.pinned[w]:
+                break
+            k += 1
+        return min(k * BLOCK, tokens - 1) if k else 0
+
+    def evicted(self, w, new_blocks):
+        """The blocks storing `new_blocks` more would evict on `w`, with their last use."""
+        over = len(self.free[w]) + len(self.pinned[w]) + new_blocks - self.capacity
+        out = []
+        for b, used in self.free[w].items():
+            if len(out) >= over:
+                break
+            out.append((b, used))
+        return out
+
+    def place(self, w, t, tokens, out, blocks, hit, ms_per_token, tpot_ms):
+        new = tokens - hit
+        start = max(t, self.busy[w])
+        self.busy[w] = start + new * ms_per_token / 1000.0
+        for b in blocks:
+            self.free[w].pop(b, None)
+            self.pinned[w][b] = self.pinned[w].get(b, 0) + 1
+        while len(self.free[w]) + len(self.pinned[w]) > self.capacity and self.free[w]:
+            self.free[w].popitem(last=False)
+        self.written[w] += new
+        self.in_flight[w] += 1
+        heapq.heappush(self.ends, (self.busy[w] + out * tpot_ms / 1000.0, w, blocks))
+        return self.busy[w] - t
+
+
+def run(rows, rule, a, seed, future):
+    rng = random.Random(seed)
+    fleet = Fleet(a.workers, a.blocks * a.block_size // BLOCK)
+    ms = a.prefill_ms_per_token
+    hits = total = 0
+    ttfts = []
+    for i, (t, tokens, out, blocks) in enumerate(rows):
+        fleet.advance(t)
+        cached = [fleet.cached(w, blocks, tokens) for w in range(a.workers)]
+        first = [(max(t, fleet.busy[w]) - t) * 1000.0 + (tokens - cached[w]) * ms for w in range(a.workers)]
+
+        def least(costs, tie=lambda w: rng.random()):
+            m = min(costs)
+            return min((w for w in range(a.workers) if costs[w] <= m + 1e-9), key=tie)
+
+        def eviction_priced(value):
+            costs = []
+            for w in range(a.workers):
+                new_blocks = len(blocks) - (cached[w] + BLOCK - 1) // BLOCK
+                lost = sum(1 for b, used in fleet.evicted(w, new_blocks) if value(b, used))
+                costs.append(first[w] + lost * BLOCK * ms)
+            return least(costs)
+
+        if rule == "greedy":
+            w = least(first)
+        elif rule == "least_written":
+            w = least(first, tie=lambda w: fleet.written[w])
+        elif rule == "cache_aware":
+            hi, lo = max(fleet.in_flight), min(fleet.in_flight)
+            best = max(range(a.workers), key=lambda w: cached[w])
+            if hi - lo > 32 and hi > 1.5 * lo:
+                w = min(range(a.workers), key=lambda w: fleet.in_flight[w])
+            elif cached[best] > tokens / 2:
+                w = best
+            else:
+                w = min(range(a.workers), key=lambda w: fleet.written[w])
+        elif rule == "evict_aware":
+            w = eviction_priced(lambda b, used: t - used < a.young)
+        elif rule == "oracle":
+            w = eviction_priced(lambda b, used: future.get(b, -1) > i)
+        else:
+            raise SystemExit(f"unknown rule {rule}")
+        hits += cached[w]
+        total += tokens
+        ttfts.append(fleet.place(w, t, tokens, out, blocks, cached[w], ms, a.tpot_ms) * 1000.0)
+    ttfts.sort()
+    return hits / total, ttfts[int(0.9 * len(ttfts))]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace")
+    ap.add_argument("--requests", type=int, default=800)
+    ap.add_argument("--speedup", type=float, default=5.0)
+    ap.add_argument("--cut", type=int, default=16384, help="prompt tokens kept (compare's --max-prompt-tokens)")
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--blocks", type=int, default=16384, help="KV blocks per worker")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--prefill-ms-per-token", type=float, default=760.0 / 16384, help="vllm-sim's single-prompt prefill")
+    ap.add_argument("--tpot-ms", type=float, default=27.0, help="time per output token while running")
+    ap.add_argument("--young", type=float, default=16.0, help="evict_aware: a block used within this many seconds is worth keeping")
+    ap.add_argument("--rules", default="greedy,least_written,cache_aware,evict_aware,oracle")
+    ap.add_argument("--seeds", type=int, default=3, help="draws of the random ties")
+    a = ap.parse_args()
+    rows = [(t / a.speedup, n, out, blocks) for t, n, out, blocks in load(a.trace, a.requests, a.cut)]
+    # The last request that uses each block, for the oracle.
+    future = {}
+    for i, (_, _, _, blocks) in enumerate(rows):
+        for b in blocks:
+            future[b] = i
+    seen, reusable, total = set(), 0, 0
+    for _, n, _, blocks in rows:
+        k = 0
+        for b in blocks:
+            if b not in seen:
+                break
+            k += 1
+        reusable += min(k * BLOCK, n - 1) if k else 0
+        total += n
+        seen.update(blocks)
+    print(f"{len(rows)} requests; prompt tokens an unbounded single cache would find: {reusable / total:.3f}")
+    for rule in a.rules.split(","):
+        got = [run(rows, rule, a, s, future) for s in range(a.seeds)]
+        hits = ", ".join(f"{h:.3f}" for h, _ in got)
+        p90 = ", ".join(f"{p:.0f}" for _, p in got)
+        print(f"{rule:14s} hit rate {hits}   (queue model's TTFT p90 ms: {p90})")
+
+
+if __name__ == "__main__":
+    main()
