@@ -30,24 +30,42 @@ NAMES = ("TTFT p50", "TTFT p90", "TTFT p99", "TPOT p90", "E2E p90", "E2E p99")
 
 
 def load(paths, labels):
-    """Each run's figures per router label, for the labels asked for."""
+    """Each run's figures per router label, for the labels asked for. A run of another workload
+    (another request count), a router that failed requests or served fewer than its fullest run,
+    and a label given twice in one file are left out, each with a line on stderr."""
     runs = []
     for path in paths:
         try:
             with open(path) as f:
                 results = json.load(f)
-        except (OSError, ValueError) as e:
+            if not isinstance(results, list):
+                raise ValueError("not a list of targets (a `compare` results.json)")
+            run = {}
+            for r in results:
+                if r.get("label") not in labels:
+                    continue
+                if r["label"] in run:
+                    print(f"{path}: {r['label']} twice, the first kept", file=sys.stderr)
+                    continue
+                run[r["label"]] = (r["requests"], r["ok"], r.get("errors", 0), [float(r[a][b]) for a, b in FIGURES])
+        except (OSError, ValueError, KeyError, TypeError) as e:
             print(f"{path}: skipped ({e})", file=sys.stderr)
             continue
-        run = {}
-        for r in results:
-            if r.get("label") in labels and r.get("errors", 0) == 0:
-                run[r["label"]] = (r["ok"], [float(r[a][b]) for a, b in FIGURES])
         if run:
             runs.append((path, run))
-    # A run that served fewer requests than the router's fullest run is not the same experiment.
-    most = {lab: max((run[lab][0] for _, run in runs if lab in run), default=0) for lab in labels}
-    return [(p, {lab: v[1] for lab, v in run.items() if v[0] == most[lab]}) for p, run in runs]
+    workloads = {v[0] for _, run in runs for v in run.values()}
+    if len(workloads) > 1:
+        sys.exit(f"runs of different workloads ({', '.join(str(n) for n in sorted(workloads))} requests): pass one workload's files")
+    # A run that failed requests, or served fewer than the router's fullest run, is not a draw of
+    # the same experiment.
+    most = {lab: max((run[lab][1] for _, run in runs if lab in run), default=0) for lab in labels}
+    kept = []
+    for path, run in runs:
+        for lab, (_, ok, errors, _) in run.items():
+            if errors or ok < most[lab]:
+                print(f"{path}: {lab} left out ({ok} ok, {errors} errors)", file=sys.stderr)
+        kept.append((path, {lab: v[3] for lab, v in run.items() if not v[2] and v[1] == most[lab]}))
+    return kept
 
 
 def passes(mine, peers, tolerance):
@@ -78,6 +96,10 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
     peers = [p for p in a.peers.split(",") if p]
+    if not peers:
+        sys.exit("--peers names no peer")
+    if a.trials < 1 or a.runs < 1 or a.tolerance < 0:
+        sys.exit("--trials and --runs must be positive, --tolerance not negative")
     labels = [a.router, *peers]
     runs = load(a.results, set(labels))
     draws = {lab: [run[lab] for _, run in runs if lab in run] for lab in labels}
