@@ -22,7 +22,11 @@ The rules:
   (a placement that knows the future; the caches still evict least recently used first);
 - `belady`: `greedy` placement on caches that evict the block next used furthest ahead (never
   used again first), the best any eviction can keep for those placements: no router, which
-  cannot choose what vLLM evicts, keeps more of the trace's reuse by eviction.
+  cannot choose what vLLM evicts, keeps more of the trace's reuse by eviction;
+- `keep_alive`: `greedy`, and every prompt of `--keep-tokens` or more kept recently used on its
+  worker for `--keep-s` seconds after it arrived, by a touch every `--touch-every` seconds (what
+  a one-token request reusing the prefix would do to vLLM's least-recently-used order); the
+  touches are counted.
 
     benches/scripts/trace-cache-model.py benches/traces/mooncake_synthetic_trace.jsonl \\
         --requests 800 --speedup 5 --seeds 3
@@ -40,7 +44,7 @@ import sys
 from collections import OrderedDict
 
 BLOCK = 512  # the trace's hash block, tokens
-RULES = ("greedy", "least_written", "cache_aware", "evict_aware", "future_priced", "belady")
+RULES = ("greedy", "least_written", "cache_aware", "evict_aware", "future_priced", "belady", "keep_alive")
 
 
 def load(path, requests, cut):
@@ -117,6 +121,16 @@ class Fleet:
             victim = max(self.free[w], key=self.next_use)
             del self.free[w][victim]
 
+    def touch(self, w, blocks):
+        """Marks `blocks` as just used on `w` (those still cached); whether the prefix's first
+        block was still there."""
+        if blocks[0] not in self.free[w] and blocks[0] not in self.pinned[w]:
+            return False
+        for b in blocks:
+            if b in self.free[w]:
+                self.free[w].move_to_end(b)
+        return True
+
     def place(self, w, t, tokens, out, blocks, hit, ms_per_token, tpot_ms):
         """Books a request of `tokens` prompt tokens, `hit` of them cached, on `w` at `t`; its
         time to first token in the queue model, s."""
@@ -135,10 +149,12 @@ class Fleet:
 
 
 def run(rows, rule, a, seed, uses):
-    """Replays `rows` under `rule`: the hit rate and the queue model's TTFT p90, ms. `uses`
-    maps each block to the sorted indices of the requests that use it."""
+    """Replays `rows` under `rule`: the hit rate, the queue model's TTFT p90, ms, and the
+    touches made. `uses` maps each block to the sorted indices of the requests that use it."""
     rng = random.Random(seed)
     i = 0
+    kept = []  # keep_alive: [until s, next touch s, worker, blocks]
+    touches = 0
 
     def next_use(block):
         later = uses[block]
@@ -151,6 +167,11 @@ def run(rows, rule, a, seed, uses):
     ttfts = []
     for i, (t, tokens, out, blocks) in enumerate(rows):
         fleet.advance(t)
+        kept = [k for k in kept if k[0] > t]
+        for k in kept:
+            if k[1] <= t:
+                k[1] = t + a.touch_every
+                touches += fleet.touch(k[2], k[3])
         cached = [fleet.cached(w, blocks, tokens) for w in range(a.workers)]
         first = [(max(t, fleet.busy[w]) - t) * 1000.0 + (tokens - cached[w]) * ms for w in range(a.workers)]
 
@@ -166,7 +187,7 @@ def run(rows, rule, a, seed, uses):
                 costs.append(first[w] + lost * BLOCK * ms)
             return least(costs)
 
-        if rule in ("greedy", "belady"):
+        if rule in ("greedy", "belady", "keep_alive"):
             w = least(first)
         elif rule == "least_written":
             w = least(first, tie=lambda w: fleet.written[w])
@@ -189,8 +210,10 @@ def run(rows, rule, a, seed, uses):
         hits += cached[w]
         total += tokens
         ttfts.append(fleet.place(w, t, tokens, out, blocks, cached[w], ms, a.tpot_ms) * 1000.0)
+        if rule == "keep_alive" and tokens >= a.keep_tokens:
+            kept.append([t + a.keep_s, t + a.touch_every, w, blocks])
     ttfts.sort()
-    return hits / total, ttfts[int((len(ttfts) - 1) * 0.9)]
+    return hits / total, ttfts[int((len(ttfts) - 1) * 0.9)], touches
 
 
 def main():
@@ -205,12 +228,17 @@ def main():
     ap.add_argument("--prefill-ms-per-token", type=float, default=760.0 / 16384, help="vllm-sim's single-prompt prefill")
     ap.add_argument("--tpot-ms", type=float, default=27.0, help="time per output token while running")
     ap.add_argument("--young", type=float, default=16.0, help="evict_aware: a block used within this many seconds is worth keeping")
+    ap.add_argument("--keep-tokens", type=int, default=16384, help="keep_alive: the shortest prompt kept")
+    ap.add_argument("--keep-s", type=float, default=16.0, help="keep_alive: how long after its arrival a prompt is kept")
+    ap.add_argument("--touch-every", type=float, default=2.0, help="keep_alive: seconds between a kept prompt's touches")
     ap.add_argument("--rules", default=",".join(RULES))
     ap.add_argument("--seeds", type=int, default=3, help="draws of the random ties")
     a = ap.parse_args()
     unknown = [r for r in a.rules.split(",") if r not in RULES]
     if unknown:
         sys.exit(f"unknown rule {', '.join(unknown)}: the rules are {', '.join(RULES)}")
+    if a.touch_every <= 0:
+        sys.exit("--touch-every must be positive")
     if a.speedup <= 0 or a.requests < 1 or a.workers < 1 or a.blocks < 1 or a.seeds < 1 or a.cut < 1:
         sys.exit("--speedup, --requests, --workers, --blocks, --seeds and --cut must be positive")
     rows = [(t / a.speedup, n, out, blocks) for t, n, out, blocks in load(a.trace, a.requests, a.cut)]
@@ -232,9 +260,10 @@ def main():
     print(f"{len(rows)} requests; prompt tokens an unbounded single cache would find: {reusable / total:.3f}")
     for rule in a.rules.split(","):
         got = [run(rows, rule, a, s, uses) for s in range(a.seeds)]
-        hits = ", ".join(f"{h:.3f}" for h, _ in got)
-        p90 = ", ".join(f"{p:.0f}" for _, p in got)
-        print(f"{rule:14s} hit rate {hits}   (queue model's TTFT p90 ms: {p90})")
+        hits = ", ".join(f"{h:.3f}" for h, _, _ in got)
+        p90 = ", ".join(f"{p:.0f}" for _, p, _ in got)
+        touched = f", touches {', '.join(str(n) for _, _, n in got)}" if rule == "keep_alive" else ""
+        print(f"{rule:14s} hit rate {hits}   (queue model's TTFT p90 ms: {p90}{touched})")
 
 
 if __name__ == "__main__":
