@@ -61,10 +61,13 @@ def load(paths, labels):
     most = {lab: max((run[lab][1] for _, run in runs if lab in run), default=0) for lab in labels}
     kept = []
     for path, run in runs:
-        for lab, (_, ok, errors, _) in run.items():
+        figures = {}
+        for lab, (_, ok, errors, values) in run.items():
             if errors or ok < most[lab]:
                 print(f"{path}: {lab} left out ({ok} ok, {errors} errors)", file=sys.stderr)
-        kept.append((path, {lab: v[3] for lab, v in run.items() if not v[2] and v[1] == most[lab]}))
+            else:
+                figures[lab] = values
+        kept.append((path, figures))
     return kept
 
 

@@ -47,6 +47,18 @@ BLOCK = 512  # the trace's hash block, tokens
 RULES = ("greedy", "least_written", "cache_aware", "evict_aware", "future_priced", "belady", "keep_alive")
 
 
+def prefix_tokens(blocks, tokens, present):
+    """Tokens of a `tokens`-token prompt of `blocks` that a cache holding the blocks `present`
+    says yes to finds: its leading whole blocks, never the last token (vLLM computes it to
+    sample the first output)."""
+    k = 0
+    for b in blocks:
+        if not present(b):
+            break
+        k += 1
+    return min(k * BLOCK, tokens - 1) if k else 0
+
+
 def load(path, requests, cut):
     """The first `requests` of the trace: (arrival s, prompt tokens, output tokens, blocks)."""
     rows = []
@@ -92,14 +104,13 @@ class Fleet:
                     del self.pinned[w][b]
                     self.free[w][b] = end
 
+    def holds(self, w, block):
+        """Whether `block` is in `w`'s cache, evictable or pinned."""
+        return block in self.free[w] or block in self.pinned[w]
+
     def cached(self, w, blocks, tokens):
-        """Tokens of the prompt cached on `w`: whole blocks of its prefix, never the last token."""
-        k = 0
-        for b in blocks:
-            if b not in self.free[w] and b not in self.pinned[w]:
-                break
-            k += 1
-        return min(k * BLOCK, tokens - 1) if k else 0
+        """Tokens of the prompt cached on `w` ([`prefix_tokens`])."""
+        return prefix_tokens(blocks, tokens, lambda b: self.holds(w, b))
 
     def evicted(self, w, new_blocks):
         """The blocks storing `new_blocks` more would evict on `w` (least recently used first),
@@ -124,7 +135,7 @@ class Fleet:
     def touch(self, w, blocks):
         """Marks `blocks` as just used on `w` (those still cached); whether the prefix's first
         block was still there."""
-        if blocks[0] not in self.free[w] and blocks[0] not in self.pinned[w]:
+        if not self.holds(w, blocks[0]):
             return False
         for b in blocks:
             if b in self.free[w]:
@@ -249,12 +260,7 @@ def main():
             uses.setdefault(b, []).append(i)
     seen, reusable, total = set(), 0, 0
     for _, n, _, blocks in rows:
-        k = 0
-        for b in blocks:
-            if b not in seen:
-                break
-            k += 1
-        reusable += min(k * BLOCK, n - 1) if k else 0
+        reusable += prefix_tokens(blocks, n, seen.__contains__)
         total += n
         seen.update(blocks)
     print(f"{len(rows)} requests; prompt tokens an unbounded single cache would find: {reusable / total:.3f}")
