@@ -9,6 +9,9 @@ one router against the others in those runs prints:
 
 - each router's mean and relative spread (sample standard deviation over mean) per figure;
 - the runs that hold every router: which figures the router passed in each;
+- each peer against the router in the runs that hold both: the geometric mean of the peer's
+  figure over the router's, its standard error, and in how many runs the peer was better (the
+  fair comparison when runs differ, e.g. by the workload's seed);
 - the odds that one run, and N runs, pass, drawing each router's figures from its own measured
   runs (a bootstrap: one whole measured run per router per draw, so a router's figures move
   together as they did), as measured and with the router's figures scaled down by a lead.
@@ -21,6 +24,7 @@ that router, are left out (a failed or shortened run is not a draw of the same e
 """
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
@@ -76,6 +80,22 @@ def passes(mine, peers, tolerance):
     return [mine[i] <= (1.0 + tolerance) * min(p[i] for p in peers) for i in range(len(FIGURES))]
 
 
+def paired(runs, router, peer):
+    """Per figure over the runs holding both: the peer's figure over the router's as a geometric
+    mean less one, its standard error (None under two runs), and the runs where the peer's was
+    lower; and how many runs."""
+    pairs = [(run[router], run[peer]) for _, run in runs if router in run and peer in run]
+    out = []
+    for i in range(len(FIGURES)):
+        logs = [math.log(q[i] / r[i]) for r, q in pairs if r[i] > 0 and q[i] > 0]
+        if not logs:
+            out.append(None)
+            continue
+        se = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else None
+        out.append((math.exp(statistics.mean(logs)) - 1.0, se, sum(x < 0 for x in logs)))
+    return out, len(pairs)
+
+
 def odds(draws, router, peers, tolerance, lead, trials, rng):
     """The share of simulated runs that pass every figure, and each figure's share, with the
     router's figures scaled by `1 - lead`."""
@@ -126,6 +146,15 @@ def main():
         ok = passes(run[a.router], [run[q] for q in peers], a.tolerance)
         missed = [n for n, o in zip(NAMES, ok) if not o]
         print(f"  {p}: {'passes' if all(ok) else 'misses ' + ', '.join(missed)}")
+
+    print(f"\neach peer against {a.router} in the same runs (peer / router - 1, standard error, runs the peer was lower):")
+    for q in peers:
+        cells, n = paired(runs, a.router, q)
+        text = ", ".join(
+            f"{name} -" if c is None else f"{name} {100 * c[0]:+.1f}%" + ("" if c[1] is None else f" ±{100 * c[1]:.1f}") + f" ({c[2]}/{n})"
+            for name, c in zip(NAMES, cells)
+        )
+        print(f"  {q:28s} {text}")
 
     rng = random.Random(a.seed)
     print(f"\nodds of passing, each router's figures drawn from its measured runs ({a.trials} draws):")
