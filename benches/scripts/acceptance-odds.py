@@ -10,7 +10,8 @@ one router against the others in those runs prints:
 - each router's mean and relative spread (sample standard deviation over mean) per figure;
 - the runs that hold every router: which figures the router passed in each;
 - each peer against the router in the runs that hold both: the geometric mean of the peer's
-  figure over the router's, its standard error, and in how many runs the peer was better (the
+  figure over the router's, the standard error of the mean log ratio behind it, and in how many
+  runs the peer was better (the
   fair comparison when runs differ, e.g. by the workload's seed);
 - the odds that one run, and N runs, pass, drawing each router's figures from its own measured
   runs (a bootstrap: one whole measured run per router per draw, so a router's figures move
@@ -82,8 +83,9 @@ def passes(mine, peers, tolerance):
 
 def paired(runs, router, peer):
     """Per figure over the runs holding both: the peer's figure over the router's as a geometric
-    mean less one, its standard error (None under two runs), and the runs where the peer's was
-    lower; and how many runs."""
+    mean less one, the standard error of the mean log ratio it is read from (None under two
+    runs), the runs where the peer's was lower, and the runs compared (a run where either
+    figure is not positive has no ratio and is not counted); None for a figure no run compares."""
     pairs = [(run[router], run[peer]) for _, run in runs if router in run and peer in run]
     out = []
     for i in range(len(FIGURES)):
@@ -92,8 +94,8 @@ def paired(runs, router, peer):
             out.append(None)
             continue
         se = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else None
-        out.append((math.exp(statistics.mean(logs)) - 1.0, se, sum(x < 0 for x in logs)))
-    return out, len(pairs)
+        out.append((math.exp(statistics.mean(logs)) - 1.0, se, sum(x < 0 for x in logs), len(logs)))
+    return out
 
 
 def odds(draws, router, peers, tolerance, lead, trials, rng):
@@ -147,12 +149,11 @@ def main():
         missed = [n for n, o in zip(NAMES, ok) if not o]
         print(f"  {p}: {'passes' if all(ok) else 'misses ' + ', '.join(missed)}")
 
-    print(f"\neach peer against {a.router} in the same runs (peer / router - 1, standard error, runs the peer was lower):")
+    print(f"\neach peer against {a.router} in the same runs (peer / router - 1; ± the standard error of the mean log ratio; runs the peer was lower of those compared):")
     for q in peers:
-        cells, n = paired(runs, a.router, q)
         text = ", ".join(
-            f"{name} -" if c is None else f"{name} {100 * c[0]:+.1f}%" + ("" if c[1] is None else f" ±{100 * c[1]:.1f}") + f" ({c[2]}/{n})"
-            for name, c in zip(NAMES, cells)
+            f"{name} -" if c is None else f"{name} {100 * c[0]:+.1f}%" + ("" if c[1] is None else f" ±{100 * c[1]:.1f}") + f" ({c[2]}/{c[3]})"
+            for name, c in zip(NAMES, paired(runs, a.router, q))
         )
         print(f"  {q:28s} {text}")
 
