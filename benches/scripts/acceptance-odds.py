@@ -11,8 +11,7 @@ one router against the others in those runs prints:
 - the runs that hold every router: which figures the router passed in each;
 - each peer against the router in the runs that hold both: the geometric mean of the peer's
   figure over the router's, the standard error of the mean log ratio behind it, and in how many
-  runs the peer was better (the
-  fair comparison when runs differ, e.g. by the workload's seed);
+  runs the peer's was lower (the fair comparison when runs differ, e.g. by the workload's seed);
 - the odds that one run, and N runs, pass, drawing each router's figures from its own measured
   runs (a bootstrap: one whole measured run per router per draw, so a router's figures move
   together as they did), as measured and with the router's figures scaled down by a lead.
