@@ -17,7 +17,9 @@
 //!
 //! Steps are paced against a virtual clock: each step starts when the previous one was due to
 //! end, so the 1 ms timer resolution does not accumulate error, and at most 2 ms of lag is
-//! caught up after the engine falls behind wall time.
+//! caught up after the engine falls behind wall time; the rest is counted as lag
+//! (`vllm_sim:engine_lag_seconds_total`), so a benchmark can tell a host that ran the simulator
+//! late from a slow routing choice.
 
 use crate::faults::Faults;
 use crate::kv_cache::BlockId;
@@ -330,7 +332,12 @@ impl EngineTask {
             self.refresh_gauges();
             self.handle.metrics.steps.add(1);
             let now = Instant::now();
-            clock = end.max(now.checked_sub(Duration::from_millis(2)).unwrap_or(now));
+            let caught_up_to = now.checked_sub(Duration::from_millis(2)).unwrap_or(now);
+            if caught_up_to > end {
+                let lost = u64::try_from(caught_up_to.duration_since(end).as_micros()).unwrap_or(u64::MAX);
+                self.handle.metrics.lag_us.add(lost);
+            }
+            clock = end.max(caught_up_to);
         }
     }
 

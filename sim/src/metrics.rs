@@ -118,6 +118,10 @@ pub struct EngineMetrics {
     pub event_batches_dropped: Counter,
     /// `vllm_sim:engine_steps_total`.
     pub steps: Counter,
+    /// `vllm_sim:engine_lag_seconds_total`, in microseconds: wall time the engine fell behind
+    /// its virtual clock and gave up catching up (the host ran it late), so every simulated
+    /// step after it ran that much later than the timing model says.
+    pub lag_us: Counter,
     /// `vllm:time_to_first_token_seconds`.
     pub ttft: Histogram,
     /// `vllm:inter_token_latency_seconds`.
@@ -151,6 +155,7 @@ impl Default for EngineMetrics {
             event_batches: Counter::default(),
             event_batches_dropped: Counter::default(),
             steps: Counter::default(),
+            lag_us: Counter::default(),
             ttft: Histogram::new(TTFT_BUCKETS),
             itl: Histogram::new(ITL_BUCKETS),
             e2e: Histogram::new(E2E_BUCKETS),
@@ -272,6 +277,13 @@ pub fn render(model: &str, engines: &[&EngineMetrics], cache: &CacheInfo) -> Str
 
     counter(&mut out, "vllm_sim:aborted_requests_total", "Requests aborted because the client disconnected.", &|e| e.aborted.get());
     counter(&mut out, "vllm_sim:engine_steps_total", "Engine steps executed.", &|e| e.steps.get());
+    let _ = writeln!(
+        out,
+        "# HELP vllm_sim:engine_lag_seconds_total Wall time the engine fell behind its simulated clock and did not catch up.\n# TYPE vllm_sim:engine_lag_seconds_total counter"
+    );
+    for (i, e) in engines.iter().enumerate() {
+        let _ = writeln!(out, "vllm_sim:engine_lag_seconds_total{{{}}} {}", lbl(i), fmt_f(e.lag_us.get() as f64 / 1e6));
+    }
     gauge(&mut out, "vllm_sim:kv_held_requests", "Finished prefill requests whose KV blocks are held for a decode worker.", &|e| e.held_requests.get());
     counter(&mut out, "vllm_sim:kv_events_batches_total", "KV event batches handed to the publisher.", &|e| e.event_batches.get());
     counter(&mut out, "vllm_sim:kv_events_dropped_total", "KV event batches dropped because the publisher queue was full.", &|e| e.event_batches_dropped.get());
@@ -300,6 +312,12 @@ mod tests {
         assert!(text.contains("vllm:num_requests_running{engine=\"0\",model_name=\"m\\\"x\"} 3.0"), "{text}");
         assert!(text.contains("vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"m\\\"x\"} 32.0"));
         assert!(text.contains("num_gpu_blocks=\"100\""));
+        m.lag_us.add(1_500_000);
+        let text = render("m", &[&m], &CacheInfo { block_size: 16, num_gpu_blocks: 100, enable_prefix_caching: true });
+        assert!(
+            text.contains("# TYPE vllm_sim:engine_lag_seconds_total counter\nvllm_sim:engine_lag_seconds_total{engine=\"0\",model_name=\"m\"} 1.5\n"),
+            "{text}"
+        );
         assert!(text.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"0.04\",model_name=\"m\\\"x\"} 1.0"));
         assert!(text.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"0.02\",model_name=\"m\\\"x\"} 0.0"));
         assert!(text.contains("vllm:time_to_first_token_seconds_count{engine=\"0\",model_name=\"m\\\"x\"} 1.0"));

@@ -95,11 +95,27 @@ impl RunOptions {
 
 /// Sums `vllm:prefix_cache_hits_total` and `vllm:prefix_cache_queries_total` over `urls`.
 pub async fn prefix_cache_counters(http: &reqwest::Client, urls: &[String]) -> Option<(f64, f64)> {
-    let mut total = (0.0, 0.0);
+    worker_counters(http, urls).await.map(|c| (c.hits, c.queries))
+}
+
+/// The workers' counters a run reads before and after, summed over the workers.
+#[derive(Debug, Clone, Copy, Default)]
+struct WorkerCounters {
+    /// `vllm:prefix_cache_hits_total`.
+    hits: f64,
+    /// `vllm:prefix_cache_queries_total`.
+    queries: f64,
+    /// `vllm_sim:engine_lag_seconds_total` (0 on a real vLLM, which has no such metric).
+    lag_s: f64,
+}
+
+async fn worker_counters(http: &reqwest::Client, urls: &[String]) -> Option<WorkerCounters> {
+    let mut total = WorkerCounters::default();
     for u in urls {
         let m = Metrics::parse(&http.get(format!("{u}/metrics")).send().await.ok()?.text().await.ok()?);
-        total.0 += m.sum("vllm:prefix_cache_hits_total", &[]);
-        total.1 += m.sum("vllm:prefix_cache_queries_total", &[]);
+        total.hits += m.sum("vllm:prefix_cache_hits_total", &[]);
+        total.queries += m.sum("vllm:prefix_cache_queries_total", &[]);
+        total.lag_s += m.sum("vllm_sim:engine_lag_seconds_total", &[]);
     }
     Some(total)
 }
@@ -132,7 +148,7 @@ impl Progress {
 /// Runs `workload` against `o.url` and summarizes it.
 pub async fn run(o: &RunOptions, workload: &Workload) -> Report {
     let http = reqwest::Client::builder().pool_max_idle_per_host(1024).build().unwrap_or_default();
-    let before = prefix_cache_counters(&http, &o.worker_urls).await;
+    let before = worker_counters(&http, &o.worker_urls).await;
     let progress = Arc::new(Progress { total: workload.len(), done: AtomicUsize::new(0), failed: AtomicUsize::new(0), on: o.progress });
     let limit = Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT));
     let start = Instant::now();
@@ -183,12 +199,14 @@ pub async fn run(o: &RunOptions, workload: &Workload) -> Report {
         }
     };
     let duration = start.elapsed();
-    let after = prefix_cache_counters(&http, &o.worker_urls).await;
+    let after = worker_counters(&http, &o.worker_urls).await;
     let hit_rate = match (before, after) {
-        (Some(b), Some(a)) if a.1 > b.1 => Some((a.0 - b.0) / (a.1 - b.1)),
+        (Some(b), Some(a)) if a.queries > b.queries => Some((a.hits - b.hits) / (a.queries - b.queries)),
         _ => None,
     };
-    report::summarize(&o.label, &samples, duration, o.slo, hit_rate)
+    let mut report = report::summarize(&o.label, &samples, duration, o.slo, hit_rate);
+    report.sim_lag_s = before.zip(after).map(|(b, a)| (a.lag_s - b.lag_s).max(0.0));
+    report
 }
 
 /// One session: each turn carries the whole history so far, sent as `o.api`.

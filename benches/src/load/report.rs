@@ -80,6 +80,11 @@ pub struct Report {
     pub e2e_ms: Quantiles,
     /// Workers' prefix-cache hits / queries during the run, if their metrics were given.
     pub hit_rate: Option<f64>,
+    /// Wall time the workers' simulated engines fell behind their clocks during the run,
+    /// summed over the workers, s (`vllm_sim:engine_lag_seconds_total`; 0 on real vLLM, `None`
+    /// without worker metrics). Lag means the host, not the router, stretched the workers' steps:
+    /// a run with much of it is not a fair draw.
+    pub sim_lag_s: Option<f64>,
     /// A few error messages, for the reader.
     pub error_examples: Vec<String>,
     /// TTFT of every successful request, ms, for the plot.
@@ -188,6 +193,7 @@ pub fn summarize(label: &str, samples: &[Sample], duration: Duration, slo: Slo, 
         tpot_ms: Quantiles::of(&mut tpot),
         e2e_ms: Quantiles::of(&mut e2e),
         hit_rate,
+        sim_lag_s: None,
         error_examples: examples,
         ttft_samples: ttft,
         tpot_samples: tpot,
@@ -203,13 +209,14 @@ pub fn summarize(label: &str, samples: &[Sample], duration: Duration, slo: Slo, 
 /// The side-by-side markdown table.
 pub fn markdown(reports: &[Report]) -> String {
     let mut t = String::from(
-        "| target | requests | ok | shed | errors | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 | TPOT p90 | TPOT p99 | E2E p50 | E2E p90 | E2E p99 | ITL p99 | req/s | out tok/s | goodput | hit rate |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| target | requests | ok | shed | errors | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 | TPOT p90 | TPOT p99 | E2E p50 | E2E p90 | E2E p99 | ITL p99 | req/s | out tok/s | goodput | hit rate | sim lag |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in reports {
         let hit = r.hit_rate.map_or("n/a".to_string(), |h| format!("{h:.3}"));
+        let lag = r.sim_lag_s.map_or("n/a".to_string(), |l| format!("{l:.2} s"));
         let _ = writeln!(
             t,
-            "| {} | {} | {} | {} | {} | {:.0} ms | {:.0} ms | {:.0} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.2} s | {:.2} s | {:.2} s | {:.1} ms | {:.2} | {:.0} | {:.0}% | {hit} |",
+            "| {} | {} | {} | {} | {} | {:.0} ms | {:.0} ms | {:.0} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.2} s | {:.2} s | {:.2} s | {:.1} ms | {:.2} | {:.0} | {:.0}% | {hit} | {lag} |",
             r.label,
             r.requests,
             r.ok,
@@ -372,6 +379,9 @@ mod tests {
         assert_eq!(r.output_tokens_per_s, 7.0 / 2.0);
         let md = markdown(std::slice::from_ref(&r));
         assert!(md.contains("| t | 5 | 3 | 1 | 1 |"), "{md}");
+        assert!(md.trim_end().ends_with("| 0.500 | n/a |"), "no worker lag read: {md}");
+        let lagged = markdown(&[Report { sim_lag_s: Some(1.234), ..r.clone() }]);
+        assert!(lagged.trim_end().ends_with("| 0.500 | 1.23 s |"), "{lagged}");
         let csv = rows_csv(&r.rows);
         let svg = ttft_cdf_svg(&[r]);
         assert!(svg.starts_with("<svg") && svg.contains("<polyline") && !svg.contains("NaN"), "{svg}");
