@@ -21,6 +21,10 @@ one router against the others in those runs prints:
 
 Runs whose router is missing, or that served fewer requests than the most any run served for
 that router, are left out (a failed or shortened run is not a draw of the same experiment).
+With `--max-lag S`, so is a router's run whose vllm-sim workers fell more than S seconds behind
+their simulated clocks in all (`sim_lag_s`, recorded by kvgate-bench since the simulator counts
+it): there the host, not the router, stretched the steps. The means table gives each router's
+mean lag over its kept runs.
 """
 import argparse
 import json
@@ -33,10 +37,12 @@ FIGURES = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("ttft_ms", "p99"), ("tpot_ms
 NAMES = ("TTFT p50", "TTFT p90", "TTFT p99", "TPOT p90", "E2E p90", "E2E p99")
 
 
-def load(paths, labels):
-    """Each run's figures per router label, for the labels asked for. A run of another workload
-    (another request count), a router that failed requests or served fewer than its fullest run,
-    and a label given twice in one file are left out, each with a line on stderr."""
+def load(paths, labels, max_lag=None):
+    """Each run's figures per router label, for the labels asked for, and each kept router's
+    simulator lag per run (`lags[(path, label)]`, where the file records it). A run of another
+    workload (another request count), a router that failed requests, served fewer than its
+    fullest run or lagged more than `max_lag` s, and a label given twice in one file are left
+    out, each with a line on stderr."""
     runs = []
     for path in paths:
         try:
@@ -51,7 +57,8 @@ def load(paths, labels):
                 if r["label"] in run:
                     print(f"{path}: {r['label']} twice, the first kept", file=sys.stderr)
                     continue
-                run[r["label"]] = (r["requests"], r["ok"], r.get("errors", 0), [float(r[a][b]) for a, b in FIGURES])
+                lag = r.get("sim_lag_s")
+                run[r["label"]] = (r["requests"], r["ok"], r.get("errors", 0), [float(r[a][b]) for a, b in FIGURES], None if lag is None else float(lag))
         except (OSError, ValueError, KeyError, TypeError) as e:
             print(f"{path}: skipped ({e})", file=sys.stderr)
             continue
@@ -63,16 +70,20 @@ def load(paths, labels):
     # A run that failed requests, or served fewer than the router's fullest run, is not a draw of
     # the same experiment.
     most = {lab: max((run[lab][1] for _, run in runs if lab in run), default=0) for lab in labels}
-    kept = []
+    kept, lags = [], {}
     for path, run in runs:
         figures = {}
-        for lab, (_, ok, errors, values) in run.items():
+        for lab, (_, ok, errors, values, lag) in run.items():
             if errors or ok < most[lab]:
                 print(f"{path}: {lab} left out ({ok} ok, {errors} errors)", file=sys.stderr)
+            elif max_lag is not None and lag is not None and lag > max_lag:
+                print(f"{path}: {lab} left out (its workers lagged {lag:.2f} s)", file=sys.stderr)
             else:
                 figures[lab] = values
+                if lag is not None:
+                    lags[(path, lab)] = lag
         kept.append((path, figures))
-    return kept
+    return kept, lags
 
 
 def passes(mine, peers, tolerance):
@@ -118,6 +129,7 @@ def main():
     ap.add_argument("--runs", type=int, default=3, help="runs that must each pass")
     ap.add_argument("--trials", type=int, default=20000)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--max-lag", type=float, default=None, help="leave out a router's run whose workers lagged more than this many seconds in all")
     a = ap.parse_args()
     peers = [p for p in a.peers.split(",") if p]
     if not peers:
@@ -125,13 +137,13 @@ def main():
     if a.trials < 1 or a.runs < 1 or a.tolerance < 0:
         sys.exit("--trials and --runs must be positive, --tolerance not negative")
     labels = [a.router, *peers]
-    runs = load(a.results, set(labels))
+    runs, lags = load(a.results, set(labels), a.max_lag)
     draws = {lab: [run[lab] for _, run in runs if lab in run] for lab in labels}
     missing = [lab for lab, d in draws.items() if len(d) < 2]
     if missing:
         sys.exit(f"fewer than two runs for {', '.join(missing)}: no spread to read")
 
-    print(f"{'router':28s} runs " + " ".join(f"{n:>17s}" for n in NAMES))
+    print(f"{'router':28s} runs " + " ".join(f"{n:>17s}" for n in NAMES) + f" {'sim lag':>8s}")
     for lab in labels:
         d = draws[lab]
         cells = []
@@ -139,7 +151,9 @@ def main():
             xs = [r[i] for r in d]
             m = statistics.mean(xs)
             cells.append(f"{m:9.1f} ±{100 * statistics.stdev(xs) / m:4.1f}%")
-        print(f"{lab:28s} {len(d):4d} " + " ".join(f"{c:>17s}" for c in cells))
+        lag = [v for (_, l), v in lags.items() if l == lab]
+        lag_cell = f"{statistics.mean(lag):6.2f} s" if lag else "-"
+        print(f"{lab:28s} {len(d):4d} " + " ".join(f"{c:>17s}" for c in cells) + f" {lag_cell:>8s}")
 
     full = [(p, run) for p, run in runs if all(lab in run for lab in labels)]
     print(f"\nruns holding every router: {len(full)}")
