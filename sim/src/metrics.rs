@@ -197,12 +197,14 @@ pub fn render(model: &str, engines: &[&EngineMetrics], cache: &CacheInfo) -> Str
     let model = escape(model);
     let lbl = |e: usize| format!("engine=\"{e}\",model_name=\"{model}\"");
 
-    let gauge = |out: &mut String, name: &str, help: &str, get: &dyn Fn(&EngineMetrics) -> f64| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+    // A series of one float per engine, of Prometheus type `kind`.
+    let floats = |out: &mut String, kind: &str, name: &str, help: &str, get: &dyn Fn(&EngineMetrics) -> f64| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
         for (i, e) in engines.iter().enumerate() {
             let _ = writeln!(out, "{name}{{{}}} {}", lbl(i), fmt_f(get(e)));
         }
     };
+    let gauge = |out: &mut String, name: &str, help: &str, get: &dyn Fn(&EngineMetrics) -> f64| floats(out, "gauge", name, help, get);
     gauge(&mut out, "vllm:num_requests_running", "Number of requests in model execution batches.", &|e| e.running.get());
     gauge(&mut out, "vllm:num_requests_waiting", "Number of requests waiting to be processed.", &|e| e.waiting.get());
     gauge(&mut out, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", &|e| e.kv_usage.get());
@@ -277,13 +279,9 @@ pub fn render(model: &str, engines: &[&EngineMetrics], cache: &CacheInfo) -> Str
 
     counter(&mut out, "vllm_sim:aborted_requests_total", "Requests aborted because the client disconnected.", &|e| e.aborted.get());
     counter(&mut out, "vllm_sim:engine_steps_total", "Engine steps executed.", &|e| e.steps.get());
-    let _ = writeln!(
-        out,
-        "# HELP vllm_sim:engine_lag_seconds_total Wall time the engine fell behind its simulated clock and did not catch up.\n# TYPE vllm_sim:engine_lag_seconds_total counter"
-    );
-    for (i, e) in engines.iter().enumerate() {
-        let _ = writeln!(out, "vllm_sim:engine_lag_seconds_total{{{}}} {}", lbl(i), fmt_f(e.lag_us.get() as f64 / 1e6));
-    }
+    floats(&mut out, "counter", "vllm_sim:engine_lag_seconds_total", "Wall time the engine fell behind its simulated clock and did not catch up.", &|e| {
+        e.lag_us.get() as f64 / 1e6
+    });
     gauge(&mut out, "vllm_sim:kv_held_requests", "Finished prefill requests whose KV blocks are held for a decode worker.", &|e| e.held_requests.get());
     counter(&mut out, "vllm_sim:kv_events_batches_total", "KV event batches handed to the publisher.", &|e| e.event_batches.get());
     counter(&mut out, "vllm_sim:kv_events_dropped_total", "KV event batches dropped because the publisher queue was full.", &|e| e.event_batches_dropped.get());
@@ -313,10 +311,10 @@ mod tests {
         assert!(text.contains("vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"m\\\"x\"} 32.0"));
         assert!(text.contains("num_gpu_blocks=\"100\""));
         m.lag_us.add(1_500_000);
-        let text = render("m", &[&m], &CacheInfo { block_size: 16, num_gpu_blocks: 100, enable_prefix_caching: true });
+        let lagged = render("m", &[&m], &CacheInfo { block_size: 16, num_gpu_blocks: 100, enable_prefix_caching: true });
         assert!(
-            text.contains("# TYPE vllm_sim:engine_lag_seconds_total counter\nvllm_sim:engine_lag_seconds_total{engine=\"0\",model_name=\"m\"} 1.5\n"),
-            "{text}"
+            lagged.contains("# TYPE vllm_sim:engine_lag_seconds_total counter\nvllm_sim:engine_lag_seconds_total{engine=\"0\",model_name=\"m\"} 1.5\n"),
+            "{lagged}"
         );
         assert!(text.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"0.04\",model_name=\"m\\\"x\"} 1.0"));
         assert!(text.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"0.02\",model_name=\"m\\\"x\"} 0.0"));
