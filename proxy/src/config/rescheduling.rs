@@ -48,7 +48,7 @@ pub struct Rescheduling {
     pub llumlet_grpc_timeout_seconds: u64,
     /// A WebAssembly rescheduling policy (the `rescheduler` world, plugins/README.md) run each
     /// cycle besides the built-in ones; its pairs are executed the same way.
-    pub plugin: Option<super::PluginConfig>,
+    pub plugin: Option<super::plugin::PluginConfig>,
 }
 
 /// A load metric for the load-balance policies.

@@ -10,8 +10,11 @@
 pub mod kubernetes;
 pub mod local;
 pub mod output;
+pub mod select;
 
-use crate::config::{ConnectorConfig, Origin, UpstreamUrl};
+pub use select::build;
+
+use crate::config::{Origin, UpstreamUrl};
 
 /// A worker a connector runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -85,13 +88,5 @@ pub trait Connector: Send + Sync {
     /// How worker `name`, which exited on its own, ended, and what it last wrote, when known.
     fn last_words(&self, _name: &str) -> Option<String> {
         None
-    }
-}
-
-/// The connector a planned model's section asks for.
-pub fn build(cfg: &ConnectorConfig, model: &str, gpus_per_worker: u32) -> Box<dyn Connector> {
-    match cfg {
-        ConnectorConfig::Local(l) => Box::new(local::Local::new(l.clone(), model, gpus_per_worker)),
-        ConnectorConfig::Kubernetes(k) => Box::new(kubernetes::Kubernetes::new(k.clone())),
     }
 }

@@ -7,6 +7,7 @@
 //!   for; after `drain_timeout_s` the worker is stopped whatever is left.
 
 use super::Managed;
+use crate::config::WorkerConfig;
 use crate::connector::Connector;
 use crate::gateway::Gateway;
 use crate::inflight::Phase;
@@ -90,7 +91,7 @@ pub async fn scale_up(gw: &Arc<Gateway>, model: &str, connector: &dyn Connector,
     if !connector.list().iter().any(|x| x.name == m.name) {
         return fail(format!("worker {} exited after it answered", m.name));
     }
-    match super::join(gw, model, &m).await {
+    match join(gw, model, &m).await {
         Ok(()) => Outcome::new(Kind::Up, Some(m.name.clone()), t0.elapsed()),
         Err(e) => {
             let _ = connector.remove(&m.name).await;
@@ -131,7 +132,7 @@ pub async fn scale_down(gw: &Arc<Gateway>, model: &str, connector: &dyn Connecto
 async fn drain_and_stop(gw: &Arc<Gateway>, model: &str, connector: &dyn Connector, victim: Managed, how: Drain, t0: Instant) -> Outcome {
     let worker = gw.fleet().model(model).and_then(|m| m.workers.iter().find(|w| w.url == victim.url).cloned());
     let url = victim.url.clone();
-    if let Err(e) = super::edit_routing(gw, model, move |l| l.retain(|w| w.url != url)).await {
+    if let Err(e) = edit_routing(gw, model, move |l| l.retain(|w| w.url != url)).await {
         return Outcome { worker: Some(victim.name), ..Outcome::failed(Kind::Down, t0.elapsed(), format!("cannot take it out of routing: {e}")) };
     }
     let left_routing = Instant::now();
@@ -184,4 +185,22 @@ async fn empty(gw: &Gateway, model: &str, w: &Arc<crate::fleet::Worker>, how: Dr
         }
         tokio::time::sleep(POLL).await;
     }
+}
+
+/// Puts `m` into routing (once).
+pub async fn join(gw: &Arc<Gateway>, model: &str, m: &Managed) -> Result<(), String> {
+    let w = m.worker_config();
+    edit_routing(gw, model, move |l| {
+        if !l.iter().any(|x| x.url == w.url) {
+            l.push(w);
+        }
+    })
+    .await
+}
+
+/// Edits the workers `model`'s planner put into routing ([`Gateway::update_added_workers`]),
+/// on the blocking pool: a rebuild may load a tokenizer.
+pub async fn edit_routing(gw: &Arc<Gateway>, model: &str, change: impl FnOnce(&mut Vec<WorkerConfig>) + Send + 'static) -> Result<(), String> {
+    let (gw, model) = (gw.clone(), model.to_string());
+    tokio::task::spawn_blocking(move || gw.update_added_workers(&model, change)).await.map_err(|e| e.to_string())?
 }

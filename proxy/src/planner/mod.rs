@@ -76,7 +76,7 @@ impl ModelPlanner {
         if prune {
             let (gw, model, keep) = (gw.clone(), self.model.clone(), running.clone());
             tokio::spawn(async move {
-                if let Err(e) = edit_routing(&gw, &model, move |l| l.retain(|w| keep.iter().any(|m| m.url == w.url))).await {
+                if let Err(e) = change::edit_routing(&gw, &model, move |l| l.retain(|w| keep.iter().any(|m| m.url == w.url))).await {
                     tracing::error!(model, error = %e, "planner: cannot take stale workers out of routing");
                 }
             });
@@ -88,7 +88,7 @@ impl ModelPlanner {
             tokio::spawn(async move {
                 match change::ready(&gw, &m, connector.as_ref(), connector.ready_timeout()).await {
                     Ok(()) => {
-                        if let Err(e) = join(&gw, &model, &m).await {
+                        if let Err(e) = change::join(&gw, &model, &m).await {
                             tracing::error!(error = %e, "planner: cannot add an adopted worker to routing");
                         }
                     }
@@ -229,7 +229,7 @@ impl ModelPlanner {
             return;
         }
         let added: Vec<WorkerConfig> = want.iter().map(Managed::worker_config).collect();
-        if let Err(e) = edit_routing(gw, &self.model, |l| *l = added).await {
+        if let Err(e) = change::edit_routing(gw, &self.model, |l| *l = added).await {
             tracing::error!(model = %self.model, error = %e, "planner: cannot follow the discovered workers");
         }
     }
@@ -246,7 +246,7 @@ impl ModelPlanner {
             self.recorder.exit(d);
         }
         let urls: Vec<_> = dead.into_iter().map(|d| d.url).collect();
-        if let Err(e) = edit_routing(gw, &self.model, move |l| l.retain(|w| !urls.contains(&w.url))).await {
+        if let Err(e) = change::edit_routing(gw, &self.model, move |l| l.retain(|w| !urls.contains(&w.url))).await {
             tracing::error!(model = %self.model, error = %e, "planner: cannot take a dead worker out of routing");
         }
     }
@@ -318,24 +318,6 @@ async fn retire(gw: Arc<Gateway>, model: String, connector: Arc<dyn Connector>, 
         let o = change::scale_down(&gw, &model, connector.as_ref(), m, how, &draining).await;
         tracing::info!(model, worker = ?o.worker, moved = o.moved.0, "planner: worker retired");
     }
-}
-
-/// Puts `m` into routing (once).
-async fn join(gw: &Arc<Gateway>, model: &str, m: &Managed) -> Result<(), String> {
-    let w = m.worker_config();
-    edit_routing(gw, model, move |l| {
-        if !l.iter().any(|x| x.url == w.url) {
-            l.push(w);
-        }
-    })
-    .await
-}
-
-/// Edits the workers `model`'s planner put into routing ([`Gateway::update_added_workers`]),
-/// on the blocking pool: a rebuild may load a tokenizer.
-async fn edit_routing(gw: &Arc<Gateway>, model: &str, change: impl FnOnce(&mut Vec<WorkerConfig>) + Send + 'static) -> Result<(), String> {
-    let (gw, model) = (gw.clone(), model.to_string());
-    tokio::task::spawn_blocking(move || gw.update_added_workers(&model, change)).await.map_err(|e| e.to_string())?
 }
 
 fn secs(s: f64) -> Duration {

@@ -4,7 +4,7 @@
 //! then one content chunk per token, the last one with `finish_reason`.
 
 use super::error::{ApiError, json_response};
-use super::generate::PreparedPrompt;
+use super::generate::{PreparedPrompt, kv_transfer_reply};
 use super::protocol::{ChatRequest, GenParams, check_length, parse_body};
 use super::response::{ChoiceState, ChunkFormat, Meta, collect, delivery_ids_json, delivery_text, echo_header, finish_json, json_str, sse, write_usage};
 use super::{AppState, encode};
@@ -101,7 +101,7 @@ async fn run(st: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<Response
                   "completion_tokens": completion, "prompt_tokens_details": null},
         "prompt_logprobs": null,
         "prompt_token_ids": prompt_ids,
-        "kv_transfer_params": st.kv_transfer_reply(hold).await,
+        "kv_transfer_params": kv_transfer_reply(st, hold).await,
     });
     let mut r = json_response(StatusCode::OK, &body);
     echo_header(&mut r, &meta);

@@ -3,7 +3,7 @@
 //! per-chunk `token_ids` with `return_token_ids`).
 
 use super::error::{ApiError, json_response};
-use super::generate::PreparedPrompt;
+use super::generate::{PreparedPrompt, kv_transfer_reply};
 use super::protocol::{CompletionRequest, GenParams, Prompt, check_length, check_token_ids, parse_body};
 use super::response::{ChoiceState, ChunkFormat, Meta, collect, delivery_ids_json, delivery_text, echo_header, finish_json, json_str, sse, write_usage};
 use super::{AppState, encode};
@@ -98,7 +98,7 @@ async fn run(st: &AppState, headers: &HeaderMap, body: &[u8]) -> Result<Response
         "choices": choices, "service_tier": null, "system_fingerprint": "vllm-sim",
         "usage": {"prompt_tokens": prompt_total, "total_tokens": prompt_total + completion_total,
                   "completion_tokens": completion_total, "prompt_tokens_details": null},
-        "kv_transfer_params": st.kv_transfer_reply(hold).await,
+        "kv_transfer_params": kv_transfer_reply(st, hold).await,
     });
     let mut r = json_response(StatusCode::OK, &body);
     echo_header(&mut r, &meta);

@@ -17,6 +17,7 @@ use crate::engine::{Delivery, EngineHandle, HeldReport, HoldReply};
 use crate::faults::RequestFault;
 use crate::scheduler::{KvTransfer, NewRequest, ReqId};
 use axum::http::HeaderMap;
+use serde_json::Value;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
@@ -51,6 +52,17 @@ pub struct PendingHold {
     pub request_id: String,
     /// The report, sent once the blocks are held (closed if they are not).
     pub rx: oneshot::Receiver<HeldReport>,
+}
+
+/// The `kv_transfer_params` of a unary response, as vLLM answers: a held prefill leg's
+/// reply ([`crate::kv_connector::prefill_reply`]), else null (aggregated requests, decode
+/// legs, a prefill leg that was not held, any request to a server without a connector).
+pub async fn kv_transfer_reply(st: &AppState, hold: Option<PendingHold>) -> Value {
+    let Some(h) = hold else { return Value::Null };
+    match h.rx.await {
+        Ok(r) => crate::kv_connector::prefill_reply(&st.cfg.kv_transfer, &h.request_id, st.listen, &r.kv, r.expiry_unix),
+        Err(_) => Value::Null,
+    }
 }
 
 impl Generation {

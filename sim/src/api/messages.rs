@@ -19,7 +19,7 @@
 //!   started with `--enable-auto-tool-choice` would.
 
 use super::error::{ApiError, json_response};
-use super::generate::PreparedPrompt;
+use super::generate::{PreparedPrompt, kv_transfer_reply};
 use super::protocol::{Common, GenParams, check_length, parse_body};
 use super::response::{ChoiceState, ChunkFormat, Meta, collect, delivery_text, echo_header, json_str, sse};
 use super::{AppState, render_dialect_chat};
@@ -106,7 +106,7 @@ async fn run(st: &AppState, headers: &HeaderMap, req: &Value) -> Result<Response
         "model": model, "stop_reason": stop_reason(r.finish),
         "usage": {"input_tokens": prompt_len, "output_tokens": r.tokens.len()},
     });
-    let kv = st.kv_transfer_reply(hold).await;
+    let kv = kv_transfer_reply(st, hold).await;
     if !kv.is_null() {
         body["kv_transfer_params"] = kv;
     }

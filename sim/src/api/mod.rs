@@ -1,5 +1,6 @@
-//! The HTTP API, shaped like vLLM's OpenAI-compatible server: routes, shared state, and
-//! helpers used by more than one endpoint. One file per endpoint family.
+//! The HTTP API, shaped like vLLM's OpenAI-compatible server: the state every endpoint shares
+//! and helpers used by more than one. One file per endpoint family; [`routes`] maps paths to
+//! them.
 
 pub mod adapters;
 pub mod chat;
@@ -15,6 +16,7 @@ pub mod protocol;
 pub mod response;
 pub mod response_store;
 pub mod responses;
+pub mod routes;
 pub mod sleep;
 
 use crate::config::SimConfig;
@@ -23,9 +25,6 @@ use crate::faults::Faults;
 use crate::lora::LoraRequest;
 use crate::metrics::CacheInfo;
 use crate::tokenizer::ModelTokenizer;
-use axum::Router;
-use axum::extract::DefaultBodyLimit;
-use axum::routing::{get, post};
 use error::ApiError;
 use kvgate_tokenize::dialect::{DialectError, messages::MessagesOptions};
 use serde_json::Value;
@@ -34,8 +33,6 @@ use std::sync::{Arc, OnceLock};
 
 /// Texts longer than this are tokenized on the blocking pool.
 const INLINE_TOKENIZE_BYTES: usize = 16 * 1024;
-/// vLLM (uvicorn) sets no body limit; this one only protects the simulator's memory.
-const MAX_BODY_BYTES: usize = 256 * 1024 * 1024;
 
 /// State shared by all handlers.
 pub struct AppState {
@@ -98,17 +95,6 @@ impl AppState {
         }
         ApiError::bad_request(e.message(), None)
     }
-
-    /// The `kv_transfer_params` of a unary response, as vLLM answers: a held prefill leg's
-    /// reply ([`crate::kv_connector::prefill_reply`]), else null (aggregated requests, decode
-    /// legs, a prefill leg that was not held, any request to a server without a connector).
-    pub async fn kv_transfer_reply(&self, hold: Option<generate::PendingHold>) -> Value {
-        let Some(h) = hold else { return Value::Null };
-        match h.rx.await {
-            Ok(r) => crate::kv_connector::prefill_reply(&self.cfg.kv_transfer, &h.request_id, self.listen, &r.kv, r.expiry_unix),
-            Err(_) => Value::Null,
-        }
-    }
 }
 
 /// Tokenizes `text`, off the async threads when it is long.
@@ -129,48 +115,4 @@ pub async fn render_dialect_chat(st: &AppState, chat: &Value) -> Result<Vec<u32>
     encode(&st.tokenizer, text, false).await
 }
 
-/// All routes: vLLM's, with `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` only where
-/// runtime LoRA updating is allowed and the development endpoints only in dev mode, as in vLLM;
-/// and the sim's KV side channel on a KV producer.
-pub fn router(state: Arc<AppState>) -> Router {
-    let mut r = Router::new();
-    if state.cfg.runtime_lora_updating {
-        r = r.route("/v1/load_lora_adapter", post(lora::load)).route("/v1/unload_lora_adapter", post(lora::unload));
-    }
-    if state.cfg.kv_transfer.is_producer() {
-        r = r.route(crate::kv_connector::PULL_PATH, post(kv_transfer::pull));
-    }
-    if state.cfg.dev_mode {
-        r = r
-            .route("/pause", post(control::pause))
-            .route("/resume", post(control::resume))
-            .route("/is_paused", get(control::is_paused))
-            .route("/sleep", post(control::sleep))
-            .route("/wake_up", post(control::wake_up))
-            .route("/is_sleeping", get(control::is_sleeping))
-            .route("/reset_prefix_cache", post(control::reset_prefix_cache))
-            .route("/reset_mm_cache", post(control::reset_other_cache))
-            .route("/reset_encoder_cache", post(control::reset_other_cache));
-    }
-    r.route("/v1/completions", post(completions::handle))
-        .route("/v1/chat/completions", post(chat::handle))
-        .route("/v1/messages", post(messages::create))
-        .route("/v1/messages/count_tokens", post(messages::count_tokens))
-        .route("/v1/responses", post(responses::create))
-        .route("/v1/responses/{id}", get(responses::retrieve))
-        .route("/v1/responses/{id}/cancel", post(responses::cancel))
-        .route("/v1/models", get(misc::models))
-        .route("/health", get(misc::health))
-        .route("/ping", get(misc::health).post(misc::health))
-        .route("/version", get(misc::version))
-        .route("/load", get(misc::load))
-        .route("/metrics", get(misc::metrics))
-        .route("/tokenize", post(misc::tokenize))
-        .route("/detokenize", post(misc::detokenize))
-        .route("/kv_event_sources", get(misc::kv_event_sources))
-        .route("/sim/faults", get(misc::get_faults).post(misc::set_faults))
-        .fallback(misc::not_found)
-        .method_not_allowed_fallback(misc::method_not_allowed)
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .with_state(state)
-}
+pub use routes::router;
