@@ -21,7 +21,9 @@ pub struct GatewayOpts {
     /// `health.interval_ms`.
     pub health_interval_ms: u64,
     /// `health.timeout_ms` and `health.unhealthy_threshold`: quick to judge by default (fault
-    /// tests kill workers); lenient for real vLLM ([`GatewayOpts::real_vllm`]).
+    /// tests kill workers, whose refused probes fail at once), yet two failed probes of a second,
+    /// so a loaded host that delays one round of probes marks no worker down; lenient for real
+    /// vLLM ([`GatewayOpts::real_vllm`]).
     pub health_timeout: (u64, u32),
     /// Extra YAML inside the model's `routing:` section (e.g. `temperature: 0.5`).
     pub routing_extra: String,
@@ -36,7 +38,7 @@ impl Default for GatewayOpts {
             mode: "round_robin".into(),
             extra: String::new(),
             health_interval_ms: 100,
-            health_timeout: (500, 1),
+            health_timeout: (1_000, 2),
             routing_extra: String::new(),
             model_extra: String::new(),
         }
