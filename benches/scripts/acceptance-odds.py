@@ -108,6 +108,40 @@ def paired(runs, router, peer):
     return out
 
 
+def fit_at_equal_lag(runs, lags, router, peer):
+    """Per figure over the runs holding both routers with lag recorded: the least-squares line of
+    the log of the peer's figure over the router's against the peer's lag less the router's, as
+    (the line at equal lag as a ratio less one, its standard error, the change per second of lag
+    as a ratio less one, the correlation, runs fitted); None under four runs or when the lag
+    differences do not differ."""
+    pairs = [
+        (lags[(p, peer)] - lags[(p, router)], run[router], run[peer])
+        for p, run in runs
+        if router in run and peer in run and (p, router) in lags and (p, peer) in lags
+    ]
+    out = []
+    for i in range(len(FIGURES)):
+        pts = [(d, math.log(q[i] / r[i])) for d, r, q in pairs if r[i] > 0 and q[i] > 0]
+        n = len(pts)
+        if n < 4:
+            out.append(None)
+            continue
+        mx = statistics.mean(x for x, _ in pts)
+        my = statistics.mean(y for _, y in pts)
+        sxx = sum((x - mx) ** 2 for x, _ in pts)
+        syy = sum((y - my) ** 2 for _, y in pts)
+        if sxx <= 0:
+            out.append(None)
+            continue
+        slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
+        at_zero = my - slope * mx
+        resid = sum((y - at_zero - slope * x) ** 2 for x, y in pts) / (n - 2)
+        se = math.sqrt(resid * (1.0 / n + mx * mx / sxx))
+        r = slope * math.sqrt(sxx / syy) if syy > 0 else 0.0
+        out.append((math.exp(at_zero) - 1.0, se, math.exp(slope) - 1.0, r, n))
+    return out
+
+
 def odds(draws, router, peers, tolerance, lead, trials, rng):
     """The share of simulated runs that pass every figure, and each figure's share, with the
     router's figures scaled by `1 - lead`."""
@@ -167,6 +201,15 @@ def main():
         text = ", ".join(
             f"{name} -" if c is None else f"{name} {100 * c[0]:+.1f}%" + ("" if c[1] is None else f" ±{100 * c[1]:.1f}") + f" ({c[2]}/{c[3]})"
             for name, c in zip(NAMES, paired(runs, a.router, q))
+        )
+        print(f"  {q:28s} {text}")
+
+    print(f"\nthe same at equal simulator lag (fitted against the peer's lag less {a.router}'s; ± the standard error at equal lag; change per second of lag; correlation; runs):")
+    for q in peers:
+        fits = fit_at_equal_lag(runs, lags, a.router, q)
+        text = ", ".join(
+            f"{name} -" if f is None else f"{name} {100 * f[0]:+.1f}% ±{100 * f[1]:.1f} ({100 * f[2]:+.2f}%/s, r={f[3]:.2f}, {f[4]})"
+            for name, f in zip(NAMES, fits)
         )
         print(f"  {q:28s} {text}")
 
