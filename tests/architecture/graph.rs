@@ -14,13 +14,14 @@ pub type Graph = BTreeMap<String, BTreeMap<String, String>>;
 /// The graph of `tree`.
 pub fn of(tree: &Tree) -> Graph {
     let uses: BTreeMap<&str, Uses> = tree.iter().map(|(path, m)| (path.as_str(), uses::of(m))).collect();
+    let scope = Scope { tree, uses: &uses };
     let mut graph = Graph::new();
     for (from, module_uses) in &uses {
         let edges = graph.entry((*from).to_owned()).or_default();
         for path in &module_uses.paths {
             // A module named alone is a local variable of the same name: no path names a
             // module but as the way to an item.
-            let Some(Target::Item(to)) = resolve(tree, &uses, from, path, 0) else { continue };
+            let Some(Target::Item(to)) = scope.path(from, path, 0) else { continue };
             if to != *from {
                 edges.entry(to).or_insert_with(|| path.join("::"));
             }
@@ -47,12 +48,8 @@ struct Scope<'a> {
     uses: &'a BTreeMap<&'a str, Uses>,
 }
 
-/// What `path`, written in module `from`, names.
-fn resolve(tree: &Tree, uses: &BTreeMap<&str, Uses>, from: &str, path: &[String], depth: usize) -> Option<Target> {
-    Scope { tree, uses }.path(from, path, depth)
-}
-
 impl Scope<'_> {
+    /// What `path`, written in module `from`, names.
     fn path(&self, from: &str, path: &[String], depth: usize) -> Option<Target> {
         let (first, rest) = path.split_first()?;
         match first.as_str() {
