@@ -160,10 +160,7 @@ impl KvRouting {
             sources,
             policy: KvPolicy::new(KvParams {
                 cost: r.cost,
-                priors: TimePriors {
-                    chunk_tokens: m.shedding.max_num_batched_tokens.map_or(TimePriors::default().chunk_tokens, |n| n as f64),
-                    ..TimePriors::default()
-                },
+                priors: TimePriors { chunk_tokens: m.shedding.prefill_budget() as f64, ..TimePriors::default() },
                 pricing: Pricing {
                     credit_booked: r.credit_in_flight_prefix,
                     slowdown: r.price_slowdown,

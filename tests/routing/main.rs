@@ -452,6 +452,49 @@ async fn the_queue_holds_a_burst_serves_priority_first_and_refuses_when_full() {
 }
 
 #[tokio::test]
+async fn kv_mode_holds_newcomers_by_default_while_every_worker_is_mid_prefill() {
+    // One slow worker whose prefill budget is 256 tokens: a 400-token prompt books more than the
+    // default threshold's one and a quarter steps until its first token.
+    let slow = SimConfig { time_scale: 0.01, ..test_sim_config() };
+    let cluster = |routing_extra: &str| {
+        let opts = GatewayOpts {
+            mode: "kv".into(),
+            routing_extra: routing_extra.into(),
+            model_extra: "shedding:\n  max_num_batched_tokens: 256".into(),
+            ..Default::default()
+        };
+        kv_cluster_on_n(1, slow.clone(), opts)
+    };
+    let long: Vec<u32> = (0..400u32).map(|t| t * 17 % 3000 + 1000).collect();
+    for (routing_extra, held) in [("", true), ("queue_threshold: 0", false)] {
+        let c = cluster(routing_extra).await;
+        let send = |prompt: Vec<u32>| {
+            let (http, url) = (c.http.clone(), c.url("/v1/completions"));
+            tokio::spawn(async move { http.post(url).json(&json!({"prompt": prompt, "max_tokens": 1})).send().await.unwrap().status().as_u16() })
+        };
+        let metric = |name: &'static str| {
+            let c = &c;
+            async move { c.gateway_metrics().await.sum(name, &[]) }
+        };
+        let first = send(long.clone());
+        assert!(wait_until(Duration::from_secs(5), || async { metric("kvgate_worker_requests_in_flight").await >= 1.0 }).await.is_some(), "the first runs");
+        let second = send(vec![7, 8, 9]);
+        if held {
+            let seen = wait_until(Duration::from_secs(5), || async { metric("kvgate_queued_requests").await >= 1.0 }).await;
+            assert!(seen.is_some(), "the newcomer waits in the gateway while the only worker is mid-prefill");
+        } else {
+            let both = wait_until(Duration::from_secs(5), || async { metric("kvgate_worker_requests_in_flight").await >= 2.0 }).await;
+            assert!(both.is_some(), "with the queue off the newcomer goes to the worker at once");
+            assert_eq!(metric("kvgate_queued_requests").await, 0.0);
+        }
+        assert_eq!(first.await.unwrap(), 200);
+        assert_eq!(second.await.unwrap(), 200, "a held request is served once the prefill ahead ends");
+        let waited = metric("kvgate_queue_wait_seconds_count").await;
+        assert_eq!(waited > 0.0, held, "queue waits recorded: {waited}");
+    }
+}
+
+#[tokio::test]
 async fn chat_turns_follow_their_cached_history_with_the_gateways_tokenizer() {
     // The gateway tokenizes chat like the workers (same tokenizer and template); its hashes must
     // meet the blocks the workers report, so every turn returns to the worker holding the history.

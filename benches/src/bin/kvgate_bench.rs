@@ -1362,8 +1362,9 @@ async fn replicas_cmd(workers: usize, n: usize, cases: &[String], (sim_bin, kvga
 /// kvgate's own counts after a run: its requests by endpoint and status, the Messages and
 /// Responses prompts it could not render and routed by load alone
 /// (`kvgate_render_fallback_total`), how the requests spread over the workers
-/// (`kvgate_routing_decisions_total`), and how many prompt blocks the chosen worker held
-/// (`kvgate_routing_overlap_blocks`, kv mode).
+/// (`kvgate_routing_decisions_total`), how many prompt blocks the chosen worker held
+/// (`kvgate_routing_overlap_blocks`, kv mode), and how many requests the router queue held and
+/// how long (`kvgate_queue_wait_seconds`).
 async fn gateway_counts(admin: &str, model: &str) -> Option<String> {
     let text = reqwest::get(format!("{admin}/metrics")).await.ok()?.text().await.ok()?;
     let m = kvgate_tests::prom::Metrics::parse(&text);
@@ -1393,6 +1394,13 @@ async fn gateway_counts(admin: &str, model: &str) -> Option<String> {
     } else {
         String::new()
     };
+    let name = "kvgate_queue_wait_seconds";
+    let held = m.sum(&format!("{name}_count"), &[("model", model)]);
+    let queue = if held > 0.0 {
+        format!("; held in the router queue ({name}): {held} requests, mean wait {:.1} ms", m.sum(&format!("{name}_sum"), &[("model", model)]) / held * 1000.0)
+    } else {
+        format!("; held in the router queue ({name}): none")
+    };
     per_worker.sort_by(|a, b| b.total_cmp(a));
     let spread = if per_worker.is_empty() {
         String::new()
@@ -1401,7 +1409,7 @@ async fn gateway_counts(admin: &str, model: &str) -> Option<String> {
         format!("; requests per worker, most first (kvgate_routing_decisions_total): {}", counts.join(" / "))
     };
     Some(format!(
-        "requests by endpoint and status (kvgate_requests_total): {}; render fallbacks (kvgate_render_fallback_total): {}{spread}{overlap}",
+        "requests by endpoint and status (kvgate_requests_total): {}; render fallbacks (kvgate_render_fallback_total): {}{spread}{overlap}{queue}",
         list(&requests),
         list(&fallbacks)
     ))

@@ -120,6 +120,10 @@ pub fn busy_period(rho: f64) -> f64 {
     1.0 / (1.0 - rho.clamp(0.0, MAX_RHO))
 }
 
+/// vLLM's default `max_num_batched_tokens` for its OpenAI server on a data-centre GPU: the
+/// prefill budget of one engine step where the operator has not said the workers' own.
+pub const DEFAULT_CHUNK_TOKENS: u64 = 8192;
+
 /// The model's prior constants, in milliseconds.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TimePriors {
@@ -145,7 +149,7 @@ impl Default for TimePriors {
             step_overhead_ms: 6.0,
             step_ms_per_seq: 0.03,
             step_ms_per_ctx_token: 4.0e-5,
-            chunk_tokens: 8192.0,
+            chunk_tokens: DEFAULT_CHUNK_TOKENS as f64,
         }
     }
 }

@@ -359,19 +359,17 @@ fn routing(cfg: &Config, m: &ModelConfig) -> Result<(), Invalid> {
             at("kv_events".into(), 1),
         ));
     }
-    if let Some(q) = r.queue_threshold {
-        if !(q.is_finite() && q > 0.0) || r.queue_max_len == 0 || r.queue_max_wait_ms == 0 {
-            return Err((
-                format!("model {:?}: routing.queue_threshold must be > 0 and queue_max_len, queue_max_wait_ms at least 1", m.name),
-                at("queue_threshold".into(), 1),
-            ));
-        }
-        if m.shedding.max_num_batched_tokens.is_none() {
-            return Err((
-                format!("model {:?}: routing.queue_threshold needs shedding.max_num_batched_tokens (the workers' prefill budget)", m.name),
-                at("queue_threshold".into(), 1),
-            ));
-        }
+    if r.queue_threshold.is_some_and(|q| !(q.is_finite() && q >= 0.0)) {
+        return Err((format!("model {:?}: routing.queue_threshold must be 0 (no queue) or more", m.name), at("queue_threshold".into(), 1)));
+    }
+    if r.router_queue_threshold().is_some() && (r.queue_max_len == 0 || r.queue_max_wait_ms == 0) {
+        return Err((
+            format!(
+                "model {:?}: routing.queue_max_len and queue_max_wait_ms must be at least 1 while the router queue is on (queue_threshold: 0 turns it off)",
+                m.name
+            ),
+            at(if r.queue_max_len == 0 { "queue_max_len" } else { "queue_max_wait_ms" }.into(), 1),
+        ));
     }
     Ok(())
 }

@@ -263,6 +263,13 @@ impl Default for LoadPolling {
     }
 }
 
+/// The router queue's threshold in kv mode when none is configured. A worker with more than
+/// one engine step of prefill booked and not yet answering has a prompt in its prefill now, and
+/// a newcomer sent there either fills that prompt's last step or waits behind it; holding the
+/// newcomer while every worker is so, and sending it where a prefill ends first, keeps the
+/// long prompts' first tokens off that extra step at little cost to the decodes.
+pub const DEFAULT_KV_QUEUE_THRESHOLD: f64 = 1.25;
+
 /// Load shedding of a model (Dynamo's request rejection): thresholds, and the workers' prefill
 /// budget for the fractional threshold.
 #[derive(Debug, Clone, PartialEq, Deserialize, Default)]
@@ -274,6 +281,14 @@ pub struct Shedding {
     /// The workers' `--max-num-batched-tokens`, for `active_prefill_tokens_threshold_frac`
     /// (vLLM does not publish it).
     pub max_num_batched_tokens: Option<u64>,
+}
+
+impl Shedding {
+    /// The workers' prefill tokens per engine step: `max_num_batched_tokens`, else vLLM's
+    /// default ([`kvgate_filters::route::time::DEFAULT_CHUNK_TOKENS`]).
+    pub fn prefill_budget(&self) -> u64 {
+        self.max_num_batched_tokens.unwrap_or(kvgate_filters::route::time::DEFAULT_CHUNK_TOKENS)
+    }
 }
 
 /// The Responses API: a stored response lives on the worker that made it.
@@ -406,7 +421,8 @@ pub struct Routing {
     /// prefix; matching beyond it rarely changes the choice).
     pub max_prefix_blocks: usize,
     /// Hold requests while every worker's booked prefill exceeds this fraction of its
-    /// `max_num_batched_tokens` (needs `shedding.max_num_batched_tokens`); unset = no queue.
+    /// prefill budget ([`Shedding::prefill_budget`]); 0 = no queue; unset = the mode's default
+    /// ([`Routing::router_queue_threshold`]).
     #[serde(alias = "router_queue_threshold")]
     pub queue_threshold: Option<f64>,
     /// Most requests held; beyond it new ones get 429.
@@ -422,6 +438,16 @@ impl Routing {
     /// The built-in mode behind this section: `mode`, or `fallback` when a plugin decides.
     pub fn builtin(&self) -> Mode {
         if self.mode == Mode::Plugin { self.fallback } else { self.mode }
+    }
+
+    /// The router queue's threshold in effect: the configured one (none at 0), else
+    /// [`DEFAULT_KV_QUEUE_THRESHOLD`] in kv mode and none in the others, which place requests
+    /// without reading load and so could not send a released request where room freed.
+    pub fn router_queue_threshold(&self) -> Option<f64> {
+        match self.queue_threshold {
+            Some(q) => (q > 0.0).then_some(q),
+            None => (self.mode == Mode::Kv).then_some(DEFAULT_KV_QUEUE_THRESHOLD),
+        }
     }
 
     /// kv: whether the cost reads the workers' KV caches (the `blocks` cost at weight 0 does

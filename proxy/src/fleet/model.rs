@@ -28,7 +28,7 @@ pub struct Model {
     pub plugin: Option<Arc<kvgate_plugins::PluginSlot>>,
     /// KV routing state, when `routing.mode` (or a plugin's fallback) is `kv`.
     pub kv: Option<Arc<KvRouting>>,
-    /// The router queue, when `routing.queue_threshold` is set.
+    /// The router queue, when the model has one ([`crate::config::Routing::router_queue_threshold`]).
     pub queue: Option<Arc<kvgate_filters::route::RouterQueue>>,
     /// What requests in flight have booked on each worker (every routing mode, shedding and
     /// the queue read it).
@@ -58,17 +58,17 @@ impl Model {
         Ledger::over(workers.iter().map(|w| w.booked.clone()).collect(), tracking)
     }
 
-    /// Whether worker `i` is past the queue threshold: its booked prefill over
-    /// `queue_threshold × max_num_batched_tokens`, or its KV cache fully booked (the blocks its
+    /// Whether worker `i` is past the queue threshold: its booked prefill over the threshold
+    /// ([`crate::config::Routing::router_queue_threshold`]) times its prefill budget, or its KV cache fully booked (the blocks its
     /// requests hold and are expected to fill, against the blocks it reports). A request sent to
     /// a full worker would wait inside it, behind whoever came first; held in the router queue,
     /// it goes to the first worker with room, in the queue's order (bands, tenants' fair shares,
     /// priority).
     pub fn queue_busy(&self, i: usize) -> bool {
-        match (self.cfg.routing.queue_threshold, self.cfg.shedding.max_num_batched_tokens) {
-            (Some(q), Some(budget)) => self.ledger.prefill_tokens(i as u16) as f64 > q * budget as f64 || self.kv_fully_booked(i),
-            _ => false,
-        }
+        self.cfg
+            .routing
+            .router_queue_threshold()
+            .is_some_and(|q| self.ledger.prefill_tokens(i as u16) as f64 > q * self.cfg.shedding.prefill_budget() as f64 || self.kv_fully_booked(i))
     }
 
     /// Whether worker `i`'s reported KV blocks are all booked (never, before it reported them).
@@ -114,8 +114,18 @@ impl Model {
     /// disaggregates, else all) and are not past the queue threshold: the router queue holds
     /// requests back from the prefill they would add.
     pub fn queue_free_workers(&self) -> usize {
+        self.queue_free().count()
+    }
+
+    /// Whether some worker has room ([`Model::queue_free_workers`] above zero), looking no
+    /// further than the first: every request in kv mode asks.
+    pub fn queue_has_room(&self) -> bool {
+        self.queue_free().next().is_some()
+    }
+
+    fn queue_free(&self) -> impl Iterator<Item = usize> + '_ {
         let split = self.disaggregates();
-        (0..self.workers.len()).filter(|&i| (self.role(i) == Role::Prefill) == split && self.workers[i].is_healthy() && !self.queue_busy(i)).count()
+        (0..self.workers.len()).filter(move |&i| (self.role(i) == Role::Prefill) == split && self.workers[i].is_healthy() && !self.queue_busy(i))
     }
 
     /// Whether worker `i` is over a busy threshold. Per DP rank: the worker's reported KV usage

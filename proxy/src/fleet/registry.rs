@@ -87,9 +87,9 @@ impl WorkerRegistry {
                 .and_then(|o| o.queue.clone())
                 // A tenant back from idle may go ahead of a backlog by one engine step's tokens.
                 .or_else(|| {
-                    m.routing.queue_threshold.map(|_| {
-                        Arc::new(kvgate_filters::route::RouterQueue::new(m.routing.queue_max_len, m.shedding.max_num_batched_tokens.unwrap_or(0) as f64))
-                    })
+                    m.routing
+                        .router_queue_threshold()
+                        .map(|_| Arc::new(kvgate_filters::route::RouterQueue::new(m.routing.queue_max_len, m.shedding.prefill_budget() as f64)))
                 });
             let policy: Arc<dyn Policy> = Arc::from(m.routing.builtin().policy());
             let ledger = Model::new_ledger(m, &workers);

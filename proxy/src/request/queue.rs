@@ -22,7 +22,7 @@ pub async fn wait(gw: &Arc<Gateway>, session: &mut ClientConn, req: &RequestStat
     wait_resumed(gw, session, req).await?;
     let model = &req.model;
     let Some(queue) = model.queue.as_ref() else { return Ok(()) };
-    if !req.endpoint.infers() || (model.queue_free_workers() > 0 && queue.is_empty()) {
+    if !req.endpoint.infers() || (queue.is_empty() && model.queue_has_room()) {
         return Ok(());
     }
     let name = req.model_name();

@@ -48,6 +48,27 @@ fn dynamo_routing_flags_map_or_say_why_not() {
 }
 
 #[test]
+fn the_router_queue_is_on_in_kv_mode_by_default_and_off_at_zero() {
+    let with = |routing: &str| GOOD.replace("    workers:\n", &format!("    routing:\n{routing}    workers:\n"));
+    let threshold = |text: &str| load(text).unwrap().models[0].routing.router_queue_threshold();
+    assert_eq!(threshold(&with("      mode: kv\n      kv_events: false\n")), Some(crate::config::DEFAULT_KV_QUEUE_THRESHOLD));
+    assert_eq!(threshold(GOOD), None, "round robin places without reading load: no queue");
+    assert_eq!(threshold(&with("      mode: kv\n      kv_events: false\n      queue_threshold: 0\n")), None, "0 turns it off");
+    assert_eq!(threshold(&with("      queue_threshold: 1.5\n")), Some(1.5), "any mode, when set");
+    let c = load(&with("      mode: kv\n      kv_events: false\n")).unwrap();
+    assert_eq!(c.models[0].shedding.prefill_budget(), 8192, "vLLM's default budget when the operator gives none");
+    for bad in ["      queue_threshold: -1\n", "      queue_threshold: .nan\n"] {
+        let e = load(&with(bad)).unwrap_err();
+        assert!(e.message.contains("routing.queue_threshold must be 0 (no queue) or more"), "{bad}: {e}");
+        assert_eq!(e.line, Some(6), "{e}");
+    }
+    let e = load(&with("      mode: kv\n      kv_events: false\n      queue_max_len: 0\n")).unwrap_err();
+    assert!(e.message.contains("queue_max_len and queue_max_wait_ms must be at least 1"), "{e}");
+    assert_eq!(e.line, Some(8), "{e}");
+    assert!(load(&with("      mode: kv\n      kv_events: false\n      queue_threshold: 0\n      queue_max_len: 0\n")).is_ok(), "no queue, no bound to check");
+}
+
+#[test]
 fn the_tie_band_must_be_a_number_of_zero_or_more() {
     let with = |routing: &str| GOOD.replace("    workers:\n", &format!("    routing:\n{routing}    workers:\n"));
     assert!((load(GOOD).unwrap().models[0].routing.tie_steps - 0.2).abs() < f64::EPSILON, "a fifth of a step by default");
