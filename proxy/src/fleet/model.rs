@@ -110,22 +110,33 @@ impl Model {
         self.cfg.workers.iter().any(|w| w.role == Role::Prefill)
     }
 
-    /// Healthy workers that carry the model's prefill (its prefill workers when it
-    /// disaggregates, else all) and are not past the queue threshold: the router queue holds
-    /// requests back from the prefill they would add.
-    pub fn queue_free_workers(&self) -> usize {
-        self.queue_free().count()
+    /// How many requests the router queue may release now: one per healthy worker that would
+    /// carry a request's prefill ([`Model::prefill_carriers`]) and is not past the queue
+    /// threshold; every waiter when no such worker is healthy, since waiting cannot help them
+    /// and placement answers them (a fallback, or the error of a fleet that is down).
+    pub fn queue_releases(&self) -> usize {
+        let mut carriers = self.prefill_carriers().peekable();
+        if carriers.peek().is_none() {
+            return usize::MAX;
+        }
+        carriers.filter(|&i| !self.queue_busy(i)).count()
     }
 
-    /// Whether some worker has room ([`Model::queue_free_workers`] above zero), looking no
-    /// further than the first: every request in kv mode asks.
+    /// Whether a request may pass the router queue: some worker that would carry its prefill
+    /// has room, or none is healthy ([`Model::queue_releases`]). Looks no further than the
+    /// first with room: every request of a model with a queue asks.
     pub fn queue_has_room(&self) -> bool {
-        self.queue_free().next().is_some()
+        let mut carriers = self.prefill_carriers().peekable();
+        carriers.peek().is_none() || carriers.any(|i| !self.queue_busy(i))
     }
 
-    fn queue_free(&self) -> impl Iterator<Item = usize> + '_ {
-        let split = self.disaggregates();
-        (0..self.workers.len()).filter(move |&i| (self.role(i) == Role::Prefill) == split && self.workers[i].is_healthy() && !self.queue_busy(i))
+    /// The healthy workers a request's prefill would run on: the prefill workers when the model
+    /// disaggregates and one of them is up, else the workers that answer (a request runs
+    /// aggregated on a decode worker while no prefill worker is up).
+    fn prefill_carriers(&self) -> impl Iterator<Item = usize> + '_ {
+        let healthy = |i: usize| self.workers[i].is_healthy();
+        let split = self.disaggregates() && (0..self.workers.len()).any(|i| self.role(i) == Role::Prefill && healthy(i));
+        (0..self.workers.len()).filter(move |&i| (self.role(i) == Role::Prefill) == split && healthy(i))
     }
 
     /// Whether worker `i` is over a busy threshold. Per DP rank: the worker's reported KV usage

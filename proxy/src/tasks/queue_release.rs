@@ -1,5 +1,6 @@
 //! Releases router-queue waiters as capacity frees: every few milliseconds, one per worker that
-//! is under the queue threshold (each released request books its prefill before the next tick).
+//! is under the queue threshold (each released request books its prefill before the next tick),
+//! and all of them when no worker that could take them is healthy (placement answers them).
 
 use crate::gateway::Gateway;
 use std::sync::Arc;
@@ -19,7 +20,7 @@ pub async fn run(gw: Arc<Gateway>) {
         for m in fleet.models.values() {
             let Some(q) = &m.queue else { continue };
             queues = true;
-            for _ in 0..m.queue_free_workers() {
+            for _ in 0..m.queue_releases() {
                 if !q.release() {
                     break;
                 }
