@@ -59,8 +59,9 @@ impl Model {
     }
 
     /// Whether worker `i` is past the queue threshold: its booked prefill over the threshold
-    /// ([`crate::config::Routing::router_queue_threshold`]) times its prefill budget, or its KV cache fully booked (the blocks its
-    /// requests hold and are expected to fill, against the blocks it reports). A request sent to
+    /// ([`crate::config::Routing::router_queue_threshold`]) times its prefill budget, or its KV
+    /// cache fully booked (the blocks its requests hold and are expected to fill, against the
+    /// blocks it reports). A request sent to
     /// a full worker would wait inside it, behind whoever came first; held in the router queue,
     /// it goes to the first worker with room, in the queue's order (bands, tenants' fair shares,
     /// priority).
